@@ -1,0 +1,153 @@
+"""Contracts, model specs and the package layout (foundation issue)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from xprofiler.specs import ModelSpec, get_model_spec, model_names
+from xsched.errors import UserError
+from xsimulator.policy import Policy
+
+GB = 10**9
+
+
+def test_opt175b_sizes_match_flexgen_section3():
+    spec = get_model_spec("opt-175b")
+    # FlexGen §3: 325 GB of fp16 weights (their "GB" is GiB: l(8h^2+4h*h2) = 324 GiB).
+    assert spec.weight_bytes / 2**30 == pytest.approx(325, rel=0.02)
+    # KV cache for b=512, s=512, n=32: 1.2 TB (TiB), 3.8x the weights.
+    kv = spec.kv_cache_bytes(batch=512, tokens=512 + 32)
+    assert kv / 2**40 == pytest.approx(1.2, rel=0.03)
+    assert kv / spec.weight_bytes == pytest.approx(3.8, rel=0.05)
+
+
+def test_flexgen_approximation_and_exact_count_agree():
+    spec = get_model_spec("opt-30b")
+    h1, h2 = spec.hidden, spec.ffn
+    flexgen = 8 * h1**2 + 4 * h1 * h2  # bytes per layer in fp16, no biases
+    assert spec.weight_bytes_per_layer == pytest.approx(flexgen, rel=0.001)
+    assert spec.kv_bytes_per_token_per_layer == 4 * h1
+    assert spec.act_bytes_per_token == 2 * h1
+
+
+@pytest.mark.parametrize("name,params_b", [
+    ("opt-125m", 0.125), ("opt-1.3b", 1.3), ("opt-6.7b", 6.7), ("opt-13b", 13), ("opt-30b", 30),
+    ("opt-66b", 66), ("opt-175b", 175), ("llama-2-7b", 6.74), ("llama-2-13b", 13.0),
+    ("llama-2-70b", 69.0), ("llama-3-8b", 8.03), ("smollm2-135m", 0.135),
+])
+def test_registry_parameter_counts(name, params_b):
+    assert get_model_spec(name).num_params / 1e9 == pytest.approx(params_b, rel=0.04)
+
+
+def test_gqa_shrinks_kv_cache():
+    llama70 = get_model_spec("llama-2-70b")
+    assert llama70.kv_bytes_per_token_per_layer == 2 * 8 * 128 * 2
+    smol = get_model_spec("smollm2-135m")
+    assert smol.kv_dim == 3 * 64
+
+
+def test_flops_formulas():
+    spec = get_model_spec("opt-6.7b")
+    lin = 2 * spec.matmul_params_per_layer
+    assert spec.decode_flops_per_layer(8, 100) == 8 * (lin + 4 * spec.hidden * 100)
+    assert spec.prefill_flops_per_layer(2, 64) == 2 * 64 * (lin + 4 * spec.hidden * 64)
+    assert spec.decode_flops_per_layer(4, 200) > spec.decode_flops_per_layer(4, 100)
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_model_spec_json_round_trip(name):
+    spec = get_model_spec(name)
+    again = ModelSpec.from_json(spec.to_json())
+    assert again == spec
+    assert json.loads(spec.to_json())["schema"] == ModelSpec.SCHEMA
+
+
+def test_from_hf_config_llama_and_opt(tmp_path):
+    llama = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+             "num_key_value_heads": 3, "num_hidden_layers": 30, "vocab_size": 49152,
+             "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+             "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    spec = ModelSpec.from_hf_config(tmp_path, name="smol")
+    ref = get_model_spec("smollm2-135m")
+    assert spec.num_params == ref.num_params
+    assert (spec.num_kv_heads, spec.rope_theta, spec.dtype) == (3, 100000.0, "bfloat16")
+    opt = {"model_type": "opt", "hidden_size": 768, "ffn_dim": 3072, "num_attention_heads": 12,
+           "num_hidden_layers": 12, "vocab_size": 50272, "max_position_embeddings": 2048,
+           "do_layer_norm_before": True, "word_embed_proj_dim": 768, "torch_dtype": "float16"}
+    (tmp_path / "config.json").write_text(json.dumps(opt))
+    assert ModelSpec.from_hf_config(tmp_path).num_params == get_model_spec("opt-125m").num_params
+
+
+def test_bad_configs_give_user_errors(tmp_path):
+    with pytest.raises(UserError, match="missing config.json"):
+        ModelSpec.from_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(UserError, match="not supported"):
+        ModelSpec.from_hf_config(tmp_path)
+    with pytest.raises(UserError, match="known models: opt-125m"):
+        get_model_spec("gpt-5")
+
+
+def test_contract_rejects_malformed_json():
+    with pytest.raises(UserError, match="not valid JSON"):
+        ModelSpec.from_json("{")
+    data = get_model_spec("opt-125m").to_dict()
+    data["num_layers"] = "twelve"
+    with pytest.raises(UserError, match="num_layers"):
+        ModelSpec.from_dict(data)
+    data = get_model_spec("opt-125m").to_dict()
+    data["schema"] = "xsched.ModelSpec/999"
+    with pytest.raises(UserError, match="schema"):
+        ModelSpec.from_dict(data)
+
+
+def test_policy_validates_fractions():
+    p = Policy(gbs=8, nb=2, wg=0.25, wc=0.75, wd=0.0, cg=0, cc=1, cd=0, hg=1, hc=0, hd=0)
+    assert Policy.from_json(p.to_json()) == p
+    assert p.block_size == 16
+    with pytest.raises(ValueError, match="sum to"):
+        Policy(gbs=8, nb=1, wg=0.5, wc=0.0, wd=0.0)
+    with pytest.raises(ValueError, match="not percents"):
+        Policy(gbs=8, nb=1, wg=50, wc=50, wd=0)
+    bad = p.to_dict()
+    bad["wc"] = 0.9
+    with pytest.raises(UserError, match="sum to"):
+        Policy.from_dict(bad)
+
+
+def test_light_stages_import_without_torch():
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import workloads, xsimulator, xscheduler, xprofiler.specs, xprofiler.profile\n"
+        "for pkg in (workloads, xsimulator, xscheduler):\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        importlib.import_module(m.name)\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "assert not bad, bad[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_models_and_errors():
+    out = subprocess.run([sys.executable, "-m", "xsched", "models"], capture_output=True, text=True, check=True)
+    assert "opt-175b" in out.stdout and "smollm2-135m" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "xsched", "nonsense"], capture_output=True, text=True)
+    assert bad.returncode == 2
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    blocks = readme.split("```bash\n")[1:]
+    commands = [b.split("\n```")[0].strip() for b in blocks]
+    test_cmds = [c for c in commands if "pytest" in c]
+    assert len(test_cmds) == 1, test_cmds
+    ci_lines = (root / ".ci" / "run").read_text().splitlines()
+    assert test_cmds[0] in ci_lines

@@ -1,0 +1,161 @@
+"""HardwareProfile: what one machine can do, measured once (or taken from a preset).
+
+The simulator and scheduler read only this file, never the hardware. Units are SI in every
+name: ``_bytes``, ``_bytes_per_s``, ``_flops`` (FLOP/s), ``_s``. On a host with no GPU the
+compute device is the CPU and the ``gpu`` tier is a declared RAM budget; its "bandwidths"
+are then real memcpy rates inside RAM.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from xsched.contract import Contract
+
+Channel = Literal["ctog", "gtoc", "dtoc", "ctod"]
+CHANNELS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod")
+TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Identifies a machine well enough to warn when a profile is used elsewhere."""
+
+    cpu_model: str
+    cpu_cores: int
+    ram_bytes: int
+    gpu_name: str | None
+    gpu_mem_bytes: int
+    torch_version: str
+    offload_fs: str
+
+    def differences(self, other: "Fingerprint") -> list[str]:
+        """Human-readable list of fields that differ (RAM within 5% counts as equal)."""
+        out = []
+        for key in ("cpu_model", "cpu_cores", "gpu_name", "torch_version", "offload_fs"):
+            a, b = getattr(self, key), getattr(other, key)
+            if a != b:
+                out.append(f"{key}: profile {a!r}, this machine {b!r}")
+        for key in ("ram_bytes", "gpu_mem_bytes"):
+            a, b = getattr(self, key), getattr(other, key)
+            if abs(a - b) > 0.05 * max(a, b, 1):
+                out.append(f"{key}: profile {a / 2**30:.1f} GiB, this machine {b / 2**30:.1f} GiB")
+        return out
+
+
+@dataclass(frozen=True)
+class BandwidthCurve:
+    """Copy bandwidth as a function of transfer size, plus its large-transfer value.
+
+    ``time_s(n)`` interpolates bandwidth linearly in log(size) between measured points; below
+    the smallest point it keeps the smallest point's bandwidth, above the largest it uses
+    ``large_bytes_per_s``.
+    """
+
+    sizes_bytes: tuple[int, ...]
+    bytes_per_s: tuple[float, ...]
+    large_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if len(self.sizes_bytes) != len(self.bytes_per_s):
+            raise ValueError("sizes_bytes and bytes_per_s differ in length")
+        if list(self.sizes_bytes) != sorted(self.sizes_bytes):
+            raise ValueError("sizes_bytes must be increasing")
+        if self.large_bytes_per_s <= 0 or any(b <= 0 for b in self.bytes_per_s):
+            raise ValueError("bandwidths must be positive")
+
+    @classmethod
+    def flat(cls, bytes_per_s: float) -> "BandwidthCurve":
+        return cls(sizes_bytes=(), bytes_per_s=(), large_bytes_per_s=float(bytes_per_s))
+
+    def at(self, size_bytes: float) -> float:
+        sizes = self.sizes_bytes
+        if not sizes or size_bytes >= sizes[-1]:
+            return self.large_bytes_per_s
+        if size_bytes <= sizes[0]:
+            return self.bytes_per_s[0]
+        i = bisect.bisect_right(sizes, size_bytes)
+        x0, x1 = math.log(sizes[i - 1]), math.log(sizes[i])
+        t = (math.log(size_bytes) - x0) / (x1 - x0)
+        return self.bytes_per_s[i - 1] + t * (self.bytes_per_s[i] - self.bytes_per_s[i - 1])
+
+    def time_s(self, nbytes: float) -> float:
+        return 0.0 if nbytes <= 0 else nbytes / self.at(nbytes)
+
+
+@dataclass(frozen=True)
+class LayerFit:
+    """Fitted time of one decoder layer for one model and phase, from a measured sweep.
+
+    ``predict_s`` is ``sum(coef[i] * feature_i(batch, length))`` over the named features
+    (see ``xprofiler.fit.FEATURES``); it is inspectable and extrapolates linearly in FLOPs and
+    bytes. ``samples_csv`` names the raw measurements stored beside the profile JSON.
+    """
+
+    model: str
+    phase: Literal["prefill", "decode"]
+    dtype: str
+    features: tuple[str, ...]
+    coef: tuple[float, ...]
+    n_samples: int
+    median_rel_error: float
+    max_rel_error: float
+    samples_csv: str = ""
+
+
+@dataclass(frozen=True)
+class HardwareProfile(Contract):
+    """Capacities, bandwidths, flop rates and per-layer fits of one machine."""
+
+    SCHEMA: ClassVar[str] = "xsched.HardwareProfile/1"
+
+    name: str
+    source: Literal["measured", "preset"]
+    fingerprint: Fingerprint
+    compute_device: Literal["cuda", "cpu"]
+    gpu_bytes: int
+    cpu_bytes: int
+    disk_bytes: int
+    ctog: BandwidthCurve
+    gtoc: BandwidthCurve
+    dtoc: BandwidthCurve
+    ctod: BandwidthCurve
+    mm_flops: float
+    bmm_flops: float
+    cpu_mm_flops: float
+    cpu_bmm_flops: float
+    quant_bytes_per_s: float
+    dequant_bytes_per_s: float
+    layer_fits: tuple[LayerFit, ...] = ()
+    # Multiplicative time factors fitted from real runs (xsched calibrate); 1.0 = as measured.
+    calibration: dict[str, float] = field(default_factory=dict)
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("gpu_bytes", "cpu_bytes", "disk_bytes"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be >= 0")
+        for key in ("mm_flops", "bmm_flops", "cpu_mm_flops", "cpu_bmm_flops", "quant_bytes_per_s",
+                    "dequant_bytes_per_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be > 0")
+
+    def capacity_bytes(self, tier: str) -> int:
+        return {"gpu": self.gpu_bytes, "cpu": self.cpu_bytes, "disk": self.disk_bytes}[tier]
+
+    def bandwidth(self, channel: str) -> BandwidthCurve:
+        if channel not in CHANNELS:
+            raise KeyError(channel)
+        return getattr(self, channel)
+
+    def layer_fit(self, model: str, phase: str, dtype: str | None = None) -> LayerFit | None:
+        for fit in self.layer_fits:
+            if fit.model == model and fit.phase == phase and (dtype is None or fit.dtype == dtype):
+                return fit
+        return None
+
+    def calibration_factor(self, term: str) -> float:
+        return float(self.calibration.get(term, 1.0))

@@ -1,0 +1,319 @@
+"""ModelSpec: the shape of a decoder-only transformer, and the sizes and FLOPs derived from it.
+
+Every stage sizes things from this one description: the profiler times layers of this shape,
+the simulator and scheduler turn it into bytes and seconds, the runner builds the model from
+it. Byte and FLOP formulas follow FlexGen §3 (weights ``l(8h^2 + 4h*h2)`` bytes in fp16, KV
+cache ``4*b*l*h*(s+n)`` bytes) generalised to grouped-query attention, gated MLPs and biases;
+they count every parameter exactly instead of FlexGen's approximation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from xsched.contract import Contract
+from xsched.errors import UserError
+
+Family = Literal["opt", "llama"]
+DType = Literal["float16", "bfloat16", "float32"]
+
+DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class ModelSpec(Contract):
+    """Architecture of an OPT- or Llama-family model (frozen, JSON round-trip)."""
+
+    SCHEMA: ClassVar[str] = "xsched.ModelSpec/1"
+
+    name: str
+    family: Family
+    num_layers: int
+    hidden: int
+    ffn: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    norm: Literal["layernorm", "rmsnorm"]
+    activation: Literal["relu", "silu"]
+    position: Literal["learned", "rotary"]
+    tied_embeddings: bool
+    dtype: DType = "float16"
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    bias: bool = False  # biases on the q/k/v/o and MLP projections (OPT)
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "hidden", "ffn", "num_heads", "num_kv_heads", "head_dim",
+                    "vocab_size", "max_positions"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.family == "opt" and (self.norm, self.activation, self.position) != ("layernorm", "relu", "learned"):
+            raise ValueError("OPT models use layernorm, relu and learned positions")
+        if self.family == "llama" and (self.norm, self.activation, self.position) != ("rmsnorm", "silu", "rotary"):
+            raise ValueError("Llama models use rmsnorm, silu (SwiGLU) and rotary positions")
+
+    # ----------------------------------------------------------------- sizes
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.family == "llama"
+
+    def layer_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every tensor of one decoder layer (the runner's naming)."""
+        h, f = self.hidden, self.ffn
+        shapes: dict[str, tuple[int, ...]] = {
+            "q_proj.weight": (self.q_dim, h),
+            "k_proj.weight": (self.kv_dim, h),
+            "v_proj.weight": (self.kv_dim, h),
+            "o_proj.weight": (h, self.q_dim),
+        }
+        if self.gated_mlp:
+            shapes.update({"gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f)})
+        else:
+            shapes.update({"fc1.weight": (f, h), "fc2.weight": (h, f)})
+        if self.bias:
+            shapes.update({"q_proj.bias": (self.q_dim,), "k_proj.bias": (self.kv_dim,),
+                           "v_proj.bias": (self.kv_dim,), "o_proj.bias": (h,)})
+            shapes.update({"fc1.bias": (f,), "fc2.bias": (h,)} if not self.gated_mlp else
+                          {})
+        if self.norm == "layernorm":
+            shapes.update({"attn_norm.weight": (h,), "attn_norm.bias": (h,),
+                           "mlp_norm.weight": (h,), "mlp_norm.bias": (h,)})
+        else:
+            shapes.update({"attn_norm.weight": (h,), "mlp_norm.weight": (h,)})
+        return shapes
+
+    def head_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of the tensors outside the decoder layers (embeddings, final norm, head)."""
+        h = self.hidden
+        shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (self.vocab_size, h)}
+        if self.position == "learned":
+            shapes["embed_positions.weight"] = (self.max_positions + 2, h)  # OPT's offset of 2
+        shapes["final_norm.weight"] = (h,)
+        if self.norm == "layernorm":
+            shapes["final_norm.bias"] = (h,)
+        if not self.tied_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        return shapes
+
+    @property
+    def params_per_layer(self) -> int:
+        return sum(_numel(s) for s in self.layer_tensor_shapes().values())
+
+    @property
+    def matmul_params_per_layer(self) -> int:
+        """Parameters that take part in a matmul per token (weights of the projections)."""
+        return sum(_numel(s) for n, s in self.layer_tensor_shapes().items() if len(s) == 2)
+
+    @property
+    def head_params(self) -> int:
+        return sum(_numel(s) for s in self.head_tensor_shapes().values())
+
+    @property
+    def num_params(self) -> int:
+        return self.params_per_layer * self.num_layers + self.head_params
+
+    @property
+    def weight_bytes_per_layer(self) -> int:
+        return self.params_per_layer * self.dtype_bytes
+
+    @property
+    def head_weight_bytes(self) -> int:
+        return self.head_params * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        """All weights, decoder layers plus embeddings and head."""
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """Key plus value for one token in one layer (FlexGen's 4*h bytes in fp16 for MHA)."""
+        return 2 * self.kv_dim * self.dtype_bytes
+
+    def kv_cache_bytes(self, batch: int, tokens: int) -> int:
+        """KV cache of ``batch`` sequences of ``tokens`` positions over all layers."""
+        return self.kv_bytes_per_token_per_layer * self.num_layers * batch * tokens
+
+    @property
+    def act_bytes_per_token(self) -> int:
+        """Hidden state passed between layers for one token (FlexGen's 2*h bytes in fp16)."""
+        return self.hidden * self.dtype_bytes
+
+    # ----------------------------------------------------------------- FLOPs
+    def attention_flops_per_token(self, context: int) -> int:
+        """Scores and weighted sum for one query token over ``context`` keys in one layer."""
+        return 4 * self.q_dim * context
+
+    def linear_flops_per_token(self) -> int:
+        """All projections of one layer for one token (multiply-add = 2 FLOPs)."""
+        return 2 * self.matmul_params_per_layer
+
+    def prefill_flops_per_layer(self, batch: int, prompt_len: int) -> int:
+        """One layer over ``batch`` prompts padded to ``prompt_len``, dense s x s attention."""
+        return batch * prompt_len * (self.linear_flops_per_token() + self.attention_flops_per_token(prompt_len))
+
+    def decode_flops_per_layer(self, batch: int, context: int) -> int:
+        """One layer, one new token for each of ``batch`` sequences attending to ``context`` keys."""
+        return batch * (self.linear_flops_per_token() + self.attention_flops_per_token(context))
+
+    def lm_head_flops_per_token(self) -> int:
+        return 2 * self.vocab_size * self.hidden
+
+    # ----------------------------------------------------------------- helpers
+    def with_dtype(self, dtype: str) -> "ModelSpec":
+        if dtype not in DTYPE_BYTES:
+            raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
+        return replace(self, dtype=dtype)  # type: ignore[arg-type]
+
+    def summary(self) -> str:
+        gib = self.weight_bytes / 2**30
+        kv = self.kv_bytes_per_token_per_layer * self.num_layers / 2**20
+        attn = "MHA" if self.num_kv_heads == self.num_heads else f"GQA {self.num_heads}/{self.num_kv_heads}"
+        return (f"{self.name}: {self.family}, {self.num_params / 1e9:.2f}B params, {self.num_layers} layers, "
+                f"hidden {self.hidden}, {attn}, {self.dtype} weights {gib:.1f} GiB, "
+                f"KV {kv:.2f} MiB/token")
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path, name: str | None = None, dtype: str | None = None) -> "ModelSpec":
+        """Read a Hugging Face ``config.json`` (a file or the directory holding it)."""
+        p = Path(path)
+        cfg_path = p / "config.json" if p.is_dir() else p
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"{cfg_path}: missing config.json; a model directory needs config.json and *.safetensors") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{cfg_path}: not a valid JSON config ({exc})") from None
+        return spec_from_hf_dict(cfg, name=name or (p.name if p.is_dir() else p.parent.name), dtype=dtype)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _hf_dtype(cfg: dict) -> str:
+    raw = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16").replace("torch.", "")
+    return raw if raw in DTYPE_BYTES else "float16"
+
+
+def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSpec:
+    """Build a ModelSpec from a parsed HF config dict of the OPT or Llama family."""
+    model_type = cfg.get("model_type")
+    try:
+        if model_type == "opt":
+            if not cfg.get("do_layer_norm_before", True):
+                raise UserError(f"{name}: OPT with post-layer-norm (opt-350m) is not supported")
+            if cfg.get("word_embed_proj_dim", cfg["hidden_size"]) != cfg["hidden_size"]:
+                raise UserError(f"{name}: OPT with a projected embedding (opt-350m) is not supported")
+            if cfg.get("activation_function", "relu") != "relu":
+                raise UserError(f"{name}: OPT activation {cfg.get('activation_function')!r} is not supported")
+            heads = cfg["num_attention_heads"]
+            return ModelSpec(
+                name=name, family="opt", num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+                ffn=cfg["ffn_dim"], num_heads=heads, num_kv_heads=heads, head_dim=cfg["hidden_size"] // heads,
+                vocab_size=cfg["vocab_size"], max_positions=cfg["max_position_embeddings"],
+                norm="layernorm", activation="relu", position="learned",
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                dtype=dtype or _hf_dtype(cfg), norm_eps=1e-5, bias=bool(cfg.get("enable_bias", True)),
+                eos_token_id=cfg.get("eos_token_id"),
+            )
+        if model_type == "llama":
+            if cfg.get("hidden_act", "silu") != "silu":
+                raise UserError(f"{name}: Llama activation {cfg.get('hidden_act')!r} is not supported")
+            if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+                raise UserError(f"{name}: Llama with attention or MLP biases is not supported")
+            heads = cfg["num_attention_heads"]
+            rope = cfg.get("rope_parameters") or {}
+            rope_scaling = cfg.get("rope_scaling")
+            if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+                raise UserError(f"{name}: rope scaling {rope_scaling!r} is not supported")
+            eos = cfg.get("eos_token_id")
+            return ModelSpec(
+                name=name, family="llama", num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+                ffn=cfg["intermediate_size"], num_heads=heads,
+                num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                vocab_size=cfg["vocab_size"], max_positions=cfg["max_position_embeddings"],
+                norm="rmsnorm", activation="silu", position="rotary",
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                dtype=dtype or _hf_dtype(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                bias=False, eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            )
+    except KeyError as exc:
+        raise UserError(f"{name}: config.json lacks {exc.args[0]!r}") from None
+    raise UserError(f"{name}: model_type {model_type!r} is not supported; xsched runs 'opt' and 'llama' models")
+
+
+def _opt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    return ModelSpec(name=name, family="opt", num_layers=layers, hidden=hidden, ffn=4 * hidden,
+                     num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, vocab_size=50272,
+                     max_positions=2048, norm="layernorm", activation="relu", position="learned",
+                     tied_embeddings=True, bias=True, eos_token_id=2)
+
+
+def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int,
+           max_pos: int, theta: float, tied: bool = False, eps: float = 1e-5, eos: int = 2) -> ModelSpec:
+    return ModelSpec(name=name, family="llama", num_layers=layers, hidden=hidden, ffn=ffn, num_heads=heads,
+                     num_kv_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab, max_positions=max_pos,
+                     norm="rmsnorm", activation="silu", position="rotary", tied_embeddings=tied,
+                     norm_eps=eps, rope_theta=theta, eos_token_id=eos)
+
+
+def _registry() -> dict[str, ModelSpec]:
+    specs = [
+        _opt("opt-125m", 12, 768, 12),
+        _opt("opt-1.3b", 24, 2048, 32),
+        _opt("opt-6.7b", 32, 4096, 32),
+        _opt("opt-13b", 40, 5120, 40),
+        _opt("opt-30b", 48, 7168, 56),
+        _opt("opt-66b", 64, 9216, 72),
+        _opt("opt-175b", 96, 12288, 96),
+        _llama("llama-2-7b", 32, 4096, 11008, 32, 32, 32000, 4096, 10000.0),
+        _llama("llama-2-13b", 40, 5120, 13824, 40, 40, 32000, 4096, 10000.0),
+        _llama("llama-2-70b", 80, 8192, 28672, 64, 8, 32000, 4096, 10000.0),
+        _llama("llama-3-8b", 32, 4096, 14336, 32, 8, 128256, 8192, 500000.0, eos=128001),
+        _llama("smollm2-135m", 30, 576, 1536, 9, 3, 49152, 8192, 100000.0, tied=True, eos=2),
+    ]
+    return {s.name: s for s in specs}
+
+
+def model_names() -> list[str]:
+    return list(_registry())
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The registry entry ``name``, or the spec read from a config.json / model directory path."""
+    registry = _registry()
+    if name in registry:
+        return registry[name]
+    p = Path(name)
+    if p.exists():
+        return ModelSpec.from_hf_config(p)
+    if p.suffix == ".json" and p.name != "config.json":
+        raise UserError(f"{name}: no such file")
+    raise UserError(f"unknown model {name!r}; known models: {', '.join(registry)} (or a path to a model directory)")

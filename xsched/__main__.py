@@ -1,0 +1,5 @@
+import sys
+
+from xsched.cli import main
+
+sys.exit(main())

@@ -1,0 +1,50 @@
+"""The ``xsched`` command: one entry point that dispatches to the stages.
+
+Each stage package has a ``cli`` module with ``register(subparsers)``; registering must not
+import torch, so handlers import their heavy modules when they run. A handler returns an exit
+status; :class:`UserError` becomes a one-line message and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from xsched.errors import EXIT_USER_ERROR, UserError
+
+# Stage CLI modules, in pipeline order; each adds its subcommands.
+STAGE_CLIS: tuple[str, ...] = (
+    "xprofiler.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xsched",
+        description="Plan and run offline LLM batch generation under a latency SLA on limited hardware.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in STAGE_CLIS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except UserError as exc:
+        print(f"xsched: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("xsched: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `xsched models | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Policy: everything the runner needs to know about *how* to execute a job.
+
+FlexGen §4.3 (batch sizes and placement fractions) plus ExeGPT §4.2 (refill interval).
+Fractions are 0..1 and each of the three placement triples sums to 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from xsched.contract import Contract
+
+PLACEMENT_VARS: tuple[str, ...] = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
+_SUM_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class Policy(Contract):
+    """GPU batch size, batches per block, placement, compression, delegation and refill."""
+
+    SCHEMA: ClassVar[str] = "xsched.Policy/1"
+
+    gbs: int
+    nb: int
+    wg: float = 1.0
+    wc: float = 0.0
+    wd: float = 0.0
+    cg: float = 1.0
+    cc: float = 0.0
+    cd: float = 0.0
+    hg: float = 1.0
+    hc: float = 0.0
+    hd: float = 0.0
+    compress_weight: bool = False
+    compress_cache: bool = False
+    cpu_attention: bool = False
+    refill_every: int = 0  # decode steps between refills of finished slots; 0 = never
+    bucket: bool = True  # sort prompts by length inside a block before cutting GPU batches
+    overlap: bool = True  # overlap I/O with compute (FlexGen Alg. 1); off only for ablation
+
+    def __post_init__(self) -> None:
+        if self.gbs < 1 or self.nb < 1:
+            raise ValueError(f"gbs and nb must be >= 1, got gbs={self.gbs} nb={self.nb}")
+        if self.refill_every < 0:
+            raise ValueError(f"refill_every must be >= 0, got {self.refill_every}")
+        for var in PLACEMENT_VARS:
+            v = getattr(self, var)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{var}={v} is outside 0..1 (fractions, not percents)")
+        for kind, trio in (("weights", ("wg", "wc", "wd")), ("KV cache", ("cg", "cc", "cd")),
+                           ("activations", ("hg", "hc", "hd"))):
+            total = sum(getattr(self, v) for v in trio)
+            if abs(total - 1.0) > _SUM_TOLERANCE:
+                raise ValueError(f"{kind} fractions {'+'.join(trio)} sum to {total:g}, not 1")
+
+    @property
+    def block_size(self) -> int:
+        return self.gbs * self.nb
+
+    def placement(self) -> dict[str, float]:
+        return {v: getattr(self, v) for v in PLACEMENT_VARS}
+
+    def describe(self) -> str:
+        """The policy in words: batch shape, what sits where, and the switches."""
+
+        def where(prefix: str) -> str:
+            parts = [f"{getattr(self, prefix + t):.0%} {name}" for t, name in (("g", "gpu"), ("c", "cpu"), ("d", "disk"))
+                     if getattr(self, prefix + t) > 0]
+            return ", ".join(parts)
+
+        lines = [
+            f"block of {self.nb} GPU batch(es) x {self.gbs} sequences = {self.block_size}",
+            f"weights: {where('w')}" + (" (4-bit)" if self.compress_weight else ""),
+            f"KV cache: {where('c')}" + (" (4-bit)" if self.compress_cache else ""),
+            f"activations: {where('h')}",
+            "attention on CPU for KV not on the gpu tier" if self.cpu_attention else "attention on the compute device",
+            f"refill finished slots every {self.refill_every} decode steps" if self.refill_every else "no refill",
+        ]
+        return "\n".join(lines)
