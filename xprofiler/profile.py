@@ -11,9 +11,12 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from xsched.contract import Contract
+
+if TYPE_CHECKING:
+    from xprofiler.specs import ModelSpec
 
 Channel = Literal["ctog", "gtoc", "dtoc", "ctod"]
 CHANNELS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod")
@@ -86,6 +89,32 @@ class BandwidthCurve:
         return 0.0 if nbytes <= 0 else nbytes / self.at(nbytes)
 
 
+LAYER_FEATURES: dict[str, tuple[str, ...]] = {
+    "prefill": ("const", "tokens", "linear_flops", "attn_flops"),
+    "decode": ("const", "tokens", "linear_flops", "attn_flops", "kv_bytes"),
+}
+
+
+def layer_features(spec: "ModelSpec", phase: str, batch: Any, length: Any) -> dict[str, Any]:
+    """Features of one layer step whose weighted sum predicts its time.
+
+    ``length`` is the padded prompt length for prefill and the context length (keys attended
+    to) for decode. Works on floats and on numpy arrays alike, so the simulator can evaluate
+    many steps at once. ``tokens`` stands for element-wise work (norms, activations, copies).
+    """
+    if phase == "prefill":
+        tokens = batch * length
+        return {"const": 1.0 + 0.0 * tokens, "tokens": tokens,
+                "linear_flops": tokens * spec.linear_flops_per_token(),
+                "attn_flops": tokens * spec.attention_flops_per_token(1) * length}
+    if phase == "decode":
+        return {"const": 1.0 + 0.0 * batch, "tokens": batch + 0.0 * length,
+                "linear_flops": batch * spec.linear_flops_per_token() + 0.0 * length,
+                "attn_flops": batch * spec.attention_flops_per_token(1) * length,
+                "kv_bytes": batch * length * spec.kv_bytes_per_token_per_layer}
+    raise ValueError(f"unknown phase {phase!r}")
+
+
 @dataclass(frozen=True)
 class LayerFit:
     """Fitted time of one decoder layer for one model and phase, from a measured sweep.
@@ -104,6 +133,14 @@ class LayerFit:
     median_rel_error: float
     max_rel_error: float
     samples_csv: str = ""
+
+    def predict_s(self, spec: "ModelSpec", batch: Any, length: Any) -> Any:
+        """Predicted seconds of one layer step (floats or numpy arrays)."""
+        feats = layer_features(spec, self.phase, batch, length)
+        total = 0.0
+        for name, c in zip(self.features, self.coef):
+            total = total + c * feats[name]
+        return total
 
 
 @dataclass(frozen=True)
