@@ -35,14 +35,22 @@ class Fingerprint:
     torch_version: str
     offload_fs: str
 
-    def differences(self, other: "Fingerprint") -> list[str]:
-        """Human-readable list of fields that differ (RAM within 5% counts as equal)."""
+    def differences(self, other: "Fingerprint", ignore: tuple[str, ...] = ()) -> list[str]:
+        """Human-readable list of fields that differ (RAM within 5% counts as equal).
+
+        ``ignore`` names fields not to compare, e.g. ``offload_fs`` when the caller does not
+        know which offload directory will be used.
+        """
         out = []
         for key in ("cpu_model", "cpu_cores", "gpu_name", "torch_version", "offload_fs"):
+            if key in ignore:
+                continue
             a, b = getattr(self, key), getattr(other, key)
             if a != b:
                 out.append(f"{key}: profile {a!r}, this machine {b!r}")
         for key in ("ram_bytes", "gpu_mem_bytes"):
+            if key in ignore:
+                continue
             a, b = getattr(self, key), getattr(other, key)
             if abs(a - b) > 0.05 * max(a, b, 1):
                 out.append(f"{key}: profile {a / 2**30:.1f} GiB, this machine {b / 2**30:.1f} GiB")
@@ -160,16 +168,33 @@ class HardwareProfile(Contract):
     gtoc: BandwidthCurve
     dtoc: BandwidthCurve
     ctod: BandwidthCurve
+    # Flop rates at compute-bound shapes the model uses: GEMM of a prefill chunk through an MLP
+    # projection (mm) and prefill attention scores + weighted sum (bmm), on the compute device
+    # and on the host CPU. Memory-bound steps (decode) use the roofs below via ``compute_s``.
     mm_flops: float
     bmm_flops: float
     cpu_mm_flops: float
     cpu_bmm_flops: float
+    # Group-wise 4-bit (de)quantization on the compute device, in bytes of the uncompressed
+    # tensor per second.
     quant_bytes_per_s: float
     dequant_bytes_per_s: float
     layer_fits: tuple[LayerFit, ...] = ()
     # Multiplicative time factors fitted from real runs (xsched calibrate); 1.0 = as measured.
     calibration: dict[str, float] = field(default_factory=dict)
     notes: str = ""
+    # Memory roofs for the flop-rate model (0.0 = unknown): the read bandwidth of the compute
+    # device's memory and of host RAM, as seen by a matrix-vector product over a large weight.
+    # Decode-shaped GEMMs and attention are bound by these, not by the flop rates above.
+    mem_bytes_per_s: float = 0.0
+    cpu_mem_bytes_per_s: float = 0.0
+    # On a CUDA host ctog/gtoc above use pinned host memory; these are the pageable rates.
+    ctog_pageable: BandwidthCurve | None = None
+    gtoc_pageable: BandwidthCurve | None = None
+    compute_dtype: str = ""  # dtype of the GEMM/attention/layer measurements
+    disk_io: Literal["o_direct", "fadvise", ""] = ""  # how dtoc/ctod bypassed the page cache
+    created: str = ""  # ISO time of the measurement
+    wall_s: float = 0.0  # how long the profiling took
 
     def __post_init__(self) -> None:
         for key in ("gpu_bytes", "cpu_bytes", "disk_bytes"):
@@ -179,6 +204,9 @@ class HardwareProfile(Contract):
                     "dequant_bytes_per_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be > 0")
+        for key in ("mem_bytes_per_s", "cpu_mem_bytes_per_s", "wall_s"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be >= 0")
 
     def capacity_bytes(self, tier: str) -> int:
         return {"gpu": self.gpu_bytes, "cpu": self.cpu_bytes, "disk": self.disk_bytes}[tier]
@@ -196,3 +224,19 @@ class HardwareProfile(Contract):
 
     def calibration_factor(self, term: str) -> float:
         return float(self.calibration.get(term, 1.0))
+
+    def compute_s(self, kind: str, flops: Any, read_bytes: Any = 0.0) -> Any:
+        """Roofline time of one operation: ``max(flops / rate, read_bytes / memory roof)``.
+
+        ``kind`` is ``mm`` or ``bmm`` (compute device) or ``cpu_mm`` or ``cpu_bmm`` (host CPU).
+        The memory term is skipped when the profile does not know that roof (0.0). Works on
+        floats and numpy arrays.
+        """
+        rate = {"mm": self.mm_flops, "bmm": self.bmm_flops, "cpu_mm": self.cpu_mm_flops,
+                "cpu_bmm": self.cpu_bmm_flops}[kind]
+        roof = self.cpu_mem_bytes_per_s if kind.startswith("cpu_") else self.mem_bytes_per_s
+        t = flops / rate
+        if roof > 0:
+            mem_t = read_bytes / roof
+            t = t + (mem_t - t) * (mem_t > t)  # max() that also works element-wise on arrays
+        return t
