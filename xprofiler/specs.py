@@ -207,6 +207,16 @@ class ModelSpec(Contract):
             raise UserError(f"{cfg_path}: not a valid JSON config ({exc})") from None
         return spec_from_hf_dict(cfg, name=name or (p.name if p.is_dir() else p.parent.name), dtype=dtype)
 
+    @classmethod
+    def from_gguf(cls, path: str | Path, name: str | None = None, dtype: str = "float32") -> "ModelSpec":
+        """Read the architecture from a GGUF file's metadata (llama.cpp's ``llama`` architecture).
+
+        ``dtype`` is the precision the weights are dequantized to (GGUF stores them quantized).
+        """
+        p = Path(path)
+        reader = read_gguf(p)
+        return spec_from_gguf_reader(reader, name=name or p.stem, dtype=dtype)
+
 
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
@@ -317,3 +327,52 @@ def get_model_spec(name: str) -> ModelSpec:
     if p.suffix == ".json" and p.name != "config.json":
         raise UserError(f"{name}: no such file")
     raise UserError(f"unknown model {name!r}; known models: {', '.join(registry)} (or a path to a model directory)")
+
+
+def read_gguf(path: Path) -> "gguf.GGUFReader":  # type: ignore[name-defined]  # noqa: F821
+    """Open a GGUF file (memory-mapped) or raise a one-line UserError."""
+    try:
+        import gguf
+    except ImportError:
+        raise UserError("reading GGUF files needs the gguf package: pip install gguf") from None
+    if not path.is_file():
+        raise UserError(f"{path}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as exc:
+        raise UserError(f"{path}: not a readable GGUF file ({exc})") from None
+
+
+def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpec:
+    """Build a ModelSpec from an open ``gguf.GGUFReader`` (metadata keys ``<arch>.*``)."""
+
+    def field(key: str, default=None):
+        f = reader.get_field(key)
+        if f is None:
+            if default is None:
+                raise UserError(f"{name}: GGUF metadata lacks {key!r}")
+            return default
+        return f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise UserError(f"{name}: GGUF architecture {arch!r} is not supported; xsched reads 'llama' GGUF files")
+    heads = int(field(f"{arch}.attention.head_count"))
+    hidden = int(field(f"{arch}.embedding_length"))
+    head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
+    if int(field(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        raise UserError(f"{name}: partial rotary embeddings are not supported")
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = field(f"{arch}.vocab_size", 0) or len(field("tokenizer.ggml.tokens"))
+    eos = reader.get_field("tokenizer.ggml.eos_token_id")
+    return ModelSpec(
+        name=name, family="llama", num_layers=int(field(f"{arch}.block_count")), hidden=hidden,
+        ffn=int(field(f"{arch}.feed_forward_length")), num_heads=heads,
+        num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
+        vocab_size=int(vocab), max_positions=int(field(f"{arch}.context_length")),
+        norm="rmsnorm", activation="silu", position="rotary",
+        tied_embeddings="output.weight" not in tensor_names, dtype=dtype,  # type: ignore[arg-type]
+        norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        eos_token_id=int(eos.contents()) if eos is not None else None,
+    )

@@ -1,0 +1,40 @@
+"""xrunner: the model core, weight loaders, sampling, compression and (later) the offloading engine.
+
+The public names below are loaded on first use (PEP 562), so ``xsched``'s CLI can register
+the runner's commands without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    # model core: the one copy of the math
+    "ModelWeights": "xrunner.model", "Rope": "xrunner.model", "Weights": "xrunner.model",
+    "embed": "xrunner.model", "attn_in": "xrunner.model", "attention": "xrunner.model",
+    "attn_out_mlp": "xrunner.model", "layer_forward": "xrunner.model", "final_logits": "xrunner.model",
+    "rope_tables": "xrunner.model", "position_ids_from_mask": "xrunner.model", "torch_dtype": "xrunner.model",
+    # sampling and the in-memory generation loop
+    "SamplingParams": "xrunner.sampling", "sample": "xrunner.sampling",
+    "GenerationResult": "xrunner.generate", "generate": "xrunner.generate", "left_pad": "xrunner.generate",
+    # weight sources
+    "ModelSource": "xrunner.loaders", "HFDirectorySource": "xrunner.loaders", "GGUFSource": "xrunner.loaders",
+    "RandomSource": "xrunner.loaders", "open_model": "xrunner.loaders", "load_weights": "xrunner.loaders",
+    "default_model_path": "xrunner.loaders",
+    # 4-bit group-wise compression
+    "QuantizedTensor": "xrunner.compression", "quantize": "xrunner.compression",
+    "dequantize": "xrunner.compression", "quantized_nbytes": "xrunner.compression",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'xrunner' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,270 @@
+"""Model core and sampling, checked against transformers' own OPT and Llama implementations.
+
+The reference is built from the same random weights: the test maps our tensor names to HF's
+with its own table (not the loader's), loads them into an HF model created from an
+OPTConfig/LlamaConfig, and runs each prompt alone (no padding) through HF's greedy generate.
+Ours runs all prompts as one left-padded batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from scipy import stats
+
+from xprofiler.specs import ModelSpec, spec_from_hf_dict
+from xrunner.generate import generate, left_pad
+from xrunner.loaders import RandomSource, load_weights
+from xrunner.model import (attention, embed, final_logits, layer_forward, position_ids_from_mask,
+                           rope_tables)
+from xrunner.sampling import SamplingParams, filter_logits, sample
+from xsched.errors import UserError
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 32
+PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [101, 3, 250, 77, 12, 8, 90, 1]]
+
+SHAPES = {
+    "opt-mha": ("opt", dict(vocab_size=503, hidden_size=64, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4,
+                            max_position_embeddings=128, word_embed_proj_dim=64)),
+    "opt-untied": ("opt", dict(vocab_size=389, hidden_size=48, ffn_dim=100, num_hidden_layers=3,
+                               num_attention_heads=6, max_position_embeddings=96, word_embed_proj_dim=48,
+                               tie_word_embeddings=False)),
+    "llama-mha": ("llama", dict(vocab_size=503, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                                rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "llama-gqa": ("llama", dict(vocab_size=611, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+                                num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+                                rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "llama-gqa-tied-wide-heads": ("llama", dict(vocab_size=400, hidden_size=64, intermediate_size=160,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=32, max_position_embeddings=128, rope_theta=10000.0,
+                                                tie_word_embeddings=True)),
+}
+
+# Our names -> HF names, written independently of xrunner.loaders.
+HF_NAMES = {
+    "llama": {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+              "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+              "down_proj": "mlp.down_proj", "attn_norm": "input_layernorm",
+              "mlp_norm": "post_attention_layernorm", "embed_tokens": "model.embed_tokens", "final_norm": "model.norm",
+              "lm_head": "lm_head", "layers": "model.layers"},
+    "opt": {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+            "o_proj": "self_attn.out_proj", "fc1": "fc1", "fc2": "fc2", "attn_norm": "self_attn_layer_norm",
+            "mlp_norm": "final_layer_norm", "embed_tokens": "model.decoder.embed_tokens",
+            "embed_positions": "model.decoder.embed_positions", "final_norm": "model.decoder.final_layer_norm",
+            "lm_head": "lm_head", "layers": "model.decoder.layers"},
+}
+
+
+def hf_model_and_ours(kind: str, seed: int = 0):
+    family, kwargs = SHAPES[kind]
+    config_cls = transformers.OPTConfig if family == "opt" else transformers.LlamaConfig
+    config = config_cls(**kwargs, attn_implementation="eager")
+    spec = spec_from_hf_dict(config.to_dict(), name=kind, dtype="float32")
+    ours = load_weights(RandomSource(spec, seed=seed))
+    names = HF_NAMES[family]
+    state = {}
+    for name, t in ours.head.items():
+        module, param = name.split(".", 1)
+        state[f"{names[module]}.{param}"] = t
+    for i, layer in enumerate(ours.layers):
+        for name, t in layer.items():
+            module, param = name.split(".", 1)
+            state[f"{names['layers']}.{i}.{names[module]}.{param}"] = t
+    if spec.tied_embeddings:
+        state["lm_head.weight"] = state[f"{names['embed_tokens']}.weight"]
+    torch.manual_seed(0)
+    hf = (transformers.OPTForCausalLM if family == "opt" else transformers.LlamaForCausalLM)(config).eval()
+    hf.load_state_dict(state, strict=True)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return spec, ours, hf
+
+
+def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack([l[0] for l in out.logits])
+
+
+@pytest.mark.parametrize("kind", list(SHAPES))
+def test_padded_batch_matches_transformers(kind):
+    spec, ours, hf = hf_model_and_ours(kind)
+    result = generate(ours, PROMPTS, STEPS, return_logits=True)
+    ours_logits = torch.stack(result.logits, dim=1)  # [b, steps, V]
+    for row, prompt in enumerate(PROMPTS):
+        ref_tokens, ref_logits = hf_greedy(hf, prompt, STEPS)
+        assert result.tokens[row] == ref_tokens, f"{kind} row {row}"
+        rel = (ours_logits[row] - ref_logits).abs().max() / ref_logits.abs().max()
+        assert rel < 1e-4, f"{kind} row {row}: relative logit error {rel:.2e}"
+
+
+def test_layer_functions_compose_to_layer_forward():
+    """Calling attn_in / attention / attn_out_mlp by hand (the engine's path) equals layer_forward."""
+    from xrunner.model import attn_in, attn_out_mlp
+
+    spec, ours, _ = hf_model_and_ours("llama-gqa")
+    ids, mask = left_pad(PROMPTS)
+    pos = position_ids_from_mask(mask)
+    rope = rope_tables(spec, ids.shape[1])
+    hidden = embed(spec, ours.head, ids, pos)
+    w = ours.layers[0]
+    cache = torch.zeros(ids.shape[0], spec.num_kv_heads, ids.shape[1], spec.head_dim)
+    expected = layer_forward(spec, w, hidden, pos, rope, cache, cache.clone(), mask, 0)
+    q, k, v = attn_in(spec, w, hidden, pos, rope)
+    got = attn_out_mlp(spec, w, attention(spec, q, k, v, mask, causal=True), hidden)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert torch.isfinite(final_logits(spec, ours.head, got)).all()
+
+
+def test_attention_ignores_padding_and_is_finite_on_padding_rows():
+    spec, _, _ = hf_model_and_ours("opt-mha")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 6, 16, generator=g)
+    k = torch.randn(1, 4, 6, 16, generator=g)
+    v = torch.randn(1, 4, 6, 16, generator=g)
+    mask = torch.tensor([[False, False, True, True, True, True]])
+    out = attention(spec, q, k, v, mask, causal=True)
+    assert torch.isfinite(out).all()
+    # Changing padded keys/values must not change the real rows.
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, :2] = 100.0
+    v2[:, :, :2] = -100.0
+    out2 = attention(spec, q, k2, v2, mask, causal=True)
+    torch.testing.assert_close(out[:, 2:], out2[:, 2:])
+
+
+def test_generate_rejects_contexts_longer_than_the_model():
+    spec, ours, _ = hf_model_and_ours("opt-mha")
+    with pytest.raises(UserError, match="positions"):
+        generate(ours, [[1] * 100], max_new_tokens=spec.max_positions)
+    with pytest.raises(UserError, match="at least one token"):
+        generate(ours, [[1, 2], []], max_new_tokens=2)
+
+
+def test_generation_stops_at_stop_tokens():
+    _, ours, _ = hf_model_and_ours("llama-mha")
+    free = generate(ours, PROMPTS, 12)
+    stop = free.tokens[0][3]  # the 4th token of row 0 becomes a stop token
+    stopped = generate(ours, PROMPTS, 12, stop_token_ids=[stop])
+    assert stopped.tokens[0] == free.tokens[0][:free.tokens[0].index(stop) + 1]
+    for ref, got in zip(free.tokens, stopped.tokens):
+        assert got == (ref[:ref.index(stop) + 1] if stop in ref else ref)
+
+
+# ----------------------------------------------------------------------------- random init
+def _tiny_spec(layers: int = 4, dtype: str = "float32") -> ModelSpec:
+    return ModelSpec(name="tiny", family="opt", num_layers=layers, hidden=32, ffn=64, num_heads=4, num_kv_heads=4,
+                     head_dim=8, vocab_size=50, max_positions=64, norm="layernorm", activation="relu",
+                     position="learned", tied_embeddings=True, bias=True, dtype=dtype)
+
+
+def _digest(weights: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        h.update(name.encode())
+        h.update(weights[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_random_weights_are_reproducible_per_layer_across_processes():
+    spec = _tiny_spec()
+    src = RandomSource(spec, seed=7)
+    here = _digest(src.load_layer(2))
+    code = ("import sys, hashlib, torch\n"
+            "from xprofiler.specs import ModelSpec\nfrom xrunner.loaders import RandomSource\n"
+            f"spec = ModelSpec.from_json({spec.to_json(indent=None)!r})\n"
+            "w = RandomSource(spec, seed=7).load_layer(2)\n"
+            "h = hashlib.sha256()\n"
+            "for n in sorted(w):\n"
+            "    h.update(n.encode()); h.update(w[n].contiguous().view(torch.uint8).numpy().tobytes())\n"
+            "print(h.hexdigest())\n")
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert here == there
+    assert _digest(src.load_layer(1)) != here
+    assert _digest(RandomSource(spec, seed=8).load_layer(2)) != here
+    assert set(src.load_layer(0)) == set(spec.layer_tensor_shapes())
+    assert {n: tuple(t.shape) for n, t in src.load_head().items()} == spec.head_tensor_shapes()
+
+
+@pytest.mark.parametrize("family,dtype", [("opt", "float16"), ("llama", "bfloat16")])
+def test_random_deep_models_stay_finite_in_16_bit(family, dtype):
+    if family == "opt":
+        spec = _tiny_spec(layers=96, dtype=dtype)
+    else:
+        spec = ModelSpec(name="deep", family="llama", num_layers=96, hidden=64, ffn=128, num_heads=4,
+                         num_kv_heads=2, head_dim=16, vocab_size=50, max_positions=64, norm="rmsnorm",
+                         activation="silu", position="rotary", tied_embeddings=False, dtype=dtype)
+    model = load_weights(RandomSource(spec, seed=3))
+    ids, mask = left_pad([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]])
+    pos = position_ids_from_mask(mask)
+    rope = rope_tables(spec, ids.shape[1], dtype=getattr(torch, dtype))
+    hidden = embed(spec, model.head, ids, pos)
+    cache = torch.empty(2, spec.num_kv_heads, ids.shape[1], spec.head_dim, dtype=getattr(torch, dtype))
+    with torch.inference_mode():
+        for w in model.layers:
+            hidden = layer_forward(spec, w, hidden, pos, rope, cache, cache.clone(), mask, 0)
+        logits = final_logits(spec, model.head, hidden)
+    assert torch.isfinite(hidden).all() and torch.isfinite(logits).all()
+    assert hidden[mask].float().std() < 50  # the residual stream does not blow up with depth
+
+
+# ----------------------------------------------------------------------------- sampling
+def test_greedy_is_argmax():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample(logits, SamplingParams()), logits.argmax(-1))
+
+
+def test_top_k_restricts_support_to_the_k_largest():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1)).expand(4000, 50)
+    params = SamplingParams(temperature=1.0, top_k=5, seed=3)
+    drawn = sample(logits, params, params.generator())
+    assert set(drawn.tolist()) == set(logits[0].topk(5).indices.tolist())
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]])
+    logits = probs.log()
+    support = lambda p: set(torch.isfinite(filter_logits(logits, SamplingParams(1.0, top_p=p)))[0].nonzero()  # noqa: E731
+                            .flatten().tolist())
+    assert support(0.4) == {0}
+    assert support(0.75) == {0, 1}
+    assert support(0.85) == {0, 1, 2}
+    assert support(1.0) == {0, 1, 2, 3, 4}
+    params = SamplingParams(temperature=1.0, top_p=0.85, seed=0)
+    drawn = sample(logits.expand(3000, 5), params, params.generator())
+    assert set(drawn.tolist()) == {0, 1, 2}
+
+
+def test_temperature_sampling_follows_the_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    temperature = 0.7
+    params = SamplingParams(temperature=temperature, seed=11)
+    drawn = sample(logits.expand(20000, 5), params, params.generator())
+    observed = torch.bincount(drawn, minlength=5).numpy()
+    expected = (logits[0].double() / temperature).softmax(-1).numpy() * len(drawn)
+    assert stats.chisquare(observed, expected).pvalue > 1e-4
+
+
+def test_seed_reproduces_generation():
+    _, ours, _ = hf_model_and_ours("llama-gqa")
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=123)
+    a = generate(ours, PROMPTS, 16, params).tokens
+    b = generate(ours, PROMPTS, 16, params).tokens
+    c = generate(ours, PROMPTS, 16, SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=124)).tokens
+    assert a == b
+    assert a != c
+
+
+def test_sampling_params_reject_nonsense():
+    for bad in (dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)):
+        with pytest.raises(UserError):
+            SamplingParams(**bad)

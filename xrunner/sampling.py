@@ -1,0 +1,62 @@
+"""Next-token choice: greedy, temperature, top-k and top-p (nucleus), reproducible by seed.
+
+All randomness comes from one ``torch.Generator`` owned by the caller, so a seed reproduces a
+run exactly (on the same device and dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from xsched.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise UserError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"top-p is a fraction in (0, 1] (1 = off), got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(self.seed)
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits ``[b, V]`` with tokens outside top-k / top-p set to -inf."""
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row of ``logits [b, V]``."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    probs = filter_logits(logits, params).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
