@@ -6,7 +6,9 @@ points. The simulator needs times everywhere, including outside the grid, so we 
 attention FLOPs, KV bytes) with non-negative coefficients: each coefficient reads as seconds
 per unit (1 / coef is a rate), nothing can predict a negative time, and the fit extrapolates
 linearly in work. Rows are weighted by 1 / time so the fit minimises relative error, which
-is what the plan's accuracy goal is stated in.
+is what the plan's accuracy goal is stated in. What a linear model in work cannot express
+(cache effects, kernel switches) is kept as a measured/linear ratio on the grid nodes, which
+``LayerFit.predict_s`` interpolates.
 
 No torch here: fits are refit and inspected by tools that must not need it.
 """
@@ -71,9 +73,38 @@ def relative_errors(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
     return np.abs(np.asarray(predicted, dtype=float) - measured) / measured
 
 
+def grid_ratio(batch: np.ndarray, length: np.ndarray, measured: np.ndarray, linear: np.ndarray
+               ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[float, ...], ...]]:
+    """``measured / linear`` on the rectangle of distinct batches x lengths.
+
+    A node that was not measured (skipped for time or memory) takes the ratio of the nearest
+    measured node in (log batch, log length), so the correction stays continuous there.
+    """
+    bs = sorted({int(b) for b in batch})
+    ns = sorted({int(n) for n in length})
+    known = {(int(b), int(n)): m / lin for b, n, m, lin in zip(batch, length, measured, linear)}
+    pts = np.log(np.array(list(known), dtype=float))
+    vals = list(known.values())
+    rows = []
+    for b in bs:
+        row = []
+        for n in ns:
+            if (b, n) in known:
+                row.append(float(known[(b, n)]))
+            else:
+                d = np.hypot(*(pts - np.log([b, n])).T)
+                row.append(float(vals[int(np.argmin(d))]))
+        rows.append(tuple(row))
+    return tuple(bs), tuple(ns), tuple(rows)
+
+
 def fit_layer(spec: Any, phase: str, batch: Any, length: Any, time_s: Any, *, model: str, dtype: str,
-              samples_csv: str = "") -> LayerFit:
-    """Fit one phase of one model; the stored errors are in-sample relative errors."""
+              samples_csv: str = "", correct: bool = True) -> LayerFit:
+    """Fit one phase of one model (one sample per grid point, e.g. the median over passes).
+
+    With ``correct`` the fit also stores the measured/linear ratio on the grid (see
+    ``LayerFit``). The stored errors are in-sample relative errors of the linear part.
+    """
     b = np.asarray(batch, dtype=float).ravel()
     n = np.asarray(length, dtype=float).ravel()
     y = np.asarray(time_s, dtype=float).ravel()
@@ -84,8 +115,12 @@ def fit_layer(spec: Any, phase: str, batch: Any, length: Any, time_s: Any, *, mo
     names = independent_columns(feature_matrix(spec, phase, b, n), LAYER_FEATURES[phase])
     x = feature_matrix(spec, phase, b, n, names)
     coef = nnls_relative(x, y)
-    err = relative_errors(x @ coef, y)
+    linear = x @ coef
+    if np.any(linear <= 0):
+        raise ValueError("the linear fit predicts a non-positive time; measure more points")
+    err = relative_errors(linear, y)
+    grid = grid_ratio(b, n, y, linear) if correct else ((), (), ())
     return LayerFit(model=model, phase=phase, dtype=dtype, features=names,  # type: ignore[arg-type]
                     coef=tuple(float(c) for c in coef), n_samples=int(len(y)),
                     median_rel_error=float(np.median(err)), max_rel_error=float(np.max(err)),
-                    samples_csv=samples_csv)
+                    samples_csv=samples_csv, grid_batches=grid[0], grid_lengths=grid[1], grid_ratio=grid[2])

@@ -127,9 +127,18 @@ def layer_features(spec: "ModelSpec", phase: str, batch: Any, length: Any) -> di
 class LayerFit:
     """Fitted time of one decoder layer for one model and phase, from a measured sweep.
 
-    ``predict_s`` is ``sum(coef[i] * feature_i(batch, length))`` over the named features
-    (see ``xprofiler.fit.FEATURES``); it is inspectable and extrapolates linearly in FLOPs and
-    bytes. ``samples_csv`` names the raw measurements stored beside the profile JSON.
+    ``predict_s`` is a linear model ``sum(coef[i] * feature_i(batch, length))`` over the named
+    features of ``layer_features`` (non-negative coefficients: 1 / coef reads as a rate), times
+    a correction factor for effects no linear model in work has (caches, kernel choice). The
+    factor is ``measured / linear`` at each node of the measured grid, interpolated bilinearly
+    in (log batch, log length) and held at the edge value outside the grid, so predictions are
+    exact at measured points, smooth between them and extrapolate linearly in FLOPs and bytes.
+    A fit without ``grid_ratio`` is the linear model alone.
+
+    ``median_rel_error``/``max_rel_error`` are in-sample errors of the linear model (how much the
+    correction had to do); the accuracy at unmeasured points is what
+    ``benchmarks/profile_accuracy.py`` reports. ``samples_csv`` names the raw measurements
+    stored beside the profile JSON.
     """
 
     model: str
@@ -141,14 +150,63 @@ class LayerFit:
     median_rel_error: float
     max_rel_error: float
     samples_csv: str = ""
+    grid_batches: tuple[int, ...] = ()
+    grid_lengths: tuple[int, ...] = ()
+    grid_ratio: tuple[tuple[float, ...], ...] = ()  # [batch index][length index]
 
-    def predict_s(self, spec: "ModelSpec", batch: Any, length: Any) -> Any:
-        """Predicted seconds of one layer step (floats or numpy arrays)."""
+    def __post_init__(self) -> None:
+        if len(self.features) != len(self.coef):
+            raise ValueError("features and coef differ in length")
+        if self.grid_ratio:
+            if len(self.grid_ratio) != len(self.grid_batches) or any(
+                    len(row) != len(self.grid_lengths) for row in self.grid_ratio):
+                raise ValueError("grid_ratio must be len(grid_batches) x len(grid_lengths)")
+            if any(not r > 0 for row in self.grid_ratio for r in row):
+                raise ValueError("grid_ratio values must be positive")
+            for axis in (self.grid_batches, self.grid_lengths):
+                if any(a <= 0 for a in axis) or list(axis) != sorted(set(axis)):
+                    raise ValueError("grid axes must be positive and strictly increasing")
+
+    def linear_s(self, spec: "ModelSpec", batch: Any, length: Any) -> Any:
+        """The linear model alone (floats or numpy arrays)."""
         feats = layer_features(spec, self.phase, batch, length)
         total = 0.0
         for name, c in zip(self.features, self.coef):
             total = total + c * feats[name]
         return total
+
+    def correction(self, batch: Any, length: Any) -> Any:
+        """Grid correction factor at (batch, length); 1.0 without a grid."""
+        if not self.grid_ratio:
+            return 1.0
+        import numpy as np
+
+        ratio = np.log(np.asarray(self.grid_ratio, dtype=float))
+        ib, wb = _bracket(self.grid_batches, batch)
+        il, wl = _bracket(self.grid_lengths, length)
+        jb = np.minimum(ib + 1, len(self.grid_batches) - 1)
+        jl = np.minimum(il + 1, len(self.grid_lengths) - 1)
+        log_r = ((1 - wb) * ((1 - wl) * ratio[ib, il] + wl * ratio[ib, jl])
+                 + wb * ((1 - wl) * ratio[jb, il] + wl * ratio[jb, jl]))
+        out = np.exp(log_r)
+        return float(out) if np.ndim(out) == 0 else out
+
+    def predict_s(self, spec: "ModelSpec", batch: Any, length: Any) -> Any:
+        """Predicted seconds of one layer step (floats or numpy arrays)."""
+        return self.linear_s(spec, batch, length) * self.correction(batch, length)
+
+
+def _bracket(axis: tuple[int, ...], value: Any) -> tuple[Any, Any]:
+    """Index of the grid cell holding ``value`` and its weight, in log space, clamped to the grid."""
+    import numpy as np
+
+    xs = np.log(np.asarray(axis, dtype=float))
+    x = np.log(np.clip(np.asarray(value, dtype=float), axis[0], axis[-1]))
+    if len(xs) == 1:
+        return np.zeros_like(x, dtype=int), np.zeros_like(x)
+    i = np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2)
+    w = (x - xs[i]) / (xs[i + 1] - xs[i])
+    return i, w
 
 
 @dataclass(frozen=True)
@@ -192,6 +250,7 @@ class HardwareProfile(Contract):
     ctog_pageable: BandwidthCurve | None = None
     gtoc_pageable: BandwidthCurve | None = None
     compute_dtype: str = ""  # dtype of the GEMM/attention/layer measurements
+    compute_threads: int = 0  # torch intra-op threads during the measurements (0 = unknown)
     disk_io: Literal["o_direct", "fadvise", ""] = ""  # how dtoc/ctod bypassed the page cache
     created: str = ""  # ISO time of the measurement
     wall_s: float = 0.0  # how long the profiling took

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 from xsched.errors import EXIT_USER_ERROR, UserError
 
@@ -32,7 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001
+    return f"xsched: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _one_line_warning  # warnings reach the user as one line, like errors
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,172 @@
+"""Layer fits recover known curves; profiles round-trip through JSON; presets validate."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from xprofiler import HardwareProfile, LayerFit
+from xprofiler.fit import fit_layer, independent_columns, feature_matrix
+from xprofiler.presets import load_preset, preset_names
+from xprofiler.profile import LAYER_FEATURES, BandwidthCurve, layer_features
+from xprofiler.specs import get_model_spec
+from xsched.errors import UserError
+
+SPEC = get_model_spec("opt-1.3b")
+PB, PN = (np.array(g, dtype=float).ravel() for g in np.meshgrid([1, 2, 4, 8, 16], [16, 64, 128, 256, 512]))
+DB, DN = (np.array(g, dtype=float).ravel() for g in np.meshgrid([1, 2, 4, 16, 64], [128, 256, 512, 1024, 2048]))
+
+
+def prefill_truth(b, n):
+    """A roofline-like layer: 0.4 ms launch cost, GEMMs at 200 GFLOP/s, attention at 50 GFLOP/s."""
+    f = layer_features(SPEC, "prefill", b, n)
+    return 4e-4 + f["linear_flops"] / 200e9 + f["attn_flops"] / 50e9
+
+
+def decode_truth(b, n):
+    """1.5 ms (weights read), per-row work at 20 GFLOP/s, KV read at 8 GB/s."""
+    f = layer_features(SPEC, "decode", b, n)
+    return 1.5e-3 + f["linear_flops"] / 20e9 + f["kv_bytes"] / 8e9
+
+
+def test_nnls_recovers_known_coefficients_exactly():
+    fit = fit_layer(SPEC, "prefill", PB, PN, prefill_truth(PB, PN), model="m", dtype="float32", correct=False)
+    assert fit.features == ("const", "linear_flops", "attn_flops")
+    assert fit.coef == pytest.approx((4e-4, 1 / 200e9, 1 / 50e9), rel=1e-6)
+    assert fit.max_rel_error < 1e-9
+    fit = fit_layer(SPEC, "decode", DB, DN, decode_truth(DB, DN), model="m", dtype="float32", correct=False)
+    assert fit.features == ("const", "linear_flops", "kv_bytes")
+    assert fit.coef == pytest.approx((1.5e-3, 1 / 20e9, 1 / 8e9), rel=1e-6)
+    # extrapolation far outside the grid stays exact for a curve the model can express
+    assert fit.predict_s(SPEC, 256, 8192) == pytest.approx(decode_truth(256.0, 8192.0), rel=1e-6)
+
+
+def test_collinear_features_are_dropped_keeping_the_rate_like_one():
+    x = feature_matrix(SPEC, "prefill", PB, PN)
+    names = independent_columns(x, LAYER_FEATURES["prefill"])
+    assert "tokens" not in names and "linear_flops" in names  # tokens is proportional to linear_flops
+    x = feature_matrix(SPEC, "decode", DB, DN)
+    names = independent_columns(x, LAYER_FEATURES["decode"])
+    assert "attn_flops" not in names and "kv_bytes" in names
+
+
+def test_fit_with_noise_stays_close_and_minimises_relative_error():
+    rng = np.random.default_rng(0)
+    truth = prefill_truth(PB, PN)
+    noisy = truth * rng.lognormal(0.0, 0.03, truth.shape)  # 3 % multiplicative noise
+    fit = fit_layer(SPEC, "prefill", PB, PN, noisy, model="m", dtype="float32", correct=False)
+    pred = fit.predict_s(SPEC, PB, PN)
+    assert np.median(np.abs(pred - truth) / truth) < 0.02
+    assert 0.005 < fit.median_rel_error < 0.05  # stored in-sample error reflects the noise
+    # the small, fast points count as much as the big ones (relative, not absolute, error)
+    assert abs(fit.predict_s(SPEC, 1, 16) / prefill_truth(1.0, 16.0) - 1) < 0.08
+
+
+def test_grid_correction_is_exact_at_nodes_and_interpolates_between():
+    # A curve no linear model expresses: 30 % slower whenever the batch is 2 or more (a kernel switch).
+    def truth(b, n):
+        return decode_truth(b, n) * np.where(np.asarray(b) >= 2, 1.3, 1.0)
+
+    fit = fit_layer(SPEC, "decode", DB, DN, truth(DB, DN), model="m", dtype="float32")
+    assert np.allclose(fit.predict_s(SPEC, DB, DN), truth(DB, DN), rtol=1e-9)
+    lin = fit_layer(SPEC, "decode", DB, DN, truth(DB, DN), model="m", dtype="float32", correct=False)
+    for b, n in [(4, 700), (32, 300), (8, 1500)]:  # between nodes, inside the slow regime
+        assert abs(fit.predict_s(SPEC, b, n) / truth(b, n) - 1) < 0.02
+        assert abs(lin.predict_s(SPEC, b, n) / truth(b, n) - 1) > abs(fit.predict_s(SPEC, b, n) / truth(b, n) - 1)
+    # outside the grid the edge factor is held: still linear in work
+    big = fit.predict_s(SPEC, np.array([128.0, 256.0]), np.array([4096.0, 4096.0]))
+    assert big[1] / big[0] == pytest.approx(lin.linear_s(SPEC, 256.0, 4096.0) / lin.linear_s(SPEC, 128.0, 4096.0)
+                                            * fit.correction(256, 4096) / fit.correction(128, 4096), rel=1e-9)
+    assert fit.correction(256, 4096) == pytest.approx(fit.correction(64, 2048))
+
+
+def test_grid_fills_missing_nodes_from_the_nearest_measured_one():
+    keep = ~((DB == 64) & (DN == 2048))  # the biggest point was skipped for time
+    fit = fit_layer(SPEC, "decode", DB[keep], DN[keep], decode_truth(DB[keep], DN[keep]) * 1.1, model="m",
+                    dtype="float32")
+    assert len(fit.grid_ratio) == 5 and all(len(r) == 5 for r in fit.grid_ratio)
+    assert fit.predict_s(SPEC, 64, 2048) == pytest.approx(decode_truth(64.0, 2048.0) * 1.1, rel=0.02)
+
+
+def test_fit_rejects_bad_samples():
+    with pytest.raises(ValueError, match="positive"):
+        fit_layer(SPEC, "decode", [1, 2], [128, 128], [1e-3, 0.0], model="m", dtype="float32")
+    with pytest.raises(ValueError, match="differ in length"):
+        fit_layer(SPEC, "decode", [1, 2], [128], [1e-3, 2e-3], model="m", dtype="float32")
+    with pytest.raises(ValueError, match="grid_ratio"):
+        LayerFit(model="m", phase="decode", dtype="float32", features=("const",), coef=(1.0,), n_samples=1,
+                 median_rel_error=0, max_rel_error=0, grid_batches=(1, 2), grid_lengths=(8,), grid_ratio=((1.0,),))
+
+
+def _measured_profile() -> HardwareProfile:
+    import dataclasses
+
+    fit = fit_layer(SPEC, "decode", DB, DN, decode_truth(DB, DN) * np.where(DB > 4, 1.2, 1.0), model="opt-1.3b",
+                    dtype="float32", samples_csv="p.samples.csv")
+    base = load_preset("flexgen-t4")
+    return dataclasses.replace(
+        base, source="measured", layer_fits=(fit,), calibration={"compute": 1.1},
+        ctog=BandwidthCurve(sizes_bytes=(4096, 2**20), bytes_per_s=(1e9, 1e10), large_bytes_per_s=1.2e10),
+        ctog_pageable=BandwidthCurve.flat(5e9), compute_threads=2, disk_io="o_direct", wall_s=12.5)
+
+
+def test_profile_json_round_trip_with_fits_and_curves(tmp_path):
+    prof = _measured_profile()
+    again = HardwareProfile.from_json(prof.to_json())
+    assert again == prof
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert HardwareProfile.load(path) == prof
+    fit = again.layer_fit("opt-1.3b", "decode", "float32")
+    assert fit is not None and fit.predict_s(SPEC, 8, 512) == prof.layer_fits[0].predict_s(SPEC, 8, 512)
+    assert json.loads(prof.to_json())["schema"] == "xsched.HardwareProfile/1"
+
+
+def test_profile_rejects_malformed_values():
+    data = _measured_profile().to_dict()
+    data["mm_flops"] = -1
+    with pytest.raises(UserError, match="mm_flops"):
+        HardwareProfile.from_dict(data)
+    data = _measured_profile().to_dict()
+    data["disk_io"] = "mmap"
+    with pytest.raises(UserError, match="disk_io"):
+        HardwareProfile.from_dict(data)
+
+
+def test_bandwidth_curve_interpolates_in_log_size():
+    c = BandwidthCurve(sizes_bytes=(2**12, 2**20), bytes_per_s=(1e9, 9e9), large_bytes_per_s=1e10)
+    assert c.at(2**16) == pytest.approx(5e9)  # halfway in log2 size
+    assert c.at(100) == 1e9 and c.at(2**30) == 1e10
+    assert c.time_s(2**30) == pytest.approx(2**30 / 1e10)
+
+
+def test_compute_s_is_a_roofline():
+    p = load_preset("flexgen-t4")
+    # compute bound: a big GEMM
+    assert p.compute_s("mm", 1e12, 1e6) == pytest.approx(1e12 / p.mm_flops)
+    # memory bound: a decode GEMV over 1 GB of weights
+    assert p.compute_s("mm", 2e9, 1e9) == pytest.approx(1e9 / p.mem_bytes_per_s)
+    arr = p.compute_s("cpu_bmm", np.array([1e9, 1e12]), np.array([1e10, 1.0]))
+    assert arr[0] == pytest.approx(1e10 / p.cpu_mem_bytes_per_s) and arr[1] == pytest.approx(1e12 / p.cpu_bmm_flops)
+
+
+@pytest.mark.parametrize("name", ["flexgen-t4", "flexgen-rtx3090", "a100-80gb", "h100-80gb"])
+def test_presets_load_validate_and_cite_sources(name):
+    assert name in preset_names()
+    p = load_preset(name)
+    assert p.source == "preset" and p.compute_device == "cuda" and p.layer_fits == ()
+    assert HardwareProfile.from_json(p.to_json()) == p
+    # every bandwidth and rate is physically plausible and ordered as on real machines
+    assert 1e9 < p.dtoc.large_bytes_per_s < p.ctog.large_bytes_per_s < p.mem_bytes_per_s
+    assert p.cpu_mm_flops < p.mm_flops and p.mem_bytes_per_s > 0 and p.cpu_mem_bytes_per_s > 0
+    assert "datasheet" in p.notes and "x0." in p.notes  # sources and derating factors are stated
+
+
+def test_flexgen_t4_preset_matches_the_paper():
+    p = load_preset("flexgen-t4")
+    assert p.gpu_bytes == 16 * 10**9 and p.cpu_bytes == 208 * 2**30 and p.disk_bytes == int(1.5e12)
+    assert (p.dtoc.large_bytes_per_s, p.ctod.large_bytes_per_s) == (1.6e9, 1.3e9)  # FlexGen Table 24
+    rtx = load_preset("flexgen-rtx3090")
+    assert (rtx.gpu_bytes, rtx.cpu_bytes, rtx.disk_bytes) == (24 * 10**9, 125 * 2**30, 10**12)  # Table 12

@@ -1,0 +1,201 @@
+"""End-to-end profiling on a tiny model, the CLI, and the failure paths (errors, Ctrl-C, disk)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from xprofiler import HardwareProfile
+from xprofiler.measure import QUICK, ProfileOptions, Settings, measure_profile, parse_bytes, profile_machine
+from xprofiler.specs import ModelSpec
+from xprofiler.sweeps import Grid
+from xsched.errors import UserError
+
+KiB, MiB = 2**10, 2**20
+
+TINY = ModelSpec(name="tiny-llama", family="llama", num_layers=2, hidden=64, ffn=128, num_heads=4, num_kv_heads=2,
+                 head_dim=16, vocab_size=100, max_positions=256, norm="rmsnorm", activation="silu",
+                 position="rotary", tied_embeddings=True, dtype="float32")
+TINY_SETTINGS = Settings(
+    copy_sizes=(64 * KiB, 1 * MiB), disk_sizes=(64 * KiB, 1 * MiB), disk_file_bytes=4 * MiB, passes=2, warmup=1,
+    gemm_tokens=32, gemv_bytes=1 * MiB, sweep_budget_s=4.0, sweep_min_passes=2, sweep_max_passes=3,
+    grids={"prefill": Grid((1, 2), (8, 32)), "decode": Grid((1, 4), (16, 64))})
+
+
+def _opts(tmp_path: Path, **kw) -> ProfileOptions:
+    offload = tmp_path / "offload"
+    offload.mkdir(exist_ok=True)
+    base = dict(output=tmp_path / "p.json", offload_dir=offload, models=(TINY,), settings=TINY_SETTINGS,
+                progress=False, gpu_mem_bytes=256 * MiB, cpu_mem_bytes=256 * MiB, threads=1)
+    base.update(kw)
+    return ProfileOptions(**base)
+
+
+def test_tiny_profile_measures_every_field(tmp_path):
+    opts = _opts(tmp_path)
+    prof, json_path, csv_path = profile_machine(opts)
+    assert list((tmp_path / "offload").iterdir()) == []  # the disk test file is gone
+    again = HardwareProfile.load(json_path)
+    assert again == prof
+    assert prof.source == "measured" and prof.compute_device == "cpu" and prof.compute_dtype == "float32"
+    assert prof.disk_io in ("o_direct", "fadvise") and prof.compute_threads >= 1 and prof.wall_s > 0
+    assert (prof.gpu_bytes, prof.cpu_bytes) == (256 * MiB, 256 * MiB) and prof.disk_bytes > 0
+    for ch in ("ctog", "gtoc", "dtoc", "ctod"):
+        curve = prof.bandwidth(ch)
+        assert curve.sizes_bytes == (64 * KiB, 1 * MiB)
+        assert all(1e7 < b < 1e12 for b in curve.bytes_per_s), (ch, curve)
+    for key in ("mm_flops", "bmm_flops", "cpu_mm_flops", "cpu_bmm_flops"):
+        assert 1e8 < getattr(prof, key) < 1e14, key
+    assert 1e7 < prof.quant_bytes_per_s and 1e7 < prof.dequant_bytes_per_s
+    assert 1e8 < prof.mem_bytes_per_s and prof.cpu_mem_bytes_per_s == prof.mem_bytes_per_s
+    assert prof.fingerprint.cpu_cores >= 1 and prof.fingerprint.offload_fs
+    assert {(f.model, f.phase) for f in prof.layer_fits} == {("tiny-llama", "prefill"), ("tiny-llama", "decode")}
+    for fit in prof.layer_fits:
+        assert fit.n_samples == 4 and fit.samples_csv == csv_path.name
+        assert fit.predict_s(TINY, 2, 32) > 0 and fit.max_rel_error >= fit.median_rel_error >= 0
+    # the raw samples: every repeat of every point, enough to recompute the profile
+    df = pd.read_csv(csv_path)
+    assert {"bench", "model", "phase", "batch", "length", "size_bytes", "count", "pass", "time_s"} <= set(df.columns)
+    layer = df[df.bench == "layer"]
+    assert len(layer) == 8 * layer["pass"].nunique() and layer["pass"].nunique() >= 2
+    assert (df.time_s > 0).all()
+    assert set(df.bench) >= {"ctog", "gtoc", "dtoc", "ctod", "mm", "bmm", "mem", "quant", "dequant", "layer"}
+
+
+def test_min_statistic_and_fadvise_fallback(tmp_path):
+    settings = dataclasses.replace(TINY_SETTINGS, stat="min", grids={})
+    prof, rows = measure_profile(_opts(tmp_path, models=(), settings=settings, direct_io=False))
+    assert prof.disk_io == "fadvise" and prof.layer_fits == ()
+    times = [r["time_s"] / r["count"] for r in rows if r["bench"] == "dtoc" and r["size_bytes"] == MiB]
+    assert prof.dtoc.bytes_per_s[-1] == pytest.approx(MiB / min(times))
+    assert "the min of" in prof.notes
+
+
+def test_error_mid_run_removes_the_test_file(tmp_path, monkeypatch):
+    from xprofiler import bench
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(bench, "gemm_point", boom)  # fails after the disk test file was written
+    with pytest.raises(RuntimeError, match="injected"):
+        profile_machine(_opts(tmp_path))
+    assert list((tmp_path / "offload").iterdir()) == []
+    assert not (tmp_path / "p.json").exists()  # nothing half-written
+
+
+def test_offload_dir_problems_are_one_line_user_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        measure_profile(_opts(tmp_path, offload_dir=tmp_path / "missing"))
+    with pytest.raises(UserError, match="not a directory"):
+        (tmp_path / "file").write_text("x")
+        measure_profile(_opts(tmp_path, offload_dir=tmp_path / "file"))
+    with pytest.raises(UserError, match="MiB free but the disk test needs"):
+        measure_profile(_opts(tmp_path, disk_test_bytes=2**60))
+    with pytest.raises(UserError, match="exceed"):
+        measure_profile(_opts(tmp_path, gpu_mem_bytes=2**50))
+    with pytest.raises(UserError, match="directory .* does not exist"):
+        profile_machine(_opts(tmp_path, output=tmp_path / "nope" / "p.json"))
+
+
+def test_parse_bytes():
+    assert parse_bytes("8GiB") == 8 * 2**30 and parse_bytes("512MiB") == 512 * MiB
+    assert parse_bytes("16GB") == 16 * 10**9 and parse_bytes("8e9") == 8 * 10**9 and parse_bytes("4096") == 4096
+    for bad in ("lots", "-1GiB", "0"):
+        with pytest.raises(UserError):
+            parse_bytes(bad)
+
+
+def _xsched(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "xsched", *args], capture_output=True, text=True, **kw)
+
+
+def _unwritable_dir(tmp_path: Path) -> Path:
+    if os.geteuid() == 0:
+        return Path("/sys")  # sysfs refuses new files even to root
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    return d
+
+
+def test_cli_errors_exit_2_with_one_line(tmp_path):
+    cases = [
+        (["profile", "--offload-dir", str(_unwritable_dir(tmp_path)), "-o", str(tmp_path / "p.json")],
+         "not usable"),
+        (["profile", "--offload-dir", str(tmp_path), "--disk-test-bytes", "1PiB", "-o", str(tmp_path / "p.json")],
+         "is not a size"),
+        (["profile", "--offload-dir", str(tmp_path), "--disk-test-bytes", "1000TiB", "-o", str(tmp_path / "p.json")],
+         "MiB free but the disk test needs"),
+        (["profile", "--model", "gpt-9", "-o", str(tmp_path / "p.json")], "unknown model"),
+        (["profile"], "-o profile.json"),
+        (["profile", "show", str(tmp_path / "missing.json")], "neither a profile file nor a preset"),
+    ]
+    (tmp_path / "bad.json").write_text("{not json")
+    cases.append((["profile", "show", str(tmp_path / "bad.json")], "not valid JSON"))
+    for args, message in cases:
+        r = _xsched(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert list(tmp_path.glob("xsched-profile-*")) == []
+
+
+def test_cli_show_list_and_mismatch_warning(tmp_path):
+    r = _xsched("profile", "list")
+    assert r.returncode == 0 and all(n in r.stdout for n in ("flexgen-t4", "flexgen-rtx3090", "a100-80gb",
+                                                               "h100-80gb"))
+    r = _xsched("profile", "list", "--json")
+    assert set(json.loads(r.stdout)) == {"flexgen-t4", "flexgen-rtx3090", "a100-80gb", "h100-80gb"}
+    r = _xsched("profile", "show", "flexgen-t4")
+    assert r.returncode == 0 and "Tesla T4" in r.stdout and "1.6 GB/s" in r.stdout and "Table 24" in r.stdout
+    # a measured profile from another machine: shown, with a one-line warning naming the difference
+    from xprofiler.fingerprint import detect_fingerprint
+    from xprofiler.presets import load_preset
+
+    here = detect_fingerprint()
+    other = dataclasses.replace(load_preset("flexgen-t4"), source="measured",
+                                fingerprint=dataclasses.replace(here, cpu_cores=here.cpu_cores + 62))
+    other.save(tmp_path / "other.json")
+    r = _xsched("profile", "show", str(tmp_path / "other.json"), "--json")
+    assert r.returncode == 0 and HardwareProfile.from_json(r.stdout) == other
+    assert r.stderr.startswith("xsched: warning:") and "cpu_cores" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_ctrl_c_removes_the_test_file(tmp_path):
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "xsched", "profile", "--quick", "--quiet", "--offload-dir",
+                             str(offload), "--disk-test-bytes", "64MiB", "-o", str(tmp_path / "p.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(offload.glob("xsched-profile-*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert list(offload.glob("xsched-profile-*")), "the profile never created its test file"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert list(offload.iterdir()) == [] and not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.slow
+def test_cli_quick_profile_end_to_end(tmp_path):
+    out = tmp_path / "p.json"
+    r = _xsched("profile", "--quick", "--quiet", "--model", "smollm2-135m", "--offload-dir", str(tmp_path),
+                "-o", str(out), timeout=400)
+    assert r.returncode == 0, r.stderr
+    prof = HardwareProfile.load(out)
+    assert prof.layer_fit("smollm2-135m", "prefill") and prof.layer_fit("smollm2-135m", "decode")
+    assert prof.wall_s <= 180 * 1.5  # goal 180 s on an idle 2-core machine; slack for a loaded one
+    assert (tmp_path / "p.samples.csv").exists() and list(tmp_path.glob("xsched-profile-*")) == []

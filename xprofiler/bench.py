@@ -1,0 +1,178 @@
+"""Microbenchmarks: copies between tiers, disk I/O around the page cache, GEMM, attention, memory.
+
+Each function returns ``samples.Point`` lists for ``samples.run_points``. On a CUDA device,
+time comes from CUDA events around the call; on the CPU, from ``time.perf_counter``. On a
+host without a GPU the ``gpu`` tier is RAM, so ctog/gtoc are memcpy between two RAM buffers:
+exactly what the offloading engine does there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from xprofiler.diskio import DirectFile, aligned_empty
+from xprofiler.samples import Point, sample_meta, wall_clock
+
+# Each sample moves at least this many bytes (several transfers for small sizes), so that
+# the timer's resolution and the Python call overhead stay small against the transfer.
+MIN_BYTES_PER_CALL = 4 * 2**20
+
+
+class Timer:
+    """Seconds of one call on ``device``: CUDA events on a GPU, wall clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.device)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return wall_clock(fn)
+
+
+# ----------------------------------------------------------------------------- copies
+def copy_points(device: torch.device, sizes: Sequence[int], pinned: bool = True) -> list[Point]:
+    """ctog and gtoc at each size: host->device and device->host (RAM->RAM on a CPU host).
+
+    On CUDA the host buffer is pinned unless ``pinned`` is False (then the benches are named
+    ``ctog_pageable``/``gtoc_pageable``); copies are ``non_blocking`` so pinned ones use DMA.
+    """
+    n_max = max(sizes)
+    cuda = device.type == "cuda"
+    host = torch.empty(n_max, dtype=torch.uint8, pin_memory=cuda and pinned)
+    dev = torch.empty(n_max, dtype=torch.uint8, device=device)
+    host.fill_(1)
+    dev.fill_(2)  # touch every page now, not inside the first timed copy
+    suffix = "" if (pinned or not cuda) else "_pageable"
+    points = []
+    for n in sizes:
+        count = max(1, MIN_BYTES_PER_CALL // n)
+
+        def ctog(n: int = n) -> None:
+            dev[:n].copy_(host[:n], non_blocking=True)
+
+        def gtoc(n: int = n) -> None:
+            host[:n].copy_(dev[:n], non_blocking=True)
+
+        points.append(Point(sample_meta("ctog" + suffix, size_bytes=n, count=count), ctog))
+        points.append(Point(sample_meta("gtoc" + suffix, size_bytes=n, count=count), gtoc))
+    return points
+
+
+# ----------------------------------------------------------------------------- disk
+class DiskBench:
+    """ctod/dtoc points on one test file in the offload directory, around the page cache.
+
+    The file is filled with random bytes first (a sparse file or zero pages could be served
+    without touching the device); each timed call then writes or reads the next region of the
+    file, wrapping around, so no call re-reads what the previous one just moved.
+    """
+
+    def __init__(self, path: Path, file_bytes: int, sizes: Sequence[int], direct: bool | None = None):
+        self.sizes = sorted(sizes)
+        self.file_bytes = file_bytes
+        self.file = DirectFile(path, "rw", direct=direct)
+        self.buf = aligned_empty(max(self.sizes))
+        self.buf[:] = np.random.default_rng(0).integers(0, 256, self.buf.size, dtype=np.uint8)
+        self._cursor = 0
+
+    @property
+    def method(self) -> str:
+        return self.file.method
+
+    def fill(self) -> None:
+        self.file.allocate(self.file_bytes)
+        chunk = len(self.buf)
+        for off in range(0, self.file_bytes, chunk):
+            n = min(chunk, self.file_bytes - off)
+            self.file.write_at(self.buf[:n], off)
+
+    def _next_offset(self, n: int) -> int:
+        if self._cursor + n > self.file_bytes:
+            self._cursor = 0
+        off = self._cursor
+        self._cursor += n
+        return off
+
+    def points(self) -> list[Point]:
+        points = []
+        for n in self.sizes:
+            count = max(1, MIN_BYTES_PER_CALL // n)
+            view = self.buf[:n]
+
+            def write(n: int = n, view: np.ndarray = view) -> None:
+                self.file.write_at(view, self._next_offset(n))
+
+            def read(n: int = n, view: np.ndarray = view) -> None:
+                self.file.read_into(view, self._next_offset(n))
+
+            points.append(Point(sample_meta("ctod", size_bytes=n, count=count), write))
+            points.append(Point(sample_meta("dtoc", size_bytes=n, count=count), read))
+        return points
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# ----------------------------------------------------------------------------- compute
+def gemm_point(bench: str, device: torch.device, dtype: torch.dtype, tokens: int, d_in: int, d_out: int,
+               label: str = "") -> Point:
+    """``[tokens, d_in] x [d_out, d_in]^T``: a prefill chunk through one projection."""
+    x = torch.randn(tokens, d_in, device=device).to(dtype)
+    w = (torch.randn(d_out, d_in, device=device) * 0.02).to(dtype)
+    flops = 2.0 * tokens * d_in * d_out
+    shape = f"{label}{tokens}x{d_in}x{d_out}"
+    return Point(sample_meta(bench, dtype=str(dtype).removeprefix("torch."), shape=shape, flops=flops),
+                 lambda: torch.nn.functional.linear(x, w))
+
+
+def attention_point(bench: str, device: torch.device, dtype: torch.dtype, batch: int, heads: int, length: int,
+                    head_dim: int, label: str = "") -> Point:
+    """Attention scores and weighted sum as two batched matmuls over ``length`` keys."""
+    q = torch.randn(batch, heads, length, head_dim, device=device).to(dtype)
+    k = torch.randn(batch, heads, length, head_dim, device=device).to(dtype)
+    v = torch.randn(batch, heads, length, head_dim, device=device).to(dtype)
+    flops = 4.0 * batch * heads * head_dim * length * length
+    shape = f"{label}{batch}x{heads}x{length}x{head_dim}"
+
+    def fn() -> torch.Tensor:
+        return torch.matmul(torch.matmul(q, k.transpose(-1, -2)), v)
+
+    return Point(sample_meta(bench, dtype=str(dtype).removeprefix("torch."), shape=shape, flops=flops), fn)
+
+
+def gemv_point(bench: str, device: torch.device, dtype: torch.dtype, weight_bytes: int, d_in: int) -> Point:
+    """Matrix-vector product over a large weight: the memory roof a decode step sees."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    rows = max(1, weight_bytes // (elem * d_in))
+    w = (torch.randn(rows, d_in, device=device) * 0.02).to(dtype)
+    x = torch.randn(1, d_in, device=device).to(dtype)
+    nbytes = float(w.numel() * elem)
+    return Point(sample_meta(bench, dtype=str(dtype).removeprefix("torch."), shape=f"{rows}x{d_in}", bytes=nbytes),
+                 lambda: torch.nn.functional.linear(x, w))
+
+
+def quant_points(device: torch.device, dtype: torch.dtype, shapes: Sequence[tuple[str, int, int]]) -> list[Point]:
+    """Group-wise 4-bit quantize and dequantize of MLP weights, with the runner's quantizer."""
+    from xrunner.compression import dequantize, quantize
+
+    points = []
+    for label, rows, cols in shapes:
+        w = (torch.randn(rows, cols, device=device) * 0.02).to(dtype)
+        q = quantize(w)
+        meta = dict(dtype=str(dtype).removeprefix("torch."), shape=f"{label}{rows}x{cols}",
+                    bytes=float(w.numel() * w.element_size()))
+        points.append(Point(sample_meta("quant", **meta), lambda w=w: quantize(w)))
+        points.append(Point(sample_meta("dequant", **meta), lambda q=q: dequantize(q)))
+    return points

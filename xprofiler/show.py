@@ -1,0 +1,102 @@
+"""Readable summaries of profiles for ``xsched profile show`` and ``xsched profile list``.
+
+Plain text tables, SI-prefixed, so a user can compare a measured profile with a preset at a
+glance. No torch.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from xprofiler.profile import CHANNELS, BandwidthCurve, HardwareProfile
+
+GiB = 2**30
+
+
+def si(value: float, unit: str) -> str:
+    """``1.5e9, "B/s"`` -> ``1.50 GB/s`` (decimal prefixes, three significant digits)."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f} GiB"
+
+
+def _curve(c: BandwidthCurve) -> str:
+    large = si(c.large_bytes_per_s, "B/s")
+    if not c.sizes_bytes:
+        return f"{large} (flat)"
+    pts = ", ".join(f"{_size(s)}: {si(b, 'B/s')}" for s, b in zip(c.sizes_bytes, c.bytes_per_s))
+    return f"{large} large; {pts}"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
+def summary(p: HardwareProfile) -> str:
+    """Multi-line human-readable description of a profile."""
+    fp = p.fingerprint
+    gpu = f"{fp.gpu_name} ({gib(fp.gpu_mem_bytes)})" if fp.gpu_name else "none"
+    lines = [
+        f"profile {p.name} ({p.source}{', ' + p.created if p.created else ''})",
+        f"  machine      {fp.cpu_model}, {fp.cpu_cores} cores, {gib(fp.ram_bytes)} RAM; GPU {gpu}; "
+        f"torch {fp.torch_version}; offload fs {fp.offload_fs}",
+        f"  compute      {p.compute_device}" + (f", {p.compute_dtype}" if p.compute_dtype else "")
+        + (f", disk I/O via {p.disk_io}" if p.disk_io else "") + (f", took {p.wall_s:.0f} s" if p.wall_s else ""),
+        f"  capacity     gpu {gib(p.gpu_bytes)}, cpu {gib(p.cpu_bytes)}, disk {gib(p.disk_bytes)}",
+    ]
+    for ch in CHANNELS:
+        lines.append(f"  {ch:<12} {_curve(p.bandwidth(ch))}")
+    for name in ("ctog_pageable", "gtoc_pageable"):
+        c = getattr(p, name)
+        if c is not None:
+            lines.append(f"  {name:<12} {_curve(c)}")
+    lines += [
+        f"  device       mm {si(p.mm_flops, 'FLOP/s')}, bmm {si(p.bmm_flops, 'FLOP/s')}, memory roof "
+        + (si(p.mem_bytes_per_s, "B/s") if p.mem_bytes_per_s else "unknown"),
+        f"  host cpu     mm {si(p.cpu_mm_flops, 'FLOP/s')}, bmm {si(p.cpu_bmm_flops, 'FLOP/s')}, memory roof "
+        + (si(p.cpu_mem_bytes_per_s, "B/s") if p.cpu_mem_bytes_per_s else "unknown"),
+        f"  4-bit        quantize {si(p.quant_bytes_per_s, 'B/s')}, dequantize {si(p.dequant_bytes_per_s, 'B/s')}",
+    ]
+    if p.layer_fits:
+        lines.append("  layer fits   model / phase: time = sum of terms (1/coef as a rate); linear-part error med/max")
+        for f in p.layer_fits:
+            terms = ", ".join(_term(n, c) for n, c in zip(f.features, f.coef))
+            grid = f", grid {len(f.grid_batches)}x{len(f.grid_lengths)}" if f.grid_ratio else ""
+            lines.append(f"    {f.model} / {f.phase} ({f.dtype}, {f.n_samples} points{grid}): {terms}; "
+                         f"error {f.median_rel_error:.1%} / {f.max_rel_error:.1%}")
+    else:
+        lines.append("  layer fits   none (compute time from the flop rates and memory roofs)")
+    if p.calibration:
+        lines.append("  calibration  " + ", ".join(f"{k} x{v:.3g}" for k, v in sorted(p.calibration.items())))
+    if p.notes:
+        lines.append(textwrap.fill(p.notes, width=110, initial_indent="  notes        ",
+                                   subsequent_indent=" " * 15))
+    return "\n".join(lines)
+
+
+def _term(name: str, coef: float) -> str:
+    if coef == 0:
+        return f"{name} 0"
+    if name == "const":
+        return f"{coef * 1e3:.3g} ms"
+    if name.endswith("flops"):
+        return f"{name} @ {si(1 / coef, 'FLOP/s')}"
+    if name.endswith("bytes"):
+        return f"{name} @ {si(1 / coef, 'B/s')}"
+    return f"{name} x {coef * 1e6:.3g} us"
+
+
+def one_line(p: HardwareProfile) -> str:
+    """A row of ``xsched profile list``."""
+    gpu = p.fingerprint.gpu_name or f"{p.compute_device} (no GPU)"
+    return (f"{p.name:<16} {gpu:<24} gpu {gib(p.gpu_bytes):>9}  cpu {gib(p.cpu_bytes):>9}  "
+            f"disk {gib(p.disk_bytes):>10}  ctog {si(p.ctog.large_bytes_per_s, 'B/s'):>10}  "
+            f"dtoc {si(p.dtoc.large_bytes_per_s, 'B/s'):>10}  mm {si(p.mm_flops, 'FLOP/s'):>13}")
