@@ -22,7 +22,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from xprofiler.samples import Point, Row, sample_meta, summarize_by
-from xprofiler.fit import fit_layer
 from xprofiler.profile import LayerFit
 from xprofiler.specs import ModelSpec
 
@@ -150,6 +149,8 @@ def point_times(rows: Sequence[Row], model: str, phase: str, stat: str = "median
 def fit_sweeps(spec: ModelSpec, rows: Sequence[Row], dtype: str, samples_csv: str = "", stat: str = "median"
                ) -> list[LayerFit]:
     """One ``LayerFit`` per phase that has samples for ``spec``."""
+    from xprofiler.fit import fit_layer  # scipy: only when fitting
+
     fits = []
     for phase in PHASES:
         b, n, t = point_times(rows, spec.name, phase, stat)
