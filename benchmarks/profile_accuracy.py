@@ -35,7 +35,7 @@ from xprofiler.sweeps import QUICK_GRIDS, estimate_s, layer_points, point_times,
 # Held-out points: between the quick grid's nodes (see xprofiler.sweeps.QUICK_GRIDS).
 HELD_OUT = {
     "prefill": ((3, 6), (32, 128, 384)),
-    "decode": ((3, 6, 12, 24, 48), (256, 1024)),
+    "decode": ((5, 12, 24, 48), (256, 1024)),
 }
 
 
@@ -101,7 +101,7 @@ def accuracy(model: str, passes: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--passes", type=int, default=7)
+    ap.add_argument("--passes", type=int, default=15, help="interleaved passes (the quick profile uses up to 15)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     ap.add_argument("--offload-dir", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--skip-cli", action="store_true", help="skip the timed `xsched profile --quick` run")

@@ -27,7 +27,7 @@ from xprofiler.specs import ModelSpec
 
 PHASES: tuple[str, ...] = ("prefill", "decode")
 CALL_OVERHEAD_S = 3e-4  # rough fixed cost of one layer call on the CPU, for budgeting only
-MIN_SAMPLE_S = 0.02  # short layer steps are repeated back-to-back up to about this long per sample
+MIN_SAMPLE_S = 0.05  # short layer steps are repeated back-to-back up to about this long per sample
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Grid:
 
 QUICK_GRIDS: dict[str, Grid] = {
     "prefill": Grid((1, 2, 4, 8), (16, 64, 256, 512)),
-    "decode": Grid((1, 2, 4, 8, 16, 32, 64), (128, 512, 2048)),
+    "decode": Grid((1, 2, 3, 4, 8, 16, 32, 64), (128, 512, 2048)),
 }
 FULL_GRIDS: dict[str, Grid] = {
     "prefill": Grid((1, 2, 4, 8, 16), (16, 32, 64, 128, 256, 512, 1024)),
