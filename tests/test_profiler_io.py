@@ -101,3 +101,32 @@ def test_mismatch_warning_names_the_difference(tmp_path):
     moved = dataclasses.replace(same, fingerprint=dataclasses.replace(here, offload_fs="nfs4"))
     assert machine_differences(moved) == []
     assert any("offload_fs" in d for d in machine_differences(moved, offload_dir=tmp_path))
+
+
+def test_harness_interleaves_passes_and_honours_the_deadline():
+    import time
+
+    from xprofiler.samples import Point, bandwidth_curve, rate, run_points, sample_meta, wall_clock
+
+    calls = []
+    points = [Point(sample_meta("ctog", size_bytes=2**20, count=3), lambda: calls.append("a")),
+              Point(sample_meta("ctog", size_bytes=2**22, count=1), lambda: calls.append("b"))]
+    rows = run_points(points, wall_clock, passes=4, warmup=1, seed=0)
+    assert len(rows) == 8 and sorted(r["pass"] for r in rows) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert calls.count("a") == 3 * 5 and calls.count("b") == 5  # count calls per sample, warm-up included
+    past = time.monotonic() - 1
+    rows = run_points(points, wall_clock, passes=10, warmup=0, deadline=past, min_passes=2)
+    assert len(rows) == 4  # only the guaranteed passes
+
+    # summaries: a rate is amount / (statistic of the per-call time), per size
+    fake = [dict(sample_meta("dtoc", size_bytes=2**20, count=2), time_s=t) for t in (2e-3, 4e-3, 8e-3)]
+    fake += [dict(sample_meta("dtoc", size_bytes=2**22, count=1), time_s=t) for t in (2e-3, 3e-3, 9e-3)]
+    med = bandwidth_curve(fake, "dtoc")
+    assert med.sizes_bytes == (2**20, 2**22)
+    assert med.bytes_per_s[0] == pytest.approx(2**20 / 2e-3) and med.large_bytes_per_s == pytest.approx(2**22 / 3e-3)
+    assert bandwidth_curve(fake, "dtoc", "min").bytes_per_s[0] == pytest.approx(2**20 / 1e-3)
+    flops = [dict(sample_meta("mm", shape=s, flops=f), time_s=t) for s, f, t in
+             (("a", 1e9, 0.01), ("a", 1e9, 0.02), ("a", 1e9, 0.03), ("b", 4e9, 0.01))]
+    assert rate(flops, "mm") == pytest.approx(np.median([1e9 / 0.02, 4e9 / 0.01]))
+    with pytest.raises(ValueError, match="no samples"):
+        rate(flops, "bmm")

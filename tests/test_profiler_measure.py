@@ -199,3 +199,25 @@ def test_cli_quick_profile_end_to_end(tmp_path):
     assert prof.layer_fit("smollm2-135m", "prefill") and prof.layer_fit("smollm2-135m", "decode")
     assert prof.wall_s <= 180 * 1.5  # goal 180 s on an idle 2-core machine; slack for a loaded one
     assert (tmp_path / "p.samples.csv").exists() and list(tmp_path.glob("xsched-profile-*")) == []
+
+
+def test_sweeps_time_the_runners_own_layer_forward(monkeypatch):
+    import xrunner.model
+    from xprofiler.sweeps import layer_points
+
+    seen = []
+    real = xrunner.model.layer_forward
+
+    def spy(spec, w, hidden, pos, rope, kc, vc, mask, start):
+        seen.append((tuple(hidden.shape), tuple(kc.shape), tuple(mask.shape), start))
+        return real(spec, w, hidden, pos, rope, kc, vc, mask, start)
+
+    monkeypatch.setattr(xrunner.model, "layer_forward", spy)
+    pre = layer_points(TINY, "prefill", {(2, 32): 1, (1, 8): 1}, "cpu", "float32")
+    dec = layer_points(TINY, "decode", [(4, 64)], "cpu", "float32")
+    out = pre[0].fn()
+    dec[0].fn()
+    assert out.shape == (2, 32, TINY.hidden)
+    # prefill: the whole prompt at cache position 0; decode: one token attending to `length` keys
+    assert seen == [((2, 32, 64), (2, 2, 32, 16), (2, 32), 0), ((4, 1, 64), (4, 2, 64, 16), (4, 64), 63)]
+    assert pre[0].meta["shape"] == "2x32" and dec[0].meta["phase"] == "decode"

@@ -81,7 +81,6 @@ def _models(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     import dataclasses
-    import tempfile
 
     from xprofiler.measure import FULL, QUICK, ProfileOptions, parse_bytes, profile_machine
     from xprofiler.show import summary
@@ -91,7 +90,7 @@ def _profile(args: argparse.Namespace) -> int:
         raise UserError("say where to write the profile: xsched profile -o profile.json")
     settings = dataclasses.replace(QUICK if args.quick else FULL, stat=args.stat)
     opts = ProfileOptions(
-        output=args.output, offload_dir=args.offload_dir or Path(tempfile.gettempdir()),
+        output=args.output, offload_dir=args.offload_dir,
         models=tuple(args.model), quick=args.quick, dtype=args.dtype, name=args.name,
         gpu_mem_bytes=parse_bytes(args.gpu_mem) if args.gpu_mem else None,
         cpu_mem_bytes=parse_bytes(args.cpu_mem) if args.cpu_mem else None,

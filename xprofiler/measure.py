@@ -71,7 +71,7 @@ class ProfileOptions:
     """Everything ``xsched profile`` accepts; ``None`` means "choose from this machine"."""
 
     output: Path
-    offload_dir: Path = Path(tempfile.gettempdir())
+    offload_dir: Path | None = None  # None: the system temporary directory
     models: tuple[Any, ...] = ()  # names/paths (see sweeps.resolve_spec) or ModelSpecs
     quick: bool = False
     gpu_mem_bytes: int | None = None
@@ -196,7 +196,7 @@ def measure_profile(opts: ProfileOptions) -> tuple[HardwareProfile, list[dict[st
     if opts.threads is not None and opts.threads < 1:
         raise UserError(f"--threads {opts.threads}: give a positive number of threads")
     disk_test = round_up(max(opts.disk_test_bytes or st.disk_file_bytes, max(st.disk_sizes)))
-    offload = opts.offload_dir.expanduser().resolve()
+    offload = Path(opts.offload_dir or tempfile.gettempdir()).expanduser().resolve()
     check_offload_dir(offload, disk_test)
     specs = [resolve_spec(m) for m in opts.models]
 
@@ -221,12 +221,19 @@ class _Run:
     rows: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def run(self, name: str, points: Sequence[Any], passes: int | None = None) -> None:
+    def run(self, name: str, points: Sequence[Any], passes: int | None = None, timer: Any = None,
+            deadline: float | None = None) -> None:
+        """Time ``points``; ``timer`` overrides the device timer (host-only work on a CUDA host).
+
+        With a ``deadline`` (monotonic seconds) passes beyond ``sweep_min_passes`` are skipped
+        once it is past.
+        """
         from xprofiler.samples import calls_for, run_points
 
         passes = passes or self.st.passes
         self.bar.stage(name, calls_for(points, passes, self.st.warmup))
-        self.rows.extend(run_points(points, self.timer, passes, self.st.warmup, tick=self.bar.tick))
+        self.rows.extend(run_points(points, timer or self.timer, passes, self.st.warmup, tick=self.bar.tick,
+                                    deadline=deadline, min_passes=self.st.sweep_min_passes))
 
     def rate(self, bench: str, unit: str = "flops") -> float:
         from xprofiler.samples import rate
@@ -306,6 +313,7 @@ def _run_benchmarks(r: _Run, opts: ProfileOptions, device: Any, dtype: str, spec
     import torch
 
     from xprofiler import bench
+    from xprofiler.samples import wall_clock
 
     st, cuda, tdt = r.st, device.type == "cuda", getattr(torch, dtype)
     copy_sizes = [s for s in st.copy_sizes if 2 * s <= gpu_bytes] or [min(st.copy_sizes)]
@@ -316,13 +324,14 @@ def _run_benchmarks(r: _Run, opts: ProfileOptions, device: Any, dtype: str, spec
     disk = bench.DiskBench(test_file, disk_test, st.disk_sizes, direct=opts.direct_io)
     try:
         disk.fill()
-        r.run("disk", disk.points())
+        r.run("disk", disk.points(), timer=wall_clock)
     finally:
         disk.close()
     shapes = _model_shapes(specs)
     r.run("compute", _compute_points(bench, device, tdt, shapes, st))
     if cuda:
-        r.run("cpu compute", _compute_points(bench, torch.device("cpu"), torch.float32, shapes, st, prefix="cpu_"))
+        cpu_points = _compute_points(bench, torch.device("cpu"), torch.float32, shapes, st, prefix="cpu_")
+        r.run("cpu compute", cpu_points, timer=wall_clock)
     r.run("quantization", bench.quant_points(device, tdt, [(label, f, h) for label, h, f, _, _ in shapes]))
     return disk.method
 
@@ -342,13 +351,15 @@ def _run_sweeps(r: _Run, opts: ProfileOptions, device: Any, dtype: str, specs: l
             if phase not in st.grids:
                 continue
             budget = st.sweep_budget_s / (len(specs) * len(PHASES))
+            deadline = time.monotonic() + budget
             pts, passes, dropped = sweeps.plan_points(
                 spec, phase, st.grids[phase], budget, mm, mem, DTYPE_BYTES[dtype], st.sweep_min_passes,
                 st.sweep_max_passes, st.warmup, kv_limit_bytes=0.25 * gpu_bytes)
             if dropped:
                 r.notes.append(sweeps.describe_dropped(spec.name, phase, dropped))
             if pts:
-                r.run(f"{spec.name} {phase}", sweeps.layer_points(spec, phase, pts, device, dtype), passes)
+                points = sweeps.layer_points(spec, phase, pts, device, dtype)
+                r.run(f"{spec.name} {phase}", points, passes, deadline=deadline)
         fits.extend(sweeps.fit_sweeps(spec, r.rows, dtype, csv_name, st.stat))
     return fits
 

@@ -48,8 +48,13 @@ def wall_clock(fn: Callable[[], Any]) -> float:
 
 
 def run_points(points: Sequence[Point], timer: Clock, passes: int, warmup: int = 1, seed: int = 0,
-               tick: Callable[[int], Any] | None = None) -> list[Row]:
-    """Warm up every point, then time each once per pass in a shuffled order; one row per sample."""
+               tick: Callable[[int], Any] | None = None, deadline: float | None = None,
+               min_passes: int = 1) -> list[Row]:
+    """Warm up every point, then time each once per pass in a shuffled order; one row per sample.
+
+    After ``min_passes`` passes, no new pass starts once ``time.monotonic()`` is past
+    ``deadline``: the budget holds even when the machine is slower than planned.
+    """
     rows: list[Row] = []
     for p in points:
         for _ in range(warmup):
@@ -58,6 +63,10 @@ def run_points(points: Sequence[Point], timer: Clock, passes: int, warmup: int =
             tick(warmup)
     rng = random.Random(seed)
     for k in range(passes):
+        if deadline is not None and k >= min_passes and time.monotonic() > deadline:
+            if tick:
+                tick(len(points) * (passes - k))
+            break
         order = list(range(len(points)))
         rng.shuffle(order)
         for i in order:
