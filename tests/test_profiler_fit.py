@@ -170,3 +170,14 @@ def test_flexgen_t4_preset_matches_the_paper():
     assert (p.dtoc.large_bytes_per_s, p.ctod.large_bytes_per_s) == (1.6e9, 1.3e9)  # FlexGen Table 24
     rtx = load_preset("flexgen-rtx3090")
     assert (rtx.gpu_bytes, rtx.cpu_bytes, rtx.disk_bytes) == (24 * 10**9, 125 * 2**30, 10**12)  # Table 12
+
+
+def test_parts_split_attention_and_keep_the_correction():
+    fit = fit_layer(SPEC, "decode", DB, DN, decode_truth(DB, DN) * np.where(DB > 4, 1.2, 1.0), model="m",
+                    dtype="float32")
+    b, n = np.array([2.0, 16.0, 40.0]), np.array([300.0, 1000.0, 2048.0])
+    other, attn = fit.parts_s(SPEC, b, n)
+    assert np.allclose(other + attn, fit.predict_s(SPEC, b, n), rtol=1e-12)
+    # the attention part is the KV-read term, corrected by the same factor
+    assert np.allclose(attn, fit.coef[fit.features.index("kv_bytes")] * layer_features(SPEC, "decode", b, n)["kv_bytes"]
+                       * fit.correction(b, n), rtol=1e-12)

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from xprofiler import HardwareProfile
-from xprofiler.measure import QUICK, ProfileOptions, Settings, measure_profile, parse_bytes, profile_machine
+from xprofiler.measure import ProfileOptions, Settings, measure_profile, parse_bytes, profile_machine
 from xprofiler.specs import ModelSpec
 from xprofiler.sweeps import Grid
 from xsched.errors import UserError

@@ -103,6 +103,9 @@ LAYER_FEATURES: dict[str, tuple[str, ...]] = {
 }
 
 
+ATTENTION_FEATURES: tuple[str, ...] = ("attn_flops", "kv_bytes")  # terms that scale with the context
+
+
 def layer_features(spec: "ModelSpec", phase: str, batch: Any, length: Any) -> dict[str, Any]:
     """Features of one layer step whose weighted sum predicts its time.
 
@@ -194,6 +197,22 @@ class LayerFit:
     def predict_s(self, spec: "ModelSpec", batch: Any, length: Any) -> Any:
         """Predicted seconds of one layer step (floats or numpy arrays)."""
         return self.linear_s(spec, batch, length) * self.correction(batch, length)
+
+    def parts_s(self, spec: "ModelSpec", batch: Any, length: Any) -> tuple[Any, Any]:
+        """``predict_s`` split into (attention-free part, attention part), both corrected.
+
+        The attention part is the terms in ``ATTENTION_FEATURES``; a caller that moves attention
+        elsewhere (CPU delegation) replaces that part and keeps the other.
+        """
+        feats = layer_features(spec, self.phase, batch, length)
+        other, attn = 0.0, 0.0
+        for name, c in zip(self.features, self.coef):
+            if name in ATTENTION_FEATURES:
+                attn = attn + c * feats[name]
+            else:
+                other = other + c * feats[name]
+        k = self.correction(batch, length)
+        return other * k, attn * k
 
 
 def _bracket(axis: tuple[int, ...], value: Any) -> tuple[Any, Any]:
