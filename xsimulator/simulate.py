@@ -1,0 +1,265 @@
+"""Discrete-event simulation of the zig-zag block schedule over a stream of requests.
+
+The job is cut into *intervals*: with ``refill_every = R > 0`` an interval is one refill (a
+prefill of the rows that joined) followed by R decode steps; with ``R = 0`` an interval is a
+whole block (its prefill, then decode until its longest request finishes). Between intervals,
+free slots take the next queued requests, so R = 0 is the special case where every slot is free
+at every interval start. Steps in which no row is active cost nothing, which is the same as
+refilling at once when everything finished early.
+
+Everything after the slot assignment is vectorised: the per-(interval, step, GPU batch) active
+rows and padded context lengths are built with numpy, and :class:`CostModel.block_step` prices
+all steps in one call (the model's layers are identical, so a step is ``num_layers`` layer
+steps plus the head). Semantics: docs/ARCHITECTURE.md "Shared execution semantics".
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from workloads.workload import Workload
+from xprofiler.profile import HardwareProfile
+from xprofiler.specs import ModelSpec
+from xsched.errors import UserError
+from xsimulator.costmodel import FACTOR_TERMS, BlockStep, CostModel, fits_in
+from xsimulator.policy import Policy
+from xsimulator.result import SimResult
+
+DEFAULT_REQUESTS = 2000
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Where and when each request runs: its slot (row of the block) and its first interval."""
+
+    slot: np.ndarray  # [N] slot index; GPU batch = slot // gbs
+    join: np.ndarray  # [N] interval in which the request is prefilled
+    intervals_held: np.ndarray  # [N] intervals the request occupies its slot
+    num_intervals: int
+    interval_steps: int  # decode steps per interval (R, or the longest output - 1 when R = 0)
+
+
+def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy) -> Schedule:
+    """Give queued requests to free slots at each interval start, in queue order.
+
+    With ``bucket`` the requests joining together are sorted by prompt length before they fill
+    the free slots in slot order, so each GPU batch gets similar lengths. A request of ``n``
+    output tokens holds its slot for ``max(1, ceil((n - 1) / R))`` intervals (prefill makes the
+    first token, each decode step one more).
+    """
+    n = len(prompt)
+    bls = policy.block_size
+    r = policy.refill_every
+    steps = int(output.max()) - 1 if r == 0 else r
+    held = np.ones(n, np.int64) if r == 0 else np.maximum(1, -(-(output - 1) // r))
+    # Sequential by nature (who gets a slot depends on when earlier requests finish), so this
+    # loop does O(1) list operations per request; everything after it is vectorised.
+    held_l, prompt_l = held.tolist(), prompt.tolist()
+    slot_l, join_l = [0] * n, [0] * n
+    free_by_interval: dict[int, list[int]] = {0: list(range(bls))}
+    pending = [0]
+    pos = 0
+    while pos < n:
+        j = heapq.heappop(pending)
+        free = sorted(free_by_interval.pop(j))
+        take = min(len(free), n - pos)
+        ids = range(pos, pos + take)
+        if policy.bucket and take > 1:
+            ids = sorted(ids, key=prompt_l.__getitem__)
+        for s, i in zip(free, ids):
+            slot_l[i] = s
+            join_l[i] = j
+            f = j + held_l[i]
+            group = free_by_interval.get(f)
+            if group is None:
+                free_by_interval[f] = [s]
+                heapq.heappush(pending, f)
+            else:
+                group.append(s)
+        pos += take
+    slot, join = np.array(slot_l, np.int64), np.array(join_l, np.int64)
+    return Schedule(slot, join, held, int((join + held).max()), max(steps, 0))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The priced schedule: per-interval prefill, per-step decode, request completion times."""
+
+    schedule: Schedule
+    prefill: BlockStep  # arrays over intervals [J]
+    decode: BlockStep  # arrays over [J, interval_steps]
+    prefill_rows: np.ndarray  # [J, nb]
+    prefill_len: np.ndarray  # [J, nb] padded prompt length of each GPU batch's new rows
+    decode_rows: np.ndarray  # [J, steps, nb]
+    decode_len: np.ndarray  # [J, steps, nb] padded context T
+    start_s: np.ndarray  # [J] interval start times
+    latency_s: np.ndarray  # [N]
+
+    @property
+    def wall_s(self) -> float:
+        return float(self.prefill.seconds.sum() + self.decode.seconds.sum())
+
+
+def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np.ndarray) -> Timeline:
+    """Simulate the requests (in queue order) under ``policy`` and price every step."""
+    sched = assign_slots(prompt, output, policy)
+    J, S = sched.num_intervals, sched.interval_steps
+    nb, gbs, bls = policy.nb, policy.gbs, policy.block_size
+    n = len(prompt)
+
+    # One entry per (request, interval it is present in).
+    reps = sched.intervals_held
+    if policy.refill_every == 0:
+        req, offs = np.arange(n), np.zeros(n, np.int64)
+    else:
+        req = np.repeat(np.arange(n), reps)
+        offs = np.arange(len(req)) - np.repeat(np.cumsum(reps) - reps, reps)
+    pj = sched.join[req] + offs
+    batch = sched.slot[req] // gbs
+    steps_in = np.clip(output[req] - 1 - offs * S, 0, S)  # decode steps done in this interval
+    ctx0 = prompt[req] + offs * S  # context before the interval's first decode step
+
+    # Prefill of the rows that join in each interval, per GPU batch.
+    new = offs == 0
+    cell = pj[new] * nb + batch[new]
+    prefill_rows = np.bincount(cell, minlength=J * nb).reshape(J, nb)
+    prefill_len = np.zeros(J * nb, np.int64)
+    np.maximum.at(prefill_len, cell, prompt[req[new]])
+    prefill_len = prefill_len.reshape(J, nb)
+
+    # Decode: rows active at step u are those doing >= u steps in the interval; the padded
+    # context is u plus the largest starting context among them (reverse cumulative max).
+    flat = (pj * (S + 1) + steps_in) * nb + batch
+    size = J * (S + 1) * nb
+    ending = np.bincount(flat, minlength=size).reshape(J, S + 1, nb)
+    decode_rows = np.cumsum(ending[:, ::-1], axis=1)[:, ::-1][:, 1:]
+    top = np.full(size, -1, np.int64)
+    np.maximum.at(top, flat, ctx0)
+    top = np.maximum.accumulate(top.reshape(J, S + 1, nb)[:, ::-1], axis=1)[:, ::-1][:, 1:]
+    decode_len = np.where(decode_rows > 0, top + np.arange(1, S + 1)[None, :, None], 0)
+
+    placement = policy.placement()
+    pf_on = prefill_rows > 0
+    pre = cm.block_step("prefill", prefill_rows, prefill_len, placement, pf_on, pf_on.any(axis=-1))
+    dec_on = decode_rows > 0
+    dec = cm.block_step("decode", decode_rows, decode_len, placement, dec_on, dec_on.any(axis=-1))
+
+    # Completion times: a request ends with the decode step that makes its last token.
+    interval_s = pre.seconds + dec.seconds.sum(axis=1)
+    start = np.concatenate(([0.0], np.cumsum(interval_s)[:-1]))
+    cum_step = np.concatenate((np.zeros((J, 1)), np.cumsum(dec.seconds, axis=1)), axis=1)
+    g = output - 1
+    last = sched.join + np.maximum(g - 1, 0) // max(S, 1)
+    u_last = np.where(g > 0, g - (last - sched.join) * S, 0)
+    finish = start[last] + pre.seconds[last] + cum_step[last, u_last]
+    latency = finish - start[sched.join]
+    return Timeline(sched, pre, dec, prefill_rows, prefill_len, decode_rows, decode_len, start, latency)
+
+
+def p99_length_latency(timeline: Timeline, output: np.ndarray, length: int) -> float:
+    """Latency of a request of ``length`` output tokens, worst over the intervals it could join.
+
+    Only intervals where some joining request runs at least that long are used, so the step
+    times up to that token are those of a job that really contains such a request.
+    """
+    sched = timeline.schedule
+    S = max(sched.interval_steps, 1)
+    long_enough = output >= length
+    if not long_enough.any():
+        return float(timeline.latency_s.max())
+    joins = np.unique(sched.join[long_enough])
+    g = length - 1
+    last = joins + max(g - 1, 0) // S
+    u_last = g - (last - joins) * S if g > 0 else np.zeros_like(joins)
+    cum = np.concatenate((np.zeros((len(timeline.start_s), 1)), np.cumsum(timeline.decode.seconds, axis=1)), axis=1)
+    finish = timeline.start_s[last] + timeline.prefill.seconds[last] + cum[last, u_last]
+    return float(np.max(finish - timeline.start_s[joins]))
+
+
+def quantile(values: np.ndarray, q: float, weights: np.ndarray | None = None) -> float:
+    """The smallest value with at least a fraction ``q`` of the (weighted) mass at or below it."""
+    if weights is None:
+        return float(np.quantile(values, q, method="inverted_cdf"))
+    order = np.argsort(values, kind="stable")
+    cw = np.cumsum(weights[order])
+    idx = int(np.searchsorted(cw, q * cw[-1] * (1 - 1e-12), side="left"))
+    return float(values[order][min(idx, len(values) - 1)])
+
+
+def summarize(cm: CostModel, policy: Policy, workload: Workload, *, method: str, profile: HardwareProfile,
+              num_requests: int, seed: int | None, wall_s: float, generated: float, prompt_tokens: float,
+              padded_prompt: float, latencies: np.ndarray, latency_weights: np.ndarray | None,
+              p99_length_s: float, prefill: BlockStep, decode: BlockStep, prefill_steps: int,
+              decode_steps: int) -> SimResult:
+    """Turn priced steps and request latencies into a SimResult (shared by both paths)."""
+    L = cm.spec.num_layers
+    busy: dict[str, float] = {}
+    for name in FACTOR_TERMS:
+        if name == "head":
+            busy[name] = float(np.sum(prefill.head_s) + np.sum(decode.head_s))
+        else:
+            busy[name] = float(L * (np.sum(getattr(prefill.terms, name)) + np.sum(getattr(decode.terms, name))))
+    compute_busy = busy["gpu_compute"] + busy["cpu_compute"] + busy["dequant"] + busy["quant"] + busy["head"]
+    peaks = cm.peak_bytes(policy, workload.prompt.max_len, workload.output.max_len)
+    caps = {t: float(profile.capacity_bytes(t)) for t in peaks}
+    mean_lat = float(np.average(latencies, weights=latency_weights))
+    return SimResult(
+        method=method, model=cm.spec.name, profile=profile.name, workload=workload.name, policy=policy,
+        num_requests=num_requests, seed=seed, wall_s=wall_s, generated_tokens=generated,
+        prompt_tokens=prompt_tokens, padded_prompt_tokens=padded_prompt,
+        throughput_tokens_per_s=generated / wall_s,
+        padded_throughput_tokens_per_s=(padded_prompt + generated) / wall_s,
+        total_throughput_tokens_per_s=(prompt_tokens + generated) / wall_s,
+        latency_mean_s=mean_lat, latency_p50_s=quantile(latencies, 0.5, latency_weights),
+        latency_p90_s=quantile(latencies, 0.9, latency_weights),
+        latency_p99_s=quantile(latencies, 0.99, latency_weights),
+        latency_max_s=float(np.max(latencies[latency_weights > 0] if latency_weights is not None else latencies)),
+        p99_output_len=workload.output.percentile(0.99), latency_p99_length_s=p99_length_s,
+        peak_bytes=peaks, capacity_bytes=caps, fits=all(fits_in(peaks, profile).values()), busy_s=busy,
+        stall_s=max(wall_s - compute_busy, 0.0), prefill_s=float(np.sum(prefill.seconds)),
+        decode_s=float(np.sum(decode.seconds)), num_prefill_steps=prefill_steps, num_decode_steps=decode_steps)
+
+
+def check_requests(prompt: Any, output: Any) -> tuple[np.ndarray, np.ndarray]:
+    p, o = np.asarray(prompt), np.asarray(output)
+    if p.ndim != 1 or p.shape != o.shape or p.size == 0:
+        raise UserError("requests need equally long, non-empty lists of prompt and output lengths")
+    if np.any(p < 1) or np.any(o < 1):
+        raise UserError("every request needs a prompt and an output of at least 1 token")
+    return p.astype(np.int64), o.astype(np.int64)
+
+
+def simulate(spec: ModelSpec, profile: HardwareProfile, policy: Policy, workload: Workload,
+             num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
+             requests: tuple[Any, Any] | None = None) -> SimResult:
+    """Discrete-event prediction for ``num_requests`` requests sampled from ``workload``.
+
+    ``requests = (prompt_lens, output_lens)`` simulates exactly those requests instead.
+    """
+    result, _ = simulate_timeline(spec, profile, policy, workload, num_requests, seed, requests)
+    return result
+
+
+def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy, workload: Workload,
+                      num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
+                      requests: tuple[Any, Any] | None = None) -> tuple[SimResult, Timeline]:
+    """Like :func:`simulate`, also returning the :class:`Timeline` (for traces and tests)."""
+    if requests is None:
+        prompt, output = workload.sample(num_requests, seed)
+    else:
+        prompt, output = check_requests(*requests)
+    cm = CostModel.for_policy(spec, profile, policy)
+    tl = build_timeline(cm, policy, prompt, output)
+    p99_len = workload.output.percentile(0.99)
+    result = summarize(
+        cm, policy, workload, method="discrete-event", profile=profile, num_requests=len(prompt),
+        seed=seed if requests is None else None, wall_s=tl.wall_s, generated=float(output.sum()),
+        prompt_tokens=float(prompt.sum()), padded_prompt=float(np.sum(tl.prefill_rows * tl.prefill_len)),
+        latencies=tl.latency_s, latency_weights=None, p99_length_s=p99_length_latency(tl, output, p99_len),
+        prefill=tl.prefill, decode=tl.decode, prefill_steps=int(np.count_nonzero(tl.prefill_rows.sum(axis=1))),
+        decode_steps=int(np.count_nonzero(tl.decode_rows.sum(axis=2))))
+    return result, tl
