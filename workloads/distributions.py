@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import Any, ClassVar, Literal
 
 import numpy as np
-from scipy import optimize, stats
+from scipy import optimize, special, stats
 
 from xsched.contract import Contract
 from xsched.errors import UserError
@@ -170,28 +170,33 @@ class LengthDistribution(Contract):
                    tuple(float(w) for w in weights), comps)
 
     # ------------------------------------------------------------------ the pmf
-    def _continuous(self) -> Any:
-        """The scipy.stats frozen distribution of a parametric family."""
+    def _cdf_sf(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """CDF and survival function of a parametric family before truncation, at ``x``."""
         p = self.params
         if self.family == "truncnorm":
-            return stats.norm(loc=p["mean"], scale=p["std"])
+            dist = stats.norm(loc=p["mean"], scale=p["std"])
+            return dist.cdf(x), dist.sf(x)
         if self.family == "lognorm":
             sigma2 = math.log1p((p["std"] / p["mean"]) ** 2)
-            return stats.lognorm(s=math.sqrt(sigma2), scale=p["mean"] * math.exp(-sigma2 / 2))
+            dist = stats.lognorm(s=math.sqrt(sigma2), scale=p["mean"] * math.exp(-sigma2 / 2))
+            return dist.cdf(x), dist.sf(x)
         if self.family == "skewnorm":
+            # Owen's T closed form of the skew-normal CDF: identical to scipy.stats.skewnorm.cdf
+            # (checked in the tests) and thousands of times faster, which the fitter needs.
             shape, loc, scale = skewnorm_parameters(p["mean"], p["std"], p["skew"])
-            return stats.skewnorm(shape, loc=loc, scale=scale)
+            z = (x - loc) / scale
+            t = special.owens_t(z, shape)
+            return special.ndtr(z) - 2 * t, special.ndtr(-z) + 2 * t
         raise AssertionError(self.family)
 
     @cached_property
     def _table(self) -> tuple[np.ndarray, np.ndarray]:
         support = np.arange(self.min_len, self.max_len + 1, dtype=np.int64)
         if self.family in PARAMETRIC:
-            dist = self._continuous()
             edges = np.arange(self.min_len - 0.5, self.max_len + 1.0, 1.0)
-            # Differences of cdf below the median and of sf above it keep tail bins accurate.
-            cdf, sf = dist.cdf(edges), dist.sf(edges)
-            probs = np.where(edges[1:] <= dist.median(), np.diff(cdf), -np.diff(sf))
+            # Differences of cdf below the mean and of sf above it keep tail bins accurate.
+            cdf, sf = self._cdf_sf(edges)
+            probs = np.where(edges[1:] <= self.params["mean"], np.diff(cdf), -np.diff(sf))
             probs = np.clip(probs, 0.0, None)
         elif self.family == "fixed":
             probs = np.zeros(len(support))

@@ -2,8 +2,9 @@
 
 Every family is fitted by maximising the likelihood of the *integer* pmf (the same discretised,
 truncated object the simulator uses), so log-likelihoods are comparable across families; the
-best family has the lowest AIC. The empirical pmf competes too, with one parameter per distinct
-length, so it wins only when the data are plentiful and no parametric family fits.
+best family has the lowest BIC (AIC lets the empirical pmf, with one parameter per distinct length,
+memorise a few hundred samples). The empirical pmf still wins when data are plentiful and no
+parametric family fits.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class FitCandidate:
     distribution: LengthDistribution
     log_likelihood: float
     num_params: int
-    aic: float
+    bic: float  # k ln(n) - 2 log-likelihood
     ks_statistic: float
     ks_pvalue: float  # conservative for integer data (the continuous KS null distribution)
 
@@ -45,9 +46,9 @@ class FitReport(Contract):
 
     def describe(self) -> str:
         lines = [f"{self.n} lengths; best fit: {self.best.describe()}",
-                 f"  {'family':<10} {'params':>6} {'log-lik':>12} {'AIC':>12} {'KS D':>7} {'KS p':>8}"]
+                 f"  {'family':<10} {'params':>6} {'log-lik':>12} {'BIC':>12} {'KS D':>7} {'KS p':>8}"]
         for c in self.candidates:
-            lines.append(f"  {c.family:<10} {c.num_params:>6} {c.log_likelihood:>12.1f} {c.aic:>12.1f} "
+            lines.append(f"  {c.family:<10} {c.num_params:>6} {c.log_likelihood:>12.1f} {c.bic:>12.1f} "
                          f"{c.ks_statistic:>7.4f} {c.ks_pvalue:>8.3g}")
         return "\n".join(lines)
 
@@ -111,7 +112,7 @@ def _fit_parametric(family: str, values: np.ndarray, counts: np.ndarray, max_len
 
 
 def fit_lengths(lengths: Any, max_len: int | None = None) -> FitReport:
-    """Fit truncated normal, skew-normal, log-normal and empirical pmfs; pick the lowest AIC."""
+    """Fit truncated normal, skew-normal, log-normal and empirical pmfs; pick the lowest BIC."""
     arr = np.asarray(lengths)
     if arr.size == 0:
         raise UserError("cannot fit a length distribution to no lengths")
@@ -134,6 +135,6 @@ def fit_lengths(lengths: Any, max_len: int | None = None) -> FitReport:
     for family, dist, k in dists:
         ll = _log_likelihood(dist, values, counts)
         d, p = ks_pvalue(dist, arr)
-        cands.append(FitCandidate(family, dist, ll, k, 2 * k - 2 * ll, d, p))
-    cands.sort(key=lambda c: c.aic)
+        cands.append(FitCandidate(family, dist, ll, k, k * math.log(arr.size) - 2 * ll, d, p))
+    cands.sort(key=lambda c: c.bic)
     return FitReport(n=int(arr.size), best=cands[0].distribution, candidates=tuple(cands))

@@ -103,34 +103,49 @@ class Workload(Contract):
         ``output`` supplies the distribution.
         """
         p = Path(path)
-        rows = _read_rows(p)
-        if not rows:
-            raise UserError(f"{p}: no requests in the file")
-        prompts, outputs, estimated = [], [], False
-        for i, row in enumerate(rows, start=1):
-            n_prompt, est = _prompt_length(row, count_tokens, f"{p}: request {i}")
-            estimated |= est
-            prompts.append(n_prompt)
-            outputs.append(_optional_length(row, OUTPUT_KEYS, f"{p}: request {i}"))
-        known = [o for o in outputs if o is not None]
-        if known and len(known) != len(outputs):
-            first = outputs.index(None) + 1
-            raise UserError(f"{p}: request {first} has no output length ({' or '.join(OUTPUT_KEYS)}) while others do; "
-                            "give it for every request or for none")
-        if not known and output is None:
+        lengths = read_request_lengths(p, count_tokens)
+        if lengths.outputs is None and output is None:
             raise UserError(f"{p}: requests have no output length; add {' or '.join(OUTPUT_KEYS)} to each, "
                             "or give an output distribution")
-        prompt_dist = LengthDistribution.empirical(prompts)
+        prompt_dist = LengthDistribution.empirical(lengths.prompts)
         corr = 0.0
-        if known:
-            output_dist = LengthDistribution.empirical(known)
-            corr = spearman_to_copula(prompts, known)
+        if lengths.outputs is not None:
+            output_dist = LengthDistribution.empirical(lengths.outputs)
+            corr = spearman_to_copula(lengths.prompts, lengths.outputs)
         else:
             output_dist = output  # type: ignore[assignment]
-        note = f"{len(rows)} requests from {p.name}"
-        if estimated:
+        note = f"{len(lengths.prompts)} requests from {p.name}"
+        if lengths.estimated:
             note += f"; prompt lengths estimated at {BYTES_PER_TOKEN_ESTIMATE} bytes/token (no tokenizer)"
         return cls(name=p.stem, prompt=prompt_dist, output=output_dist, correlation=corr, source=note)
+
+
+@dataclass(frozen=True)
+class RequestLengths:
+    """Lengths read from a requests file; ``outputs`` is None when no request gives one."""
+
+    prompts: np.ndarray
+    outputs: np.ndarray | None
+    estimated: bool  # prompt text was sized without a tokenizer
+
+
+def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None = None) -> RequestLengths:
+    """Prompt and output lengths of every request in a JSONL or CSV file (see ``from_file``)."""
+    rows = _read_rows(path)
+    if not rows:
+        raise UserError(f"{path}: no requests in the file")
+    prompts, outputs, estimated = [], [], False
+    for i, row in enumerate(rows, start=1):
+        n_prompt, est = _prompt_length(row, count_tokens, f"{path}: request {i}")
+        estimated |= est
+        prompts.append(n_prompt)
+        outputs.append(_optional_length(row, OUTPUT_KEYS, f"{path}: request {i}"))
+    known = [o for o in outputs if o is not None]
+    if known and len(known) != len(outputs):
+        first = outputs.index(None) + 1
+        raise UserError(f"{path}: request {first} has no output length ({' or '.join(OUTPUT_KEYS)}) while others "
+                        "do; give it for every request or for none")
+    return RequestLengths(np.array(prompts, np.int64), np.array(known, np.int64) if known else None, estimated)
 
 
 def spearman_to_copula(a: Any, b: Any) -> float:

@@ -31,7 +31,7 @@ import numpy as np
 from xprofiler.profile import BandwidthCurve, HardwareProfile, layer_features
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.policy import Policy
+from xsimulator.policy import PLACEMENT_VARS, Policy
 
 # Multiplicative calibration factors, one per separately visible time term.
 FACTOR_TERMS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "gpu_compute", "cpu_compute", "dequant",
@@ -87,28 +87,35 @@ class StepTerms:
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    @property
-    def compute(self) -> Any:
-        """Work serialised on the compute path: device compute, CPU attention, (de)quantisation."""
-        return self.gpu_compute + self.cpu_compute + self.dequant + self.quant
+
+COMPUTE_TERMS: tuple[str, ...] = ("gpu_compute", "cpu_compute", "dequant", "quant")
+CHANNELS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod")
 
 
-def parallel_groups(terms: StepTerms, compute_device: str, overlap: bool) -> tuple[Any, ...]:
-    """Sums of terms that run concurrently; a layer step lasts as long as the largest group.
+def channel_groups(compute_device: str, overlap: bool) -> tuple[tuple[str, ...], ...]:
+    """Which terms run one after another (a group) while groups run concurrently.
 
     - No overlap (ablation): everything in sequence, one group.
     - CUDA host (FlexGen Alg. 1): compute, and each of the four copy channels, in parallel.
     - CPU host: the "gpu" tier is RAM, so ctog/gtoc are memcpys on the same cores as compute and
       add to it; disk reads and writes still overlap.
 
+    Calibration (issue 7) may refine this; it is the only place that decides it.
+    """
+    if not overlap:
+        return (COMPUTE_TERMS + CHANNELS,)
+    if compute_device == "cuda":
+        return (COMPUTE_TERMS, ("ctog",), ("gtoc",), ("dtoc",), ("ctod",))
+    return (COMPUTE_TERMS + ("ctog", "gtoc"), ("dtoc",), ("ctod",))
+
+
+def parallel_groups(terms: StepTerms, compute_device: str, overlap: bool) -> tuple[Any, ...]:
+    """Sums of terms per :func:`channel_groups`; a layer step lasts as long as the largest.
+
     Each group is affine in the placement, so the LP can require ``t >= group`` for each.
     """
-    compute = terms.compute
-    if not overlap:
-        return (compute + terms.ctog + terms.gtoc + terms.dtoc + terms.ctod,)
-    if compute_device == "cuda":
-        return (compute, terms.ctog, terms.gtoc, terms.dtoc, terms.ctod)
-    return (compute + terms.ctog + terms.gtoc, terms.dtoc, terms.ctod)
+    return tuple(sum((getattr(terms, name) for name in group), 0.0)
+                 for group in channel_groups(compute_device, overlap))
 
 
 def step_seconds(terms: StepTerms, compute_device: str, overlap: bool) -> Any:

@@ -25,11 +25,12 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import FACTOR_TERMS, BlockStep, CostModel, fits_in
+from xsimulator.costmodel import FACTOR_TERMS, BlockStep, CostModel, channel_groups, fits_in
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
+from xsimulator.trace import TraceEvent
 
-DEFAULT_REQUESTS = 2000
+DEFAULT_REQUESTS = 2000  # also the `xsched simulate --requests` default
 
 
 @dataclass(frozen=True)
@@ -263,3 +264,58 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
         prefill=tl.prefill, decode=tl.decode, prefill_steps=int(np.count_nonzero(tl.prefill_rows.sum(axis=1))),
         decode_steps=int(np.count_nonzero(tl.decode_rows.sum(axis=2))))
     return result, tl
+
+
+_TRACK_OF = {"gpu_compute": "compute", "dequant": "compute", "quant": "compute", "cpu_compute": "cpu_compute",
+             "ctog": "ctog", "gtoc": "gtoc", "dtoc": "dtoc", "ctod": "ctod"}
+MAX_TRACE_EVENTS = 2_000_000
+
+
+def trace_events(cm: CostModel, timeline: Timeline) -> list[TraceEvent]:
+    """The simulated timeline as trace events: per step, each resource's busy time.
+
+    A step's time on a resource is summed over the layers (one event per resource per step,
+    not per layer, so long jobs stay openable); within a step, terms that run one after another
+    (:func:`channel_groups`) are laid out in sequence from the step start, and the LM head
+    runs on the compute track once the last layer is done.
+    """
+    L = cm.spec.num_layers
+    groups = channel_groups(cm.profile.compute_device, cm.overlap)
+    J, S = timeline.decode.seconds.shape
+    pre, dec = timeline.prefill, timeline.decode
+    pre_terms = {k: np.broadcast_to(np.asarray(v, float), (J,)) for k, v in pre.terms.as_dict().items()}
+    dec_terms = {k: np.broadcast_to(np.asarray(v, float), (J, S)) for k, v in dec.terms.as_dict().items()}
+    pre_head = np.broadcast_to(np.asarray(pre.head_s, float), (J,))
+    dec_head = np.broadcast_to(np.asarray(dec.head_s, float), (J, S))
+    cum = np.concatenate((np.zeros((J, 1)), np.cumsum(dec.seconds, axis=1)), axis=1)
+    steps = int(np.count_nonzero(timeline.prefill_rows.sum(axis=1))) + int(np.count_nonzero(dec.seconds))
+    if steps * 7 > MAX_TRACE_EVENTS:
+        raise UserError(f"a trace of {steps} steps is too large to open; simulate fewer --requests for the trace")
+    events: list[TraceEvent] = []
+
+    def step(t0: float, seconds: float, terms: dict[str, float], head: float, args: dict[str, Any]) -> None:
+        for group in groups:
+            t = t0
+            for name in group:
+                dur = L * terms[name]
+                if dur > 0:
+                    events.append(TraceEvent(_TRACK_OF[name], name if name != "gpu_compute" else "layers", t, dur,
+                                             args))
+                    t += dur
+        if head > 0:  # after the last layer
+            events.append(TraceEvent("compute", "head", t0 + seconds - head, head, args))
+
+    for j in range(J):
+        t_j = float(timeline.start_s[j])
+        rows = int(timeline.prefill_rows[j].sum())
+        if rows:
+            step(t_j, float(pre.seconds[j]), {k: float(v[j]) for k, v in pre_terms.items()}, float(pre_head[j]),
+                 {"block": j, "step": 0, "phase": "prefill", "rows": rows, "layers": L,
+                  "padded_len": int(timeline.prefill_len[j].max())})
+        t_dec = t_j + float(pre.seconds[j])
+        for u in np.flatnonzero(dec.seconds[j] > 0):
+            step(t_dec + float(cum[j, u]), float(dec.seconds[j, u]), {k: float(v[j, u]) for k, v in dec_terms.items()},
+                 float(dec_head[j, u]),
+                 {"block": j, "step": int(u) + 1, "phase": "decode", "rows": int(timeline.decode_rows[j, u].sum()),
+                  "layers": L, "context": int(timeline.decode_len[j, u].max())})
+    return events
