@@ -81,8 +81,8 @@ def test_hand_worked_timeline_with_early_termination():
     w = get_workload("fixed:8:8")  # only used for its p99 length; requests given explicitly
     res, tl = simulate_timeline(OPT30, prof, pol, w, requests=([3, 5], [1, 3]))
     assert tl.prefill_rows.tolist() == [[2]] and tl.prefill_len.tolist() == [[5]]
-    assert tl.decode_rows[0, :, 0].tolist() == [1, 1]  # the 1-token request left after prefill
-    assert tl.decode_len[0, :, 0].tolist() == [6, 7]  # context of the remaining row only
+    assert tl.decode_rows[0, 0, :].tolist() == [1, 1]  # the 1-token request left after prefill
+    assert tl.decode_len[0, 0, :].tolist() == [6, 7]  # context of the remaining row only
     cm = CostModel.for_policy(OPT30, prof, pol)
     pre = cm.block_step("prefill", np.array([2]), np.array([5]), pol.placement(), np.array([1]), 1)
     d1 = cm.block_step("decode", np.array([1]), np.array([6]), pol.placement(), np.array([1]), 1)
@@ -97,9 +97,9 @@ def test_hand_worked_refill_timeline():
     res, tl = simulate_timeline(OPT30, t4_like(), pol, get_workload("fixed:8:8"),
                                 requests=([2, 3, 4], [2, 1, 3]))
     assert tl.schedule.join.tolist() == [0, 1, 2]
-    assert tl.prefill_len[:, 0].tolist() == [2, 3, 4, 0]
-    assert tl.decode_rows[:, 0, 0].tolist() == [1, 0, 1, 1]
-    assert tl.decode_len[:, 0, 0].tolist() == [3, 0, 5, 6]
+    assert tl.prefill_len[0, :].tolist() == [2, 3, 4, 0]
+    assert tl.decode_rows[0, :, 0].tolist() == [1, 0, 1, 1]
+    assert tl.decode_len[0, :, 0].tolist() == [3, 0, 5, 6]
     pre, dec = tl.prefill.seconds, tl.decode.seconds[:, 0]
     assert dec[1] == 0 and pre[3] == 0
     assert tl.latency_s.tolist() == pytest.approx([pre[0] + dec[0], pre[1], pre[2] + dec[2] + dec[3]])

@@ -114,13 +114,22 @@ def parallel_groups(terms: StepTerms, compute_device: str, overlap: bool) -> tup
 
     Each group is affine in the placement, so the LP can require ``t >= group`` for each.
     """
-    return tuple(sum((getattr(terms, name) for name in group), 0.0)
-                 for group in channel_groups(compute_device, overlap))
+    out = []
+    for group in channel_groups(compute_device, overlap):
+        total: Any = 0.0
+        for name in group:
+            value = getattr(terms, name)
+            if not _is_zero(value):
+                total = value if _is_zero(total) else total + value
+        out.append(total)
+    return tuple(out)
 
 
 def step_seconds(terms: StepTerms, compute_device: str, overlap: bool) -> Any:
     """Numeric duration of a layer step: the max over :func:`parallel_groups` (element-wise)."""
-    groups = parallel_groups(terms, compute_device, overlap)
+    groups = [g for g in parallel_groups(terms, compute_device, overlap) if not _is_zero(g)]
+    if not groups:
+        return 0.0
     out = groups[0]
     for g in groups[1:]:
         out = np.maximum(out, g)
@@ -374,24 +383,25 @@ class CostModel:
         return parallel_groups(terms, self.profile.compute_device, self.overlap)
 
     def block_step(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any], batch_weight: Any,
-                   block_weight: Any) -> "BlockStep":
-        """A whole prefill or decode step of a block, GPU batches on the last axis.
+                   block_weight: Any, batch_axis: int = -1) -> "BlockStep":
+        """A whole prefill or decode step of a block, GPU batches on ``batch_axis``.
 
         ``batch_weight`` says whether (1/0) each GPU batch takes part; ``block_weight`` whether
         any does, i.e. whether the layer's weights are fetched at all.
         """
         return self.combine(self.batch_terms(phase, rows, length, placement), self.head_seconds(phase, rows, length),
-                            placement, batch_weight, block_weight)
+                            placement, batch_weight, block_weight, batch_axis)
 
     def combine(self, batch_terms: StepTerms, head_s: Any, placement: Mapping[str, Any], batch_weight: Any,
-                block_weight: Any) -> "BlockStep":
-        """Sum per-batch terms (last axis) with weights, add the weight fetch, price the step.
+                block_weight: Any, batch_axis: int = -1) -> "BlockStep":
+        """Sum per-batch terms over ``batch_axis`` with weights, add the weight fetch, price the step.
 
         The analytic path passes probabilities as weights and expected per-batch terms.
         Duration = ``num_layers * layer_step + head``.
         """
-        terms = batch_terms.scaled(batch_weight).sum(axis=-1) + self.weight_terms(placement).scaled(block_weight)
-        head = np.sum(head_s * batch_weight, axis=-1)
+        terms = batch_terms.scaled(batch_weight).sum(axis=batch_axis)
+        terms = terms + self.weight_terms(placement).scaled(block_weight)
+        head = np.sum(_times(batch_weight, head_s), axis=batch_axis)
         seconds = self.spec.num_layers * self.layer_seconds(terms) + head
         return BlockStep(terms=terms, head_s=head, seconds=seconds)
 

@@ -25,7 +25,7 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import FACTOR_TERMS, BlockStep, CostModel, channel_groups, fits_in
+from xsimulator.costmodel import FACTOR_TERMS, BlockStep, CostModel, StepTerms, channel_groups, fits_in
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 from xsimulator.trace import TraceEvent
@@ -93,10 +93,10 @@ class Timeline:
     schedule: Schedule
     prefill: BlockStep  # arrays over intervals [J]
     decode: BlockStep  # arrays over [J, interval_steps]
-    prefill_rows: np.ndarray  # [J, nb]
-    prefill_len: np.ndarray  # [J, nb] padded prompt length of each GPU batch's new rows
-    decode_rows: np.ndarray  # [J, steps, nb]
-    decode_len: np.ndarray  # [J, steps, nb] padded context T
+    prefill_rows: np.ndarray  # [nb, J] new rows per GPU batch and interval
+    prefill_len: np.ndarray  # [nb, J] padded prompt length of each GPU batch's new rows
+    decode_rows: np.ndarray  # [nb, J, steps] active rows
+    decode_len: np.ndarray  # [nb, J, steps] padded context T
     start_s: np.ndarray  # [J] interval start times
     latency_s: np.ndarray  # [N]
 
@@ -124,30 +124,28 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     steps_in = np.clip(output[req] - 1 - offs * S, 0, S)  # decode steps done in this interval
     ctx0 = prompt[req] + offs * S  # context before the interval's first decode step
 
-    # Prefill of the rows that join in each interval, per GPU batch.
+    # Prefill of the rows that join in each interval, per GPU batch (batch axis first).
     new = offs == 0
-    cell = pj[new] * nb + batch[new]
-    prefill_rows = np.bincount(cell, minlength=J * nb).reshape(J, nb)
-    prefill_len = np.zeros(J * nb, np.int64)
+    cell = batch[new] * J + pj[new]
+    prefill_rows = np.bincount(cell, minlength=nb * J).reshape(nb, J)
+    prefill_len = np.zeros(nb * J, np.int64)
     np.maximum.at(prefill_len, cell, prompt[req[new]])
-    prefill_len = prefill_len.reshape(J, nb)
+    prefill_len = prefill_len.reshape(nb, J)
 
     # Decode: rows active at step u are those doing >= u steps in the interval; the padded
     # context is u plus the largest starting context among them (reverse cumulative max).
-    flat = (pj * (S + 1) + steps_in) * nb + batch
-    size = J * (S + 1) * nb
-    ending = np.bincount(flat, minlength=size).reshape(J, S + 1, nb)
-    decode_rows = np.cumsum(ending[:, ::-1], axis=1)[:, ::-1][:, 1:]
+    flat = (batch * J + pj) * (S + 1) + steps_in
+    size = nb * J * (S + 1)
+    ending = np.bincount(flat, minlength=size).reshape(nb, J, S + 1)
+    decode_rows = np.cumsum(ending[:, :, ::-1], axis=2)[:, :, ::-1][:, :, 1:]
     top = np.full(size, -1, np.int64)
     np.maximum.at(top, flat, ctx0)
-    top = np.maximum.accumulate(top.reshape(J, S + 1, nb)[:, ::-1], axis=1)[:, ::-1][:, 1:]
-    decode_len = np.where(decode_rows > 0, top + np.arange(1, S + 1)[None, :, None], 0)
+    top = np.maximum.accumulate(top.reshape(nb, J, S + 1)[:, :, ::-1], axis=2)[:, :, ::-1][:, :, 1:]
+    decode_len = np.where(decode_rows > 0, top + np.arange(1, S + 1), 0)
 
     placement = policy.placement()
-    pf_on = prefill_rows > 0
-    pre = cm.block_step("prefill", prefill_rows, prefill_len, placement, pf_on, pf_on.any(axis=-1))
-    dec_on = decode_rows > 0
-    dec = cm.block_step("decode", decode_rows, decode_len, placement, dec_on, dec_on.any(axis=-1))
+    pre = price_steps(cm, "prefill", prefill_rows, prefill_len, placement)
+    dec = price_steps(cm, "decode", decode_rows, decode_len, placement)
 
     # Completion times: a request ends with the decode step that makes its last token.
     interval_s = pre.seconds + dec.seconds.sum(axis=1)
@@ -159,6 +157,31 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     finish = start[last] + pre.seconds[last] + cum_step[last, u_last]
     latency = finish - start[sched.join]
     return Timeline(sched, pre, dec, prefill_rows, prefill_len, decode_rows, decode_len, start, latency)
+
+
+def price_steps(cm: CostModel, phase: str, rows: np.ndarray, length: np.ndarray, placement: dict[str, float]) -> BlockStep:
+    """Price every step of a grid whose first axis is the GPU batch (rows 0 = batch idle).
+
+    A batch's cost depends only on (rows, padded length), so when the grid has more cells than
+    there are distinct pairs, the cost model is evaluated once on the dense table of pairs and
+    gathered: exact for any cost function (bandwidth curves, rooflines, layer fits).
+    """
+    on = rows > 0
+    any_on = np.logical_or.reduce(on, axis=0)
+    top_rows, top_len = int(rows.max(initial=0)), int(length.max(initial=0))
+    if (top_rows + 1) * (top_len + 1) * 4 > rows.size:
+        return cm.block_step(phase, rows, length, placement, on, any_on, batch_axis=0)
+    r_tab = np.arange(top_rows + 1)[:, None]
+    l_tab = np.arange(top_len + 1)[None, :]
+    live = (r_tab > 0).astype(float)  # an idle batch costs nothing
+    terms = cm.batch_terms(phase, r_tab, l_tab, placement).scaled(live)
+    head = cm.head_seconds(phase, r_tab, l_tab) * live
+    shape = (top_rows + 1, top_len + 1)
+    index = rows * (top_len + 1) + length
+    gather = {k: (np.ravel(np.broadcast_to(v, shape))[index] if not np.isscalar(v) else v)
+              for k, v in terms.as_dict().items()}
+    head_cells = np.ravel(np.broadcast_to(head, shape))[index]
+    return cm.combine(StepTerms(**gather), head_cells, placement, 1.0, any_on, batch_axis=0)
 
 
 def p99_length_latency(timeline: Timeline, output: np.ndarray, length: int) -> float:
@@ -261,8 +284,8 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
         seed=seed if requests is None else None, wall_s=tl.wall_s, generated=float(output.sum()),
         prompt_tokens=float(prompt.sum()), padded_prompt=float(np.sum(tl.prefill_rows * tl.prefill_len)),
         latencies=tl.latency_s, latency_weights=None, p99_length_s=p99_length_latency(tl, output, p99_len),
-        prefill=tl.prefill, decode=tl.decode, prefill_steps=int(np.count_nonzero(tl.prefill_rows.sum(axis=1))),
-        decode_steps=int(np.count_nonzero(tl.decode_rows.sum(axis=2))))
+        prefill=tl.prefill, decode=tl.decode, prefill_steps=int(np.count_nonzero(tl.prefill_rows.sum(axis=0))),
+        decode_steps=int(np.count_nonzero(tl.decode_rows.sum(axis=0))))
     return result, tl
 
 
@@ -288,7 +311,7 @@ def trace_events(cm: CostModel, timeline: Timeline) -> list[TraceEvent]:
     pre_head = np.broadcast_to(np.asarray(pre.head_s, float), (J,))
     dec_head = np.broadcast_to(np.asarray(dec.head_s, float), (J, S))
     cum = np.concatenate((np.zeros((J, 1)), np.cumsum(dec.seconds, axis=1)), axis=1)
-    steps = int(np.count_nonzero(timeline.prefill_rows.sum(axis=1))) + int(np.count_nonzero(dec.seconds))
+    steps = int(np.count_nonzero(timeline.prefill_rows.sum(axis=0))) + int(np.count_nonzero(dec.seconds))
     if steps * 7 > MAX_TRACE_EVENTS:
         raise UserError(f"a trace of {steps} steps is too large to open; simulate fewer --requests for the trace")
     events: list[TraceEvent] = []
@@ -307,15 +330,15 @@ def trace_events(cm: CostModel, timeline: Timeline) -> list[TraceEvent]:
 
     for j in range(J):
         t_j = float(timeline.start_s[j])
-        rows = int(timeline.prefill_rows[j].sum())
+        rows = int(timeline.prefill_rows[:, j].sum())
         if rows:
             step(t_j, float(pre.seconds[j]), {k: float(v[j]) for k, v in pre_terms.items()}, float(pre_head[j]),
                  {"block": j, "step": 0, "phase": "prefill", "rows": rows, "layers": L,
-                  "padded_len": int(timeline.prefill_len[j].max())})
+                  "padded_len": int(timeline.prefill_len[:, j].max())})
         t_dec = t_j + float(pre.seconds[j])
         for u in np.flatnonzero(dec.seconds[j] > 0):
             step(t_dec + float(cum[j, u]), float(dec.seconds[j, u]), {k: float(v[j, u]) for k, v in dec_terms.items()},
                  float(dec_head[j, u]),
-                 {"block": j, "step": int(u) + 1, "phase": "decode", "rows": int(timeline.decode_rows[j, u].sum()),
-                  "layers": L, "context": int(timeline.decode_len[j, u].max())})
+                 {"block": j, "step": int(u) + 1, "phase": "decode", "rows": int(timeline.decode_rows[:, j, u].sum()),
+                  "layers": L, "context": int(timeline.decode_len[:, j, u].max())})
     return events
