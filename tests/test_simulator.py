@@ -318,32 +318,39 @@ def test_cost_model_is_affine_and_solvable_as_an_lp():
 
 
 # --------------------------------------------------------------------------- analytic path
-AGREEMENT_POLICIES = {
-    "cpu-attention": dict(gbs=16, nb=4, wg=0.2, wc=0.8, wd=0.0, cg=0.0, cc=1.0, cd=0.0, hg=0.0, hc=1.0, hd=0.0,
-                          cpu_attention=True),
-    "kv-moves": dict(gbs=16, nb=4, wg=0.2, wc=0.8, wd=0.0, cg=0.5, cc=0.5, cd=0.0, hg=1.0, hc=0.0, hd=0.0),
-    "unsorted": dict(gbs=8, nb=2, wg=0.2, wc=0.8, wd=0.0, cg=0.5, cc=0.5, cd=0.0, hg=1.0, hc=0.0, hd=0.0,
-                     bucket=False),
+AGREEMENT_CASES = {  # (model, policy): I/O-bound offloading and compute-bound small blocks
+    "cpu-attention": ("opt-30b", dict(gbs=16, nb=4, wg=0.2, wc=0.8, wd=0.0, cg=0.0, cc=1.0, cd=0.0, hg=0.0, hc=1.0,
+                                      hd=0.0, cpu_attention=True)),
+    "kv-moves": ("opt-30b", dict(gbs=16, nb=4, wg=0.2, wc=0.8, wd=0.0, cg=0.5, cc=0.5, cd=0.0, hg=1.0, hc=0.0,
+                                 hd=0.0)),
+    "unsorted": ("opt-30b", dict(gbs=8, nb=2, wg=0.2, wc=0.8, wd=0.0, cg=0.5, cc=0.5, cd=0.0, hg=1.0, hc=0.0,
+                                 hd=0.0, bucket=False)),
+    "compute-bound": ("opt-1.3b", dict(gbs=4, nb=3)),
 }
 # Stated tolerance of the analytic path vs the discrete-event path (3000 requests). Measured over
-# seeds 1-5, presets x these policies x refill 0/8: throughput within 4.0%, latencies within 6.0%.
+# seeds 1-3, the five presets, these four policies (and two more) and refill 0/1/8: throughput
+# and mean latency within 4.4%, p50/p99/p99-length latency within 10.3% (the worst cases are
+# small blocks on the prefill-heavy preset S, where block-to-block variation is largest).
 THROUGHPUT_TOL = 0.05
-LATENCY_TOL = 0.08
+MEAN_TOL = 0.05
+QUANTILE_TOL = 0.12
 
 
 @pytest.mark.parametrize("preset", ["S", "T", "G", "C1", "C2"])
-@pytest.mark.parametrize("refill", [0, 8])
+@pytest.mark.parametrize("refill", [0, 1, 8])
 def test_analytic_agrees_with_discrete_event_on_presets(preset, refill):
     w = get_workload(preset)
-    for name, kw in AGREEMENT_POLICIES.items():
+    for name, (model, kw) in AGREEMENT_CASES.items():
+        spec = get_model_spec(model)
         pol = Policy(**kw, refill_every=refill)
-        des = simulate(OPT30, t4_like(), pol, w, num_requests=3000, seed=1)
-        ana = simulate_analytic(OPT30, t4_like(), pol, w, num_requests=3000)
+        des = simulate(spec, t4_like(), pol, w, num_requests=3000, seed=1)
+        ana = simulate_analytic(spec, t4_like(), pol, w, num_requests=3000)
         assert ana.throughput_tokens_per_s == pytest.approx(des.throughput_tokens_per_s, rel=THROUGHPUT_TOL), name
-        assert ana.latency_p50_s == pytest.approx(des.latency_p50_s, rel=LATENCY_TOL), name
-        assert ana.latency_p99_s == pytest.approx(des.latency_p99_s, rel=LATENCY_TOL), name
-        assert ana.latency_p99_length_s == pytest.approx(des.latency_p99_length_s, rel=LATENCY_TOL), name
+        assert ana.latency_mean_s == pytest.approx(des.latency_mean_s, rel=MEAN_TOL), name
+        for q in ("latency_p50_s", "latency_p99_s", "latency_p99_length_s"):
+            assert getattr(ana, q) == pytest.approx(getattr(des, q), rel=QUANTILE_TOL), (name, q)
         assert ana.peak_bytes == des.peak_bytes
+        assert ana.padded_prompt_tokens == pytest.approx(des.padded_prompt_tokens, rel=0.15), name
 
 
 def test_analytic_is_exact_for_fixed_lengths():

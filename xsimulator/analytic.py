@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from scipy import signal, special
+from scipy import signal, special, stats
 
 from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
@@ -43,6 +43,35 @@ from xsimulator.discrete_event import DEFAULT_REQUESTS, summarize
 QUADRATURE = 16  # equal-probability nodes for expectations over a padded length
 _LEVELS = (np.arange(QUADRATURE) + 0.5) / QUADRATURE
 _LATENCY_BINS = 8192
+
+
+_NOISE_NODES = 7  # equal-probability normal quantiles that smear a latency by its spread
+
+
+def _with_spread(values: np.ndarray, weights: np.ndarray, sd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Latency values with a normal spread ``sd`` each, as weighted equal-probability nodes."""
+    z = stats.norm.ppf((np.arange(_NOISE_NODES) + 0.5) / _NOISE_NODES)
+    spread = values[..., None] + np.asarray(sd)[..., None] * z
+    return np.maximum(spread, 0.0), np.broadcast_to(weights[..., None] / _NOISE_NODES, spread.shape)
+
+
+_LATENCY_GROUPS = 64  # join intervals represented in the latency distribution
+
+
+def _representatives(index: np.ndarray, weight: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``groups`` of the (ordered) ``index`` values, each carrying its group's weight.
+
+    Latency curves of neighbouring join intervals are nearly equal, so the middle interval of
+    each run of about equal weight stands for the run; this bounds the cost of the quantiles.
+    """
+    if len(index) <= groups:
+        return index, weight
+    cum = np.cumsum(weight) / weight.sum()
+    group = np.minimum((cum * groups - 1e-12).astype(np.int64), groups - 1)
+    starts = np.flatnonzero(np.diff(np.concatenate(([-1], group))))
+    ends = np.concatenate((starts[1:], [len(index)]))
+    middle = (starts + ends - 1) // 2
+    return index[middle], np.add.reduceat(weight, starts)
 
 
 def _scaled(step: BlockStep, w: Any) -> BlockStep:
@@ -70,10 +99,15 @@ class _Analytic:
         self.out_support, self.out_pmf = xo, po
         top = int(xo[-1])
         self.max_out = top
-        surv = np.zeros(top + 2)  # surv[x] = P(n - 1 >= x) = P(n > x)
-        surv[: top + 1] = 1.0 - np.concatenate(([0.0], np.cumsum(np.bincount(xo, po, minlength=top + 1))[:-1]))
-        surv[0] = 1.0
+        # surv[x] = P(n > x) = P(n - 1 >= x): a row is active in decode step x after joining
+        surv = 1.0 - np.cumsum(np.bincount(xo, po, minlength=top + 2))
         self.surv = np.clip(surv, 0.0, 1.0)
+        # Var(min(n - 1, c)) for c = 0..top: how much the decode work a request sees before
+        # its c-th step varies with the lengths of the other rows.
+        x = np.arange(1, top + 2)
+        e1 = np.concatenate(([0.0], np.cumsum(self.surv[1:])))
+        e2 = np.concatenate(([0.0], np.cumsum((2 * x - 1) * self.surv[1:])))
+        self.var_min = np.clip(e2 - e1**2, 0.0, None)
 
     # ---------------------------------------------------------------- length expectations
     def prompt_nodes(self, rank: Any, total: Any, shape_q: bool = True) -> np.ndarray:
@@ -118,6 +152,19 @@ class _Analytic:
         head = self.cm.head_seconds("decode", a, context)
         return self.cm.combine(bt, head, self.placement, w, (block > 0).astype(float)), block
 
+    def row_step_slope(self, rows: np.ndarray, a: np.ndarray, ctx: np.ndarray, p: np.ndarray) -> float:
+        """Seconds one more active row adds to a decode step, at the busiest step's shape."""
+        t = int(np.argmax(np.sum(a, axis=-1)))
+        base = np.asarray(a[t], dtype=float)
+        if base.sum() <= 0:
+            return 0.0
+        bump = base * (1.0 + 1.0 / base.sum())  # one more row, spread over the batches
+        two = np.stack((base, bump))
+        ctx_t = np.broadcast_to(ctx[t], two.shape)
+        on = (two > 0).astype(float)
+        step = self.cm.block_step("decode", two, ctx_t, self.placement, on, 1.0).seconds
+        return float(max(step[1] - step[0], 0.0))
+
     # ---------------------------------------------------------------- no refill
     def blocks(self) -> dict[str, Any]:
         pol, n = self.policy, self.n
@@ -127,7 +174,7 @@ class _Analytic:
         S = self.max_out - 1
         u = np.arange(1, S + 1)
         pre_steps, dec_steps, lat_vals, lat_w, p99len = [], [], [], [], []
-        wall = 0.0
+        wall, steps = 0.0, 0.0
         padded = 0.0
         n99 = self.workload.output.percentile(0.99)
         for m, count in kinds:
@@ -143,43 +190,62 @@ class _Analytic:
             nodes = self.prompt_nodes(rank, total)
             pre = self.prefill(rows, nodes, on)
             padded += count * float(np.sum(rows * nodes.mean(axis=-1) * on))
+            # Blocks differ in their prompts, so their prefills differ: price QUADRATURE
+            # equally likely prefills (bucketed GPU batches rise and fall together; unsorted
+            # ones independently, so their quantile levels are staggered).
+            level = np.arange(QUADRATURE)[:, None] * np.ones(nb, np.int64)
+            if not pol.bucket:
+                level = (level + (np.arange(nb) * QUADRATURE) // nb) % QUADRATURE
+            scenario_len = nodes[np.arange(nb)[None, :], level]  # [Q, nb]
+            pre_scenarios = self.cm.block_step("prefill", rows[None, :], scenario_len, self.placement, on,
+                                               float(on.any())).seconds
             p = self.surv[u][:, None]  # [S, 1]
             qk = 1.0 - (1.0 - p) ** rows
             a = np.where(qk > 0, rows * p / np.maximum(qk, 1e-300), 0.0)
             ctx = np.where(rows > 0, self.max_prompt_in_band(np.broadcast_to(lo, a.shape), np.broadcast_to(hi, a.shape),
                                                              np.maximum(a, 1.0)), 0.0) + u[:, None]
             dec, active = self.decode_conditional(np.broadcast_to(rows, a.shape), p, ctx)
-            t_after = float(pre.seconds) + np.concatenate(([0.0], np.cumsum(dec.seconds)))
+            decoded = np.concatenate(([0.0], np.cumsum(dec.seconds)))  # after decode step t
             block_s = float(pre.seconds) + float(np.sum(active * dec.seconds))
             wall += count * block_s
             pre_steps.append(_scaled(pre, float(count)))
             dec_steps.append(_scaled(dec, count * active))
-            lat_vals.append(t_after[self.out_support - 1])
-            lat_w.append(count * m * self.out_pmf)
-            p99len.append(t_after[n99 - 1])
-        return self._finish(pre_steps, dec_steps, lat_vals, lat_w, max(p99len), wall, padded,
-                            prefill_steps=sum(c for _, c in kinds))
+            # Decode time up to a request's last step varies with the other rows' lengths:
+            # slope (seconds per active row-step) x sd of their summed row-steps.
+            slope = self.row_step_slope(rows, a, ctx, p)
+            sd = slope * np.sqrt(max(m - 1, 0) * self.var_min[self.out_support - 1])
+            vals = pre_scenarios[:, None] + decoded[self.out_support - 1][None, :]
+            v, w_ = _with_spread(vals, np.broadcast_to(count * m * self.out_pmf / QUADRATURE, vals.shape),
+                                 np.broadcast_to(sd, vals.shape))
+            lat_vals.append(v)
+            lat_w.append(w_)
+            p99len.append((count * m, float(pre.seconds) + decoded[n99 - 1]))
+            steps += count * float(np.sum(active))
+        weight = sum(w for w, _ in p99len)
+        return self._finish(pre_steps, dec_steps, lat_vals, lat_w, sum(w * v for w, v in p99len) / weight, wall,
+                            padded, prefill_steps=sum(c for _, c in kinds), decode_steps=int(round(steps)))
 
     # ---------------------------------------------------------------- refill
     def renewal(self, held_pmf: np.ndarray) -> np.ndarray:
         """Expected fraction of slots filled at each interval until the queue is empty.
 
         Uncapped, ``m_j = sum_i P(d = i) m_{j-i}`` with ``m_0`` the first fill: an IIR filter.
-        The queue only binds at the end, so the capped sequence is the filter output cut where
-        the cumulative joiners reach the number of requests.
+        It settles to ``1 / E[d]`` within a few ``max(d)`` intervals (renewal theorem), after
+        which it is extended with that value. The queue only binds at the end, so the capped
+        sequence is this one cut where the cumulative joiners reach the number of requests.
         """
         bls, n = self.policy.block_size, self.n
         m0 = min(1.0, n / bls)
-        mean_held = float(np.dot(np.arange(len(held_pmf)), held_pmf))
-        length = int(1.2 * n * mean_held / bls) + 2 * len(held_pmf) + 8
-        while True:
-            impulse = np.zeros(length)
-            impulse[0] = m0
-            m = signal.lfilter([1.0], np.concatenate(([1.0], -held_pmf[1:])), impulse)
+        dmax = len(held_pmf) - 1
+        m_inf = 1.0 / float(np.dot(np.arange(dmax + 1), held_pmf))
+        impulse = np.zeros(4 * dmax + 16)
+        impulse[0] = m0
+        m = signal.lfilter([1.0], np.concatenate(([1.0], -held_pmf[1:])), impulse)
+        cum = bls * np.cumsum(m)
+        if cum[-1] < n:
+            extra = int(np.ceil((n - cum[-1]) / (bls * m_inf * m0))) + 1
+            m = np.concatenate((m, np.full(extra, m_inf * m0)))
             cum = bls * np.cumsum(m)
-            if cum[-1] >= n - 1e-6:
-                break
-            length *= 2
         last = int(np.searchsorted(cum, n - 1e-6, side="left"))
         m = m[: last + 1].copy()
         m[last] = (n - (cum[last - 1] if last > 0 else 0.0)) / bls
@@ -218,23 +284,25 @@ class _Analytic:
         pk, mk = p[kept], m_full[kept]
         r_join = bls * mk
 
-        # Prefill of the joiners. The first fill is a whole sorted block; later joiners land in
-        # the batches holding free slots, in slot order, so the k-th *participating* batch gets
-        # the k-th run of sorted joiners. Joiner counts are rounded to 1/8 row so that the
-        # order statistics are computed once per distinct count.
-        r_q, inv = np.unique(np.round(r_join * 8.0) / 8.0, return_inverse=True)
-        n_part = nb * (1.0 - (1.0 - 1.0 / nb) ** r_q)
-        rows_if = np.where(n_part > 0, r_q / np.maximum(n_part, 1e-300), 0.0)
+        # Prefill of the joiners. The first fill is a whole sorted block. Later, each slot is
+        # refilled with probability q = m_j, so GPU batch k gets f ~ Binomial(gbs, q) new rows;
+        # it runs a prefill when f >= 1, with E[f | f >= 1] rows padded to the longest of them
+        # (bucketed: the joiners are sorted and fill free slots in slot order, so batch k holds
+        # a run of ranks after the expected joiners of batches 0..k-1). Refill probabilities are
+        # rounded to 1/512 so order statistics are computed once per distinct value.
+        q_u, inv = np.unique(np.round(np.clip(mk, 0.0, 1.0) * 512.0) / 512.0, return_inverse=True)
+        runs = 1.0 - (1.0 - q_u) ** gbs  # P(f >= 1)
+        f_bar = np.where(runs > 0, gbs * q_u / np.maximum(runs, 1e-300), 1.0)
         order_k = np.arange(nb)[None, :]
-        weight = np.clip(n_part[:, None] - order_k, 0.0, 1.0)
-        rows = rows_if[:, None] * np.ones(nb)
-        total = np.maximum(r_q[:, None] * np.ones(nb), 1e-9)
+        others = gbs * q_u[:, None]
         if pol.bucket:
-            rank = np.minimum((order_k + 1) * rows_if[:, None], total)
+            rank = f_bar[:, None] + order_k * others
+            total = f_bar[:, None] + (nb - 1) * others
         else:
-            rank = total = np.maximum(rows, 1e-9)
-        nodes = self.prompt_nodes(np.maximum(rank, 1e-9), total)[inv]
-        rows, weight = rows[inv], weight[inv]
+            rank = total = f_bar[:, None] * np.ones(nb)
+        nodes = self.prompt_nodes(rank, total)[inv]
+        rows = (f_bar[:, None] * np.ones(nb))[inv]
+        weight = (runs[:, None] * np.ones(nb))[inv]
         if kept[0] == 0:
             first_rows = np.clip(r_join[0] - gbs * np.arange(nb), 0, gbs)
             first_rank = np.cumsum(first_rows) if pol.bucket else first_rows
@@ -274,20 +342,56 @@ class _Analytic:
             return start[np.minimum(j, J - 1)] + pre.seconds[r] + cum_dec[r, step]
 
         join_rows = np.nonzero(mk > 0)[0]
-        joins = kept[join_rows]
+        joiners = bls * mk[join_rows] * mult[join_rows]
+        joins, group_w = _representatives(kept[join_rows], joiners, _LATENCY_GROUPS)
         g = xo - 1
         last = joins[:, None] + np.maximum(g - 1, 0)[None, :] // R
         u_last = np.where(g > 0, g[None, :] - (last - joins[:, None]) * R, 0)
         lat = time_after(last, u_last) - start[joins][:, None]
-        weights = (bls * mk[join_rows] * mult[join_rows])[:, None] * po[None, :]
+        weights = group_w[:, None] * po[None, :]
+        # Each interval a request lives through starts with a prefill of random size (how many
+        # join, how long their prompts) and has R decode steps with a random number of rows.
+        ref = lo_stat if K < J else min(K // 2, joins_end - 1)  # a steady-state interval
+        sd = np.sqrt(held * self.interval_variance(ref, nodes, rows, weight, m_inf, pk, a, ctx))
+        lat, weights = _with_spread(lat, weights, np.broadcast_to(sd, lat.shape))
         g99 = self.workload.output.percentile(0.99) - 1
         last99 = joins + max(g99 - 1, 0) // R
         u99 = g99 - (last99 - joins) * R if g99 > 0 else np.zeros_like(joins)
-        p99len = float(np.max(time_after(last99, u99) - start[joins]))
+        w99 = group_w  # p99-length requests join in proportion to joiners
+        p99len = float(np.dot(w99, time_after(last99, u99) - start[joins]) / w99.sum())
         wall = float(np.sum(interval_s * mult))
         return self._finish([_scaled(pre, mult)], [_scaled(dec, active * mult[:, None])], [lat.ravel()],
                             [weights.ravel()], p99len, wall, padded,
-                            prefill_steps=int(round(float(np.sum(mult[join_rows])))))
+                            prefill_steps=int(round(float(np.sum(mult[join_rows])))),
+                            decode_steps=int(round(float(np.sum(active * mult[:, None])))))
+
+    def interval_variance(self, k: int, nodes: np.ndarray, rows: np.ndarray, weight: np.ndarray, m_inf: float,
+                          p: np.ndarray, a: np.ndarray, ctx: np.ndarray) -> float:
+        """Variance of one steady-state interval's duration (refill mode), in seconds squared.
+
+        Prefill: the padded prompt lengths (quadrature scenarios, batches together when
+        bucketed) and the number of joiners (Binomial(slots, m), times the seconds one more
+        joiner adds). Decode: R steps whose active rows vary by Binomial(slots, p), times the
+        seconds one more row adds, taken as fully correlated within the interval.
+        """
+        pol = self.policy
+        bls, nb, R = pol.block_size, pol.nb, pol.refill_every
+        level = np.arange(QUADRATURE)[:, None] * np.ones(nb, np.int64)
+        if not pol.bucket:
+            level = (level + (np.arange(nb) * QUADRATURE) // nb) % QUADRATURE
+        scen_len = nodes[k][np.arange(nb)[None, :], level]
+        scen = self.cm.block_step("prefill", rows[k][None, :], scen_len, self.placement, weight[k], 1.0).seconds
+        # One more joiner, spread over the batches, at the mean padded lengths.
+        joiners = float(np.sum(rows[k] * weight[k]))
+        two = np.stack((rows[k], rows[k] * (1.0 + 1.0 / max(joiners, 1e-9))))
+        mean_len = np.broadcast_to(nodes[k].mean(axis=-1), two.shape)
+        pre2 = self.cm.block_step("prefill", two, mean_len, self.placement, weight[k], 1.0).seconds
+        q = min(max(m_inf, 1e-9), 1.0)
+        var_pre = float(np.var(scen)) + float(pre2[1] - pre2[0]) ** 2 * bls * q * (1.0 - q)
+        slope = self.row_step_slope(np.full(nb, float(pol.gbs)), a[k], ctx[k], p[k])
+        p_bar = float(np.mean(p[k]))
+        var_dec = (slope * R) ** 2 * bls * p_bar * (1.0 - p_bar)
+        return var_pre + var_dec
 
     def stationary_context(self, lo: np.ndarray, hi: np.ndarray, a: np.ndarray, surv_grid: np.ndarray,
                            joiners: float) -> np.ndarray:
@@ -335,7 +439,7 @@ class _Analytic:
     # ---------------------------------------------------------------- results
     def _finish(self, pre_steps: list[BlockStep], dec_steps: list[BlockStep], lat_vals: list[np.ndarray],
                 lat_w: list[np.ndarray], p99len: float, wall: float, padded: float,
-                prefill_steps: int) -> dict[str, Any]:
+                prefill_steps: int, decode_steps: int) -> dict[str, Any]:
         pre = pre_steps[0]
         for s in pre_steps[1:]:
             pre = _concat(pre, s)
@@ -345,8 +449,7 @@ class _Analytic:
         values = np.concatenate([np.ravel(v) for v in lat_vals])
         weights = np.concatenate([np.ravel(w) for w in lat_w])
         return {"prefill": pre, "decode": dec, "latencies": values, "weights": weights, "p99len": p99len,
-                "wall": wall, "padded": padded, "prefill_steps": prefill_steps,
-                "decode_steps": int(round(float(np.sum(dec.seconds > 0))))}
+                "wall": wall, "padded": padded, "prefill_steps": prefill_steps, "decode_steps": decode_steps}
 
 
 def binned(values: np.ndarray, weights: np.ndarray, bins: int = _LATENCY_BINS) -> tuple[np.ndarray, np.ndarray]:

@@ -41,7 +41,7 @@ class SimResult(Contract):
     latency_p99_s: float
     latency_max_s: float
     p99_output_len: int
-    latency_p99_length_s: float  # a request of p99_output_len output tokens (SLA p99-length)
+    latency_p99_length_s: float  # expected latency of a request of p99_output_len tokens (SLA p99-length)
     peak_bytes: dict[str, float]
     capacity_bytes: dict[str, float]
     fits: bool  # every tier's peak within its capacity
