@@ -401,3 +401,36 @@ def test_cpu_host_profile_with_bandwidth_curves():
     slower = simulate(spec, cpu_host(ctog=BandwidthCurve.flat(0.2 * GB)), pol, get_workload("T@0.25"),
                       num_requests=200)
     assert slower.wall_s > res.wall_s
+
+
+def test_range_max_matches_brute_force():
+    from xsimulator.discrete_event import range_max
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 64, 1000):
+        lo = rng.integers(0, n, 60)
+        hi = np.minimum(lo + rng.integers(0, n, 60), n - 1)
+        value = rng.integers(-50, 100, 60)  # negative keys occur (prompt - join * steps)
+        expected = np.full(n, np.iinfo(np.int64).min)
+        for a, b, v in zip(lo, hi, value):
+            expected[a:b + 1] = np.maximum(expected[a:b + 1], v)
+        assert np.array_equal(range_max(n, lo, hi, value), expected)
+
+
+@pytest.mark.parametrize("refill", [0, 1, 3])
+def test_padded_context_matches_its_definition(refill):
+    """T = max over active rows of prompt + tokens so far, checked by brute force."""
+    pol = Policy(gbs=4, nb=2, refill_every=refill)
+    p, o = get_workload("S@0.1").sample(60, seed=refill)
+    _, tl = simulate_timeline(OPT30, t4_like(), pol, get_workload("S@0.1"), requests=(p, o))
+    sched, S = tl.schedule, tl.schedule.interval_steps
+    rows = np.zeros_like(tl.decode_rows)
+    ctx = np.zeros_like(tl.decode_len)
+    for i in range(len(p)):
+        k = sched.slot[i] // pol.gbs
+        for t in range(1, o[i]):  # decode step t after joining makes token t + 1
+            j, u = divmod(sched.join[i] * S + t - 1, S)
+            rows[k, j, u] += 1
+            ctx[k, j, u] = max(ctx[k, j, u], p[i] + t)
+    assert np.array_equal(tl.decode_rows, rows)
+    assert np.array_equal(tl.decode_len, ctx)

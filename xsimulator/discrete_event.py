@@ -110,38 +110,29 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     sched = assign_slots(prompt, output, policy)
     J, S = sched.num_intervals, sched.interval_steps
     nb, gbs, bls = policy.nb, policy.gbs, policy.block_size
-    n = len(prompt)
-
-    # One entry per (request, interval it is present in).
-    reps = sched.intervals_held
-    if policy.refill_every == 0:
-        req, offs = np.arange(n), np.zeros(n, np.int64)
-    else:
-        req = np.repeat(np.arange(n), reps)
-        offs = np.arange(len(req)) - np.repeat(np.cumsum(reps) - reps, reps)
-    pj = sched.join[req] + offs
-    batch = sched.slot[req] // gbs
-    steps_in = np.clip(output[req] - 1 - offs * S, 0, S)  # decode steps done in this interval
-    ctx0 = prompt[req] + offs * S  # context before the interval's first decode step
+    batch = sched.slot // gbs
 
     # Prefill of the rows that join in each interval, per GPU batch (batch axis first).
-    new = offs == 0
-    cell = batch[new] * J + pj[new]
+    cell = batch * J + sched.join
     prefill_rows = np.bincount(cell, minlength=nb * J).reshape(nb, J)
     prefill_len = np.zeros(nb * J, np.int64)
-    np.maximum.at(prefill_len, cell, prompt[req[new]])
+    np.maximum.at(prefill_len, cell, prompt)
     prefill_len = prefill_len.reshape(nb, J)
 
-    # Decode: rows active at step u are those doing >= u steps in the interval; the padded
-    # context is u plus the largest starting context among them (reverse cumulative max).
-    flat = (batch * J + pj) * (S + 1) + steps_in
-    size = nb * J * (S + 1)
-    ending = np.bincount(flat, minlength=size).reshape(nb, J, S + 1)
-    decode_rows = np.cumsum(ending[:, :, ::-1], axis=2)[:, :, ::-1][:, :, 1:]
-    top = np.full(size, -1, np.int64)
-    np.maximum.at(top, flat, ctx0)
-    top = np.maximum.accumulate(top.reshape(nb, J, S + 1)[:, :, ::-1], axis=2)[:, :, ::-1][:, :, 1:]
-    decode_len = np.where(decode_rows > 0, top + np.arange(1, S + 1), 0)
+    # Decode on the global step axis g = interval * S + (u - 1): a request is active from the
+    # first step of its join interval for output - 1 steps. Active rows come from +1/-1
+    # differences; the padded context is g + 1 + the largest (prompt - join * S) among them.
+    G = J * S
+    first = sched.join * S
+    decoding = output >= 2
+    start = batch[decoding] * (G + 1) + first[decoding]
+    stop = start + output[decoding] - 1
+    diff = np.bincount(start, minlength=nb * (G + 1)) - np.bincount(stop, minlength=nb * (G + 1))
+    decode_rows = np.cumsum(diff.reshape(nb, G + 1), axis=1)[:, :G]
+    key = range_max(nb * (G + 1), start, stop - 1, (prompt - first)[decoding]).reshape(nb, G + 1)[:, :G]
+    decode_len = np.where(decode_rows > 0, key + np.arange(1, G + 1), 0)
+    decode_rows = decode_rows.reshape(nb, J, S)
+    decode_len = decode_len.reshape(nb, J, S)
 
     placement = policy.placement()
     pre = price_steps(cm, "prefill", prefill_rows, prefill_len, placement)
@@ -157,6 +148,38 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     finish = start[last] + pre.seconds[last] + cum_step[last, u_last]
     latency = finish - start[sched.join]
     return Timeline(sched, pre, dec, prefill_rows, prefill_len, decode_rows, decode_len, start, latency)
+
+
+def range_max(n: int, lo: np.ndarray, hi: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """``out[i] = max(value[k] for ranges k with lo[k] <= i <= hi[k])``; int64 min where none does.
+
+    A segment tree built with numpy: each range is split into O(log n) canonical nodes (all
+    ranges at once, one tree level per pass), then node maxima are pushed down to the leaves.
+    O((len(lo) + n) log n) without a Python loop per range.
+    """
+    size = 1 << max(int(n - 1).bit_length(), 0)
+    tree = np.full(2 * size, np.iinfo(np.int64).min, np.int64)
+    left, right = np.asarray(lo, np.int64) + size, np.asarray(hi, np.int64) + 1 + size
+    value = np.asarray(value, np.int64)
+    while True:
+        live = left < right
+        if not live.any():
+            break
+        odd_left = live & (left & 1 == 1)
+        np.maximum.at(tree, left[odd_left], value[odd_left])
+        left = left + odd_left
+        odd_right = live & (right & 1 == 1)
+        right = right - odd_right
+        np.maximum.at(tree, right[odd_right], value[odd_right])
+        left, right = left >> 1, right >> 1
+    level = 1
+    while level < size:  # parents at [level, 2 level) push to children at [2 level, 4 level)
+        parents = tree[level:2 * level]
+        children = tree[2 * level:4 * level].reshape(level, 2)
+        np.maximum(children, parents[:, None], out=children)
+        tree[2 * level:4 * level] = children.ravel()
+        level *= 2
+    return tree[size:size + n]
 
 
 def price_steps(cm: CostModel, phase: str, rows: np.ndarray, length: np.ndarray, placement: dict[str, float]) -> BlockStep:
