@@ -15,8 +15,8 @@ from workloads import LengthDistribution, Workload, get_workload
 from xprofiler.profile import BandwidthCurve, LayerFit, layer_features
 from xprofiler.specs import get_model_spec
 from xsched.errors import UserError
-from xsimulator import CostModel, Policy, simulate, simulate_analytic, simulate_timeline
-from xsimulator.costmodel import (PLACEMENT_VARS, bandwidth_at, compression_ratio, parallel_groups,
+from xsimulator import PLACEMENT_VARS, CostModel, Policy, simulate, simulate_analytic, simulate_timeline
+from xsimulator.costmodel import (bandwidth_at, compression_ratio, parallel_groups,
                                   step_seconds)
 
 OPT30 = get_model_spec("opt-30b")

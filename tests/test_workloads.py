@@ -50,6 +50,8 @@ def test_preset_names_fixed_and_scale():
     assert quarter.output.max_len == 80 and quarter.prompt.max_len == 64
     assert quarter.output.mean == pytest.approx(full.output.mean / 4, rel=0.01)
     assert get_workload("fixed:64:16@0.5").output.params["value"] == 8
+    tiny = get_workload("S@0.01")  # lengths shrink to a single possible value, not an error
+    assert tiny.output.max_len >= 1 and tiny.sample(5, seed=0)[1].min() >= 1
     assert get_workload("c1").name == "C1"
 
 

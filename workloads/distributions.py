@@ -117,6 +117,8 @@ class LengthDistribution(Contract):
             raise UserError(f"truncnorm: std must be > 0, got {std:g}; use 'fixed' for a constant length")
         if not min_len <= mean <= max_len:
             raise UserError(f"truncnorm: mean {mean:g} is outside {min_len}..{max_len}; max must be >= mean")
+        if max_len == min_len:  # one possible length (e.g. a preset scaled far down)
+            return cls.fixed(max_len)
 
         def residual(x: np.ndarray) -> list[float]:
             d = cls.truncnorm(x[0], x[1], max_len, min_len)

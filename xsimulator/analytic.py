@@ -117,7 +117,7 @@ class _Analytic:
         self.var_min = np.clip(e2 - e1**2, 0.0, None)
 
     # ---------------------------------------------------------------- length expectations
-    def prompt_nodes(self, rank: Any, total: Any, shape_q: bool = True) -> np.ndarray:
+    def prompt_nodes(self, rank: Any, total: Any) -> np.ndarray:
         """Quadrature nodes of the ``rank``-th smallest of ``total`` prompts: [..., Q]."""
         rank = np.asarray(rank, dtype=float)[..., None]
         total = np.asarray(total, dtype=float)[..., None]

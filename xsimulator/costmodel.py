@@ -31,7 +31,7 @@ import numpy as np
 from xprofiler.profile import BandwidthCurve, HardwareProfile, layer_features
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.policy import PLACEMENT_VARS, Policy
+from xsimulator.policy import Policy
 
 # Multiplicative calibration factors, one per separately visible time term.
 FACTOR_TERMS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "gpu_compute", "cpu_compute", "dequant",

@@ -7,10 +7,11 @@ free slots take the next queued requests, so R = 0 is the special case where eve
 at every interval start. Steps in which no row is active cost nothing, which is the same as
 refilling at once when everything finished early.
 
-Everything after the slot assignment is vectorised: the per-(interval, step, GPU batch) active
-rows and padded context lengths are built with numpy, and :class:`CostModel.block_step` prices
-all steps in one call (the model's layers are identical, so a step is ``num_layers`` layer
-steps plus the head). Semantics: docs/ARCHITECTURE.md "Shared execution semantics".
+Only the slot assignment walks the requests (O(1) list work each); the rest is numpy: active
+rows per (GPU batch, step) from +1/-1 differences, padded contexts from a vectorised range-max,
+and every step priced in one call of the cost model (layers are identical, so a step is
+``num_layers`` layer steps plus the head; distinct (rows, length) pairs are priced once).
+Semantics: docs/ARCHITECTURE.md "Shared execution semantics".
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     """Simulate the requests (in queue order) under ``policy`` and price every step."""
     sched = assign_slots(prompt, output, policy)
     J, S = sched.num_intervals, sched.interval_steps
-    nb, gbs, bls = policy.nb, policy.gbs, policy.block_size
+    nb, gbs = policy.nb, policy.gbs
     batch = sched.slot // gbs
 
     # Prefill of the rows that join in each interval, per GPU batch (batch axis first).

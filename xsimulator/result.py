@@ -65,7 +65,7 @@ class SimResult(Contract):
         lines = [
             f"{self.method} simulation of {self.num_requests} requests ({self.workload}) on {self.model}, "
             f"profile {self.profile}",
-            f"  policy: " + self.policy.describe().replace("\n", "; "),
+            "  policy: " + self.policy.describe().replace("\n", "; "),
             f"  throughput {self.throughput_tokens_per_s:,.2f} generated tokens/s "
             f"(total {self.total_throughput_tokens_per_s:,.2f}, padded {self.padded_throughput_tokens_per_s:,.2f}); "
             f"wall {self.wall_s:,.1f} s",
