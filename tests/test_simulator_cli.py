@@ -55,7 +55,7 @@ def test_simulate_json_trace_and_plan(profile_path, tmp_path):
     assert "generated tokens/s" in human.stdout and "p99" in human.stdout
 
 
-@pytest.mark.parametrize("args,message", [
+BAD_INPUT = [
     (["--workload", "T", "--policy", '{"gbs": 8, "nb": 2, "wg": 0.5, "wc": 0.4, "wd": 0}'], "sum to 0.9"),
     (["--workload", "Q", "--policy", POLICY], "unknown workload preset 'Q'"),
     (["--workload", "fixed:0:8", "--policy", POLICY], ">= 1"),
@@ -63,12 +63,26 @@ def test_simulate_json_trace_and_plan(profile_path, tmp_path):
     (["--workload", "T", "--policy", '{"gbs": 0, "nb": 1}'], "gbs and nb must be >= 1"),
     (["--workload", "T", "--policy", POLICY, "--requests", "0"], "--requests must be >= 1"),
     (["--workload", "T", "--policy", POLICY, "--method", "analytic", "--trace", "x.json"], "discrete-event"),
-])
+    (["--workload", "T", "--policy", POLICY, "--output", "/nonexistent-dir/r.json"], "does not exist"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT[:2])
 def test_simulate_bad_input_exits_2_with_one_line(profile_path, args, message):
     out = run("simulate", "--profile", profile_path, "--model", "opt-1.3b", *args)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("xsched: error:") and message in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT[2:])
+def test_simulate_bad_input_in_process(profile_path, args, message, capsys):
+    """The same CLI entry point in-process (the subprocess cases above check the interpreter exit)."""
+    from xsched.cli import main
+
+    assert main(["simulate", "--profile", profile_path, "--model", "opt-1.3b", "--requests", "50", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("xsched: error:") and message in err[0], err
 
 
 def test_workload_commands_and_malformed_file(tmp_path):
