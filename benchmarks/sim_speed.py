@@ -10,7 +10,8 @@ p99-length latency).
 Goal: >= 100,000 simulated requests/s for the discrete-event path. Timings are the best of
 ``--repeats`` runs (the machine is shared); compare ratios within one run.
 
-    .venv/bin/python benchmarks/sim_speed.py [--requests 10000] [--repeats 3] [--profile t4|FILE]
+    .venv/bin/python benchmarks/sim_speed.py [--requests 10000] [--repeats 3] [--seeds 1 2 ...]
+                                             [--profile t4|FILE]
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1],
+                    help="request samples to compare the analytic path with (one row per seed)")
     ap.add_argument("--profile", default=None, help="profile preset or file (default: t4 preset if shipped, "
                                                       "else FlexGen's T4 numbers built in here)")
     args = ap.parse_args()
@@ -79,7 +82,7 @@ def main() -> int:
             profile = paper_t4()
     n = args.requests
     print(f"profile {profile.name}, {n} requests per job, best of {args.repeats}; analytic minus discrete-event:")
-    header = (f"{'preset':<6} {'case':<14} {'R':>2} {'DES req/s':>11} {'analytic req/s':>15} "
+    header = (f"{'preset':<6} {'case':<14} {'R':>2} {'seed':>4} {'DES req/s':>11} {'analytic req/s':>15} "
               f"{'tput':>7} {'mean':>7} {'p50':>7} {'p99':>7} {'p99len':>7}")
     print(header)
     print("-" * len(header))
@@ -91,22 +94,24 @@ def main() -> int:
             spec = get_model_spec(model)
             for refill in REFILLS:
                 pol = Policy(**kw, refill_every=refill)
-                t_des, des = best_time(lambda: simulate(spec, profile, pol, w, num_requests=n, seed=1), args.repeats)
                 t_ana, ana = best_time(lambda: simulate_analytic(spec, profile, pol, w, num_requests=n),
                                        args.repeats)
-                rel = {
-                    "tput": ana.throughput_tokens_per_s / des.throughput_tokens_per_s - 1,
-                    "mean": ana.latency_mean_s / des.latency_mean_s - 1,
-                    "p50": ana.latency_p50_s / des.latency_p50_s - 1,
-                    "p99": ana.latency_p99_s / des.latency_p99_s - 1,
-                    "p99len": ana.latency_p99_length_s / des.latency_p99_length_s - 1,
-                }
-                for k, v in rel.items():
-                    errs[k].append(abs(v))
-                des_rates.append(n / t_des)
-                ana_rates.append(n / t_ana)
-                print(f"{preset:<6} {name:<14} {refill:>2} {n / t_des:>11,.0f} {n / t_ana:>15,.0f} "
-                      + " ".join(f"{100 * rel[k]:>+6.1f}%" for k in errs))
+                for seed in args.seeds:
+                    t_des, des = best_time(lambda: simulate(spec, profile, pol, w, num_requests=n, seed=seed),
+                                           args.repeats)
+                    rel = {
+                        "tput": ana.throughput_tokens_per_s / des.throughput_tokens_per_s - 1,
+                        "mean": ana.latency_mean_s / des.latency_mean_s - 1,
+                        "p50": ana.latency_p50_s / des.latency_p50_s - 1,
+                        "p99": ana.latency_p99_s / des.latency_p99_s - 1,
+                        "p99len": ana.latency_p99_length_s / des.latency_p99_length_s - 1,
+                    }
+                    for k, v in rel.items():
+                        errs[k].append(abs(v))
+                    des_rates.append(n / t_des)
+                    ana_rates.append(n / t_ana)
+                    print(f"{preset:<6} {name:<14} {refill:>2} {seed:>4} {n / t_des:>11,.0f} {n / t_ana:>15,.0f} "
+                          + " ".join(f"{100 * rel[k]:>+6.1f}%" for k in errs))
     print("-" * len(header))
     print(f"discrete-event: min {min(des_rates):,.0f}, median {statistics.median(des_rates):,.0f} requests/s "
           f"(goal >= 100,000: {'met' if min(des_rates) >= 100_000 else 'NOT met'} in every row; "
