@@ -105,7 +105,7 @@ def _measured_profile() -> HardwareProfile:
 
     fit = fit_layer(SPEC, "decode", DB, DN, decode_truth(DB, DN) * np.where(DB > 4, 1.2, 1.0), model="opt-1.3b",
                     dtype="float32", samples_csv="p.samples.csv")
-    base = load_preset("flexgen-t4")
+    base = load_preset("t4")
     return dataclasses.replace(
         base, source="measured", layer_fits=(fit,), calibration={"compute": 1.1},
         ctog=BandwidthCurve(sizes_bytes=(4096, 2**20), bytes_per_s=(1e9, 1e10), large_bytes_per_s=1.2e10),
@@ -143,7 +143,7 @@ def test_bandwidth_curve_interpolates_in_log_size():
 
 
 def test_compute_s_is_a_roofline():
-    p = load_preset("flexgen-t4")
+    p = load_preset("t4")
     # compute bound: a big GEMM
     assert p.compute_s("mm", 1e12, 1e6) == pytest.approx(1e12 / p.mm_flops)
     # memory bound: a decode GEMV over 1 GB of weights
@@ -152,7 +152,7 @@ def test_compute_s_is_a_roofline():
     assert arr[0] == pytest.approx(1e10 / p.cpu_mem_bytes_per_s) and arr[1] == pytest.approx(1e12 / p.cpu_bmm_flops)
 
 
-@pytest.mark.parametrize("name", ["flexgen-t4", "flexgen-rtx3090", "a100-80gb", "h100-80gb"])
+@pytest.mark.parametrize("name", ["t4", "rtx3090", "a100-80gb", "h100-80gb"])
 def test_presets_load_validate_and_cite_sources(name):
     assert name in preset_names()
     p = load_preset(name)
@@ -165,10 +165,10 @@ def test_presets_load_validate_and_cite_sources(name):
 
 
 def test_flexgen_t4_preset_matches_the_paper():
-    p = load_preset("flexgen-t4")
+    p = load_preset("t4")
     assert p.gpu_bytes == 16 * 10**9 and p.cpu_bytes == 208 * 2**30 and p.disk_bytes == int(1.5e12)
     assert (p.dtoc.large_bytes_per_s, p.ctod.large_bytes_per_s) == (1.6e9, 1.3e9)  # FlexGen Table 24
-    rtx = load_preset("flexgen-rtx3090")
+    rtx = load_preset("rtx3090")
     assert (rtx.gpu_bytes, rtx.cpu_bytes, rtx.disk_bytes) == (24 * 10**9, 125 * 2**30, 10**12)  # Table 12
 
 

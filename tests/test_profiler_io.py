@@ -84,7 +84,7 @@ def test_fingerprint_detects_this_machine_without_torch():
 def test_mismatch_warning_names_the_difference(tmp_path):
     here = detect_fingerprint()
     other = dataclasses.replace(here, cpu_model="Imaginary CPU 9000", ram_bytes=here.ram_bytes * 4)
-    base = load_preset("flexgen-t4")
+    base = load_preset("t4")
     measured = dataclasses.replace(base, source="measured", fingerprint=other)
     path = tmp_path / "p.json"
     measured.save(path)

@@ -152,18 +152,18 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
 
 def test_cli_show_list_and_mismatch_warning(tmp_path):
     r = _xsched("profile", "list")
-    assert r.returncode == 0 and all(n in r.stdout for n in ("flexgen-t4", "flexgen-rtx3090", "a100-80gb",
+    assert r.returncode == 0 and all(n in r.stdout for n in ("t4", "rtx3090", "a100-80gb",
                                                                "h100-80gb"))
     r = _xsched("profile", "list", "--json")
-    assert set(json.loads(r.stdout)) == {"flexgen-t4", "flexgen-rtx3090", "a100-80gb", "h100-80gb"}
-    r = _xsched("profile", "show", "flexgen-t4")
+    assert set(json.loads(r.stdout)) == {"t4", "rtx3090", "a100-80gb", "h100-80gb"}
+    r = _xsched("profile", "show", "t4")
     assert r.returncode == 0 and "Tesla T4" in r.stdout and "1.6 GB/s" in r.stdout and "Table 24" in r.stdout
     # a measured profile from another machine: shown, with a one-line warning naming the difference
     from xprofiler.fingerprint import detect_fingerprint
     from xprofiler.presets import load_preset
 
     here = detect_fingerprint()
-    other = dataclasses.replace(load_preset("flexgen-t4"), source="measured",
+    other = dataclasses.replace(load_preset("t4"), source="measured",
                                 fingerprint=dataclasses.replace(here, cpu_cores=here.cpu_cores + 62))
     other.save(tmp_path / "other.json")
     r = _xsched("profile", "show", str(tmp_path / "other.json"), "--json")

@@ -17,6 +17,8 @@ from xsched.errors import EXIT_USER_ERROR, UserError
 # Stage CLI modules, in pipeline order; each adds its subcommands.
 STAGE_CLIS: tuple[str, ...] = (
     "xprofiler.cli",
+    "workloads.cli",
+    "xsimulator.cli",
     "xrunner.cli",
 )
 

@@ -1,0 +1,131 @@
+"""`xsched simulate` and `xsched workload`: outputs, traces and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from sim_profiles import t4_like
+
+from workloads import Workload
+from xprofiler.specs import get_model_spec
+from xsimulator import Policy, SimResult, read_chrome_trace, simulate_timeline, trace_events
+from xsimulator.costmodel import CostModel
+from xsimulator.trace import TRACKS, TraceEvent, TraceMarker, write_chrome_trace
+
+POLICY = json.dumps({"gbs": 8, "nb": 2, "wg": 0.5, "wc": 0.5, "wd": 0.0, "cg": 0.0, "cc": 1.0, "cd": 0.0,
+                     "cpu_attention": True, "refill_every": 4})
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "xsched", *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prof") / "t4.json"
+    t4_like().save(path)
+    return str(path)
+
+
+def test_simulate_json_trace_and_plan(profile_path, tmp_path):
+    trace = tmp_path / "sim.json"
+    out = run("simulate", "--profile", profile_path, "--model", "opt-6.7b", "--workload", "T@0.25",
+              "--policy", POLICY, "--requests", "300", "--seed", "2", "--trace", str(trace), "--json")
+    assert out.returncode == 0, out.stderr
+    result = SimResult.from_json(out.stdout)
+    assert result.num_requests == 300 and result.policy.refill_every == 4 and result.model == "opt-6.7b"
+    events, _ = read_chrome_trace(trace)
+    assert {e.track for e in events} <= set(TRACKS) and events
+    compute = sum(e.dur_s for e in events if e.track == "compute")
+    assert compute == pytest.approx(result.busy_s["gpu_compute"] + result.busy_s["head"] + result.busy_s["dequant"]
+                                    + result.busy_s["quant"], rel=1e-6)
+    assert max(e.start_s + e.dur_s for e in events) == pytest.approx(result.wall_s, rel=1e-9)
+    # A plan file supplies the policy, model and workload; the human output names the numbers.
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"policy": json.loads(POLICY), "model": "opt-6.7b",
+                                "workload": json.loads(Workload.from_json(json.dumps(
+                                    json.loads(run("workload", "show", "G@0.25", "--json").stdout))).to_json())}))
+    human = run("simulate", "--profile", profile_path, "--plan", str(plan), "--requests", "200",
+                "--method", "analytic")
+    assert human.returncode == 0, human.stderr
+    assert "analytic simulation of 200 requests (G@0.25) on opt-6.7b" in human.stdout
+    assert "generated tokens/s" in human.stdout and "p99" in human.stdout
+
+
+BAD_INPUT = [
+    (["--workload", "T", "--policy", '{"gbs": 8, "nb": 2, "wg": 0.5, "wc": 0.4, "wd": 0}'], "sum to 0.9"),
+    (["--workload", "Q", "--policy", POLICY], "unknown workload preset 'Q'"),
+    (["--workload", "fixed:0:8", "--policy", POLICY], ">= 1"),
+    (["--workload", "T", "--policy", '{"gbs": 8,'], "not valid JSON"),
+    (["--workload", "T", "--policy", '{"gbs": 0, "nb": 1}'], "gbs and nb must be >= 1"),
+    (["--workload", "T", "--policy", POLICY, "--requests", "0"], "--requests must be >= 1"),
+    (["--workload", "T", "--policy", POLICY, "--method", "analytic", "--trace", "x.json"], "discrete-event"),
+    (["--workload", "T", "--policy", POLICY, "--output", "/nonexistent-dir/r.json"], "does not exist"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT[:2])
+def test_simulate_bad_input_exits_2_with_one_line(profile_path, args, message):
+    out = run("simulate", "--profile", profile_path, "--model", "opt-1.3b", *args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xsched: error:") and message in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT[2:])
+def test_simulate_bad_input_in_process(profile_path, args, message, capsys):
+    """The same CLI entry point in-process (the subprocess cases above check the interpreter exit)."""
+    from xsched.cli import main
+
+    assert main(["simulate", "--profile", profile_path, "--model", "opt-1.3b", "--requests", "50", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("xsched: error:") and message in err[0], err
+
+
+def test_workload_commands_and_malformed_file(tmp_path):
+    reqs = tmp_path / "reqs.jsonl"
+    out = run("workload", "sample", "C1@0.5", "-n", "400", "--seed", "1", "-o", str(reqs))
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in reqs.read_text().splitlines()]
+    assert len(rows) == 400 and set(rows[0]) == {"id", "prompt_tokens", "max_new_tokens"}
+    fitted = tmp_path / "fit.json"
+    out = run("workload", "fit", str(reqs), "-o", str(fitted))
+    assert out.returncode == 0, out.stderr
+    assert "best fit" in out.stdout
+    w = Workload.load(fitted)
+    assert w.output.mean == pytest.approx(sum(r["max_new_tokens"] for r in rows) / 400, rel=0.03)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_tokens": 3, "output_tokens": 2}\nnot json\n')
+    out = run("workload", "show", str(bad))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "bad.jsonl:2: not valid JSON" in out.stderr
+
+
+def test_trace_writer_round_trip_and_markers(tmp_path):
+    events = [TraceEvent("compute", "layers", 0.0, 0.5, {"block": 0}), TraceEvent("ctog", "ctog", 0.1, 0.2)]
+    path = write_chrome_trace(tmp_path / "t.json", events, [TraceMarker("replan", 0.4, {"reason": "drift"})])
+    data = json.loads(path.read_text())
+    x = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert x[0]["ts"] == 0.0 and x[0]["dur"] == pytest.approx(5e5) and x[1]["tid"] == "ctog"
+    back, markers = read_chrome_trace(path)
+    assert back[0] == events[0] and markers[0].name == "replan" and markers[0].time_s == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="unknown trace track"):
+        write_chrome_trace(tmp_path / "u.json", [TraceEvent("gpu", "x", 0, 1)])
+
+
+def test_simulated_trace_lays_channels_inside_steps():
+    spec = get_model_spec("opt-1.3b")
+    pol = Policy(gbs=4, nb=2, wg=0.0, wc=1.0, wd=0.0)
+    from workloads import get_workload
+
+    result, tl = simulate_timeline(spec, t4_like(), pol, get_workload("fixed:32:4"), num_requests=8)
+    events = trace_events(CostModel.for_policy(spec, t4_like(), pol), tl)
+    steps = {(e.args["block"], e.args["step"]) for e in events}
+    assert len(steps) == 4  # one prefill and three decode steps
+    for key in steps:
+        evs = [e for e in events if (e.args["block"], e.args["step"]) == key]
+        start = min(e.start_s for e in evs)
+        assert all(e.start_s == start for e in evs if e.name in ("layers", "ctog"))  # overlapped (CUDA)
+    assert sum(e.dur_s for e in events if e.track == "ctog") == pytest.approx(result.busy_s["ctog"])

@@ -1,0 +1,256 @@
+"""workloads: length distributions, presets, request files, fits and the drift test."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from workloads import DriftMonitor, LengthDistribution, Workload, fit_lengths, get_workload, preset_names
+from workloads.distributions import skewnorm_parameters
+from xsched.errors import UserError
+
+# ExeGPT Table 3: (input mean, std, max), (output mean, std, p99, max).
+TABLE3 = {
+    "S": ((256, 252, 512), (32, 13, 63, 80)),
+    "T": ((128, 81, 256), (128, 68, 292, 320)),
+    "G": ((64, 23, 128), (192, 93, 417, 480)),
+    "C1": ((256, 115, 512), (64, 30, 137, 160)),
+    "C2": ((512, 252, 1024), (256, 134, 579, 640)),
+}
+
+
+@pytest.mark.parametrize("name", list(TABLE3))
+def test_presets_reproduce_exegpt_table3(name):
+    (im, isd, imax), (om, osd, o99, omax) = TABLE3[name]
+    w = get_workload(name)
+    assert (w.prompt.max_len, w.output.max_len) == (imax, omax)
+    assert w.output.mean == pytest.approx(om, rel=0.005)
+    assert w.output.std == pytest.approx(osd, rel=0.005)
+    # The table's 99th-percentile column was not used to build the preset: an independent check.
+    assert abs(w.output.percentile(0.99) - o99) <= 1
+    assert w.prompt.mean == pytest.approx(im, rel=0.01)
+    uniform_std = math.sqrt(((imax - 1 + 1) ** 2 - 1) / 12)
+    if isd < uniform_std:  # reachable by a truncated normal on 1..max
+        assert w.prompt.std == pytest.approx(isd, rel=0.005)
+    else:  # S and T inputs: Table 3's std exceeds a uniform's; the preset is the closest (near uniform)
+        assert w.prompt.std == pytest.approx(uniform_std, rel=0.01)
+
+
+def test_preset_names_fixed_and_scale():
+    assert preset_names() == ["S", "T", "G", "C1", "C2"]
+    fixed = get_workload("fixed:512:32")
+    p, o = fixed.sample(10, seed=3)
+    assert set(p) == {512} and set(o) == {32}
+    quarter = get_workload("T@0.25")
+    full = get_workload("T")
+    assert quarter.output.max_len == 80 and quarter.prompt.max_len == 64
+    assert quarter.output.mean == pytest.approx(full.output.mean / 4, rel=0.01)
+    assert get_workload("fixed:64:16@0.5").output.params["value"] == 8
+    tiny = get_workload("S@0.01")  # lengths shrink to a single possible value, not an error
+    assert tiny.output.max_len >= 1 and tiny.sample(5, seed=0)[1].min() >= 1
+    assert get_workload("c1").name == "C1"
+
+
+def test_truncnorm_pmf_matches_scipy_truncnorm():
+    d = LengthDistribution.truncnorm(100, 40, 180)
+    lengths, probs = d.pmf()
+    a, b = (0.5 - 100) / 40, (180.5 - 100) / 40
+    ref = stats.truncnorm(a, b, loc=100, scale=40)
+    expected = ref.cdf(lengths + 0.5) - ref.cdf(lengths - 0.5)
+    np.testing.assert_allclose(probs, expected, rtol=1e-9, atol=1e-14)
+    assert probs.sum() == pytest.approx(1.0)
+    assert d.mean == pytest.approx(float(np.dot(lengths, expected)), rel=1e-9)
+
+
+def test_skewnorm_and_lognorm_parameters_match_scipy_moments():
+    shape, loc, scale = skewnorm_parameters(100, 20, 0.6)
+    m, v, sk = stats.skewnorm.stats(shape, loc=loc, scale=scale, moments="mvs")
+    assert (float(m), math.sqrt(v), float(sk)) == pytest.approx((100, 20, 0.6), rel=1e-9)
+    wide = LengthDistribution.lognorm(50, 30, 100_000)  # truncation far away: moments survive rounding
+    assert wide.mean == pytest.approx(50, rel=0.01)
+    assert wide.std == pytest.approx(30, rel=0.02)
+    left = LengthDistribution.skewnorm(200, 30, -0.8, 1000)
+    right = LengthDistribution.skewnorm(200, 30, 0.8, 1000)
+    assert left.percentile(0.99) < right.percentile(0.99)
+
+
+def test_sampling_is_seeded_and_follows_the_pmf():
+    d = get_workload("G").output
+    a, b = d.sample(200_000, seed=7), d.sample(200_000, seed=7)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, d.sample(200_000, seed=8))
+    assert a.min() >= d.min_len and a.max() <= d.max_len
+    assert a.mean() == pytest.approx(d.mean, rel=0.01)
+    assert np.quantile(a, 0.99) == pytest.approx(d.percentile(0.99), abs=3)
+    # percentile is the inverse CDF: smallest length with cdf >= q
+    q = d.percentile(0.9)
+    assert d.cdf(q) >= 0.9 > d.cdf(q - 1)
+
+
+def test_empirical_mixture_and_round_trip():
+    e = LengthDistribution.empirical([3, 3, 5, 9])
+    lengths, probs = e.pmf()
+    assert dict(zip(lengths.tolist(), probs.tolist()))[3] == pytest.approx(0.5)
+    assert e.mean == pytest.approx(5.0)
+    mix = LengthDistribution.mixture([LengthDistribution.fixed(10), LengthDistribution.truncnorm(100, 10, 200)],
+                                     [0.25, 0.75])
+    assert mix.mean == pytest.approx(0.25 * 10 + 0.75 * LengthDistribution.truncnorm(100, 10, 200).mean)
+    w = Workload("mixed", prompt=mix, output=e, correlation=0.3)
+    again = Workload.from_json(w.to_json())
+    assert again == w
+    assert again.output.mean == e.mean
+
+
+def test_correlated_sampling_reaches_the_requested_rank_correlation():
+    base = get_workload("T")
+    w = Workload("corr", base.prompt, base.output, correlation=0.8)
+    p, o = w.sample(20_000, seed=1)
+    rho_s = stats.spearmanr(p, o).statistic
+    assert 2 * math.sin(math.pi * rho_s / 6) == pytest.approx(0.8, abs=0.03)
+    p0, o0 = base.sample(20_000, seed=1)
+    assert abs(stats.spearmanr(p0, o0).statistic) < 0.03
+
+
+def test_from_file_jsonl_and_csv(tmp_path):
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(10, 200, 400)
+    outputs = prompts // 2 + rng.integers(1, 20, 400)  # strongly correlated
+    jl = tmp_path / "req.jsonl"
+    jl.write_text("\n".join(json.dumps({"id": i, "prompt_tokens": int(p), "output_tokens": int(o)})
+                            for i, (p, o) in enumerate(zip(prompts, outputs))) + "\n")
+    w = Workload.from_file(jl)
+    assert w.prompt.mean == pytest.approx(prompts.mean())
+    assert w.output.max_len == outputs.max()
+    assert w.correlation > 0.9
+    csv_path = tmp_path / "req.csv"
+    csv_path.write_text("prompt,max_new_tokens\n" + "".join(f"{'word ' * int(p)},{int(o)}\n"
+                                                            for p, o in zip(prompts[:50], outputs[:50])))
+    wc = Workload.from_file(csv_path)
+    assert "estimated" in wc.source  # no tokenizer: 4 bytes per token
+    assert wc.prompt.mean == pytest.approx(np.ceil(5 * prompts[:50] / 4).mean())
+    counted = Workload.from_file(csv_path, count_tokens=lambda text: len(text.split()))
+    assert counted.prompt.mean == pytest.approx(prompts[:50].mean())
+    assert get_workload(str(jl)).name == "req"
+
+
+@pytest.mark.parametrize("text,match", [
+    ("fixed:0:5", ">= 1"),
+    ("fixed:10:-3", ">= 1"),
+    ("fixed:10", "fixed:PROMPT_TOKENS:OUTPUT_TOKENS"),
+    ("Q", "unknown workload preset 'Q'"),
+    ("T@zero", "not a number"),
+    ("T@-1", "scale must be > 0"),
+    ("missing.jsonl", "no such file"),
+])
+def test_bad_workload_specs(text, match):
+    with pytest.raises(UserError, match=match):
+        get_workload(text)
+
+
+def test_bad_distributions_and_files(tmp_path):
+    with pytest.raises(UserError, match="max must be >= mean"):
+        LengthDistribution.truncnorm(600, 50, 512)
+    with pytest.raises(UserError, match="std must be > 0"):
+        LengthDistribution.lognorm(100, 0, 512)
+    with pytest.raises(UserError, match=">= 1 token"):
+        LengthDistribution.empirical([5, 0, 3])
+    with pytest.raises(UserError, match="skew"):
+        LengthDistribution.skewnorm(100, 10, 1.5, 300)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_tokens": 5, "output_tokens": 3}\n{"prompt_tokens": 5,\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:2: not valid JSON"):
+        Workload.from_file(bad)
+    zero = tmp_path / "zero.jsonl"
+    zero.write_text('{"prompt_tokens": 0, "output_tokens": 3}\n')
+    with pytest.raises(UserError, match="request 1: prompt_tokens=0"):
+        Workload.from_file(zero)
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text('{"prompt_tokens": 4, "output_tokens": 3}\n{"prompt_tokens": 5}\n')
+    with pytest.raises(UserError, match="request 2 has no output length"):
+        Workload.from_file(partial)
+    none = tmp_path / "none.jsonl"
+    none.write_text('{"prompt": "hello there"}\n')
+    with pytest.raises(UserError, match="no output length"):
+        Workload.from_file(none)
+    assert Workload.from_file(none, output=LengthDistribution.fixed(7)).output.mean == 7
+    not_workload = tmp_path / "w.json"
+    not_workload.write_text('{"schema": "xsched.Policy/1", "gbs": 1}')
+    with pytest.raises(UserError, match="schema"):
+        get_workload(str(not_workload))
+
+
+@pytest.mark.parametrize("truth", [LengthDistribution.lognorm(120, 70, 1500),
+                                   LengthDistribution.truncnorm(200, 60, 500)])
+def test_fit_picks_the_generating_family(truth):
+    data = truth.sample(4000, seed=11)
+    report = fit_lengths(data)
+    assert report.best.family == truth.family
+    assert report.best.mean == pytest.approx(data.mean(), rel=0.02)
+    assert report.best.std == pytest.approx(data.std(), rel=0.05)
+    best = report.candidates[0]
+    assert best.ks_pvalue > 0.01
+    assert all(c.bic >= best.bic for c in report.candidates)
+
+
+def test_fit_falls_back_to_empirical_for_many_samples_of_an_odd_shape():
+    bimodal = np.concatenate([np.full(3000, 20), np.full(3000, 400), np.arange(1, 500)])
+    report = fit_lengths(bimodal)
+    assert report.best.family == "empirical"
+    assert fit_lengths([7, 7, 7]).best.family == "fixed"
+    with pytest.raises(UserError):
+        fit_lengths([])
+
+
+def _stream_alarms(workload, shift, seed, block=64, blocks=12, alpha=0.05):
+    """First request count at which the monitor fires on a stream (None if never)."""
+    rng = np.random.default_rng(seed)
+    p, o = workload.sample(block * blocks, seed=int(rng.integers(1 << 31)))
+    o = np.maximum(1, np.round(o * (1 + shift))).astype(int)
+    monitor = DriftMonitor(workload, false_alarm_rate=alpha)
+    for k in range(1, blocks + 1):
+        if monitor.check(p[: k * block], o[: k * block]).drifted:
+            return k * block
+    return None
+
+
+def test_drift_false_alarm_rate_is_bounded_on_unshifted_streams():
+    w = get_workload("T")
+    alpha = 0.05
+    streams = 200
+    alarms = sum(_stream_alarms(w, 0.0, seed, alpha=alpha) is not None for seed in range(streams))
+    # Binomial(200, alpha) exceeds 1.6x its mean with probability ~2%; the monitor is conservative
+    # (5 alarms here), while testing every look at alpha/4 without spending fires on ~15% of streams.
+    assert alarms <= 1.6 * alpha * streams
+
+
+def test_drift_detects_a_15_percent_mean_shift_within_a_few_hundred_requests():
+    w = get_workload("T")  # the hardest preset: output std is 53% of the mean
+    delays = [_stream_alarms(w, 0.15, seed, alpha=0.01) for seed in range(40)]
+    detected = [d for d in delays if d is not None]
+    assert len(detected) >= 38
+    assert np.median(detected) <= 512
+
+
+def test_drift_monitor_input_checks():
+    w = get_workload("S")
+    with pytest.raises(UserError, match="fraction"):
+        DriftMonitor(w, false_alarm_rate=5)
+    monitor = DriftMonitor(w)
+    report = monitor.check([10] * 5, None)
+    assert not report.drifted and report.look == 0  # too few lengths: no look spent
+    with pytest.raises(UserError, match="whole numbers"):
+        monitor.check([0] * 50, None)
+
+
+def test_skewnorm_pmf_matches_scipy_skewnorm():
+    d = LengthDistribution.skewnorm(80, 25, 0.7, 200)
+    lengths, probs = d.pmf()
+    shape, loc, scale = skewnorm_parameters(80, 25, 0.7)
+    ref = stats.skewnorm(shape, loc=loc, scale=scale)
+    expected = ref.cdf(lengths + 0.5) - ref.cdf(lengths - 0.5)
+    expected /= ref.cdf(200.5) - ref.cdf(0.5)
+    np.testing.assert_allclose(probs, expected, rtol=1e-8, atol=1e-14)

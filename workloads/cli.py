@@ -1,0 +1,96 @@
+"""``xsched workload``: inspect a workload, fit one to observed requests, or sample requests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+SPEC_HELP = ("preset S, T, G, C1, C2 (ExeGPT Table 3); fixed:PROMPT:OUTPUT; or a JSONL/CSV of requests or a "
+             "Workload JSON; append @SCALE to scale all lengths (e.g. T@0.25)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("workload", help="show, fit or sample prompt/output length distributions",
+                       description="Length distributions of prompts and outputs: the presets, fits to observed "
+                                   "requests, and request files sampled from them.")
+    wsub = p.add_subparsers(dest="workload_command", metavar="ACTION")
+    wsub.required = True
+
+    show = wsub.add_parser("show", help="print the distributions of a workload (mean, std, percentiles)")
+    show.add_argument("workload", help=SPEC_HELP)
+    show.add_argument("--json", action="store_true", help="print the Workload JSON")
+    show.set_defaults(handler=_show)
+
+    fit = wsub.add_parser("fit", help="fit prompt and output length distributions to a file of requests",
+                          description="Each line/row gives prompt_tokens (or prompt text) and output_tokens (or "
+                                      "max_new_tokens). Tries truncated normal, skew-normal, log-normal and the "
+                                      "empirical pmf; keeps the lowest BIC.")
+    fit.add_argument("file", help="JSONL or CSV of requests")
+    fit.add_argument("-o", "--output", metavar="WORKLOAD.json", help="write the fitted Workload JSON here")
+    fit.add_argument("--json", action="store_true", help="print the fit reports as JSON")
+    fit.set_defaults(handler=_fit)
+
+    sample = wsub.add_parser("sample", help="write N requests sampled from a workload as JSONL",
+                             description="Writes {\"id\", \"prompt_tokens\", \"max_new_tokens\"} per line.")
+    sample.add_argument("workload", help=SPEC_HELP)
+    sample.add_argument("-n", "--requests", type=int, required=True, help="number of requests")
+    sample.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    sample.add_argument("-o", "--output", metavar="REQUESTS.jsonl", required=True, help="output file")
+    sample.set_defaults(handler=_sample)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from workloads import get_workload
+
+    w = get_workload(args.workload)
+    print(w.to_json() if args.json else w.describe())
+    return 0
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from workloads import Workload, fit_lengths
+    from workloads.workload import OUTPUT_KEYS, read_request_lengths, spearman_to_copula
+    from xsched.errors import UserError
+
+    path = Path(args.file)
+    lengths = read_request_lengths(path)
+    if lengths.outputs is None:
+        raise UserError(f"{path}: needs {' or '.join(OUTPUT_KEYS)} per request to fit output lengths")
+    prompt_fit = fit_lengths(lengths.prompts)
+    output_fit = fit_lengths(lengths.outputs)
+    fitted = Workload(name=f"{path.stem}-fit", prompt=prompt_fit.best, output=output_fit.best,
+                      correlation=spearman_to_copula(lengths.prompts, lengths.outputs),
+                      source=f"fitted to {len(lengths.prompts)} requests from {path.name}")
+    if args.output:
+        fitted.save(args.output)
+    if args.json:
+        print(json.dumps({"prompt": prompt_fit.to_dict(), "output": output_fit.to_dict(),
+                          "workload": fitted.to_dict()}, indent=2))
+    else:
+        print(f"prompt lengths: {prompt_fit.describe()}")
+        print(f"output lengths: {output_fit.describe()}")
+        print(fitted.describe())
+    if args.output:
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from workloads import get_workload
+    from xsched.errors import UserError
+    from xsched.fileio import atomic_write_text
+
+    if args.requests < 1:
+        raise UserError(f"--requests must be >= 1, got {args.requests}")
+    w = get_workload(args.workload)
+    prompt, output = w.sample(args.requests, args.seed)
+    lines = [json.dumps({"id": i, "prompt_tokens": int(p), "max_new_tokens": int(o)})
+             for i, (p, o) in enumerate(zip(prompt, output))]
+    atomic_write_text(Path(args.output), "\n".join(lines) + "\n")
+    print(f"wrote {args.requests} requests of {w.name} to {args.output}", file=sys.stderr)
+    return 0

@@ -1,0 +1,285 @@
+"""Workload: prompt and output length distributions of a job, from a preset, a spec or a file.
+
+``get_workload(text)`` is the one entry point the CLIs use. ``text`` is
+
+- a preset of ExeGPT Table 3 (``S``, ``T``, ``G``, ``C1``, ``C2``),
+- ``fixed:PROMPT:OUTPUT`` (FlexGen's benchmarks, e.g. ``fixed:512:32``),
+- a path: a saved Workload JSON, or a JSONL/CSV file of requests,
+
+optionally followed by ``@SCALE`` to multiply every length (``T@0.25`` is task T with a quarter of
+the lengths: small enough to run for real on a small machine).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+from scipy import special, stats
+
+from workloads.distributions import LengthDistribution
+from xsched.contract import Contract
+from xsched.errors import UserError
+
+PROMPT_KEYS = ("prompt_tokens", "prompt")
+OUTPUT_KEYS = ("output_tokens", "max_new_tokens")
+# Without a tokenizer, prompt text is sized with the common rule of thumb for BPE tokenizers on
+# English text: about 4 UTF-8 bytes per token. The workload's ``source`` says so when it is used.
+BYTES_PER_TOKEN_ESTIMATE = 4
+
+
+@dataclass(frozen=True)
+class Workload(Contract):
+    """Distributions of prompt and output lengths, and how they correlate.
+
+    ``correlation`` is the correlation of the Gaussian copula that couples the two lengths
+    (0 = independent, as ExeGPT §6 assumes; its translation task has 0.57-0.94).
+    """
+
+    SCHEMA: ClassVar[str] = "xsched.Workload/1"
+
+    name: str
+    prompt: LengthDistribution
+    output: LengthDistribution
+    correlation: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not -1.0 < self.correlation < 1.0 and self.correlation != 0.0:
+            raise UserError(f"workload {self.name}: correlation {self.correlation} must lie strictly inside -1..1")
+
+    def sample(self, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` requests ``(prompt_lens, output_lens)``, int64 arrays; same seed, same requests."""
+        if n < 1:
+            raise UserError(f"number of requests must be >= 1, got {n}")
+        rng = np.random.default_rng(seed)
+        if self.correlation == 0.0:
+            u_prompt, u_output = rng.random(n), rng.random(n)
+        else:
+            z1, z2 = rng.standard_normal(n), rng.standard_normal(n)
+            rho = self.correlation
+            u_prompt = special.ndtr(z1)
+            u_output = special.ndtr(rho * z1 + math.sqrt(1 - rho * rho) * z2)
+        return self.prompt.ppf(u_prompt), self.output.ppf(u_output)
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence a request can reach: longest prompt plus longest output."""
+        return self.prompt.max_len + self.output.max_len
+
+    def scaled(self, factor: float) -> "Workload":
+        return replace(self, name=f"{self.name}@{factor:g}", prompt=self.prompt.scaled(factor),
+                       output=self.output.scaled(factor))
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "prompt": self.prompt.summary(), "output": self.output.summary(),
+                "correlation": self.correlation, "source": self.source}
+
+    def describe(self) -> str:
+        lines = [f"workload {self.name}" + (f" ({self.source})" if self.source else "")]
+        for label, dist in (("prompt", self.prompt), ("output", self.output)):
+            s = dist.summary()
+            lines.append(f"  {label:<6} {dist.describe()}: mean {s['mean']:.1f}, std {s['std']:.1f}, "
+                         f"p50 {s['p50']}, p99 {s['p99']}, max {s['max']}")
+        if self.correlation:
+            lines.append(f"  prompt/output copula correlation {self.correlation:.2f}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ files
+    @classmethod
+    def from_file(cls, path: str | Path, count_tokens: Callable[[str], int] | None = None,
+                  output: LengthDistribution | None = None) -> "Workload":
+        """An empirical workload from a JSONL or CSV file of requests.
+
+        Each request gives its prompt as ``prompt_tokens`` (a count) or ``prompt`` (text, sized
+        with ``count_tokens``, else estimated at 4 bytes per token), and its output length as
+        ``output_tokens`` (observed) or ``max_new_tokens``. If no request has an output length,
+        ``output`` supplies the distribution.
+        """
+        p = Path(path)
+        lengths = read_request_lengths(p, count_tokens)
+        if lengths.outputs is None and output is None:
+            raise UserError(f"{p}: requests have no output length; add {' or '.join(OUTPUT_KEYS)} to each, "
+                            "or give an output distribution")
+        prompt_dist = LengthDistribution.empirical(lengths.prompts)
+        corr = 0.0
+        if lengths.outputs is not None:
+            output_dist = LengthDistribution.empirical(lengths.outputs)
+            corr = spearman_to_copula(lengths.prompts, lengths.outputs)
+        else:
+            output_dist = output  # type: ignore[assignment]
+        note = f"{len(lengths.prompts)} requests from {p.name}"
+        if lengths.estimated:
+            note += f"; prompt lengths estimated at {BYTES_PER_TOKEN_ESTIMATE} bytes/token (no tokenizer)"
+        return cls(name=p.stem, prompt=prompt_dist, output=output_dist, correlation=corr, source=note)
+
+
+@dataclass(frozen=True)
+class RequestLengths:
+    """Lengths read from a requests file; ``outputs`` is None when no request gives one."""
+
+    prompts: np.ndarray
+    outputs: np.ndarray | None
+    estimated: bool  # prompt text was sized without a tokenizer
+
+
+def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None = None) -> RequestLengths:
+    """Prompt and output lengths of every request in a JSONL or CSV file (see ``from_file``)."""
+    rows = _read_rows(path)
+    if not rows:
+        raise UserError(f"{path}: no requests in the file")
+    prompts, outputs, estimated = [], [], False
+    for i, row in enumerate(rows, start=1):
+        n_prompt, est = _prompt_length(row, count_tokens, f"{path}: request {i}")
+        estimated |= est
+        prompts.append(n_prompt)
+        outputs.append(_optional_length(row, OUTPUT_KEYS, f"{path}: request {i}"))
+    known = [o for o in outputs if o is not None]
+    if known and len(known) != len(outputs):
+        first = outputs.index(None) + 1
+        raise UserError(f"{path}: request {first} has no output length ({' or '.join(OUTPUT_KEYS)}) while others "
+                        "do; give it for every request or for none")
+    return RequestLengths(np.array(prompts, np.int64), np.array(known, np.int64) if known else None, estimated)
+
+
+def spearman_to_copula(a: Any, b: Any) -> float:
+    """Gaussian-copula correlation from Spearman's rank correlation: 2 sin(pi rho_s / 6)."""
+    if len(a) < 3 or np.ptp(a) == 0 or np.ptp(b) == 0:
+        return 0.0
+    rho_s = float(stats.spearmanr(a, b).statistic)
+    if not math.isfinite(rho_s):
+        return 0.0
+    rho = 2 * math.sin(math.pi * rho_s / 6)
+    return float(np.clip(rho, -0.999, 0.999))
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read ({exc.__class__.__name__})") from None
+    if path.suffix.lower() == ".csv":
+        reader = csv.DictReader(text.splitlines())
+        if not reader.fieldnames or not set(reader.fieldnames) & set(PROMPT_KEYS):
+            raise UserError(f"{path}: CSV needs a header with {' or '.join(PROMPT_KEYS)} "
+                            f"and {' or '.join(OUTPUT_KEYS)}")
+        return [dict(r) for r in reader]
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg}); expected one request object per line") \
+                from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def _positive_int(value: Any, where: str, key: str) -> int:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{where}: {key}={value!r} is not a number") from None
+    if not math.isfinite(f) or f != int(f) or f < 1:
+        raise UserError(f"{where}: {key}={value!r} must be a whole number of tokens >= 1")
+    return int(f)
+
+
+def _optional_length(row: dict[str, Any], keys: tuple[str, ...], where: str) -> int | None:
+    for key in keys:
+        if row.get(key) not in (None, ""):
+            return _positive_int(row[key], where, key)
+    return None
+
+
+def _prompt_length(row: dict[str, Any], count_tokens: Callable[[str], int] | None, where: str) -> tuple[int, bool]:
+    """(token count, whether it was estimated without a tokenizer)."""
+    if row.get("prompt_tokens") not in (None, ""):
+        return _positive_int(row["prompt_tokens"], where, "prompt_tokens"), False
+    text = row.get("prompt")
+    if not isinstance(text, str) or not text:
+        raise UserError(f"{where}: needs prompt_tokens (a count) or prompt (non-empty text)")
+    if count_tokens is not None:
+        return max(1, int(count_tokens(text))), False
+    return max(1, math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_ESTIMATE)), True
+
+
+# ---------------------------------------------------------------------- presets and specs
+def _preset_table() -> dict[str, Any]:
+    path = resources.files("workloads") / "presets" / "exegpt_table3.json"
+    return json.loads(path.read_text())
+
+
+def preset_names() -> list[str]:
+    """Names of the built-in presets (ExeGPT Table 3 task ids)."""
+    return list(_preset_table()["tasks"])
+
+
+def preset_workload(name: str, scale: float = 1.0) -> Workload:
+    """ExeGPT Table 3 task ``name``: truncated normals with the table's realised mean/std/max."""
+    table = _preset_table()
+    tasks = {k.upper(): v for k, v in table["tasks"].items()}
+    task = tasks.get(name.upper())
+    if task is None:
+        raise UserError(f"unknown workload preset {name!r}; presets: {', '.join(table['tasks'])}, "
+                        "or fixed:PROMPT:OUTPUT, or a JSONL/CSV file")
+
+    def dist(d: dict[str, float]) -> LengthDistribution:
+        top = max(1, round(d["max"] * scale))
+        mean = min(max(1.0, d["mean"] * scale), top)
+        return LengthDistribution.truncnorm_with_moments(mean, max(d["std"] * scale, 0.5), top)
+
+    label = name.upper() if scale == 1.0 else f"{name.upper()}@{scale:g}"
+    return Workload(name=label, prompt=dist(task["input"]), output=dist(task["output"]),
+                    source=f"ExeGPT Table 3, {task['task']}" + (f", lengths x{scale:g}" if scale != 1.0 else ""))
+
+
+def fixed_workload(prompt_len: int, output_len: int) -> Workload:
+    return Workload(name=f"fixed:{prompt_len}:{output_len}", prompt=LengthDistribution.fixed(prompt_len),
+                    output=LengthDistribution.fixed(output_len), source="every request has the same lengths")
+
+
+def get_workload(text: str) -> Workload:
+    """Resolve a preset name, ``fixed:P:N``, or a file path, each optionally with ``@SCALE``."""
+    spec, scale = text, 1.0
+    if "@" in text and not Path(text).exists():
+        spec, _, raw = text.rpartition("@")
+        try:
+            scale = float(raw)
+        except ValueError:
+            raise UserError(f"workload {text!r}: scale {raw!r} after '@' is not a number") from None
+        if not scale > 0 or not math.isfinite(scale):
+            raise UserError(f"workload {text!r}: scale must be > 0")
+    if spec.lower().startswith("fixed:"):
+        parts = spec.split(":")
+        if len(parts) != 3:
+            raise UserError(f"workload {text!r}: write fixed:PROMPT_TOKENS:OUTPUT_TOKENS, e.g. fixed:512:32")
+        p_len = _positive_int(parts[1], f"workload {text!r}", "prompt length")
+        o_len = _positive_int(parts[2], f"workload {text!r}", "output length")
+        w = fixed_workload(p_len, o_len)
+        return w.scaled(scale) if scale != 1.0 else w
+    path = Path(spec)
+    if path.exists() or path.suffix.lower() in (".json", ".jsonl", ".csv"):
+        w = _workload_from_path(path)
+        return w.scaled(scale) if scale != 1.0 else w
+    return preset_workload(spec, scale)
+
+
+def _workload_from_path(path: Path) -> Workload:
+    if not path.exists():
+        raise UserError(f"{path}: no such file")
+    if path.suffix.lower() == ".json":
+        return Workload.load(path)
+    return Workload.from_file(path)

@@ -1,0 +1,132 @@
+"""``xsched simulate``: predict what a policy does on a machine, model and workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PROFILE = "t4"
+DEFAULT_REQUESTS = 2000  # xsimulator.discrete_event.DEFAULT_REQUESTS; not imported here to keep start-up light
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate", help="predict throughput, latency percentiles, peak memory and the timeline of a policy",
+        description="Simulate a policy (batch sizes, placement, compression, refill) on a machine profile, a model "
+                    "and a workload of prompt/output lengths. Prints predicted throughput, request latency "
+                    "percentiles, peak bytes per tier and where the time goes.")
+    p.add_argument("--profile", default=None,
+                   help=f"profile JSON from `xsched profile`, or a preset name (default: the {DEFAULT_PROFILE} preset)")
+    p.add_argument("--model", help="model name (see `xsched models`) or a model directory with config.json")
+    p.add_argument("--workload", help="preset S, T, G, C1, C2; fixed:PROMPT:OUTPUT; or a JSONL/CSV of requests or a "
+                                      "Workload JSON; append @SCALE to scale all lengths (e.g. T@0.25)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--policy", help="policy as JSON text or a JSON file, e.g. '{\"gbs\": 8, \"nb\": 4, \"wg\": 0.5, "
+                                      "\"wc\": 0.5, \"wd\": 0}' (fractions 0..1; omitted ones keep defaults)")
+    src.add_argument("--plan", help="plan JSON from `xsched plan`: its policy, and its model and workload unless given")
+    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
+                   help=f"requests to sample from the workload (default {DEFAULT_REQUESTS})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request sample (default 0)")
+    p.add_argument("--method", choices=("discrete-event", "analytic"), default="discrete-event",
+                   help="discrete-event (default) samples requests and simulates every step; analytic uses "
+                        "expected batch shapes from the length distributions (faster, approximate)")
+    p.add_argument("--trace", metavar="OUT.json", help="write the simulated timeline as a Chrome trace (Perfetto)")
+    p.add_argument("-o", "--output", metavar="RESULT.json", help="also write the SimResult JSON to this file")
+    p.add_argument("--json", action="store_true", help="print the SimResult as JSON")
+    p.set_defaults(handler=_simulate)
+
+
+def _read_json_arg(text: str, what: str) -> Any:
+    """JSON given inline or as a file path."""
+    from xsched.errors import UserError
+
+    path = Path(text)
+    if not text.lstrip().startswith("{") and path.exists():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path}: cannot read {what} ({exc.__class__.__name__})") from None
+    elif not text.lstrip().startswith("{"):
+        raise UserError(f"{what} {text!r} is neither JSON text nor an existing file")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{what} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{what} must be a JSON object")
+    return data
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from workloads import Workload, get_workload
+    from xprofiler.presets import load_profile
+    from xprofiler.profile import HardwareProfile
+    from xprofiler.specs import ModelSpec, get_model_spec
+    from xsched.errors import UserError
+    from xsimulator.policy import Policy
+
+    notes = []
+    plan: dict[str, Any] = {}
+    if args.plan:
+        plan = _read_json_arg(args.plan, "plan")
+        if "policy" not in plan:
+            raise UserError(f"{args.plan}: a plan needs a 'policy' object; write one with `xsched plan -o`")
+        policy = Policy.from_dict(plan["policy"], where=f"{args.plan}: policy")
+    else:
+        policy = Policy.from_dict(_read_json_arg(args.policy, "--policy"), where="--policy")
+    if args.requests < 1:
+        raise UserError(f"--requests must be >= 1, got {args.requests}")
+
+    if args.model:
+        spec = get_model_spec(args.model)
+    elif isinstance(plan.get("model"), dict):
+        spec = ModelSpec.from_dict(plan["model"], where="plan model")
+    elif isinstance(plan.get("model"), str):
+        spec = get_model_spec(plan["model"])
+    else:
+        raise UserError("give --model (a name from `xsched models` or a model directory)")
+
+    if args.workload:
+        workload = get_workload(args.workload)
+    elif isinstance(plan.get("workload"), dict):
+        workload = Workload.from_dict(plan["workload"], where="plan workload")
+    else:
+        raise UserError("give --workload (S, T, G, C1, C2, fixed:PROMPT:OUTPUT, or a file of requests)")
+    if "estimated" in workload.source:
+        notes.append(f"note: {workload.source}")
+
+    if args.profile is None:
+        notes.append(f"note: no --profile given; using the {DEFAULT_PROFILE} preset")
+    profile_arg = args.profile or DEFAULT_PROFILE
+    profile = HardwareProfile.load(profile_arg) if Path(profile_arg).is_file() else load_profile(profile_arg)
+
+    if args.method == "analytic":
+        if args.trace:
+            raise UserError("--trace needs the discrete-event method (the analytic path has no timeline)")
+        from xsimulator.analytic import simulate_analytic
+
+        result = simulate_analytic(spec, profile, policy, workload, args.requests)
+    else:
+        from xsimulator.costmodel import CostModel
+        from xsimulator.discrete_event import simulate_timeline, trace_events
+        from xsimulator.trace import write_chrome_trace
+
+        result, timeline = simulate_timeline(spec, profile, policy, workload, args.requests, args.seed)
+        if args.trace:
+            events = trace_events(CostModel.for_policy(spec, profile, policy), timeline)
+            write_chrome_trace(args.trace, events, process=f"xsched simulate {spec.name}",
+                               metadata={"policy": policy.to_dict(), "workload": workload.name,
+                                         "profile": profile.name, "source": "simulated"})
+            notes.append(f"wrote {len(events)} trace events to {args.trace}")
+    if args.output:
+        result.save(args.output)
+    if args.json:
+        print(result.to_json())
+    else:
+        print(result.describe())
+    for note in notes:
+        print(note, file=sys.stderr)
+    return 0

@@ -1,0 +1,513 @@
+"""The cost model: seconds per layer step and peak bytes per tier, written once for two users.
+
+The simulator evaluates it numerically (numpy arrays of batch rows and lengths, many steps at
+once); the scheduler's placement LP evaluates it with PuLP affine expressions for the nine
+placement fractions ``wg..hd``. Every term is therefore *affine in the placement fractions*:
+placement values are only multiplied by numbers and added, never compared, and every ``max``
+is returned as its separate terms (:class:`StepTerms` groups, :class:`MemoryTerms` transients)
+so the LP can use the minimax reformulation (seed 004 §2.1.3) while the simulator takes the max.
+
+The terms follow FlexGen Appendix A.3 (seed 000) for one decoder layer, generalised to what our
+runner does: grouped-query attention, per-GPU-batch shapes, compression (4-bit group-wise: fewer
+bytes moved plus (de)quantisation time) and CPU attention (activations move instead of KV).
+
+Time unit: one *layer step* = one decoder layer applied to every GPU batch of the block. Weight
+transfers happen once per layer step (all GPU batches share the fetched layer); KV cache and
+activation transfers and compute happen once per GPU batch. A whole decode or prefill step is
+``num_layers`` layer steps plus the LM head (see ``docs/ARCHITECTURE.md``).
+
+Calibration (``HardwareProfile.calibration``, fitted by ``xsched calibrate`` from real runs):
+multiplicative factors on the terms named in :data:`FACTOR_TERMS` (default 1.0) and additive
+seconds for :data:`OVERHEAD_TERMS` (default 0.0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+import numpy as np
+
+from xprofiler.profile import BandwidthCurve, HardwareProfile, layer_features
+from xprofiler.specs import ModelSpec
+from xsched.errors import UserError
+from xsimulator.policy import Policy
+
+# Multiplicative calibration factors, one per separately visible time term.
+FACTOR_TERMS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "gpu_compute", "cpu_compute", "dequant",
+                                 "quant", "head")
+# Additive calibration terms in seconds: per layer per GPU batch (kernel launches, Python), and per
+# GPU batch per generation step (embedding, sampling, bookkeeping).
+OVERHEAD_TERMS: tuple[str, ...] = ("layer_overhead_s", "step_overhead_s")
+TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
+
+QUANT_BITS = 4
+QUANT_GROUP = 64
+
+
+def compression_ratio(dtype_bytes: int, bits: int = QUANT_BITS, group: int = QUANT_GROUP) -> float:
+    """Stored bytes / original bytes for group-wise quantisation with a (min, scale) pair per group.
+
+    The pair is kept in the tensor's own dtype (as ``xrunner.compression`` does): for fp16,
+    (4 + 2*16/64) / 16 = 0.28125.
+    """
+    return (bits + 2 * 8 * dtype_bytes / group) / (8 * dtype_bytes)
+
+
+# --------------------------------------------------------------------------- time terms
+@dataclass(frozen=True)
+class StepTerms:
+    """Seconds each resource is busy during one layer step (floats, arrays or LP expressions).
+
+    ``gpu_compute`` is everything on the compute device except (de)quantisation; ``cpu_compute``
+    is attention delegated to the host CPU. How the terms combine into a duration is decided in
+    one place, :func:`parallel_groups`.
+    """
+
+    ctog: Any = 0.0
+    gtoc: Any = 0.0
+    dtoc: Any = 0.0
+    ctod: Any = 0.0
+    gpu_compute: Any = 0.0
+    cpu_compute: Any = 0.0
+    dequant: Any = 0.0
+    quant: Any = 0.0
+
+    def __add__(self, other: "StepTerms") -> "StepTerms":
+        return StepTerms(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def scaled(self, k: Any) -> "StepTerms":
+        """Every term multiplied by ``k`` (a number or an array broadcasting with the terms)."""
+        return StepTerms(*(_times(k, v) if not _is_zero(v) else 0.0 for v in self.as_dict().values()))
+
+    def sum(self, axis: int) -> "StepTerms":
+        """Numeric terms summed over ``axis`` (e.g. over the GPU batches of a block)."""
+        return StepTerms(*(np.sum(getattr(self, f.name), axis=axis) for f in fields(self)))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+COMPUTE_TERMS: tuple[str, ...] = ("gpu_compute", "cpu_compute", "dequant", "quant")
+CHANNELS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod")
+
+
+def channel_groups(compute_device: str, overlap: bool) -> tuple[tuple[str, ...], ...]:
+    """Which terms run one after another (a group) while groups run concurrently.
+
+    - No overlap (ablation): everything in sequence, one group.
+    - CUDA host (FlexGen Alg. 1): compute, and each of the four copy channels, in parallel.
+    - CPU host: the "gpu" tier is RAM, so ctog/gtoc are memcpys on the same cores as compute and
+      add to it; disk reads and writes still overlap.
+
+    Calibration (issue 7) may refine this; it is the only place that decides it.
+    """
+    if not overlap:
+        return (COMPUTE_TERMS + CHANNELS,)
+    if compute_device == "cuda":
+        return (COMPUTE_TERMS, ("ctog",), ("gtoc",), ("dtoc",), ("ctod",))
+    return (COMPUTE_TERMS + ("ctog", "gtoc"), ("dtoc",), ("ctod",))
+
+
+def parallel_groups(terms: StepTerms, compute_device: str, overlap: bool) -> tuple[Any, ...]:
+    """Sums of terms per :func:`channel_groups`; a layer step lasts as long as the largest.
+
+    Each group is affine in the placement, so the LP can require ``t >= group`` for each.
+    """
+    out = []
+    for group in channel_groups(compute_device, overlap):
+        total: Any = 0.0
+        for name in group:
+            value = getattr(terms, name)
+            if not _is_zero(value):
+                total = value if _is_zero(total) else total + value
+        out.append(total)
+    return tuple(out)
+
+
+def step_seconds(terms: StepTerms, compute_device: str, overlap: bool) -> Any:
+    """Numeric duration of a layer step: the max over :func:`parallel_groups` (element-wise)."""
+    groups = [g for g in parallel_groups(terms, compute_device, overlap) if not _is_zero(g)]
+    if not groups:
+        return 0.0
+    out = groups[0]
+    for g in groups[1:]:
+        out = np.maximum(out, g)
+    return out
+
+
+@dataclass(frozen=True)
+class BlockStep:
+    """A prefill or decode step of a block: per-layer terms, head seconds and total seconds."""
+
+    terms: StepTerms
+    head_s: Any
+    seconds: Any
+
+
+# --------------------------------------------------------------------------- memory terms
+@dataclass(frozen=True)
+class MemoryTerms:
+    """Bytes on one tier: named buffers that coexist, plus transients of which one is live.
+
+    ``peak = sum(resident) + max(transient)``. The names are the runner's allocation list
+    (see :meth:`CostModel.memory`); the LP adds ``sum(resident) + t <= capacity`` for each
+    transient ``t``.
+    """
+
+    tier: str
+    resident: dict[str, Any]
+    transient: dict[str, Any]
+
+    def peak_bytes(self) -> float:
+        base = sum(float(v) for v in self.resident.values())
+        return base + max((float(v) for v in self.transient.values()), default=0.0)
+
+    def constraints(self) -> list[Any]:
+        """One affine expression per transient: each must stay within the tier's capacity."""
+        base = sum(self.resident.values())
+        return [base + t for t in self.transient.values()] or [base]
+
+
+# --------------------------------------------------------------------------- helpers
+def bandwidth_at(curve: BandwidthCurve, size_bytes: Any) -> Any:
+    """``BandwidthCurve.at`` element-wise: linear in log(size) between points, flat outside."""
+    if not curve.sizes_bytes:
+        return curve.large_bytes_per_s
+    sizes = np.log(np.asarray(curve.sizes_bytes, dtype=float))
+    x = np.log(np.maximum(np.asarray(size_bytes, dtype=float), 1.0))
+    bw = np.interp(x, sizes, np.asarray(curve.bytes_per_s, dtype=float))
+    return np.where(x >= sizes[-1], curve.large_bytes_per_s, bw)
+
+
+def _op_seconds(profile: HardwareProfile, kind: str, flops: Any, read_bytes: Any) -> Any:
+    """Time of one kernel from flop rates; a roofline when the profile knows memory bandwidth."""
+    roofline = getattr(profile, "compute_s", None)  # added by the profiler's measured roofs
+    if roofline is not None:
+        return roofline(kind, flops, read_bytes)
+    rate = {"mm": profile.mm_flops, "bmm": profile.bmm_flops, "cpu_mm": profile.cpu_mm_flops,
+            "cpu_bmm": profile.cpu_bmm_flops}[kind]
+    return flops / rate
+
+
+def _is_zero(x: Any) -> bool:
+    """True only for a plain number equal to 0 (never for an LP expression or an array)."""
+    return isinstance(x, (int, float)) and x == 0
+
+
+def _times(k: Any, x: Any) -> Any:
+    """``k * x``, skipping the multiply for a plain 1 and returning 0 for a plain 0."""
+    if isinstance(k, (int, float)):
+        if k == 1:
+            return x
+        if k == 0:
+            return 0.0
+    return k * x
+
+
+_ATTENTION_FEATURES = ("attn_flops", "kv_bytes")
+
+
+# --------------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class CostModel:
+    """Per-layer-step times and per-tier peak bytes of one model on one machine.
+
+    Fixed here: the model, the profile and the discrete policy switches (compression, CPU
+    attention, overlap). Placement fractions are passed to each call, so the LP can pass
+    variables. Batch rows and lengths may be numpy arrays (any shape, broadcasting together).
+    """
+
+    spec: ModelSpec
+    profile: HardwareProfile
+    compress_weight: bool = False
+    compress_cache: bool = False
+    cpu_attention: bool = False
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if self.compress_cache and self.cpu_attention:
+            raise UserError("compress_cache with cpu_attention is not supported (the CPU would have to dequantise "
+                            "the cache); turn one of them off")
+        unknown = set(self.profile.calibration) - set(FACTOR_TERMS) - set(OVERHEAD_TERMS)
+        if unknown:
+            raise UserError(f"profile calibration has unknown term(s) {', '.join(sorted(unknown))}; known: "
+                            f"{', '.join(FACTOR_TERMS + OVERHEAD_TERMS)}")
+
+    @classmethod
+    def for_policy(cls, spec: ModelSpec, profile: HardwareProfile, policy: Policy) -> "CostModel":
+        return cls(spec, profile, policy.compress_weight, policy.compress_cache, policy.cpu_attention, policy.overlap)
+
+    # ----------------------------------------------------------------- sizes
+    @property
+    def dtype_bytes(self) -> int:
+        return self.spec.dtype_bytes
+
+    @property
+    def ratio(self) -> float:
+        return compression_ratio(self.dtype_bytes)
+
+    @property
+    def layer_matmul_bytes(self) -> int:
+        """Uncompressed bytes of one layer's projection weights (what the matmuls read)."""
+        return self.spec.matmul_params_per_layer * self.dtype_bytes
+
+    @property
+    def layer_stored_bytes(self) -> float:
+        """Bytes of one layer as stored and moved: 2-D weights compressed if asked, 1-D kept."""
+        other = self.spec.weight_bytes_per_layer - self.layer_matmul_bytes
+        return self.layer_matmul_bytes * (self.ratio if self.compress_weight else 1.0) + other
+
+    @property
+    def kv_stored_ratio(self) -> float:
+        return self.ratio if self.compress_cache else 1.0
+
+    def factor(self, term: str) -> float:
+        return self.profile.calibration_factor(term)
+
+    def overhead_s(self, term: str) -> float:
+        return float(self.profile.calibration.get(term, 0.0))
+
+    def _copy_s(self, channel: str, nbytes: Any, unit_bytes: Any) -> Any:
+        """Seconds to move ``nbytes`` on ``channel``, at the bandwidth of ``unit_bytes`` transfers."""
+        return nbytes / bandwidth_at(self.profile.bandwidth(channel), unit_bytes)
+
+    # ----------------------------------------------------------------- time terms
+    def weight_terms(self, placement: Mapping[str, Any]) -> StepTerms:
+        """Fetching the next layer's non-resident weights, once per layer step of a block.
+
+        Disk-resident weights go disk -> cpu relay -> device, so they use dtoc and ctog. With
+        compressed weights every layer (resident ones too) is dequantised once per layer step.
+        """
+        p = placement
+        w = self.layer_stored_bytes
+        ctog = self._move(p["wc"] + p["wd"], "ctog", w)
+        dtoc = self._move(p["wd"], "dtoc", w)
+        dequant = 0.0
+        if self.compress_weight:
+            dequant = self.layer_matmul_bytes / self.profile.dequant_bytes_per_s * self.factor("dequant")
+        return StepTerms(ctog=ctog, dtoc=dtoc, dequant=dequant)
+
+    def _compute_parts(self, phase: str, rows: Any, length: Any) -> tuple[Any, Any]:
+        """(non-attention seconds, attention seconds) of one layer on the compute device."""
+        fit = self.profile.layer_fit(self.spec.name, phase, self.spec.dtype)
+        if fit is not None:
+            feats = layer_features(self.spec, phase, rows, length)
+            other, attn = 0.0, 0.0
+            for name, coef in zip(fit.features, fit.coef):
+                if name in _ATTENTION_FEATURES:
+                    attn = attn + coef * feats[name]
+                else:
+                    other = other + coef * feats[name]
+            return other, attn
+        spec = self.spec
+        tokens = rows * length if phase == "prefill" else rows
+        linear_flops = tokens * spec.linear_flops_per_token()
+        linear = _op_seconds(self.profile, "mm", linear_flops,
+                             self.layer_matmul_bytes + 2 * tokens * spec.act_bytes_per_token)
+        attn_flops = tokens * spec.attention_flops_per_token(length)
+        kv_read = rows * length * spec.kv_bytes_per_token_per_layer
+        attn = _op_seconds(self.profile, "bmm", attn_flops, kv_read)
+        return linear, attn
+
+    def batch_terms(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any]) -> StepTerms:
+        """One layer for one GPU batch of ``rows`` sequences.
+
+        ``length`` is the padded prompt length (prefill) or the padded context ``T`` including
+        the token being generated (decode). Rows are split over tiers by the KV (cg/cc/cd) and
+        activation (hg/hc/hd) fractions.
+        """
+        if phase not in ("prefill", "decode"):
+            raise ValueError(f"unknown phase {phase!r}")
+        p, spec, dt = placement, self.spec, self.dtype_bytes
+        prefill = phase == "prefill"
+        tok = length if prefill else 1
+        act = rows * tok * (spec.hidden * dt)  # hidden states entering (and leaving) the layer
+        kv_new = rows * tok * spec.kv_bytes_per_token_per_layer  # K and V this step appends
+        kv_new_st = kv_new * self.kv_stored_ratio if self.compress_cache else kv_new
+        off_c = p["cc"] + p["cd"]  # KV rows not resident on the device
+        off_h = p["hc"] + p["hd"]
+        move = self._move
+
+        ctog = move(off_h, "ctog", act)
+        gtoc = move(off_h, "gtoc", act)
+        dtoc = move(p["hd"], "dtoc", act)
+        ctod = move(p["hd"], "ctod", act) + move(p["cd"], "ctod", kv_new_st)
+
+        other_s, attn_s = self._compute_parts(phase, rows, length)
+        cpu_compute: Any = 0.0
+        dequant: Any = 0.0
+        quant = kv_new * (self.factor("quant") / self.profile.quant_bytes_per_s) if self.compress_cache else 0.0
+        if prefill:
+            # The device computes the prompt's KV; offloaded rows are written back (and on to disk).
+            gtoc = gtoc + move(off_c, "gtoc", kv_new_st)
+            gpu_compute = other_s + attn_s
+        else:
+            kv_ctx = rows * length * spec.kv_bytes_per_token_per_layer  # cache the new token attends to
+            kv_ctx_st = kv_ctx * self.kv_stored_ratio if self.compress_cache else kv_ctx
+            dtoc = dtoc + move(p["cd"], "dtoc", kv_ctx_st)
+            if self.cpu_attention:
+                # Offloaded rows attend on the CPU: q, k, v go down, the attention output comes up.
+                gtoc = gtoc + move(off_c, "gtoc", rows * ((spec.q_dim + 2 * spec.kv_dim) * dt))
+                ctog = ctog + move(off_c, "ctog", rows * (spec.q_dim * dt))
+                if not _is_zero(off_c):
+                    cpu_attn = _op_seconds(self.profile, "cpu_bmm", rows * spec.attention_flops_per_token(length),
+                                           kv_ctx)
+                    cpu_compute = off_c * (cpu_attn * self.factor("cpu_compute"))
+                gpu_compute = other_s + _times(p["cg"], attn_s)
+            else:
+                # Offloaded rows' cache comes to the device for attention; the new entries go back.
+                ctog = ctog + move(off_c, "ctog", kv_ctx_st)
+                gtoc = gtoc + move(off_c, "gtoc", kv_new_st)
+                gpu_compute = other_s + attn_s
+            if self.compress_cache:
+                dequant = kv_ctx * (self.factor("dequant") / self.profile.dequant_bytes_per_s)
+        gpu_compute = _times(self.factor("gpu_compute"), gpu_compute) + self.overhead_s("layer_overhead_s")
+        return StepTerms(ctog=ctog, gtoc=gtoc, dtoc=dtoc, ctod=ctod, gpu_compute=gpu_compute,
+                         cpu_compute=cpu_compute, dequant=dequant, quant=quant)
+
+    def _move(self, fraction: Any, channel: str, nbytes: Any) -> Any:
+        """``fraction`` of a transfer of ``nbytes`` on ``channel``, calibrated (0 if none moves)."""
+        if _is_zero(fraction):
+            return 0.0
+        return fraction * (self._copy_s(channel, nbytes, nbytes) * self.factor(channel))
+
+    def layer_terms(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any], nb: int) -> StepTerms:
+        """A layer step of a block of ``nb`` identical GPU batches (the LP's representative step)."""
+        return self.weight_terms(placement) + self.batch_terms(phase, rows, length, placement).scaled(nb)
+
+    def layer_seconds(self, terms: StepTerms) -> Any:
+        return step_seconds(terms, self.profile.compute_device, self.overlap)
+
+    def groups(self, terms: StepTerms) -> tuple[Any, ...]:
+        return parallel_groups(terms, self.profile.compute_device, self.overlap)
+
+    def block_step(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any], batch_weight: Any,
+                   block_weight: Any, batch_axis: int = -1) -> "BlockStep":
+        """A whole prefill or decode step of a block, GPU batches on ``batch_axis``.
+
+        ``batch_weight`` says whether (1/0) each GPU batch takes part; ``block_weight`` whether
+        any does, i.e. whether the layer's weights are fetched at all.
+        """
+        return self.combine(self.batch_terms(phase, rows, length, placement), self.head_seconds(phase, rows, length),
+                            placement, batch_weight, block_weight, batch_axis)
+
+    def combine(self, batch_terms: StepTerms, head_s: Any, placement: Mapping[str, Any], batch_weight: Any,
+                block_weight: Any, batch_axis: int = -1) -> "BlockStep":
+        """Sum per-batch terms over ``batch_axis`` with weights, add the weight fetch, price the step.
+
+        The analytic path passes probabilities as weights and expected per-batch terms.
+        Duration = ``num_layers * layer_step + head``.
+        """
+        terms = batch_terms.scaled(batch_weight).sum(axis=batch_axis)
+        terms = terms + self.weight_terms(placement).scaled(block_weight)
+        head = np.sum(_times(batch_weight, head_s), axis=batch_axis)
+        seconds = self.spec.num_layers * self.layer_seconds(terms) + head
+        return BlockStep(terms=terms, head_s=head, seconds=seconds)
+
+    def head_seconds(self, phase: str, rows: Any, length: Any) -> Any:
+        """Embedding, final norm and LM head for one GPU batch, plus the per-step overhead.
+
+        The head weights (embeddings, final norm, LM head) always live on the gpu tier. Logits
+        are computed for the last position only, also in prefill. The embedding gather is
+        priced with the layer fit's per-token cost when there is one (a gather is one of the
+        element-wise passes that coefficient covers), else with the memory roof if known.
+        """
+        spec = self.spec
+        tokens = rows * length if phase == "prefill" else rows
+        head = _op_seconds(self.profile, "mm", rows * spec.lm_head_flops_per_token(),
+                           spec.vocab_size * spec.hidden * self.dtype_bytes)
+        fit = self.profile.layer_fit(spec.name, phase, spec.dtype)
+        if fit is not None and "tokens" in fit.features:
+            embed = fit.coef[fit.features.index("tokens")] * tokens
+        else:
+            embed = _op_seconds(self.profile, "mm", 0.0 * tokens, tokens * spec.act_bytes_per_token)
+        return (head + embed) * self.factor("head") + self.overhead_s("step_overhead_s")
+
+    # ----------------------------------------------------------------- memory
+    def memory(self, placement: Mapping[str, Any], gbs: int, nb: int, max_prompt: int,
+               max_output: int) -> dict[str, MemoryTerms]:
+        """Peak bytes per tier of a block of ``nb`` GPU batches of ``gbs`` rows.
+
+        Every buffer the runner allocates, by name (each must be allocated exactly so):
+
+        gpu tier
+          ``weights_home``   wg of every layer, as stored (compressed if compress_weight)
+          ``head_weights``   embeddings, final norm and LM head (always on the gpu tier)
+          ``kv_home``        cg of the block's rows x layers x (max_prompt + max_output) positions
+          ``act_home``       hg of the block's hidden states between layers (max_prompt positions)
+          ``weight_stage``   fetched non-resident weights of the current and the next layer
+          ``weight_dequant`` one layer dequantised for compute (compress_weight only)
+          ``kv_stage``       offloaded KV rows of the batch computing and the batch loading
+                             (with cpu_attention only the prompt's KV on its way out)
+          ``kv_dequant``     one batch's layer cache dequantised for attention (compress_cache)
+          ``act_stage``      offloaded hidden states of the batch computing and the batch loading
+          transients (one at a time, for one GPU batch): ``qkv`` projections, ``attention``
+          (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32)
+        cpu tier
+          ``weights_home``, ``kv_home``, ``act_home`` for the wc/cc/hc fractions
+          ``weight_relay``   disk-resident part of the current and next layer (disk -> cpu -> gpu)
+          ``kv_relay``       disk-resident KV rows of one batch in each direction
+          ``act_relay``      disk-resident hidden states of one batch in each direction
+          transient ``cpu_attention``: scores and expanded K/V of the offloaded rows
+        disk tier
+          ``weights_home``, ``kv_home``, ``act_home`` for the wd/cd/hd fractions
+        """
+        p, spec, dt = placement, self.spec, self.dtype_bytes
+        L, bls = spec.num_layers, gbs * nb
+        ctx = max_prompt + max_output
+        w_layer = self.layer_stored_bytes
+        kv_row = ctx * spec.kv_bytes_per_token_per_layer * self.kv_stored_ratio  # one row, one layer
+        act_row = max_prompt * spec.hidden * dt
+        h, q, kvd, heads = spec.hidden, spec.q_dim, spec.kv_dim, spec.num_heads
+        s = max_prompt
+        ffn_width = (3 if spec.gated_mlp else 2) * spec.ffn
+        attn_gpu = p["cg"] if self.cpu_attention else 1.0
+        stage_ctx = max_prompt if self.cpu_attention else ctx
+
+        gpu_res = {
+            "weights_home": p["wg"] * (L * w_layer),
+            "head_weights": float(spec.head_weight_bytes),
+            "kv_home": p["cg"] * (bls * L * kv_row),
+            "act_home": p["hg"] * (bls * act_row),
+            "weight_stage": (p["wc"] + p["wd"]) * (2 * w_layer),
+            "weight_dequant": float(self.layer_matmul_bytes if self.compress_weight else 0),
+            "kv_stage": (p["cc"] + p["cd"]) * (2 * gbs * stage_ctx * spec.kv_bytes_per_token_per_layer
+                                               * self.kv_stored_ratio),
+            "kv_dequant": float(gbs * ctx * spec.kv_bytes_per_token_per_layer if self.compress_cache else 0),
+            "act_stage": (p["hc"] + p["hd"]) * (2 * gbs * act_row),
+        }
+        prefill_attn = gbs * dt * (2 * s * q + 2 * s * q + 2 * heads * s * s)
+        decode_attn = gbs * dt * (2 * q + 2 * ctx * q + 2 * heads * ctx)
+        gpu_tr = {
+            "qkv": float(gbs * s * (h + q + 2 * kvd) * dt),
+            "attention": float(prefill_attn),
+            "attention_decode": attn_gpu * float(decode_attn),
+            "mlp": float(gbs * s * (2 * h + ffn_width) * dt),
+            "logits": float(gbs * (spec.vocab_size * 4 + h * dt)),
+        }
+        cpu_res = {
+            "weights_home": p["wc"] * (L * w_layer),
+            "kv_home": p["cc"] * (bls * L * kv_row),
+            "act_home": p["hc"] * (bls * act_row),
+            "weight_relay": p["wd"] * (2 * w_layer),
+            "kv_relay": p["cd"] * (2 * gbs * kv_row),
+            "act_relay": p["hd"] * (2 * gbs * act_row),
+        }
+        cpu_tr = {"cpu_attention": (p["cc"] + p["cd"]) * float(decode_attn if self.cpu_attention else 0)}
+        disk_res = {
+            "weights_home": p["wd"] * (L * w_layer),
+            "kv_home": p["cd"] * (bls * L * kv_row),
+            "act_home": p["hd"] * (bls * act_row),
+        }
+        return {"gpu": MemoryTerms("gpu", gpu_res, gpu_tr), "cpu": MemoryTerms("cpu", cpu_res, cpu_tr),
+                "disk": MemoryTerms("disk", disk_res, {})}
+
+    def peak_bytes(self, policy: Policy, max_prompt: int, max_output: int) -> dict[str, float]:
+        """Numeric peak bytes per tier for a concrete policy."""
+        mem = self.memory(policy.placement(), policy.gbs, policy.nb, max_prompt, max_output)
+        return {tier: m.peak_bytes() for tier, m in mem.items()}
+
+
+def fits_in(peaks: Mapping[str, float], profile: HardwareProfile) -> dict[str, bool]:
+    return {tier: peaks[tier] <= profile.capacity_bytes(tier) for tier in TIERS}

@@ -1,0 +1,369 @@
+"""Discrete-event simulation of the zig-zag block schedule over a stream of requests.
+
+The job is cut into *intervals*: with ``refill_every = R > 0`` an interval is one refill (a
+prefill of the rows that joined) followed by R decode steps; with ``R = 0`` an interval is a
+whole block (its prefill, then decode until its longest request finishes). Between intervals,
+free slots take the next queued requests, so R = 0 is the special case where every slot is free
+at every interval start. Steps in which no row is active cost nothing, which is the same as
+refilling at once when everything finished early.
+
+Only the slot assignment walks the requests (O(1) list work each); the rest is numpy: active
+rows per (GPU batch, step) from +1/-1 differences, padded contexts from a vectorised range-max,
+and every step priced in one call of the cost model (layers are identical, so a step is
+``num_layers`` layer steps plus the head; distinct (rows, length) pairs are priced once).
+Semantics: docs/ARCHITECTURE.md "Shared execution semantics".
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from workloads.workload import Workload
+from xprofiler.profile import HardwareProfile
+from xprofiler.specs import ModelSpec
+from xsched.errors import UserError
+from xsimulator.costmodel import FACTOR_TERMS, BlockStep, CostModel, StepTerms, channel_groups, fits_in
+from xsimulator.policy import Policy
+from xsimulator.result import SimResult
+from xsimulator.trace import TraceEvent
+
+DEFAULT_REQUESTS = 2000  # also the `xsched simulate --requests` default
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Where and when each request runs: its slot (row of the block) and its first interval."""
+
+    slot: np.ndarray  # [N] slot index; GPU batch = slot // gbs
+    join: np.ndarray  # [N] interval in which the request is prefilled
+    intervals_held: np.ndarray  # [N] intervals the request occupies its slot
+    num_intervals: int
+    interval_steps: int  # decode steps per interval (R, or the longest output - 1 when R = 0)
+
+
+def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy) -> Schedule:
+    """Give queued requests to free slots at each interval start, in queue order.
+
+    With ``bucket`` the requests joining together are sorted by prompt length before they fill
+    the free slots in slot order, so each GPU batch gets similar lengths. A request of ``n``
+    output tokens holds its slot for ``max(1, ceil((n - 1) / R))`` intervals (prefill makes the
+    first token, each decode step one more).
+    """
+    n = len(prompt)
+    bls = policy.block_size
+    r = policy.refill_every
+    steps = int(output.max()) - 1 if r == 0 else r
+    held = np.ones(n, np.int64) if r == 0 else np.maximum(1, -(-(output - 1) // r))
+    # Sequential by nature (who gets a slot depends on when earlier requests finish), so this
+    # loop does O(1) list operations per request; everything after it is vectorised.
+    held_l, prompt_l = held.tolist(), prompt.tolist()
+    slot_l, join_l = [0] * n, [0] * n
+    free_by_interval: dict[int, list[int]] = {0: list(range(bls))}
+    pending = [0]
+    pos = 0
+    while pos < n:
+        j = heapq.heappop(pending)
+        free = sorted(free_by_interval.pop(j))
+        take = min(len(free), n - pos)
+        ids = range(pos, pos + take)
+        if policy.bucket and take > 1:
+            ids = sorted(ids, key=prompt_l.__getitem__)
+        for s, i in zip(free, ids):
+            slot_l[i] = s
+            join_l[i] = j
+            f = j + held_l[i]
+            group = free_by_interval.get(f)
+            if group is None:
+                free_by_interval[f] = [s]
+                heapq.heappush(pending, f)
+            else:
+                group.append(s)
+        pos += take
+    slot, join = np.array(slot_l, np.int64), np.array(join_l, np.int64)
+    return Schedule(slot, join, held, int((join + held).max()), max(steps, 0))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The priced schedule: per-interval prefill, per-step decode, request completion times."""
+
+    schedule: Schedule
+    prefill: BlockStep  # arrays over intervals [J]
+    decode: BlockStep  # arrays over [J, interval_steps]
+    prefill_rows: np.ndarray  # [nb, J] new rows per GPU batch and interval
+    prefill_len: np.ndarray  # [nb, J] padded prompt length of each GPU batch's new rows
+    decode_rows: np.ndarray  # [nb, J, steps] active rows
+    decode_len: np.ndarray  # [nb, J, steps] padded context T
+    start_s: np.ndarray  # [J] interval start times
+    latency_s: np.ndarray  # [N]
+
+    @property
+    def wall_s(self) -> float:
+        return float(self.prefill.seconds.sum() + self.decode.seconds.sum())
+
+
+def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np.ndarray) -> Timeline:
+    """Simulate the requests (in queue order) under ``policy`` and price every step."""
+    sched = assign_slots(prompt, output, policy)
+    J, S = sched.num_intervals, sched.interval_steps
+    nb, gbs = policy.nb, policy.gbs
+    batch = sched.slot // gbs
+
+    # Prefill of the rows that join in each interval, per GPU batch (batch axis first).
+    cell = batch * J + sched.join
+    prefill_rows = np.bincount(cell, minlength=nb * J).reshape(nb, J)
+    prefill_len = np.zeros(nb * J, np.int64)
+    np.maximum.at(prefill_len, cell, prompt)
+    prefill_len = prefill_len.reshape(nb, J)
+
+    # Decode on the global step axis g = interval * S + (u - 1): a request is active from the
+    # first step of its join interval for output - 1 steps. Active rows come from +1/-1
+    # differences; the padded context is g + 1 + the largest (prompt - join * S) among them.
+    G = J * S
+    first = sched.join * S
+    decoding = output >= 2
+    start = batch[decoding] * (G + 1) + first[decoding]
+    stop = start + output[decoding] - 1
+    diff = np.bincount(start, minlength=nb * (G + 1)) - np.bincount(stop, minlength=nb * (G + 1))
+    decode_rows = np.cumsum(diff.reshape(nb, G + 1), axis=1)[:, :G]
+    key = range_max(nb * (G + 1), start, stop - 1, (prompt - first)[decoding]).reshape(nb, G + 1)[:, :G]
+    decode_len = np.where(decode_rows > 0, key + np.arange(1, G + 1), 0)
+    decode_rows = decode_rows.reshape(nb, J, S)
+    decode_len = decode_len.reshape(nb, J, S)
+
+    placement = policy.placement()
+    pre = price_steps(cm, "prefill", prefill_rows, prefill_len, placement)
+    dec = price_steps(cm, "decode", decode_rows, decode_len, placement)
+
+    # Completion times: a request ends with the decode step that makes its last token.
+    interval_s = pre.seconds + dec.seconds.sum(axis=1)
+    start = np.concatenate(([0.0], np.cumsum(interval_s)[:-1]))
+    cum_step = np.concatenate((np.zeros((J, 1)), np.cumsum(dec.seconds, axis=1)), axis=1)
+    g = output - 1
+    last = sched.join + np.maximum(g - 1, 0) // max(S, 1)
+    u_last = np.where(g > 0, g - (last - sched.join) * S, 0)
+    finish = start[last] + pre.seconds[last] + cum_step[last, u_last]
+    latency = finish - start[sched.join]
+    return Timeline(sched, pre, dec, prefill_rows, prefill_len, decode_rows, decode_len, start, latency)
+
+
+def range_max(n: int, lo: np.ndarray, hi: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """``out[i] = max(value[k] for ranges k with lo[k] <= i <= hi[k])``; int64 min where none does.
+
+    A segment tree built with numpy: each range is split into O(log n) canonical nodes (all
+    ranges at once, one tree level per pass), then node maxima are pushed down to the leaves.
+    O((len(lo) + n) log n) without a Python loop per range.
+    """
+    size = 1 << max(int(n - 1).bit_length(), 0)
+    tree = np.full(2 * size, np.iinfo(np.int64).min, np.int64)
+    left, right = np.asarray(lo, np.int64) + size, np.asarray(hi, np.int64) + 1 + size
+    value = np.asarray(value, np.int64)
+    while True:
+        live = left < right
+        if not live.any():
+            break
+        odd_left = live & (left & 1 == 1)
+        np.maximum.at(tree, left[odd_left], value[odd_left])
+        left = left + odd_left
+        odd_right = live & (right & 1 == 1)
+        right = right - odd_right
+        np.maximum.at(tree, right[odd_right], value[odd_right])
+        left, right = left >> 1, right >> 1
+    level = 1
+    while level < size:  # parents at [level, 2 level) push to children at [2 level, 4 level)
+        parents = tree[level:2 * level]
+        children = tree[2 * level:4 * level].reshape(level, 2)
+        np.maximum(children, parents[:, None], out=children)
+        tree[2 * level:4 * level] = children.ravel()
+        level *= 2
+    return tree[size:size + n]
+
+
+def price_steps(cm: CostModel, phase: str, rows: np.ndarray, length: np.ndarray, placement: dict[str, float]) -> BlockStep:
+    """Price every step of a grid whose first axis is the GPU batch (rows 0 = batch idle).
+
+    A batch's cost depends only on (rows, padded length), so when the grid has more cells than
+    there are distinct pairs, the cost model is evaluated once on the dense table of pairs and
+    gathered: exact for any cost function (bandwidth curves, rooflines, layer fits).
+    """
+    on = rows > 0
+    any_on = np.logical_or.reduce(on, axis=0)
+    top_rows, top_len = int(rows.max(initial=0)), int(length.max(initial=0))
+    if (top_rows + 1) * (top_len + 1) * 4 > rows.size:
+        return cm.block_step(phase, rows, length, placement, on, any_on, batch_axis=0)
+    r_tab = np.arange(top_rows + 1)[:, None]
+    l_tab = np.arange(top_len + 1)[None, :]
+    live = (r_tab > 0).astype(float)  # an idle batch costs nothing
+    terms = cm.batch_terms(phase, r_tab, l_tab, placement).scaled(live)
+    head = cm.head_seconds(phase, r_tab, l_tab) * live
+    shape = (top_rows + 1, top_len + 1)
+    index = rows * (top_len + 1) + length
+    gather = {k: (np.ravel(np.broadcast_to(v, shape))[index] if not np.isscalar(v) else v)
+              for k, v in terms.as_dict().items()}
+    head_cells = np.ravel(np.broadcast_to(head, shape))[index]
+    return cm.combine(StepTerms(**gather), head_cells, placement, 1.0, any_on, batch_axis=0)
+
+
+def p99_length_latency(timeline: Timeline, output: np.ndarray, length: int) -> float:
+    """Expected latency of a request of ``length`` output tokens (ExeGPT's SLA-(b)).
+
+    Averaged over the requests at least that long: each stands for a request of exactly that
+    length joining in the same interval, so the steps priced are those of a job that really
+    contains it. (A p99 over requests covers the tail; this is the typical long request.)
+    """
+    sched = timeline.schedule
+    S = max(sched.interval_steps, 1)
+    long_enough = output >= length
+    if not long_enough.any():
+        return float(timeline.latency_s.max())
+    joins = sched.join[long_enough]
+    g = length - 1
+    last = joins + max(g - 1, 0) // S
+    u_last = g - (last - joins) * S if g > 0 else np.zeros_like(joins)
+    cum = np.concatenate((np.zeros((len(timeline.start_s), 1)), np.cumsum(timeline.decode.seconds, axis=1)), axis=1)
+    finish = timeline.start_s[last] + timeline.prefill.seconds[last] + cum[last, u_last]
+    return float(np.mean(finish - timeline.start_s[joins]))
+
+
+def quantile(values: np.ndarray, q: float, weights: np.ndarray | None = None) -> float:
+    """The smallest value with at least a fraction ``q`` of the (weighted) mass at or below it."""
+    if weights is None:
+        return float(np.quantile(values, q, method="inverted_cdf"))
+    order = np.argsort(values, kind="stable")
+    cw = np.cumsum(weights[order])
+    idx = int(np.searchsorted(cw, q * cw[-1] * (1 - 1e-12), side="left"))
+    return float(values[order][min(idx, len(values) - 1)])
+
+
+def summarize(cm: CostModel, policy: Policy, workload: Workload, *, method: str, profile: HardwareProfile,
+              num_requests: int, seed: int | None, wall_s: float, generated: float, prompt_tokens: float,
+              padded_prompt: float, latencies: np.ndarray, latency_weights: np.ndarray | None,
+              p99_length_s: float, prefill: BlockStep, decode: BlockStep, prefill_steps: int,
+              decode_steps: int) -> SimResult:
+    """Turn priced steps and request latencies into a SimResult (shared by both paths)."""
+    L = cm.spec.num_layers
+    busy: dict[str, float] = {}
+    for name in FACTOR_TERMS:
+        if name == "head":
+            busy[name] = float(np.sum(prefill.head_s) + np.sum(decode.head_s))
+        else:
+            busy[name] = float(L * (np.sum(getattr(prefill.terms, name)) + np.sum(getattr(decode.terms, name))))
+    compute_busy = busy["gpu_compute"] + busy["cpu_compute"] + busy["dequant"] + busy["quant"] + busy["head"]
+    peaks = cm.peak_bytes(policy, workload.prompt.max_len, workload.output.max_len)
+    caps = {t: float(profile.capacity_bytes(t)) for t in peaks}
+    mean_lat = float(np.average(latencies, weights=latency_weights))
+    return SimResult(
+        method=method, model=cm.spec.name, profile=profile.name, workload=workload.name, policy=policy,
+        num_requests=num_requests, seed=seed, wall_s=wall_s, generated_tokens=generated,
+        prompt_tokens=prompt_tokens, padded_prompt_tokens=padded_prompt,
+        throughput_tokens_per_s=generated / wall_s,
+        padded_throughput_tokens_per_s=(padded_prompt + generated) / wall_s,
+        total_throughput_tokens_per_s=(prompt_tokens + generated) / wall_s,
+        latency_mean_s=mean_lat, latency_p50_s=quantile(latencies, 0.5, latency_weights),
+        latency_p90_s=quantile(latencies, 0.9, latency_weights),
+        latency_p99_s=quantile(latencies, 0.99, latency_weights),
+        latency_max_s=float(np.max(latencies[latency_weights > 0] if latency_weights is not None else latencies)),
+        p99_output_len=workload.output.percentile(0.99), latency_p99_length_s=p99_length_s,
+        peak_bytes=peaks, capacity_bytes=caps, fits=all(fits_in(peaks, profile).values()), busy_s=busy,
+        stall_s=max(wall_s - compute_busy, 0.0), prefill_s=float(np.sum(prefill.seconds)),
+        decode_s=float(np.sum(decode.seconds)), num_prefill_steps=prefill_steps, num_decode_steps=decode_steps)
+
+
+def check_requests(prompt: Any, output: Any) -> tuple[np.ndarray, np.ndarray]:
+    p, o = np.asarray(prompt), np.asarray(output)
+    if p.ndim != 1 or p.shape != o.shape or p.size == 0:
+        raise UserError("requests need equally long, non-empty lists of prompt and output lengths")
+    if np.any(p < 1) or np.any(o < 1):
+        raise UserError("every request needs a prompt and an output of at least 1 token")
+    return p.astype(np.int64), o.astype(np.int64)
+
+
+def simulate(spec: ModelSpec, profile: HardwareProfile, policy: Policy, workload: Workload,
+             num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
+             requests: tuple[Any, Any] | None = None) -> SimResult:
+    """Discrete-event prediction for ``num_requests`` requests sampled from ``workload``.
+
+    ``requests = (prompt_lens, output_lens)`` simulates exactly those requests instead.
+    """
+    result, _ = simulate_timeline(spec, profile, policy, workload, num_requests, seed, requests)
+    return result
+
+
+def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy, workload: Workload,
+                      num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
+                      requests: tuple[Any, Any] | None = None) -> tuple[SimResult, Timeline]:
+    """Like :func:`simulate`, also returning the :class:`Timeline` (for traces and tests)."""
+    if requests is None:
+        prompt, output = workload.sample(num_requests, seed)
+    else:
+        prompt, output = check_requests(*requests)
+    cm = CostModel.for_policy(spec, profile, policy)
+    tl = build_timeline(cm, policy, prompt, output)
+    p99_len = workload.output.percentile(0.99)
+    result = summarize(
+        cm, policy, workload, method="discrete-event", profile=profile, num_requests=len(prompt),
+        seed=seed if requests is None else None, wall_s=tl.wall_s, generated=float(output.sum()),
+        prompt_tokens=float(prompt.sum()), padded_prompt=float(np.sum(tl.prefill_rows * tl.prefill_len)),
+        latencies=tl.latency_s, latency_weights=None, p99_length_s=p99_length_latency(tl, output, p99_len),
+        prefill=tl.prefill, decode=tl.decode, prefill_steps=int(np.count_nonzero(tl.prefill_rows.sum(axis=0))),
+        decode_steps=int(np.count_nonzero(tl.decode_rows.sum(axis=0))))
+    return result, tl
+
+
+_TRACK_OF = {"gpu_compute": "compute", "dequant": "compute", "quant": "compute", "cpu_compute": "cpu_compute",
+             "ctog": "ctog", "gtoc": "gtoc", "dtoc": "dtoc", "ctod": "ctod"}
+MAX_TRACE_EVENTS = 2_000_000
+
+
+def trace_events(cm: CostModel, timeline: Timeline) -> list[TraceEvent]:
+    """The simulated timeline as trace events: per step, each resource's busy time.
+
+    A step's time on a resource is summed over the layers (one event per resource per step,
+    not per layer, so long jobs stay openable); within a step, terms that run one after another
+    (:func:`channel_groups`) are laid out in sequence from the step start, and the LM head
+    runs on the compute track once the last layer is done.
+    """
+    L = cm.spec.num_layers
+    groups = channel_groups(cm.profile.compute_device, cm.overlap)
+    J, S = timeline.decode.seconds.shape
+    pre, dec = timeline.prefill, timeline.decode
+    pre_terms = {k: np.broadcast_to(np.asarray(v, float), (J,)) for k, v in pre.terms.as_dict().items()}
+    dec_terms = {k: np.broadcast_to(np.asarray(v, float), (J, S)) for k, v in dec.terms.as_dict().items()}
+    pre_head = np.broadcast_to(np.asarray(pre.head_s, float), (J,))
+    dec_head = np.broadcast_to(np.asarray(dec.head_s, float), (J, S))
+    cum = np.concatenate((np.zeros((J, 1)), np.cumsum(dec.seconds, axis=1)), axis=1)
+    steps = int(np.count_nonzero(timeline.prefill_rows.sum(axis=0))) + int(np.count_nonzero(dec.seconds))
+    if steps * 7 > MAX_TRACE_EVENTS:
+        raise UserError(f"a trace of {steps} steps is too large to open; simulate fewer --requests for the trace")
+    events: list[TraceEvent] = []
+
+    def step(t0: float, seconds: float, terms: dict[str, float], head: float, args: dict[str, Any]) -> None:
+        for group in groups:
+            t = t0
+            for name in group:
+                dur = L * terms[name]
+                if dur > 0:
+                    events.append(TraceEvent(_TRACK_OF[name], name if name != "gpu_compute" else "layers", t, dur,
+                                             args))
+                    t += dur
+        if head > 0:  # after the last layer
+            events.append(TraceEvent("compute", "head", t0 + seconds - head, head, args))
+
+    for j in range(J):
+        t_j = float(timeline.start_s[j])
+        rows = int(timeline.prefill_rows[:, j].sum())
+        if rows:
+            step(t_j, float(pre.seconds[j]), {k: float(v[j]) for k, v in pre_terms.items()}, float(pre_head[j]),
+                 {"block": j, "step": 0, "phase": "prefill", "rows": rows, "layers": L,
+                  "padded_len": int(timeline.prefill_len[:, j].max())})
+        t_dec = t_j + float(pre.seconds[j])
+        for u in np.flatnonzero(dec.seconds[j] > 0):
+            step(t_dec + float(cum[j, u]), float(dec.seconds[j, u]), {k: float(v[j, u]) for k, v in dec_terms.items()},
+                 float(dec_head[j, u]),
+                 {"block": j, "step": int(u) + 1, "phase": "decode", "rows": int(timeline.decode_rows[:, j, u].sum()),
+                  "layers": L, "context": int(timeline.decode_len[:, j, u].max())})
+    return events
