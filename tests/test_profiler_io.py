@@ -130,3 +130,19 @@ def test_harness_interleaves_passes_and_honours_the_deadline():
     assert rate(flops, "mm") == pytest.approx(np.median([1e9 / 0.02, 4e9 / 0.01]))
     with pytest.raises(ValueError, match="no samples"):
         rate(flops, "bmm")
+
+
+def test_profiler_imports_without_torch_except_the_benchmarks():
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, pkgutil, sys, xprofiler\n"
+        "for m in pkgutil.walk_packages(xprofiler.__path__, 'xprofiler.'):\n"
+        "    if m.name != 'xprofiler.bench':\n"
+        "        importlib.import_module(m.name)\n"
+        "p = xprofiler.load_profile('t4')\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "assert not bad, bad[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
