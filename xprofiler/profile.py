@@ -286,6 +286,16 @@ class HardwareProfile(Contract):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} must be >= 0")
 
+    def model_for(self, spec: "ModelSpec") -> "ModelSpec":
+        """``spec`` in the dtype this machine computes in (float32 on a CPU host).
+
+        Plans, simulations and runs on this machine use that dtype for weights, KV cache and
+        activations, so byte counts and the per-layer fits (stored per dtype) line up.
+        """
+        if self.compute_dtype and self.compute_dtype != spec.dtype:
+            return spec.with_dtype(self.compute_dtype)
+        return spec
+
     def capacity_bytes(self, tier: str) -> int:
         return {"gpu": self.gpu_bytes, "cpu": self.cpu_bytes, "disk": self.disk_bytes}[tier]
 

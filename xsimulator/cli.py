@@ -63,7 +63,6 @@ def _read_json_arg(text: str, what: str) -> Any:
 def _simulate(args: argparse.Namespace) -> int:
     from workloads import Workload, get_workload
     from xprofiler.presets import load_profile
-    from xprofiler.profile import HardwareProfile
     from xprofiler.specs import ModelSpec, get_model_spec
     from xsched.errors import UserError
     from xsimulator.policy import Policy
@@ -101,7 +100,9 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.profile is None:
         notes.append(f"note: no --profile given; using the {DEFAULT_PROFILE} preset")
     profile_arg = args.profile or DEFAULT_PROFILE
-    profile = HardwareProfile.load(profile_arg) if Path(profile_arg).is_file() else load_profile(profile_arg)
+    profile = load_profile(profile_arg)
+    if args.model:  # a plan's model already carries the dtype it was planned in
+        spec = profile.model_for(spec)
 
     if args.method == "analytic":
         if args.trace:

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from xprofiler.profile import BandwidthCurve, HardwareProfile, layer_features
+from xprofiler.profile import BandwidthCurve, HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
 from xsimulator.policy import Policy
@@ -205,7 +205,6 @@ def _times(k: Any, x: Any) -> Any:
     return k * x
 
 
-_ATTENTION_FEATURES = ("attn_flops", "kv_bytes")
 
 
 # --------------------------------------------------------------------------- the model
@@ -292,14 +291,7 @@ class CostModel:
         """(non-attention seconds, attention seconds) of one layer on the compute device."""
         fit = self.profile.layer_fit(self.spec.name, phase, self.spec.dtype)
         if fit is not None:
-            feats = layer_features(self.spec, phase, rows, length)
-            other, attn = 0.0, 0.0
-            for name, coef in zip(fit.features, fit.coef):
-                if name in _ATTENTION_FEATURES:
-                    attn = attn + coef * feats[name]
-                else:
-                    other = other + coef * feats[name]
-            return other, attn
+            return fit.parts_s(self.spec, rows, length)
         spec = self.spec
         tokens = rows * length if phase == "prefill" else rows
         linear_flops = tokens * spec.linear_flops_per_token()
