@@ -102,11 +102,14 @@ def test_hf_directory_errors_name_the_problem(tmp_path):
         HFDirectorySource(tmp_path)
 
 
-def test_missing_shard_is_reported(tmp_path):
+def test_missing_or_corrupt_shard_is_reported(tmp_path):
     tiny_hf("opt").save_pretrained(tmp_path, max_shard_size="20KB")
-    victim = sorted(tmp_path.glob("*.safetensors"))[1]
-    victim.unlink()
-    with pytest.raises(UserError, match=f"missing shard {victim.name}"):
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    shards[0].write_bytes(b"\xff" * 64)  # a corrupt header
+    with pytest.raises(UserError, match=f"{shards[0].name}: not a readable safetensors file"):
+        HFDirectorySource(tmp_path)
+    shards[1].unlink()
+    with pytest.raises(UserError, match=f"missing shard {shards[1].name}"):
         HFDirectorySource(tmp_path)
 
 
