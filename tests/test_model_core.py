@@ -142,6 +142,24 @@ def test_attention_ignores_padding_and_is_finite_on_padding_rows():
     torch.testing.assert_close(out[:, 2:], out2[:, 2:])
 
 
+@pytest.mark.parametrize("t,T,causal", [(6, 6, True), (3, 7, True), (1, 9, False)])
+def test_attention_without_a_mask_equals_an_all_true_mask(t, T, causal):
+    spec, _, _ = hf_model_and_ours("llama-gqa")
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, spec.num_heads, t, spec.head_dim, generator=g)
+    k = torch.randn(2, spec.num_kv_heads, T, spec.head_dim, generator=g)
+    v = torch.randn(2, spec.num_kv_heads, T, spec.head_dim, generator=g)
+    full = attention(spec, q, k, v, torch.ones(2, T, dtype=torch.bool), causal)
+    torch.testing.assert_close(attention(spec, q, k, v, None, causal), full)
+
+
+def test_unpadded_batch_matches_transformers():
+    _, ours, hf = hf_model_and_ours("opt-untied", seed=5)
+    prompts = [[4, 8, 15, 16, 23, 42], [1, 1, 2, 3, 5, 8]]
+    result = generate(ours, prompts, 12)
+    assert result.tokens == [hf_greedy(hf, p, 12)[0] for p in prompts]
+
+
 def test_generate_rejects_contexts_longer_than_the_model():
     spec, ours, _ = hf_model_and_ours("opt-mha")
     with pytest.raises(UserError, match="positions"):

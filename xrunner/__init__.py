@@ -21,7 +21,7 @@ _EXPORTS: dict[str, str] = {
     # weight sources
     "ModelSource": "xrunner.loaders", "HFDirectorySource": "xrunner.loaders", "GGUFSource": "xrunner.loaders",
     "RandomSource": "xrunner.loaders", "open_model": "xrunner.loaders", "load_weights": "xrunner.loaders",
-    "default_model_path": "xrunner.loaders",
+    "default_model_path": "xrunner.loaders", "hf_state_dict": "xrunner.loaders",
     # 4-bit group-wise compression
     "QuantizedTensor": "xrunner.compression", "quantize": "xrunner.compression",
     "dequantize": "xrunner.compression", "quantized_nbytes": "xrunner.compression",

@@ -73,6 +73,7 @@ def generate(model: ModelWeights, prompts: Sequence[Sequence[int]], max_new_toke
                torch.empty(cache_shape, dtype=dtype, device=device)) for _ in model.layers]
     full_mask = torch.zeros((b, capacity), dtype=torch.bool, device=device)
     full_mask[:, :width] = mask
+    padded = not bool(mask.all())  # without padding, attention needs no mask (faster kernels)
     positions = position_ids_from_mask(mask)
     generator = sampling.generator(device) if not sampling.greedy else None
     stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
@@ -88,7 +89,7 @@ def generate(model: ModelWeights, prompts: Sequence[Sequence[int]], max_new_toke
         hidden = embed(spec, model.head, inputs, positions)
         for w, (k_cache, v_cache) in zip(model.layers, caches):
             hidden = layer_forward(spec, w, hidden, positions, rope, k_cache, v_cache,
-                                   full_mask[:, :start + t], start)
+                                   full_mask[:, :start + t] if padded else None, start)
         logits = final_logits(spec, model.head, hidden[:, -1])
         if return_logits:
             step_logits.append(logits.float().cpu())

@@ -8,6 +8,7 @@ unpickled: HF checkpoints are read from safetensors only.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import sys
@@ -72,6 +73,14 @@ class ModelSource(ABC):
             raise IndexError(f"layer {index} out of range 0..{self.spec.num_layers - 1}")
 
 
+def _require(module: str) -> Any:
+    """Import an optional dependency of the ``hf`` extra, or say how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"this needs the {module} package: pip install 'xsched[hf]'") from None
+
+
 def _check_shape(where: str, name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
     if tuple(got) != tuple(expected):
         raise UserError(f"{where}: tensor {name} has shape {tuple(got)} but the config implies "
@@ -96,7 +105,7 @@ class HFDirectorySource(ModelSource):
 
     def _index_tensors(self) -> dict[str, Path]:
         """Tensor name -> safetensors file holding it (from the shard index or the files)."""
-        from safetensors import safe_open
+        safe_open = _require("safetensors").safe_open
 
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
@@ -124,27 +133,15 @@ class HFDirectorySource(ModelSource):
                 raise UserError(f"{shard}: not a readable safetensors file ({exc})") from None
         return files
 
-    def _hf_names(self, names: list[str], modules: dict[str, str], prefix: str) -> dict[str, str]:
-        out = {}
-        for name in names:
-            module, param = name.split(".", 1)
-            if module == "lm_head":
-                out[name] = f"lm_head.{param}"
-            else:
-                out[name] = f"{prefix}{modules[module]}.{param}"
-        return out
-
     def _layer_names(self, index: int) -> dict[str, str]:
-        return self._hf_names(list(self.spec.layer_tensor_shapes()), _HF_LAYER_MODULES[self.spec.family],
-                              f"{self._prefix}layers.{index}.")
+        return {n: _hf_name(self.spec.family, n, self._prefix, index) for n in self.spec.layer_tensor_shapes()}
 
     def _head_names(self) -> dict[str, str]:
-        return self._hf_names(list(self.spec.head_tensor_shapes()), _HF_HEAD_MODULES[self.spec.family],
-                              self._prefix)
+        return {n: _hf_name(self.spec.family, n, self._prefix) for n in self.spec.head_tensor_shapes()}
 
     def _validate(self) -> None:
         """Every tensor the spec needs exists with the right shape (reads headers only)."""
-        from safetensors import safe_open
+        safe_open = _require("safetensors").safe_open
 
         wanted: list[tuple[str, str, tuple[int, ...]]] = []
         head_shapes = self.spec.head_tensor_shapes()
@@ -158,12 +155,16 @@ class HFDirectorySource(ModelSource):
                 raise UserError(f"{self.path}: checkpoint lacks tensor {hf}")
             by_file.setdefault(self._files[hf], []).append((hf, shape))
         for f, items in by_file.items():
-            with safe_open(f, framework="pt") as fh:
-                for hf, shape in items:
-                    _check_shape(str(self.path), hf, tuple(fh.get_slice(hf).get_shape()), shape)
+            try:
+                with safe_open(f, framework="pt") as fh:
+                    shapes = {hf: tuple(fh.get_slice(hf).get_shape()) for hf, _ in items}
+            except Exception as exc:  # a truncated or corrupt header; safetensors has its own error types
+                raise UserError(f"{f}: not a readable safetensors file ({exc})") from None
+            for hf, shape in items:
+                _check_shape(str(self.path), hf, shapes[hf], shape)
 
     def _read(self, names: dict[str, str]) -> Weights:
-        from safetensors import safe_open
+        safe_open = _require("safetensors").safe_open
 
         dtype = torch_dtype(self.spec.dtype)
         by_file: dict[Path, list[tuple[str, str]]] = {}
@@ -184,13 +185,36 @@ class HFDirectorySource(ModelSource):
         return self._read(self._layer_names(index))
 
     def tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
+        AutoTokenizer = _require("transformers").AutoTokenizer
 
         try:
             return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
         except (OSError, ValueError, TypeError) as exc:
             raise UserError(f"{self.path}: no usable tokenizer files (tokenizer.json / tokenizer_config.json): "
                             f"{str(exc).splitlines()[0]}") from None
+
+
+def _hf_name(family: str, name: str, prefix: str, layer: int | None = None) -> str:
+    """transformers' name for runner tensor ``name`` (of decoder ``layer``, or of the head)."""
+    module, param = name.split(".", 1)
+    if module == "lm_head":
+        return f"lm_head.{param}"
+    if layer is None:
+        return f"{prefix}{_HF_HEAD_MODULES[family][module]}.{param}"
+    return f"{prefix}layers.{layer}.{_HF_LAYER_MODULES[family][module]}.{param}"
+
+
+def hf_state_dict(weights: ModelWeights) -> dict[str, torch.Tensor]:
+    """The same tensors under transformers' ``*ForCausalLM`` names (no copies), e.g. to build an
+    HF reference model with ``load_state_dict(..., assign=True)``."""
+    family = weights.spec.family
+    prefix = _HF_PREFIXES[family][0]
+    out = {_hf_name(family, n, prefix): t for n, t in weights.head.items()}
+    for i, layer in enumerate(weights.layers):
+        out.update({_hf_name(family, n, prefix, i): t for n, t in layer.items()})
+    if weights.spec.tied_embeddings:
+        out["lm_head.weight"] = weights.head["embed_tokens.weight"]
+    return out
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -254,7 +278,7 @@ class GGUFSource(ModelSource):
         return out
 
     def tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
+        AutoTokenizer = _require("transformers").AutoTokenizer
 
         try:
             return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)

@@ -114,24 +114,30 @@ def attn_in(spec: ModelSpec, w: Weights, hidden: torch.Tensor, position_ids: tor
     return q, k, v
 
 
-def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool) -> torch.Tensor:
     """Scaled dot-product attention of ``t`` queries over a left-padded context of ``T`` keys.
 
-    The queries are the last ``t`` positions of the context. ``mask [b, T]`` hides padding keys;
-    ``causal`` additionally hides later keys (prefill). A padding query would see no key at all,
-    so every query may always see its own position: its output is ignored but stays finite.
-    Grouped-query attention shares each kv head among ``H / Hkv`` query heads.
+    The queries are the last ``t`` positions of the context. ``mask [b, T]`` hides padding keys
+    (None: no padding, which lets SDPA pick its fastest kernels); ``causal`` additionally hides
+    later keys (prefill). A padding query would see no key at all, so every query may always see
+    its own position: its output is ignored but stays finite. Grouped-query attention shares
+    each kv head among ``H / Hkv`` query heads.
     """
     b, n_heads, t, d = q.shape
     T = k.shape[2]
-    allowed = mask[:, None, None, :].to(torch.bool)
-    if causal and t > 1:
-        q_pos = torch.arange(T - t, T, device=q.device)[:, None]
-        k_pos = torch.arange(T, device=q.device)[None, :]
-        allowed = (allowed & (k_pos <= q_pos)) | (k_pos == q_pos)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
-                                         enable_gqa=spec.num_kv_heads != spec.num_heads)
+    gqa = spec.num_kv_heads != spec.num_heads
+    causal = causal and t > 1
+    if mask is None and (not causal or t == T):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    else:
+        allowed = None if mask is None else mask[:, None, None, :]
+        if causal:
+            q_pos = torch.arange(T - t, T, device=q.device)[:, None]
+            k_pos = torch.arange(T, device=q.device)[None, :]
+            visible = k_pos <= q_pos
+            allowed = visible if allowed is None else (allowed & visible) | (k_pos == q_pos)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(b, t, n_heads * d)
 
 
@@ -147,13 +153,13 @@ def attn_out_mlp(spec: ModelSpec, w: Weights, attn: torch.Tensor, hidden: torch.
 
 
 def layer_forward(spec: ModelSpec, w: Weights, hidden: torch.Tensor, position_ids: torch.Tensor,
-                  rope: Rope | None, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
+                  rope: Rope | None, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor | None,
                   start: int) -> torch.Tensor:
     """One decoder layer over ``t`` new positions with a preallocated KV cache.
 
     ``k_cache, v_cache [b, Hkv, capacity, d]`` receive the new keys/values at
-    ``[start, start + t)``; attention runs over ``[0, start + t)`` with ``mask [b, start + t]``.
-    Prefill is ``start == 0`` (causal); decode is ``t == 1``.
+    ``[start, start + t)``; attention runs over ``[0, start + t)`` with ``mask [b, start + t]``
+    (None when no row has padding). Prefill is ``start == 0`` (causal); decode is ``t == 1``.
     """
     t = hidden.shape[1]
     q, k, v = attn_in(spec, w, hidden, position_ids, rope)

@@ -1,0 +1,101 @@
+"""4-bit group-wise quantization (FlexGen §5): error bound, constant groups, packing, grouping dim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xrunner.compression import QuantizedTensor, dequantize, quantize, quantized_nbytes
+
+
+def _half_ulp(y: torch.Tensor) -> torch.Tensor:
+    """Half the spacing of y's dtype at |y| (0 for float32: the bound is then scale/2 up to rounding)."""
+    if y.dtype == torch.float32:
+        return torch.zeros_like(y, dtype=torch.float32)
+    a = y.abs()
+    return (torch.nextafter(a, torch.full_like(a, float("inf"))).float() - a.float()) / 2
+
+
+def _per_value_scale(q: QuantizedTensor) -> torch.Tensor:
+    """The scale of each value's group, laid out like the original tensor."""
+    s = q.scales.float()[..., None].expand(*q.scales.shape, q.group_size)
+    s = s.reshape(*s.shape[:-2], -1)[..., :q.shape[q.dim]]
+    return s.movedim(-1, q.dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,dim", [((256, 192), 0), ((256, 192), 1), ((2, 3, 50, 64), 3), ((2, 3, 50, 64), 2),
+                                       ((1000,), 0)])
+def test_round_trip_error_is_at_most_half_a_step(dtype, shape, dim):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3 + torch.rand(shape, generator=g) * 10).to(dtype)
+    q = quantize(x, dim=dim)
+    y = dequantize(q)
+    assert y.shape == x.shape and y.dtype == dtype
+    err = (x.float() - y.float()).abs()
+    bound = _per_value_scale(q) / 2 * (1 + 1e-6) + _half_ulp(y)
+    assert bool((err <= bound).all()), float((err - bound).max())
+    # The bound is not vacuous: the steps are the group ranges / 15.
+    assert float(_per_value_scale(q).max()) < float(x.float().max() - x.float().min()) / 15 * 1.01
+
+
+def test_groups_run_along_the_chosen_dimension():
+    # Rows of wildly different magnitude: grouping along dim 1 keeps each row's own scale.
+    x = torch.stack([torch.linspace(0, 1, 64), torch.linspace(0, 1000, 64)])
+    q_rows = quantize(x, dim=1)
+    assert q_rows.scales.shape == (2, 1)
+    torch.testing.assert_close(q_rows.scales[:, 0], torch.tensor([1 / 15, 1000 / 15]))
+    q_cols = quantize(x, dim=0, group_size=2)
+    assert q_cols.scales.shape == (64, 1)
+    assert (dequantize(q_rows)[0] - x[0]).abs().max() <= 1 / 30 + 1e-6
+
+
+def test_constant_groups_do_not_divide_by_zero():
+    x = torch.full((4, 128), 2.5)
+    x[1] = 0.0
+    x[2, 64:] = -7.25
+    q = quantize(x)
+    y = dequantize(q)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, x, rtol=0, atol=0)
+    assert (q.scales[0] == 0).all()
+
+
+def test_padding_of_a_partial_group_round_trips():
+    x = torch.randn(3, 70)  # 70 = one full group of 64 + a partial one
+    q = quantize(x, dim=1)
+    assert q.packed.shape == (3, 2, 32)
+    assert dequantize(q).shape == (3, 70)
+    assert (dequantize(q) - x).abs().max() <= q.scales.max() / 2 + 1e-6
+
+
+def test_values_are_packed_two_per_byte():
+    x = torch.randn(512, 256, dtype=torch.float16)
+    q = quantize(x, dim=0)
+    assert q.packed.dtype == torch.uint8
+    assert q.packed.numel() == x.numel() // 2
+    assert q.nbytes == quantized_nbytes((512, 256), dim=0, dtype_bytes=2)
+    assert q.nbytes / (x.numel() * 2) == pytest.approx((32 + 4) / 128)  # 4.5 bits per value with fp16 min/scale
+    assert quantized_nbytes((3, 70), dim=1, dtype_bytes=4) == quantize(torch.randn(3, 70), dim=1).nbytes
+
+
+def test_codes_are_exact_for_values_on_the_grid():
+    codes = torch.arange(64) % 16
+    x = (codes.float() * 0.5 - 2.0)[None]  # min -2, scale 0.5: every value is on the grid
+    q = quantize(x)
+    torch.testing.assert_close(dequantize(q), x, rtol=0, atol=0)
+    low, high = q.packed & 0x0F, q.packed >> 4
+    assert torch.equal(torch.stack((low, high), -1).flatten(), codes.to(torch.uint8))
+
+
+def test_quantized_tensor_moves_between_devices():
+    x = torch.randn(8, 64)
+    q = quantize(x).to("cpu")
+    torch.testing.assert_close(dequantize(q), dequantize(quantize(x)))
+
+
+def test_bad_input():
+    with pytest.raises(TypeError):
+        quantize(torch.arange(10))
+    with pytest.raises(ValueError):
+        quantize(torch.randn(10), group_size=3)

@@ -1,0 +1,265 @@
+"""Weight loaders: HF directories, GGUF files (tiny written here, and the real SmolLM2-135M)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_model_core import PROMPTS, hf_greedy
+
+from xprofiler.specs import ModelSpec, get_model_spec
+from xrunner.generate import generate
+from xrunner.loaders import (GGUFSource, HFDirectorySource, RandomSource, default_model_path, load_weights,
+                             open_model, unpermute_rope_rows)
+from xsched.errors import UserError
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+STEPS = 8
+CHAT_PROMPTS = ["What is the capital of France?", "Hi!",
+                "Explain in two sentences why the sky looks blue during the day and red at sunset."]
+
+
+def tiny_hf(family: str, tied: bool = True, seed: int = 0):
+    """A random HF model with HF's own initialisation (independent of our RandomSource)."""
+    torch.manual_seed(seed)
+    if family == "opt":
+        config = transformers.OPTConfig(vocab_size=300, hidden_size=32, ffn_dim=80, num_hidden_layers=3,
+                                        num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+                                        tie_word_embeddings=tied, attn_implementation="eager")
+        model = transformers.OPTForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          tie_word_embeddings=tied, attn_implementation="eager")
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # HF inits norms to 1 and biases to 0; perturb them so a mix-up shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def assert_matches_hf(weights, hf, steps: int = STEPS):
+    result = generate(weights, PROMPTS, steps, return_logits=True)
+    ours = torch.stack(result.logits, dim=1)
+    for row, prompt in enumerate(PROMPTS):
+        ref_tokens, ref_logits = hf_greedy(hf, prompt, steps)
+        assert result.tokens[row] == ref_tokens
+        assert (ours[row] - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4
+
+
+# ----------------------------------------------------------------------------- HF directories
+@pytest.mark.parametrize("family,tied", [("opt", True), ("llama", False)])
+def test_sharded_hf_directory_loads_and_matches_transformers(tmp_path, family, tied):
+    hf = tiny_hf(family, tied)
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    source = open_model(tmp_path, dtype="float32")
+    assert isinstance(source, HFDirectorySource) and source.spec.family == family
+    assert_matches_hf(load_weights(source), hf)
+
+
+def test_single_file_hf_directory_in_bfloat16(tmp_path):
+    hf = tiny_hf("llama", tied=True)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)
+    source = HFDirectorySource(tmp_path)
+    assert source.spec.dtype == "bfloat16"
+    layer = source.load_layer(1)
+    assert layer["q_proj.weight"].dtype == torch.bfloat16
+    torch.testing.assert_close(layer["up_proj.weight"], hf.model.layers[1].mlp.up_proj.weight, rtol=0, atol=0)
+    assert HFDirectorySource(tmp_path, dtype="float32").load_head()["final_norm.weight"].dtype == torch.float32
+
+
+def test_hf_directory_errors_name_the_problem(tmp_path):
+    with pytest.raises(UserError, match="missing config.json"):
+        HFDirectorySource(tmp_path)
+    hf = tiny_hf("llama")
+    hf.config.save_pretrained(tmp_path)
+    with pytest.raises(UserError, match=r"missing weights, no \*\.safetensors"):
+        HFDirectorySource(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(UserError, match="never unpickles"):
+        HFDirectorySource(tmp_path)
+    (tmp_path / "pytorch_model.bin").unlink()
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 100
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape \(96, 64\) "
+                                        r"but the config implies \(100, 64\)"):
+        HFDirectorySource(tmp_path)
+    cfg["intermediate_size"], cfg["num_hidden_layers"] = 96, 4
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"lacks tensor model\.layers\.3\."):
+        HFDirectorySource(tmp_path)
+
+
+def test_missing_or_corrupt_shard_is_reported(tmp_path):
+    tiny_hf("opt").save_pretrained(tmp_path, max_shard_size="20KB")
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    shards[0].write_bytes(b"\xff" * 64)  # a corrupt header
+    with pytest.raises(UserError, match=f"{shards[0].name}: not a readable safetensors file"):
+        HFDirectorySource(tmp_path)
+    shards[1].unlink()
+    with pytest.raises(UserError, match=f"missing shard {shards[1].name}"):
+        HFDirectorySource(tmp_path)
+
+
+# ----------------------------------------------------------------------------- GGUF
+def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter layout for q/k rows (written from its description, for the test)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, hf) -> None:
+    """Write an HF Llama as a llama.cpp GGUF: F32 norms, Q8_0 projections, permuted q/k rows."""
+    cfg = hf.config
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_eos_token_id(2)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+
+    def add(name: str, t: torch.Tensor, quantize: bool) -> None:
+        arr = t.detach().float().numpy()
+        if quantize:
+            writer.add_tensor(name, gguf.quants.quantize(arr, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, arr)
+
+    add("token_embd.weight", hf.model.embed_tokens.weight, True)
+    add("output_norm.weight", hf.model.norm.weight, False)
+    if not cfg.tie_word_embeddings:
+        add("output.weight", hf.lm_head.weight, True)
+    for i, layer in enumerate(hf.model.layers):
+        att, mlp = layer.self_attn, layer.mlp
+        q = llamacpp_permute(att.q_proj.weight.detach().numpy(), cfg.num_attention_heads)
+        k = llamacpp_permute(att.k_proj.weight.detach().numpy(), cfg.num_key_value_heads)
+        add(f"blk.{i}.attn_q.weight", torch.from_numpy(q), True)
+        add(f"blk.{i}.attn_k.weight", torch.from_numpy(k), True)
+        for name, t in (("attn_v", att.v_proj.weight), ("attn_output", att.o_proj.weight),
+                        ("ffn_gate", mlp.gate_proj.weight), ("ffn_up", mlp.up_proj.weight),
+                        ("ffn_down", mlp.down_proj.weight)):
+            add(f"blk.{i}.{name}.weight", t, True)
+        add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight, False)
+        add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def q8_round_trip(hf) -> None:
+    """Replace the HF model's quantized tensors by their Q8_0 round trip (what the GGUF holds)."""
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2:
+                arr = gguf.quants.dequantize(gguf.quants.quantize(p.float().numpy(), q8), q8)
+                p.copy_(torch.from_numpy(arr.reshape(p.shape)))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tiny_gguf_unpermutes_and_matches_transformers(tmp_path, tied):
+    hf = tiny_hf("llama", tied=tied, seed=3)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, hf)
+    q8_round_trip(hf)
+    source = open_model(path)
+    assert isinstance(source, GGUFSource)
+    assert ModelSpec.from_gguf(path, dtype="float16") == source.spec.with_dtype("float16")
+    assert (source.spec.num_kv_heads, source.spec.tied_embeddings, source.spec.eos_token_id) == (2, tied, 2)
+    assert_matches_hf(load_weights(source), hf)
+
+
+def test_unpermute_inverts_the_llamacpp_layout():
+    w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(48, 5)
+    back = unpermute_rope_rows(torch.from_numpy(llamacpp_permute(w, 6)), 6)
+    assert torch.equal(back, torch.from_numpy(w))
+
+
+def test_gguf_errors(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\x00" * 7)
+    with pytest.raises(UserError, match="not a readable GGUF"):
+        open_model(junk)
+    writer = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UserError, match="architecture 'gpt2' is not supported"):
+        GGUFSource(tmp_path / "gpt2.gguf")
+
+
+# ----------------------------------------------------------------------------- opening by name
+def test_open_model_by_name(tmp_path):
+    with pytest.raises(UserError, match="registry entry without weights.*random:opt-30b"):
+        open_model("opt-30b")
+    with pytest.raises(UserError, match="unknown model 'gpt-9'; known models: opt-125m"):
+        open_model("gpt-9")
+    with pytest.raises(UserError, match="no such file or directory"):
+        open_model(str(tmp_path / "nope.gguf"))
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(UserError, match="not a model"):
+        open_model(tmp_path / "notes.txt")
+    src = open_model("random:opt-125m", dtype="float32", seed=4)
+    assert isinstance(src, RandomSource) and src.spec.num_layers == 12 and src.seed == 4
+    with pytest.raises(UserError, match="no tokenizer"):
+        src.tokenizer()
+
+
+# ----------------------------------------------------------------------------- SmolLM2-135M, real weights
+@pytest.fixture(scope="module")
+def smollm2():
+    """Our GGUF loader and transformers' GGUF loader on the same file, loaded once."""
+    try:
+        path = default_model_path()
+    except UserError as exc:
+        pytest.skip(str(exc))
+    source = GGUFSource(path)
+    tokenizer = source.tokenizer()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = tokenizer.pad_token_id
+    return source, load_weights(source), tokenizer, hf
+
+
+def test_smollm2_spec_from_gguf_matches_the_registry(smollm2):
+    source = smollm2[0]
+    registry = get_model_spec("smollm2-135m")
+    assert source.spec.num_params == registry.num_params
+    fields = ("num_layers", "hidden", "ffn", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "rope_theta",
+              "tied_embeddings", "eos_token_id")
+    assert all(getattr(source.spec, f) == getattr(registry, f) for f in fields)
+
+
+def test_smollm2_greedy_tokens_match_transformers(smollm2):
+    from xrunner.cli import encode_prompt
+
+    _, weights, tokenizer, hf = smollm2
+    prompts = [encode_prompt(tokenizer, p, chat=True) for p in CHAT_PROMPTS]
+    assert len({len(p) for p in prompts}) == len(prompts)  # uneven lengths: the batch is left padded
+    ours = generate(weights, prompts, 32).tokens
+    for prompt, got in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+        assert got == ref[0, len(prompt):].tolist()
+    assert "Paris" in tokenizer.decode(ours[0])
