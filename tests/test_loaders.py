@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_model_core import PROMPTS, hf_greedy
+from test_model_core import PROMPTS, hf_greedy, one_torch_thread  # noqa: F401  (autouse fixture)
 
 from xprofiler.specs import ModelSpec, get_model_spec
 from xrunner.generate import generate

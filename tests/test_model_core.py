@@ -26,6 +26,16 @@ from xsched.errors import UserError
 
 transformers = pytest.importorskip("transformers")
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """These check correctness, not speed: on a shared, oversubscribed 2-core machine two spinning
+    OpenMP threads made them up to 6x slower than one thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
 STEPS = 32
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [101, 3, 250, 77, 12, 8, 90, 1]]
 

@@ -83,7 +83,9 @@ def quantize(x: torch.Tensor, dim: int = -1, group_size: int = DEFAULT_GROUP_SIZ
     pad = -length % group_size
     if pad:
         moved = torch.cat((moved, moved[..., -1:].expand(*moved.shape[:-1], pad)), dim=-1)
-    groups = moved.reshape(*moved.shape[:-1], -1, group_size).float()
+    # One contiguous float32 copy: grouping along dim 0 would otherwise leave every op strided.
+    groups = moved.reshape(*moved.shape[:-1], -1, group_size).to(torch.float32,
+                                                                  memory_format=torch.contiguous_format)
     lo, hi = groups.aminmax(dim=-1)
     mins = _round_toward(lo, x.dtype, up=False)
     scales = _round_toward((hi - mins.float()) / LEVELS, x.dtype, up=True)
@@ -93,7 +95,7 @@ def quantize(x: torch.Tensor, dim: int = -1, group_size: int = DEFAULT_GROUP_SIZ
     scales = torch.where(short, torch.nextafter(scales, torch.full_like(scales, float("inf"))), scales)
     scales_f = scales.float()
     inv = torch.where(scales_f > 0, 1.0 / scales_f, torch.zeros_like(scales_f))
-    codes = ((groups - mins_f[..., None]) * inv[..., None]).round_().clamp_(0, LEVELS).to(torch.uint8)
+    codes = (groups - mins_f[..., None]).mul_(inv[..., None]).round_().clamp_(0, LEVELS).to(torch.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return QuantizedTensor(packed=packed.contiguous(), mins=mins, scales=scales, shape=tuple(x.shape), dim=dim,
                            group_size=group_size)
@@ -104,7 +106,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     dtype = dtype or q.dtype
     codes = torch.stack((q.packed & 0x0F, q.packed >> 4), dim=-1).reshape(*q.packed.shape[:-1], q.group_size)
     # float32 arithmetic, one rounding at the end: error <= scale/2 + half an ulp of ``dtype``.
-    values = torch.addcmul(q.mins.float()[..., None], codes.float(), q.scales.float()[..., None]).to(dtype)
+    values = codes.float().mul_(q.scales.float()[..., None]).add_(q.mins.float()[..., None]).to(dtype)
     values = values.reshape(*values.shape[:-2], -1)[..., :q.shape[q.dim]]
     return values.movedim(-1, q.dim).contiguous()
 

@@ -97,6 +97,7 @@ def generate(model: ModelWeights, prompts: Sequence[Sequence[int]], max_new_toke
         out[:, step] = token
         steps = step + 1
         if step == 0:
+            _sync(device)
             prefill_s = time.perf_counter() - t0
         if on_step is not None:
             on_step(steps)
@@ -108,6 +109,7 @@ def generate(model: ModelWeights, prompts: Sequence[Sequence[int]], max_new_toke
         full_mask[:, start] = True
         positions = positions[:, -1:] + 1
         inputs = token[:, None]
+    _sync(device)
     decode_s = time.perf_counter() - t0 - prefill_s
 
     rows = out[:, :steps].tolist()
@@ -121,3 +123,9 @@ def _cut_at_stop(row: list[int], stops: set[int]) -> list[int]:
         if tok in stops:
             return row[:i + 1]
     return row
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued GPU work so that wall-clock timings include it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
