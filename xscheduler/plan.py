@@ -1,0 +1,88 @@
+"""Plan: the scheduler's answer, and everything the runner and a reader need to trust it.
+
+A plan carries its own context (model spec, workload, the profile's name and fingerprint) so
+that ``xsched run`` and ``xsched simulate --plan`` need nothing else, and so that a plan used on
+another machine can say so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from workloads.workload import Workload
+from xprofiler.profile import Fingerprint
+from xprofiler.specs import ModelSpec
+from xsched.contract import Contract
+from xsimulator.policy import Policy
+from xsimulator.result import SimResult
+
+SLA_KINDS: tuple[str, ...] = ("p99", "p99-length")
+SEARCH_METHODS: tuple[str, ...] = ("bnb", "exhaustive", "optuna")
+
+
+@dataclass(frozen=True)
+class SLA(Contract):
+    """A latency bound (ExeGPT §7.6): ``p99`` of requests, or a ``p99-length`` request, within L s.
+
+    ``latency_s = inf`` means unbounded (pure throughput).
+    """
+
+    SCHEMA: ClassVar[str] = "xsched.SLA/1"
+
+    kind: Literal["p99", "p99-length"]
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if not self.latency_s > 0 or math.isnan(self.latency_s):
+            raise ValueError(f"latency bound must be > 0 seconds, got {self.latency_s}")
+
+    def met_by(self, result: SimResult, tolerance: float = 0.0) -> bool:
+        """Whether the predicted latency is within the bound, allowing ``tolerance`` (fraction)."""
+        return result.latency_s(self.kind) <= self.latency_s * (1.0 + tolerance)
+
+    def describe(self) -> str:
+        if math.isinf(self.latency_s):
+            return f"{self.kind}: unbounded"
+        what = "99% of requests finish" if self.kind == "p99" else "a p99-length request finishes"
+        return f"{self.kind}: {what} within {self.latency_s:g} s"
+
+
+@dataclass(frozen=True)
+class SearchStats(Contract):
+    """How the plan was found: method, simulator evaluations, size of the full grid, wall time."""
+
+    SCHEMA: ClassVar[str] = "xsched.SearchStats/1"
+
+    method: Literal["bnb", "exhaustive", "optuna"]
+    evaluations: int  # simulator calls (placement LPs included in their cost)
+    grid_points: int  # points of the full knob grid (what exhaustive search evaluates)
+    lp_solves: int
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class Plan(Contract):
+    """The chosen policy with its predicted result, the SLA it meets and where it came from."""
+
+    SCHEMA: ClassVar[str] = "xsched.Plan/1"
+
+    policy: Policy  # rounded to what the runner can place; this is what was simulated
+    predicted: SimResult
+    sla: SLA
+    model: ModelSpec  # in the dtype the plan was priced in
+    workload: Workload
+    profile_name: str
+    profile_source: Literal["measured", "preset"]
+    profile_fingerprint: Fingerprint
+    search: SearchStats
+    version: str  # xsched version that wrote the plan
+    notes: tuple[str, ...] = ()
+
+    @property
+    def slack(self) -> float:
+        """Fraction of the latency bound left unused (0 = exactly at the bound; 1 = unbounded)."""
+        if math.isinf(self.sla.latency_s):
+            return 1.0
+        return 1.0 - self.predicted.latency_s(self.sla.kind) / self.sla.latency_s
