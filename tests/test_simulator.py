@@ -437,3 +437,14 @@ def test_padded_context_matches_its_definition(refill):
             ctx[k, j, u] = max(ctx[k, j, u], p[i] + t)
     assert np.array_equal(tl.decode_rows, rows)
     assert np.array_equal(tl.decode_len, ctx)
+
+
+def test_split_counts_sums_and_exact_multiples():
+    from xsimulator.policy import split_counts
+
+    for n in (0, 1, 3, 7, 30, 96):
+        for fr in ((1, 0, 0), (0.5, 0.5, 0), (0.2, 0.3, 0.5), (1 / 3, 1 / 3, 1 / 3), (0, 0, 1)):
+            counts = split_counts(fr, n)
+            assert sum(counts) == n
+            assert all(abs(c - f * n) < 1 for c, f in zip(counts, fr))
+    assert split_counts((6 / 30, 24 / 30, 0), 30) == (6, 24, 0)

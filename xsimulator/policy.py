@@ -15,6 +15,24 @@ PLACEMENT_VARS: tuple[str, ...] = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc
 _SUM_TOLERANCE = 1e-6
 
 
+def split_counts(fractions: tuple[float, float, float], n: int) -> tuple[int, int, int]:
+    """Whole units (layers, rows) per tier (gpu, cpu, disk) for placement fractions over ``n`` units.
+
+    The one rounding rule the scheduler and the runner share: largest remainder, ties to the
+    faster tier, so the counts sum to ``n`` and a fraction that is a multiple of ``1/n`` maps
+    exactly. Weights split by layers (layer ``i`` lives on gpu for the first counts[0] layers,
+    then cpu, then disk); KV cache and activations split each GPU batch's rows the same way.
+    """
+    if n < 0:
+        raise ValueError(f"cannot split {n} units")
+    exact = [f * n for f in fractions]
+    counts = [int(x + 1e-9) for x in exact]
+    order = sorted(range(3), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[: n - sum(counts)]:
+        counts[i] += 1
+    return counts[0], counts[1], counts[2]
+
+
 @dataclass(frozen=True)
 class Policy(Contract):
     """GPU batch size, batches per block, placement, compression, delegation and refill."""
@@ -57,6 +75,15 @@ class Policy(Contract):
     @property
     def block_size(self) -> int:
         return self.gbs * self.nb
+
+    def layer_counts(self, num_layers: int) -> tuple[int, int, int]:
+        """Layers whose weights live on gpu, cpu, disk (see :func:`split_counts`)."""
+        return split_counts((self.wg, self.wc, self.wd), num_layers)
+
+    def row_counts(self, kind: str, rows: int) -> tuple[int, int, int]:
+        """Rows of a GPU batch whose KV cache (``kind="cache"``) or activations (``"act"``) live on each tier."""
+        trio = {"cache": (self.cg, self.cc, self.cd), "act": (self.hg, self.hc, self.hd)}[kind]
+        return split_counts(trio, rows)
 
     def placement(self) -> dict[str, float]:
         return {v: getattr(self, v) for v in PLACEMENT_VARS}
