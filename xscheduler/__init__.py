@@ -1,0 +1,42 @@
+"""xscheduler: the best policy under a latency SLA (placement LP inside branch-and-bound) and the Plan.
+
+Imports without torch. ``plan_search`` is what ``xsched plan`` runs; ``place`` is the placement
+LP for fixed batch knobs; ``frontier`` sweeps latency bounds. The public names load on first
+use, so ``xsched --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "Confirmation": "xscheduler.plan",
+    "Plan": "xscheduler.plan",
+    "SLA": "xscheduler.plan",
+    "SearchStats": "xscheduler.plan",
+    "Placement": "xscheduler.placement",
+    "place": "xscheduler.placement",
+    "round_placement": "xscheduler.placement",
+    "shortfall_bytes": "xscheduler.placement",
+    "Evaluator": "xscheduler.search",
+    "branch_and_bound": "xscheduler.search",
+    "search": "xscheduler.search",
+    "variants": "xscheduler.search",
+    "FrontierPoint": "xscheduler.planner",
+    "frontier": "xscheduler.planner",
+    "plan_search": "xscheduler.planner",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from xscheduler.placement import Placement, place, round_placement, shortfall_bytes
+    from xscheduler.plan import SLA, Confirmation, Plan, SearchStats
+    from xscheduler.planner import FrontierPoint, frontier, plan_search
+    from xscheduler.search import Evaluator, branch_and_bound, search, variants
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'xscheduler' has no attribute {name!r}")

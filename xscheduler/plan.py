@@ -63,6 +63,18 @@ class SearchStats(Contract):
 
 
 @dataclass(frozen=True)
+class Confirmation(Contract):
+    """The plan re-simulated by the discrete-event path on another request sample."""
+
+    SCHEMA: ClassVar[str] = "xsched.Confirmation/1"
+
+    seed: int
+    throughput_tokens_per_s: float
+    latency_s: float  # of the plan's SLA kind
+    meets_sla: bool
+
+
+@dataclass(frozen=True)
 class Plan(Contract):
     """The chosen policy with its predicted result, the SLA it meets and where it came from."""
 
@@ -79,6 +91,8 @@ class Plan(Contract):
     search: SearchStats
     version: str  # xsched version that wrote the plan
     notes: tuple[str, ...] = ()
+    searched_with: str = "discrete-event"  # simulator path the search priced points with
+    confirmations: tuple[Confirmation, ...] = ()  # discrete-event re-simulations on other seeds
 
     @property
     def slack(self) -> float:

@@ -1,0 +1,230 @@
+"""Placement LP: where weights, KV cache and activations live, for fixed batch knobs.
+
+For fixed ``(gbs, nb, compress_weight, compress_cache, cpu_attention)`` the nine fractions
+``wg..hd`` are the only unknowns, and every cost-model term is affine in them
+(``xsimulator.costmodel``), so the best placement is a linear program (FlexGen §4.3, App. A.3):
+
+    minimise   (L * (t_prefill + n * t_decode) + head) / (gbs * nb * n)     seconds per token
+    subject to t_phase >= group   for every parallel group of that phase's layer step
+               sum(resident) + transient <= capacity   for every tier and transient
+               each placement trio sums to 1, fractions in 0..1
+
+The ``max`` over groups that run concurrently becomes ``t >= group`` constraints (minimax
+reformulation, seed 004 §2.1.3). The representative block is the workload's typical shape:
+GPU batches of ``gbs`` rows padded to the mean prompt, ``n`` = mean output decode steps at the
+mean context. Memory uses the longest prompt and output, as the simulator and runner do.
+
+The LP's fractions are then rounded to what the runner can place (:func:`round_placement`):
+weights by whole layers, KV cache and activations by whole rows of a GPU batch, with
+``xsimulator.policy.split_counts``; memory is re-checked and units move to slower tiers until
+every tier fits. The rounded policy is what gets simulated and reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+import pulp
+
+from workloads.workload import Workload
+from xprofiler.profile import HardwareProfile
+from xprofiler.specs import ModelSpec
+from xsched.errors import UserError
+from xsimulator.costmodel import TIERS, CostModel
+from xsimulator.policy import PLACEMENT_VARS, Policy, split_counts
+
+TRIOS: tuple[tuple[str, str, str], ...] = (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd"))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The representative block the LP prices: padded prompt, decode steps, their mean context,
+    and the longest prompt/output that size the buffers."""
+
+    prompt_len: int
+    decode_steps: int
+    decode_context: int
+    max_prompt: int
+    max_output: int
+
+    @classmethod
+    def of(cls, workload: Workload) -> "Shape":
+        prompt = max(1, round(workload.prompt.mean))
+        steps = max(1, round(workload.output.mean))
+        return cls(prompt, steps, prompt + max(1, round(steps / 2)), workload.prompt.max_len,
+                   workload.output.max_len)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """An LP solution: the relaxed fractions, the rounded policy and their per-token seconds."""
+
+    fractions: dict[str, float]  # the LP's real-valued optimum
+    lp_token_s: float  # its objective: seconds per generated token of the representative block
+    policy: Policy  # rounded to whole layers / rows and re-checked against memory
+    token_s: float  # the rounded policy's seconds per token (>= lp_token_s)
+    moved_units: int  # layers/rows moved to slower tiers after rounding to make memory fit
+
+
+def _knob_policy(gbs: int, nb: int, compress_weight: bool, compress_cache: bool, cpu_attention: bool,
+                 overlap: bool, fractions: Mapping[str, float] | None = None) -> Policy:
+    return Policy(gbs=gbs, nb=nb, compress_weight=compress_weight, compress_cache=compress_cache,
+                  cpu_attention=cpu_attention, overlap=overlap, **(dict(fractions) if fractions else {}))
+
+
+def token_seconds(cm: CostModel, placement: Mapping[str, Any], gbs: int, nb: int, shape: Shape,
+                  phase_time: Any = None) -> Any:
+    """Seconds per generated token of the representative block (numeric, or an LP expression when
+    ``phase_time`` gives the LP's minimax variables for the prefill and decode layer steps)."""
+    if phase_time is None:
+        pre = cm.layer_seconds(cm.layer_terms("prefill", gbs, shape.prompt_len, placement, nb))
+        dec = cm.layer_seconds(cm.layer_terms("decode", gbs, shape.decode_context, placement, nb))
+    else:
+        pre, dec = phase_time
+    n = shape.decode_steps
+    head = nb * (float(cm.head_seconds("prefill", gbs, shape.prompt_len))
+                 + n * float(cm.head_seconds("decode", gbs, shape.decode_context)))
+    block_s = cm.spec.num_layers * (pre + n * dec) + head
+    return block_s * (1.0 / (gbs * nb * n))
+
+
+def fits(cm: CostModel, profile: HardwareProfile, policy: Policy, shape: Shape) -> dict[str, float]:
+    """Bytes by which each tier is over its capacity (empty when everything fits)."""
+    peaks = cm.peak_bytes(policy, shape.max_prompt, shape.max_output)
+    return {t: peaks[t] - profile.capacity_bytes(t) for t in TIERS if peaks[t] > profile.capacity_bytes(t)}
+
+
+def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Shape,
+           elastic: bool = False) -> tuple[str, dict[str, float], float, dict[str, float]]:
+    """Build and solve the LP. ``elastic`` adds a shortfall variable per tier (bytes over
+    capacity) and minimises total shortfall instead: how far from fitting the knobs are.
+
+    Returns (status, fractions, objective, shortfall bytes per tier). Times are expressed in
+    units of an all-on-gpu reference step and bytes in units of each tier's capacity, so the
+    LP is well conditioned whatever the machine's scale.
+    """
+    prob = pulp.LpProblem("placement", pulp.LpMinimize)
+    x = {v: pulp.LpVariable(v, 0, 1) for v in PLACEMENT_VARS}
+    for trio in TRIOS:
+        prob += pulp.lpSum(x[v] for v in trio) == 1, f"sum_{trio[0][0]}"
+
+    all_gpu = {v: (1.0 if v.endswith("g") else 0.0) for v in PLACEMENT_VARS}
+    ref = float(token_seconds(cm, all_gpu, gbs, nb, shape)) or 1.0
+    t_pre, t_dec = pulp.LpVariable("t_prefill", 0), pulp.LpVariable("t_decode", 0)
+    for name, var, phase, length in (("pre", t_pre, "prefill", shape.prompt_len),
+                                     ("dec", t_dec, "decode", shape.decode_context)):
+        for i, group in enumerate(cm.groups(cm.layer_terms(phase, gbs, length, x, nb))):
+            prob += var * (1.0 / ref) >= group * (1.0 / ref), f"{name}_group{i}"
+
+    mem = cm.memory(x, gbs, nb, shape.max_prompt, shape.max_output)
+    short = {}
+    for tier in TIERS:
+        cap = float(profile.capacity_bytes(tier))
+        scale = 1.0 / max(cap, 1.0)
+        if elastic:
+            short[tier] = pulp.LpVariable(f"short_{tier}", 0)
+        for i, expr in enumerate(mem[tier].constraints()):
+            rhs = cap + short[tier] if elastic else cap
+            prob += expr * scale <= rhs * scale, f"mem_{tier}_{i}"
+
+    if elastic:
+        # Blame the slowest tier that could take the bytes: a shortfall lands on the gpu tier only
+        # when no placement can move it elsewhere (head weights, staging, transients).
+        total = float(sum(profile.capacity_bytes(t) for t in TIERS)) or 1.0
+        prob += pulp.lpSum((3 - i) * short[t] for i, t in enumerate(TIERS)) * (1.0 / total)
+    else:
+        prob += token_seconds(cm, x, gbs, nb, shape, (t_pre, t_dec)) * (1.0 / ref)
+    prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    status = pulp.LpStatus[prob.status]
+    if status != "Optimal":
+        return status, {}, float("inf"), {}
+    frac = {v: min(1.0, max(0.0, float(x[v].value() or 0.0))) for v in PLACEMENT_VARS}
+    for trio in TRIOS:  # tidy solver round-off so each trio sums to exactly 1
+        s = sum(frac[v] for v in trio)
+        for v in trio:
+            frac[v] /= s
+    shortfall = {t: float(v.value() or 0.0) for t, v in short.items()}
+    return status, frac, float(prob.objective.value()) * ref if not elastic else 0.0, shortfall
+
+
+def round_placement(cm: CostModel, profile: HardwareProfile, policy: Policy, shape: Shape) -> tuple[Policy, int] | None:
+    """Round ``policy``'s fractions to whole layers and rows, then make memory fit again.
+
+    Rounding uses the runner's rule (``split_counts``). If a tier overflows afterwards, one
+    unit at a time (a layer of weights, a row of KV cache or of activations) moves from the
+    overflowing tier to the next slower one, choosing the move that costs the least time per
+    byte freed. Returns (policy, units moved) or None when no sequence of moves fits.
+    """
+    L, gbs = cm.spec.num_layers, policy.gbs
+    units = {"w": L, "c": gbs, "h": gbs}
+    counts = {k: list(split_counts(tuple(getattr(policy, k + t) for t in "gcd"), n)) for k, n in units.items()}
+
+    def make(c: dict[str, list[int]]) -> Policy:
+        frac = {k + t: c[k][i] / units[k] for k in units for i, t in enumerate("gcd")}
+        return replace(policy, **frac)
+
+    current = make(counts)
+    moved = 0
+    for _ in range(3 * (L + 2 * gbs) + 1):
+        over = fits(cm, profile, current, shape)
+        if not over:
+            return current, moved
+        tier = next(t for t in TIERS if t in over)
+        src = TIERS.index(tier)
+        if src == len(TIERS) - 1:
+            return None  # the disk is full: nothing slower to move to
+        base_s = float(token_seconds(cm, current.placement(), gbs, current.nb, shape))
+        base_peak = cm.peak_bytes(current, shape.max_prompt, shape.max_output)[tier]
+        best: tuple[float, dict[str, list[int]]] | None = None
+        for k in units:
+            if counts[k][src] == 0:
+                continue
+            trial = {kk: list(v) for kk, v in counts.items()}
+            trial[k][src] -= 1
+            trial[k][src + 1] += 1
+            cand = make(trial)
+            freed = base_peak - cm.peak_bytes(cand, shape.max_prompt, shape.max_output)[tier]
+            if freed <= 0:
+                continue
+            cost = (float(token_seconds(cm, cand.placement(), gbs, cand.nb, shape)) - base_s) / freed
+            if best is None or cost < best[0]:
+                best = (cost, trial)
+        if best is None:
+            return None
+        counts = best[1]
+        current = make(counts)
+        moved += 1
+    return None
+
+
+def place(spec: ModelSpec, profile: HardwareProfile, workload: Workload, gbs: int, nb: int, *,
+          compress_weight: bool = False, compress_cache: bool = False, cpu_attention: bool = False,
+          overlap: bool = True) -> Placement | None:
+    """The best placement for these knobs (LP, then rounding), or None if nothing fits.
+
+    ``spec`` should already be in the profile's compute dtype (``profile.model_for``).
+    """
+    cm = CostModel(spec, profile, compress_weight, compress_cache, cpu_attention, overlap)
+    shape = Shape.of(workload)
+    status, frac, lp_s, _ = _solve(cm, profile, gbs, nb, shape)
+    if status != "Optimal":
+        return None
+    relaxed = _knob_policy(gbs, nb, compress_weight, compress_cache, cpu_attention, overlap, frac)
+    rounded = round_placement(cm, profile, relaxed, shape)
+    if rounded is None:
+        return None
+    policy, moved = rounded
+    return Placement(fractions=frac, lp_token_s=lp_s, policy=policy,
+                     token_s=float(token_seconds(cm, policy.placement(), gbs, nb, shape)), moved_units=moved)
+
+
+def shortfall_bytes(spec: ModelSpec, profile: HardwareProfile, workload: Workload, gbs: int = 1, nb: int = 1, *,
+                    compress_weight: bool = False, compress_cache: bool = False, cpu_attention: bool = False
+                    ) -> dict[str, float]:
+    """Bytes each tier lacks for the least demanding placement of these knobs ({} if it fits)."""
+    cm = CostModel(spec, profile, compress_weight, compress_cache, cpu_attention)
+    status, _, _, short = _solve(cm, profile, gbs, nb, Shape.of(workload), elastic=True)
+    if status != "Optimal":
+        raise UserError(f"the placement LP for {spec.name} could not be solved ({status})")
+    return {t: b for t, b in short.items() if b > 1.0}

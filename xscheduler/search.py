@@ -1,0 +1,427 @@
+"""Plan search: the best throughput under a latency SLA, over batch knobs, compression and placement.
+
+Three layers (the product's main job):
+
+- **Outer choices** (``variants``): compression of weights / KV cache and CPU attention. Each is
+  searched separately; the incumbent carries over, so later variants prune against it.
+- **Monotone integer knobs** (``Space``): GPU batch size ``gbs`` and batches per block ``nb``
+  (powers of two up to what memory allows) and the refill interval ``refill_every`` ordered from
+  "never" to "every step". Throughput and latency both grow (within tolerance) along each knob,
+  which is what ExeGPT's branch-and-bound (§5.1, Algorithm 1) exploits: a box of knob points is
+  bounded above in throughput by its top corner and below in latency by its bottom corner.
+- **Placement** for each ``(variant, gbs, nb)``: the LP of :mod:`xscheduler.placement`, rounded.
+
+Every point is priced by the simulator and cached (:class:`Evaluator`); the same evaluator
+serves branch-and-bound, the exhaustive grid and Optuna, so their numbers compare directly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable
+
+from workloads.workload import Workload
+from xprofiler.profile import HardwareProfile
+from xprofiler.specs import ModelSpec
+from xscheduler.placement import Placement, place
+from xsimulator.policy import Policy
+from xsimulator.result import SimResult
+
+# Refill intervals in the order throughput and latency grow: never, then ever more often.
+REFILL_LEVELS: tuple[int, ...] = (0, 64, 16, 4, 1)
+EVALUATORS: tuple[str, ...] = ("discrete-event", "analytic")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """An outer, non-monotone choice: which tensors are 4-bit and where attention runs."""
+
+    compress_weight: bool
+    compress_cache: bool
+    cpu_attention: bool
+
+    def describe(self) -> str:
+        comp = [n for n, on in (("weights", self.compress_weight), ("KV cache", self.compress_cache)) if on]
+        return (("4-bit " + " + ".join(comp)) if comp else "no compression") + \
+            (", CPU attention" if self.cpu_attention else "")
+
+
+def variants(compress: str, compute_device: str) -> list[Variant]:
+    """Outer choices for ``--compress auto|on|off``.
+
+    ``on``: weights compressed (KV cache too unless attention runs on the CPU, which cannot
+    read a compressed cache); ``off``: nothing compressed; ``auto``: every valid combination.
+    CPU attention is only a choice on a CUDA host (on a CPU host attention already runs there).
+    """
+    if compress not in ("auto", "on", "off"):
+        raise ValueError(f"compress must be auto, on or off, not {compress!r}")
+    attn = (False, True) if compute_device == "cuda" else (False,)
+    out = []
+    for cw in (False, True):
+        for cc in (False, True):
+            for ca in attn:
+                if cc and ca:
+                    continue
+                if compress == "off" and (cw or cc):
+                    continue
+                if compress == "on" and not (cw and (cc or ca)):
+                    continue
+                out.append(Variant(cw, cc, ca))
+    return out
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One knob point priced: its rounded policy and simulated result (None if nothing fits)."""
+
+    variant: Variant
+    gbs: int
+    nb: int
+    refill_every: int
+    policy: Policy | None
+    result: SimResult | None
+
+    @property
+    def fits(self) -> bool:
+        return self.result is not None and self.result.fits
+
+    @property
+    def throughput(self) -> float:
+        return self.result.throughput_tokens_per_s if self.fits else 0.0
+
+    def latency(self, kind: str) -> float:
+        return self.result.latency_s(kind) if self.fits else math.inf
+
+    def meets(self, kind: str, bound_s: float) -> bool:
+        return self.fits and self.latency(kind) <= bound_s
+
+
+@dataclass
+class Space:
+    """Knob values of one variant (each list in the order throughput and latency grow)."""
+
+    variant: Variant
+    gbs: list[int]
+    nb: list[int]
+    refill: list[int]
+    block_cap: int  # a block never holds more rows than this (the job's size, to a power of two)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return len(self.gbs), len(self.nb), len(self.refill)
+
+    def knobs(self, index: tuple[int, int, int]) -> tuple[int, int, int]:
+        """Knob values at an index; a block larger than the job is clipped (it behaves the same)."""
+        g = self.gbs[index[0]]
+        nb = max(1, min(self.nb[index[1]], self.block_cap // g))
+        return g, nb, self.refill[index[2]]
+
+    def points(self) -> set[tuple[int, int, int]]:
+        """Distinct knob values of the grid (what exhaustive search evaluates)."""
+        return {self.knobs((i, j, k)) for i in range(len(self.gbs)) for j in range(len(self.nb))
+                for k in range(len(self.refill))}
+
+
+@dataclass
+class Evaluator:
+    """Prices knob points with the placement LP and the simulator, caching both."""
+
+    spec: ModelSpec
+    profile: HardwareProfile
+    workload: Workload
+    num_requests: int = 2000
+    seed: int = 0
+    method: str = "discrete-event"
+    on_eval: Callable[[], None] | None = None
+    placements: dict[tuple, Placement | None] = field(default_factory=dict)
+    cache: dict[tuple, Evaluation] = field(default_factory=dict)
+    lp_solves: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in EVALUATORS:
+            raise ValueError(f"unknown evaluator {self.method!r}; choose from {', '.join(EVALUATORS)}")
+
+    def placement(self, v: Variant, gbs: int, nb: int) -> Placement | None:
+        key = (v, gbs, nb)
+        if key not in self.placements:
+            self.lp_solves += 1
+            self.placements[key] = place(self.spec, self.profile, self.workload, gbs, nb,
+                                         compress_weight=v.compress_weight, compress_cache=v.compress_cache,
+                                         cpu_attention=v.cpu_attention)
+        return self.placements[key]
+
+    def simulate(self, policy: Policy, seed: int | None = None, method: str | None = None) -> SimResult:
+        if (method or self.method) == "analytic":
+            from xsimulator.analytic import simulate_analytic
+
+            return simulate_analytic(self.spec, self.profile, policy, self.workload, self.num_requests)
+        from xsimulator.discrete_event import simulate
+
+        return simulate(self.spec, self.profile, policy, self.workload, self.num_requests,
+                        self.seed if seed is None else seed)
+
+    def __call__(self, v: Variant, gbs: int, nb: int, refill: int) -> Evaluation:
+        key = (v, gbs, nb, refill)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        placed = self.placement(v, gbs, nb)
+        policy = result = None
+        if placed is not None:
+            policy = replace(placed.policy, refill_every=refill)
+            result = self.simulate(policy)
+        ev = Evaluation(v, gbs, nb, refill, policy, result)
+        self.cache[key] = ev
+        if self.on_eval is not None:
+            self.on_eval()
+        return ev
+
+    @property
+    def evaluations(self) -> int:
+        return len(self.cache)
+
+    def space(self, v: Variant, refill: Iterable[int] = REFILL_LEVELS, knee: bool = False,
+              knee_tol: float = 0.02, max_exp: int = 12) -> Space | None:
+        """Knob ranges of a variant, derived from memory. None when not even gbs = nb = 1 fits.
+
+        Full ranges (``knee=False``, the exhaustive grid): powers of two up to the largest
+        ``gbs`` (with nb = 1) and ``nb`` (with gbs = 1) whose placement LP is feasible, and blocks
+        no larger than the job. With ``knee=True`` (branch-and-bound) the ranges stop where the
+        placement LP's seconds per token stop improving (within ``knee_tol``): first along gbs
+        (nb = 1), then along nb at that gbs, which caps the block size. Past that knee a larger
+        batch only pushes weights or KV cache to slower tiers, so throughput falls while latency
+        still rises, which would break the monotonicity branch-and-bound relies on.
+        """
+        cap = 1 << max(0, math.ceil(math.log2(max(1, self.num_requests))))
+        if self.placement(v, 1, 1) is None:
+            return None
+        top = min(max_exp, int(math.log2(cap)))
+
+        def largest(fits: Callable[[int], bool]) -> int:
+            lo, hi = 0, top  # exponents; lo always fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if fits(1 << mid):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+
+        g = largest(lambda x: self.placement(v, x, 1) is not None)
+        n = largest(lambda x: self.placement(v, 1, x) is not None)
+        if knee:
+            def knee_of(costs: list[float]) -> int:
+                best = min(costs)
+                return max(i for i, c in enumerate(costs) if c <= best * (1 + knee_tol))
+
+            g = knee_of([self.placement(v, 1 << i, 1).token_s for i in range(g + 1)])
+            nbs = [self.placement(v, 1 << g, 1 << i) for i in range(top - g + 1)]
+            nbs = nbs[:next((i for i, p in enumerate(nbs) if p is None), len(nbs))]
+            cap = (1 << g) * (1 << knee_of([p.token_s for p in nbs]))
+            n = min(n, int(math.log2(cap)))
+        return Space(v, [1 << i for i in range(g + 1)], [1 << i for i in range(n + 1)], list(refill), cap)
+
+
+# --------------------------------------------------------------------------- searches
+def _better(a: Evaluation, b: Evaluation | None, kind: str) -> bool:
+    """Higher throughput wins; equal throughput (within 1e-9) goes to the lower latency."""
+    if b is None:
+        return True
+    if a.throughput > b.throughput * (1 + 1e-9):
+        return True
+    return a.throughput >= b.throughput * (1 - 1e-9) and a.latency(kind) < b.latency(kind)
+
+
+def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps_t: float = 0.01,
+                     eps_l: float = 0.0, incumbent: Evaluation | None = None, corners: bool = False) -> Evaluation | None:
+    """ExeGPT Algorithm 1 generalised to d monotone knobs; returns the best point meeting the bound.
+
+    A box ``[lo, hi]`` of knob indices is kept only while its bottom corner may meet the bound
+    (latency(lo) <= L * (1 + eps_l)) and its top corner may beat the incumbent
+    (throughput(hi) * (1 + eps_t) >= best). If the top corner meets the bound it is the box's
+    best point. Otherwise the box splits in half along its longest knob. With ``corners`` the
+    corners that raise one knob alone are priced first (they may be new incumbents) and the split
+    goes along the longest other knob than the one whose corner did best (in 2-D: the paper's
+    vertical/horizontal rule); on our grids that cost about 25% more evaluations for no better
+    plan, so it is off by default. A top corner that does not fit in memory gives no bound
+    (throughput unknown), so such boxes split.
+    """
+    best = incumbent
+    d = len(space.shape)
+
+    def perf(idx: tuple[int, ...]) -> Evaluation:
+        return ev(space.variant, *space.knobs(idx))
+
+    def offer(e: Evaluation) -> None:
+        nonlocal best
+        if e.meets(kind, bound_s) and _better(e, best, kind):
+            best = e
+
+    def upper(e: Evaluation) -> float:
+        return e.throughput if e.fits else math.inf
+
+    def viable(lo_e: Evaluation) -> bool:
+        return lo_e.fits and lo_e.latency(kind) <= bound_s * (1 + eps_l)
+
+    def promising(up: float) -> bool:
+        return best is None or up * (1 + eps_t) >= best.throughput
+
+    lo0 = (0,) * d
+    hi0 = tuple(s - 1 for s in space.shape)
+    top = perf(hi0)
+    offer(top)
+    if top.meets(kind, bound_s):
+        return best
+    bottom = perf(lo0)
+    offer(bottom)
+    if not viable(bottom) or not promising(upper(top)):
+        return best
+    queue: list[tuple[float, int, tuple[int, ...], tuple[int, ...]]] = [(-upper(top), 0, lo0, hi0)]
+    counter = 1
+    while queue:
+        neg_up, _, lo, hi = heapq.heappop(queue)
+        if not promising(-neg_up):
+            continue
+        dims = [k for k in range(d) if hi[k] > lo[k]]
+        if not dims:
+            continue
+        # Corners raising one knob alone: candidates, and the split heuristic.
+        best_k, best_e = None, None
+        for k in (dims if corners else ()):
+            corner = tuple(hi[i] if i == k else lo[i] for i in range(d))
+            e = perf(corner)
+            offer(e)
+            if e.meets(kind, bound_s) and (best_e is None or _better(e, best_e, kind)):
+                best_k, best_e = k, e
+        others = [k for k in dims if k != best_k] or dims
+        k = max(others, key=lambda i: (hi[i] - lo[i], -i))
+        mid = (lo[k] + hi[k]) // 2
+        halves = ((lo, tuple(mid if i == k else hi[i] for i in range(d))),
+                  (tuple(mid + 1 if i == k else lo[i] for i in range(d)), hi))
+        for c_lo, c_hi in halves:
+            up_e = perf(c_hi)
+            offer(up_e)
+            if up_e.meets(kind, bound_s):
+                continue  # its top corner is the best it holds
+            low_e = perf(c_lo)
+            offer(low_e)
+            if not viable(low_e) or c_lo == c_hi:
+                continue
+            up = upper(up_e)
+            if promising(up):
+                heapq.heappush(queue, (-up, counter, c_lo, c_hi))
+                counter += 1
+    return best
+
+
+def exhaustive(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float) -> Evaluation | None:
+    """Every distinct point of every variant's grid; the best one meeting the bound."""
+    best = None
+    for space in spaces:
+        for g, nb, r in sorted(space.points()):
+            e = ev(space.variant, g, nb, r)
+            if e.meets(kind, bound_s) and _better(e, best, kind):
+                best = e
+    return best
+
+
+def optuna_search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, budget: int,
+                  seed: int = 0) -> Evaluation | None:
+    """Optuna TPE over (variant, knob indices) with ``budget`` trials; infeasible points score
+    below every feasible one, more so the further they miss the bound."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.TPESampler(seed=seed)
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    best = None
+
+    def objective(trial: Any) -> float:
+        nonlocal best
+        s = spaces[trial.suggest_int("variant", 0, len(spaces) - 1)]
+        idx = tuple(min(trial.suggest_int(name, 0, max(sp.shape[i] for sp in spaces) - 1), s.shape[i] - 1)
+                    for i, name in enumerate(("gbs", "nb", "refill")))
+        e = ev(s.variant, *s.knobs(idx))
+        if e.meets(kind, bound_s):
+            if _better(e, best, kind):
+                best = e
+            return e.throughput
+        if not e.fits:
+            return -10.0
+        return -min(e.latency(kind) / bound_s, 9.0)
+
+    study.optimize(objective, n_trials=max(1, budget))
+    return best
+
+
+def lowest_latency(ev: Evaluator, spaces: list[Space], kind: str) -> Evaluation | None:
+    """The point with the lowest latency: by monotonicity, one of the variants' bottom corners,
+    or anything already evaluated that did better."""
+    for s in spaces:
+        ev(s.variant, *s.knobs((0, 0, 0)))
+    fitting = [e for e in ev.cache.values() if e.fits]
+    return min(fitting, key=lambda e: (e.latency(kind), -e.throughput)) if fitting else None
+
+
+def pareto(evals: Iterable[Evaluation], kind: str) -> list[Evaluation]:
+    """Points no other point beats in both latency and throughput, by rising latency."""
+    pts = sorted((e for e in evals if e.fits), key=lambda e: (e.latency(kind), -e.throughput))
+    out: list[Evaluation] = []
+    for e in pts:
+        if not out or e.throughput > out[-1].throughput * (1 + 1e-9):
+            out.append(e)
+    return out
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    best: Evaluation | None
+    method: str
+    evaluations: int
+    grid_points: int
+    lp_solves: int
+    wall_s: float
+
+
+def search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, method: str = "bnb", *,
+           eps_t: float = 0.01, eps_l: float = 0.0, budget: int | None = None, seed: int = 0,
+           refill_outer: bool = True) -> SearchOutcome:
+    """Run one search method over ``spaces`` (one per variant) with a fresh count of evaluations.
+
+    ``refill_outer``: branch-and-bound treats the refill interval as an outer choice (one 2-D
+    search over gbs x nb per level) instead of a third monotone knob. Refilling more often
+    raises throughput while weights stay resident, but each refill's prefill fetches offloaded
+    weights again, so with weights off the device it lowers throughput: not monotone.
+
+    The evaluator's cache is shared, so counts are those of the points this call asked for that
+    were not already priced: pass a fresh :class:`Evaluator` to count a search on its own.
+    """
+    t0, e0, l0 = time.perf_counter(), ev.evaluations, ev.lp_solves
+    grid = sum(len(s.points()) for s in spaces)
+    if method == "bnb":
+        best = None
+        if refill_outer:
+            spaces = [replace(s, refill=[r]) for s in spaces for r in s.refill]
+        for space in _bnb_order(ev, spaces):
+            best = branch_and_bound(ev, space, kind, bound_s, eps_t, eps_l, best)
+    elif method == "exhaustive":
+        best = exhaustive(ev, spaces, kind, bound_s)
+    elif method == "optuna":
+        if budget is None:
+            raise ValueError("optuna search needs a budget (number of evaluations)")
+        best = optuna_search(ev, spaces, kind, bound_s, budget, seed)
+    else:
+        raise ValueError(f"unknown search method {method!r}")
+    return SearchOutcome(best, method, ev.evaluations - e0, grid, ev.lp_solves - l0, time.perf_counter() - t0)
+
+
+def _bnb_order(ev: Evaluator, spaces: list[Space]) -> list[Space]:
+    """Variants with the highest unconstrained throughput (top corner) first: their incumbent
+    prunes the others hardest. The top corners are needed by branch-and-bound anyway."""
+    def key(s: Space) -> float:
+        return -ev(s.variant, *s.knobs(tuple(n - 1 for n in s.shape))).throughput
+
+    return sorted(spaces, key=key)
