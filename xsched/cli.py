@@ -19,6 +19,7 @@ STAGE_CLIS: tuple[str, ...] = (
     "xprofiler.cli",
     "workloads.cli",
     "xsimulator.cli",
+    "xscheduler.cli",
     "xrunner.cli",
 )
 

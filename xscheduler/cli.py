@@ -1,0 +1,171 @@
+"""``xsched plan``: the highest-throughput policy for a model, machine and workload under a latency SLA."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+DEFAULT_PROFILE = "t4"
+DEFAULT_MODEL = "opt-30b"
+DEFAULT_WORKLOAD = "T"
+DEFAULT_LATENCY_S = 3600.0
+DEFAULT_REQUESTS = 2000  # xscheduler.planner.DEFAULT_REQUESTS; not imported, to keep start-up light
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="find the policy with the most tokens/s whose latency meets an SLA (the main job)",
+        description="Search batch sizes, placement of weights / KV cache / activations over gpu, cpu and disk, "
+                    "4-bit compression, CPU attention and the refill interval for the highest predicted "
+                    "throughput whose request latency meets the bound. Placement comes from a linear program "
+                    "per batch shape; the batch knobs from branch-and-bound over the simulator.")
+    p.add_argument("--profile", default=None,
+                   help=f"profile JSON from `xsched profile`, or a preset name (default: the {DEFAULT_PROFILE} preset)")
+    p.add_argument("--model", default=None, help=f"model name (see `xsched models`) or a model directory with "
+                                                 f"config.json (default {DEFAULT_MODEL})")
+    p.add_argument("--workload", default=None,
+                   help=f"preset S, T, G, C1, C2; fixed:PROMPT:OUTPUT; a JSONL/CSV of requests or a Workload JSON; "
+                        f"@SCALE scales lengths (default {DEFAULT_WORKLOAD})")
+    p.add_argument("--latency", type=float, default=None, metavar="SECONDS",
+                   help=f"latency bound in seconds; 'inf' for pure throughput (default {DEFAULT_LATENCY_S:g})")
+    p.add_argument("--sla", choices=("p99", "p99-length"), default="p99",
+                   help="p99: 99%% of requests finish within the bound (default); p99-length: a request of the "
+                        "workload's 99th-percentile output length does")
+    p.add_argument("--compress", choices=("auto", "on", "off"), default="auto",
+                   help="4-bit group-wise compression of weights/KV cache: auto tries every combination "
+                        "(default), on forces weights (and KV cache or CPU attention), off never")
+    p.add_argument("--search", choices=("bnb", "exhaustive", "optuna"), default="bnb",
+                   help="bnb: branch-and-bound (default); exhaustive: every point of the grid; optuna: TPE with "
+                        "as many evaluations as branch-and-bound uses")
+    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
+                   help=f"requests in the job the plan is priced on (default {DEFAULT_REQUESTS})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the simulated request sample (default 0)")
+    p.add_argument("--evaluator", choices=("discrete-event", "analytic"), default="discrete-event",
+                   help="simulator path the search prices points with (the plan is always confirmed with the "
+                        "discrete-event path)")
+    p.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan (for `xsched run` / `xsched simulate --plan`)")
+    p.add_argument("--frontier", metavar="PREFIX",
+                   help="also write the latency-throughput Pareto frontier as PREFIX.csv and PREFIX.png")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from workloads import get_workload
+    from xprofiler.presets import load_profile
+    from xprofiler.specs import get_model_spec
+    from xsched.errors import UserError
+    from xscheduler.plan import SLA
+    from xscheduler.planner import plan_search
+
+    assumed = []
+    if args.profile is None:
+        assumed.append(f"no --profile given; using the {DEFAULT_PROFILE} preset (FlexGen's T4 machine); "
+                       f"measure yours with `xsched profile`")
+    if args.model is None:
+        assumed.append(f"no --model given; planning {DEFAULT_MODEL}")
+    if args.workload is None:
+        assumed.append(f"no --workload given; using preset {DEFAULT_WORKLOAD} (ExeGPT translation lengths)")
+    if args.latency is None:
+        assumed.append(f"no --latency given; bounding {args.sla} latency at {DEFAULT_LATENCY_S:g} s")
+    latency = DEFAULT_LATENCY_S if args.latency is None else args.latency
+    if not latency > 0 or math.isnan(latency):
+        raise UserError(f"--latency must be a positive number of seconds (or inf), got {latency:g}")
+    if args.requests < 1:
+        raise UserError(f"--requests must be >= 1, got {args.requests}")
+    profile = load_profile(args.profile or DEFAULT_PROFILE)
+    spec = profile.model_for(get_model_spec(args.model or DEFAULT_MODEL))
+    workload = get_workload(args.workload or DEFAULT_WORKLOAD)
+    sla = SLA(args.sla, latency)
+    progress = not args.quiet and sys.stderr.isatty()
+    plan = plan_search(spec, profile, workload, sla, compress=args.compress, method=args.search,
+                       num_requests=args.requests, seed=args.seed, evaluator=args.evaluator, progress=progress)
+    if args.output:
+        plan.save(args.output)
+    written = []
+    if args.frontier:
+        written = _write_frontier(args.frontier, spec, profile, workload, sla, args, progress)
+    if args.json:
+        print(plan.to_json())
+    else:
+        print(describe(plan))
+    for line in assumed:
+        print(f"note: {line}", file=sys.stderr if args.json else sys.stdout)
+    for path in ([args.output] if args.output else []) + written:
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def describe(plan) -> str:  # noqa: ANN001
+    """The plan for a reader: the policy in words, the prediction, the SLA's slack, the search."""
+    r, sla, s = plan.predicted, plan.sla, plan.search
+    gib = 2.0**30
+    lat = r.latency_s(sla.kind)
+    bound = "unbounded" if math.isinf(sla.latency_s) else f"{sla.latency_s:,.6g} s"
+    lines = [
+        f"plan for {plan.model.name} ({plan.model.dtype}) on profile {plan.profile_name} ({plan.profile_source}), "
+        f"workload {plan.workload.name}, {r.num_requests} requests",
+        "policy:",
+        *("  " + line for line in plan.policy.describe().splitlines()),
+        f"predicted ({r.method}, seed {r.seed}): {r.throughput_tokens_per_s:,.3f} generated tokens/s "
+        f"(total {r.total_throughput_tokens_per_s:,.3f}), job wall {r.wall_s:,.0f} s",
+        f"latency: {sla.kind} {lat:,.6g} s against a bound of {bound}"
+        + ("" if math.isinf(sla.latency_s) else f" ({plan.slack:.1%} of the bound unused)")
+        + f"; p50 {r.latency_p50_s:,.4g} s, max {r.latency_max_s:,.4g} s",
+        "peak memory: " + ", ".join(f"{t} {r.peak_bytes[t] / gib:,.2f} of {r.capacity_bytes[t] / gib:,.1f} GiB"
+                                    for t in ("gpu", "cpu", "disk")),
+    ]
+    if plan.confirmations:
+        lines.append("re-simulated on other request samples: " + "; ".join(
+            f"seed {c.seed}: {c.throughput_tokens_per_s:,.3f} tokens/s, {sla.kind} {c.latency_s:,.6g} s"
+            + ("" if c.meets_sla else " (over the bound)") for c in plan.confirmations))
+    lines.append(f"search: {s.method}, {s.evaluations} simulator evaluations of a {s.grid_points}-point grid, "
+                 f"{s.lp_solves} placement LPs, {s.wall_s:,.1f} s (searched with the {plan.searched_with} path)")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def _write_frontier(prefix: str, spec, profile, workload, sla, args, progress: bool) -> list[str]:  # noqa: ANN001
+    import csv
+    import io
+
+    from xsched.fileio import atomic_write_bytes, atomic_write_text
+    from xscheduler.planner import frontier
+
+    points = frontier(spec, profile, workload, sla.kind, compress=args.compress, num_requests=args.requests,
+                      seed=args.seed, evaluator=args.evaluator, progress=progress)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow([f"latency_{sla.kind}_s", "throughput_tokens_per_s", "gbs", "nb", "refill_every", "compress_weight",
+                "compress_cache", "cpu_attention", "wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd"])
+    for pt in points:
+        pol = pt.evaluation.policy
+        w.writerow([f"{pt.latency_s:.6g}", f"{pt.throughput_tokens_per_s:.6g}", pol.gbs, pol.nb, pol.refill_every,
+                    int(pol.compress_weight), int(pol.compress_cache), int(pol.cpu_attention),
+                    *(f"{v:.6g}" for v in pol.placement().values())])
+    csv_path, png_path = f"{prefix}.csv", f"{prefix}.png"
+    atomic_write_text(csv_path, buf.getvalue())
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.step([p.latency_s for p in points], [p.throughput_tokens_per_s for p in points], where="post", marker="o")
+    if not math.isinf(sla.latency_s):
+        ax.axvline(sla.latency_s, color="grey", linestyle="--", label=f"bound {sla.latency_s:g} s")
+        ax.legend()
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{sla.kind} latency (s)")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(f"{spec.name} on {profile.name}, workload {workload.name}")
+    ax.grid(True, alpha=0.3)
+    out = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    atomic_write_bytes(png_path, out.getvalue())
+    return [csv_path, png_path]
