@@ -21,7 +21,6 @@ _EXPORTS = {
     "shortfall_bytes": "xscheduler.placement",
     "Evaluator": "xscheduler.search",
     "branch_and_bound": "xscheduler.search",
-    "search": "xscheduler.search",
     "variants": "xscheduler.search",
     "FrontierPoint": "xscheduler.planner",
     "frontier": "xscheduler.planner",
@@ -33,7 +32,7 @@ if TYPE_CHECKING:
     from xscheduler.placement import Placement, place, round_placement, shortfall_bytes
     from xscheduler.plan import SLA, Confirmation, Plan, SearchStats
     from xscheduler.planner import FrontierPoint, frontier, plan_search
-    from xscheduler.search import Evaluator, branch_and_bound, search, variants
+    from xscheduler.search import Evaluator, branch_and_bound, variants
 
 
 def __getattr__(name: str) -> Any:

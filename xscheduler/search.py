@@ -190,8 +190,9 @@ class Evaluator:
         Full ranges (``knee=False``, the exhaustive grid): powers of two up to the largest
         ``gbs`` (with nb = 1) and ``nb`` (with gbs = 1) whose placement LP is feasible, and blocks
         no larger than the job. With ``knee=True`` (branch-and-bound) the ranges stop where the
-        placement LP's seconds per token stop improving (within ``knee_tol``): first along gbs
-        (nb = 1), then along nb at that gbs, which caps the block size. Past that knee a larger
+        placement LP's seconds per token stop improving (within ``knee_tol``): for each gbs, nb
+        grows until the LP's time per token worsens; gbs stops at the last one whose best time is
+        within ``knee_tol`` of the best is the smallest such one, and its best block size caps the block. Past that knee a larger
         batch only pushes weights or KV cache to slower tiers, so throughput falls while latency
         still rises, which would break the monotonicity branch-and-bound relies on.
         """
@@ -217,10 +218,22 @@ class Evaluator:
                 best = min(costs)
                 return max(i for i, c in enumerate(costs) if c <= best * (1 + knee_tol))
 
-            g = knee_of([self.placement(v, 1 << i, 1).token_s for i in range(g + 1)])
-            nbs = [self.placement(v, 1 << g, 1 << i) for i in range(top - g + 1)]
-            nbs = nbs[:next((i for i, p in enumerate(nbs) if p is None), len(nbs))]
-            cap = (1 << g) * (1 << knee_of([p.token_s for p in nbs]))
+            per_g = []  # (best seconds per token over nb, knee of nb) for each gbs
+            for i in range(g + 1):
+                costs: list[float] = []
+                for j in range(top - i + 1):
+                    p = self.placement(v, 1 << i, 1 << j)
+                    if p is None:
+                        break
+                    costs.append(p.token_s)
+                    if p.token_s > min(costs) * (1 + knee_tol):
+                        break  # past this gbs's knee
+                per_g.append((min(costs), knee_of(costs)))
+            # Among batch sizes the LP finds about equally good, the smallest: it leaves the most
+            # memory for the rest of the block (the LP's mean shapes understate the transients).
+            best_g = min(c for c, _ in per_g)
+            g = min(i for i, (c, _) in enumerate(per_g) if c <= best_g * (1 + knee_tol))
+            cap = (1 << g) * (1 << per_g[g][1])
             n = min(n, int(math.log2(cap)))
         return Space(v, [1 << i for i in range(g + 1)], [1 << i for i in range(n + 1)], list(refill), cap)
 
@@ -317,6 +330,35 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
     return best
 
 
+def polish(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, others: Iterable[Variant] = (),
+           max_steps: int = 32) -> Evaluation:
+    """Hill-climb from branch-and-bound's answer over batch shapes next to it.
+
+    The knee ranges and monotonicity are approximations: along a ridge of equal block size the
+    simulator can prefer more, smaller GPU batches than the LP's mean shapes suggest (padding,
+    transients), and memory may allow a larger block than the knee. Each step prices the
+    neighbours (gbs and nb halved or doubled, alone or trading one for the other at the same
+    block size, or the same knobs under another of the ``others`` variants) and moves to the
+    best one that meets the bound, until none is better.
+    """
+    others = list(others)
+    cap = 1 << max(0, math.ceil(math.log2(max(1, ev.num_requests))))
+    for _ in range(max_steps):
+        g, nb = best.gbs, best.nb
+        moves = ((2 * g, nb), (g // 2, nb), (g, 2 * nb), (g, nb // 2), (2 * g, nb // 2), (g // 2, 2 * nb))
+        cands = [(best.variant, g2, nb2) for g2, nb2 in moves if 1 <= g2 <= cap and 1 <= nb2 and g2 * nb2 <= cap]
+        cands += [(v, g, nb) for v in others if v != best.variant]
+        step = best
+        for v, g2, nb2 in cands:
+            e = ev(v, g2, nb2, best.refill_every)
+            if e.meets(kind, bound_s) and _better(e, step, kind):
+                step = e
+        if step is best:
+            return best
+        best = step
+    return best
+
+
 def exhaustive(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float) -> Evaluation | None:
     """Every distinct point of every variant's grid; the best one meeting the bound."""
     best = None
@@ -407,6 +449,8 @@ def search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, method
             spaces = [replace(s, refill=[r]) for s in spaces for r in s.refill]
         for space in _bnb_order(ev, spaces):
             best = branch_and_bound(ev, space, kind, bound_s, eps_t, eps_l, best)
+        if best is not None:
+            best = polish(ev, best, kind, bound_s, {sp.variant for sp in spaces})
     elif method == "exhaustive":
         best = exhaustive(ev, spaces, kind, bound_s)
     elif method == "optuna":

@@ -1,0 +1,201 @@
+"""xscheduler: placement LP against brute force, branch-and-bound against exhaustive search, and `xsched plan`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from sim_profiles import t4_like
+
+from workloads import get_workload
+from xprofiler.profile import BandwidthCurve
+from xprofiler.specs import get_model_spec
+from xscheduler import SLA, Evaluator, Plan, place, plan_search, variants
+from xscheduler.search import search
+from xscheduler.placement import Shape, token_seconds
+from xsimulator.costmodel import TIERS, CostModel
+from xsimulator.discrete_event import simulate
+
+GB = 10**9
+REQUESTS = 300
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "xsched", *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def case():
+    """A memory-tight machine for opt-6.7b so that placement really has to split tiers."""
+    prof = t4_like(gpu_bytes=8 * GB, cpu_bytes=20 * GB)
+    return prof.model_for(get_model_spec("opt-6.7b")), prof, get_workload("T@0.25")
+
+
+def _grid(step: int) -> np.ndarray:
+    """All (g, c, d) fractions on a 1/step grid summing to 1."""
+    return np.array([(i / step, j / step, (step - i - j) / step) for i in range(step + 1) for j in range(step + 1 - i)])
+
+
+def test_lp_matches_brute_force_over_a_fine_placement_grid(case):
+    spec, prof, w = case
+    gbs, nb = 16, 4
+    cm, shape = CostModel(spec, prof), Shape.of(w)
+    lp = place(spec, prof, w, gbs, nb)
+    assert lp is not None
+    names = (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd"))
+
+    def brute(trios: list[np.ndarray]) -> tuple[float, tuple[np.ndarray, ...], bool]:
+        """The cheapest fitting combination of the given candidate fractions per trio (numpy)."""
+        idx = np.array(list(itertools.product(*(range(len(t)) for t in trios))))
+        pl = {v: trios[k][idx[:, k], i] for k, trio in enumerate(names) for i, v in enumerate(trio)}
+        cost = np.asarray(token_seconds(cm, pl, gbs, nb, shape))
+        mem = cm.memory(pl, gbs, nb, shape.max_prompt, shape.max_output)
+        ok = np.ones(len(idx), dtype=bool)
+        for tier in TIERS:
+            for expr in mem[tier].constraints():
+                ok &= np.asarray(expr) <= prof.capacity_bytes(tier)
+        best = int(np.argmin(np.where(ok, cost, np.inf)))
+        return float(cost[best]), tuple(trios[k][idx[best, k]] for k in range(3)), bool(ok.all())
+
+    # Every combination on a 1/12 grid, then a 1/96 grid around the best point of each trio.
+    coarse, at, all_fit = brute([_grid(12)] * 3)
+    assert not all_fit  # memory binds somewhere on the grid
+    fine = _grid(96)
+    near = [fine[np.abs(fine - a).max(axis=1) <= 1 / 12 + 1e-9] for a in at]
+    best, _, _ = brute(near)
+    # The LP optimises over a superset of the grids: never worse, and the fine grid gets within 1%.
+    assert lp.lp_token_s <= min(coarse, best) * (1 + 1e-9)
+    assert best <= lp.lp_token_s * 1.01
+    # Its own objective is what the cost model says its fractions cost.
+    assert math.isclose(float(token_seconds(cm, lp.fractions, gbs, nb, shape)), lp.lp_token_s, rel_tol=1e-6)
+    # The rounded policy: whole layers and rows, fits every tier, costs no less than the relaxation.
+    pol = lp.policy
+    assert pol.layer_counts(spec.num_layers)[0] == round(pol.wg * spec.num_layers)
+    for v in ("cg", "cc", "cd", "hg", "hc", "hd"):
+        assert abs(getattr(pol, v) * gbs - round(getattr(pol, v) * gbs)) < 1e-9
+    peaks = cm.peak_bytes(pol, shape.max_prompt, shape.max_output)
+    assert all(peaks[t] <= prof.capacity_bytes(t) for t in TIERS)
+    assert lp.token_s >= lp.lp_token_s * (1 - 1e-9)
+
+
+def test_lp_is_invariant_to_scaling_every_rate_by_1000(case):
+    spec, prof, w = case
+    k = 1000.0
+
+    def fast(c: BandwidthCurve) -> BandwidthCurve:
+        return BandwidthCurve(c.sizes_bytes, tuple(b * k for b in c.bytes_per_s), c.large_bytes_per_s * k)
+
+    scaled = replace(prof, **{ch: fast(getattr(prof, ch)) for ch in ("ctog", "gtoc", "dtoc", "ctod")},
+                     **{r: getattr(prof, r) * k for r in ("mm_flops", "bmm_flops", "cpu_mm_flops", "cpu_bmm_flops",
+                                                          "quant_bytes_per_s", "dequant_bytes_per_s",
+                                                          "mem_bytes_per_s", "cpu_mem_bytes_per_s")})
+    for knobs in ((16, 4, {}), (8, 8, {"compress_weight": True, "cpu_attention": True})):
+        a = place(spec, prof, w, knobs[0], knobs[1], **knobs[2])
+        b = place(spec, scaled, w, knobs[0], knobs[1], **knobs[2])
+        assert a.policy == b.policy
+        for v, x in a.fractions.items():
+            assert b.fractions[v] == pytest.approx(x, abs=1e-6), v
+        assert b.lp_token_s == pytest.approx(a.lp_token_s / k, rel=1e-6)
+        assert b.token_s == pytest.approx(a.token_s / k, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def grid(case):
+    """Exhaustive search's evaluations (full memory-derived ranges), shared by the B&B cases."""
+    spec, prof, w = case
+    ev = Evaluator(spec, prof, w, num_requests=REQUESTS)
+    spaces = [s for s in (ev.space(v) for v in variants("off", prof.compute_device)) if s]
+    search(ev, spaces, "p99", math.inf, "exhaustive")
+    return ev, spaces
+
+
+@pytest.mark.parametrize("kind", ["p99", "p99-length"])
+def test_branch_and_bound_matches_exhaustive_search(case, grid, kind):
+    spec, prof, w = case
+    full, spaces = grid
+    lowest = min(e.latency(kind) for e in full.cache.values() if e.fits)
+    for factor in (1.05, 1.5, 4.0, math.inf):  # tight .. unbounded
+        bound = lowest * factor
+        exh = search(full, spaces, kind, bound, "exhaustive").best
+        ev = Evaluator(spec, prof, w, num_requests=REQUESTS)
+        out = search(ev, [s for s in (ev.space(v, knee=True) for v in variants("off", prof.compute_device)) if s],
+                     kind, bound, "bnb")
+        assert exh is not None and out.best is not None, factor
+        assert out.best.meets(kind, bound)
+        assert out.best.throughput >= 0.99 * exh.throughput, (factor, out.best.policy, exh.policy)
+        assert out.evaluations < sum(len(s.points()) for s in spaces) / 3  # far fewer than exhaustive
+
+
+def test_plan_meets_its_sla_on_another_request_sample(case, grid):
+    spec, prof, w = case
+    for kind in ("p99", "p99-length"):
+        bound = 1.5 * min(e.latency(kind) for e in grid[0].cache.values() if e.fits)
+        plan = plan_search(spec, prof, w, SLA(kind, bound), compress="off", num_requests=REQUESTS)
+        assert plan.predicted.latency_s(kind) <= bound and plan.predicted.fits
+        again = simulate(spec, prof, plan.policy, w, REQUESTS, seed=7)
+        # The p99 of 300 sampled requests moves a few percent between samples.
+        assert again.latency_s(kind) <= bound * 1.05, (kind, again.latency_s(kind))
+        assert [c.seed for c in plan.confirmations] == [1, 2]
+        loose = plan_search(spec, prof, w, SLA(kind, bound * 3), compress="off", num_requests=REQUESTS)
+        assert loose.predicted.throughput_tokens_per_s >= plan.predicted.throughput_tokens_per_s
+        assert Plan.from_json(plan.to_json()) == plan
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory, case):
+    path = tmp_path_factory.mktemp("prof") / "tight.json"
+    case[1].save(path)
+    return str(path)
+
+
+SMALL = ("--model", "opt-6.7b", "--workload", "T@0.25", "--requests", "200", "--compress", "off")
+
+
+def test_plan_cli_human_and_json(profile_path, tmp_path):
+    out = run("plan", "--profile", profile_path, *SMALL, "--latency", "60", "-o", str(tmp_path / "plan.json"))
+    assert out.returncode == 0, out.stderr
+    assert "policy:" in out.stdout and "weights:" in out.stdout and "of the bound unused" in out.stdout
+    assert "search: bnb" in out.stdout
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.sla == SLA("p99", 60.0) and plan.model.name == "opt-6.7b" and plan.predicted.num_requests == 200
+    js = run("plan", "--profile", profile_path, *SMALL, "--latency", "60", "--json")
+    assert js.returncode == 0, js.stderr
+    assert Plan.from_json(js.stdout).policy == plan.policy
+    sim = run("simulate", "--profile", profile_path, "--plan", str(tmp_path / "plan.json"), "--requests", "200",
+              "--json")
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["latency_p99_s"] == pytest.approx(plan.predicted.latency_p99_s)
+
+
+def test_plan_cli_defaults_say_what_they_assumed():
+    out = run("plan", "--model", "opt-6.7b", "--workload", "T@0.25", "--requests", "200")
+    assert out.returncode == 0, out.stderr
+    assert "using the t4 preset" in out.stdout and "bounding p99 latency at" in out.stdout
+
+
+def test_plan_cli_errors_are_one_line(profile_path, tmp_path):
+    out = run("plan", "--profile", profile_path, *SMALL, "--latency", "0.01")
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "no policy meets p99 <= 0.01 s; the lowest achievable is" in out.stderr
+    small = tmp_path / "small.json"
+    t4_like(cpu_bytes=5 * GB, disk_bytes=5 * GB).save(small)
+    out = run("plan", "--profile", str(small), "--model", "opt-175b", "--workload", "T@0.25")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "does not fit" in out.stderr and "tier is short by" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_plan_cli_frontier(profile_path, tmp_path):
+    prefix = tmp_path / "front"
+    out = run("plan", "--profile", profile_path, *SMALL, "--latency", "inf", "--frontier", str(prefix), "--quiet")
+    assert out.returncode == 0, out.stderr
+    rows = (tmp_path / "front.csv").read_text().strip().splitlines()
+    assert rows[0].startswith("latency_p99_s,throughput_tokens_per_s") and len(rows) >= 4
+    pts = [tuple(map(float, r.split(",")[:2])) for r in rows[1:]]
+    assert all(a[0] < b[0] and a[1] < b[1] for a, b in zip(pts, pts[1:]))  # a Pareto frontier
+    assert (tmp_path / "front.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
