@@ -191,8 +191,9 @@ class Evaluator:
         ``gbs`` (with nb = 1) and ``nb`` (with gbs = 1) whose placement LP is feasible, and blocks
         no larger than the job. With ``knee=True`` (branch-and-bound) the ranges stop where the
         placement LP's seconds per token stop improving (within ``knee_tol``): for each gbs, nb
-        grows until the LP's time per token worsens; gbs stops at the last one whose best time is
-        within ``knee_tol`` of the best is the smallest such one, and its best block size caps the block. Past that knee a larger
+        grows until the LP's time per token worsens; the gbs range ends at the smallest gbs whose
+        best time is within ``knee_tol`` of the best, and its best block size caps the block
+        (``polish`` then looks past these edges). Past that knee a larger
         batch only pushes weights or KV cache to slower tiers, so throughput falls while latency
         still rises, which would break the monotonicity branch-and-bound relies on.
         """
@@ -214,26 +215,30 @@ class Evaluator:
         g = largest(lambda x: self.placement(v, x, 1) is not None)
         n = largest(lambda x: self.placement(v, 1, x) is not None)
         if knee:
-            def knee_of(costs: list[float]) -> int:
-                best = min(costs)
-                return max(i for i, c in enumerate(costs) if c <= best * (1 + knee_tol))
-
-            per_g = []  # (best seconds per token over nb, knee of nb) for each gbs
+            per_g: list[tuple[float, int]] = []  # (best seconds per token over nb, knee of nb) per gbs
+            start = 0  # the best block size barely moves with gbs: start each walk just below the last knee
             for i in range(g + 1):
-                costs: list[float] = []
-                for j in range(top - i + 1):
+                costs: dict[int, float] = {}
+                for j in range(start, top - i + 1):
                     p = self.placement(v, 1 << i, 1 << j)
                     if p is None:
                         break
-                    costs.append(p.token_s)
-                    if p.token_s > min(costs) * (1 + knee_tol):
+                    costs[j] = p.token_s
+                    if p.token_s > min(costs.values()) * (1 + knee_tol):
                         break  # past this gbs's knee
-                per_g.append((min(costs), knee_of(costs)))
+                if not costs:
+                    break
+                best_c = min(costs.values())
+                per_g.append((best_c, max(j for j, c in costs.items() if c <= best_c * (1 + knee_tol))))
+                start = max(0, per_g[-1][1] - 2)
+                overall = min(c for c, _ in per_g)
+                if len(per_g) >= 3 and all(c > overall * (1 + knee_tol) for c, _ in per_g[-2:]):
+                    break  # two larger batches in a row were worse: past the knee in gbs
             # Among batch sizes the LP finds about equally good, the smallest: it leaves the most
             # memory for the rest of the block (the LP's mean shapes understate the transients).
             best_g = min(c for c, _ in per_g)
             g = min(i for i, (c, _) in enumerate(per_g) if c <= best_g * (1 + knee_tol))
-            cap = (1 << g) * (1 << per_g[g][1])
+            cap = (1 << g) << per_g[g][1]
             n = min(n, int(math.log2(cap)))
         return Space(v, [1 << i for i in range(g + 1)], [1 << i for i in range(n + 1)], list(refill), cap)
 
