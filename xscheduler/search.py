@@ -191,8 +191,8 @@ class Evaluator:
         ``gbs`` (with nb = 1) and ``nb`` (with gbs = 1) whose placement LP is feasible, and blocks
         no larger than the job. With ``knee=True`` (branch-and-bound) the ranges stop where the
         placement LP's seconds per token stop improving (within ``knee_tol``): for each gbs, nb
-        grows until the LP's time per token worsens; the gbs range ends at the smallest gbs whose
-        best time is within ``knee_tol`` of the best, and its best block size caps the block
+        grows until the LP's time per token worsens; the gbs range ends at the gbs with the
+        best time, and its best block size caps the block
         (``polish`` then looks past these edges). Past that knee a larger
         batch only pushes weights or KV cache to slower tiers, so throughput falls while latency
         still rises, which would break the monotonicity branch-and-bound relies on.
@@ -234,10 +234,9 @@ class Evaluator:
                 overall = min(c for c, _ in per_g)
                 if len(per_g) >= 3 and all(c > overall * (1 + knee_tol) for c, _ in per_g[-2:]):
                     break  # two larger batches in a row were worse: past the knee in gbs
-            # Among batch sizes the LP finds about equally good, the smallest: it leaves the most
-            # memory for the rest of the block (the LP's mean shapes understate the transients).
+            # The LP's best gbs (ties to the smaller: it leaves more memory for the rest of the block).
             best_g = min(c for c, _ in per_g)
-            g = min(i for i, (c, _) in enumerate(per_g) if c <= best_g * (1 + knee_tol))
+            g = min(i for i, (c, _) in enumerate(per_g) if c <= best_g * (1 + 1e-6))
             cap = (1 << g) << per_g[g][1]
             n = min(n, int(math.log2(cap)))
         return Space(v, [1 << i for i in range(g + 1)], [1 << i for i in range(n + 1)], list(refill), cap)
