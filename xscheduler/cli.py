@@ -121,7 +121,7 @@ def describe(plan) -> str:  # noqa: ANN001
         lines.append("re-simulated on other request samples: " + "; ".join(
             f"seed {c.seed}: {c.throughput_tokens_per_s:,.3f} tokens/s, {sla.kind} {c.latency_s:,.6g} s"
             + ("" if c.meets_sla else " (over the bound)") for c in plan.confirmations))
-    lines.append(f"search: {s.method}, {s.evaluations} simulator evaluations of a {s.grid_points}-point grid, "
+    lines.append(f"search: {s.method}, {s.evaluations} simulator evaluations in a {s.grid_points}-point knob grid, "
                  f"{s.lp_solves} placement LPs, {s.wall_s:,.1f} s (searched with the {plan.searched_with} path)")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -57,7 +57,7 @@ class SearchStats(Contract):
 
     method: Literal["bnb", "exhaustive", "optuna"]
     evaluations: int  # simulator calls (placement LPs included in their cost)
-    grid_points: int  # points of the full knob grid (what exhaustive search evaluates)
+    grid_points: int  # points of the knob grid searched (exhaustive/optuna: memory-feasible grid; bnb: knee ranges)
     lp_solves: int
     wall_s: float
 

@@ -212,12 +212,14 @@ class Evaluator:
                     hi = mid - 1
             return lo
 
-        g = largest(lambda x: self.placement(v, x, 1) is not None)
-        n = largest(lambda x: self.placement(v, 1, x) is not None)
-        if knee:
+        if not knee:
+            g = largest(lambda x: self.placement(v, x, 1) is not None)
+            n = largest(lambda x: self.placement(v, 1, x) is not None)
+        else:  # the walk below stops where memory does
+            g = n = top
             per_g: list[tuple[float, int]] = []  # (best seconds per token over nb, knee of nb) per gbs
             start = 0  # the best block size barely moves with gbs: start each walk just below the last knee
-            for i in range(g + 1):
+            for i in range(top + 1):
                 costs: dict[int, float] = {}
                 for j in range(start, top - i + 1):
                     p = self.placement(v, 1 << i, 1 << j)
