@@ -231,7 +231,9 @@ class Evaluator:
                 if not costs:
                     break
                 best_c = min(costs.values())
-                per_g.append((best_c, max(j for j, c in costs.items() if c <= best_c * (1 + knee_tol))))
+                # The smallest block within knee_tol of the best: past it the LP sees little gain
+                # while the simulator (padding, refill, longest sequences) often sees a loss.
+                per_g.append((best_c, min(j for j, c in costs.items() if c <= best_c * (1 + knee_tol))))
                 start = max(0, per_g[-1][1] - 2)
                 overall = min(c for c, _ in per_g)
                 if len(per_g) >= 3 and all(c > overall * (1 + knee_tol) for c, _ in per_g[-2:]):
@@ -337,26 +339,28 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
 
 
 def polish(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, others: Iterable[Variant] = (),
-           max_steps: int = 32) -> Evaluation:
+           refills: Iterable[int] = REFILL_LEVELS, max_steps: int = 32) -> Evaluation:
     """Hill-climb from branch-and-bound's answer over batch shapes next to it.
 
     The knee ranges and monotonicity are approximations: along a ridge of equal block size the
     simulator can prefer more, smaller GPU batches than the LP's mean shapes suggest (padding,
     transients), and memory may allow a larger block than the knee. Each step prices the
     neighbours (gbs and nb halved or doubled, alone or trading one for the other at the same
-    block size, or the same knobs under another of the ``others`` variants) and moves to the
-    best one that meets the bound, until none is better.
+    block size; the same shape with another refill interval or under another of the ``others``
+    variants) and moves to the best one that meets the bound, until none is better.
     """
-    others = list(others)
+    others, refills = list(others), list(refills)
     cap = 1 << max(0, math.ceil(math.log2(max(1, ev.num_requests))))
     for _ in range(max_steps):
         g, nb = best.gbs, best.nb
         moves = ((2 * g, nb), (g // 2, nb), (g, 2 * nb), (g, nb // 2), (2 * g, nb // 2), (g // 2, 2 * nb))
-        cands = [(best.variant, g2, nb2) for g2, nb2 in moves if 1 <= g2 <= cap and 1 <= nb2 and g2 * nb2 <= cap]
-        cands += [(v, g, nb) for v in others if v != best.variant]
+        r = best.refill_every
+        cands = [(best.variant, g2, nb2, r) for g2, nb2 in moves if 1 <= g2 <= cap and 1 <= nb2 and g2 * nb2 <= cap]
+        cands += [(best.variant, g, nb, r2) for r2 in refills if r2 != r]
+        cands += [(v, g, nb, r) for v in others if v != best.variant]
         step = best
-        for v, g2, nb2 in cands:
-            e = ev(v, g2, nb2, best.refill_every)
+        for v, g2, nb2, r2 in cands:
+            e = ev(v, g2, nb2, r2)
             if e.meets(kind, bound_s) and _better(e, step, kind):
                 step = e
         if step is best:
@@ -456,7 +460,8 @@ def search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, method
         for space in _bnb_order(ev, spaces):
             best = branch_and_bound(ev, space, kind, bound_s, eps_t, eps_l, best)
         if best is not None:
-            best = polish(ev, best, kind, bound_s, {sp.variant for sp in spaces})
+            best = polish(ev, best, kind, bound_s, list(dict.fromkeys(sp.variant for sp in spaces)),
+                          sorted({r for sp in spaces for r in sp.refill}))
     elif method == "exhaustive":
         best = exhaustive(ev, spaces, kind, bound_s)
     elif method == "optuna":
