@@ -142,7 +142,7 @@ def _write_frontier(prefix: str, spec, profile, workload, sla, args, progress: b
                 "compress_cache", "cpu_attention", "wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd"])
     for pt in points:
         pol = pt.evaluation.policy
-        w.writerow([f"{pt.latency_s:.6g}", f"{pt.throughput_tokens_per_s:.6g}", pol.gbs, pol.nb, pol.refill_every,
+        w.writerow([f"{pt.latency_s:.9g}", f"{pt.throughput_tokens_per_s:.9g}", pol.gbs, pol.nb, pol.refill_every,
                     int(pol.compress_weight), int(pol.compress_cache), int(pol.cpu_attention),
                     *(f"{v:.6g}" for v in pol.placement().values())])
     csv_path, png_path = f"{prefix}.csv", f"{prefix}.png"
