@@ -192,7 +192,7 @@ class Evaluator:
         no larger than the job. With ``knee=True`` (branch-and-bound) the ranges stop where the
         placement LP's seconds per token stop improving (within ``knee_tol``): for each gbs, nb
         grows until the LP's time per token worsens; the gbs range ends at the gbs with the
-        best time, and its best block size caps the block
+        best time, and its smallest block within ``knee_tol`` of that time caps the block
         (``polish`` then looks past these edges). Past that knee a larger
         batch only pushes weights or KV cache to slower tiers, so throughput falls while latency
         still rises, which would break the monotonicity branch-and-bound relies on.
