@@ -199,3 +199,17 @@ def test_plan_cli_frontier(profile_path, tmp_path):
     pts = [tuple(map(float, r.split(",")[:2])) for r in rows[1:]]
     assert all(a[0] <= b[0] and a[1] < b[1] for a, b in zip(pts, pts[1:]))  # a Pareto frontier
     assert (tmp_path / "front.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_exhaustive_and_optuna_through_plan_search(case, grid):
+    spec, prof, w = case
+    bound = 2.0 * min(e.latency("p99") for e in grid[0].cache.values() if e.fits)
+    exh = plan_search(spec, prof, w, SLA("p99", bound), compress="off", method="exhaustive", num_requests=REQUESTS,
+                      confirm_seeds=())
+    best = search(grid[0], grid[1], "p99", bound, "exhaustive").best
+    assert exh.policy == best.policy and exh.search.evaluations == exh.search.grid_points
+    opt = plan_search(spec, prof, w, SLA("p99", bound), compress="off", method="optuna", num_requests=REQUESTS,
+                      budget=40, confirm_seeds=())
+    assert opt.search.method == "optuna" and opt.search.evaluations <= 40
+    assert opt.predicted.latency_p99_s <= bound
+    assert opt.predicted.throughput_tokens_per_s <= exh.predicted.throughput_tokens_per_s * (1 + 1e-9)
