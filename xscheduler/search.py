@@ -369,6 +369,28 @@ def polish(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, others: I
     return best
 
 
+def extend_past_cap(ev: Evaluator, space: Space, kind: str, bound_s: float,
+                    best: Evaluation | None) -> Evaluation | None:
+    """Grow the block past the knee cap while that keeps paying, for this space's own best point.
+
+    The cap comes from the LP's mean shapes and can be too cautious; when the best point the
+    search priced in this space sits at the cap, double nb while the simulator says throughput
+    rises and the bound holds (one or two evaluations per space).
+    """
+    mine = [e for e in ev.cache.values() if e.variant == space.variant and e.refill_every in space.refill
+            and e.meets(kind, bound_s) and e.gbs * e.nb >= space.block_cap]
+    if not mine:
+        return best
+    cur = max(mine, key=lambda e: e.throughput)
+    job_cap = 1 << max(0, math.ceil(math.log2(max(1, ev.num_requests))))
+    while cur.gbs * cur.nb * 2 <= job_cap:
+        nxt = ev(cur.variant, cur.gbs, cur.nb * 2, cur.refill_every)
+        if not (nxt.meets(kind, bound_s) and nxt.throughput > cur.throughput):
+            break
+        cur = nxt
+    return cur if _better(cur, best, kind) else best
+
+
 def exhaustive(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float) -> Evaluation | None:
     """Every distinct point of every variant's grid; the best one meeting the bound."""
     best = None
@@ -459,9 +481,19 @@ def search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, method
             spaces = [replace(s, refill=[r]) for s in spaces for r in s.refill]
         for space in _bnb_order(ev, spaces):
             best = branch_and_bound(ev, space, kind, bound_s, eps_t, eps_l, best)
-        if best is not None:
-            best = polish(ev, best, kind, bound_s, list(dict.fromkeys(sp.variant for sp in spaces)),
-                          sorted({r for sp in spaces for r in sp.refill}))
+        variants_ = list(dict.fromkeys(sp.variant for sp in spaces))
+        refills = sorted({r for sp in spaces for r in sp.refill})
+        extended = None
+        for space in spaces:  # after the search, so that it does not change what was pruned
+            extended = extend_past_cap(ev, space, kind, bound_s, extended)
+        # Polish from both starts: hill-climbing is path-dependent.
+        starts = [e for e in (best, extended) if e is not None]
+        if len(starts) == 2 and starts[0] is starts[1]:
+            starts.pop()
+        for start in starts:
+            cand = polish(ev, start, kind, bound_s, variants_, refills)
+            if _better(cand, best, kind) or best is None:
+                best = cand
     elif method == "exhaustive":
         best = exhaustive(ev, spaces, kind, bound_s)
     elif method == "optuna":
