@@ -348,7 +348,9 @@ class Engine:
         self.head = {k: st.adopt("gpu", "head_weights", v.to(self.device)) for k, v in self.source.load_head().items()}
         self.w_home: list[torch.Tensor | DiskSlice] = []
         n_disk = d
-        self.w_relay = st.empty("cpu", "weight_relay", (-(-wbytes // 4096) * 4096,), torch.uint8) if n_disk else None
+        # One relay per in-flight disk layer (two: the one being staged and the next one's read).
+        self.w_relays = [st.empty("cpu", "weight_relay", (-(-wbytes // 4096) * 4096,), torch.uint8)
+                         for _ in range(min(2, n_disk))]
         for i in range(L):
             tier = self.layer_tier[i]
             if tier == "disk":
@@ -419,9 +421,8 @@ class Engine:
             w = self.source.load_layer(i)
             home = self.w_home[i]
             if isinstance(home, DiskSlice):
-                assert self.w_relay is not None
-                self.layout.pack(w, self.w_relay[:wbytes])
-                st.copy(Ref("disk", home), Ref("cpu", self.w_relay))
+                self.layout.pack(w, self.w_relays[0][:wbytes])
+                st.copy(Ref("disk", home), Ref("cpu", self.w_relays[0]))
             elif self.layer_tier[i] == "gpu" and self.device.type == "cuda":
                 tmp = torch.empty(wbytes, dtype=torch.uint8)
                 self.layout.pack(w, tmp)
@@ -430,12 +431,12 @@ class Engine:
                 self.layout.pack(w, home)
             del w
         self.rope = rope_tables(spec, cap, self.device, dt)
-        self.cpu_rope = rope_tables(spec, cap, "cpu", dt)
         self.generator = self.sampling.generator(self.device) if not self.sampling.greedy else None
         self.overlap = p.overlap
         if self.overlap:
             self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"xsched-{n}") for n in ("weights", "load", "store")]
         self._wfutures: dict[int, Future] = {}
+        self._to_stage: dict[int, torch.Tensor] = {}  # CPU host: fetched layers awaiting their memcpy
         self._fetches = 0
         self._current_layer = -1
         self._store_done: list[Future] = []
@@ -469,9 +470,25 @@ class Engine:
 
     # ----------------------------------------------------------------- weights
     def _fetch(self, layer: int, slot: int) -> None:
+        """The weights queue's part of fetching ``layer`` into stage slot ``slot``.
+
+        On CUDA the whole path runs here (disk -> relay -> device on the copy stream). On a CPU
+        host the cpu -> "gpu" copy is a memcpy on the compute cores (the cost model puts ctog in
+        the compute group there), so only the disk read runs here and :meth:`_weights` does the
+        memcpy on the compute thread, instead of a concurrent copy slowing every kernel down.
+        """
         home = self.w_home[layer]
-        tier = "disk" if isinstance(home, DiskSlice) else "cpu"
-        self.store.copy(Ref("gpu", self.w_stage[slot]), Ref(tier, home), relay=self.w_relay)
+        relay = self.w_relays[slot % len(self.w_relays)] if self.w_relays else None
+        if self.device.type == "cuda":
+            tier = "disk" if isinstance(home, DiskSlice) else "cpu"
+            self.store.copy(Ref("gpu", self.w_stage[slot]), Ref(tier, home), relay=relay)
+            return
+        if isinstance(home, DiskSlice):
+            assert relay is not None
+            self.store.copy(Ref("cpu", relay), Ref("disk", home))
+            self._to_stage[layer] = relay[:self.layout.nbytes]
+        else:
+            self._to_stage[layer] = home
 
     def _start_fetch(self, layer: int) -> bool:
         """Fetch ``layer`` into a stage slot not holding the layer being computed."""
@@ -502,6 +519,9 @@ class Engine:
             if fut is not None:
                 fut.result()
             flat = self.w_stage[self.w_slot_layer.index(layer)]
+            src = self._to_stage.pop(layer, None)
+            if src is not None:
+                self.store.copy(Ref("gpu", flat), Ref("cpu", src))
         t0 = time.perf_counter()
         w = self.layout.unpack(flat, self.w_dequant)
         if self.layout.compress:
