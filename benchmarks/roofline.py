@@ -75,7 +75,7 @@ def measure_gemm_flops(tokens: int, d_in: int, d_out: int, dtype: torch.dtype) -
     w = (torch.randn(d_out, d_in) * 0.02).to(dtype)
     torch.nn.functional.linear(x, w)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(10):
         t0 = time.perf_counter()
         torch.nn.functional.linear(x, w)
         best = min(best, time.perf_counter() - t0)
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nb", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each side; the best counts")
     ap.add_argument("--offload-dir", default=None, help="directory on the disk to test (default: a temp dir)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -141,16 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     from xrunner.generate import generate
     from xrunner.loaders import load_weights
 
+    # Runs alternate and each side keeps its best (fastest) repeat: the machine may be shared.
     weights = load_weights(RandomSource(spec, seed=0))
-    t0 = time.perf_counter()
-    for b in range(args.nb):
-        generate(weights, [r.prompt_ids for r in requests[b * args.gbs:(b + 1) * args.gbs]], args.new)
-    in_memory_s = time.perf_counter() - t0
-    del weights
-
+    in_memory_s, stats = float("inf"), None
     with Engine(RandomSource(spec, seed=0), policy, max_prompt=args.prompt, max_output=args.new,
                 offload_dir=offload) as eng:
-        stats = eng.run(requests)
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for b in range(args.nb):
+                generate(weights, [r.prompt_ids for r in requests[b * args.gbs:(b + 1) * args.gbs]], args.new)
+            in_memory_s = min(in_memory_s, time.perf_counter() - t0)
+            run = eng.run(requests)
+            if stats is None or run.wall_s < stats.wall_s:
+                stats = run
+    del weights
     tmp.cleanup()
     measured_tps = stats.generated_tokens / stats.wall_s
     bound_tps = generated / bound_s

@@ -884,7 +884,7 @@ class Engine:
                     while (R == 0 or steps < R) and any(b.active() for b in batches):
                         self._decode(batches, finished, on_step)
                         steps += 1
-                    if on_finished is not None and finished:
+                    if on_finished is not None:  # every interval, so a caller can flush per block
                         on_finished(finished)
                 if R > 0:
                     break
