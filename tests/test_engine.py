@@ -265,3 +265,37 @@ def test_smollm2_chat_prompts_offloaded_match_reference(tmp_path):
     assert "Paris" in tok.decode(got["q0"])
     for tier in ("gpu", "cpu", "disk"):
         assert stats.peak_bytes[tier] <= stats.planned_peak_bytes[tier]
+
+
+def test_long_refill_job_compacts_kv_columns_on_every_tier(tmp_path, monkeypatch):
+    """With refill a GPU batch outlives its requests; when its columns reach capacity they shift left."""
+    src = RandomSource(LLAMA, seed=11)
+    reqs = make_requests(16, seed=9, vocab=LLAMA.vocab_size)
+    want = reference(load_weights(src), reqs)
+    calls = []
+    original = Engine._compact
+    monkeypatch.setattr(Engine, "_compact", lambda self, j, batch: (calls.append(j), original(self, j, batch)))
+    policy = Policy(gbs=3, nb=1, cg=0.34, cc=0.33, cd=0.33, hg=0.34, hc=0.33, hd=0.33, refill_every=1)
+    got, stats = run_engine(src, policy, reqs, tmp_path, record_trace=True)
+    assert calls, "the job was meant to be long enough to need a compaction"
+    assert got == want
+    from xsimulator.trace import read_chrome_trace, write_chrome_trace
+
+    path = write_chrome_trace(tmp_path / "measured.json", stats.events)
+    events, _ = read_chrome_trace(path)
+    assert len(events) == len(stats.events) and {e.track for e in events} >= {"compute", "dtoc", "ctod"}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_flag_decides_whether_io_runs_during_compute(llama, tmp_path, overlap):
+    src, reqs, want = llama
+    policy = Policy(gbs=3, nb=2, wg=0.0, wc=0.34, wd=0.66, cg=0.0, cd=1.0, hg=0.0, hd=1.0, overlap=overlap)
+    got, stats = run_engine(src, policy, reqs, tmp_path, record_trace=True)
+    assert got == want
+    compute = [(e.start_s, e.start_s + e.dur_s) for e in stats.events if e.track == "compute"]
+    io = [(e.start_s, e.start_s + e.dur_s) for e in stats.events if e.track in ("dtoc", "ctod")]
+    overlapped_s = sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in compute for b0, b1 in io)
+    if overlap:
+        assert overlapped_s > 0
+    else:
+        assert overlapped_s == 0
