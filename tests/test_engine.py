@@ -299,3 +299,36 @@ def test_overlap_flag_decides_whether_io_runs_during_compute(llama, tmp_path, ov
         assert overlapped_s > 0
     else:
         assert overlapped_s == 0
+
+
+def test_interrupt_inside_a_step_stops_the_io_queues_and_removes_files(llama, tmp_path, monkeypatch):
+    """Ctrl-C while loads wait on stores: close() must not hang and must delete the offload files."""
+    import threading
+
+    src, reqs, _ = llama
+    calls = []
+    original = Engine._compute
+
+    def compute(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_compute", compute)
+    outcome = {}
+
+    def job():
+        try:
+            with Engine(src, Policy(gbs=3, nb=1, wg=0.0, wd=1.0, cg=0.0, cd=1.0, hg=0.0, hd=1.0),
+                        max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path) as eng:
+                outcome["dir"] = eng.offload_path
+                eng.run(reqs)
+        except KeyboardInterrupt:
+            outcome["interrupted"] = True
+
+    worker = threading.Thread(target=job, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "close() hung on an I/O queue"
+    assert outcome.get("interrupted") and not outcome["dir"].exists()

@@ -26,7 +26,7 @@ import itertools
 import math
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -220,6 +220,17 @@ def _take(t: torch.Tensor, idx: Sequence[int], dim: int = 0) -> torch.Tensor:
     if len(idx) and list(idx) == list(range(idx[0], idx[0] + len(idx))):
         return t.narrow(dim, idx[0], len(idx))
     return t.index_select(dim, torch.tensor(list(idx), dtype=torch.long, device=t.device))
+
+
+def _settle(fut: Future, error: BaseException | None) -> None:
+    """Complete ``fut`` (with ``error`` if given) unless it already is."""
+    try:
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+    except InvalidStateError:
+        pass
 
 
 def _split(counts: tuple[int, int, int]) -> list[tuple[str, int, int]]:
@@ -805,9 +816,9 @@ class Engine:
             def run() -> None:
                 try:
                     self._store(l, works[i], j % 2, decode, store_act=l < L - 1)
-                    store_done[j].set_result(None)
+                    _settle(store_done[j], None)
                 except BaseException as exc:
-                    store_done[j].set_exception(exc)
+                    _settle(store_done[j], exc)
                     raise
             return run
 
@@ -833,9 +844,11 @@ class Engine:
                 f.result()
             for f in loads.values():
                 f.result()
-        finally:
+        finally:  # never leave a load task waiting after an error (close() joins the queues)
             for e in compute_done:
-                e.set()  # never leave a load task waiting after an error
+                e.set()
+            for f in store_done:
+                _settle(f, RuntimeError("step aborted"))
         return [x for x in logits if x is not None]
 
     def _head(self, hidden_last: torch.Tensor) -> torch.Tensor:
