@@ -240,6 +240,7 @@ class InMemorySource(ModelSource):
         return {k: v.clone() for k, v in self._w.layers[index].items()}
 
 
+@pytest.mark.slow  # ~40 s on 2 cores, 20 of them building the tokenizer from the GGUF
 def test_smollm2_chat_prompts_offloaded_match_reference(tmp_path):
     from xrunner.cli import encode_prompt
     from xrunner.loaders import default_model_path, open_model
