@@ -1,0 +1,136 @@
+"""Perplexity of SmolLM2-135M on real English text: fp32 vs the engine's 4-bit weights and KV cache.
+
+The text is the Python standard library's ``pydoc_data.topics`` (the help topics: English prose
+with some code), tokenized with the model's own tokenizer and cut into windows. Each window is
+scored the way the engine computes: the first half is a prefill (attention over the fresh K/V,
+which are then stored), the second half is teacher-forced decode, one token per step, attending
+to the stored cache. The compressed path uses the engine's own stored forms:
+``xrunner.engine.WeightLayout`` (2-D weights quantized along the output channels, groups of 64,
+dequantized before compute) and ``xrunner.engine.KVCodec`` (K/V quantized along the head
+dimension when written, dequantized for attention). Goal: perplexity increase <= 2%.
+
+    OMP_NUM_THREADS=1 python benchmarks/compression_ppl.py [--windows 4 --window 256] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def text_tokens(tok, count: int) -> list[int]:
+    import pydoc_data.topics as topics
+
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < count:
+        raise SystemExit(f"pydoc_data.topics has only {len(ids)} tokens, {count} asked")
+    return list(ids[:count])
+
+
+def quantized_layers(weights) -> list[dict[str, torch.Tensor]]:
+    """Every layer packed into the engine's 4-bit record and unpacked for compute."""
+    from xrunner.engine import WeightLayout
+
+    spec = weights.spec
+    layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True)
+    out = []
+    for w in weights.layers:
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.pack(w, flat)
+        dequant = {n: torch.empty(s) for n, s in spec.layer_tensor_shapes().items() if len(s) == 2}
+        out.append({k: v.clone() for k, v in layout.unpack(flat, dequant).items()})
+    return out
+
+
+@torch.inference_mode()
+def window_nll(spec, head, layers, ids: list[int], codec) -> tuple[float, int]:
+    """Summed negative log-likelihood of ids[1:] (prefill half, then teacher-forced decode)."""
+    from xrunner.model import attention, attn_in, attn_out_mlp, embed, final_logits, rope_tables
+
+    n = len(ids)
+    half = n // 2
+    x = torch.tensor([ids])
+    rope = rope_tables(spec, n, "cpu", torch.float32)
+    caches: list[list[torch.Tensor]] = []
+    pos = torch.arange(half)[None]
+    h = embed(spec, head, x[:, :half], pos)
+    for w in layers:
+        q, k, v = attn_in(spec, w, h, pos, rope)
+        caches.append(codec.encode(k, v))
+        h = attn_out_mlp(spec, w, attention(spec, q, k, v, None, causal=True), h)
+    logits = [final_logits(spec, head, h)[0]]
+    for t in range(half, n - 1):
+        p = torch.tensor([[t]])
+        h = embed(spec, head, x[:, t:t + 1], p)
+        for i, w in enumerate(layers):
+            q, k, v = attn_in(spec, w, h, p, rope)
+            caches[i] = [torch.cat((c, e), dim=2) for c, e in zip(caches[i], codec.encode(k, v))]
+            kk, vv = codec.decode(caches[i])
+            h = attn_out_mlp(spec, w, attention(spec, q, kk, vv, None, causal=False), h)
+        logits.append(final_logits(spec, head, h)[0])
+    all_logits = torch.cat(logits).float()
+    target = x[0, 1:]
+    return float(F.cross_entropy(all_logits, target, reduction="sum")), len(target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--window", type=int, default=256, help="tokens per window (half prefill, half decode)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    from xrunner.engine import KVCodec
+    from xrunner.loaders import default_model_path, load_weights, open_model
+
+    src = open_model(default_model_path())
+    tok = src.tokenizer()
+    ids = text_tokens(tok, args.windows * args.window)
+    weights = load_weights(src)
+    spec = weights.spec
+    variants = {
+        "fp32": (weights.layers, KVCodec(spec.head_dim, torch.float32, compress=False)),
+        "4-bit weights": (quantized_layers(weights), KVCodec(spec.head_dim, torch.float32, compress=False)),
+    }
+    variants["4-bit KV cache"] = (weights.layers, KVCodec(spec.head_dim, torch.float32, compress=True))
+    variants["4-bit weights + KV cache"] = (variants["4-bit weights"][0],
+                                            KVCodec(spec.head_dim, torch.float32, compress=True))
+    # Not the engine's path: the same 4-bit groups of 64 along the *input* dimension (llama.cpp's
+    # Q4 layout, which this GGUF was stored in), to show how much the grouping axis matters.
+    from xrunner.compression import dequantize, quantize
+
+    along_input = [{k: dequantize(quantize(v, dim=1)) if v.dim() == 2 else v for k, v in w.items()}
+                   for w in weights.layers]
+    variants["(groups along input dim)"] = (along_input, KVCodec(spec.head_dim, torch.float32, compress=True))
+    rows = {}
+    for name, (layers, codec) in variants.items():
+        t0 = time.perf_counter()
+        nll, count = 0.0, 0
+        for wi in range(args.windows):
+            a, c = window_nll(spec, weights.head, layers, ids[wi * args.window:(wi + 1) * args.window], codec)
+            nll, count = nll + a, count + c
+        rows[name] = {"perplexity": math.exp(nll / count), "tokens": count, "wall_s": time.perf_counter() - t0}
+    base = rows["fp32"]["perplexity"]
+    for r in rows.values():
+        r["increase"] = r["perplexity"] / base - 1.0
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"SmolLM2-135M-Instruct on pydoc_data.topics: {args.windows} windows x {args.window} tokens")
+    print(f"{'variant':28}{'perplexity':>12}{'increase':>10}")
+    for name, r in rows.items():
+        print(f"{name:28}{r['perplexity']:>12.3f}{r['increase']:>10.4f}")
+    print("goal: increase <= 0.02 (4-bit weights + KV cache); the last row is weights grouped along the input "
+          "dimension + 4-bit KV, outside the engine")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Engine throughput with weights on disk, against the roofline bound of the same plan.
+
+The model (an OPT-shaped random model, default ~150M parameters in fp32, about 600 MB) lives
+entirely on the disk tier, so every step streams every layer from disk (O_DIRECT) through the
+cpu relay into the gpu-tier stage buffers while the previous layer computes. The bound, for
+exactly the engine's schedule (one block, a prefill step and ``new - 1`` decode steps, each
+``num_layers`` layer steps), is computed from three rates measured here, in this process, right
+before the run (our own small measurement, in the style of ``xsched profile --quick``):
+
+- disk read bandwidth: O_DIRECT reads of layer-sized records from a file in the offload dir
+  (``xprofiler.diskio.DirectFile``, file filled with random bytes first);
+- memcpy bandwidth (relay -> stage: on a CPU host ``ctog`` is a RAM copy on the compute cores);
+- GEMM rate: ``F.linear`` at the step's token count through the layer's largest projection.
+
+Per layer step the CPU-host overlap rule of ``xsimulator.costmodel.channel_groups`` applies:
+``max(flops / gemm_rate + layer_bytes / memcpy_bw, layer_bytes / disk_bw)`` with the layer's
+projection and attention FLOPs, plus the LM head of every row per step at the GEMM rate. Norms,
+activations, sampling and Python are left out, so the bound is optimistic and the ratio
+honest. The same block through the in-memory loop (``xrunner.generate``, weights in RAM) is
+timed too: it shows how much of the gap is compute the engine cannot avoid. Goal: measured /
+bound >= 0.8.
+
+    OMP_NUM_THREADS=1 python benchmarks/roofline.py [--layers 12 --hidden 1024 ...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def measure_disk_read_bytes_per_s(directory: Path, record_bytes: int, records: int = 4) -> tuple[float, str]:
+    from xprofiler.diskio import DirectFile, aligned_empty, round_up
+
+    size = round_up(record_bytes)
+    buf = aligned_empty(size)
+    buf[:] = np.random.default_rng(0).integers(0, 256, buf.size, dtype=np.uint8)
+    path = directory / "roofline-disk-probe.bin"
+    try:
+        with DirectFile(path, "rw") as f:
+            f.allocate(size * records)
+            for i in range(records):
+                f.write_at(buf, i * size)
+            best = float("inf")
+            for _ in range(2):
+                t0 = time.perf_counter()
+                for i in range(records):
+                    f.read_into(buf, i * size)
+                best = min(best, time.perf_counter() - t0)
+            return size * records / best, f.method
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def measure_memcpy_bytes_per_s(nbytes: int) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    b = torch.empty(nbytes, dtype=torch.uint8).fill_(2)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def measure_gemm_flops(tokens: int, d_in: int, d_out: int, dtype: torch.dtype) -> float:
+    x = torch.randn(tokens, d_in).to(dtype)
+    w = (torch.randn(d_out, d_in) * 0.02).to(dtype)
+    torch.nn.functional.linear(x, w)
+    best = float("inf")
+    for _ in range(10):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * tokens * d_in * d_out / best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--ffn", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--gbs", type=int, default=4)
+    ap.add_argument("--nb", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each side; the best counts")
+    ap.add_argument("--offload-dir", default=None, help="directory on the disk to test (default: a temp dir)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    from xprofiler.specs import ModelSpec
+    from xrunner.engine import Engine, Request
+    from xrunner.loaders import RandomSource
+    from xsimulator.policy import Policy
+
+    spec = ModelSpec(name="opt-roofline", family="opt", num_layers=args.layers, hidden=args.hidden, ffn=args.ffn,
+                     num_heads=args.heads, num_kv_heads=args.heads, head_dim=args.hidden // args.heads,
+                     vocab_size=50272, max_positions=2048, norm="layernorm", activation="relu", position="learned",
+                     tied_embeddings=True, bias=True, dtype="float32")
+    policy = Policy(gbs=args.gbs, nb=args.nb, wg=0.0, wc=0.0, wd=1.0)
+    rows = args.gbs * args.nb
+    rng = np.random.default_rng(0)
+    requests = [Request(f"r{i}", tuple(int(t) for t in rng.integers(0, spec.vocab_size, args.prompt)), args.new)
+                for i in range(rows)]
+    tmp = tempfile.TemporaryDirectory(dir=args.offload_dir)
+    offload = Path(tmp.name)
+    layer_bytes = spec.weight_bytes_per_layer
+    dtype = torch.float32
+
+    # Rates, measured now on this machine.
+    disk_bw, method = measure_disk_read_bytes_per_s(offload, layer_bytes)
+    memcpy_bw = measure_memcpy_bytes_per_s(layer_bytes)
+    gemm = {phase: measure_gemm_flops(tokens, spec.hidden, spec.ffn, dtype)
+            for phase, tokens in (("prefill", args.gbs * args.prompt), ("decode", args.gbs))}
+
+    # The bound for the engine's schedule: one prefill step and new-1 decode steps of the block.
+    def layer_step_s(phase: str) -> float:
+        tokens = rows * (args.prompt if phase == "prefill" else 1)
+        context = args.prompt if phase == "prefill" else args.prompt + args.new // 2
+        flops = tokens * (spec.linear_flops_per_token() + spec.attention_flops_per_token(context))
+        compute = flops / gemm[phase] + layer_bytes / memcpy_bw
+        return max(compute, layer_bytes / disk_bw)
+
+    def head_s(phase: str) -> float:  # LM head of the last position of every row, also a GEMM
+        return rows * spec.lm_head_flops_per_token() / gemm["decode"]
+
+    bound_s = (spec.num_layers * (layer_step_s("prefill") + (args.new - 1) * layer_step_s("decode"))
+               + head_s("prefill") + (args.new - 1) * head_s("decode"))
+    generated = rows * args.new
+
+    # The same block through the in-memory loop (weights in RAM, nothing offloaded), GPU batch by
+    # GPU batch: the compute the engine cannot avoid, attention, norms and LM head included.
+    from xrunner.generate import generate
+    from xrunner.loaders import load_weights
+
+    # Runs alternate and each side keeps its best (fastest) repeat: the machine may be shared.
+    weights = load_weights(RandomSource(spec, seed=0))
+    in_memory_s, stats = float("inf"), None
+    with Engine(RandomSource(spec, seed=0), policy, max_prompt=args.prompt, max_output=args.new,
+                offload_dir=offload) as eng:
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for b in range(args.nb):
+                generate(weights, [r.prompt_ids for r in requests[b * args.gbs:(b + 1) * args.gbs]], args.new)
+            in_memory_s = min(in_memory_s, time.perf_counter() - t0)
+            run = eng.run(requests)
+            if stats is None or run.wall_s < stats.wall_s:
+                stats = run
+    del weights
+    tmp.cleanup()
+    measured_tps = stats.generated_tokens / stats.wall_s
+    bound_tps = generated / bound_s
+    ratio = measured_tps / bound_tps
+    result = {
+        "model_bytes_on_disk": layer_bytes * spec.num_layers, "disk_io": method,
+        "disk_read_bytes_per_s": disk_bw, "memcpy_bytes_per_s": memcpy_bw,
+        "gemm_flops_prefill": gemm["prefill"], "gemm_flops_decode": gemm["decode"],
+        "bound_s": bound_s, "in_memory_s": in_memory_s, "wall_s": stats.wall_s, "generated_tokens": stats.generated_tokens,
+        "measured_tokens_per_s": measured_tps, "bound_tokens_per_s": bound_tps, "ratio": ratio,
+        "busy_s": stats.busy_s, "peak_bytes": stats.peak_bytes, "planned_peak_bytes": stats.planned_peak_bytes,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"model: {spec.num_layers} layers x {layer_bytes / 2**20:.1f} MiB on disk ({method}); block {rows} rows, "
+          f"prompt {args.prompt}, {args.new} new tokens")
+    print(f"measured rates: disk read {disk_bw / 1e9:.2f} GB/s, memcpy {memcpy_bw / 1e9:.2f} GB/s, "
+          f"GEMM {gemm['prefill'] / 1e9:.1f} GFLOP/s (prefill) / {gemm['decode'] / 1e9:.1f} GFLOP/s (decode)")
+    print(f"{'':24}{'wall s':>10}{'tokens/s':>12}")
+    print(f"{'bound (same plan)':24}{bound_s:>10.2f}{bound_tps:>12.2f}")
+    print(f"{'in-memory loop (RAM)':24}{in_memory_s:>10.2f}{generated / in_memory_s:>12.2f}")
+    print(f"{'engine (measured)':24}{stats.wall_s:>10.2f}{measured_tps:>12.2f}")
+    print(f"ratio measured / bound: {ratio:.3f} (goal >= 0.8); engine / in-memory loop: "
+          f"{in_memory_s / stats.wall_s:.3f}")
+    print("busy seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in stats.busy_s.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
