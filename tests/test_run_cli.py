@@ -31,8 +31,7 @@ def make_plan(path: Path, spec, policy, prompt_len: int, output_len: int, profil
     from xscheduler.plan import SLA, Plan, SearchStats
     from xsimulator.discrete_event import simulate
 
-    prof = load_profile(profile)
-    spec = prof.model_for(spec) if prof.compute_dtype else spec
+    prof = load_profile(profile) if isinstance(profile, str) else profile
     workload = fixed_workload(prompt_len, output_len)
     predicted = simulate(spec, prof, policy, workload, num_requests=requests)
     Plan(policy=policy, predicted=predicted, sla=SLA("p99", float("inf")), model=spec, workload=workload,
@@ -179,3 +178,192 @@ def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
                  str(tmp_path / "o8"), "--quiet"]) == 2
     assert "no such file" in capsys.readouterr().err
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 9))  # failed jobs leave no results file
+
+
+# ----------------------------------------------------------------------------- end to end
+def reference_outputs(model: str, dtype: str, prompts: list[list[int]], new_tokens: list[int],
+                      stops: list[int]) -> list[list[int]]:
+    """Greedy outputs of the in-memory loop, one request at a time (the independent reference)."""
+    from xrunner.generate import generate
+    from xrunner.loaders import load_weights, open_model
+
+    weights = load_weights(open_model(model, dtype=dtype))
+    return [generate(weights, [p], n, stop_token_ids=stops).tokens[0] for p, n in zip(prompts, new_tokens)]
+
+
+def tiny_job(tiny_dir, tmp_path, n: int, seed: int = 0) -> tuple[Path, list[dict]]:
+    rng = np.random.default_rng(seed)
+    rows = [{"id": f"q{i}", "prompt": " ".join(f"w{t}" for t in rng.integers(3, 300, size=int(rng.integers(1, 12)))),
+             "max_new_tokens": int(rng.integers(1, 10))} for i in range(n)]
+    return write_prompts(tmp_path / f"prompts-{n}-{seed}.jsonl", rows), rows
+
+
+def tiny_plan(tiny_dir, path: Path, policy) -> Path:
+    from xrunner.loaders import open_model
+
+    return make_plan(path, open_model(tiny_dir, dtype="float32").spec, policy, 16, 10)
+
+
+def test_run_matches_the_reference_loop_and_writes_a_trace(tiny_dir, tmp_path, capsys):
+    """Text prompts through the tokenizer, weights half on disk, refill, two GPU batches, --trace, --json."""
+    from xrunner.result import RunResult
+    from xsimulator.policy import Policy
+    from xsimulator.trace import TRACKS, read_chrome_trace
+
+    prompts, rows = tiny_job(tiny_dir, tmp_path, 9)
+    plan = tiny_plan(tiny_dir, tmp_path / "plan.json",
+                     Policy(gbs=2, nb=2, wg=0.5, wc=0.0, wd=0.5, refill_every=2))
+    out, trace, offload = tmp_path / "out.jsonl", tmp_path / "trace.json", tmp_path / "offload"
+    offload.mkdir()
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--trace", str(trace), "--offload-dir", str(offload), "--json", "--quiet"]) == 0
+    result = RunResult.from_json(capsys.readouterr().out)
+    got = {r["id"]: r for r in read_rows(out)}
+    assert sorted(got) == sorted(r["id"] for r in rows)  # every request once
+    from xrunner.loaders import open_model
+
+    tok = open_model(tiny_dir, dtype="float32").tokenizer()
+    ids = [tok(r["prompt"])["input_ids"] for r in rows]
+    ref = reference_outputs(str(tiny_dir), "float32", ids, [r["max_new_tokens"] for r in rows], [2])
+    for r, p, want in zip(rows, ids, ref):
+        g = got[r["id"]]
+        assert g["output_ids"] == want and g["text"] == tok.decode(want, skip_special_tokens=True)
+        assert g["output_tokens"] == len(want) and g["prompt_tokens"] == len(p)
+        assert g["stopped_on_eos"] == (want[-1] == 2 and len(want) <= r["max_new_tokens"])
+        assert g["latency_s"] > 0
+    assert result.num_requests == 9 and result.generated_tokens == sum(len(w) for w in ref)
+    assert result.latency_max_s == max(g["latency_s"] for g in got.values())
+    assert result.predicted is not None and result.fits  # measured peak within the planned peak
+    assert result.peak_bytes["disk"] > 0 and result.throughput_tokens_per_s > 0
+    events, _ = read_chrome_trace(trace)
+    assert events and {e.track for e in events} <= set(TRACKS) and {"compute", "dtoc"} <= {e.track for e in events}
+    assert max(e.start_s + e.dur_s for e in events) <= result.wall_s * 1.05 + 0.05
+    assert list(offload.iterdir()) == []  # offload files removed at the end
+
+
+@pytest.mark.slow
+def test_random_model_takes_prompt_ids(tmp_path, random_plan, capsys):
+    rng = np.random.default_rng(1)
+    rows = [{"id": i, "prompt_ids": rng.integers(4, 50000, size=int(rng.integers(2, 8))).tolist(),
+             "max_new_tokens": int(rng.integers(1, 6))} for i in range(5)]
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    assert main(["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--out",
+                 str(out), "--quiet"]) == 0
+    got = {r["id"]: r for r in read_rows(out)}
+    ref = reference_outputs(RANDOM_MODEL, "float32", [r["prompt_ids"] for r in rows],
+                            [r["max_new_tokens"] for r in rows], [2])
+    assert [got[r["id"]]["output_ids"] for r in rows] == ref
+    assert all(got[r["id"]]["text"] is None for r in rows)
+
+
+def test_plan_larger_than_capacity_is_refused(tiny_dir, tmp_path, capsys):
+    from dataclasses import replace
+
+    from xprofiler.presets import load_preset
+    from xsimulator.policy import Policy
+
+    small = replace(load_preset("t4"), gpu_bytes=10_000)
+    plan = make_plan(tmp_path / "plan.json", __import__("xrunner.loaders").loaders.open_model(
+        tiny_dir, dtype="float32").spec, Policy(gbs=2, nb=2), 12, 10, profile=small)
+    prompts, _ = tiny_job(tiny_dir, tmp_path, 2)
+    out = tmp_path / "out.jsonl"
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gpu tier" in err and "short by" in err, err
+    assert not out.exists()
+
+
+def test_full_disk_stops_with_one_line_and_keeps_written_results(tiny_dir, tmp_path, monkeypatch, capsys):
+    """KV rows on disk; the disk fills up after some results were written."""
+    import errno
+
+    from xprofiler import diskio
+    from xsimulator.policy import Policy
+
+    prompts, rows = tiny_job(tiny_dir, tmp_path, 12)
+    plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=2, nb=1, cg=0.5, cc=0.0, cd=0.5))
+    out, offload = tmp_path / "out.jsonl", tmp_path / "offload"
+    offload.mkdir()
+    real = os.pwrite
+    calls = {"n": 0}
+
+    def pwrite(fd, data, offset):  # the disk tier writes with os.pwrite (xprofiler.diskio.DirectFile)
+        if out.exists() and out.stat().st_size > 0:
+            calls["n"] += 1
+            if calls["n"] > 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(diskio.os, "pwrite", pwrite)
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--offload-dir", str(offload), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no space left" in err.lower(), err
+    kept = read_rows(out)
+    assert 0 < len(kept) < len(rows)
+    assert list(offload.iterdir()) == []
+    # The rest completes with --resume once there is space again, without duplicates.
+    monkeypatch.setattr(diskio.os, "pwrite", real)
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--offload-dir", str(offload), "--resume", "--quiet"]) == 0
+    assert sorted(r["id"] for r in read_rows(out)) == sorted(r["id"] for r in rows)
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "xsched", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def _wait_for_lines(proc: subprocess.Popen, out: Path, lines: int, timeout_s: float = 120.0) -> int:
+    """Poll until ``out`` has at least ``lines`` complete lines (or the process ends)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s and proc.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= lines:
+            break
+        time.sleep(0.005)
+    return out.read_bytes().count(b"\n") if out.exists() else 0
+
+
+def test_sigkill_then_resume_and_ctrl_c(tiny_dir, tmp_path, capsys):
+    """A SIGKILL in the middle of a job, then --resume, gives the uninterrupted run's lines (minus
+    latencies); Ctrl-C stops with exit 130, no traceback, results kept and offload files removed."""
+    from xsimulator.policy import Policy
+
+    rng = np.random.default_rng(3)
+    n = 64
+    rows = [{"id": f"q{i}", "prompt_ids": rng.integers(3, 300, size=int(rng.integers(1, 14))).tolist(),
+             "max_new_tokens": int(rng.integers(1, 10))} for i in range(n)]
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=2, nb=2, cg=0.5, cc=0.0, cd=0.5, refill_every=1))
+    offload_kill, offload_int = tmp_path / "off-kill", tmp_path / "off-int"
+    offload_kill.mkdir(), offload_int.mkdir()
+    killed, interrupted = tmp_path / "killed.jsonl", tmp_path / "interrupted.jsonl"
+    common = ["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--quiet"]
+    p_kill = _start(common + ["--out", str(killed), "--offload-dir", str(offload_kill)])
+    p_int = _start(common + ["--out", str(interrupted), "--offload-dir", str(offload_int)])
+    at_kill = _wait_for_lines(p_kill, killed, 3)
+    p_kill.send_signal(signal.SIGKILL)
+    at_int = _wait_for_lines(p_int, interrupted, 3)
+    p_int.send_signal(signal.SIGINT)
+    p_kill.communicate(timeout=60)
+    _, err = p_int.communicate(timeout=60)
+    assert p_kill.returncode == -signal.SIGKILL and 3 <= at_kill < n, at_kill  # really killed mid-job
+    assert p_int.returncode == 130 and 3 <= at_int < n and "Traceback" not in err and "interrupted" in err, err
+    assert list(offload_int.iterdir()) == []  # offload files removed after Ctrl-C
+    assert len(read_rows(interrupted)) >= at_int  # results written before Ctrl-C kept
+
+    # A crash can also tear the line being appended; resume drops it.
+    with killed.open("ab") as fh:
+        fh.write(b'{"id": "q1", "text": "w')
+    before = killed.read_bytes()
+    assert main(common + ["--out", str(killed), "--offload-dir", str(offload_kill), "--resume"]) == 0
+    resumed = read_rows(killed)
+    assert killed.read_bytes().startswith(before[: before.rindex(b"\n") + 1])  # complete lines kept as they were
+    assert len(resumed) == n and len({r["id"] for r in resumed}) == n  # no gaps, no duplicates
+    fresh = tmp_path / "fresh.jsonl"
+    assert main(common + ["--out", str(fresh), "--offload-dir", str(offload_kill)]) == 0
+    assert without_timing(resumed) == without_timing(read_rows(fresh))
+    assert main(common + ["--out", str(interrupted), "--offload-dir", str(offload_int), "--resume"]) == 0
+    assert without_timing(read_rows(interrupted)) == without_timing(read_rows(fresh))

@@ -95,7 +95,7 @@ def machine_capacity_bytes(device: str, offload_dir: str | Path) -> dict[str, fl
     """
     from xprofiler.fingerprint import available_ram_bytes
 
-    ram = float(available_ram_bytes())
+    ram = float(min(available_ram_bytes(), cgroup_memory_room_bytes()))
     if device.startswith("cuda"):
         import torch
 
@@ -103,6 +103,36 @@ def machine_capacity_bytes(device: str, offload_dir: str | Path) -> dict[str, fl
     else:
         gpu = ram
     return {"gpu": gpu, "cpu": ram, "disk": float(shutil.disk_usage(offload_dir).free)}
+
+
+def cgroup_memory_room_bytes() -> float:
+    """Limit minus usage of this process's memory cgroup (v1 or v2); inf when unlimited or unknown.
+
+    Inside a container or a benchmark's cgroup, MemAvailable describes the host, not what this
+    process may allocate before the OOM killer steps in.
+    """
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return float("inf")
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "" or "memory" in controllers.split(","):
+            v1 = controllers != ""
+            base = Path("/sys/fs/cgroup/memory" if v1 else "/sys/fs/cgroup") / rel.lstrip("/")
+            limit_f, usage_f = (("memory.limit_in_bytes", "memory.usage_in_bytes") if v1
+                                else ("memory.max", "memory.current"))
+            try:
+                limit = (base / limit_f).read_text().strip()
+                usage = int((base / usage_f).read_text().strip())
+                stat = dict(ln.split() for ln in (base / "memory.stat").read_text().splitlines() if " " in ln)
+            except (OSError, ValueError):
+                continue
+            if limit == "max" or int(limit) >= 2**62:
+                continue
+            cache = int(stat.get("cache" if v1 else "file", 0))  # the page cache gives way under pressure
+            return float(max(int(limit) - (usage - cache), 0))
+    return float("inf")
 
 
 def check_shared_ram(device: str, planned: dict[str, float], ram_bytes: float) -> None:
@@ -193,15 +223,16 @@ def _run(args: argparse.Namespace) -> int:
         elif plan.profile_source == "preset" and plan.profile_name in preset_names():
             profile = load_preset(plan.profile_name)
         device = _device(profile)
-        planned = (CostModel.for_policy(source.spec, profile, plan.policy).peak_bytes(plan.policy, max_prompt,
-                                                                                      max_output)
-                   if profile is not None else None)
-        machine = machine_capacity_bytes(device, offload_root)
-        if planned is not None:
-            check_shared_ram(device, planned, machine["cpu"])
-        capacity = {t: min(float(plan.predicted.capacity_bytes.get(t, float("inf"))), machine[t]) for t in machine}
 
-        from xrunner.engine import Engine, Request
+        from xrunner.engine import Engine, Request, rounded_policy
+
+        # The engine refuses a tier that does not fit; without CUDA two tiers share the RAM, so check the sum.
+        rounded = rounded_policy(plan.policy, source.spec.num_layers)
+        planned = CostModel.for_policy(source.spec, profile or load_preset(preset_names()[0]), rounded).peak_bytes(
+            rounded, max_prompt, max_output)
+        machine = machine_capacity_bytes(device, offload_root)
+        check_shared_ram(device, planned, machine["cpu"])
+        capacity = {t: min(float(plan.predicted.capacity_bytes.get(t, float("inf"))), machine[t]) for t in machine}
 
         requests = (Request(id=records[i].id, prompt_ids=tuple(prompt_ids[i]), max_new_tokens=new_tokens[i])
                     for i in pending_idx)
@@ -228,7 +259,8 @@ def _run(args: argparse.Namespace) -> int:
             new_tokens_of = {records[i].id: new_tokens[i] for i in pending_idx}
             with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
                         capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
-                        stop_token_ids=stops, record_trace=bool(args.trace), profile=profile) as engine:
+                        stop_token_ids=stops, record_trace=bool(args.trace), profile=profile, device=device,
+                        progress=show) as engine:
                 stats = engine.run(requests, on_finished=on_finished, on_step=bar.update)
 
     result = build_run_result(model=source.spec.name, policy=plan.policy, device=device, dtype=source.spec.dtype,
