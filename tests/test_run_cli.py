@@ -367,3 +367,30 @@ def test_sigkill_then_resume_and_ctrl_c(tiny_dir, tmp_path, capsys):
     assert without_timing(resumed) == without_timing(read_rows(fresh))
     assert main(common + ["--out", str(interrupted), "--offload-dir", str(offload_int), "--resume"]) == 0
     assert without_timing(read_rows(interrupted)) == without_timing(read_rows(fresh))
+
+
+@pytest.mark.slow
+def test_default_model_on_real_prompts_matches_generate(tmp_path, capsys):
+    """SmolLM2-135M-Instruct (the default), chat template, greedy: the same text as the reference loop."""
+    from xrunner.cli import encode_prompt
+    from xrunner.generate import generate
+    from xrunner.loaders import load_weights, open_model
+    from xsimulator.policy import Policy
+
+    source = open_model(None, dtype="float32")
+    tok = source.tokenizer()
+    questions = ["What is the capital of France?", "Name three primary colors."]
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": q, "max_new_tokens": 12}
+                                                   for i, q in enumerate(questions)])
+    plan = make_plan(tmp_path / "plan.json", source.spec, Policy(gbs=2, nb=1, wg=0.5, wc=0.5, wd=0.0), 64, 12)
+    out = tmp_path / "out.jsonl"
+    assert main(["run", "--plan", str(plan), "--prompts", str(prompts), "--out", str(out), "--quiet"]) == 0
+    got = {r["id"]: r for r in read_rows(out)}
+    weights = load_weights(source)
+    stops = sorted({t for t in (source.spec.eos_token_id, tok.eos_token_id) if t is not None})
+    for i, q in enumerate(questions):
+        ids = encode_prompt(tok, q, chat=True)
+        want = generate(weights, [ids], 12, stop_token_ids=stops).tokens[0]
+        assert got[f"q{i}"]["output_ids"] == want and got[f"q{i}"]["prompt_tokens"] == len(ids)
+        assert got[f"q{i}"]["text"] == tok.decode(want, skip_special_tokens=True)
+    assert "Paris" in got["q0"]["text"]
