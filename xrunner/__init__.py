@@ -1,4 +1,4 @@
-"""xrunner: the model core, weight loaders, sampling, compression and (later) the offloading engine.
+"""xrunner: the model core, weight loaders, sampling, compression and the offloading engine.
 
 The public names below are loaded on first use (PEP 562), so ``xsched``'s CLI can register
 the runner's commands without importing torch.
@@ -25,6 +25,10 @@ _EXPORTS: dict[str, str] = {
     # 4-bit group-wise compression
     "QuantizedTensor": "xrunner.compression", "quantize": "xrunner.compression",
     "dequantize": "xrunner.compression", "quantized_nbytes": "xrunner.compression",
+    # the offloading engine and its tiered store
+    "Engine": "xrunner.engine", "Request": "xrunner.engine", "Finished": "xrunner.engine",
+    "EngineStats": "xrunner.engine", "rounded_policy": "xrunner.engine",
+    "TierStore": "xrunner.tiers", "MemoryLedger": "xrunner.tiers", "DiskSlice": "xrunner.tiers", "Ref": "xrunner.tiers",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -23,11 +23,13 @@ seconds for :data:`OVERHEAD_TERMS` (default 0.0).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 import numpy as np
 
+from xprofiler.diskio import round_up
 from xprofiler.profile import BandwidthCurve, HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
@@ -188,6 +190,20 @@ def _op_seconds(profile: HardwareProfile, kind: str, flops: Any, read_bytes: Any
     rate = {"mm": profile.mm_flops, "bmm": profile.bmm_flops, "cpu_mm": profile.cpu_mm_flops,
             "cpu_bmm": profile.cpu_bmm_flops}[kind]
     return flops / rate
+
+
+def _stage_slots(fraction: Any, num_layers: int) -> Any:
+    """Layer-sized staging slots for ``fraction`` of the layers living off a tier.
+
+    The runner places weights by whole layers (``Policy.layer_counts``) and double-buffers the
+    fetched ones, so ``k`` offloaded layers need ``min(2, k)`` slots (a fractional placement
+    counts its largest possible rounding). An LP expression gets the constant upper bound 2:
+    ``2 * fraction`` (FlexGen's per-tensor split) would under-count whole layers, the OOM of
+    FlexGen issue #108.
+    """
+    if isinstance(fraction, (int, float)):
+        return float(min(2, math.ceil(fraction * num_layers - 1e-9)))
+    return 2.0
 
 
 def _is_zero(x: Any) -> bool:
@@ -429,6 +445,7 @@ class CostModel:
           ``kv_home``        cg of the block's rows x layers x (max_prompt + max_output) positions
           ``act_home``       hg of the block's hidden states between layers (max_prompt positions)
           ``weight_stage``   fetched non-resident weights of the current and the next layer
+                             (whole layers: min(2, offloaded layers) slots)
           ``weight_dequant`` one layer dequantised for compute (compress_weight only)
           ``kv_stage``       offloaded KV rows of the batch computing and the batch loading
                              (with cpu_attention only the prompt's KV on its way out)
@@ -438,17 +455,20 @@ class CostModel:
           (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32)
         cpu tier
           ``weights_home``, ``kv_home``, ``act_home`` for the wc/cc/hc fractions
-          ``weight_relay``   disk-resident part of the current and next layer (disk -> cpu -> gpu)
+          ``weight_relay``   disk-resident part of the current and next layer (disk -> cpu -> gpu),
+                             min(2, disk layers) slots of a 4 KiB-rounded layer (O_DIRECT)
           ``kv_relay``       disk-resident KV rows of one batch in each direction
           ``act_relay``      disk-resident hidden states of one batch in each direction
           transient ``cpu_attention``: scores and expanded K/V of the offloaded rows
         disk tier
-          ``weights_home``, ``kv_home``, ``act_home`` for the wd/cd/hd fractions
+          ``weights_home``, ``kv_home``, ``act_home`` for the wd/cd/hd fractions (a weight layer
+          is one O_DIRECT record rounded up to 4 KiB)
         """
         p, spec, dt = placement, self.spec, self.dtype_bytes
         L, bls = spec.num_layers, gbs * nb
         ctx = max_prompt + max_output
         w_layer = self.layer_stored_bytes
+        w_record = float(round_up(math.ceil(w_layer)))  # a disk-resident layer: one aligned record
         kv_row = ctx * spec.kv_bytes_per_token_per_layer * self.kv_stored_ratio  # one row, one layer
         act_row = max_prompt * spec.hidden * dt
         h, q, kvd, heads = spec.hidden, spec.q_dim, spec.kv_dim, spec.num_heads
@@ -462,7 +482,7 @@ class CostModel:
             "head_weights": float(spec.head_weight_bytes),
             "kv_home": p["cg"] * (bls * L * kv_row),
             "act_home": p["hg"] * (bls * act_row),
-            "weight_stage": (p["wc"] + p["wd"]) * (2 * w_layer),
+            "weight_stage": _stage_slots(p["wc"] + p["wd"], L) * w_layer,
             "weight_dequant": float(self.layer_matmul_bytes if self.compress_weight else 0),
             "kv_stage": (p["cc"] + p["cd"]) * (2 * gbs * stage_ctx * spec.kv_bytes_per_token_per_layer
                                                * self.kv_stored_ratio),
@@ -482,13 +502,13 @@ class CostModel:
             "weights_home": p["wc"] * (L * w_layer),
             "kv_home": p["cc"] * (bls * L * kv_row),
             "act_home": p["hc"] * (bls * act_row),
-            "weight_relay": p["wd"] * (2 * w_layer),
+            "weight_relay": _stage_slots(p["wd"], L) * w_record,
             "kv_relay": p["cd"] * (2 * gbs * kv_row),
             "act_relay": p["hd"] * (2 * gbs * act_row),
         }
         cpu_tr = {"cpu_attention": (p["cc"] + p["cd"]) * float(decode_attn if self.cpu_attention else 0)}
         disk_res = {
-            "weights_home": p["wd"] * (L * w_layer),
+            "weights_home": p["wd"] * (L * w_record),
             "kv_home": p["cd"] * (bls * L * kv_row),
             "act_home": p["hd"] * (bls * act_row),
         }

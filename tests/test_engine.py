@@ -1,0 +1,267 @@
+"""The offloading engine against the in-memory reference loop (`xrunner.generate`).
+
+Every placement, schedule switch and variable-length feature must leave greedy outputs
+unchanged; compression must equal a reference that applies the same quantization; measured peak
+bytes per tier must stay within the cost model's plan; refusals and cleanup must hold.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+import xrunner.generate as generate_module
+from xprofiler.specs import ModelSpec
+from xrunner.compression import dequantize, quantize
+from xrunner.engine import Engine, Request
+from xrunner.generate import generate
+from xrunner.loaders import ModelSource, RandomSource, load_weights
+from xrunner.model import attention, attn_in, attn_out_mlp
+from xsched.errors import UserError
+from xsimulator.policy import Policy
+
+LLAMA = ModelSpec(name="tiny-llama", family="llama", num_layers=3, hidden=128, ffn=256, num_heads=4, num_kv_heads=2,
+                  head_dim=64, vocab_size=320, max_positions=256, norm="rmsnorm", activation="silu",
+                  position="rotary", tied_embeddings=False, dtype="float32")
+OPT = ModelSpec(name="tiny-opt", family="opt", num_layers=2, hidden=128, ffn=256, num_heads=2, num_kv_heads=2,
+                head_dim=64, vocab_size=320, max_positions=256, norm="layernorm", activation="relu",
+                position="learned", tied_embeddings=True, dtype="float32", bias=True)
+MAX_PROMPT, MAX_OUTPUT = 14, 9
+
+
+def make_requests(n: int, seed: int, vocab: int, min_prompt: int = 1) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(f"r{i}", tuple(rng.randrange(vocab) for _ in range(rng.randint(min_prompt, MAX_PROMPT))),
+                    rng.randint(1, MAX_OUTPUT)) for i in range(n)]
+
+
+def reference(weights, requests, stop=()) -> dict[str, list[int]]:
+    """Each request alone through the in-memory loop (no padding, no offloading)."""
+    return {r.id: generate(weights, [r.prompt_ids], r.max_new_tokens, stop_token_ids=stop).tokens[0]
+            for r in requests}
+
+
+def run_engine(source, policy, requests, tmp_path, **kw):
+    got: dict[str, list[int]] = {}
+    finished = []
+    with Engine(source, policy, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path, **kw) as eng:
+        stats = eng.run(requests, on_finished=lambda fs: (finished.extend(fs),
+                                                            got.update({f.id: list(f.output_ids) for f in fs})))
+        offload = eng.offload_path
+    assert offload is None or not offload.exists(), "offload files must be removed on close"
+    assert len(finished) == len(requests) == len(got)
+    for tier in ("gpu", "cpu", "disk"):
+        assert stats.peak_bytes[tier] <= stats.planned_peak_bytes[tier] + 1e-6, tier
+    assert stats.generated_tokens == sum(len(v) for v in got.values())
+    assert all(f.end_s > f.start_s >= 0 for f in finished)
+    return got, stats
+
+
+@pytest.fixture(scope="module")
+def llama():
+    src = RandomSource(LLAMA, seed=3)
+    reqs = make_requests(9, seed=1, vocab=LLAMA.vocab_size)
+    return src, reqs, reference(load_weights(src), reqs)
+
+
+POLICIES = {
+    "all-gpu": dict(),
+    "weights-cpu": dict(wg=0.34, wc=0.66),
+    "weights-disk": dict(wg=0.0, wc=0.34, wd=0.66),
+    "kv-cpu-gpu-attention": dict(cg=0.5, cc=0.5),
+    "kv-cpu-cpu-attention": dict(cg=0.34, cc=0.66, cpu_attention=True),
+    "kv-act-partly-disk": dict(cg=0.0, cc=0.34, cd=0.66, hg=0.34, hc=0.33, hd=0.33),
+    "kv-disk-cpu-attention": dict(cg=0.0, cc=0.34, cd=0.66, cpu_attention=True),
+    "everything-offloaded-refill": dict(wg=0.0, wc=0.34, wd=0.66, cg=0.0, cc=0.34, cd=0.66, hg=0.0, hc=0.5, hd=0.5,
+                                        refill_every=2),
+    "refill-1-no-bucket": dict(refill_every=1, bucket=False),
+    "no-overlap-offloaded": dict(overlap=False, wg=0.0, wd=1.0, cg=0.0, cd=1.0, hg=0.0, hd=1.0, refill_every=3),
+    "overlap-offloaded": dict(overlap=True, wg=0.0, wd=1.0, cg=0.0, cd=1.0, hg=0.0, hd=1.0, refill_every=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_greedy_outputs_equal_reference_across_policies(llama, tmp_path, name):
+    src, reqs, want = llama
+    policy = Policy(gbs=3, nb=2, **POLICIES[name])
+    got, stats = run_engine(src, policy, reqs, tmp_path)
+    assert got == want
+    assert stats.padded_prompt_tokens >= stats.prompt_tokens == sum(len(r.prompt_ids) for r in reqs)
+
+
+def test_one_gpu_batch_per_block_and_uneven_last_block(llama, tmp_path):
+    src, reqs, want = llama
+    got, _ = run_engine(src, Policy(gbs=4, nb=1, hg=0.5, hd=0.5, cg=0.5, cc=0.5), reqs, tmp_path)
+    assert got == want
+
+
+def test_opt_family_with_offloading(tmp_path):
+    src = RandomSource(OPT, seed=5)
+    reqs = make_requests(5, seed=2, vocab=OPT.vocab_size)
+    want = reference(load_weights(src), reqs)
+    got, _ = run_engine(src, Policy(gbs=2, nb=2, wg=0.5, wd=0.5, cg=0.5, cc=0.5, cpu_attention=True,
+                                    refill_every=2), reqs, tmp_path)
+    assert got == want
+
+
+def test_stop_at_eos_frees_the_row(llama, tmp_path):
+    src, reqs, want = llama
+    # A token some reference outputs produce mid-way becomes the stop token.
+    stop = next(toks[1] for toks in want.values() if len(toks) > 2)
+    ref = reference(load_weights(src), reqs, stop=(stop,))
+    assert any(len(ref[r.id]) < r.max_new_tokens for r in reqs)
+    got, stats = run_engine(src, Policy(gbs=3, nb=2, refill_every=1, cg=0.34, cc=0.66), reqs, tmp_path,
+                            stop_token_ids=(stop,))
+    assert got == ref
+
+
+def test_early_termination_skips_finished_rows_and_trace_has_every_resource(llama, tmp_path):
+    src, reqs, _ = llama
+    short = [replace(r, max_new_tokens=1 if i % 2 else MAX_OUTPUT) for i, r in enumerate(reqs[:6])]
+    _, stats = run_engine(src, Policy(gbs=3, nb=2, wg=0.0, wc=0.34, wd=0.66, cg=0.0, cc=0.34, cd=0.66,
+                                      cpu_attention=True), short, tmp_path, record_trace=True)
+    # One block of 6: a prefill then MAX_OUTPUT - 1 decode steps; half the rows leave after the prefill.
+    assert stats.num_prefill_steps == 1 and stats.num_decode_steps == MAX_OUTPUT - 1
+    assert stats.generated_tokens == 3 * 1 + 3 * MAX_OUTPUT
+    tracks = {e.track for e in stats.events}
+    assert {"compute", "cpu_compute", "ctog", "gtoc", "dtoc", "ctod"} <= tracks
+    assert all(stats.busy_s[r] > 0 for r in ("compute", "cpu_compute", "ctog", "dtoc", "ctod"))
+
+
+# --------------------------------------------------------------------------- compression
+def _quantized_weights(weights):
+    for layer in weights.layers:
+        for name, w in layer.items():
+            if w.dim() == 2:
+                layer[name] = dequantize(quantize(w, dim=0))
+    return weights
+
+
+def _roundtrip(x):
+    return dequantize(quantize(x, dim=-1))
+
+
+def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_cache, mask, start):
+    """layer_forward whose cache holds 4-bit K/V: prefill attends to fresh K/V, decode to the stored cache."""
+    t = hidden.shape[1]
+    q, k, v = attn_in(spec, w, hidden, position_ids, rope)
+    end = start + t
+    k_cache[:, :, start:end] = _roundtrip(k)
+    v_cache[:, :, start:end] = _roundtrip(v)
+    if start == 0:
+        attn = attention(spec, q, k, v, mask, causal=True)
+    else:
+        attn = attention(spec, q, k_cache[:, :, :end], v_cache[:, :, :end], mask, causal=False)
+    return attn_out_mlp(spec, w, attn, hidden)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_compression_equals_reference_with_the_same_quantization(tmp_path, monkeypatch, cache):
+    src = RandomSource(LLAMA, seed=7)
+    reqs = make_requests(6, seed=4, vocab=LLAMA.vocab_size, min_prompt=2)
+    weights = _quantized_weights(load_weights(src))
+    if cache:
+        monkeypatch.setattr(generate_module, "layer_forward", _layer_with_quantized_cache)
+    want = reference(weights, reqs)
+    monkeypatch.undo()
+    plain = reference(load_weights(src), reqs)
+    assert want != plain  # the quantization is visible in the outputs, so the comparison means something
+    policy = Policy(gbs=2, nb=2, wg=0.34, wc=0.33, wd=0.33, cg=0.5, cc=0.0, cd=0.5, compress_weight=True,
+                    compress_cache=cache, refill_every=2)
+    got, stats = run_engine(src, policy, reqs, tmp_path)
+    assert got == want
+    uncompressed = Engine(src, replace(policy, compress_weight=False, compress_cache=False), max_prompt=MAX_PROMPT,
+                          max_output=MAX_OUTPUT, offload_dir=tmp_path)
+    uncompressed.close()
+    assert stats.peak_bytes["disk"] < uncompressed.planned_peak_bytes["disk"]
+
+
+# --------------------------------------------------------------------------- refusals and cleanup
+def test_capacity_refusal_names_tier_and_shortfall(tmp_path):
+    src = RandomSource(LLAMA, seed=3)
+    policy = Policy(gbs=2, nb=1, wg=0.0, wc=1.0)
+    with Engine(src, policy, max_prompt=8, max_output=4) as eng:
+        need = eng.planned_peak_bytes["cpu"]
+    with pytest.raises(UserError, match=r"cpu tier .*short by 1000 bytes"):
+        Engine(src, policy, max_prompt=8, max_output=4, capacity_bytes={"gpu": 1e12, "cpu": need - 1000})
+
+
+def test_offload_dir_that_is_a_file_is_a_one_line_error(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    with pytest.raises(UserError) as err:
+        Engine(RandomSource(LLAMA), Policy(gbs=1, nb=1, wg=0.0, wd=1.0), max_prompt=4, max_output=2,
+               offload_dir=blocker)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_offload_files_removed_after_an_exception(tmp_path, exc):
+    src = RandomSource(LLAMA, seed=3)
+    reqs = make_requests(4, seed=1, vocab=LLAMA.vocab_size)
+    seen = {}
+
+    def boom(_finished):
+        seen["dir"] = eng.offload_path
+        assert seen["dir"] is not None and any(seen["dir"].iterdir())
+        raise exc("stop")
+
+    with pytest.raises(exc):
+        with Engine(src, Policy(gbs=2, nb=1, wg=0.0, wd=1.0, cg=0.0, cd=1.0), max_prompt=MAX_PROMPT,
+                    max_output=MAX_OUTPUT, offload_dir=tmp_path) as eng:
+            eng.run(reqs, on_finished=boom)
+    assert not seen["dir"].exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_request_longer_than_the_plan_is_refused(llama, tmp_path):
+    src, reqs, _ = llama
+    with Engine(src, Policy(gbs=2, nb=1), max_prompt=4, max_output=2) as eng:
+        with pytest.raises(UserError, match="max prompt 4"):
+            eng.run([Request("x", (1, 2, 3, 4, 5), 1)])
+        with pytest.raises(UserError, match="max_new_tokens 3"):
+            eng.run([Request("y", (1, 2), 3)])
+
+
+# --------------------------------------------------------------------------- a real model
+class InMemorySource(ModelSource):
+    """A source over weights already in memory (copies, so the engine cannot alias the reference)."""
+
+    def __init__(self, weights):
+        self.spec, self._w = weights.spec, weights
+
+    def load_head(self):
+        return {k: v.clone() for k, v in self._w.head.items()}
+
+    def load_layer(self, index):
+        return {k: v.clone() for k, v in self._w.layers[index].items()}
+
+
+def test_smollm2_chat_prompts_offloaded_match_reference(tmp_path):
+    from xrunner.cli import encode_prompt
+    from xrunner.loaders import default_model_path, open_model
+
+    gguf = open_model(default_model_path())
+    tok = gguf.tokenizer()
+    weights = load_weights(gguf)
+    src = InMemorySource(weights)  # read the GGUF once for both sides
+    questions = ["What is the capital of France?", "Name three primary colors.", "Who wrote Hamlet?"]
+    reqs = []
+    for i, q in enumerate(questions):
+        ids = encode_prompt(tok, q, chat=True)
+        reqs.append(Request(f"q{i}", tuple(ids), 8 - 2 * i))
+    max_prompt = max(len(r.prompt_ids) for r in reqs)
+    eos = [src.spec.eos_token_id] if src.spec.eos_token_id is not None else []
+    want = {r.id: generate(weights, [r.prompt_ids], r.max_new_tokens, stop_token_ids=eos).tokens[0] for r in reqs}
+    policy = Policy(gbs=2, nb=1, wg=0.5, wc=0.3, wd=0.2, cg=0.5, cc=0.5, hg=0.5, hc=0.5, cpu_attention=True,
+                    refill_every=2)
+    got = {}
+    with Engine(src, policy, max_prompt=max_prompt, max_output=8, offload_dir=tmp_path, stop_token_ids=eos) as eng:
+        stats = eng.run(reqs, on_finished=lambda fs: got.update({f.id: list(f.output_ids) for f in fs}))
+    assert got == want
+    assert "Paris" in tok.decode(got["q0"])
+    for tier in ("gpu", "cpu", "disk"):
+        assert stats.peak_bytes[tier] <= stats.planned_peak_bytes[tier]

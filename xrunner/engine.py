@@ -1,0 +1,1013 @@
+"""The offloading engine: runs a Policy over a stream of requests with weights, KV cache and
+activations spread over the gpu, cpu and disk tiers (FlexGen Alg. 1 + ExeGPT refill).
+
+One generation loop (:meth:`Engine._step`) serves prefill and decode, every placement and both
+overlap settings: per layer, it runs the layer over every GPU batch of the block while three
+single-thread I/O queues (weights, loads, stores; CUDA copy streams on a GPU) fetch the next
+layer's weights, load the next GPU batch's offloaded KV cache and hidden states and store the
+previous batch's. ``policy.overlap=False`` runs the very same tasks inline (ablation).
+
+Buffers (names and sizes of ``CostModel.memory``), all allocated up front except transients:
+gpu ``weights_home head_weights kv_home act_home weight_stage weight_dequant kv_stage kv_dequant
+act_stage`` + transients ``qkv attention attention_decode mlp logits``; cpu ``weights_home
+kv_home act_home weight_relay kv_relay act_relay`` + transient ``cpu_attention``; disk
+``weights_home kv_home act_home``. Placement: weights by whole layers
+(``Policy.layer_counts``), KV cache and hidden states by fixed row slots of each GPU batch
+(``Policy.row_counts`` of ``gbs``: the first slots on gpu, then cpu, then disk).
+
+Semantics follow docs/ARCHITECTURE.md "Shared execution semantics": blocks of ``gbs * nb``,
+bucketing, left padding per GPU batch, early termination, refill every ``refill_every`` decode
+steps, latency from the start of the prefill step to the end of the last token's step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from xprofiler.profile import HardwareProfile
+from xrunner.compression import DEFAULT_GROUP_SIZE, QuantizedTensor, dequantize, quantize
+from xrunner.loaders import ModelSource
+from xrunner.model import (attention, attn_in, attn_out_mlp, embed, final_logits, rope_tables, torch_dtype)
+from xrunner.sampling import SamplingParams, sample
+from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
+from xsched.errors import UserError
+from xsimulator.costmodel import CostModel
+from xsimulator.policy import Policy
+from xsimulator.trace import TraceEvent, TraceMarker
+
+RESOURCES: tuple[str, ...] = ("compute", "cpu_compute", "ctog", "gtoc", "dtoc", "ctod")
+
+
+# --------------------------------------------------------------------------- public records
+@dataclass(frozen=True)
+class Request:
+    id: str
+    prompt_ids: tuple[int, ...]  # already tokenized (chat template applied by the caller)
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    id: str
+    prompt_tokens: int
+    output_ids: tuple[int, ...]  # generated tokens (includes the EOS token if it stopped on one)
+    start_s: float  # job clock: start of the prefill step that included it
+    end_s: float  # job clock: end of the step that produced its last token
+    stopped_on_eos: bool
+
+    @property
+    def latency_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
+class EngineStats:
+    wall_s: float
+    generated_tokens: int
+    prompt_tokens: int
+    padded_prompt_tokens: int  # prefill positions computed incl. left padding
+    num_prefill_steps: int
+    num_decode_steps: int
+    peak_bytes: dict[str, int]  # measured, per tier
+    planned_peak_bytes: dict[str, float]  # CostModel peak for the rounded policy / max lengths
+    busy_s: dict[str, float]  # measured seconds per resource
+    events: list[TraceEvent] = field(default_factory=list)
+    markers: list[TraceMarker] = field(default_factory=list)
+
+
+def rounded_policy(policy: Policy, num_layers: int) -> Policy:
+    """The policy with its fractions replaced by what the runner places (whole layers and rows)."""
+    g, c, d = policy.layer_counts(num_layers)
+    cg, cc, cd = policy.row_counts("cache", policy.gbs)
+    hg, hc, hd = policy.row_counts("act", policy.gbs)
+    n, b = num_layers, policy.gbs
+    return replace(policy, wg=g / n, wc=c / n, wd=d / n, cg=cg / b, cc=cc / b, cd=cd / b, hg=hg / b, hc=hc / b,
+                   hd=hd / b)
+
+
+# --------------------------------------------------------------------------- stored forms
+@dataclass(frozen=True)
+class _Part:
+    name: str
+    kind: str  # plain | packed | mins | scales
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class WeightLayout:
+    """One decoder layer as a flat byte record: every tensor (or its 4-bit parts) at an offset.
+
+    The record is what every tier stores and what the copy routine moves, so a layer is one
+    transfer whatever its tier. 2-D weights are quantized along the output channels (dim 0)
+    when ``compress``; 1-D tensors stay as they are.
+    """
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, compress: bool,
+                 group: int = DEFAULT_GROUP_SIZE):
+        self.dtype, self.compress, self.group = dtype, compress, group
+        self.shapes = dict(shapes)
+        parts: list[_Part] = []
+        off = 0
+
+        def add(name: str, kind: str, shape: tuple[int, ...], dt: torch.dtype) -> None:
+            nonlocal off
+            size = torch.empty((), dtype=dt).element_size()
+            off = -(-off // size) * size
+            parts.append(_Part(name, kind, off, shape, dt))
+            off += math.prod(shape) * size
+
+        for name, shape in shapes.items():
+            if compress and len(shape) == 2:
+                out, inp = shape
+                groups = -(-out // group)
+                add(name, "packed", (inp, groups, group // 2), torch.uint8)
+                add(name, "mins", (inp, groups), dtype)
+                add(name, "scales", (inp, groups), dtype)
+            else:
+                add(name, "plain", tuple(shape), dtype)
+        self.parts = parts
+        self.nbytes = off
+
+    def _view(self, flat: torch.Tensor, p: _Part) -> torch.Tensor:
+        size = torch.empty((), dtype=p.dtype).element_size()
+        return flat[p.offset:p.offset + math.prod(p.shape) * size].view(p.dtype).view(p.shape)
+
+    def pack(self, w: Mapping[str, torch.Tensor], flat: torch.Tensor) -> None:
+        """Write a layer's tensors (quantizing 2-D ones if asked) into the record ``flat``."""
+        quantized: dict[str, QuantizedTensor] = {}
+        for p in self.parts:
+            dst = self._view(flat, p)
+            if p.kind == "plain":
+                dst.copy_(w[p.name])
+                continue
+            if p.name not in quantized:
+                quantized[p.name] = quantize(w[p.name], dim=0, group_size=self.group)
+            dst.copy_(getattr(quantized[p.name], p.kind))
+
+    def unpack(self, flat: torch.Tensor, dequant: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The layer's weights for compute: views of ``flat``; 4-bit ones dequantized into ``dequant``."""
+        out: dict[str, torch.Tensor] = {}
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        for p in self.parts:
+            if p.kind == "plain":
+                out[p.name] = self._view(flat, p)
+            else:
+                parts.setdefault(p.name, {})[p.kind] = self._view(flat, p)
+        for name, q in parts.items():
+            qt = QuantizedTensor(q["packed"], q["mins"], q["scales"], tuple(self.shapes[name]), 0, self.group)
+            assert dequant is not None
+            out[name] = dequant[name].copy_(dequantize(qt))
+        return out
+
+
+class KVCodec:
+    """The KV cache's stored form: ``parts`` tensors ``[rows, Hkv, T, *rest]`` per layer.
+
+    Plain: ``(k, v)`` with ``rest = (d,)``. 4-bit: packed codes, mins and scales of k, then of
+    v, grouped along the head dimension. Position is always dim 2, so a column range of every
+    part is one slice.
+    """
+
+    def __init__(self, head_dim: int, dtype: torch.dtype, compress: bool, group: int = DEFAULT_GROUP_SIZE):
+        self.compress, self.group, self.d, self.dtype = compress, group, head_dim, dtype
+        if compress:
+            g = -(-head_dim // group)
+            one = [((g, group // 2), torch.uint8), ((g,), dtype), ((g,), dtype)]
+            self.rests = one + one
+        else:
+            self.rests = [((head_dim,), dtype), ((head_dim,), dtype)]
+
+    def bytes_per_position(self, kv_heads: int) -> int:
+        return sum(kv_heads * math.prod(r) * torch.empty((), dtype=dt).element_size() for r, dt in self.rests)
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        if not self.compress:
+            return [k, v]
+        out = []
+        for x in (k, v):
+            q = quantize(x, dim=-1, group_size=self.group)
+            out += [q.packed, q.mins, q.scales]
+        return out
+
+    def decode(self, parts: Sequence[torch.Tensor], into: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.compress:
+            return parts[0], parts[1]
+        res = []
+        for i in range(2):
+            packed, mins, scales = parts[3 * i:3 * i + 3]
+            shape = tuple(mins.shape[:-1]) + (self.d,)
+            x = dequantize(QuantizedTensor(packed, mins, scales, shape, len(shape) - 1, self.group))
+            if into is not None:
+                x = into[i][:shape[0], :, :shape[2]].copy_(x)
+            res.append(x)
+        return res[0], res[1]
+
+
+# --------------------------------------------------------------------------- helpers
+def _take(t: torch.Tensor, idx: Sequence[int], dim: int = 0) -> torch.Tensor:
+    """Rows ``idx`` of ``t``: a view when they are a contiguous range, else a gather (a copy)."""
+    if len(idx) and list(idx) == list(range(idx[0], idx[0] + len(idx))):
+        return t.narrow(dim, idx[0], len(idx))
+    return t.index_select(dim, torch.tensor(list(idx), dtype=torch.long, device=t.device))
+
+
+def _split(counts: tuple[int, int, int]) -> list[tuple[str, int, int]]:
+    """(tier, first slot, slots) for a (gpu, cpu, disk) row split of a GPU batch."""
+    out, start = [], 0
+    for tier, n in zip(TIERS, counts):
+        out.append((tier, start, n))
+        start += n
+    return out
+
+
+@dataclass
+class _Row:
+    req: Request
+    out: list[int]
+    start_s: float
+    n_ctx: int = 0  # tokens in this row's cache
+    first_col: int = 0  # column of its first real token in the batch's KV tensor
+
+
+@dataclass
+class _Batch:
+    """A GPU batch of ``gbs`` slots: its rows and the column geometry of its KV tensors."""
+
+    rows: list[_Row | None]
+    mask: torch.Tensor  # [gbs, cap] bool on the CPU: column holds a real token of the slot
+    end: int = 0  # next free column
+
+    def active(self) -> list[int]:
+        return [s for s, r in enumerate(self.rows) if r is not None]
+
+    def begin(self) -> int:
+        cols = [r.first_col for r in self.rows if r is not None]
+        return min(cols) if cols else 0
+
+
+@dataclass
+class _Work:
+    """One GPU batch's part of a step: which slots compute, their inputs and cache columns."""
+
+    batch: int
+    slots: list[int]  # local slot indices, ascending
+    ids: torch.Tensor  # [n, t] on the device
+    pos: torch.Tensor  # [n, t]
+    col: int  # first column written (prefill: c0; decode: the new column)
+    begin: int  # first context column (decode)
+    mask: torch.Tensor | None  # prefill: [n, t] padding mask; decode: [n, T+1] context mask (device)
+    cpu_mask: torch.Tensor | None = None  # decode context mask on the CPU (CPU attention)
+
+    @property
+    def t(self) -> int:
+        return self.ids.shape[1]
+
+
+# --------------------------------------------------------------------------- the engine
+class Engine:
+    """Executes a :class:`Policy` on a model from a :class:`ModelSource` (see module docstring)."""
+
+    def __init__(self, source: ModelSource, policy: Policy, *, max_prompt: int, max_output: int,
+                 capacity_bytes: Mapping[str, float] | None = None, offload_dir: str | Path | None = None,
+                 sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
+                 record_trace: bool = False, profile: HardwareProfile | None = None,
+                 device: str | torch.device | None = None, progress: bool = False):
+        spec = source.spec
+        self.spec, self.source = spec, source
+        if max_prompt < 1 or max_output < 1:
+            raise UserError(f"max_prompt and max_output must be >= 1, got {max_prompt} and {max_output}")
+        if max_prompt + max_output > spec.max_positions:
+            raise UserError(f"max prompt {max_prompt} + max output {max_output} exceed {spec.name}'s "
+                            f"{spec.max_positions} positions; lower them")
+        self.policy = policy
+        self.max_prompt, self.max_output = max_prompt, max_output
+        self.cap = max_prompt + max_output
+        self.sampling = sampling or SamplingParams()
+        self.stop = frozenset(int(t) for t in stop_token_ids)
+        self.record_trace = record_trace
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        self.dtype = torch_dtype(spec.dtype)
+        if policy.compress_cache and policy.cpu_attention:
+            raise UserError("compress_cache with cpu_attention is not supported; turn one of them off")
+
+        # Planned peak per tier for what this runner places (whole layers and rows), then the refusal.
+        if profile is None:
+            from xprofiler.presets import load_preset, preset_names
+            profile = load_preset(preset_names()[0])  # memory terms do not depend on the machine
+        self.rounded = rounded_policy(policy, spec.num_layers)
+        self.planned_peak_bytes = CostModel.for_policy(spec, profile, self.rounded).peak_bytes(
+            self.rounded, max_prompt, max_output)
+        caps = dict(capacity_bytes) if capacity_bytes is not None else None
+        for tier in TIERS:
+            if caps is not None and tier in caps and self.planned_peak_bytes[tier] > caps[tier]:
+                short = self.planned_peak_bytes[tier] - caps[tier]
+                raise UserError(f"the plan needs {self.planned_peak_bytes[tier]:.0f} bytes on the {tier} tier but "
+                                f"{caps[tier]:.0f} are available (short by {short:.0f} bytes); pick a plan that fits "
+                                "this machine or raise the tier's capacity")
+
+        self.ledger = MemoryLedger()
+        self._lock = threading.Lock()
+        self.busy_s = {r: 0.0 for r in RESOURCES}
+        self.events: list[TraceEvent] = []
+        self._t0 = time.perf_counter()
+        self.store = TierStore(self.device, offload_dir, self.ledger, on_copy=self._on_copy)
+        self._pools: list[ThreadPoolExecutor] = []
+        self._closed = False
+        try:
+            self._allocate(progress)
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------- setup
+    def _allocate(self, progress: bool) -> None:
+        spec, p, st, dt = self.spec, self.policy, self.store, self.dtype
+        L, gbs, nb = spec.num_layers, p.gbs, p.nb
+        self.layout = WeightLayout(spec.layer_tensor_shapes(), dt, p.compress_weight)
+        g, c, d = p.layer_counts(L)
+        self.layer_tier = ["gpu"] * g + ["cpu"] * c + ["disk"] * d
+        self.cache_split = _split(p.row_counts("cache", gbs))
+        self.act_split = _split(p.row_counts("act", gbs))
+        self.codec = KVCodec(spec.head_dim, dt, p.compress_cache)
+        hkv, cap, h = spec.num_kv_heads, self.cap, spec.hidden
+        wbytes = self.layout.nbytes
+
+        # Head weights (always on the gpu tier), then every layer into its home tier.
+        self.head = {k: st.adopt("gpu", "head_weights", v.to(self.device)) for k, v in self.source.load_head().items()}
+        self.w_home: list[torch.Tensor | DiskSlice] = []
+        n_disk = d
+        self.w_relay = st.empty("cpu", "weight_relay", (-(-wbytes // 4096) * 4096,), torch.uint8) if n_disk else None
+        for i in range(L):
+            tier = self.layer_tier[i]
+            if tier == "disk":
+                home: torch.Tensor | DiskSlice = st.disk_region("weights", "weights_home", (wbytes,), torch.uint8,
+                                                                align=True)
+            else:
+                home = st.empty(tier, "weights_home", (wbytes,), torch.uint8)
+            self.w_home.append(home)
+        # KV cache and hidden-state homes per GPU batch, stage slots, relays.
+        self.kv_home: list[list[dict[str, list[Any]]]] = []  # [batch][layer][tier] -> parts
+        self.act_home: list[dict[str, Any]] = []
+        for _ in range(nb):
+            per_layer = []
+            for _l in range(L):
+                tiers: dict[str, list[Any]] = {}
+                for tier, _s, n in self.cache_split:
+                    if not n:
+                        continue
+                    if tier == "disk":
+                        tiers[tier] = [st.disk_region("rows", "kv_home", (n, cap, hkv) + rest, pdt)
+                                       for rest, pdt in self.codec.rests]
+                    else:
+                        tiers[tier] = [st.empty(tier, "kv_home", (n, hkv, cap) + rest, pdt)
+                                       for rest, pdt in self.codec.rests]
+                per_layer.append(tiers)
+            self.kv_home.append(per_layer)
+            acts: dict[str, Any] = {}
+            for tier, _s, n in self.act_split:
+                if not n:
+                    continue
+                if tier == "disk":
+                    acts[tier] = st.disk_region("rows", "act_home", (n, self.max_prompt, h), dt)
+                else:
+                    acts[tier] = st.empty(tier, "act_home", (n, self.max_prompt, h), dt)
+            self.act_home.append(acts)
+        st.reserve()
+
+        n_off_c = sum(n for t, _s, n in self.cache_split if t != "gpu")
+        n_disk_c = dict((t, n) for t, _s, n in self.cache_split)["disk"]
+        n_off_h = sum(n for t, _s, n in self.act_split if t != "gpu")
+        n_disk_h = dict((t, n) for t, _s, n in self.act_split)["disk"]
+        n_staged = sum(1 for t in self.layer_tier if t != "gpu")
+        self.w_stage = [st.empty("gpu", "weight_stage", (wbytes,), torch.uint8) for _ in range(min(2, n_staged))]
+        self.w_slot_layer: list[int | None] = [None] * len(self.w_stage)
+        self.w_dequant = None
+        if p.compress_weight:
+            self.w_dequant = {n: st.empty("gpu", "weight_dequant", s, dt)
+                              for n, s in spec.layer_tensor_shapes().items() if len(s) == 2}
+        stage_ctx = self.max_prompt if p.cpu_attention else cap
+        self.kv_stage = [[st.empty("gpu", "kv_stage", (n_off_c, hkv, stage_ctx) + rest, pdt)
+                          for rest, pdt in self.codec.rests] for _ in range(2)] if n_off_c else []
+        self.kv_dequant = None
+        if p.compress_cache:
+            shape = (gbs, hkv, cap, spec.head_dim)
+            self.kv_dequant = (st.empty("gpu", "kv_dequant", shape, dt), st.empty("gpu", "kv_dequant", shape, dt))
+        self.act_stage = [st.empty("gpu", "act_stage", (n_off_h, self.max_prompt, h), dt)
+                          for _ in range(2)] if n_off_h else []
+        self.kv_relay = ([[st.empty("cpu", "kv_relay", (n_disk_c, cap, hkv) + rest, pdt)
+                           for rest, pdt in self.codec.rests] for _ in range(2)] if n_disk_c else [])
+        self.act_relay = ([st.empty("cpu", "act_relay", (n_disk_h, self.max_prompt, h), dt) for _ in range(2)]
+                          if n_disk_h else [])
+
+        # Weights: layer by layer from the source straight into their home tier.
+        from tqdm import tqdm
+        import sys
+        for i in tqdm(range(L), desc=f"loading {spec.name}", unit="layer", file=sys.stderr, disable=not progress,
+                      leave=False):
+            w = self.source.load_layer(i)
+            home = self.w_home[i]
+            if isinstance(home, DiskSlice):
+                assert self.w_relay is not None
+                self.layout.pack(w, self.w_relay[:wbytes])
+                st.copy(Ref("disk", home), Ref("cpu", self.w_relay))
+            elif self.layer_tier[i] == "gpu" and self.device.type == "cuda":
+                tmp = torch.empty(wbytes, dtype=torch.uint8)
+                self.layout.pack(w, tmp)
+                home.copy_(tmp)
+            else:
+                self.layout.pack(w, home)
+            del w
+        self.rope = rope_tables(spec, cap, self.device, dt)
+        self.cpu_rope = rope_tables(spec, cap, "cpu", dt)
+        self.generator = self.sampling.generator(self.device) if not self.sampling.greedy else None
+        self.overlap = p.overlap
+        if self.overlap:
+            self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"xsched-{n}") for n in ("weights", "load", "store")]
+        self._wfutures: dict[int, Future] = {}
+        self._fetches = 0
+        self._current_layer = -1
+        self._store_done: list[Future] = []
+        self._item = 0
+
+    # ----------------------------------------------------------------- accounting
+    def _clock(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _on_copy(self, channel: str, start: float, end: float, nbytes: int) -> None:
+        with self._lock:
+            self.busy_s[channel] += end - start
+            if self.record_trace:
+                self.events.append(TraceEvent(channel, channel, start - self._t0, end - start, {"bytes": nbytes}))
+
+    def _busy(self, resource: str, name: str, start: float, args: dict[str, Any]) -> None:
+        end = time.perf_counter()
+        with self._lock:
+            self.busy_s[resource] += end - start
+            if self.record_trace:
+                self.events.append(TraceEvent(resource, name, start - self._t0, end - start, args))
+
+    def _submit(self, queue: int, fn: Callable[[], None]) -> Future:
+        """Run ``fn`` on I/O queue ``queue`` (0 weights, 1 loads, 2 stores), or inline without overlap."""
+        if self.overlap:
+            return self._pools[queue].submit(fn)
+        fut: Future = Future()
+        fn()
+        fut.set_result(None)
+        return fut
+
+    # ----------------------------------------------------------------- weights
+    def _fetch(self, layer: int, slot: int) -> None:
+        home = self.w_home[layer]
+        tier = "disk" if isinstance(home, DiskSlice) else "cpu"
+        self.store.copy(Ref("gpu", self.w_stage[slot]), Ref(tier, home), relay=self.w_relay)
+
+    def _start_fetch(self, layer: int) -> bool:
+        """Fetch ``layer`` into a stage slot not holding the layer being computed."""
+        free = [k for k, held in enumerate(self.w_slot_layer) if held is None or held != self._current_layer]
+        if not free:
+            return False
+        slot = free[self._fetches % len(free)]
+        self._fetches += 1
+        self.w_slot_layer[slot] = layer
+        self._wfutures[layer] = self._submit(0, lambda: self._fetch(layer, slot))
+        return True
+
+    def _prefetch(self, layer: int) -> None:
+        """Start fetching ``layer`` while the current one computes (overlap only)."""
+        if self.overlap and self.layer_tier[layer] != "gpu" and layer not in self.w_slot_layer:
+            self._start_fetch(layer)
+
+    def _weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s weights on the gpu tier: its home, or a stage slot (fetched now if needed)."""
+        if self.layer_tier[layer] == "gpu":
+            flat = self.w_home[layer]
+        else:
+            if layer not in self.w_slot_layer:
+                self._current_layer = -1  # nothing computes between layers: any slot may be reused
+                self._start_fetch(layer)
+                self._current_layer = layer
+            fut = self._wfutures.pop(layer, None)
+            if fut is not None:
+                fut.result()
+            flat = self.w_stage[self.w_slot_layer.index(layer)]
+        t0 = time.perf_counter()
+        w = self.layout.unpack(flat, self.w_dequant)
+        if self.layout.compress:
+            self._busy("compute", "dequant_weights", t0, {"layer": layer})
+        return w
+
+    # ----------------------------------------------------------------- row groups
+    def _groups(self, split: list[tuple[str, int, int]], slots: list[int]) -> list[tuple[str, list[int], list[int]]]:
+        """(tier, positions in ``slots``, tier-local row indices) for each tier with rows."""
+        out = []
+        for tier, start, n in split:
+            pos = [i for i, s in enumerate(slots) if start <= s < start + n]
+            if pos:
+                out.append((tier, pos, [slots[i] - start for i in pos]))
+        return out
+
+    def _offloaded(self, split: list[tuple[str, int, int]], slots: list[int]) -> list[tuple[str, int, list[int]]]:
+        """(tier, first stage row, tier-local rows) for the offloaded groups, in stage-row order."""
+        out, k = [], 0
+        for tier, _pos, rows in self._groups(split, slots):
+            if tier != "gpu":
+                out.append((tier, k, rows))
+                k += len(rows)
+        return out
+
+    # ----------------------------------------------------------------- I/O tasks
+    def _load(self, layer: int, work: _Work, slot: int, decode: bool) -> None:
+        """Bring a GPU batch's offloaded hidden states (layer > 0) and KV context (decode) in."""
+        st, t = self.store, work.t
+        acts = self.act_home[work.batch]
+        if layer > 0:
+            for tier, k0, rows in self._offloaded(self.act_split, work.slots):
+                for k, r in enumerate(rows):
+                    dst = Ref("gpu", self.act_stage[slot][k0 + k, :t])
+                    if tier == "cpu":
+                        st.copy(dst, Ref("cpu", acts["cpu"][r, :t]))
+                    else:
+                        st.copy(dst, Ref("disk", acts["disk"].row(r).span(0, t)), relay=self.act_relay[0][0])
+        if not decode:
+            return
+        b, c = work.begin, work.col
+        homes = self.kv_home[work.batch][layer]
+        for tier, k0, rows in self._offloaded(self.cache_split, work.slots):
+            for part, (home, stage) in enumerate(zip(homes[tier], self.kv_stage[slot] if self.kv_stage else
+                                                      [None] * len(homes[tier]))):
+                for k, r in enumerate(rows):
+                    if tier == "cpu":
+                        if not self.policy.cpu_attention:
+                            st.copy(Ref("gpu", stage[k0 + k, :, :c - b]), Ref("cpu", home[r, :, b:c]))
+                    elif self.policy.cpu_attention:  # CPU attention reads the context in the relay
+                        st.copy(Ref("cpu", self.kv_relay[0][part][k][:c - b]), Ref("disk", home.row(r).span(b, c)))
+                    else:
+                        st.copy(Ref("gpu", stage[k0 + k, :, :c - b].transpose(0, 1)),
+                                Ref("disk", home.row(r).span(b, c)), relay=self.kv_relay[0][part][k])
+
+    def _store(self, layer: int, work: _Work, slot: int, decode: bool, store_act: bool) -> None:
+        """Write a GPU batch's new KV entries and (for the next layer) hidden states out."""
+        st, t = self.store, work.t
+        if store_act:
+            acts = self.act_home[work.batch]
+            for tier, k0, rows in self._offloaded(self.act_split, work.slots):
+                for k, r in enumerate(rows):
+                    src = Ref("gpu", self.act_stage[slot][k0 + k, :t])
+                    if tier == "cpu":
+                        st.copy(Ref("cpu", acts["cpu"][r, :t]), src)
+                    else:
+                        st.copy(Ref("disk", acts["disk"].row(r).span(0, t)), src, relay=self.act_relay[1][0])
+        homes = self.kv_home[work.batch][layer]
+        c0 = work.col
+        width = 1 if decode else t
+        src_col = (work.col - work.begin) if decode else 0
+        for tier, k0, rows in self._offloaded(self.cache_split, work.slots):
+            for part, home in enumerate(homes[tier]):
+                for k, r in enumerate(rows):
+                    if decode and self.policy.cpu_attention:
+                        if tier == "disk":  # the compute put the new column into the store relay
+                            st.copy(Ref("disk", home.row(r).span(c0, c0 + 1)),
+                                    Ref("cpu", self.kv_relay[1][part][k][:1]))
+                        continue
+                    src = self.kv_stage[slot][part][k0 + k, :, src_col:src_col + width]
+                    if tier == "cpu":
+                        st.copy(Ref("cpu", home[r, :, c0:c0 + width]), Ref("gpu", src))
+                    else:
+                        st.copy(Ref("disk", home.row(r).span(c0, c0 + width)), Ref("gpu", src.transpose(0, 1)),
+                                relay=self.kv_relay[1][part][k])
+
+    # ----------------------------------------------------------------- compute
+    def _hidden_in(self, layer: int, work: _Work, slot: int) -> torch.Tensor:
+        if layer == 0:
+            return embed(self.spec, self.head, work.ids, work.pos)
+        t, parts = work.t, []
+        acts = self.act_home[work.batch]
+        k0 = 0
+        for tier, pos, rows in self._groups(self.act_split, work.slots):
+            if tier == "gpu":
+                parts.append(_take(acts["gpu"], rows)[:, :t])
+            else:
+                parts.append(self.act_stage[slot][k0:k0 + len(rows), :t])
+                k0 += len(rows)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _hidden_out(self, work: _Work, hidden: torch.Tensor, slot: int) -> None:
+        t = work.t
+        acts = self.act_home[work.batch]
+        k0 = 0
+        for tier, pos, rows in self._groups(self.act_split, work.slots):
+            src = _take(hidden, pos)
+            if tier == "gpu":
+                if rows == list(range(rows[0], rows[0] + len(rows))):
+                    acts["gpu"][rows[0]:rows[0] + len(rows), :t] = src
+                else:
+                    acts["gpu"][torch.tensor(rows, device=self.device), :t] = src
+            else:
+                self.act_stage[slot][k0:k0 + len(rows), :t] = src
+                k0 += len(rows)
+
+    def _put_cols(self, parts: list[torch.Tensor], rows: list[int], c0: int, new: list[torch.Tensor]) -> None:
+        for dst, src in zip(parts, new):
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                dst[rows[0]:rows[0] + len(rows), :, c0:c0 + src.shape[2]] = src
+            else:
+                idx = torch.tensor(rows, device=dst.device)
+                view = dst[:, :, c0:c0 + src.shape[2]]
+                view.index_copy_(0, idx, src.to(dst.device))
+
+    def _compute(self, layer: int, work: _Work, w: dict[str, torch.Tensor], slot: int, decode: bool,
+                 last: bool) -> torch.Tensor | None:
+        """One layer for one GPU batch; returns the last position's hidden state after the last layer."""
+        spec, led = self.spec, self.ledger
+        t0 = time.perf_counter()
+        hidden = self._hidden_in(layer, work, slot)
+        q, k, v = attn_in(spec, w, hidden, work.pos, self.rope)
+        n, t = hidden.shape[0], hidden.shape[1]
+        homes = self.kv_home[work.batch][layer]
+        cpu_s = 0.0
+        # Working sets are accounted phase by phase (CostModel.memory transients: one at a time).
+        with led.transient("gpu", "qkv", nbytes_of(hidden, q, k, v)):
+            pass
+        if not decode:
+            with led.transient("gpu", "attention", 2 * nbytes_of(q) + nbytes_of(k, v)):
+                attn = attention(spec, q, k, v, work.mask, causal=True)
+            enc = self.codec.encode(k, v)
+            k_off = 0
+            for tier, pos, rows in self._groups(self.cache_split, work.slots):
+                sel = [_take(e, pos) for e in enc]
+                if tier == "gpu":
+                    self._put_cols(homes["gpu"], rows, work.col, sel)
+                else:  # to the stage slot; the store queue takes it home
+                    for dst, src in zip(self.kv_stage[slot], sel):
+                        dst[k_off:k_off + len(rows), :, :t] = src
+                    k_off += len(rows)
+        else:
+            attn = torch.empty((n, 1, spec.q_dim), dtype=self.dtype, device=self.device)
+            cpu_s = self._decode_attention(layer, work, homes, q, k, v, attn, slot)
+        del q, k, v
+        with led.transient("gpu", "mlp", 2 * nbytes_of(hidden) + nbytes_of(attn)):
+            hidden = attn_out_mlp(spec, w, attn, hidden)
+        out = None
+        if last:
+            out = hidden[:, -1]
+        else:
+            self._hidden_out(work, hidden, slot)
+        self._sync()
+        end = time.perf_counter()
+        with self._lock:
+            self.busy_s["compute"] += end - t0 - cpu_s
+            if self.record_trace:
+                self.events.append(TraceEvent("compute", "decode" if decode else "prefill", t0 - self._t0,
+                                              end - t0, {"layer": layer, "batch": work.batch, "rows": n}))
+        return out
+
+    def _decode_attention(self, layer: int, work: _Work, homes: dict[str, list[Any]], q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor, attn: torch.Tensor, slot: int) -> float:
+        """Attention of one new token per row, tier group by tier group; returns CPU-attention seconds."""
+        spec, led, codec = self.spec, self.ledger, self.codec
+        b, c = work.begin, work.col
+        T1 = c + 1 - b
+        enc = codec.encode(k, v)
+        cpu_s, k_off = 0.0, 0
+        for tier, pos, rows in self._groups(self.cache_split, work.slots):
+            qs = _take(q, pos)
+            new = [_take(e, pos) for e in enc]
+            mask = _take(work.mask, pos)
+            if tier == "gpu":
+                self._put_cols(homes["gpu"], rows, c, new)
+                ctx = [_take(part[:, :, b:c + 1], rows) for part in homes["gpu"]]
+                kk, vv = codec.decode(ctx, self.kv_dequant)
+            elif not self.policy.cpu_attention:
+                stage = [s[k_off:k_off + len(rows)] for s in self.kv_stage[slot]]
+                for dst, src in zip(stage, new):
+                    dst[:, :, T1 - 1:T1] = src
+                kk, vv = codec.decode([s[:, :, :T1] for s in stage], self.kv_dequant)
+                k_off += len(rows)
+            else:
+                cpu_s += self._cpu_attention(tier, work, homes, qs, new, pos, rows, attn)
+                continue
+            with led.transient("gpu", "attention_decode", 2 * nbytes_of(qs) + nbytes_of(kk, vv)):
+                out = attention(spec, qs, kk, vv, None if bool(mask.all()) else mask, causal=False)
+            self._put_rows(attn, pos, out)
+        return cpu_s
+
+    def _put_rows(self, dst: torch.Tensor, pos: list[int], src: torch.Tensor) -> None:
+        if pos == list(range(pos[0], pos[0] + len(pos))):
+            dst[pos[0]:pos[0] + len(pos)] = src
+        else:
+            dst.index_copy_(0, torch.tensor(pos, device=dst.device), src)
+
+    def _cpu_attention(self, tier: str, work: _Work, homes: dict[str, list[Any]], q: torch.Tensor,
+                       new: list[torch.Tensor], pos: list[int], rows: list[int], attn: torch.Tensor) -> float:
+        """FlexGen §4.2: rows whose cache is not on the gpu tier attend on the CPU, next to their cache."""
+        st, led, spec = self.store, self.ledger, self.spec
+        b, c = work.begin, work.col
+        T1 = c + 1 - b
+        cpu = torch.device("cpu")
+        qc = torch.empty(q.shape, dtype=q.dtype, device=cpu)
+        newc = [torch.empty(x.shape, dtype=x.dtype, device=cpu) for x in new]
+        st.copy(Ref("cpu", qc), Ref("gpu", q))
+        for dst, src in zip(newc, new):
+            st.copy(Ref("cpu", dst), Ref("gpu", src))
+        t0 = time.perf_counter()
+        if tier == "cpu":
+            self._put_cols(homes["cpu"], rows, c, newc)
+            kk, vv = [_take(part[:, :, b:c + 1], rows) for part in homes["cpu"]]
+        else:  # disk rows: the load queue read their context into the load relay
+            if self._item >= 1:
+                self._store_done[self._item - 1].result()  # the store relay is free again
+            ctx = []
+            for part, src in enumerate(newc):
+                relay = self.kv_relay[0][part][:len(rows)]
+                relay[:, T1 - 1] = src[:, :, 0]
+                self.kv_relay[1][part][:len(rows), :1] = src.transpose(1, 2)  # the store queue writes it
+                ctx.append(relay[:, :T1].transpose(1, 2))
+            kk, vv = ctx
+        mask = _take(work.cpu_mask, pos)
+        with led.transient("cpu", "cpu_attention", 2 * nbytes_of(qc) + nbytes_of(*newc) + (
+                nbytes_of(kk, vv) if not kk.is_contiguous() or tier == "disk" else 0)):
+            out = attention(spec, qc, kk, vv, None if bool(mask.all()) else mask, causal=False)
+        cpu_s = time.perf_counter() - t0
+        self._busy("cpu_compute", "cpu_attention", t0, {"batch": work.batch, "rows": len(rows)})
+        res = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        st.copy(Ref("gpu", res), Ref("cpu", out))
+        self._put_rows(attn, pos, res)
+        return cpu_s
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ----------------------------------------------------------------- the one loop
+    def _step(self, works: list[_Work], decode: bool) -> list[torch.Tensor]:
+        """One prefill or decode step over the block (FlexGen Alg. 1); returns logits per work.
+
+        Item ``j`` = (layer, GPU batch) in loop order. While item ``j`` computes, the load queue
+        fills stage slot ``(j + 1) % 2`` for item ``j + 1`` (after the store of item ``j - 1``,
+        the slot's last user, and of item ``j + 1 - nb``, which produced its input) and the store
+        queue drains item ``j - 1``. Without overlap the same tasks run inline, in order.
+        """
+        L, nb = self.spec.num_layers, len(works)
+        items = [(l, i) for l in range(L) for i in range(nb)]
+        store_done = [Future() for _ in items]
+        compute_done = [threading.Event() for _ in items]
+        self._store_done, self._item = store_done, 0
+        loads: dict[int, Future] = {}
+        logits: list[torch.Tensor | None] = [None] * nb
+
+        def load_task(j: int) -> Callable[[], None]:
+            l, i = items[j]
+
+            def run() -> None:
+                for dep in (j - 2, j - nb):
+                    if dep >= 0:
+                        store_done[dep].result()
+                if self.policy.cpu_attention and j >= 1:
+                    compute_done[j - 1].wait()  # CPU attention of item j-1 reads the load relay
+                self._load(l, works[i], j % 2, decode)
+            return run
+
+        def store_task(j: int) -> Callable[[], None]:
+            l, i = items[j]
+
+            def run() -> None:
+                try:
+                    self._store(l, works[i], j % 2, decode, store_act=l < L - 1)
+                    store_done[j].set_result(None)
+                except BaseException as exc:
+                    store_done[j].set_exception(exc)
+                    raise
+            return run
+
+        try:
+            w: dict[str, torch.Tensor] = {}
+            for j, (l, i) in enumerate(items):
+                if i == 0:
+                    self._current_layer = l
+                    w = self._weights(l)
+                    self._prefetch((l + 1) % L)
+                if j not in loads:
+                    loads[j] = self._submit(1, load_task(j))
+                if self.overlap and j + 1 < len(items):
+                    loads[j + 1] = self._submit(1, load_task(j + 1))
+                loads.pop(j).result()
+                self._item = j
+                out = self._compute(l, works[i], w, j % 2, decode, last=l == L - 1)
+                compute_done[j].set()
+                if out is not None:
+                    logits[i] = self._head(out)
+                self._submit(2, store_task(j))
+            for f in store_done:
+                f.result()
+            for f in loads.values():
+                f.result()
+        finally:
+            for e in compute_done:
+                e.set()  # never leave a load task waiting after an error
+        return [x for x in logits if x is not None]
+
+    def _head(self, hidden_last: torch.Tensor) -> torch.Tensor:
+        with self.ledger.transient("gpu", "logits", nbytes_of(hidden_last) + hidden_last.shape[0] *
+                                   self.spec.vocab_size * 4):
+            t0 = time.perf_counter()
+            logits = final_logits(self.spec, self.head, hidden_last)
+            self._busy("compute", "head", t0, {})
+            return logits
+
+    # ----------------------------------------------------------------- job
+    def run(self, requests: Iterable[Request], on_finished: Callable[[list[Finished]], None] | None = None,
+            on_step: Callable[[int], None] | None = None) -> EngineStats:
+        """Generate for every request (consumed lazily, in order); see the module docstring."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        p = self.policy
+        gbs, nb, R = p.gbs, p.nb, p.refill_every
+        queue = iter(requests)
+        self._t0 = time.perf_counter()
+        with self._lock:
+            self.busy_s = {r: 0.0 for r in RESOURCES}
+            self.events = []
+        self.stats = EngineStats(0.0, 0, 0, 0, 0, 0, {}, dict(self.planned_peak_bytes), {}, [], [])
+        with torch.inference_mode():
+            exhausted = False
+            while not exhausted:
+                batches = [_Batch([None] * gbs, torch.zeros((gbs, self.cap), dtype=torch.bool)) for _ in range(nb)]
+                first = True
+                while True:
+                    joining: list[tuple[int, Request]] = []
+                    if first or R > 0:
+                        free = [s for s in range(gbs * nb) if batches[s // gbs].rows[s % gbs] is None]
+                        reqs = [self._check(r) for r in itertools.islice(queue, len(free))]
+                        exhausted = exhausted or len(reqs) < len(free)
+                        if p.bucket:
+                            reqs.sort(key=lambda r: len(r.prompt_ids))
+                        joining = list(zip(free, reqs))
+                    first = False
+                    if not joining and not any(b.active() for b in batches):
+                        break
+                    finished: list[Finished] = []
+                    if joining:
+                        self._prefill(batches, joining, finished, on_step)
+                    steps = 0
+                    while (R == 0 or steps < R) and any(b.active() for b in batches):
+                        self._decode(batches, finished, on_step)
+                        steps += 1
+                    if on_finished is not None and finished:
+                        on_finished(finished)
+                if R > 0:
+                    break
+        s = self.stats
+        s.wall_s = self._clock()
+        s.peak_bytes = dict(self.ledger.peak)
+        s.busy_s = dict(self.busy_s)
+        s.events = list(self.events)
+        return s
+
+    def _check(self, r: Request) -> Request:
+        if not r.prompt_ids:
+            raise UserError(f"request {r.id}: empty prompt")
+        if len(r.prompt_ids) > self.max_prompt:
+            raise UserError(f"request {r.id}: prompt of {len(r.prompt_ids)} tokens is longer than the plan's max "
+                            f"prompt {self.max_prompt}; re-plan for longer prompts or shorten it")
+        if not 1 <= r.max_new_tokens <= self.max_output:
+            raise UserError(f"request {r.id}: max_new_tokens {r.max_new_tokens} is outside 1..{self.max_output} "
+                            "(the plan's max output)")
+        return r
+
+    def _prefill(self, batches: list[_Batch], joining: list[tuple[int, Request]], finished: list[Finished],
+                 on_step: Callable[[int], None] | None) -> None:
+        gbs = self.policy.gbs
+        start = self._clock()
+        works = []
+        for j, batch in enumerate(batches):
+            new = sorted((s % gbs, r) for s, r in joining if s // gbs == j)
+            if not new:
+                continue
+            P = max(len(r.prompt_ids) for _s, r in new)
+            if not batch.active():
+                batch.end = 0
+                batch.mask.zero_()
+            end = max(batch.end, P)
+            c0 = end - P
+            ids = torch.zeros((len(new), P), dtype=torch.long)
+            mask = torch.zeros((len(new), P), dtype=torch.bool)
+            for i, (slot, r) in enumerate(new):
+                n = len(r.prompt_ids)
+                ids[i, P - n:] = torch.tensor(r.prompt_ids, dtype=torch.long)
+                mask[i, P - n:] = True
+                batch.rows[slot] = _Row(r, [], start, n_ctx=n, first_col=c0 + P - n)
+                batch.mask[slot] = False
+                batch.mask[slot, c0:end] = mask[i]
+            batch.end = end
+            pos = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+            dev_mask = None if bool(mask.all()) else mask.to(self.device)
+            works.append(_Work(j, [s for s, _r in new], ids.to(self.device), pos.to(self.device), c0, c0, dev_mask))
+            self.stats.padded_prompt_tokens += len(new) * P
+            self.stats.prompt_tokens += sum(len(r.prompt_ids) for _s, r in new)
+        logits = self._step(works, decode=False)
+        self.stats.num_prefill_steps += 1
+        self._finish_step(batches, works, logits, finished, on_step)
+
+    def _decode(self, batches: list[_Batch], finished: list[Finished], on_step: Callable[[int], None] | None) -> None:
+        works = []
+        for j, batch in enumerate(batches):
+            slots = batch.active()
+            if not slots:
+                continue
+            if batch.end >= self.cap:
+                self._compact(j, batch)
+            b, c = batch.begin(), batch.end
+            rows = [batch.rows[s] for s in slots]
+            ids = torch.tensor([[r.out[-1]] for r in rows], dtype=torch.long)  # type: ignore[union-attr]
+            pos = torch.tensor([[r.n_ctx] for r in rows], dtype=torch.long)  # type: ignore[union-attr]
+            for s in slots:
+                batch.mask[s, c] = True
+            cmask = batch.mask[slots][:, b:c + 1]
+            works.append(_Work(j, slots, ids.to(self.device), pos.to(self.device), c, b, cmask.to(self.device),
+                               cpu_mask=cmask))
+            batch.end = c + 1
+            for r in rows:
+                r.n_ctx += 1  # type: ignore[union-attr]
+        logits = self._step(works, decode=True)
+        self.stats.num_decode_steps += 1
+        self._finish_step(batches, works, logits, finished, on_step)
+
+    def _finish_step(self, batches: list[_Batch], works: list[_Work], logits: list[torch.Tensor],
+                     finished: list[Finished], on_step: Callable[[int], None] | None) -> None:
+        now = self._clock()
+        produced = 0
+        for work, lg in zip(works, logits):
+            tokens = sample(lg, self.sampling, self.generator).tolist()
+            batch = batches[work.batch]
+            for slot, tok in zip(work.slots, tokens):
+                row = batch.rows[slot]
+                assert row is not None
+                row.out.append(int(tok))
+                produced += 1
+                eos = int(tok) in self.stop
+                if eos or len(row.out) >= row.req.max_new_tokens:
+                    finished.append(Finished(row.req.id, len(row.req.prompt_ids), tuple(row.out), row.start_s, now,
+                                             eos))
+                    batch.rows[slot] = None
+                    batch.mask[slot] = False
+        self.stats.generated_tokens += produced
+        if on_step is not None:
+            on_step(produced)
+
+    def _compact(self, j: int, batch: _Batch) -> None:
+        """Shift a batch's KV columns ``[begin, end)`` to ``[0, T)`` on every tier (refill can run long)."""
+        b, e = batch.begin(), batch.end
+        T = e - b
+        assert b > 0, "a batch's context cannot exceed max_prompt + max_output"
+        for layer in range(self.spec.num_layers):
+            for tier, parts in self.kv_home[j][layer].items():
+                for part, home in enumerate(parts):
+                    if tier == "disk":
+                        for r in range(home.shape[0]):
+                            relay = self.kv_relay[0][part][0][:T]
+                            self.store.copy(Ref("cpu", relay), Ref("disk", home.row(r).span(b, e)))
+                            self.store.copy(Ref("disk", home.row(r).span(0, T)), Ref("cpu", relay))
+                    else:
+                        for s in range(0, T, b):  # chunks of width <= b never overlap their source
+                            w = min(b, T - s)
+                            home[:, :, s:s + w] = home[:, :, b + s:b + s + w]
+        batch.mask[:, :T] = batch.mask[:, b:e].clone()
+        batch.mask[:, T:] = False
+        for r in batch.rows:
+            if r is not None:
+                r.first_col -= b
+        batch.end = T
+
+    # ----------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        """Stop the I/O threads, free the tiers and delete the offload files (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for pool in self._pools:
+            pool.shutdown(wait=True, cancel_futures=True)
+        self._pools = []
+        self.store.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def offload_path(self) -> Path | None:
+        """The private directory holding this engine's offload files (None without disk data)."""
+        return self.store.dir

@@ -1,0 +1,287 @@
+"""The tiered store: gpu (compute device), cpu (host RAM) and disk, with one copy routine.
+
+Every buffer the engine allocates goes through :class:`TierStore` under a name from
+``xsimulator.costmodel.CostModel.memory`` (``weights_home``, ``kv_stage``, ``weight_relay``...),
+so :class:`MemoryLedger` knows the live and peak bytes per tier and per name; a run reports
+the measured peak next to the planned one.
+
+- ``gpu``: tensors on the compute device. On a host without CUDA that is the CPU, and the
+  tier is a declared RAM budget: a copy between ``gpu`` and ``cpu`` is still a real memcpy.
+- ``cpu``: host RAM, 4 KiB-aligned (``xprofiler.diskio.aligned_empty``) so that disk reads can
+  land in it with O_DIRECT, and page-locked with ``cudaHostRegister`` when the device is CUDA
+  (asynchronous copies on the copy streams need pinned memory).
+- ``disk``: byte ranges of files in a private directory under ``offload_dir``, read and
+  written around the page cache (``xprofiler.diskio.DirectFile``). Weight records are 4 KiB
+  aligned and moved with O_DIRECT; KV cache and activation rows (small, unaligned pieces) use
+  the fadvise method (write + fdatasync + drop, drop + read), so every read comes from the disk.
+
+:meth:`TierStore.copy` moves any slice between any two tiers; disk <-> gpu goes through a cpu
+relay buffer the caller owns (it is an accounted buffer, not a hidden allocation).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from xprofiler.diskio import DirectFile, aligned_empty, round_up
+from xsched.errors import UserError
+from xsched.fileio import describe_os_error
+
+TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
+
+
+class MemoryLedger:
+    """Live and peak bytes per tier (and per buffer name); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.live: dict[str, int] = {t: 0 for t in TIERS}
+        self.peak: dict[str, int] = {t: 0 for t in TIERS}
+        self.by_name: dict[tuple[str, str], int] = {}
+
+    def add(self, tier: str, name: str, nbytes: int) -> None:
+        with self._lock:
+            self.live[tier] += int(nbytes)
+            self.by_name[tier, name] = self.by_name.get((tier, name), 0) + int(nbytes)
+            self.peak[tier] = max(self.peak[tier], self.live[tier])
+
+    def sub(self, tier: str, name: str, nbytes: int) -> None:
+        with self._lock:
+            self.live[tier] -= int(nbytes)
+            self.by_name[tier, name] -= int(nbytes)
+
+    @contextmanager
+    def transient(self, tier: str, name: str, nbytes: int) -> Iterator[None]:
+        """Account a short-lived working set (e.g. q/k/v of one GPU batch) while it is alive."""
+        self.add(tier, name, nbytes)
+        try:
+            yield
+        finally:
+            self.sub(tier, name, nbytes)
+
+
+def nbytes_of(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass(frozen=True)
+class DiskSlice:
+    """A contiguous tensor of ``shape``/``dtype`` stored at byte ``offset`` of ``file``."""
+
+    file: DirectFile
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for s in self.shape:
+            n *= s
+        return n
+
+    def row(self, i: int) -> "DiskSlice":
+        """Sub-tensor ``i`` along the first dimension (contiguous, so still one byte range)."""
+        inner = self.shape[1:]
+        return DiskSlice(self.file, self.offset + i * (self.nbytes // self.shape[0]), inner, self.dtype)
+
+    def span(self, start: int, stop: int) -> "DiskSlice":
+        """Entries ``start:stop`` along the first dimension (one byte range)."""
+        per = self.nbytes // self.shape[0]
+        return DiskSlice(self.file, self.offset + start * per, (stop - start,) + self.shape[1:], self.dtype)
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Where a slice lives: its tier and the tensor (gpu/cpu) or disk range."""
+
+    tier: str
+    data: torch.Tensor | DiskSlice
+
+
+def _numpy_bytes(t: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view of a contiguous CPU tensor (shares memory)."""
+    return t.view(torch.uint8).reshape(-1).numpy() if t.dtype != torch.uint8 else t.reshape(-1).numpy()
+
+
+class TierStore:
+    """Allocates accounted buffers on the three tiers and copies slices between them."""
+
+    def __init__(self, device: torch.device, offload_dir: str | Path | None, ledger: MemoryLedger,
+                 on_copy: Callable[[str, float, float, int], None] | None = None):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.ledger = ledger
+        self.on_copy = on_copy  # (channel, start, end, bytes), for busy time and the trace
+        self._offload_root = Path(offload_dir) if offload_dir is not None else None
+        self.dir: Path | None = None
+        self.files: dict[str, DirectFile] = {}
+        self._ends: dict[str, int] = {}
+        self._registered: list[int] = []
+        self._keep: list[object] = []  # numpy owners of aligned cpu buffers
+        self.streams = ({ch: torch.cuda.Stream(device) for ch in ("ctog", "gtoc")} if self.cuda else {})
+
+    # ----------------------------------------------------------------- allocation
+    def empty(self, tier: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An accounted tensor on the gpu or cpu tier."""
+        if tier == "gpu":
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+        elif tier == "cpu":
+            nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+            buf = aligned_empty(max(nbytes, 1))
+            if self.cuda and nbytes:
+                ptr = buf.ctypes.data
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, buf.nbytes, 0))
+                self._registered.append(ptr)
+            self._keep.append(buf)
+            t = torch.from_numpy(buf[:nbytes]).view(dtype).view(shape)
+        else:
+            raise ValueError(f"use disk_region for the disk tier, not {tier!r}")
+        self.ledger.add(tier, name, nbytes_of(t))
+        return t
+
+    def adopt(self, tier: str, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Account a tensor created elsewhere (the head weights from the loader)."""
+        self.ledger.add(tier, name, nbytes_of(t))
+        return t
+
+    def release(self, tier: str, name: str, t: torch.Tensor) -> None:
+        self.ledger.sub(tier, name, nbytes_of(t))
+
+    def _file(self, kind: str) -> DirectFile:
+        """The offload file for ``kind``: ``weights`` (O_DIRECT, aligned records) or ``rows``."""
+        if kind not in self.files:
+            if self._offload_root is None:
+                raise UserError("this policy puts data on the disk tier; pass an offload directory (--offload-dir)")
+            if self.dir is None:
+                try:
+                    self._offload_root.mkdir(parents=True, exist_ok=True)
+                    self.dir = Path(tempfile.mkdtemp(prefix="xsched-offload-", dir=self._offload_root))
+                except OSError as exc:
+                    raise UserError(describe_os_error(exc, self._offload_root)) from None
+            self.files[kind] = DirectFile(self.dir / f"{kind}.bin", "rw", direct=None if kind == "weights" else False)
+            self._ends[kind] = 0
+        return self.files[kind]
+
+    def disk_region(self, kind: str, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                    align: bool = False) -> DiskSlice:
+        """Reserve an accounted range of an offload file (``reserve`` makes the space real)."""
+        f = self._file(kind)
+        ds = DiskSlice(f, self._ends[kind], tuple(shape), dtype)
+        size = round_up(ds.nbytes) if align else ds.nbytes
+        self._ends[kind] += size
+        self.ledger.add("disk", name, size)
+        return ds
+
+    def reserve(self) -> None:
+        """Allocate every reserved byte on disk now, so a full disk fails before the run."""
+        for kind, f in self.files.items():
+            if self._ends[kind]:
+                f.allocate(round_up(self._ends[kind]))
+
+    # ----------------------------------------------------------------- the copy routine
+    def copy(self, dst: Ref, src: Ref, relay: torch.Tensor | None = None) -> None:
+        """Copy ``src`` into ``dst`` (same number of elements and dtype), tier to tier.
+
+        disk -> gpu and gpu -> disk go through ``relay`` (a cpu-tier tensor of at least the
+        slice's bytes, 4 KiB-aligned for O_DIRECT records). Each leg is timed on its channel.
+        A CUDA copy runs on the channel's stream and is complete when this returns.
+        """
+        if isinstance(src.data, DiskSlice):
+            if isinstance(dst.data, DiskSlice):
+                raise ValueError("disk to disk copies are not needed")
+            if dst.tier == "cpu" and self._direct_ok(dst.data, src.data):
+                self._read(src.data, dst.data)
+                return
+            if relay is None:
+                raise ValueError("disk -> gpu needs a cpu relay buffer")
+            io, typed = self._relay_views(relay, src.data)
+            self._read(src.data, io)
+            self._copy_tensor(dst.data, dst.tier, typed, "cpu")
+            return
+        if isinstance(dst.data, DiskSlice):
+            if src.tier == "cpu" and self._direct_ok(src.data, dst.data):
+                self._write(dst.data, src.data)
+                return
+            if relay is None:
+                raise ValueError("gpu -> disk needs a cpu relay buffer")
+            io, typed = self._relay_views(relay, dst.data)
+            self._copy_tensor(typed, "cpu", src.data, src.tier)
+            self._write(dst.data, io)
+            return
+        self._copy_tensor(dst.data, dst.tier, src.data, src.tier)
+
+    def _copy_tensor(self, dst: torch.Tensor, dst_tier: str, src: torch.Tensor, src_tier: str) -> None:
+        channel = {("cpu", "gpu"): "ctog", ("gpu", "cpu"): "gtoc"}.get((src_tier, dst_tier))
+        t0 = time.perf_counter()
+        if self.cuda and channel is not None:
+            stream = self.streams[channel]
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # producer kernels first
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+        else:
+            dst.copy_(src)
+        if channel is not None and self.on_copy is not None:
+            self.on_copy(channel, t0, time.perf_counter(), nbytes_of(src))
+
+    @staticmethod
+    def _direct_ok(t: torch.Tensor, ds: DiskSlice) -> bool:
+        """Whether a cpu tensor can take part in the disk transfer itself (no relay needed)."""
+        if not t.is_contiguous() or t.device.type != "cpu":
+            return False
+        if ds.file.method != "o_direct":
+            return True
+        return t.data_ptr() % 4096 == 0 and ds.offset % 4096 == 0 and nbytes_of(t) % 4096 == 0
+
+    @staticmethod
+    def _relay_views(relay: torch.Tensor, ds: DiskSlice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The relay's bytes for the disk transfer (4 KiB-rounded under O_DIRECT) and its typed view."""
+        flat = relay.reshape(-1).view(torch.uint8)
+        n = round_up(ds.nbytes) if ds.file.method == "o_direct" else ds.nbytes
+        if n > flat.numel():
+            raise ValueError(f"relay of {flat.numel()} bytes is too small for {n}")
+        return flat[:n], flat[:ds.nbytes].view(ds.dtype).view(ds.shape)
+
+    def _disk_io(self, channel: str, ds: DiskSlice, buf_tensor: torch.Tensor) -> None:
+        """One disk transfer (``dtoc`` reads into, ``ctod`` writes from ``buf_tensor``), timed."""
+        buf = _numpy_bytes(buf_tensor)
+        n = round_up(ds.nbytes) if ds.file.method == "o_direct" else ds.nbytes
+        t0 = time.perf_counter()
+        if channel == "dtoc":
+            ds.file.read_into(buf[:n], ds.offset)
+        else:
+            ds.file.write_at(buf[:n], ds.offset)
+        if self.on_copy is not None:
+            self.on_copy(channel, t0, time.perf_counter(), ds.nbytes)
+
+    def _read(self, ds: DiskSlice, into: torch.Tensor) -> None:
+        self._disk_io("dtoc", ds, into)
+
+    def _write(self, ds: DiskSlice, src: torch.Tensor) -> None:
+        self._disk_io("ctod", ds, src)
+
+    # ----------------------------------------------------------------- cleanup
+    def close(self) -> None:
+        """Close and delete the offload files, unpin host buffers; safe to call twice."""
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+        if self.cuda:
+            for ptr in self._registered:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._registered.clear()
+        self._keep.clear()
