@@ -394,3 +394,22 @@ def test_default_model_on_real_prompts_matches_generate(tmp_path, capsys):
         assert got[f"q{i}"]["output_ids"] == want and got[f"q{i}"]["prompt_tokens"] == len(ids)
         assert got[f"q{i}"]["text"] == tok.decode(want, skip_special_tokens=True)
     assert "Paris" in got["q0"]["text"]
+
+
+def test_plan_measured_on_another_machine_warns(tmp_path):
+    from dataclasses import replace
+
+    from xprofiler.presets import ProfileMismatchWarning, load_preset
+    from xrunner.run_cli import warn_if_plan_from_other_machine
+    from xscheduler.plan import Plan
+    from xsimulator.policy import Policy
+
+    t4 = load_preset("t4")  # a preset never warns: it describes no machine in particular
+    plan = Plan.load(make_plan(tmp_path / "preset.json", random_spec(), Policy(gbs=1, nb=1), 4, 4, profile=t4))
+    assert warn_if_plan_from_other_machine(plan, None) == []
+    measured = replace(t4, source="measured", fingerprint=replace(t4.fingerprint, cpu_model="Imaginary CPU 9000"))
+    plan = Plan.load(make_plan(tmp_path / "measured.json", random_spec(), Policy(gbs=1, nb=1), 4, 4,
+                               profile=measured))
+    with pytest.warns(ProfileMismatchWarning, match="Imaginary CPU 9000"):
+        diffs = warn_if_plan_from_other_machine(plan, None)
+    assert any("cpu_model" in d for d in diffs)
