@@ -56,6 +56,20 @@ def stop_token_ids(source, tokenizer) -> list[int]:  # noqa: ANN001
     return sorted(stops)
 
 
+def resolve_device(name: str | None) -> str:
+    """``name``, or cuda when available, else cpu; an unusable device is a one-line error."""
+    import torch
+
+    from xsched.errors import UserError
+
+    device = name or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        raise UserError(f"device {device!r} is not usable here ({str(exc).splitlines()[0]})") from None
+    return device
+
+
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     """Token ids of ``prompt``, wrapped in the tokenizer's chat template when it has one."""
     if chat and getattr(tokenizer, "chat_template", None):
@@ -66,7 +80,6 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
     from tqdm import tqdm
 
     from xrunner.generate import generate
@@ -76,11 +89,7 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as exc:
-        raise UserError(f"device {device!r} is not usable here ({str(exc).splitlines()[0]})") from None
+    device = resolve_device(args.device)
     show = not args.quiet and sys.stderr.isatty()
     source = open_model(args.model, dtype=args.dtype)
     tokenizer = source.tokenizer()

@@ -45,9 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offload-dir", metavar="DIR", default=None,
                    help="directory for the disk tier's files (default: the system temporary directory); "
                         "they are removed at the end, also after Ctrl-C")
-    p.add_argument("--profile", default=None,
-                   help="profile JSON or preset the engine times against (default: the plan's profile when it "
-                        "is a preset)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="for prompts without \"max_new_tokens\" (default: the plan workload's longest output)")
     p.add_argument("--ignore-eos", action="store_true",
@@ -176,8 +174,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from xprofiler.presets import load_preset, load_profile, preset_names
-    from xrunner.cli import encode_prompt, sampling_from_args, stop_token_ids
+    from xprofiler.presets import load_preset, preset_names
+    from xrunner.cli import encode_prompt, resolve_device, sampling_from_args, stop_token_ids
     from xrunner.jobfiles import ResultsWriter, read_prompts, tokenize_prompts
     from xrunner.loaders import open_model
     from xrunner.result import build_run_result
@@ -220,18 +218,14 @@ def _run(args: argparse.Namespace) -> int:
                             f"{source.spec.max_positions} positions; shorten the prompts or max_new_tokens")
         stops = [] if args.ignore_eos else stop_token_ids(source, tokenizer)
 
-        profile = None
-        if args.profile:
-            profile = load_profile(args.profile)
-        elif plan.profile_source == "preset" and plan.profile_name in preset_names():
-            profile = load_preset(plan.profile_name)
-        device = _device(profile)
+        device = resolve_device(args.device)
 
         from xrunner.engine import Engine, Request, rounded_policy
 
         # The engine refuses a tier that does not fit; without CUDA two tiers share the RAM, so check the sum.
+        # (Memory terms do not depend on the machine's speeds, so any profile prices them.)
         rounded = rounded_policy(plan.policy, source.spec.num_layers)
-        planned = CostModel.for_policy(source.spec, profile or load_preset(preset_names()[0]), rounded).peak_bytes(
+        planned = CostModel.for_policy(source.spec, load_preset(preset_names()[0]), rounded).peak_bytes(
             rounded, max_prompt, max_output)
         machine = machine_capacity_bytes(device, offload_root)
         check_shared_ram(device, planned, machine["cpu"])
@@ -262,7 +256,7 @@ def _run(args: argparse.Namespace) -> int:
             new_tokens_of = {records[i].id: new_tokens[i] for i in pending_idx}
             with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
                         capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
-                        stop_token_ids=stops, record_trace=bool(args.trace), profile=profile, device=device,
+                        stop_token_ids=stops, record_trace=bool(args.trace), device=device,
                         progress=show) as engine:
                 stats = engine.run(requests, on_finished=on_finished, on_step=bar.update)
 
@@ -301,11 +295,3 @@ def _tokenizer(source: Any, needed: bool) -> Any:
     if not needed or isinstance(source, RandomSource):
         return None
     return source.tokenizer()
-
-
-def _device(profile: Any) -> str:
-    import torch
-
-    if profile is not None and profile.compute_device == "cpu":
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
