@@ -163,6 +163,8 @@ def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
         (["--prompts", str(text), "--out", str(tmp_path / "o4")], "give \"prompt_ids\""),
         (["--prompts", str(ok), "--out", str(tmp_path / "o5"), "--offload-dir", str(tmp_path / "none")],
          "offload dir"),
+        (["--prompts", str(ok), "--out", str(tmp_path / "nodir" / "o")], "does not exist or is not writable"),
+        (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--offload-dir", str(ok)], "is not a directory"),
     ]
     for extra, message in cases:
         assert main(base + extra) == 2, extra

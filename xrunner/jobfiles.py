@@ -135,6 +135,9 @@ class ResultsWriter:
             raise UserError(describe_os_error(exc, p)) from None
         if p.exists() and not p.is_file():
             raise UserError(f"{p}: not a regular file; pass another --out")
+        parent = p.parent if str(p.parent) else Path(".")
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"{p}: directory {parent} does not exist or is not writable; create it or pass another --out")
         if size and not resume:
             raise UserError(f"{p} already has results; pass --resume to continue that job or another --out path")
         if size:
