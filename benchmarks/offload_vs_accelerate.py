@@ -255,7 +255,8 @@ def child_baseline(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------- the xsched side
-def choose_policy(spec, profile, budget: int, overhead: int, max_prompt: int, max_output: int, max_rows: int):
+def choose_policy(spec, profile, budget: int, overhead: int, max_prompt: int, max_output: int, max_rows: int,
+                  compress_options: tuple[bool, ...] = (False, True)):
     """The largest block whose planned gpu+cpu peak fits the budget, then as many weights in RAM as
     fit, then the largest GPU batch (on a CPU each GPU batch re-reads the layer's weights from RAM).
 
@@ -268,7 +269,7 @@ def choose_policy(spec, profile, budget: int, overhead: int, max_prompt: int, ma
     room = budget - overhead
     L = spec.num_layers
     best = None
-    for compress in (False, True):
+    for compress in compress_options:
         for gbs in (16, 32, 48, 64, 96, 128):  # smaller GPU batches waste the CPU on re-reading weights
             for nb in (1, 2, 4, 8, 16):
                 if gbs * nb > max_rows:
@@ -314,6 +315,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--accelerate-batches", default="16,48", help="comma-separated batch sizes to try")
     ap.add_argument("--rows", type=int, default=128, help="most requests for xsched (one block; keeps the run short)")
+    ap.add_argument("--kv-compression", choices=("auto", "on", "off"), default="auto",
+                    help="4-bit KV cache in the budget search: auto picks what buys the largest block")
     ap.add_argument("--policy", default=None, help="policy JSON for xsched instead of the budget search")
     ap.add_argument("--profile", default=None,
                     help="profile for the plan's prediction column (default: the t4 preset; only printed)")
@@ -379,7 +382,8 @@ def main() -> None:
             policy = Policy.from_json(args.policy)
             peak = None
         else:
-            policy, peak = choose_policy(spec, profile, budget, overhead, max_prompt, max_output, args.rows)
+            options = {"auto": (False, True), "on": (True,), "off": (False,)}[args.kv_compression]
+            policy, peak = choose_policy(spec, profile, budget, overhead, max_prompt, max_output, args.rows, options)
         n = min(args.rows, policy.block_size) if not args.policy else args.rows
         print(f"xsched policy ({n} requests): " + policy.describe().replace("\n", "; ")
               + (f"; planned RAM {(peak['gpu'] + peak['cpu']) / GiB:.2f} GiB + process {overhead / GiB:.2f} GiB"
