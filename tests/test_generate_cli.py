@@ -21,24 +21,6 @@ def xsched(*args: str) -> subprocess.Popen:
                             text=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random Llama saved as a HF directory, with a word-level tokenizer ("w0".."w299")."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      eos_token_id=2)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    vocab = {f"w{i}": i for i in range(300)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w2").save_pretrained(path)
-    return path
-
-
 @pytest.mark.slow
 def test_default_model_answers_the_readme_question():
     """The README's main job end to end in a fresh process (about 16 s, so marked slow).

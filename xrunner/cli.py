@@ -1,10 +1,16 @@
-"""CLI of the runner stage: ``xsched generate`` (text from a real model on this machine)."""
+"""CLI of the runner stage: ``xsched generate`` (text from a real model on this machine).
+
+``xsched run`` (a plan over a prompt file) lives in :mod:`xrunner.run_cli` and shares the
+sampling options, prompt encoding and stop tokens defined here.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from xrunner import run_cli
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,10 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text; repeat to generate for several prompts as one batch")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, a fraction (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
+    add_sampling_args(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="compute dtype (default float32; 16-bit is slow on most CPUs)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -30,6 +33,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=_generate)
+    run_cli.register(sub)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """--temperature, --top-k, --top-p, --seed (greedy by default)."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, a fraction (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
+
+
+def sampling_from_args(args: argparse.Namespace):  # noqa: ANN201 (SamplingParams; torch is imported lazily)
+    from xrunner.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def stop_token_ids(source, tokenizer) -> list[int]:  # noqa: ANN001
+    """EOS of the model spec and of the tokenizer (either may be missing)."""
+    stops = {t for t in (source.spec.eos_token_id, getattr(tokenizer, "eos_token_id", None)) if t is not None}
+    return sorted(stops)
+
+
+def resolve_device(name: str | None) -> str:
+    """``name``, or cuda when available, else cpu; an unusable device is a one-line error."""
+    import torch
+
+    from xsched.errors import UserError
+
+    device = name or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        raise UserError(f"device {device!r} is not usable here ({str(exc).splitlines()[0]})") from None
+    return device
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -42,31 +80,25 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
     from tqdm import tqdm
 
     from xrunner.generate import generate
     from xrunner.loaders import load_weights, open_model
-    from xrunner.sampling import SamplingParams
     from xsched.errors import UserError
 
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    sampling = sampling_from_args(args)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as exc:
-        raise UserError(f"device {device!r} is not usable here ({str(exc).splitlines()[0]})") from None
+    device = resolve_device(args.device)
     show = not args.quiet and sys.stderr.isatty()
     source = open_model(args.model, dtype=args.dtype)
     tokenizer = source.tokenizer()
     prompts = [encode_prompt(tokenizer, p, chat=not args.no_chat_template) for p in args.prompt]
     weights = load_weights(source, device=device, progress=show)
-    stops = {t for t in (source.spec.eos_token_id, getattr(tokenizer, "eos_token_id", None)) if t is not None}
+    stops = stop_token_ids(source, tokenizer)
     with tqdm(total=args.max_new_tokens, desc="generating", unit="tok", file=sys.stderr, disable=not show,
               leave=False) as bar:
-        result = generate(weights, prompts, args.max_new_tokens, sampling, stop_token_ids=sorted(stops),
+        result = generate(weights, prompts, args.max_new_tokens, sampling, stop_token_ids=stops,
                           on_step=lambda n: bar.update(1))
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
     wall_s = result.prefill_s + result.decode_s

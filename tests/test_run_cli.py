@@ -1,0 +1,417 @@
+"""``xsched run``: results against the in-memory reference loop, resume after SIGKILL, refusals.
+
+Plans are built here from a Policy and the discrete-event simulator (the Plan contract of
+xscheduler/plan.py), so these tests do not depend on the scheduler's search.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from xsched.cli import main
+from xsched.errors import UserError
+
+RANDOM_MODEL = "random:opt-125m"
+
+
+# ----------------------------------------------------------------------------- helpers
+def make_plan(path: Path, spec, policy, prompt_len: int, output_len: int, profile: str = "t4",
+              requests: int = 16) -> Path:
+    from workloads.workload import fixed_workload
+    from xprofiler.presets import load_profile
+    from xscheduler.plan import SLA, Plan, SearchStats
+    from xsimulator.discrete_event import simulate
+
+    prof = load_profile(profile) if isinstance(profile, str) else profile
+    workload = fixed_workload(prompt_len, output_len)
+    predicted = simulate(spec, prof, policy, workload, num_requests=requests)
+    Plan(policy=policy, predicted=predicted, sla=SLA("p99", float("inf")), model=spec, workload=workload,
+         profile_name=prof.name, profile_source=prof.source, profile_fingerprint=prof.fingerprint,
+         search=SearchStats(method="exhaustive", evaluations=1, grid_points=1, lp_solves=0, wall_s=0.0),
+         version="test").save(path)
+    return path
+
+
+def random_spec(dtype: str = "float32"):
+    from xprofiler.specs import get_model_spec
+
+    return get_model_spec(RANDOM_MODEL.split(":", 1)[1]).with_dtype(dtype)
+
+
+def write_prompts(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def without_timing(rows: list[dict]) -> set[str]:
+    return {json.dumps({k: v for k, v in r.items() if k != "latency_s"}, sort_keys=True) for r in rows}
+
+
+# ----------------------------------------------------------------------------- job files (no engine)
+def test_prompt_file_errors_name_the_line(tmp_path):
+    from xrunner.jobfiles import read_prompts
+
+    cases = [
+        ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "duplicate id 'a' (first on line 1)"),
+        ('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": \n', ":2: not valid JSON"),
+        ('{"id": "a"}\n', "give exactly one of"),
+        ('{"id": "a", "prompt": "x", "max_new_tokens": 0}\n', "max_new_tokens"),
+        ('{"id": "a", "prompt_ids": [1, -2]}\n', "non-negative integers"),
+        ('[1, 2]\n', "JSON object"),
+        ('{"id": 1.5, "prompt": "x"}\n', '"id" must be a string or an integer'),
+        ('\n\n', "no prompts"),
+    ]
+    for i, (text, message) in enumerate(cases):
+        p = tmp_path / f"p{i}.jsonl"
+        p.write_text(text)
+        with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            read_prompts(p)
+    with pytest.raises(UserError, match="no such prompt file"):
+        read_prompts(tmp_path / "missing.jsonl")
+    p = tmp_path / "ok.jsonl"
+    p.write_text('{"id": 7, "prompt": "hi", "meta": 1}\n\n{"id": "7", "prompt_ids": [3, 4], "max_new_tokens": 2}\n')
+    recs = read_prompts(p)
+    assert [(r.id, r.prompt, r.prompt_ids, r.max_new_tokens, r.line) for r in recs] == [
+        (7, "hi", None, None, 1), ("7", None, (3, 4), 2, 3)]  # 7 and "7" are different ids
+
+
+def test_results_writer_refuses_old_file_and_drops_a_torn_line_on_resume(tmp_path):
+    from xrunner.jobfiles import ResultsWriter
+
+    out = tmp_path / "r.jsonl"
+    w = ResultsWriter.open(out, resume=False)
+    assert not out.exists()  # created by the first write, not by a job that fails early
+    w.write([{"id": "a", "text": "x"}, {"id": 2, "text": "y"}])
+    w.write([])
+    w.close()
+    with pytest.raises(UserError, match="pass --resume to continue that job or another --out path"):
+        ResultsWriter.open(out, resume=False)
+    good = out.read_bytes()
+    out.write_bytes(good + b'{"id": "c", "te')  # a crash in the middle of an append
+    w = ResultsWriter.open(out, resume=True)
+    assert out.read_bytes() == good and w.is_done("a") and w.is_done(2) and not w.is_done("2")
+    w.write([{"id": "c", "text": "z"}])
+    w.close()
+    assert [r["id"] for r in read_rows(out)] == ["a", 2, "c"]
+    with pytest.raises(RuntimeError, match="finished twice"):
+        ResultsWriter.open(out, resume=True).write([{"id": "a"}])
+    out.write_bytes(good + b"garbage\n" + good)
+    with pytest.raises(UserError, match=r":3: not a results line|:2: not a results line"):
+        ResultsWriter.open(out, resume=True)
+
+
+def test_run_result_percentiles_match_the_simulator_and_round_trip():
+    from types import SimpleNamespace
+
+    from xrunner.result import RunResult, build_run_result
+    from xsimulator.discrete_event import quantile
+    from xsimulator.policy import Policy
+
+    lat = list(np.random.default_rng(0).gamma(2.0, 1.5, size=101))
+    stats = SimpleNamespace(wall_s=10.0, generated_tokens=500, prompt_tokens=300, padded_prompt_tokens=400,
+                            num_prefill_steps=3, num_decode_steps=40, peak_bytes={"gpu": 10, "cpu": 5, "disk": 0},
+                            planned_peak_bytes={"gpu": 12.0, "cpu": 5.0, "disk": 0.0},
+                            busy_s={"compute": 8.0, "dtoc": 1.0})
+    r = build_run_result(model="m", policy=Policy(gbs=4, nb=2), device="cpu", dtype="float32", stats=stats,
+                         latencies_s=lat, num_stopped_on_eos=3, num_skipped=2, capacity_bytes={"gpu": 1e9},
+                         max_prompt=8, max_output=9, predicted=None)
+    arr = np.array(lat)
+    assert r.latency_p99_s == quantile(arr, 0.99) == np.sort(arr)[99]  # inverted CDF: ceil(0.99 * 101) - 1
+    assert r.latency_p50_s == np.sort(arr)[50] and r.latency_max_s == max(lat)
+    assert (r.throughput_tokens_per_s, r.total_throughput_tokens_per_s, r.padded_throughput_tokens_per_s) == (50, 80, 90)
+    assert r.fits and RunResult.from_json(r.to_json()) == r
+    assert "measured" in r.describe() and "predicted" in r.describe()
+
+
+# ----------------------------------------------------------------------------- CLI errors
+@pytest.fixture(scope="module")
+def random_plan(tmp_path_factory):
+    from xsimulator.policy import Policy
+
+    d = tmp_path_factory.mktemp("plan")
+    return make_plan(d / "plan.json", random_spec(), Policy(gbs=2, nb=2, refill_every=2), 8, 6)
+
+
+def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
+    ok = write_prompts(tmp_path / "ok.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7]}])
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"id": "a", "prompt_ids": [5]}\n{"id": "b", "prompt_ids": [5\n')
+    dup = write_prompts(tmp_path / "dup.jsonl", [{"id": "a", "prompt_ids": [5]}, {"id": "a", "prompt_ids": [6]}])
+    text = write_prompts(tmp_path / "text.jsonl", [{"id": "a", "prompt": "hello"}])
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"id": "z", "text": null}\n')
+    base = ["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--quiet"]
+    cases = [
+        (["--prompts", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o1")], "no such prompt file"),
+        (["--prompts", str(bad_json), "--out", str(tmp_path / "o2")], "bad.jsonl:2: not valid JSON"),
+        (["--prompts", str(dup), "--out", str(tmp_path / "o3")], "duplicate id 'a'"),
+        (["--prompts", str(ok), "--out", str(old)], "pass --resume to continue that job or another --out path"),
+        (["--prompts", str(ok), "--out", str(old), "--resume"], "whose ids are not in"),
+        (["--prompts", str(text), "--out", str(tmp_path / "o4")], "give \"prompt_ids\""),
+        (["--prompts", str(ok), "--out", str(tmp_path / "o5"), "--offload-dir", str(tmp_path / "none")],
+         "offload dir"),
+        (["--prompts", str(ok), "--out", str(tmp_path / "nodir" / "o")], "does not exist or is not writable"),
+        (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--offload-dir", str(ok)], "is not a directory"),
+    ]
+    for extra, message in cases:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("xsched: error: ") and err.count("\n") == 1 and message in err, err
+    assert main(["run", "--plan", str(random_plan), "--model", "gpt-9", "--prompts", str(ok), "--out",
+                 str(tmp_path / "o6"), "--quiet"]) == 2
+    assert "unknown model 'gpt-9'" in capsys.readouterr().err
+    assert main(["run", "--plan", str(random_plan), "--model", "random:opt-1.3b", "--prompts", str(ok), "--out",
+                 str(tmp_path / "o7"), "--quiet"]) == 2
+    assert "the plan is for opt-125m" in capsys.readouterr().err
+    assert main(["run", "--plan", str(tmp_path / "noplan.json"), "--prompts", str(ok), "--out",
+                 str(tmp_path / "o8"), "--quiet"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 9))  # failed jobs leave no results file
+
+
+# ----------------------------------------------------------------------------- end to end
+def reference_outputs(model: str, dtype: str, prompts: list[list[int]], new_tokens: list[int],
+                      stops: list[int]) -> list[list[int]]:
+    """Greedy outputs of the in-memory loop, one request at a time (the independent reference)."""
+    from xrunner.generate import generate
+    from xrunner.loaders import load_weights, open_model
+
+    weights = load_weights(open_model(model, dtype=dtype))
+    return [generate(weights, [p], n, stop_token_ids=stops).tokens[0] for p, n in zip(prompts, new_tokens)]
+
+
+def tiny_job(tiny_dir, tmp_path, n: int, seed: int = 0) -> tuple[Path, list[dict]]:
+    rng = np.random.default_rng(seed)
+    rows = [{"id": f"q{i}", "prompt": " ".join(f"w{t}" for t in rng.integers(3, 300, size=int(rng.integers(1, 12)))),
+             "max_new_tokens": int(rng.integers(1, 10))} for i in range(n)]
+    return write_prompts(tmp_path / f"prompts-{n}-{seed}.jsonl", rows), rows
+
+
+def tiny_plan(tiny_dir, path: Path, policy) -> Path:
+    from xrunner.loaders import open_model
+
+    return make_plan(path, open_model(tiny_dir, dtype="float32").spec, policy, 16, 10)
+
+
+def test_run_matches_the_reference_loop_and_writes_a_trace(tiny_dir, tmp_path, capsys):
+    """Text prompts through the tokenizer, weights half on disk, refill, two GPU batches, --trace, --json."""
+    from xrunner.result import RunResult
+    from xsimulator.policy import Policy
+    from xsimulator.trace import TRACKS, read_chrome_trace
+
+    prompts, rows = tiny_job(tiny_dir, tmp_path, 9)
+    plan = tiny_plan(tiny_dir, tmp_path / "plan.json",
+                     Policy(gbs=2, nb=2, wg=0.5, wc=0.0, wd=0.5, refill_every=2))
+    out, trace, offload = tmp_path / "out.jsonl", tmp_path / "trace.json", tmp_path / "offload"
+    offload.mkdir()
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--trace", str(trace), "--offload-dir", str(offload), "--json", "--quiet"]) == 0
+    result = RunResult.from_json(capsys.readouterr().out)
+    got = {r["id"]: r for r in read_rows(out)}
+    assert sorted(got) == sorted(r["id"] for r in rows)  # every request once
+    from xrunner.loaders import open_model
+
+    tok = open_model(tiny_dir, dtype="float32").tokenizer()
+    ids = [tok(r["prompt"])["input_ids"] for r in rows]
+    ref = reference_outputs(str(tiny_dir), "float32", ids, [r["max_new_tokens"] for r in rows], [2])
+    for r, p, want in zip(rows, ids, ref):
+        g = got[r["id"]]
+        assert g["output_ids"] == want and g["text"] == tok.decode(want, skip_special_tokens=True)
+        assert g["output_tokens"] == len(want) and g["prompt_tokens"] == len(p)
+        assert g["stopped_on_eos"] == (want[-1] == 2 and len(want) <= r["max_new_tokens"])
+        assert g["latency_s"] > 0
+    assert result.num_requests == 9 and result.generated_tokens == sum(len(w) for w in ref)
+    assert result.latency_max_s == max(g["latency_s"] for g in got.values())
+    assert result.predicted is not None and result.fits  # measured peak within the planned peak
+    assert result.peak_bytes["disk"] > 0 and result.throughput_tokens_per_s > 0
+    events, _ = read_chrome_trace(trace)
+    assert events and {e.track for e in events} <= set(TRACKS) and {"compute", "dtoc"} <= {e.track for e in events}
+    assert max(e.start_s + e.dur_s for e in events) <= result.wall_s * 1.05 + 0.05
+    assert list(offload.iterdir()) == []  # offload files removed at the end
+
+
+@pytest.mark.slow
+def test_random_model_takes_prompt_ids(tmp_path, random_plan, capsys):
+    rng = np.random.default_rng(1)
+    rows = [{"id": i, "prompt_ids": rng.integers(4, 50000, size=int(rng.integers(2, 8))).tolist(),
+             "max_new_tokens": int(rng.integers(1, 6))} for i in range(5)]
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    assert main(["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--out",
+                 str(out), "--quiet"]) == 0
+    got = {r["id"]: r for r in read_rows(out)}
+    ref = reference_outputs(RANDOM_MODEL, "float32", [r["prompt_ids"] for r in rows],
+                            [r["max_new_tokens"] for r in rows], [2])
+    assert [got[r["id"]]["output_ids"] for r in rows] == ref
+    assert all(got[r["id"]]["text"] is None for r in rows)
+
+
+def test_plan_larger_than_capacity_is_refused(tiny_dir, tmp_path, capsys):
+    from dataclasses import replace
+
+    from xprofiler.presets import load_preset
+    from xsimulator.policy import Policy
+
+    small = replace(load_preset("t4"), gpu_bytes=10_000)
+    plan = make_plan(tmp_path / "plan.json", __import__("xrunner.loaders").loaders.open_model(
+        tiny_dir, dtype="float32").spec, Policy(gbs=2, nb=2), 12, 10, profile=small)
+    prompts, _ = tiny_job(tiny_dir, tmp_path, 2)
+    out = tmp_path / "out.jsonl"
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gpu tier" in err and "short by" in err, err
+    assert not out.exists()
+
+
+def test_full_disk_stops_with_one_line_and_keeps_written_results(tiny_dir, tmp_path, monkeypatch, capsys):
+    """KV rows on disk; the disk fills up after some results were written."""
+    import errno
+
+    from xprofiler import diskio
+    from xsimulator.policy import Policy
+
+    prompts, rows = tiny_job(tiny_dir, tmp_path, 12)
+    plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=2, nb=1, cg=0.5, cc=0.0, cd=0.5))
+    out, offload = tmp_path / "out.jsonl", tmp_path / "offload"
+    offload.mkdir()
+    real = os.pwrite
+    calls = {"n": 0}
+
+    def pwrite(fd, data, offset):  # the disk tier writes with os.pwrite (xprofiler.diskio.DirectFile)
+        if out.exists() and out.stat().st_size > 0:
+            calls["n"] += 1
+            if calls["n"] > 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(diskio.os, "pwrite", pwrite)
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--offload-dir", str(offload), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no space left" in err.lower(), err
+    kept = read_rows(out)
+    assert 0 < len(kept) < len(rows)
+    assert list(offload.iterdir()) == []
+    # The rest completes with --resume once there is space again, without duplicates.
+    monkeypatch.setattr(diskio.os, "pwrite", real)
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--offload-dir", str(offload), "--resume", "--quiet"]) == 0
+    assert sorted(r["id"] for r in read_rows(out)) == sorted(r["id"] for r in rows)
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "xsched", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def _wait_for_lines(proc: subprocess.Popen, out: Path, lines: int, timeout_s: float = 120.0) -> int:
+    """Poll until ``out`` has at least ``lines`` complete lines (or the process ends)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s and proc.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= lines:
+            break
+        time.sleep(0.005)
+    return out.read_bytes().count(b"\n") if out.exists() else 0
+
+
+def test_sigkill_then_resume_and_ctrl_c(tiny_dir, tmp_path, capsys):
+    """A SIGKILL in the middle of a job, then --resume, gives the uninterrupted run's lines (minus
+    latencies); Ctrl-C stops with exit 130, no traceback, results kept and offload files removed."""
+    from xsimulator.policy import Policy
+
+    rng = np.random.default_rng(3)
+    n = 64
+    rows = [{"id": f"q{i}", "prompt_ids": rng.integers(3, 300, size=int(rng.integers(1, 14))).tolist(),
+             "max_new_tokens": int(rng.integers(1, 10))} for i in range(n)]
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=2, nb=2, cg=0.5, cc=0.0, cd=0.5, refill_every=1))
+    offload_kill, offload_int = tmp_path / "off-kill", tmp_path / "off-int"
+    offload_kill.mkdir(), offload_int.mkdir()
+    killed, interrupted = tmp_path / "killed.jsonl", tmp_path / "interrupted.jsonl"
+    common = ["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--quiet"]
+    p_kill = _start(common + ["--out", str(killed), "--offload-dir", str(offload_kill)])
+    p_int = _start(common + ["--out", str(interrupted), "--offload-dir", str(offload_int)])
+    at_kill = _wait_for_lines(p_kill, killed, 3)
+    p_kill.send_signal(signal.SIGKILL)
+    at_int = _wait_for_lines(p_int, interrupted, 3)
+    p_int.send_signal(signal.SIGINT)
+    p_kill.communicate(timeout=60)
+    _, err = p_int.communicate(timeout=60)
+    assert p_kill.returncode == -signal.SIGKILL and 3 <= at_kill < n, at_kill  # really killed mid-job
+    assert p_int.returncode == 130 and 3 <= at_int < n and "Traceback" not in err and "interrupted" in err, err
+    assert list(offload_int.iterdir()) == []  # offload files removed after Ctrl-C
+    assert len(read_rows(interrupted)) >= at_int  # results written before Ctrl-C kept
+
+    # A crash can also tear the line being appended; resume drops it.
+    with killed.open("ab") as fh:
+        fh.write(b'{"id": "q1", "text": "w')
+    before = killed.read_bytes()
+    assert main(common + ["--out", str(killed), "--offload-dir", str(offload_kill), "--resume"]) == 0
+    resumed = read_rows(killed)
+    assert killed.read_bytes().startswith(before[: before.rindex(b"\n") + 1])  # complete lines kept as they were
+    assert len(resumed) == n and len({r["id"] for r in resumed}) == n  # no gaps, no duplicates
+    fresh = tmp_path / "fresh.jsonl"
+    assert main(common + ["--out", str(fresh), "--offload-dir", str(offload_kill)]) == 0
+    assert without_timing(resumed) == without_timing(read_rows(fresh))
+    assert main(common + ["--out", str(interrupted), "--offload-dir", str(offload_int), "--resume"]) == 0
+    assert without_timing(read_rows(interrupted)) == without_timing(read_rows(fresh))
+
+
+@pytest.mark.slow
+def test_default_model_on_real_prompts_matches_generate(tmp_path, capsys):
+    """SmolLM2-135M-Instruct (the default), chat template, greedy: the same text as the reference loop."""
+    from xrunner.cli import encode_prompt
+    from xrunner.generate import generate
+    from xrunner.loaders import load_weights, open_model
+    from xsimulator.policy import Policy
+
+    source = open_model(None, dtype="float32")
+    tok = source.tokenizer()
+    questions = ["What is the capital of France?", "Name three primary colors."]
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": q, "max_new_tokens": 12}
+                                                   for i, q in enumerate(questions)])
+    plan = make_plan(tmp_path / "plan.json", source.spec, Policy(gbs=2, nb=1, wg=0.5, wc=0.5, wd=0.0), 64, 12)
+    out = tmp_path / "out.jsonl"
+    assert main(["run", "--plan", str(plan), "--prompts", str(prompts), "--out", str(out), "--quiet"]) == 0
+    got = {r["id"]: r for r in read_rows(out)}
+    weights = load_weights(source)
+    stops = sorted({t for t in (source.spec.eos_token_id, tok.eos_token_id) if t is not None})
+    for i, q in enumerate(questions):
+        ids = encode_prompt(tok, q, chat=True)
+        want = generate(weights, [ids], 12, stop_token_ids=stops).tokens[0]
+        assert got[f"q{i}"]["output_ids"] == want and got[f"q{i}"]["prompt_tokens"] == len(ids)
+        assert got[f"q{i}"]["text"] == tok.decode(want, skip_special_tokens=True)
+    assert "Paris" in got["q0"]["text"]
+
+
+def test_plan_measured_on_another_machine_warns(tmp_path):
+    from dataclasses import replace
+
+    from xprofiler.presets import ProfileMismatchWarning, load_preset
+    from xrunner.run_cli import warn_if_plan_from_other_machine
+    from xscheduler.plan import Plan
+    from xsimulator.policy import Policy
+
+    t4 = load_preset("t4")  # a preset never warns: it describes no machine in particular
+    plan = Plan.load(make_plan(tmp_path / "preset.json", random_spec(), Policy(gbs=1, nb=1), 4, 4, profile=t4))
+    assert warn_if_plan_from_other_machine(plan, None) == []
+    measured = replace(t4, source="measured", fingerprint=replace(t4.fingerprint, cpu_model="Imaginary CPU 9000"))
+    plan = Plan.load(make_plan(tmp_path / "measured.json", random_spec(), Policy(gbs=1, nb=1), 4, 4,
+                               profile=measured))
+    with pytest.warns(ProfileMismatchWarning, match="Imaginary CPU 9000"):
+        diffs = warn_if_plan_from_other_machine(plan, None)
+    assert any("cpu_model" in d for d in diffs)

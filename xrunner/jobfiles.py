@@ -1,0 +1,227 @@
+"""The files of an ``xsched run`` job: the prompt file it reads and the results file it appends to.
+
+Results are one JSON line per finished request, appended and fsynced after every batch of
+finished requests, so a crash (even SIGKILL) loses at most the requests in flight. A crash can
+also leave half a line at the end; :meth:`ResultsWriter.open` with ``resume`` drops that torn
+tail and truncates the file to its last complete line, then reports the ids already done, so a
+resumed job writes each request exactly once: no duplicates, no gaps.
+
+No torch here (the tokenizer is passed in).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from xsched.errors import UserError
+from xsched.fileio import describe_os_error
+
+RequestId = str | int
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One line of the prompt file: text to tokenize, or token ids given directly."""
+
+    id: RequestId
+    line: int
+    prompt: str | None
+    prompt_ids: tuple[int, ...] | None
+    max_new_tokens: int | None
+
+
+def _id_key(value: RequestId) -> str:
+    """Ids compare by their JSON text, so 7 and "7" stay distinct and match what was written."""
+    return json.dumps(value)
+
+
+def read_prompts(path: str | Path) -> list[PromptRecord]:
+    """Parse a prompts JSONL file: ``{"id", "prompt" | "prompt_ids", optional "max_new_tokens"}``.
+
+    Blank lines are skipped; other keys are allowed and ignored. Every problem is a one-line
+    ``UserError`` naming the file and line.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{p}: no such prompt file") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError, OSError) as exc:
+        raise UserError(f"{p}: cannot read the prompt file ({exc.__class__.__name__})") from None
+    records: list[PromptRecord] = []
+    seen: dict[str, int] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        where = f"{p}:{lineno}"
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(obj, dict):
+            raise UserError(f"{where}: each line must be a JSON object with \"id\" and \"prompt\"")
+        rid = obj.get("id")
+        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+            raise UserError(f"{where}: \"id\" must be a string or an integer, got {rid!r}")
+        key = _id_key(rid)
+        if key in seen:
+            raise UserError(f"{where}: duplicate id {rid!r} (first on line {seen[key]}); ids must be unique")
+        seen[key] = lineno
+        prompt, ids = obj.get("prompt"), obj.get("prompt_ids")
+        if (prompt is None) == (ids is None):
+            raise UserError(f"{where}: give exactly one of \"prompt\" (text) or \"prompt_ids\" (token ids)")
+        if prompt is not None and (not isinstance(prompt, str) or not prompt):
+            raise UserError(f"{where}: \"prompt\" must be a non-empty string")
+        if ids is not None:
+            if (not isinstance(ids, list) or not ids
+                    or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
+                raise UserError(f"{where}: \"prompt_ids\" must be a non-empty list of non-negative integers")
+            ids = tuple(ids)
+        mnt = obj.get("max_new_tokens")
+        if mnt is not None and (isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1):
+            raise UserError(f"{where}: \"max_new_tokens\" must be an integer >= 1, got {mnt!r}")
+        records.append(PromptRecord(id=rid, line=lineno, prompt=prompt, prompt_ids=ids, max_new_tokens=mnt))
+    if not records:
+        raise UserError(f"{p}: no prompts in the file (one JSON object per line)")
+    return records
+
+
+def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str], list[int]] | None,
+                     vocab_size: int, where: str) -> list[tuple[int, ...]]:
+    """Token ids of every record: ``encode(prompt)`` for text, the given ids otherwise.
+
+    ``encode`` is None for a model without a tokenizer (``random:``), which then needs
+    ``prompt_ids``; ids must be below the model's vocabulary size.
+    """
+    out = []
+    for r in records:
+        if r.prompt_ids is not None:
+            ids = r.prompt_ids
+        elif encode is None:
+            raise UserError(f"{where}:{r.line}: this model has no tokenizer (random weights); give "
+                            "\"prompt_ids\" (a list of token ids) instead of \"prompt\"")
+        else:
+            ids = tuple(encode(r.prompt))
+            if not ids:
+                raise UserError(f"{where}:{r.line}: the prompt tokenizes to no tokens")
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise UserError(f"{where}:{r.line}: token id {bad[0]} is outside the model's vocabulary "
+                            f"(size {vocab_size})")
+        out.append(ids)
+    return out
+
+
+class ResultsWriter:
+    """Append-only JSONL of finished requests, fsynced per batch; see the module docstring."""
+
+    def __init__(self, path: Path, fh: Any | None, done: dict[str, dict[str, Any]]):
+        self.path = path
+        self._fh = fh
+        self.done = done  # id key -> the row already in the file
+
+    @classmethod
+    def open(cls, path: str | Path, resume: bool) -> "ResultsWriter":
+        """Open ``path`` for appending; refuse a non-empty file unless ``resume``."""
+        p = Path(path)
+        done: dict[str, dict[str, Any]] = {}
+        try:
+            size = p.stat().st_size if p.exists() else 0
+        except OSError as exc:
+            raise UserError(describe_os_error(exc, p)) from None
+        if p.exists() and not p.is_file():
+            raise UserError(f"{p}: not a regular file; pass another --out")
+        parent = p.parent if str(p.parent) else Path(".")
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"{p}: directory {parent} does not exist or is not writable; create it or pass another --out")
+        if size and not resume:
+            raise UserError(f"{p} already has results; pass --resume to continue that job or another --out path")
+        if size:
+            done, keep = _read_done(p)
+            if keep < size:  # a torn last line from a crash: drop it
+                try:
+                    os.truncate(p, keep)
+                except OSError as exc:
+                    raise UserError(describe_os_error(exc, p)) from None
+        return cls(p, None, done)  # the file is created by the first write, not by a job that fails early
+
+    def is_done(self, rid: RequestId) -> bool:
+        return _id_key(rid) in self.done
+
+    def write(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Append rows (each with an ``id``), then flush and fsync: they survive a crash."""
+        lines = []
+        for row in rows:
+            key = _id_key(row["id"])
+            if key in self.done:
+                raise RuntimeError(f"request {row['id']!r} finished twice")  # an engine bug, not the user's
+            self.done[key] = row
+            lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+        if not lines:
+            return
+        try:
+            if self._fh is None:
+                self._fh = open(self.path, "a", encoding="utf-8")
+            self._fh.write("".join(lines))
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        except OSError as exc:
+            raise UserError(describe_os_error(exc, self.path)) from None
+
+    def close(self) -> None:
+        if self._fh is None:
+            return
+        try:
+            self._fh.close()
+        except OSError:
+            pass
+        self._fh = None
+
+    def __enter__(self) -> "ResultsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _read_done(p: Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """Rows already in a results file and the byte length of its complete lines.
+
+    Only the last line may be torn (no newline, or not JSON): that is what a crash in the
+    middle of an append leaves. A bad line before it means the file is not ours.
+    """
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise UserError(describe_os_error(exc, p)) from None
+    done: dict[str, dict[str, Any]] = {}
+    pos, keep = 0, 0
+    lineno = 0
+    while pos < len(data):
+        end = data.find(b"\n", pos)
+        last = end == -1
+        chunk = data[pos:] if last else data[pos:end]
+        lineno += 1
+        row = None
+        if not last:
+            try:
+                row = json.loads(chunk.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                row = None
+        if row is None or not isinstance(row, dict) or "id" not in row:
+            if last or not data[end + 1:].strip():
+                break  # a torn tail: truncate to the lines before it
+            if not chunk.strip():
+                pos, keep = end + 1, end + 1
+                continue
+            raise UserError(f"{p}:{lineno}: not a results line; pass another --out or repair the file")
+        key = _id_key(row["id"])
+        if key in done:
+            raise UserError(f"{p}:{lineno}: id {row['id']!r} appears twice; pass another --out")
+        done[key] = row
+        pos = keep = end + 1
+    return done, keep

@@ -1,0 +1,163 @@
+"""RunResult: what a real run of a plan measured, named like the simulator's ``SimResult``.
+
+The same metric names as :class:`xsimulator.result.SimResult` where they mean the same thing
+(throughput, padded/total throughput, latency percentiles, peak bytes per tier, busy seconds,
+wall time, step counts), and the plan's prediction beside them, so that ``xsched run`` can print
+measured next to predicted and a calibration can fit one against the other. Percentiles use
+the simulator's own :func:`xsimulator.discrete_event.quantile` (inverted CDF), so a gap between
+the two columns is the model's, not a different definition's.
+
+No torch here: reading a result file must not need the runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Sequence
+
+import numpy as np
+
+from xsched.contract import Contract
+from xsimulator.discrete_event import quantile
+from xsimulator.policy import Policy
+from xsimulator.result import SimResult
+
+TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
+# The simulator's busy terms grouped onto the runner's measured resources (the trace tracks):
+# dequantisation, quantisation and the LM head run on the compute path.
+SIM_TERMS_OF_TRACK: dict[str, tuple[str, ...]] = {
+    "compute": ("gpu_compute", "dequant", "quant", "head"),
+    "cpu_compute": ("cpu_compute",),
+    "ctog": ("ctog",), "gtoc": ("gtoc",), "dtoc": ("dtoc",), "ctod": ("ctod",),
+}
+
+
+@dataclass(frozen=True)
+class RunResult(Contract):
+    """Measured metrics of one ``xsched run`` (the requests it ran, not those resumed past)."""
+
+    SCHEMA: ClassVar[str] = "xsched.RunResult/1"
+
+    model: str
+    policy: Policy
+    device: str
+    dtype: str
+    num_requests: int  # requests run by this invocation
+    num_skipped: int  # requests already in the results file (--resume)
+    wall_s: float
+    generated_tokens: int
+    prompt_tokens: int
+    padded_prompt_tokens: int
+    throughput_tokens_per_s: float  # generated tokens / wall time (the headline number)
+    padded_throughput_tokens_per_s: float  # (padded prompt + generated tokens) / wall time
+    total_throughput_tokens_per_s: float  # (prompt + generated tokens) / wall time
+    latency_mean_s: float
+    latency_p50_s: float
+    latency_p90_s: float
+    latency_p99_s: float
+    latency_max_s: float
+    num_stopped_on_eos: int
+    peak_bytes: dict[str, float]  # measured, per tier
+    planned_peak_bytes: dict[str, float]  # CostModel.memory for this policy and the job's max lengths
+    capacity_bytes: dict[str, float]  # what the run was allowed per tier
+    busy_s: dict[str, float]  # measured seconds per resource (trace tracks)
+    num_prefill_steps: int
+    num_decode_steps: int
+    max_prompt: int
+    max_output: int
+    predicted: SimResult | None = None  # the plan's prediction, if the run came from a plan
+
+    @property
+    def fits(self) -> bool:
+        """Measured peak within the planned peak on every tier (the memory contract)."""
+        return all(self.peak_bytes.get(t, 0.0) <= self.planned_peak_bytes.get(t, 0.0) for t in TIERS)
+
+    def predicted_busy_s(self) -> dict[str, float] | None:
+        """The prediction's busy seconds summed onto the measured resources."""
+        if self.predicted is None:
+            return None
+        return {track: sum(self.predicted.busy_s.get(t, 0.0) for t in terms)
+                for track, terms in SIM_TERMS_OF_TRACK.items()}
+
+    def comparison_rows(self) -> list[tuple[str, str, str]]:
+        """(metric, measured, predicted) rows for the end-of-run table."""
+        p = self.predicted
+        gib = 2.0**30
+
+        def num(v: float | None, fmt: str) -> str:
+            return "-" if v is None else format(v, fmt)
+
+        rows = [
+            ("requests", str(self.num_requests), num(p and p.num_requests, "d")),
+            ("wall s", num(self.wall_s, ",.2f"), num(p and p.wall_s, ",.2f")),
+            ("throughput tok/s", num(self.throughput_tokens_per_s, ",.2f"), num(p and p.throughput_tokens_per_s, ",.2f")),
+            ("total tok/s", num(self.total_throughput_tokens_per_s, ",.2f"),
+             num(p and p.total_throughput_tokens_per_s, ",.2f")),
+            ("padded tok/s", num(self.padded_throughput_tokens_per_s, ",.2f"),
+             num(p and p.padded_throughput_tokens_per_s, ",.2f")),
+        ]
+        for name in ("mean", "p50", "p90", "p99", "max"):
+            rows.append((f"latency {name} s", num(getattr(self, f"latency_{name}_s"), ",.3f"),
+                         num(p and getattr(p, f"latency_{name}_s"), ",.3f")))
+        for tier in TIERS:
+            rows.append((f"peak {tier} GiB", num(self.peak_bytes.get(tier, 0.0) / gib, ",.3f"),
+                         num(p and p.peak_bytes.get(tier, 0.0) / gib, ",.3f")))
+        pb = self.predicted_busy_s()
+        for track, secs in self.busy_s.items():
+            if secs > 0 or (pb and pb.get(track, 0.0) > 0):
+                rows.append((f"busy {track} s", num(secs, ",.2f"), num(pb and pb.get(track), ",.2f")))
+        return rows
+
+    def describe(self) -> str:
+        gib = 2.0**30
+        rows = self.comparison_rows()
+        w0 = max(len(r[0]) for r in rows)
+        w1 = max(max(len(r[1]) for r in rows), len("measured"))
+        head = [
+            f"ran {self.num_requests} requests on {self.model} ({self.device}, {self.dtype})"
+            + (f"; {self.num_skipped} already done (resumed)" if self.num_skipped else ""),
+            "  policy: " + self.policy.describe().replace("\n", "; "),
+            f"  planned peak: " + ", ".join(f"{t} {self.planned_peak_bytes.get(t, 0.0) / gib:,.3f} GiB" for t in TIERS)
+            + ("" if self.fits else "  -- MEASURED PEAK ABOVE PLAN"),
+            "",
+            f"  {'':<{w0}}  {'measured':>{w1}}  {'predicted':>10}",
+        ]
+        head += [f"  {m:<{w0}}  {a:>{w1}}  {b:>10}" for m, a, b in rows]
+        if self.predicted is not None:
+            head.append(f"  (predicted: {self.predicted.method} simulation of {self.predicted.num_requests} requests "
+                        f"of workload {self.predicted.workload} on profile {self.predicted.profile})")
+        return "\n".join(head)
+
+
+def latency_stats(latencies_s: Sequence[float]) -> dict[str, float]:
+    """Mean, p50/p90/p99 (inverted CDF, as the simulator) and max; zeros for an empty run."""
+    lat = np.asarray(latencies_s, dtype=float)
+    if lat.size == 0:
+        return {"latency_mean_s": 0.0, "latency_p50_s": 0.0, "latency_p90_s": 0.0, "latency_p99_s": 0.0,
+                "latency_max_s": 0.0}
+    return {"latency_mean_s": float(lat.mean()), "latency_p50_s": quantile(lat, 0.5),
+            "latency_p90_s": quantile(lat, 0.9), "latency_p99_s": quantile(lat, 0.99),
+            "latency_max_s": float(lat.max())}
+
+
+def build_run_result(*, model: str, policy: Policy, device: str, dtype: str, stats: Any,
+                     latencies_s: Sequence[float], num_stopped_on_eos: int, num_skipped: int,
+                     capacity_bytes: Mapping[str, float], max_prompt: int, max_output: int,
+                     predicted: SimResult | None) -> RunResult:
+    """A RunResult from the engine's ``EngineStats`` and the finished requests' latencies."""
+    wall = float(stats.wall_s)
+    per_s = (lambda n: n / wall) if wall > 0 else (lambda n: 0.0)
+    return RunResult(
+        model=model, policy=policy, device=device, dtype=dtype, num_requests=len(latencies_s),
+        num_skipped=num_skipped, wall_s=wall, generated_tokens=int(stats.generated_tokens),
+        prompt_tokens=int(stats.prompt_tokens), padded_prompt_tokens=int(stats.padded_prompt_tokens),
+        throughput_tokens_per_s=per_s(stats.generated_tokens),
+        padded_throughput_tokens_per_s=per_s(stats.padded_prompt_tokens + stats.generated_tokens),
+        total_throughput_tokens_per_s=per_s(stats.prompt_tokens + stats.generated_tokens),
+        **latency_stats(latencies_s), num_stopped_on_eos=num_stopped_on_eos,
+        peak_bytes={t: float(stats.peak_bytes.get(t, 0)) for t in TIERS},
+        planned_peak_bytes={t: float(stats.planned_peak_bytes.get(t, 0.0)) for t in TIERS},
+        capacity_bytes={t: float(capacity_bytes.get(t, 0.0)) for t in TIERS},
+        busy_s={k: float(v) for k, v in stats.busy_s.items()},
+        num_prefill_steps=int(stats.num_prefill_steps), num_decode_steps=int(stats.num_decode_steps),
+        max_prompt=max_prompt, max_output=max_output, predicted=predicted)

