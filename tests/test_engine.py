@@ -92,6 +92,26 @@ def test_greedy_outputs_equal_reference_across_policies(llama, tmp_path, name):
     assert stats.padded_prompt_tokens >= stats.prompt_tokens == sum(len(r.prompt_ids) for r in reqs)
 
 
+def test_uninitialised_memory_never_reaches_the_outputs(llama, tmp_path, monkeypatch):
+    """Masked KV columns are never written but still meet ``probs @ V`` (0 * NaN = NaN): host
+    buffers handed out full of NaN bit patterns (as recycled memory can be) must not change a token."""
+    import numpy as np
+
+    import xrunner.tiers as tiers
+
+    real = tiers.aligned_empty
+
+    def dirty(nbytes: int) -> np.ndarray:
+        buf = real(nbytes)
+        buf.fill(0xFF)  # every float32/float16/bfloat16 made of these bytes is NaN
+        return buf
+
+    monkeypatch.setattr(tiers, "aligned_empty", dirty)
+    src, reqs, want = llama
+    got, _ = run_engine(src, Policy(gbs=3, nb=2, **POLICIES["everything-offloaded-refill"]), reqs, tmp_path)
+    assert got == want
+
+
 def test_one_gpu_batch_per_block_and_uneven_last_block(llama, tmp_path):
     src, reqs, want = llama
     got, _ = run_engine(src, Policy(gbs=4, nb=1, hg=0.5, hd=0.5, cg=0.5, cc=0.5), reqs, tmp_path)

@@ -133,7 +133,12 @@ class TierStore:
 
     # ----------------------------------------------------------------- allocation
     def empty(self, tier: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An accounted tensor on the gpu or cpu tier."""
+        """An accounted, zero-filled tensor on the gpu or cpu tier.
+
+        Zeroed because masked KV columns (left padding, a refilled slot's columns before its first
+        token) are never written but still enter ``probs @ V``: a weight of 0 times NaN garbage
+        from uninitialised memory is NaN.
+        """
         if tier == "gpu":
             t = torch.empty(shape, dtype=dtype, device=self.device)
         elif tier == "cpu":
@@ -147,6 +152,7 @@ class TierStore:
             t = torch.from_numpy(buf[:nbytes]).view(dtype).view(shape)
         else:
             raise ValueError(f"use disk_region for the disk tier, not {tier!r}")
+        t.zero_()
         self.ledger.add(tier, name, nbytes_of(t))
         return t
 
