@@ -68,7 +68,7 @@ def main() -> int:
 
     from workloads.workload import get_workload
     from xprofiler.presets import load_profile
-    from xrunner.calibrate import calibrate, report, resolve_model, run_engine, workload_of
+    from xrunner.calibrate import METRICS, RunDesign, calibrate, predict, report, resolve_model, run_engine, workload_of
     from xsimulator.discrete_event import simulate
 
     raw = load_profile(args.profile)
@@ -101,6 +101,9 @@ def main() -> int:
             for k, r in pred.items():
                 row[f"{k}_tps"] = r.throughput_tokens_per_s
                 row[f"{k}_p99_s"] = r.latency_p99_s
+            parts = predict(spec, cal, RunDesign(name, policy, spec.num_layers, tuple(prompt), tuple(output), ()))
+            row["metrics_measured_s"] = m.metrics
+            row["metrics_predicted_s"] = parts
             row["peak_bytes"] = m.peak_bytes
             row["planned_bytes"] = m.planned_peak_bytes
             row["peak_ok"] = all(m.peak_bytes[t] <= m.planned_peak_bytes[t] + 1e-6 for t in m.peak_bytes)
@@ -129,6 +132,13 @@ def main() -> int:
         for what, wl in (("tps", "throughput"), ("p99_s", "p99 latency")):
             med, mx = summary[f"{k}_{what}"]
             print(f"{label + ' ' + wl:<26} {med:>8.1%} {mx:>8.1%}")
+    print()
+    print("where the calibrated seconds differ (signed error of predicted vs measured, median over runs where > 10 ms):")
+    for k in METRICS:
+        e = [r["metrics_predicted_s"][k] / r["metrics_measured_s"][k] - 1 for r in rows
+             if r["metrics_measured_s"][k] > 0.01]
+        if e:
+            print(f"  {k:<13} {np.median(e):>+7.1%}  (range {min(e):+.1%} .. {max(e):+.1%}, {len(e)} runs)")
     peak_ok = all(r["peak_ok"] for r in rows)
     print(f"measured peak <= planned peak on every tier in every run: {peak_ok}")
     for r in rows:

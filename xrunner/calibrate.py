@@ -384,7 +384,7 @@ def check_profile_for(profile: HardwareProfile, spec: ModelSpec, model_arg: str,
                             f"{hint}")
 
 
-def resolve_model(model: str, profile: HardwareProfile) -> tuple[ModelSpec, Callable[[ModelSpec], Any]]:
+def resolve_model(model: "str | ModelSpec", profile: HardwareProfile) -> tuple[ModelSpec, Callable[[ModelSpec], Any]]:
     """(spec in the profile's compute dtype, a source factory for cut copies of it).
 
     A registry name or ``random:NAME`` runs seeded random weights (timing does not depend on
@@ -395,6 +395,8 @@ def resolve_model(model: str, profile: HardwareProfile) -> tuple[ModelSpec, Call
     from xrunner.loaders import RANDOM_PREFIX, RandomSource, open_model
 
     dtype = profile.compute_dtype or None
+    if isinstance(model, ModelSpec):
+        return profile.model_for(model), (lambda s: RandomSource(s, seed=0, dtype=dtype))
     name = model[len(RANDOM_PREFIX):] if model.startswith(RANDOM_PREFIX) else model
     if name in model_names():
         spec = get_model_spec(name)
@@ -404,14 +406,14 @@ def resolve_model(model: str, profile: HardwareProfile) -> tuple[ModelSpec, Call
     return spec, (lambda s: RandomSource(s, seed=0, dtype=dtype))
 
 
-def calibrate(profile: HardwareProfile, model: str, *, profile_arg: str = "profile", gen_len: int = 6,
+def calibrate(profile: HardwareProfile, model: "str | ModelSpec", *, profile_arg: str = "profile", gen_len: int = 6,
               depth: int = 4, repeats: int = 3, offload_dir: str | Path | None = None,
               progress: bool = False) -> Fit:
     """Run the design on this machine and fit; the returned ``Fit.profile`` is the calibrated one."""
     import torch
 
     spec, source_for = resolve_model(model, profile)
-    check_profile_for(profile, spec, model, profile_arg)
+    check_profile_for(profile, spec, model if isinstance(model, str) else spec.name, profile_arg)
     runs = design_runs(spec, gen_len=gen_len, depth=depth)
     threads = torch.get_num_threads()
     if profile.compute_threads:
