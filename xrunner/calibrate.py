@@ -137,12 +137,14 @@ def request_ids(n: int) -> list[str]:
 
 def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_lens: Sequence[int], *,
                offload_dir: str | Path | None = None, profile: HardwareProfile | None = None, seed: int = 0,
-               max_prompt: int | None = None, max_output: int | None = None) -> Measurement:
+               max_prompt: int | None = None, max_output: int | None = None, warmup: bool = False) -> Measurement:
     """Run ``policy`` once over requests of exactly these lengths (random token ids, EOS ignored).
 
     Returns busy seconds per metric, per-step wall seconds, per-request latencies and peak
     bytes. ``max_prompt``/``max_output`` size the KV cache (default: the longest of the job),
-    as a plan's workload would.
+    as a plan's workload would. ``warmup`` first runs one untimed short block on the same engine:
+    a calibration run is a few steps long, so the engine's first-step costs (allocator, thread
+    pools, caches) would weigh far more in it than in a real job.
     """
     from xrunner.engine import Engine, Request
 
@@ -172,6 +174,10 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
         def on_finished(done: list[Any]) -> None:
             latency.update({f.id: f.latency_s for f in done})
 
+        if warmup:  # one untimed prefill + decode step of a full block on this engine
+            n = min(len(reqs), policy.gbs * policy.nb)
+            eng.run([replace(r, id=f"warm{i}", max_new_tokens=min(2, mo)) for i, r in enumerate(reqs[:n])])
+            stamps.clear(), kinds.clear()
         t0 = time.perf_counter()
         stats = eng.run(reqs, on_finished=on_finished, on_step=on_step)
     steps = np.diff(np.asarray([t0] + stamps))
@@ -211,7 +217,7 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
         for _ in range(max(1, repeats)):
             for i, d in enumerate(runs):
                 got[i].append(run_engine(make(cut_spec(spec, d.num_layers)), d.policy, d.prompt_lens,
-                                         d.output_lens, offload_dir=offload_dir, profile=profile))
+                                         d.output_lens, offload_dir=offload_dir, profile=profile, warmup=True))
                 bar.update(1)
     out = []
     for d, ms in zip(runs, got):
