@@ -177,6 +177,32 @@ def test_plan_cli_human_and_json(profile_path, tmp_path):
     assert json.loads(sim.stdout)["latency_p99_s"] == pytest.approx(plan.predicted.latency_p99_s)
 
 
+def test_simulate_plan_uses_the_plans_own_profile(profile_path, tmp_path):
+    """A plan is priced on one machine: `simulate --plan` without --profile must use that one
+    (here the a100-80gb preset, whose numbers differ from the t4 default), not the default."""
+    path = tmp_path / "a100.json"
+    out = run("plan", "--profile", "a100-80gb", *SMALL, "--latency", "inf", "-o", str(path), "--quiet")
+    assert out.returncode == 0, out.stderr
+    plan = Plan.load(path)
+    sim = run("simulate", "--plan", str(path), "--requests", "100", "--json")
+    assert sim.returncode == 0, sim.stderr
+    assert "using the plan's profile, the a100-80gb preset" in sim.stderr
+    got = json.loads(sim.stdout)
+    assert got["throughput_tokens_per_s"] == pytest.approx(plan.predicted.throughput_tokens_per_s)
+    assert got["latency_p99_s"] == pytest.approx(plan.predicted.latency_p99_s)
+    t4 = run("simulate", "--plan", str(path), "--profile", "t4", "--requests", "100", "--json")
+    assert t4.returncode == 0, t4.stderr
+    assert "the plan was made for profile 'a100-80gb'; simulating it on 't4'" in t4.stderr
+    assert json.loads(t4.stdout)["latency_p99_s"] != pytest.approx(plan.predicted.latency_p99_s, rel=0.01)
+    # A profile that is neither in the plan nor a preset: say what to pass instead of guessing.
+    tight = tmp_path / "tight.json"
+    assert run("plan", "--profile", profile_path, *SMALL, "--latency", "inf", "-o", str(tight),
+               "--quiet").returncode == 0
+    out = run("simulate", "--plan", str(tight), "--requests", "100")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "pass --profile with that profile's JSON file" in out.stderr
+
+
 def test_plan_cli_defaults_say_what_they_assumed():
     out = run("plan", "--model", "opt-6.7b", "--workload", "T@0.25", "--requests", "100", "--compress", "off")
     assert out.returncode == 0, out.stderr

@@ -22,6 +22,9 @@ every tier fits. The rounded policy is what gets simulated and reported.
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -65,6 +68,29 @@ class Placement:
     policy: Policy  # rounded to whole layers / rows and re-checked against memory
     token_s: float  # the rounded policy's seconds per token (>= lp_token_s)
     moved_units: int  # layers/rows moved to slower tiers after rounding to make memory fit
+
+
+@functools.cache
+def lp_solver() -> pulp.LpSolver:
+    """HiGHS in-process when ``highspy`` is installed (about 2 ms a solve), else CBC, which PuLP
+    runs as a subprocess (10-40 ms a solve, most of it process start-up)."""
+    highs = pulp.HiGHS(msg=False)
+    if not highs.available():
+        return pulp.PULP_CBC_CMD(msg=False)
+    import highspy
+
+    # The first Highs() of a process prints a banner on stdout whatever its options; stdout may
+    # be the JSON a user asked for, so the banner goes to /dev/null (once: later ones are silent).
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+    return highs
 
 
 def _knob_policy(gbs: int, nb: int, compress_weight: bool, compress_cache: bool, cpu_attention: bool,
@@ -135,7 +161,7 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
         prob += pulp.lpSum((3 - i) * short[t] for i, t in enumerate(TIERS)) * (1.0 / total)
     else:
         prob += token_seconds(cm, x, gbs, nb, shape, (t_pre, t_dec)) * (1.0 / ref)
-    prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    prob.solve(lp_solver())
     status = pulp.LpStatus[prob.status]
     if status != "Optimal":
         return status, {}, float("inf"), {}
