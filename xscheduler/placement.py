@@ -38,6 +38,7 @@ from xsimulator.costmodel import TIERS, CostModel
 from xsimulator.policy import PLACEMENT_VARS, Policy, split_counts
 
 TRIOS: tuple[tuple[str, str, str], ...] = (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd"))
+TIE_BREAK = 1e-6  # objective weight of slow-tier fractions, against ~1 for the normalised time
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,22 @@ class Placement:
     moved_units: int  # layers/rows moved to slower tiers after rounding to make memory fit
 
 
+class _CachedSizes(CostModel):
+    """The cost model with its per-layer byte counts computed once: they walk the spec's tensor
+    list on every access, and rounding a placement reads them a few hundred times."""
+
+    layer_matmul_bytes = functools.cached_property(CostModel.layer_matmul_bytes.fget)  # type: ignore[assignment]
+    layer_stored_bytes = functools.cached_property(CostModel.layer_stored_bytes.fget)  # type: ignore[assignment]
+
+
 @functools.cache
 def lp_solver() -> pulp.LpSolver:
     """HiGHS in-process when ``highspy`` is installed (about 2 ms a solve), else CBC, which PuLP
     runs as a subprocess (10-40 ms a solve, most of it process start-up)."""
-    highs = pulp.HiGHS(msg=False)
-    if not highs.available():
+    highs = getattr(pulp, "HiGHS", None)  # PuLP >= 2.8
+    if highs is None or not highs(msg=False).available():
         return pulp.PULP_CBC_CMD(msg=False)
+    highs = highs(msg=False)
     import highspy
 
     # The first Highs() of a process prints a banner on stdout whatever its options; stdout may
@@ -144,23 +154,26 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
             prob += var * (1.0 / ref) >= group * (1.0 / ref), f"{name}_group{i}"
 
     mem = cm.memory(x, gbs, nb, shape.max_prompt, shape.max_output)
-    short = {}
+    short = {}  # elastic: bytes over capacity, in units of the tier's capacity
+    caps = {t: max(float(profile.capacity_bytes(t)), 1.0) for t in TIERS}
     for tier in TIERS:
-        cap = float(profile.capacity_bytes(tier))
-        scale = 1.0 / max(cap, 1.0)
+        scale = 1.0 / caps[tier]
         if elastic:
             short[tier] = pulp.LpVariable(f"short_{tier}", 0)
         for i, expr in enumerate(mem[tier].constraints()):
-            rhs = cap + short[tier] if elastic else cap
-            prob += expr * scale <= rhs * scale, f"mem_{tier}_{i}"
+            prob += expr * scale <= (1.0 + short[tier] if elastic else 1.0), f"mem_{tier}_{i}"
 
     if elastic:
         # Blame the slowest tier that could take the bytes: a shortfall lands on the gpu tier only
         # when no placement can move it elsewhere (head weights, staging, transients).
-        total = float(sum(profile.capacity_bytes(t) for t in TIERS)) or 1.0
-        prob += pulp.lpSum((3 - i) * short[t] for i, t in enumerate(TIERS)) * (1.0 / total)
+        total = sum(caps.values())
+        prob += pulp.lpSum((3 - i) * (caps[t] / total) * short[t] for i, t in enumerate(TIERS))
     else:
-        prob += token_seconds(cm, x, gbs, nb, shape, (t_pre, t_dec)) * (1.0 / ref)
+        # Placements that only load channels that are not the bottleneck tie in time; the tiny
+        # second term breaks ties towards faster tiers (less traffic, and one answer whatever
+        # the solver or the units), at a relative cost below TIE_BREAK in the objective.
+        prob += (token_seconds(cm, x, gbs, nb, shape, (t_pre, t_dec)) * (1.0 / ref)
+                 + TIE_BREAK * pulp.lpSum(x[c] + 2 * x[d] for _, c, d in TRIOS))
     prob.solve(lp_solver())
     status = pulp.LpStatus[prob.status]
     if status != "Optimal":
@@ -170,8 +183,9 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
         s = sum(frac[v] for v in trio)
         for v in trio:
             frac[v] /= s
-    shortfall = {t: float(v.value() or 0.0) for t, v in short.items()}
-    return status, frac, float(prob.objective.value()) * ref if not elastic else 0.0, shortfall
+    shortfall = {t: float(v.value() or 0.0) * caps[t] for t, v in short.items()}
+    lp_s = 0.0 if elastic else float(token_seconds(cm, frac, gbs, nb, shape))  # without the tie-break term
+    return status, frac, lp_s, shortfall
 
 
 def round_placement(cm: CostModel, profile: HardwareProfile, policy: Policy, shape: Shape) -> tuple[Policy, int] | None:
@@ -231,7 +245,7 @@ def place(spec: ModelSpec, profile: HardwareProfile, workload: Workload, gbs: in
 
     ``spec`` should already be in the profile's compute dtype (``profile.model_for``).
     """
-    cm = CostModel(spec, profile, compress_weight, compress_cache, cpu_attention, overlap)
+    cm = _CachedSizes(spec, profile, compress_weight, compress_cache, cpu_attention, overlap)
     shape = Shape.of(workload)
     status, frac, lp_s, _ = _solve(cm, profile, gbs, nb, shape)
     if status != "Optimal":
@@ -249,7 +263,7 @@ def shortfall_bytes(spec: ModelSpec, profile: HardwareProfile, workload: Workloa
                     compress_weight: bool = False, compress_cache: bool = False, cpu_attention: bool = False
                     ) -> dict[str, float]:
     """Bytes each tier lacks for the least demanding placement of these knobs ({} if it fits)."""
-    cm = CostModel(spec, profile, compress_weight, compress_cache, cpu_attention)
+    cm = _CachedSizes(spec, profile, compress_weight, compress_cache, cpu_attention)
     status, _, _, short = _solve(cm, profile, gbs, nb, Shape.of(workload), elastic=True)
     if status != "Optimal":
         raise UserError(f"the placement LP for {spec.name} could not be solved ({status})")
