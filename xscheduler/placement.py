@@ -34,7 +34,7 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import TIERS, CostModel
+from xsimulator.costmodel import TIERS, CostModel, MemoryTerms
 from xsimulator.policy import PLACEMENT_VARS, Policy, split_counts
 
 TRIOS: tuple[tuple[str, str, str], ...] = (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd"))
@@ -131,6 +131,42 @@ def fits(cm: CostModel, profile: HardwareProfile, policy: Policy, shape: Shape) 
     return {t: peaks[t] - profile.capacity_bytes(t) for t in TIERS if peaks[t] > profile.capacity_bytes(t)}
 
 
+def _exact_staging(prob: pulp.LpProblem, cm: CostModel, profile: HardwareProfile, x: dict[str, Any],
+                   mem: dict[str, MemoryTerms], shape: Shape) -> dict[str, MemoryTerms]:
+    """Replace the cost model's constant two staging slots by the exact ``min(2, ceil(k))``.
+
+    The runner double-buffers fetched layers: ``k`` offloaded layers need ``min(2, k)`` slots
+    (weight_stage on the gpu tier for cpu+disk layers, weight_relay on the cpu tier for disk
+    layers). A linear expression cannot say that, so the cost model charges 2 slots, which
+    keeps an all-gpu placement out of the LP when it fits only without staging. Two binaries
+    per buffer make it exact (a small MILP): ``z1`` (any layer off the tier) and ``z2 <= z1``
+    (more than one), with ``L * fraction <= z1 + (L - 1) * z2`` and ``z1 + z2`` slots.
+    The binaries are added only where fewer than two layers can be off the tier(s) at all
+    (``L - 1`` layers fit in the faster tiers): elsewhere the LP's 2 is exact, and the MILP
+    would double the solve time for nothing.
+    """
+    L = cm.spec.num_layers
+    off_all = {v: (1.0 if v.endswith("d") else 0.0) for v in PLACEMENT_VARS}  # every layer on disk
+    full = cm.memory(off_all, 1, 1, shape.max_prompt, shape.max_output)
+    slots_full = float(min(2, L))
+    room = {t: float(profile.capacity_bytes(t)) for t in TIERS}
+    near_all = (L - 1) * cm.layer_stored_bytes
+    out = dict(mem)
+    for tier, name, fraction, faster in (("gpu", "weight_stage", x["wc"] + x["wd"], room["gpu"]),
+                                         ("cpu", "weight_relay", x["wd"], room["gpu"] + room["cpu"])):
+        if near_all > faster:
+            continue  # at least two layers are off these tiers whatever the placement
+        slot_bytes = float(full[tier].resident[name]) / slots_full
+        z1 = pulp.LpVariable(f"{name}_any", cat=pulp.LpBinary)
+        z2 = pulp.LpVariable(f"{name}_two", cat=pulp.LpBinary)
+        prob += z2 <= z1, f"{name}_order"
+        prob += fraction * L <= z1 + (L - 1) * z2, f"{name}_count"
+        resident = dict(mem[tier].resident)
+        resident[name] = (z1 + z2) * slot_bytes
+        out[tier] = replace(mem[tier], resident=resident)
+    return out
+
+
 def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Shape,
            elastic: bool = False) -> tuple[str, dict[str, float], float, dict[str, float]]:
     """Build and solve the LP. ``elastic`` adds a shortfall variable per tier (bytes over
@@ -153,7 +189,7 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
         for i, group in enumerate(cm.groups(cm.layer_terms(phase, gbs, length, x, nb))):
             prob += var * (1.0 / ref) >= group * (1.0 / ref), f"{name}_group{i}"
 
-    mem = cm.memory(x, gbs, nb, shape.max_prompt, shape.max_output)
+    mem = _exact_staging(prob, cm, profile, x, cm.memory(x, gbs, nb, shape.max_prompt, shape.max_output), shape)
     short = {}  # elastic: bytes over capacity, in units of the tier's capacity
     caps = {t: max(float(profile.capacity_bytes(t)), 1.0) for t in TIERS}
     for tier in TIERS:

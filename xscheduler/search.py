@@ -10,9 +10,13 @@ Three layers (the product's main job):
   which is what ExeGPT's branch-and-bound (§5.1, Algorithm 1) exploits: a box of knob points is
   bounded above in throughput by its top corner and below in latency by its bottom corner.
 - **Placement** for each ``(variant, gbs, nb)``: the LP of :mod:`xscheduler.placement`, rounded.
+  Its seconds per token of an ideal block also bound the simulated throughput from above
+  (:meth:`Evaluator.bound`), so whole variants, boxes and candidate moves are pruned with LP
+  solves (milliseconds) instead of simulations (tens of milliseconds).
 
 Every point is priced by the simulator and cached (:class:`Evaluator`); the same evaluator
 serves branch-and-bound, the exhaustive grid and Optuna, so their numbers compare directly.
+Evaluation counts are simulator calls; LP solves are counted separately.
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ REFILL_LEVELS: tuple[int, ...] = (0, 64, 16, 4, 1)
 EVALUATORS: tuple[str, ...] = ("discrete-event", "analytic")
 # Upper bound on a point's simulated throughput, as a multiple of the LP's tokens/s for its
 # (variant, gbs, nb). The LP prices an ideal block (prompts padded only to the mean, every row
-# decoding for the mean output, no refill stalls), so the simulator lands at 0.4-1.0x of it;
-# the largest ratio seen over the benchmark grids' points was 1.008 (one-row batches, where
-# the LP's mean shapes are exact). The margin keeps the bound safe on unseen grids.
+# decoding for the mean output, no refill stalls), so the simulator lands at 0.30-1.03x of it
+# over the whole grids of six benchmark cells (opt-6.7b, opt-30b, opt-175b, llama-2-70b; t4 and
+# a100-80gb; workloads S, T, G, C2). The margin above the largest ratio keeps the bound safe.
 LP_BOUND_SLACK = 1.05
 
 
@@ -290,8 +294,13 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
 
     A box ``[lo, hi]`` of knob indices is kept only while its bottom corner may meet the bound
     (latency(lo) <= L * (1 + eps_l)) and its top corner may beat the incumbent
-    (throughput(hi) * (1 + eps_t) >= best). If the top corner meets the bound it is the box's
-    best point. Otherwise the box splits in half along its longest knob. With ``corners`` the
+    (throughput(hi) * (1 + eps_t) >= best). The LP bound over the box's (gbs, nb) pairs
+    (:meth:`Evaluator.box_bound`) is checked first, so a box it prunes costs no simulation. Under
+    a finite bound the bottom corner is priced first, and a corner that an already priced point
+    with no larger knobs and refill level shows to miss the bound (:meth:`Evaluator.misses`;
+    latency grows along every knob) is not priced: a bottom corner so known ends the box, a top
+    corner so known leaves only the LP bound for it. If the top corner meets the bound it is the
+    box's best point. Otherwise the box splits in half along its longest knob. With ``corners`` the
     corners that raise one knob alone are priced first (they may be new incumbents) and the split
     goes along the longest other knob than the one whose corner did best (in 2-D: the paper's
     vertical/horizontal rule); on our grids that cost about 25% more evaluations for no better
