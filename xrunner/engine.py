@@ -110,7 +110,7 @@ class Reconfiguration:
     moved_bytes: dict[str, int]  # bytes copied per channel, keys "gpu->cpu", "cpu->disk", ...
     reloaded_bytes: int  # bytes read again from the model source (weight compression changed)
     planned_peak_bytes: dict[str, float]  # planned peak per tier under the new policy
-    freed_bytes: dict[str, int] = field(default_factory=dict)  # per tier: live bytes before minus after
+    freed_bytes: dict[str, int] = field(default_factory=dict)  # per tier: bytes given back (ledger) by the change
     transition_peak_bytes: dict[str, int] = field(default_factory=dict)  # measured peak per tier during the change
     capacity_bytes: dict[str, float] | None = None  # the budget checked (None: unchecked)
 
@@ -619,7 +619,7 @@ class Engine:
 
         for fut in self._wfutures.values():  # a prefetch of the next step's first layer may be pending
             fut.result()
-        live_before = dict(self.ledger.live)
+        freed_before = dict(self.ledger.freed_total)
         self.ledger.reset_window()
         old = self.policy
         self._free_buffers()
@@ -667,7 +667,7 @@ class Engine:
         rec = Reconfiguration(at_s=at_s, stall_s=time.perf_counter() - t_start, old_policy=old, new_policy=policy,
                               reason=reason, moved_bytes=moved, reloaded_bytes=reloaded,
                               planned_peak_bytes=dict(planned),
-                              freed_bytes={t: live_before[t] - self.ledger.live[t] for t in TIERS},
+                              freed_bytes={t: self.ledger.freed_total[t] - freed_before[t] for t in TIERS},
                               transition_peak_bytes=transition, capacity_bytes=caps)
         self.reconfigurations.append(rec)
         marker = TraceMarker("reconfigure", at_s, {"reason": reason, "stall_s": rec.stall_s,

@@ -49,6 +49,7 @@ class MemoryLedger:
         self.peak: dict[str, int] = {t: 0 for t in TIERS}
         self.by_name: dict[tuple[str, str], int] = {}
         self.window_peak: dict[str, int] = {t: 0 for t in TIERS}  # peak since the last reset_window()
+        self.freed_total: dict[str, int] = {t: 0 for t in TIERS}  # bytes ever given back, per tier
 
     def add(self, tier: str, name: str, nbytes: int) -> None:
         with self._lock:
@@ -68,6 +69,7 @@ class MemoryLedger:
         with self._lock:
             self.live[tier] -= int(nbytes)
             self.by_name[tier, name] -= int(nbytes)
+            self.freed_total[tier] += int(nbytes)
 
     @contextmanager
     def transient(self, tier: str, name: str, nbytes: int) -> Iterator[None]:
