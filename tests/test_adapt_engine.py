@@ -19,10 +19,9 @@ from test_engine import LLAMA, MAX_OUTPUT, MAX_PROMPT, _quantized_weights, make_
 
 from workloads.workload import fixed_workload
 from xrunner.budget import BudgetWarning, CallbackBudget, FileBudget, budget_hook, plan_fn_for
-from xrunner.engine import Engine, rounded_policy
+from xrunner.engine import Engine
 from xrunner.loaders import RandomSource, load_weights
 from xscheduler.plan import SLA
-from xscheduler.planner import plan_search
 from xsched.errors import UserError
 from xsimulator.policy import Policy
 
