@@ -120,7 +120,7 @@ def main() -> None:
         raise SystemExit(f"expected one reconfiguration, got {len(stats.reconfigurations)}")
     rec = stats.reconfigurations[0]
     assert sorted(done) == sorted(r.id for r in reqs), "requests lost or duplicated"
-    peak_before = {t: max(stats.peak_bytes[t], 0) for t in TIERS}  # whole run; the pre-cut part dominates
+    peak_before = rec.peak_before_bytes  # measured under the old policy, up to the change
 
     # A full rebuild for the new policy: a new Engine reading every weight from the model files.
     drop_page_cache(model_dir)
@@ -138,7 +138,7 @@ def main() -> None:
         "policy_before": rec.old_policy.describe().replace("\n", "; "),
         "policy_after": rec.new_policy.describe().replace("\n", "; "),
         "planned_peak_before": planned_before, "planned_peak_after": rec.planned_peak_bytes,
-        "measured_peak_whole_run": peak_before, "measured_peak_since_change": stats.peak_bytes_since_change,
+        "measured_peak_before_change": peak_before, "measured_peak_since_change": stats.peak_bytes_since_change,
         "measured_peak_during_change": rec.transition_peak_bytes, "freed_bytes": rec.freed_bytes,
         "moved_bytes": rec.moved_bytes, "read_from_slower_tiers_or_source_bytes": from_slower,
         "full_reload_bytes": full_reload_bytes, "stall_s": rec.stall_s, "full_rebuild_s": rebuild_s,

@@ -113,6 +113,7 @@ class Reconfiguration:
     freed_bytes: dict[str, int] = field(default_factory=dict)  # per tier: bytes given back (ledger) by the change
     transition_peak_bytes: dict[str, int] = field(default_factory=dict)  # measured peak per tier during the change
     capacity_bytes: dict[str, float] | None = None  # the budget checked (None: unchecked)
+    peak_before_bytes: dict[str, int] = field(default_factory=dict)  # measured peak per tier under the old policy
 
 
 HookAnswer = tuple[Policy, str] | tuple[Policy, str, Mapping[str, float]] | None
@@ -620,7 +621,7 @@ class Engine:
         for fut in self._wfutures.values():  # a prefetch of the next step's first layer may be pending
             fut.result()
         freed_before = dict(self.ledger.freed_total)
-        self.ledger.reset_window()
+        peak_before = self.ledger.reset_window()  # the old policy's peak since the run or the last change
         old = self.policy
         self._free_buffers()
         moved: dict[str, int] = {}
@@ -668,7 +669,8 @@ class Engine:
                               reason=reason, moved_bytes=moved, reloaded_bytes=reloaded,
                               planned_peak_bytes=dict(planned),
                               freed_bytes={t: self.ledger.freed_total[t] - freed_before[t] for t in TIERS},
-                              transition_peak_bytes=transition, capacity_bytes=caps)
+                              transition_peak_bytes=transition, capacity_bytes=caps,
+                              peak_before_bytes=peak_before)
         self.reconfigurations.append(rec)
         marker = TraceMarker("reconfigure", at_s, {"reason": reason, "stall_s": rec.stall_s,
                                                    "moved_bytes": sum(moved.values()), "reloaded_bytes": reloaded,
