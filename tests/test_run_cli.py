@@ -344,9 +344,11 @@ def test_sigkill_then_resume_and_ctrl_c(tiny_dir, tmp_path, capsys):
     killed, interrupted = tmp_path / "killed.jsonl", tmp_path / "interrupted.jsonl"
     common = ["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--quiet"]
     p_kill = _start(common + ["--out", str(killed), "--offload-dir", str(offload_kill)])
-    p_int = _start(common + ["--out", str(interrupted), "--offload-dir", str(offload_int)])
     at_kill = _wait_for_lines(p_kill, killed, 3)
     p_kill.send_signal(signal.SIGKILL)
+    # Started only now: run beside the first one, it could finish its whole job while the first was still
+    # starting up, and then the SIGINT met an exiting interpreter (exit -2 instead of 130).
+    p_int = _start(common + ["--out", str(interrupted), "--offload-dir", str(offload_int)])
     at_int = _wait_for_lines(p_int, interrupted, 3)
     p_int.send_signal(signal.SIGINT)
     p_kill.communicate(timeout=60)
