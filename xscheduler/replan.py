@@ -1,8 +1,8 @@
 """Re-plan when the observed prompt/output lengths drift from the workload a plan was priced on.
 
 ``replan`` is the offline answer (``xsched replan``): one look of the workloads drift test at the
-observed lengths; when it fires, the lengths after the estimated change point are fitted
-(``workloads.fit``), the old policy is priced on them, and ``plan_search`` looks for the best
+observed lengths; when it fires, the lengths after the estimated change point become the
+observed workload (empirical pmfs), the old policy is priced on it, and ``plan_search`` looks for the best
 policy for the *same* model, profile and SLA. ``DriftWatcher`` does the same online during
 ``xsched run``: it collects settled requests, looks every ``look_every`` of them (the
 group-sequential budget of :class:`workloads.drift.DriftMonitor` keeps the false-alarm rate of
@@ -29,13 +29,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import numpy as np
 
 from workloads.drift import DriftMonitor, DriftReport, DriftStat
 from workloads.distributions import LengthDistribution
-from workloads.workload import Workload, spearman_to_copula
+from workloads.workload import Workload, read_request_lengths, spearman_to_copula
 from xprofiler.profile import HardwareProfile
 from xsched.contract import Contract
 from xsched.errors import UserError
@@ -218,6 +219,27 @@ def fit_workload(prompt_lens: Any, output_lens: Any, reference: Workload) -> Wor
     output = LengthDistribution.empirical(o, max(reference.output.max_len, int(o.max())))
     return Workload(name=f"observed({reference.name})", prompt=prompt, output=output,
                     correlation=spearman_to_copula(p, o), source=f"empirical, {len(p)} observed requests")
+
+
+def read_observed(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prompt lengths, output lengths, capped flags) from a results JSONL or a lengths JSONL/CSV.
+
+    ``stopped_on_eos`` false (as ``xsched run`` writes it) marks an output that ended at its
+    ``max_new_tokens``; a file without that column has no capped outputs.
+    """
+    import csv
+    import json
+
+    lengths = read_request_lengths(path)
+    if lengths.outputs is None:
+        raise UserError(f"{path}: no output lengths; each request needs output_tokens")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".csv":
+        flags = [row.get("stopped_on_eos", "") for row in csv.DictReader(text.splitlines())]
+    else:
+        flags = [json.loads(line).get("stopped_on_eos") for line in text.splitlines() if line.strip()]
+    capped = np.array([str(f).strip().lower() in ("false", "0") for f in flags], bool)
+    return lengths.prompts, lengths.outputs, capped
 
 
 def _check_lengths(prompt_lens: Any, output_lens: Any, censored: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
