@@ -20,6 +20,7 @@ from xscheduler import SLA, Evaluator, Plan, place, plan_search, variants
 from xscheduler.search import search
 from xscheduler.placement import Shape, token_seconds
 from xsimulator.costmodel import TIERS, CostModel
+from xsimulator.policy import Policy
 from xsimulator.discrete_event import simulate
 
 GB = 10**9
@@ -109,6 +110,33 @@ def test_lp_is_invariant_to_scaling_every_rate_by_1000(case):
         assert b.token_s == pytest.approx(a.token_s / k, rel=1e-6)
 
 
+def test_lp_charges_no_weight_staging_when_every_layer_is_resident():
+    """The runner allocates min(2, offloaded layers) staging slots (and disk relay records): a
+    GPU that holds the all-gpu policy's exact peak, not a byte more, must get the all-gpu
+    placement. A linear model charging two slots regardless would offload layers here."""
+    spec0 = get_model_spec("opt-6.7b")
+    w = get_workload("T@0.25")
+    shape = Shape.of(w)
+    base = t4_like()
+    spec = base.model_for(spec0)
+    all_gpu = Policy(gbs=4, nb=2)  # defaults: everything on the gpu tier
+    peak = CostModel(spec, base).peak_bytes(all_gpu, shape.max_prompt, shape.max_output)
+    layer = CostModel(spec, base).layer_stored_bytes
+    # Tight GPU and CPU (the CPU could not take two disk relay records either).
+    prof = replace(base, gpu_bytes=int(peak["gpu"]) + 1, cpu_bytes=int(layer))
+    lp = place(spec, prof, w, 4, 2)
+    assert lp is not None
+    assert (lp.policy.wg, lp.policy.cg, lp.policy.hg) == (1.0, 1.0, 1.0), lp.policy
+    assert lp.moved_units == 0
+    # One byte less and a layer has to leave the GPU (and the LP still finds a fitting answer).
+    prof2 = replace(prof, gpu_bytes=int(peak["gpu"]) - 1, cpu_bytes=200 * GB)
+    lp2 = place(spec, prof2, w, 4, 2)
+    assert lp2 is not None
+    assert min(lp2.policy.wg, lp2.policy.cg, lp2.policy.hg) < 1.0
+    peaks2 = CostModel(spec, prof2).peak_bytes(lp2.policy, shape.max_prompt, shape.max_output)
+    assert all(peaks2[t] <= prof2.capacity_bytes(t) for t in TIERS)
+
+
 @pytest.fixture(scope="module")
 def grid(case):
     """Exhaustive search's evaluations (full memory-derived ranges), shared by the B&B cases."""
@@ -175,6 +203,32 @@ def test_plan_cli_human_and_json(profile_path, tmp_path):
               "--json")
     assert sim.returncode == 0, sim.stderr
     assert json.loads(sim.stdout)["latency_p99_s"] == pytest.approx(plan.predicted.latency_p99_s)
+
+
+def test_simulate_plan_uses_the_plans_own_profile(profile_path, tmp_path):
+    """A plan is priced on one machine: `simulate --plan` without --profile must use that one
+    (here the a100-80gb preset, whose numbers differ from the t4 default), not the default."""
+    path = tmp_path / "a100.json"
+    out = run("plan", "--profile", "a100-80gb", *SMALL, "--latency", "inf", "-o", str(path), "--quiet")
+    assert out.returncode == 0, out.stderr
+    plan = Plan.load(path)
+    sim = run("simulate", "--plan", str(path), "--requests", "100", "--json")
+    assert sim.returncode == 0, sim.stderr
+    assert "using the plan's profile, the a100-80gb preset" in sim.stderr
+    got = json.loads(sim.stdout)
+    assert got["throughput_tokens_per_s"] == pytest.approx(plan.predicted.throughput_tokens_per_s)
+    assert got["latency_p99_s"] == pytest.approx(plan.predicted.latency_p99_s)
+    t4 = run("simulate", "--plan", str(path), "--profile", "t4", "--requests", "100", "--json")
+    assert t4.returncode == 0, t4.stderr
+    assert "the plan was made for profile 'a100-80gb'; simulating it on 't4'" in t4.stderr
+    assert json.loads(t4.stdout)["latency_p99_s"] != pytest.approx(plan.predicted.latency_p99_s, rel=0.01)
+    # A profile that is neither in the plan nor a preset: say what to pass instead of guessing.
+    tight = tmp_path / "tight.json"
+    assert run("plan", "--profile", profile_path, *SMALL, "--latency", "inf", "-o", str(tight),
+               "--quiet").returncode == 0
+    out = run("simulate", "--plan", str(tight), "--requests", "100")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "pass --profile with that profile's JSON file" in out.stderr
 
 
 def test_plan_cli_defaults_say_what_they_assumed():

@@ -34,6 +34,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=_generate)
     run_cli.register(sub)
+    register_calibrate(sub)
+
+
+def register_calibrate(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "calibrate", help="fit the cost model's calibration terms to short real runs on this machine",
+        description="Run a small designed set of short engine runs (random weights, a few decode steps, a cut copy "
+                    "of the model) covering every calibration term: all on the gpu tier, weights on cpu and on "
+                    "disk, KV cache on cpu with CPU attention, KV and activations offloaded, 4-bit compression. "
+                    "Fit the factors and overheads with least squares on relative errors of the measured busy "
+                    "seconds per resource and step wall times, print the error per term before and after, and "
+                    "write the calibrated profile. Needs a profile of this machine with the model's layer fits: "
+                    "xsched profile --quick --model NAME --threads 1 -o profile.json")
+    c.add_argument("--profile", required=True, metavar="FILE", help="profile measured on this machine")
+    c.add_argument("--model", required=True, metavar="NAME|PATH",
+                   help="registry name (or random:NAME), local HF directory or .gguf file; runs use random weights "
+                        "of its shape")
+    c.add_argument("-o", "--output", metavar="CALIBRATED.json", default=None,
+                   help="where to write the calibrated profile (default: only print the fit)")
+    c.add_argument("--gen-len", type=int, default=6, help="decode tokens per request in the runs (default 6)")
+    c.add_argument("--depth", type=int, default=4,
+                   help="layers of the cut model in most runs; two runs use twice as many (default 4)")
+    c.add_argument("--repeats", type=int, default=3, help="repeats of each run; metrics are medians (default 3)")
+    c.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="directory for the disk-tier runs (default: the system temporary directory)")
+    c.add_argument("--json", action="store_true", help="print the fit as JSON")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(handler=_calibrate)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -118,4 +146,43 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"{result.new_tokens} tokens in {wall_s:.2f} s ({result.new_tokens / wall_s:.1f} tokens/s)",
               file=sys.stderr)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from xprofiler.fingerprint import machine_differences
+    from xprofiler.presets import load_profile
+    from xrunner.calibrate import calibrate, report
+    from xrunner.run_cli import check_offload_dir
+    from xsched.errors import UserError
+
+    for name in ("gen_len", "depth", "repeats"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.output is not None:
+        parent = Path(args.output).resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"{args.output}: cannot write there (directory {parent} is missing or not writable); "
+                            "pass another -o")
+    if args.offload_dir is not None:
+        check_offload_dir(args.offload_dir)
+    profile = load_profile(args.profile, check_machine=False)
+    diffs = machine_differences(profile)
+    if diffs:
+        raise UserError(f"{args.profile} was measured on another machine ({'; '.join(diffs)}); calibration fits "
+                        "this machine's runs to it: measure this machine first (xsched profile)")
+    fit = calibrate(profile, args.model, profile_arg=args.profile, gen_len=args.gen_len, depth=args.depth,
+                    repeats=args.repeats, offload_dir=args.offload_dir,
+                    progress=not args.quiet and sys.stderr.isatty())
+    if args.output is not None:
+        fit.profile.save(args.output)
+    if args.json:
+        print(json.dumps({**fit.to_dict(), "output": args.output}, indent=2))
+        return 0
+    print(report(fit))
+    if args.output is not None:
+        print(f"wrote {args.output}")
     return 0

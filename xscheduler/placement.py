@@ -22,6 +22,9 @@ every tier fits. The rounded policy is what gets simulated and reported.
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -31,10 +34,11 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import TIERS, CostModel
+from xsimulator.costmodel import TIERS, CostModel, MemoryTerms
 from xsimulator.policy import PLACEMENT_VARS, Policy, split_counts
 
 TRIOS: tuple[tuple[str, str, str], ...] = (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd"))
+TIE_BREAK = 1e-6  # objective weight of slow-tier fractions, against ~1 for the normalised time
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,38 @@ class Placement:
     moved_units: int  # layers/rows moved to slower tiers after rounding to make memory fit
 
 
+class _CachedSizes(CostModel):
+    """The cost model with its per-layer byte counts computed once: they walk the spec's tensor
+    list on every access, and rounding a placement reads them a few hundred times."""
+
+    layer_matmul_bytes = functools.cached_property(CostModel.layer_matmul_bytes.fget)  # type: ignore[assignment]
+    layer_stored_bytes = functools.cached_property(CostModel.layer_stored_bytes.fget)  # type: ignore[assignment]
+
+
+@functools.cache
+def lp_solver() -> pulp.LpSolver:
+    """HiGHS in-process when ``highspy`` is installed (about 2 ms a solve), else CBC, which PuLP
+    runs as a subprocess (10-40 ms a solve, most of it process start-up)."""
+    highs = getattr(pulp, "HiGHS", None)  # PuLP >= 2.8
+    if highs is None or not highs(msg=False).available():
+        return pulp.PULP_CBC_CMD(msg=False)
+    highs = highs(msg=False)
+    import highspy
+
+    # The first Highs() of a process prints a banner on stdout whatever its options; stdout may
+    # be the JSON a user asked for, so the banner goes to /dev/null (once: later ones are silent).
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+    return highs
+
+
 def _knob_policy(gbs: int, nb: int, compress_weight: bool, compress_cache: bool, cpu_attention: bool,
                  overlap: bool, fractions: Mapping[str, float] | None = None) -> Policy:
     return Policy(gbs=gbs, nb=nb, compress_weight=compress_weight, compress_cache=compress_cache,
@@ -95,6 +131,42 @@ def fits(cm: CostModel, profile: HardwareProfile, policy: Policy, shape: Shape) 
     return {t: peaks[t] - profile.capacity_bytes(t) for t in TIERS if peaks[t] > profile.capacity_bytes(t)}
 
 
+def _exact_staging(prob: pulp.LpProblem, cm: CostModel, profile: HardwareProfile, x: dict[str, Any],
+                   mem: dict[str, MemoryTerms], shape: Shape) -> dict[str, MemoryTerms]:
+    """Replace the cost model's constant two staging slots by the exact ``min(2, ceil(k))``.
+
+    The runner double-buffers fetched layers: ``k`` offloaded layers need ``min(2, k)`` slots
+    (weight_stage on the gpu tier for cpu+disk layers, weight_relay on the cpu tier for disk
+    layers). A linear expression cannot say that, so the cost model charges 2 slots, which
+    keeps an all-gpu placement out of the LP when it fits only without staging. Two binaries
+    per buffer make it exact (a small MILP): ``z1`` (any layer off the tier) and ``z2 <= z1``
+    (more than one), with ``L * fraction <= z1 + (L - 1) * z2`` and ``z1 + z2`` slots.
+    The binaries are added only where fewer than two layers can be off the tier(s) at all
+    (``L - 1`` layers fit in the faster tiers): elsewhere the LP's 2 is exact, and the MILP
+    would double the solve time for nothing.
+    """
+    L = cm.spec.num_layers
+    off_all = {v: (1.0 if v.endswith("d") else 0.0) for v in PLACEMENT_VARS}  # every layer on disk
+    full = cm.memory(off_all, 1, 1, shape.max_prompt, shape.max_output)
+    slots_full = float(min(2, L))
+    room = {t: float(profile.capacity_bytes(t)) for t in TIERS}
+    near_all = (L - 1) * cm.layer_stored_bytes
+    out = dict(mem)
+    for tier, name, fraction, faster in (("gpu", "weight_stage", x["wc"] + x["wd"], room["gpu"]),
+                                         ("cpu", "weight_relay", x["wd"], room["gpu"] + room["cpu"])):
+        if near_all > faster:
+            continue  # at least two layers are off these tiers whatever the placement
+        slot_bytes = float(full[tier].resident[name]) / slots_full
+        z1 = pulp.LpVariable(f"{name}_any", cat=pulp.LpBinary)
+        z2 = pulp.LpVariable(f"{name}_two", cat=pulp.LpBinary)
+        prob += z2 <= z1, f"{name}_order"
+        prob += fraction * L <= z1 + (L - 1) * z2, f"{name}_count"
+        resident = dict(mem[tier].resident)
+        resident[name] = (z1 + z2) * slot_bytes
+        out[tier] = replace(mem[tier], resident=resident)
+    return out
+
+
 def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Shape,
            elastic: bool = False) -> tuple[str, dict[str, float], float, dict[str, float]]:
     """Build and solve the LP. ``elastic`` adds a shortfall variable per tier (bytes over
@@ -117,25 +189,28 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
         for i, group in enumerate(cm.groups(cm.layer_terms(phase, gbs, length, x, nb))):
             prob += var * (1.0 / ref) >= group * (1.0 / ref), f"{name}_group{i}"
 
-    mem = cm.memory(x, gbs, nb, shape.max_prompt, shape.max_output)
-    short = {}
+    mem = _exact_staging(prob, cm, profile, x, cm.memory(x, gbs, nb, shape.max_prompt, shape.max_output), shape)
+    short = {}  # elastic: bytes over capacity, in units of the tier's capacity
+    caps = {t: max(float(profile.capacity_bytes(t)), 1.0) for t in TIERS}
     for tier in TIERS:
-        cap = float(profile.capacity_bytes(tier))
-        scale = 1.0 / max(cap, 1.0)
+        scale = 1.0 / caps[tier]
         if elastic:
             short[tier] = pulp.LpVariable(f"short_{tier}", 0)
         for i, expr in enumerate(mem[tier].constraints()):
-            rhs = cap + short[tier] if elastic else cap
-            prob += expr * scale <= rhs * scale, f"mem_{tier}_{i}"
+            prob += expr * scale <= (1.0 + short[tier] if elastic else 1.0), f"mem_{tier}_{i}"
 
     if elastic:
         # Blame the slowest tier that could take the bytes: a shortfall lands on the gpu tier only
         # when no placement can move it elsewhere (head weights, staging, transients).
-        total = float(sum(profile.capacity_bytes(t) for t in TIERS)) or 1.0
-        prob += pulp.lpSum((3 - i) * short[t] for i, t in enumerate(TIERS)) * (1.0 / total)
+        total = sum(caps.values())
+        prob += pulp.lpSum((3 - i) * (caps[t] / total) * short[t] for i, t in enumerate(TIERS))
     else:
-        prob += token_seconds(cm, x, gbs, nb, shape, (t_pre, t_dec)) * (1.0 / ref)
-    prob.solve(pulp.PULP_CBC_CMD(msg=False))
+        # Placements that only load channels that are not the bottleneck tie in time; the tiny
+        # second term breaks ties towards faster tiers (less traffic, and one answer whatever
+        # the solver or the units), at a relative cost below TIE_BREAK in the objective.
+        prob += (token_seconds(cm, x, gbs, nb, shape, (t_pre, t_dec)) * (1.0 / ref)
+                 + TIE_BREAK * pulp.lpSum(x[c] + 2 * x[d] for _, c, d in TRIOS))
+    prob.solve(lp_solver())
     status = pulp.LpStatus[prob.status]
     if status != "Optimal":
         return status, {}, float("inf"), {}
@@ -144,8 +219,9 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
         s = sum(frac[v] for v in trio)
         for v in trio:
             frac[v] /= s
-    shortfall = {t: float(v.value() or 0.0) for t, v in short.items()}
-    return status, frac, float(prob.objective.value()) * ref if not elastic else 0.0, shortfall
+    shortfall = {t: float(v.value() or 0.0) * caps[t] for t, v in short.items()}
+    lp_s = 0.0 if elastic else float(token_seconds(cm, frac, gbs, nb, shape))  # without the tie-break term
+    return status, frac, lp_s, shortfall
 
 
 def round_placement(cm: CostModel, profile: HardwareProfile, policy: Policy, shape: Shape) -> tuple[Policy, int] | None:
@@ -205,7 +281,7 @@ def place(spec: ModelSpec, profile: HardwareProfile, workload: Workload, gbs: in
 
     ``spec`` should already be in the profile's compute dtype (``profile.model_for``).
     """
-    cm = CostModel(spec, profile, compress_weight, compress_cache, cpu_attention, overlap)
+    cm = _CachedSizes(spec, profile, compress_weight, compress_cache, cpu_attention, overlap)
     shape = Shape.of(workload)
     status, frac, lp_s, _ = _solve(cm, profile, gbs, nb, shape)
     if status != "Optimal":
@@ -223,7 +299,7 @@ def shortfall_bytes(spec: ModelSpec, profile: HardwareProfile, workload: Workloa
                     compress_weight: bool = False, compress_cache: bool = False, cpu_attention: bool = False
                     ) -> dict[str, float]:
     """Bytes each tier lacks for the least demanding placement of these knobs ({} if it fits)."""
-    cm = CostModel(spec, profile, compress_weight, compress_cache, cpu_attention)
+    cm = _CachedSizes(spec, profile, compress_weight, compress_cache, cpu_attention)
     status, _, _, short = _solve(cm, profile, gbs, nb, Shape.of(workload), elastic=True)
     if status != "Optimal":
         raise UserError(f"the placement LP for {spec.name} could not be solved ({status})")

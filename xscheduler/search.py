@@ -10,9 +10,13 @@ Three layers (the product's main job):
   which is what ExeGPT's branch-and-bound (§5.1, Algorithm 1) exploits: a box of knob points is
   bounded above in throughput by its top corner and below in latency by its bottom corner.
 - **Placement** for each ``(variant, gbs, nb)``: the LP of :mod:`xscheduler.placement`, rounded.
+  Its seconds per token of an ideal block also bound the simulated throughput from above
+  (:meth:`Evaluator.bound`), so whole variants, boxes and candidate moves are pruned with LP
+  solves (milliseconds) instead of simulations (tens of milliseconds).
 
 Every point is priced by the simulator and cached (:class:`Evaluator`); the same evaluator
 serves branch-and-bound, the exhaustive grid and Optuna, so their numbers compare directly.
+Evaluation counts are simulator calls; LP solves are counted separately.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ from xsimulator.result import SimResult
 # Refill intervals in the order throughput and latency grow: never, then ever more often.
 REFILL_LEVELS: tuple[int, ...] = (0, 64, 16, 4, 1)
 EVALUATORS: tuple[str, ...] = ("discrete-event", "analytic")
+# Upper bound on a point's simulated throughput, as a multiple of the LP's tokens/s for its
+# (variant, gbs, nb). The LP prices an ideal block (prompts padded only to the mean, every row
+# decoding for the mean output, no refill stalls), so the simulator lands at 0.30-1.03x of it
+# over the whole grids of six benchmark cells (opt-6.7b, opt-30b, opt-175b, llama-2-70b; t4 and
+# a100-80gb; workloads S, T, G, C2). The margin above the largest ratio keeps the bound safe.
+LP_BOUND_SLACK = 1.05
 
 
 @dataclass(frozen=True)
@@ -183,6 +193,28 @@ class Evaluator:
     def evaluations(self) -> int:
         return len(self.cache)
 
+    def bound(self, v: Variant, gbs: int, nb: int) -> float:
+        """Throughput no point with these knobs can beat (any refill), from the LP alone
+        (:data:`LP_BOUND_SLACK`); 0 when nothing fits. Costs an LP solve, not a simulation."""
+        placed = self.placement(v, gbs, nb)
+        return LP_BOUND_SLACK / placed.token_s if placed is not None and placed.token_s > 0 else 0.0
+
+    def misses(self, v: Variant, gbs: int, nb: int, refill: int, kind: str, bound_s: float) -> bool:
+        """Whether a point already priced shows, without pricing this one, that it misses the
+        bound: one of the same variant with no larger gbs, nb and refill level (in
+        :data:`REFILL_LEVELS` order, along which latency grows) whose latency is over it."""
+        if refill not in REFILL_LEVELS:
+            return False
+        rank = REFILL_LEVELS.index(refill)
+        return any(e.variant == v and e.fits and e.gbs <= gbs and e.nb <= nb and e.refill_every in REFILL_LEVELS
+                   and REFILL_LEVELS.index(e.refill_every) <= rank and e.latency(kind) > bound_s
+                   for e in self.cache.values())
+
+    def box_bound(self, space: "Space", lo: tuple[int, ...], hi: tuple[int, ...]) -> float:
+        """The largest :meth:`bound` over the (gbs, nb) pairs of a box of ``space``."""
+        return max(self.bound(space.variant, *space.knobs((i, j, lo[2]))[:2])
+                   for i in range(lo[0], hi[0] + 1) for j in range(lo[1], hi[1] + 1))
+
     def space(self, v: Variant, refill: Iterable[int] = REFILL_LEVELS, knee: bool = False,
               knee_tol: float = 0.02, max_exp: int = 12) -> Space | None:
         """Knob ranges of a variant, derived from memory. None when not even gbs = nb = 1 fits.
@@ -262,8 +294,13 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
 
     A box ``[lo, hi]`` of knob indices is kept only while its bottom corner may meet the bound
     (latency(lo) <= L * (1 + eps_l)) and its top corner may beat the incumbent
-    (throughput(hi) * (1 + eps_t) >= best). If the top corner meets the bound it is the box's
-    best point. Otherwise the box splits in half along its longest knob. With ``corners`` the
+    (throughput(hi) * (1 + eps_t) >= best). The LP bound over the box's (gbs, nb) pairs
+    (:meth:`Evaluator.box_bound`) is checked first, so a box it prunes costs no simulation. Under
+    a finite bound the bottom corner is priced first, and a corner that an already priced point
+    with no larger knobs and refill level shows to miss the bound (:meth:`Evaluator.misses`;
+    latency grows along every knob) is not priced: a bottom corner so known ends the box, a top
+    corner so known leaves only the LP bound for it. If the top corner meets the bound it is the
+    box's best point. Otherwise the box splits in half along its longest knob. With ``corners`` the
     corners that raise one knob alone are priced first (they may be new incumbents) and the split
     goes along the longest other knob than the one whose corner did best (in 2-D: the paper's
     vertical/horizontal rule); on our grids that cost about 25% more evaluations for no better
@@ -287,20 +324,40 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
     def viable(lo_e: Evaluation) -> bool:
         return lo_e.fits and lo_e.latency(kind) <= bound_s * (1 + eps_l)
 
+    def hopeless(idx: tuple[int, ...]) -> bool:
+        """A box whose bottom corner is known to miss the bound, by latency's monotonicity."""
+        return ev.misses(space.variant, *space.knobs(idx), kind, bound_s * (1 + eps_l))
+
     def promising(up: float) -> bool:
         return best is None or up * (1 + eps_t) >= best.throughput
 
     lo0 = (0,) * d
     hi0 = tuple(s - 1 for s in space.shape)
-    top = perf(hi0)
-    offer(top)
-    if top.meets(kind, bound_s):
-        return best
+    lp_up = ev.box_bound(space, lo0, hi0)
+    if not promising(lp_up):
+        return best  # no point of this space can beat the incumbent: no simulation needed
+    bottom_first = math.isfinite(bound_s)
+    if bottom_first:
+        # Under a finite bound many spaces hold no point that meets it: the bottom corner (the
+        # lowest latency) says so in one simulation, before the top corner is priced.
+        if hopeless(lo0):
+            return best
+        bottom = perf(lo0)
+        offer(bottom)
+        if not viable(bottom):
+            return best
+    up = lp_up
+    if not (bottom_first and hopeless(hi0)):  # a top corner known to miss only bounds throughput
+        top = perf(hi0)
+        offer(top)
+        if top.meets(kind, bound_s):
+            return best
+        up = min(upper(top), lp_up)
     bottom = perf(lo0)
     offer(bottom)
-    if not viable(bottom) or not promising(upper(top)):
+    if not viable(bottom) or not promising(up):
         return best
-    queue: list[tuple[float, int, tuple[int, ...], tuple[int, ...]]] = [(-upper(top), 0, lo0, hi0)]
+    queue: list[tuple[float, int, tuple[int, ...], tuple[int, ...]]] = [(-up, 0, lo0, hi0)]
     counter = 1
     while queue:
         neg_up, _, lo, hi = heapq.heappop(queue)
@@ -323,15 +380,28 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
         halves = ((lo, tuple(mid if i == k else hi[i] for i in range(d))),
                   (tuple(mid + 1 if i == k else lo[i] for i in range(d)), hi))
         for c_lo, c_hi in halves:
-            up_e = perf(c_hi)
-            offer(up_e)
-            if up_e.meets(kind, bound_s):
-                continue  # its top corner is the best it holds
+            lp_up = ev.box_bound(space, c_lo, c_hi)
+            if not promising(lp_up):
+                continue  # pruned by the LP bound without simulating its corners
+            if hopeless(c_lo):
+                continue
+            if bottom_first:
+                low_e = perf(c_lo)
+                offer(low_e)
+                if not viable(low_e) or c_lo == c_hi:
+                    continue
+            if bottom_first and hopeless(c_hi):
+                up = lp_up  # its top corner misses the bound: only the LP bounds the box
+            else:
+                up_e = perf(c_hi)
+                offer(up_e)
+                if up_e.meets(kind, bound_s):
+                    continue  # its top corner is the best it holds
+                up = min(upper(up_e), lp_up)
             low_e = perf(c_lo)
             offer(low_e)
             if not viable(low_e) or c_lo == c_hi:
                 continue
-            up = upper(up_e)
             if promising(up):
                 heapq.heappush(queue, (-up, counter, c_lo, c_hi))
                 counter += 1
@@ -360,6 +430,8 @@ def polish(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, others: I
         cands += [(v, g, nb, r) for v in others if v != best.variant]
         step = best
         for v, g2, nb2, r2 in cands:
+            if ev.bound(v, g2, nb2) * (1 + 1e-9) < step.throughput:
+                continue  # cannot be better: skip the simulation
             e = ev(v, g2, nb2, r2)
             if e.meets(kind, bound_s) and _better(e, step, kind):
                 step = e
@@ -383,7 +455,7 @@ def extend_past_cap(ev: Evaluator, space: Space, kind: str, bound_s: float,
         return best
     cur = max(mine, key=lambda e: e.throughput)
     job_cap = 1 << max(0, math.ceil(math.log2(max(1, ev.num_requests))))
-    while cur.gbs * cur.nb * 2 <= job_cap:
+    while cur.gbs * cur.nb * 2 <= job_cap and ev.bound(cur.variant, cur.gbs, cur.nb * 2) > cur.throughput:
         nxt = ev(cur.variant, cur.gbs, cur.nb * 2, cur.refill_every)
         if not (nxt.meets(kind, bound_s) and nxt.throughput > cur.throughput):
             break
@@ -506,9 +578,6 @@ def search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, method
 
 
 def _bnb_order(ev: Evaluator, spaces: list[Space]) -> list[Space]:
-    """Variants with the highest unconstrained throughput (top corner) first: their incumbent
-    prunes the others hardest. The top corners are needed by branch-and-bound anyway."""
-    def key(s: Space) -> float:
-        return -ev(s.variant, *s.knobs(tuple(n - 1 for n in s.shape))).throughput
-
-    return sorted(spaces, key=key)
+    """Spaces with the highest LP bound first: their incumbent prunes the others hardest, and
+    ordering costs LP solves only (the stable sort keeps the refill levels' order)."""
+    return sorted(spaces, key=lambda s: -ev.box_bound(s, (0, 0, 0), tuple(n - 1 for n in s.shape)))

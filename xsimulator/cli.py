@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "and a workload of prompt/output lengths. Prints predicted throughput, request latency "
                     "percentiles, peak bytes per tier and where the time goes.")
     p.add_argument("--profile", default=None,
-                   help=f"profile JSON from `xsched profile`, or a preset name (default: the {DEFAULT_PROFILE} preset)")
+                   help=f"profile JSON from `xsched profile`, or a preset name (default: a --plan's own preset "
+                        f"profile, else the {DEFAULT_PROFILE} preset)")
     p.add_argument("--model", help="model name (see `xsched models`) or a model directory with config.json")
     p.add_argument("--workload", help="preset S, T, G, C1, C2; fixed:PROMPT:OUTPUT; or a JSONL/CSV of requests or a "
                                       "Workload JSON; append @SCALE to scale all lengths (e.g. T@0.25)")
@@ -60,6 +62,25 @@ def _read_json_arg(text: str, what: str) -> Any:
     return data
 
 
+def _profile_arg(given: str | None, plan: dict[str, Any], plan_path: str | None, notes: list[str]) -> str:
+    """``--profile`` if given; else the plan's own profile (a plan is priced on one machine, so
+    simulating it on another by default would silently change every number); else the default."""
+    from xprofiler.presets import preset_names
+    from xsched.errors import UserError
+
+    if given is not None:
+        return given
+    name, source = plan.get("profile_name"), plan.get("profile_source")
+    if not plan or not isinstance(name, str):
+        notes.append(f"note: no --profile given; using the {DEFAULT_PROFILE} preset")
+        return DEFAULT_PROFILE
+    if source == "preset" and name in preset_names():
+        notes.append(f"note: no --profile given; using the plan's profile, the {name} preset")
+        return name
+    raise UserError(f"{plan_path}: the plan was made with the {source} profile {name!r}, which the plan does not "
+                    f"contain and which is not a preset; pass --profile with that profile's JSON file")
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from workloads import Workload, get_workload
     from xprofiler.presets import load_profile
@@ -97,10 +118,11 @@ def _simulate(args: argparse.Namespace) -> int:
     if "estimated" in workload.source:
         notes.append(f"note: {workload.source}")
 
-    if args.profile is None:
-        notes.append(f"note: no --profile given; using the {DEFAULT_PROFILE} preset")
-    profile_arg = args.profile or DEFAULT_PROFILE
-    profile = load_profile(profile_arg)
+    profile = load_profile(_profile_arg(args.profile, plan, args.plan, notes))
+    planned_on = plan.get("profile_name")
+    if args.profile is not None and isinstance(planned_on, str) and (
+            profile.name != planned_on or dataclasses.asdict(profile.fingerprint) != plan.get("profile_fingerprint")):
+        notes.append(f"note: the plan was made for profile {planned_on!r}; simulating it on {profile.name!r}")
     if args.model:  # a plan's model already carries the dtype it was planned in
         spec = profile.model_for(spec)
 

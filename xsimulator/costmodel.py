@@ -421,10 +421,18 @@ class CostModel:
         priced with the layer fit's per-token cost when there is one (a gather is one of the
         element-wise passes that coefficient covers), else with the memory roof if known.
         """
-        spec = self.spec
+        spec, prof = self.spec, self.profile
         tokens = rows * length if phase == "prefill" else rows
-        head = _op_seconds(self.profile, "mm", rows * spec.lm_head_flops_per_token(),
-                           spec.vocab_size * spec.hidden * self.dtype_bytes)
+        head_flops = rows * spec.lm_head_flops_per_token()
+        head_bytes = spec.vocab_size * spec.hidden * self.dtype_bytes
+        if prof.compute_device == "cpu" and prof.mem_bytes_per_s > 0:
+            # On a CPU the few-row LM head GEMM is neither purely compute- nor memory-bound: for
+            # opt-125m (1 thread) 2/4/8/16/32 rows took 30/36/44/55/86 ms, which the *sum* of the
+            # two roofs tracks within ~10% after one calibration factor, while their max is flat
+            # up to 16 rows (and made calibrated predictions of jobs with few active rows slow).
+            head = head_flops / prof.mm_flops + head_bytes / prof.mem_bytes_per_s
+        else:
+            head = _op_seconds(prof, "mm", head_flops, head_bytes)
         fit = self.profile.layer_fit(spec.name, phase, spec.dtype)
         if fit is not None and "tokens" in fit.features:
             embed = fit.coef[fit.features.index("tokens")] * tokens

@@ -1,0 +1,203 @@
+"""Does the calibrated simulator predict the runner? Measured vs predicted throughput and p99 latency.
+
+Plans covering every kind of placement (all on the gpu tier, weights on cpu, weights on disk,
+KV cache on cpu with CPU attention, 4-bit compression, refill) over two workloads (a fixed one and
+the ExeGPT C1 preset scaled to this machine) run for real with :class:`xrunner.engine.Engine`
+(random weights of the model's shape, EOS ignored) and are simulated by the discrete-event
+simulator with the same policy and exactly the request lengths of the run. Predictions come from
+the raw profile ("uncalibrated") and from the calibrated one. The calibration set
+(``xsched calibrate``: a cut model, a few decode steps, other batch shapes) is disjoint from the
+plans evaluated here: nothing is fitted on the test set.
+
+Goal (issue 7): median |error| <= 5% and max <= 15% for throughput and for p99 latency; measured
+peak bytes <= planned on every tier. Prints a table and writes a PNG scatter.
+
+    xsched profile --quick --model opt-125m --threads 1 -o p.json           # once per machine
+    OMP_NUM_THREADS=1 python benchmarks/sim_vs_run.py --profile p.json      # calibrates, then runs
+    OMP_NUM_THREADS=1 python benchmarks/sim_vs_run.py --profile p.json --calibrated cal.json  # reuse a fit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from xsimulator.policy import Policy  # noqa: E402
+
+# name -> policy fields; every plan runs on both workloads.
+PLANS: dict[str, dict] = {
+    "all-gpu": dict(gbs=8, nb=2),
+    "weights-cpu": dict(gbs=8, nb=2, wg=0.25, wc=0.75),
+    "weights-disk": dict(gbs=8, nb=2, wg=0.25, wc=0.25, wd=0.5),
+    "kv-cpu-cpu-attention": dict(gbs=8, nb=2, cg=0.0, cc=1.0, cpu_attention=True),
+    "compressed": dict(gbs=8, nb=2, compress_weight=True, compress_cache=True),
+    "refill": dict(gbs=4, nb=2, refill_every=4),
+}
+
+
+def quantile(values, q: float) -> float:
+    from xsimulator.discrete_event import quantile as inverted_cdf
+
+    return inverted_cdf(np.asarray(values, float), q)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", required=True, help="profile of this machine with the model's layer fits")
+    ap.add_argument("--calibrated", default=None, help="calibrated profile to use (default: run calibrate first)")
+    ap.add_argument("--model", default="opt-125m", help="registry model (random weights)")
+    ap.add_argument("--requests", type=int, default=24, help="requests per run (default 24)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each plan; medians are compared (default 2)")
+    ap.add_argument("--fixed", default="fixed:32:16", help="the fixed workload")
+    ap.add_argument("--dist", default="C1@0.125", help="the distribution workload (preset@scale)")
+    ap.add_argument("--plans", default=",".join(PLANS), help="comma-separated subset of the plans")
+    ap.add_argument("--png", default="sim_vs_run.png", help="scatter of predicted vs measured")
+    ap.add_argument("--json-out", default=None, help="write every row as JSON here")
+    ap.add_argument("--offload-dir", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from workloads.workload import get_workload
+    from xprofiler.presets import load_profile
+    from xrunner.calibrate import METRICS, RunDesign, calibrate, predict, report, resolve_model, run_engine, workload_of
+    from xsimulator.discrete_event import simulate
+
+    raw = load_profile(args.profile)
+    raw = replace(raw, calibration={})
+    t_start = time.perf_counter()
+    if args.calibrated:
+        cal = load_profile(args.calibrated)
+        print(f"calibration from {args.calibrated}: {cal.calibration}")
+    else:
+        fit = calibrate(raw, args.model, profile_arg=args.profile, offload_dir=args.offload_dir,
+                        progress=sys.stderr.isatty())
+        print(report(fit))
+        cal = fit.profile
+    spec, source_for = resolve_model(args.model, raw)
+    if raw.compute_threads:
+        torch.set_num_threads(raw.compute_threads)
+    workloads = [get_workload(args.fixed), get_workload(args.dist)]
+    jobs = []
+    for w in workloads:
+        prompt, output = w.sample(args.requests, seed=0)
+        for name in args.plans.split(","):
+            jobs.append((w, name, Policy(**PLANS[name]), prompt, output))
+    # Every plan runs --repeats times, round-robin (a neighbour's burst spreads over plans); the
+    # measured figure is the median, and the spread between repeats is this machine's noise floor.
+    runs: list[list] = [[] for _ in jobs]
+    for rep in range(args.repeats):
+        for j, (w, name, policy, prompt, output) in enumerate(jobs):
+            m = run_engine(source_for(spec), policy, prompt, output, offload_dir=args.offload_dir, profile=raw)
+            runs[j].append(m)
+            print(f"  ran {w.name:<14} {name:<22} {m.wall_s:6.1f} s (repeat {rep + 1})", file=sys.stderr)
+    rows = []
+    for (w, name, policy, prompt, output), ms in zip(jobs, runs):
+        gen = float(np.sum(output))
+        tps = [gen / m.wall_s for m in ms]
+        p99 = [quantile(list(m.latency_s.values()), 0.99) for m in ms]
+        m = sorted(ms, key=lambda x: x.wall_s)[len(ms) // 2]
+        wl = workload_of(prompt, output, name=w.name)
+        pred = {k: simulate(spec, p, policy, wl, requests=(prompt, output)) for k, p in (("raw", raw), ("cal", cal))}
+        row = {"workload": w.name, "plan": name, "measured_tps": float(np.median(tps)),
+               "measured_p99_s": float(np.median(p99)), "measured_wall_s": m.wall_s,
+               "repeat_spread_tps": max(tps) / min(tps) - 1, "repeat_spread_p99": max(p99) / min(p99) - 1}
+        for k, r in pred.items():
+            row[f"{k}_tps"] = r.throughput_tokens_per_s
+            row[f"{k}_p99_s"] = r.latency_p99_s
+        parts = predict(spec, cal, RunDesign(name, policy, spec.num_layers, tuple(prompt), tuple(output), ()))
+        row["metrics_measured_s"] = {k: float(np.median([x.metrics[k] for x in ms])) for k in METRICS}
+        row["metrics_predicted_s"] = parts
+        row["peak_bytes"] = {t: max(x.peak_bytes[t] for x in ms) for t in m.peak_bytes}
+        row["planned_bytes"] = m.planned_peak_bytes
+        row["peak_ok"] = all(row["peak_bytes"][t] <= m.planned_peak_bytes[t] + 1e-6 for t in m.peak_bytes)
+        rows.append(row)
+
+    def err(row, k, what):
+        return row[f"{k}_{what}"] / row[f"measured_{what}"] - 1.0
+
+    print()
+    print(f"model {spec.name} ({spec.dtype}), {args.requests} requests per run, random weights, EOS ignored")
+    print(f"{'workload':<14} {'plan':<22} {'tok/s meas':>10} {'raw':>7} {'cal':>7} {'err cal':>8} "
+          f"{'p99 s meas':>10} {'raw':>7} {'cal':>7} {'err cal':>8} {'peak<=plan':>10} {'noise tps/p99':>14}")
+    for r in rows:
+        print(f"{r['workload']:<14} {r['plan']:<22} {r['measured_tps']:>10.1f} {r['raw_tps']:>7.1f} {r['cal_tps']:>7.1f} "
+              f"{err(r, 'cal', 'tps'):>+8.1%} {r['measured_p99_s']:>10.2f} {r['raw_p99_s']:>7.2f} "
+              f"{r['cal_p99_s']:>7.2f} {err(r, 'cal', 'p99_s'):>+8.1%} {str(r['peak_ok']):>10} "
+              f"{r['repeat_spread_tps']:>6.1%}/{r['repeat_spread_p99']:.1%}")
+    summary = {}
+    for k in ("raw", "cal"):
+        for what in ("tps", "p99_s"):
+            e = np.abs([err(r, k, what) for r in rows])
+            summary[f"{k}_{what}"] = (float(np.median(e)), float(np.max(e)))
+    print()
+    print(f"{'|error|':<26} {'median':>8} {'max':>8}   goal: median <= 5%, max <= 15%")
+    for k, label in (("raw", "uncalibrated"), ("cal", "calibrated")):
+        for what, wl in (("tps", "throughput"), ("p99_s", "p99 latency")):
+            med, mx = summary[f"{k}_{what}"]
+            print(f"{label + ' ' + wl:<26} {med:>8.1%} {mx:>8.1%}")
+    print()
+    print("where the calibrated seconds differ (signed error of predicted vs measured, median over runs where > 10 ms):")
+    for k in METRICS:
+        e = [r["metrics_predicted_s"][k] / r["metrics_measured_s"][k] - 1 for r in rows
+             if r["metrics_measured_s"][k] > 0.01]
+        if e:
+            print(f"  {k:<13} {np.median(e):>+7.1%}  (range {min(e):+.1%} .. {max(e):+.1%}, {len(e)} runs)")
+    if args.repeats > 1:
+        sp = [r["repeat_spread_tps"] for r in rows] + [r["repeat_spread_p99"] for r in rows]
+        print(f"noise floor: max/min - 1 between repeats of one plan: median {np.median(sp):.1%}, max {max(sp):.1%}")
+    peak_ok = all(r["peak_ok"] for r in rows)
+    print(f"measured peak <= planned peak on every tier in every run: {peak_ok}")
+    for r in rows:
+        for t in ("gpu", "cpu", "disk"):
+            if r["planned_bytes"][t] > 0:
+                r.setdefault("peak_fraction", {})[t] = r["peak_bytes"][t] / r["planned_bytes"][t]
+    fr = [f for r in rows for f in r.get("peak_fraction", {}).values()]
+    print(f"measured / planned peak per tier: min {min(fr):.3f}, max {max(fr):.3f}")
+    print(f"benchmark wall time {time.perf_counter() - t_start:.0f} s")
+    _scatter(rows, args.png)
+    print(f"wrote {args.png}")
+    if args.json_out:
+        from xsched.fileio import atomic_write_text
+
+        atomic_write_text(Path(args.json_out), json.dumps({"rows": rows, "summary": summary,
+                                                           "calibration": cal.calibration}, indent=2))
+    return 0
+
+
+def _scatter(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+    for ax, what, label in ((axes[0], "tps", "throughput (tokens/s)"), (axes[1], "p99_s", "p99 latency (s)")):
+        meas = np.array([r[f"measured_{what}"] for r in rows])
+        for k, mk, lab in (("raw", "x", "uncalibrated"), ("cal", "o", "calibrated")):
+            ax.scatter(meas, [r[f"{k}_{what}"] for r in rows], marker=mk, label=lab)
+        lo, hi = 0.8 * meas.min(), 1.25 * meas.max()
+        xs = np.array([lo, hi])
+        ax.plot(xs, xs, "k-", lw=0.8)
+        ax.fill_between(xs, 0.95 * xs, 1.05 * xs, color="0.85", label="±5%")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"measured {label}")
+        ax.set_ylabel(f"predicted {label}")
+        ax.legend()
+    fig.suptitle("xsched: simulator vs runner on this machine")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

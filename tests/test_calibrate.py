@@ -1,0 +1,147 @@
+"""Calibration (issue 7): the fitter recovers known terms, the CLI refuses bad input, a real run fits.
+
+The recovery test generates "measurements" with the discrete-event simulator under a calibration
+we choose (not with the fitter's own ``predict``), then fits from the raw profile and compares.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tests.sim_profiles import cpu_host
+from xprofiler.fingerprint import detect_fingerprint
+from xprofiler.specs import ModelSpec, get_model_spec
+from xrunner.calibrate import (FACTOR_TERMS, METRICS, Measurement, cut_spec, design_runs, fit_calibration,
+                               measure_design, workload_of)
+from xsched.cli import main
+from xsimulator.discrete_event import simulate_timeline
+
+TRUE = {"ctog": 1.7, "gtoc": 0.6, "dtoc": 2.0, "ctod": 1.3, "gpu_compute": 1.4, "cpu_compute": 2.5,
+        "dequant": 0.8, "quant": 1.9, "head": 3.0, "layer_overhead_s": 2e-4, "step_overhead_s": 4e-3}
+
+TINY = ModelSpec(name="tiny-opt", family="opt", num_layers=4, hidden=128, ffn=512, num_heads=2, num_kv_heads=2,
+                 head_dim=64, vocab_size=512, max_positions=256, norm="layernorm", activation="relu",
+                 position="learned", tied_embeddings=True, dtype="float32", bias=True)
+
+
+def synthetic(spec, profile, runs, noise: float = 0.0, seed: int = 0) -> list[Measurement]:
+    """What an engine whose true costs are ``profile``'s would measure (optionally with noise)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for d in runs:
+        s = cut_spec(spec, d.num_layers)
+        p, o = np.asarray(d.prompt_lens), np.asarray(d.output_lens)
+        res, tl = simulate_timeline(s, profile, d.policy, workload_of(p, o), requests=(p, o))
+        n = np.count_nonzero(tl.prefill_rows) + np.count_nonzero(tl.decode_rows)
+        b, cal = res.busy_s, profile.calibration
+        metrics = {"layers": b["gpu_compute"] + b["dequant"] + b["quant"] - cal["layer_overhead_s"] * s.num_layers * n,
+                   "head": b["head"] - cal["step_overhead_s"] * n, "prefill_wall": res.prefill_s,
+                   "decode_wall": res.decode_s,
+                   **{k: b[k] for k in ("cpu_compute", "ctog", "gtoc", "dtoc", "ctod")}}
+        metrics = {k: v * (1 + noise * rng.standard_normal()) for k, v in metrics.items()}
+        out.append(Measurement(d, metrics, res.wall_s, (), (), {}, {}, {}))
+    return out
+
+
+def test_fit_recovers_known_terms_from_synthetic_measurements():
+    spec = get_model_spec("opt-125m")
+    raw = cpu_host()
+    runs = design_runs(spec)
+    fit = fit_calibration(spec, raw, synthetic(spec, replace(raw, calibration=TRUE), runs))
+    got = fit.profile.calibration
+    for term in FACTOR_TERMS:
+        assert got[term] == pytest.approx(TRUE[term], rel=0.02), term
+    # The overheads: together they set the step walls; each within a few percent of the truth.
+    assert got["step_overhead_s"] == pytest.approx(TRUE["step_overhead_s"], rel=0.05)
+    assert got["layer_overhead_s"] == pytest.approx(TRUE["layer_overhead_s"], rel=0.1)
+    assert fit.error_after < 1e-3 < fit.error_before
+    by_term = {t.term: t for t in fit.terms}
+    assert all(by_term[t].fitted and by_term[t].residuals > 0 for t in TRUE)
+
+
+def test_fit_with_noise_and_unexcited_terms_kept():
+    spec = get_model_spec("opt-125m")
+    raw = cpu_host(calibration={"dtoc": 1.5})
+    runs = [d for d in design_runs(spec) if "disk" not in d.name]  # nothing touches the disk
+    true = dict(TRUE, dtoc=1.5, ctod=1.0)
+    fit = fit_calibration(spec, raw, synthetic(spec, replace(raw, calibration=true), runs, noise=0.02),
+                          start={"dtoc": 1.5})
+    by_term = {t.term: t for t in fit.terms}
+    assert not by_term["dtoc"].fitted and not by_term["ctod"].fitted
+    assert fit.profile.calibration["dtoc"] == 1.5
+    for term in ("gpu_compute", "head", "ctog", "dequant"):
+        assert fit.profile.calibration[term] == pytest.approx(true[term], rel=0.1), term
+    assert fit.error_after < fit.error_before
+
+
+# ----------------------------------------------------------------------------- CLI errors
+@pytest.fixture()
+def here_profile(tmp_path):
+    """A measured profile with this machine's fingerprint and no per-layer fits."""
+    path = tmp_path / "p.json"
+    cpu_host(fingerprint=detect_fingerprint(None), source="measured").save(path)
+    return path
+
+
+def _err(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("xsched: error:") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_cli_unknown_model(capsys, here_profile):
+    assert "unknown model" in _err(capsys, ["calibrate", "--profile", str(here_profile), "--model", "nope-7b"])
+
+
+def test_cli_profile_without_layer_fits_says_how_to_measure(capsys, here_profile):
+    err = _err(capsys, ["calibrate", "--profile", str(here_profile), "--model", "opt-125m"])
+    assert "no prefill layer fit for opt-125m" in err and "xsched profile --quick --model opt-125m" in err
+
+
+def test_cli_preset_and_other_machine(capsys, tmp_path):
+    assert "preset" in _err(capsys, ["calibrate", "--profile", "t4", "--model", "opt-125m"])
+    other = tmp_path / "other.json"
+    cpu_host().save(other)  # fingerprint of a made-up machine
+    assert "another machine" in _err(capsys, ["calibrate", "--profile", str(other), "--model", "opt-125m"])
+
+
+def test_cli_unwritable_output(capsys, here_profile, tmp_path):
+    err = _err(capsys, ["calibrate", "--profile", str(here_profile), "--model", "opt-125m", "-o",
+                        str(tmp_path / "missing" / "c.json")])
+    assert "cannot write" in err
+
+
+def test_cli_help_and_registration_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from xsched.cli import build_parser; build_parser(); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------- a real run
+def test_tiny_real_calibration_fits_better_and_round_trips(tmp_path):
+    """Real engine runs of a tiny random model: the fitted profile loads and fits no worse."""
+    from xprofiler.profile import HardwareProfile
+
+    profile = cpu_host(fingerprint=detect_fingerprint(None), compute_threads=1)
+    runs = design_runs(TINY, gen_len=3, depth=2)
+    ms = measure_design(TINY, runs, profile=profile, repeats=1, offload_dir=tmp_path)
+    assert len(ms) == len(runs)
+    for m in ms:
+        assert set(m.metrics) == set(METRICS)
+        assert m.metrics["prefill_wall"] + m.metrics["decode_wall"] == pytest.approx(m.wall_s, rel=0.05)
+    fit = fit_calibration(TINY, profile, ms)
+    out = tmp_path / "cal.json"
+    fit.profile.save(out)
+    loaded = HardwareProfile.load(out)
+    assert loaded.calibration == pytest.approx(fit.profile.calibration)
+    assert fit.error_after <= fit.error_before
+    assert json.loads(json.dumps(fit.to_dict()))["error_after"] == fit.error_after

@@ -1,0 +1,43 @@
+"""End-to-end (issue 7): profile this machine, calibrate, plan for three p99 bounds, run each plan.
+
+Slow (about 3-4 minutes on 2 cores): measures a quick profile with opt-125m's layer fits,
+calibrates it from real runs, then for three bounds spread over the frontier runs `xsched plan`
+and `xsched run` (benchmarks/sla_e2e.py) and requires measured p99 <= bound and measured
+throughput >= 0.9 x the plan's prediction.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("sla_e2e", REPO / "benchmarks" / "sla_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_plans_on_calibrated_profile_meet_their_bounds_when_run(tmp_path):
+    prof, cal = tmp_path / "p.json", tmp_path / "cal.json"
+    for argv in (["profile", "--quick", "--model", "opt-125m", "--threads", "1", "-o", str(prof), "--quiet"],
+                 ["calibrate", "--profile", str(prof), "--model", "opt-125m", "--repeats", "2", "-o", str(cal),
+                  "--quiet"]):
+        out = subprocess.run([sys.executable, "-m", "xsched", *argv], cwd=REPO, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+    bench = _bench()
+    bounds = bench.bounds_from_frontier(str(cal), "opt-125m", "C1@0.125", 32)
+    assert len(bounds) == 3 and bounds[0] < bounds[-1]
+    rows = bench.check(str(cal), "opt-125m", "C1@0.125", 32, bounds, tmp_path)
+    for r in rows:
+        assert r["predicted_p99_s"] <= r["bound_s"]
+        assert r["measured_p99_s"] <= r["bound_s"], r
+        assert r["measured_tps"] >= 0.9 * r["predicted_tps"], r

@@ -1,0 +1,453 @@
+"""Calibrate the cost model from real runs of the engine on this machine (issue 7).
+
+FlexGen's policy-search notes say its constants "must be fitted to real runs, not
+microbenchmarks", and its fitter never ran. Here a small designed set of short runs of
+:class:`xrunner.engine.Engine` (random weights, few decode steps: FlexGen's ``cut_gen_len``,
+and a cut copy of the model with fewer identical layers, since every layer costs the same)
+excites every calibration term of :mod:`xsimulator.costmodel`; the discrete-event simulator,
+given the exact request lengths of each run, predicts what the engine measured; and
+``scipy.optimize.least_squares`` fits the terms to the *relative* errors.
+
+What is compared (per run; :data:`METRICS`):
+
+- busy seconds per resource, from ``EngineStats.busy_s`` and the compute-track events:
+  ``layers`` (decoder layers incl. KV (de)quantisation and weight dequantisation, CPU
+  attention excluded), ``head`` (LM head), ``cpu_compute``, ``ctog``, ``gtoc``, ``dtoc``,
+  ``ctod``. They pin the multiplicative factors (:data:`FACTOR_TERMS`): each is the ratio of a
+  measured to a predicted busy time, seen in isolation.
+- wall seconds of the prefill steps and of the decode steps (from ``on_step`` time stamps).
+  The busy times leave out what runs between the timed kernels (Python, futures, sampling), and
+  the overlap of the groups decides how busy times become a step; so the additive terms
+  (:data:`OVERHEAD_TERMS`) are fitted to the step wall times. ``layer_overhead_s`` (per layer
+  and active GPU batch) and ``step_overhead_s`` (per active GPU batch and step) would be
+  collinear with one model depth, so the design runs two depths of the cut model.
+
+The predicted ``layers``/``head`` busy times exclude the overhead terms (the measured kernels do
+not contain them), so factors and overheads are not fighting over the same seconds: the fit is
+well posed. Terms that no run excites (e.g. ``dtoc`` without a disk) keep their old value.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from workloads.distributions import LengthDistribution
+from workloads.workload import Workload
+from xprofiler.profile import HardwareProfile
+from xprofiler.specs import ModelSpec
+from xsched.errors import UserError
+from xsimulator.costmodel import FACTOR_TERMS, OVERHEAD_TERMS
+from xsimulator.discrete_event import simulate_timeline
+from xsimulator.policy import Policy
+
+METRICS: tuple[str, ...] = ("layers", "head", "cpu_compute", "ctog", "gtoc", "dtoc", "ctod", "prefill_wall",
+                            "decode_wall")
+TERMS: tuple[str, ...] = FACTOR_TERMS + OVERHEAD_TERMS
+# A measured busy time below this is noise (a handful of timer reads), not a signal to fit.
+MIN_MEASURED_S = 2e-3
+FACTOR_BOUNDS = (0.05, 20.0)
+OVERHEAD_BOUNDS_S = (0.0, 0.05)
+
+
+# --------------------------------------------------------------------------- the design
+@dataclass(frozen=True)
+class RunDesign:
+    """One short run: a policy, the model depth it runs at, and its exact request lengths."""
+
+    name: str
+    policy: Policy
+    num_layers: int
+    prompt_lens: tuple[int, ...]
+    output_lens: tuple[int, ...]
+    excites: tuple[str, ...]  # the terms this run is there for (documentation and the report)
+
+
+def cut_spec(spec: ModelSpec, num_layers: int) -> ModelSpec:
+    """``spec`` with fewer (identical) decoder layers: same name, so the profile's layer fits apply."""
+    return replace(spec, num_layers=max(1, min(num_layers, spec.num_layers)))
+
+
+def design_runs(spec: ModelSpec, gen_len: int = 6, depth: int = 4) -> list[RunDesign]:
+    """The calibration set: every placement the cost model prices differently, each run short.
+
+    ``depth`` layers for most runs (a cut copy of the model) and ``2 * depth`` for two all-gpu
+    runs, which separates the per-layer from the per-step overhead; ``gen_len`` decode tokens.
+    Prompt lengths vary inside a batch so padding and bucketing are exercised as in real jobs.
+    """
+    d1, d2 = max(1, min(depth, spec.num_layers)), max(1, min(2 * depth, spec.num_layers))
+    if d1 == d2 and spec.num_layers > 1:
+        d1 = max(1, d2 // 2)
+    g = max(2, gen_len)
+
+    def lens(n: int, prompt: int, spread: int, out: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        p = tuple(max(1, prompt - (i * spread) // max(1, n - 1)) for i in range(n))
+        o = tuple(max(2, out - (i % 3)) for i in range(n))
+        return p, o
+
+    def run(name: str, layers: int, n: int, prompt: int, spread: int, out: int, excites: tuple[str, ...],
+            **pol: Any) -> RunDesign:
+        p, o = lens(n, prompt, spread, out)
+        return RunDesign(name, Policy(**pol), layers, p, o, excites)
+
+    # Weights: all but one layer offloaded. The engine keeps up to two fetched layers in its two
+    # stage slots, so with <= 2 offloaded layers nothing is fetched again after the first step
+    # (the cost model charges every layer step); three or more are fetched every step.
+    frac = (d1 - 1) / d1 if d1 >= 4 else 1.0
+    return [
+        run("gpu-prefill", d2, 8, 48, 16, 2, ("gpu_compute", "head", "layer_overhead_s"), gbs=4, nb=2),
+        run("gpu-decode", d2, 4, 16, 8, g + 2, ("gpu_compute", "head", "step_overhead_s"), gbs=4, nb=1),
+        run("gpu-decode-cut", d1, 8, 24, 8, g, ("gpu_compute", "layer_overhead_s", "step_overhead_s"), gbs=4,
+            nb=2, refill_every=2),
+        run("weights-cpu", d1, 4, 16, 8, g, ("ctog",), gbs=4, nb=1, wg=1 - frac, wc=frac),
+        run("weights-disk", d1, 4, 16, 8, g, ("dtoc", "ctog"), gbs=4, nb=1, wg=1 - frac, wd=frac),
+        run("kv-cpu-cpu-attention", d1, 8, 32, 8, g, ("cpu_compute", "gtoc", "ctog"), gbs=8, nb=1, cg=0.0,
+            cc=1.0, cpu_attention=True),
+        run("kv-act-cpu", d1, 8, 32, 8, g, ("ctog", "gtoc"), gbs=4, nb=2, cg=0.0, cc=1.0, hg=0.0, hc=1.0),
+        run("kv-act-disk", d1, 4, 32, 8, g, ("dtoc", "ctod"), gbs=4, nb=1, cg=0.0, cd=1.0, hg=0.5, hd=0.5),
+        run("compress-weights", d1, 4, 16, 8, g, ("dequant",), gbs=4, nb=1, compress_weight=True),
+        run("compress-cache", d1, 8, 32, 8, g, ("quant", "dequant"), gbs=8, nb=1, compress_cache=True),
+    ]
+
+
+# --------------------------------------------------------------------------- measuring
+@dataclass(frozen=True)
+class Measurement:
+    """What one run of the engine measured (seconds; see :data:`METRICS`)."""
+
+    design: RunDesign
+    metrics: dict[str, float]
+    wall_s: float
+    step_s: tuple[float, ...]  # wall seconds of every step, in order
+    step_is_prefill: tuple[bool, ...]
+    latency_s: dict[str, float]  # per request id
+    peak_bytes: dict[str, float]
+    planned_peak_bytes: dict[str, float]
+
+
+def request_ids(n: int) -> list[str]:
+    return [f"r{i}" for i in range(n)]
+
+
+def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_lens: Sequence[int], *,
+               offload_dir: str | Path | None = None, profile: HardwareProfile | None = None, seed: int = 0,
+               max_prompt: int | None = None, max_output: int | None = None, warmup: bool = False) -> Measurement:
+    """Run ``policy`` once over requests of exactly these lengths (random token ids, EOS ignored).
+
+    Returns busy seconds per metric, per-step wall seconds, per-request latencies and peak
+    bytes. ``max_prompt``/``max_output`` size the KV cache (default: the longest of the job),
+    as a plan's workload would. ``warmup`` first runs one untimed short block on the same engine:
+    a calibration run is a few steps long, so the engine's first-step costs (allocator, thread
+    pools, caches) would weigh far more in it than in a real job.
+    """
+    from xrunner.engine import Engine, Request
+
+    spec = source.spec
+    rng = np.random.default_rng(seed)
+    ids = request_ids(len(prompt_lens))
+    reqs = [Request(i, tuple(int(t) for t in rng.integers(0, spec.vocab_size, int(p))), int(o))
+            for i, p, o in zip(ids, prompt_lens, output_lens)]
+    if offload_dir is None:
+        import tempfile
+
+        offload_dir = tempfile.gettempdir()
+    mp = max_prompt or max(prompt_lens)
+    mo = max_output or max(output_lens)
+    latency: dict[str, float] = {}
+    stamps: list[float] = []
+    kinds: list[bool] = []
+    with Engine(source, policy, max_prompt=mp, max_output=mo, offload_dir=offload_dir, record_trace=True,
+                profile=profile) as eng:
+        seen = [0]
+
+        def on_step(_n: int) -> None:
+            stamps.append(time.perf_counter())
+            kinds.append(eng.stats.num_prefill_steps > seen[0])
+            seen[0] = eng.stats.num_prefill_steps
+
+        def on_finished(done: list[Any]) -> None:
+            latency.update({f.id: f.latency_s for f in done})
+
+        if warmup:  # one untimed prefill + decode step of a full block on this engine
+            n = min(len(reqs), policy.gbs * policy.nb)
+            eng.run([replace(r, id=f"warm{i}", max_new_tokens=min(2, mo)) for i, r in enumerate(reqs[:n])])
+            stamps.clear(), kinds.clear()
+        t0 = time.perf_counter()
+        stats = eng.run(reqs, on_finished=on_finished, on_step=on_step)
+    steps = np.diff(np.asarray([t0] + stamps))
+    head = sum(e.dur_s for e in stats.events if e.track == "compute" and e.name == "head")
+    metrics = {
+        "layers": stats.busy_s["compute"] - head, "head": head, "cpu_compute": stats.busy_s["cpu_compute"],
+        **{ch: stats.busy_s[ch] for ch in ("ctog", "gtoc", "dtoc", "ctod")},
+        "prefill_wall": float(steps[np.asarray(kinds, bool)].sum()),
+        "decode_wall": float(steps[~np.asarray(kinds, bool)].sum()),
+    }
+    design = RunDesign("run", policy, spec.num_layers, tuple(int(p) for p in prompt_lens),
+                       tuple(int(o) for o in output_lens), ())
+    return Measurement(design, metrics, stats.wall_s, tuple(float(s) for s in steps), tuple(kinds), latency,
+                       {k: float(v) for k, v in stats.peak_bytes.items()},
+                       {k: float(v) for k, v in stats.planned_peak_bytes.items()})
+
+
+def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: HardwareProfile, repeats: int = 3,
+                   offload_dir: str | Path | None = None, source_for: Callable[[ModelSpec], Any] | None = None,
+                   progress: bool = False) -> list[Measurement]:
+    """Run every design ``repeats`` times, round-robin, after one untimed warm-up run.
+
+    Each metric is the median over the repeats: on a shared machine a neighbour's burst hits
+    one repeat, not the fit. Round-robin order spreads slow phases of the machine over designs.
+    """
+    from tqdm import tqdm
+
+    from xrunner.loaders import RandomSource
+
+    make = source_for or (lambda s: RandomSource(s, seed=0))
+    warm = runs[0]
+    run_engine(make(cut_spec(spec, 1)), warm.policy, warm.prompt_lens[:2], (2, 2), offload_dir=offload_dir,
+               profile=profile)
+    got: list[list[Measurement]] = [[] for _ in runs]
+    with tqdm(total=len(runs) * repeats, desc="calibration runs", unit="run", file=sys.stderr,
+              disable=not progress, leave=False) as bar:
+        for _ in range(max(1, repeats)):
+            for i, d in enumerate(runs):
+                got[i].append(run_engine(make(cut_spec(spec, d.num_layers)), d.policy, d.prompt_lens,
+                                         d.output_lens, offload_dir=offload_dir, profile=profile, warmup=True))
+                bar.update(1)
+    out = []
+    for d, ms in zip(runs, got):
+        metrics = {k: float(np.median([m.metrics[k] for m in ms])) for k in METRICS}
+        typical = sorted(ms, key=lambda m: m.wall_s)[len(ms) // 2]
+        out.append(replace(typical, design=d, metrics=metrics))
+    return out
+
+
+# --------------------------------------------------------------------------- predicting
+def workload_of(prompt_lens: Sequence[int], output_lens: Sequence[int], name: str = "calibration") -> Workload:
+    """The empirical workload of exactly these requests (its maxima size the KV cache)."""
+    return Workload(name=name, prompt=LengthDistribution.empirical(list(prompt_lens)),
+                    output=LengthDistribution.empirical(list(output_lens)), source="measured run")
+
+
+def predict(spec: ModelSpec, profile: HardwareProfile, design: RunDesign) -> dict[str, float]:
+    """The simulator's value of every metric for this run (same request lengths, same policy).
+
+    ``layers`` and ``head`` leave out the overhead terms, which are not inside timed kernels.
+    """
+    s = cut_spec(spec, design.num_layers)
+    prompt, output = np.asarray(design.prompt_lens), np.asarray(design.output_lens)
+    res, tl = simulate_timeline(s, profile, design.policy, workload_of(prompt, output), requests=(prompt, output))
+    batch_steps = float(np.count_nonzero(tl.prefill_rows) + np.count_nonzero(tl.decode_rows))
+    cal = profile.calibration
+    b = res.busy_s
+    return {
+        "layers": b["gpu_compute"] + b["dequant"] + b["quant"]
+        - cal.get("layer_overhead_s", 0.0) * s.num_layers * batch_steps,
+        "head": b["head"] - cal.get("step_overhead_s", 0.0) * batch_steps,
+        "cpu_compute": b["cpu_compute"], "ctog": b["ctog"], "gtoc": b["gtoc"], "dtoc": b["dtoc"],
+        "ctod": b["ctod"], "prefill_wall": res.prefill_s, "decode_wall": res.decode_s,
+    }
+
+
+def with_terms(profile: HardwareProfile, values: Mapping[str, float]) -> HardwareProfile:
+    cal = dict(profile.calibration)
+    cal.update({k: float(v) for k, v in values.items()})
+    return replace(profile, calibration=cal)
+
+
+# --------------------------------------------------------------------------- fitting
+@dataclass(frozen=True)
+class TermReport:
+    """One calibration term: its value before and after, and the error of what it drives."""
+
+    term: str
+    before: float
+    after: float
+    fitted: bool
+    residuals: int  # how many (run, metric) residuals depend on it
+    error_before: float  # median |relative error| of those residuals
+    error_after: float
+
+
+@dataclass
+class Fit:
+    profile: HardwareProfile
+    terms: list[TermReport]
+    rows: list[dict[str, Any]]  # per (run, metric): measured, predicted before, after
+    error_before: float  # median |relative error| over every residual
+    error_after: float
+    wall_error_before: float  # median |relative error| of the step wall times
+    wall_error_after: float
+    runs_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"calibration": dict(self.profile.calibration),
+                "terms": [t.__dict__ for t in self.terms], "residuals": self.rows,
+                "error_before": self.error_before, "error_after": self.error_after,
+                "wall_error_before": self.wall_error_before, "wall_error_after": self.wall_error_after,
+                "runs_s": self.runs_s, "notes": self.notes}
+
+
+def _residual_keys(spec: ModelSpec, profile: HardwareProfile,
+                   measurements: Sequence[Measurement]) -> list[tuple[int, str]]:
+    """(run, metric) pairs worth fitting: measured above the noise floor, or predicted so."""
+    keys = []
+    for i, m in enumerate(measurements):
+        pred = predict(spec, profile, m.design)
+        for k in METRICS:
+            if m.metrics[k] >= MIN_MEASURED_S:
+                keys.append((i, k))
+            elif pred[k] >= MIN_MEASURED_S:  # the model says busy, the run says idle: still an error
+                keys.append((i, k))
+    return keys
+
+
+def _dependence(spec: ModelSpec, profile: HardwareProfile, measurements: Sequence[Measurement],
+                keys: Sequence[tuple[int, str]]) -> dict[str, list[int]]:
+    """For each term, the residuals whose prediction moves when the term moves (finite difference)."""
+    base = [predict(spec, profile, m.design) for m in measurements]
+    out: dict[str, list[int]] = {}
+    for t in TERMS:
+        step = 0.5 if t in FACTOR_TERMS else 1e-3
+        cur = profile.calibration.get(t, 1.0 if t in FACTOR_TERMS else 0.0)
+        moved_prof = with_terms(profile, {t: cur + step})
+        moved = [predict(spec, moved_prof, m.design) for m in measurements]
+        out[t] = [j for j, (i, k) in enumerate(keys) if abs(moved[i][k] - base[i][k]) > 1e-12 * max(1.0, base[i][k])]
+    return out
+
+
+def _errors(spec: ModelSpec, profile: HardwareProfile, measurements: Sequence[Measurement],
+            keys: Sequence[tuple[int, str]]) -> tuple[np.ndarray, list[dict[str, float]]]:
+    preds = [predict(spec, profile, m.design) for m in measurements]
+    r = np.array([(preds[i][k] - measurements[i].metrics[k]) / max(measurements[i].metrics[k], MIN_MEASURED_S)
+                  for i, k in keys])
+    return r, preds
+
+
+def fit_calibration(spec: ModelSpec, profile: HardwareProfile, measurements: Sequence[Measurement],
+                    start: Mapping[str, float] | None = None) -> Fit:
+    """Least squares on relative errors of busy times and step wall times (see module docstring).
+
+    ``start`` sets the starting values (default: all factors 1, overheads 0, i.e. the raw
+    profile). Terms that no residual depends on keep the profile's value.
+    """
+    from scipy.optimize import least_squares
+
+    init = {t: (1.0 if t in FACTOR_TERMS else 0.0) for t in TERMS}
+    init.update(start or {})
+    p0 = with_terms(profile, init)
+    keys = _residual_keys(spec, p0, measurements)
+    if not keys:
+        raise UserError("the calibration runs measured nothing to fit (every busy time is below "
+                        f"{MIN_MEASURED_S * 1e3:.0f} ms); use a larger model")
+    deps = _dependence(spec, p0, measurements, keys)
+    free = [t for t in TERMS if deps[t]]
+    lo = [FACTOR_BOUNDS[0] if t in FACTOR_TERMS else OVERHEAD_BOUNDS_S[0] for t in free]
+    hi = [FACTOR_BOUNDS[1] if t in FACTOR_TERMS else OVERHEAD_BOUNDS_S[1] for t in free]
+    scale = [1.0 if t in FACTOR_TERMS else 1e-4 for t in free]
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        return _errors(spec, with_terms(p0, dict(zip(free, x))), measurements, keys)[0]
+
+    x0 = np.clip([init[t] for t in free], lo, hi)
+    sol = least_squares(residuals, x0, bounds=(lo, hi), x_scale=scale, diff_step=1e-3, method="trf")
+    fitted = with_terms(p0, dict(zip(free, sol.x)))
+    r0, pred0 = _errors(spec, p0, measurements, keys)
+    r1, pred1 = _errors(spec, fitted, measurements, keys)
+    terms = []
+    for t in TERMS:
+        idx = deps[t]
+        terms.append(TermReport(
+            t, float(init[t]), float(fitted.calibration.get(t, init[t])), t in free, len(idx),
+            float(np.median(np.abs(r0[idx]))) if idx else math.nan,
+            float(np.median(np.abs(r1[idx]))) if idx else math.nan))
+    rows = [{"run": measurements[i].design.name, "metric": k, "measured_s": measurements[i].metrics[k],
+             "before_s": pred0[i][k], "after_s": pred1[i][k]} for i, k in keys]
+    wall = np.array([k.endswith("_wall") for _i, k in keys])
+    return Fit(profile=fitted, terms=terms, rows=rows, error_before=float(np.median(np.abs(r0))),
+               error_after=float(np.median(np.abs(r1))),
+               wall_error_before=float(np.median(np.abs(r0[wall]))) if wall.any() else math.nan,
+               wall_error_after=float(np.median(np.abs(r1[wall]))) if wall.any() else math.nan)
+
+
+# --------------------------------------------------------------------------- the command's core
+def check_profile_for(profile: HardwareProfile, spec: ModelSpec, model_arg: str, profile_arg: str) -> None:
+    """Calibration needs this machine's measured profile with per-layer fits of this model."""
+    hint = (f"measure one first: xsched profile --quick --model {model_arg} --threads 1 -o profile.json "
+            "(about a minute), then calibrate that file")
+    if profile.source != "measured":
+        raise UserError(f"{profile_arg} is a preset; calibration fits a profile measured on this machine: {hint}")
+    for phase in ("prefill", "decode"):
+        if profile.layer_fit(spec.name, phase, profile.compute_dtype or spec.dtype) is None:
+            have = sorted({f.model for f in profile.layer_fits}) or ["none"]
+            raise UserError(f"{profile_arg} has no {phase} layer fit for {spec.name} (it has: {', '.join(have)}); "
+                            f"{hint}")
+
+
+def resolve_model(model: "str | ModelSpec", profile: HardwareProfile) -> tuple[ModelSpec, Callable[[ModelSpec], Any]]:
+    """(spec in the profile's compute dtype, a source factory for cut copies of it).
+
+    A registry name or ``random:NAME`` runs seeded random weights (timing does not depend on
+    the values); a local HF directory or .gguf file gives its spec and, for cut copies, random
+    weights of that shape too (only the first layers would be read otherwise).
+    """
+    from xprofiler.specs import get_model_spec, model_names
+    from xrunner.loaders import RANDOM_PREFIX, RandomSource, open_model
+
+    dtype = profile.compute_dtype or None
+    if isinstance(model, ModelSpec):
+        return profile.model_for(model), (lambda s: RandomSource(s, seed=0, dtype=dtype))
+    name = model[len(RANDOM_PREFIX):] if model.startswith(RANDOM_PREFIX) else model
+    if name in model_names():
+        spec = get_model_spec(name)
+    else:
+        spec = open_model(model, dtype=dtype).spec
+    spec = profile.model_for(spec)
+    return spec, (lambda s: RandomSource(s, seed=0, dtype=dtype))
+
+
+def calibrate(profile: HardwareProfile, model: "str | ModelSpec", *, profile_arg: str = "profile", gen_len: int = 6,
+              depth: int = 4, repeats: int = 3, offload_dir: str | Path | None = None,
+              progress: bool = False) -> Fit:
+    """Run the design on this machine and fit; the returned ``Fit.profile`` is the calibrated one."""
+    import torch
+
+    spec, source_for = resolve_model(model, profile)
+    check_profile_for(profile, spec, model if isinstance(model, str) else spec.name, profile_arg)
+    runs = design_runs(spec, gen_len=gen_len, depth=depth)
+    threads = torch.get_num_threads()
+    if profile.compute_threads:
+        torch.set_num_threads(profile.compute_threads)  # run as the profile measured
+    try:
+        t0 = time.perf_counter()
+        ms = measure_design(spec, runs, profile=profile, repeats=repeats, offload_dir=offload_dir,
+                            source_for=source_for, progress=progress)
+        runs_s = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)
+    fit = fit_calibration(spec, profile, ms)
+    fit.runs_s = runs_s
+    fit.notes.append(f"{len(runs)} runs x {repeats} of {spec.name} ({spec.dtype}) cut to {runs[-1].num_layers}/"
+                     f"{runs[0].num_layers} of {spec.num_layers} layers in {runs_s:.1f} s")
+    return fit
+
+
+def report(fit: Fit) -> str:
+    """The fit error per term, before and after, as a table."""
+    lines = [f"{'term':<17} {'before':>10} {'after':>10} {'residuals':>9} {'err before':>10} {'err after':>10}"]
+    for t in fit.terms:
+        if not t.fitted:
+            lines.append(f"{t.term:<17} {t.before:>10.4g} {'(kept)':>10} {0:>9}")
+            continue
+        lines.append(f"{t.term:<17} {t.before:>10.4g} {t.after:>10.4g} {t.residuals:>9} "
+                     f"{t.error_before:>10.1%} {t.error_after:>10.1%}")
+    lines.append(f"median |relative error|: all {fit.error_before:.1%} -> {fit.error_after:.1%}; "
+                 f"step wall times {fit.wall_error_before:.1%} -> {fit.wall_error_after:.1%}")
+    lines.extend(fit.notes)
+    return "\n".join(lines)
