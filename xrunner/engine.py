@@ -82,6 +82,40 @@ class EngineStats:
     busy_s: dict[str, float]  # measured seconds per resource
     events: list[TraceEvent] = field(default_factory=list)
     markers: list[TraceMarker] = field(default_factory=list)
+    reconfigurations: list["Reconfiguration"] = field(default_factory=list)  # applied during this run
+    # Measured peak per tier since the last reconfiguration finished (the whole run when there was none).
+    peak_bytes_since_change: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """What a ``between_blocks`` hook sees at a block boundary (docs/ARCHITECTURE.md "Adapting mid-job")."""
+
+    block: int  # 0, 1, 2 ... boundaries seen so far in this run
+    clock_s: float  # job clock at the boundary
+    policy: Policy  # the policy in force
+    planned_peak_bytes: dict[str, float] = field(default_factory=dict)  # of the policy in force, per tier
+    capacity_bytes: dict[str, float] | None = None  # the budget the engine enforces (None: unchecked)
+
+
+@dataclass(frozen=True)
+class Reconfiguration:
+    """One applied policy change (also a ``TraceMarker`` named "reconfigure" on the timeline)."""
+
+    at_s: float  # job clock when it started
+    stall_s: float  # wall seconds the job was stopped for it (drain excluded)
+    old_policy: Policy
+    new_policy: Policy
+    reason: str  # free text from the caller
+    moved_bytes: dict[str, int]  # bytes copied per channel, keys "gpu->cpu", "cpu->disk", ...
+    reloaded_bytes: int  # bytes read again from the model source (weight compression changed)
+    planned_peak_bytes: dict[str, float]  # planned peak per tier under the new policy
+    freed_bytes: dict[str, int] = field(default_factory=dict)  # per tier: bytes given back (ledger) by the change
+    transition_peak_bytes: dict[str, int] = field(default_factory=dict)  # measured peak per tier during the change
+    capacity_bytes: dict[str, float] | None = None  # the budget checked (None: unchecked)
+
+
+HookAnswer = tuple[Policy, str] | tuple[Policy, str, Mapping[str, float]] | None
 
 
 def rounded_policy(policy: Policy, num_layers: int) -> Policy:
@@ -233,6 +267,34 @@ def _settle(fut: Future, error: BaseException | None) -> None:
         pass
 
 
+def _refuse_unsupported(policy: Policy) -> None:
+    if policy.compress_cache and policy.cpu_attention:
+        raise UserError("compress_cache with cpu_attention is not supported; turn one of them off")
+
+
+def _refuse_over_capacity(planned: Mapping[str, float], caps: Mapping[str, float] | None) -> None:
+    """UserError naming the first tier whose planned peak exceeds its capacity, and by how much."""
+    for tier in TIERS:
+        if caps is not None and tier in caps and planned[tier] > caps[tier]:
+            short = planned[tier] - caps[tier]
+            raise UserError(f"the plan needs {planned[tier]:.0f} bytes on the {tier} tier but "
+                            f"{caps[tier]:.0f} are available (short by {short:.0f} bytes); pick a plan that fits "
+                            "this machine or raise the tier's capacity")
+
+
+def _layer_tiers(policy: Policy, num_layers: int) -> list[str]:
+    g, c, d = policy.layer_counts(num_layers)
+    return ["gpu"] * g + ["cpu"] * c + ["disk"] * d
+
+
+def _move_order(move: tuple[int, str, str]) -> tuple[int, int, int]:
+    """Order weight moves so each tier first shrinks, then grows: demotions to the slowest tier first,
+    then promotions to the fastest first (a tier's transition peak stays near max(old, new))."""
+    i, src, dst = move
+    a, b = TIERS.index(src), TIERS.index(dst)
+    return (0, -b, i) if b > a else (1, b, i)
+
+
 def _split(counts: tuple[int, int, int]) -> list[tuple[str, int, int]]:
     """(tier, first slot, slots) for a (gpu, cpu, disk) row split of a GPU batch."""
     out, start = [], 0
@@ -240,6 +302,23 @@ def _split(counts: tuple[int, int, int]) -> list[tuple[str, int, int]]:
         out.append((tier, start, n))
         start += n
     return out
+
+
+class _Queue:
+    """The request stream with one request of look-ahead, so the engine knows whether any remain."""
+
+    def __init__(self, requests: Iterable[Request]):
+        self._it = iter(requests)
+        self._next: list[Request] = []
+
+    def empty(self) -> bool:
+        if not self._next:
+            self._next = list(itertools.islice(self._it, 1))
+        return not self._next
+
+    def take(self, n: int) -> list[Request]:
+        out, self._next = self._next[:n], self._next[n:]
+        return out + list(itertools.islice(self._it, n - len(out)))
 
 
 @dataclass
@@ -310,67 +389,120 @@ class Engine:
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
         self.dtype = torch_dtype(spec.dtype)
-        if policy.compress_cache and policy.cpu_attention:
-            raise UserError("compress_cache with cpu_attention is not supported; turn one of them off")
+        _refuse_unsupported(policy)
 
         # Planned peak per tier for what this runner places (whole layers and rows), then the refusal.
         if profile is None:
             from xprofiler.presets import load_preset, preset_names
             profile = load_preset(preset_names()[0])  # memory terms do not depend on the machine
+        self.profile = profile
+        self.capacity_bytes: dict[str, float] | None = dict(capacity_bytes) if capacity_bytes is not None else None
         self.rounded = rounded_policy(policy, spec.num_layers)
-        self.planned_peak_bytes = CostModel.for_policy(spec, profile, self.rounded).peak_bytes(
-            self.rounded, max_prompt, max_output)
-        caps = dict(capacity_bytes) if capacity_bytes is not None else None
-        for tier in TIERS:
-            if caps is not None and tier in caps and self.planned_peak_bytes[tier] > caps[tier]:
-                short = self.planned_peak_bytes[tier] - caps[tier]
-                raise UserError(f"the plan needs {self.planned_peak_bytes[tier]:.0f} bytes on the {tier} tier but "
-                                f"{caps[tier]:.0f} are available (short by {short:.0f} bytes); pick a plan that fits "
-                                "this machine or raise the tier's capacity")
+        self.planned_peak_bytes = self._planned_peak(self.rounded)
+        _refuse_over_capacity(self.planned_peak_bytes, self.capacity_bytes)
 
         self.ledger = MemoryLedger()
         self._lock = threading.Lock()
         self.busy_s = {r: 0.0 for r in RESOURCES}
         self.events: list[TraceEvent] = []
+        self.markers: list[TraceMarker] = []
+        self.reconfigurations: list[Reconfiguration] = []
         self._t0 = time.perf_counter()
         self.store = TierStore(self.device, offload_dir, self.ledger, on_copy=self._on_copy)
         self._pools: list[ThreadPoolExecutor] = []
         self._closed = False
+        self._in_flight = False  # rows are in the batches (reconfigure is refused then)
         try:
             self._allocate(progress)
         except BaseException:
             self.close()
             raise
 
+    def _planned_peak(self, rounded: Policy) -> dict[str, float]:
+        return CostModel.for_policy(self.spec, self.profile, rounded).peak_bytes(rounded, self.max_prompt,
+                                                                                 self.max_output)
+
     # ----------------------------------------------------------------- setup
     def _allocate(self, progress: bool) -> None:
-        spec, p, st, dt = self.spec, self.policy, self.store, self.dtype
-        L, gbs, nb = spec.num_layers, p.gbs, p.nb
-        self.layout = WeightLayout(spec.layer_tensor_shapes(), dt, p.compress_weight)
-        g, c, d = p.layer_counts(L)
-        self.layer_tier = ["gpu"] * g + ["cpu"] * c + ["disk"] * d
-        self.cache_split = _split(p.row_counts("cache", gbs))
-        self.act_split = _split(p.row_counts("act", gbs))
-        self.codec = KVCodec(spec.head_dim, dt, p.compress_cache)
-        hkv, cap, h = spec.num_kv_heads, self.cap, spec.hidden
+        spec, p, st = self.spec, self.policy, self.store
+        L = spec.num_layers
+        self.layout = WeightLayout(spec.layer_tensor_shapes(), self.dtype, p.compress_weight)
+        self.layer_tier = _layer_tiers(p, L)
         wbytes = self.layout.nbytes
 
         # Head weights (always on the gpu tier), then every layer into its home tier.
         self.head = {k: st.adopt("gpu", "head_weights", v.to(self.device)) for k, v in self.source.load_head().items()}
-        self.w_home: list[torch.Tensor | DiskSlice] = []
-        n_disk = d
         # One relay per in-flight disk layer (two: the one being staged and the next one's read).
-        self.w_relays = [st.empty("cpu", "weight_relay", (-(-wbytes // 4096) * 4096,), torch.uint8)
-                         for _ in range(min(2, n_disk))]
-        for i in range(L):
-            tier = self.layer_tier[i]
-            if tier == "disk":
-                home: torch.Tensor | DiskSlice = st.disk_region("weights", "weights_home", (wbytes,), torch.uint8,
-                                                                align=True)
-            else:
-                home = st.empty(tier, "weights_home", (wbytes,), torch.uint8)
-            self.w_home.append(home)
-        # KV cache and hidden-state homes per GPU batch, stage slots, relays.
+        self.w_relays = [self._new_relay() for _ in range(min(2, self.layer_tier.count("disk")))]
+        self.w_home: list[torch.Tensor | DiskSlice] = [self._new_home(t) for t in self.layer_tier]
+        self._bufs: list[tuple[str, str, Any]] = []
+        self._alloc_buffers()
+
+        # Weights: layer by layer from the source straight into their home tier.
+        from tqdm import tqdm
+        import sys
+        for i in tqdm(range(L), desc=f"loading {spec.name}", unit="layer", file=sys.stderr, disable=not progress,
+                      leave=False):
+            self._load_layer(i)
+        self.rope = rope_tables(spec, self.cap, self.device, self.dtype)
+        self.generator = self.sampling.generator(self.device) if not self.sampling.greedy else None
+        self._set_overlap(p.overlap)
+        self._reset_fetch_state()
+
+    def _new_relay(self) -> torch.Tensor:
+        return self.store.empty("cpu", "weight_relay", (-(-self.layout.nbytes // 4096) * 4096,), torch.uint8)
+
+    def _new_home(self, tier: str) -> torch.Tensor | DiskSlice:
+        if tier == "disk":
+            return self.store.disk_region("weights", "weights_home", (self.layout.nbytes,), torch.uint8, align=True)
+        return self.store.empty(tier, "weights_home", (self.layout.nbytes,), torch.uint8)
+
+    def _free_home(self, home: torch.Tensor | DiskSlice, tier: str) -> None:
+        if isinstance(home, DiskSlice):
+            self.store.free_region("weights_home", home, align=True)
+        else:
+            self.store.release(tier, "weights_home", home)
+
+    def _load_layer(self, i: int) -> int:
+        """Read layer ``i`` from the source into its home (packed, compressed if asked); returns bytes read."""
+        st, wbytes = self.store, self.layout.nbytes
+        w = self.source.load_layer(i)
+        nread = nbytes_of(*w.values())
+        home = self.w_home[i]
+        if isinstance(home, DiskSlice):
+            self.layout.pack(w, self.w_relays[0][:wbytes])
+            st.copy(Ref("disk", home), Ref("cpu", self.w_relays[0]))
+        elif self.layer_tier[i] == "gpu" and self.device.type == "cuda":
+            tmp = torch.empty(wbytes, dtype=torch.uint8)
+            self.layout.pack(w, tmp)
+            home.copy_(tmp)
+        else:
+            self.layout.pack(w, home)
+        return nread
+
+    def _buf(self, tier: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A per-policy working buffer (KV/act homes, stages, relays): freed and re-made by a reconfiguration."""
+        t = self.store.empty(tier, name, shape, dtype)
+        self._bufs.append((tier, name, t))
+        return t
+
+    def _region(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> DiskSlice:
+        ds = self.store.disk_region("rows", name, shape, dtype)
+        self._bufs.append(("disk", name, ds))
+        return ds
+
+    def _alloc_buffers(self) -> None:
+        """KV cache and hidden-state homes per GPU batch, stage slots, dequant buffers and relays of the policy.
+
+        Between blocks they hold nothing (a block's rows have all finished), which is what lets a
+        reconfiguration free and re-make them for another gbs, nb or row split.
+        """
+        spec, p, dt = self.spec, self.policy, self.dtype
+        L, gbs, nb = spec.num_layers, p.gbs, p.nb
+        self.cache_split = _split(p.row_counts("cache", gbs))
+        self.act_split = _split(p.row_counts("act", gbs))
+        self.codec = KVCodec(spec.head_dim, dt, p.compress_cache)
+        hkv, cap, h, wbytes = spec.num_kv_heads, self.cap, spec.hidden, self.layout.nbytes
         self.kv_home: list[list[dict[str, list[Any]]]] = []  # [batch][layer][tier] -> parts
         self.act_home: list[dict[str, Any]] = []
         for _ in range(nb):
@@ -381,10 +513,10 @@ class Engine:
                     if not n:
                         continue
                     if tier == "disk":
-                        tiers[tier] = [st.disk_region("rows", "kv_home", (n, cap, hkv) + rest, pdt)
+                        tiers[tier] = [self._region("kv_home", (n, cap, hkv) + rest, pdt)
                                        for rest, pdt in self.codec.rests]
                     else:
-                        tiers[tier] = [st.empty(tier, "kv_home", (n, hkv, cap) + rest, pdt)
+                        tiers[tier] = [self._buf(tier, "kv_home", (n, hkv, cap) + rest, pdt)
                                        for rest, pdt in self.codec.rests]
                 per_layer.append(tiers)
             self.kv_home.append(per_layer)
@@ -393,65 +525,175 @@ class Engine:
                 if not n:
                     continue
                 if tier == "disk":
-                    acts[tier] = st.disk_region("rows", "act_home", (n, self.max_prompt, h), dt)
+                    acts[tier] = self._region("act_home", (n, self.max_prompt, h), dt)
                 else:
-                    acts[tier] = st.empty(tier, "act_home", (n, self.max_prompt, h), dt)
+                    acts[tier] = self._buf(tier, "act_home", (n, self.max_prompt, h), dt)
             self.act_home.append(acts)
-        st.reserve()
+        self.store.reserve()
 
         n_off_c = sum(n for t, _s, n in self.cache_split if t != "gpu")
         n_disk_c = dict((t, n) for t, _s, n in self.cache_split)["disk"]
         n_off_h = sum(n for t, _s, n in self.act_split if t != "gpu")
         n_disk_h = dict((t, n) for t, _s, n in self.act_split)["disk"]
         n_staged = sum(1 for t in self.layer_tier if t != "gpu")
-        self.w_stage = [st.empty("gpu", "weight_stage", (wbytes,), torch.uint8) for _ in range(min(2, n_staged))]
-        self.w_slot_layer: list[int | None] = [None] * len(self.w_stage)
+        self.w_stage = [self._buf("gpu", "weight_stage", (wbytes,), torch.uint8) for _ in range(min(2, n_staged))]
         self.w_dequant = None
         if p.compress_weight:
-            self.w_dequant = {n: st.empty("gpu", "weight_dequant", s, dt)
+            self.w_dequant = {n: self._buf("gpu", "weight_dequant", s, dt)
                               for n, s in spec.layer_tensor_shapes().items() if len(s) == 2}
         stage_ctx = self.max_prompt if p.cpu_attention else cap
-        self.kv_stage = [[st.empty("gpu", "kv_stage", (n_off_c, hkv, stage_ctx) + rest, pdt)
+        self.kv_stage = [[self._buf("gpu", "kv_stage", (n_off_c, hkv, stage_ctx) + rest, pdt)
                           for rest, pdt in self.codec.rests] for _ in range(2)] if n_off_c else []
         self.kv_dequant = None
         if p.compress_cache:
             shape = (gbs, hkv, cap, spec.head_dim)
-            self.kv_dequant = (st.empty("gpu", "kv_dequant", shape, dt), st.empty("gpu", "kv_dequant", shape, dt))
-        self.act_stage = [st.empty("gpu", "act_stage", (n_off_h, self.max_prompt, h), dt)
+            self.kv_dequant = (self._buf("gpu", "kv_dequant", shape, dt), self._buf("gpu", "kv_dequant", shape, dt))
+        self.act_stage = [self._buf("gpu", "act_stage", (n_off_h, self.max_prompt, h), dt)
                           for _ in range(2)] if n_off_h else []
-        self.kv_relay = ([[st.empty("cpu", "kv_relay", (n_disk_c, cap, hkv) + rest, pdt)
+        self.kv_relay = ([[self._buf("cpu", "kv_relay", (n_disk_c, cap, hkv) + rest, pdt)
                            for rest, pdt in self.codec.rests] for _ in range(2)] if n_disk_c else [])
-        self.act_relay = ([st.empty("cpu", "act_relay", (n_disk_h, self.max_prompt, h), dt) for _ in range(2)]
+        self.act_relay = ([self._buf("cpu", "act_relay", (n_disk_h, self.max_prompt, h), dt) for _ in range(2)]
                           if n_disk_h else [])
 
-        # Weights: layer by layer from the source straight into their home tier.
-        from tqdm import tqdm
-        import sys
-        for i in tqdm(range(L), desc=f"loading {spec.name}", unit="layer", file=sys.stderr, disable=not progress,
-                      leave=False):
-            w = self.source.load_layer(i)
-            home = self.w_home[i]
-            if isinstance(home, DiskSlice):
-                self.layout.pack(w, self.w_relays[0][:wbytes])
-                st.copy(Ref("disk", home), Ref("cpu", self.w_relays[0]))
-            elif self.layer_tier[i] == "gpu" and self.device.type == "cuda":
-                tmp = torch.empty(wbytes, dtype=torch.uint8)
-                self.layout.pack(w, tmp)
-                home.copy_(tmp)
+    def _free_buffers(self) -> None:
+        """Free everything :meth:`_alloc_buffers` made (largest first is irrelevant: all go at once)."""
+        for tier, name, obj in self._bufs:
+            if isinstance(obj, DiskSlice):
+                self.store.free_region(name, obj)
             else:
-                self.layout.pack(w, home)
-            del w
-        self.rope = rope_tables(spec, cap, self.device, dt)
-        self.generator = self.sampling.generator(self.device) if not self.sampling.greedy else None
-        self.overlap = p.overlap
-        if self.overlap:
+                self.store.release(tier, name, obj)
+        self._bufs = []
+        self.kv_home, self.act_home, self.w_stage, self.kv_stage, self.act_stage = [], [], [], [], []
+        self.kv_relay, self.act_relay, self.w_dequant, self.kv_dequant = [], [], None, None
+
+    def _set_overlap(self, overlap: bool) -> None:
+        self.overlap = overlap
+        if overlap and not self._pools:
             self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"xsched-{n}") for n in ("weights", "load", "store")]
+        elif not overlap and self._pools:
+            for pool in self._pools:
+                pool.shutdown(wait=True)
+            self._pools = []
+
+    def _reset_fetch_state(self) -> None:
+        self.w_slot_layer: list[int | None] = [None] * len(self.w_stage)
         self._wfutures: dict[int, Future] = {}
         self._to_stage: dict[int, torch.Tensor] = {}  # CPU host: fetched layers awaiting their memcpy
         self._fetches = 0
         self._current_layer = -1
         self._store_done: list[Future] = []
         self._item = 0
+
+    # ----------------------------------------------------------------- adapting mid-job
+    def reconfigure(self, policy: Policy, reason: str = "",
+                    capacity_bytes: Mapping[str, float] | None = None) -> Reconfiguration:
+        """Switch to ``policy`` between blocks, moving only what changed (docs: "Adapting mid-job").
+
+        Weight layers whose tier is unchanged stay put; a layer whose tier changed is copied tier to
+        tier with ``TierStore.copy`` (new home allocated, copied, old home freed, one layer at a
+        time, tiers that shrink first); only a change of weight compression re-reads layers from the
+        source. The KV cache, hidden-state, stage and relay buffers (empty between blocks) are freed
+        and re-made for the new gbs/nb/row split. ``capacity_bytes`` (default: the budget in force)
+        is checked before anything moves: a policy whose planned peak exceeds it is refused with a
+        ``UserError`` and the engine keeps its old policy.
+        """
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if self._in_flight:
+            raise RuntimeError("reconfigure between blocks only: rows are in flight (return the policy from "
+                               "between_blocks instead, the engine drains them first)")
+        # Buffers made inside run()'s inference mode would be inference tensors the I/O threads cannot write.
+        with torch.inference_mode(False):
+            return self._reconfigure(policy, reason, capacity_bytes)
+
+    def _reconfigure(self, policy: Policy, reason: str, capacity_bytes: Mapping[str, float] | None
+                     ) -> Reconfiguration:
+        t_start = time.perf_counter()
+        at_s = self._clock()
+        spec, L = self.spec, self.spec.num_layers
+        _refuse_unsupported(policy)
+        caps = dict(capacity_bytes) if capacity_bytes is not None else self.capacity_bytes
+        rounded = rounded_policy(policy, L)
+        planned = self._planned_peak(rounded)
+        _refuse_over_capacity(planned, caps)
+
+        for fut in self._wfutures.values():  # a prefetch of the next step's first layer may be pending
+            fut.result()
+        freed_before = dict(self.ledger.freed_total)
+        self.ledger.reset_window()
+        old = self.policy
+        self._free_buffers()
+        moved: dict[str, int] = {}
+        reloaded = 0
+        new_tiers = _layer_tiers(policy, L)
+        if policy.compress_weight != self.layout.compress:  # the stored form changes: read from the source
+            for relay in self.w_relays:
+                self.store.release("cpu", "weight_relay", relay)
+            for i, tier in enumerate(self.layer_tier):
+                self._free_home(self.w_home[i], tier)
+            self.layout = WeightLayout(spec.layer_tensor_shapes(), self.dtype, policy.compress_weight)
+            self.layer_tier = new_tiers
+            self.w_relays = [self._new_relay() for _ in range(min(2, new_tiers.count("disk")))]
+            for i, tier in enumerate(new_tiers):
+                self.w_home[i] = self._new_home(tier)
+                reloaded += self._load_layer(i)
+        else:
+            moves = sorted(((i, a, b) for i, (a, b) in enumerate(zip(self.layer_tier, new_tiers)) if a != b),
+                           key=_move_order)
+            want = min(2, new_tiers.count("disk"))
+            keep = max(want, 1 if any("disk" in (a, b) for _i, a, b in moves) else 0)  # a move via disk needs one
+            while len(self.w_relays) > keep:
+                self.store.release("cpu", "weight_relay", self.w_relays.pop())
+            if len(self.w_relays) < keep:
+                self.w_relays.append(self._new_relay())
+            for i, a, b in moves:
+                home = self._new_home(b)
+                self.store.copy(Ref(b, home), Ref(a, self.w_home[i]), relay=self.w_relays[0] if self.w_relays
+                                else None)
+                self._free_home(self.w_home[i], a)
+                self.w_home[i] = home
+                self.layer_tier[i] = b
+                moved[f"{a}->{b}"] = moved.get(f"{a}->{b}", 0) + self.layout.nbytes
+            while len(self.w_relays) > want:
+                self.store.release("cpu", "weight_relay", self.w_relays.pop())
+            while len(self.w_relays) < want:
+                self.w_relays.append(self._new_relay())
+        self.policy, self.rounded, self.planned_peak_bytes, self.capacity_bytes = policy, rounded, planned, caps
+        self._alloc_buffers()
+        self._set_overlap(policy.overlap)
+        self._reset_fetch_state()
+        self._sync()
+        transition = self.ledger.reset_window()  # from here on: the peak under the new policy
+        rec = Reconfiguration(at_s=at_s, stall_s=time.perf_counter() - t_start, old_policy=old, new_policy=policy,
+                              reason=reason, moved_bytes=moved, reloaded_bytes=reloaded,
+                              planned_peak_bytes=dict(planned),
+                              freed_bytes={t: self.ledger.freed_total[t] - freed_before[t] for t in TIERS},
+                              transition_peak_bytes=transition, capacity_bytes=caps)
+        self.reconfigurations.append(rec)
+        marker = TraceMarker("reconfigure", at_s, {"reason": reason, "stall_s": rec.stall_s,
+                                                   "moved_bytes": sum(moved.values()), "reloaded_bytes": reloaded,
+                                                   "old": old.to_dict(), "new": policy.to_dict()})
+        with self._lock:
+            self.markers.append(marker)
+            if self.record_trace:
+                self.events.append(TraceEvent("compute", "reconfigure", t_start - self._t0, rec.stall_s,
+                                              {"reason": reason}))
+        return rec
+
+    def _ask(self, hook: Callable[[BlockInfo], HookAnswer], block: int) -> tuple[Policy, str, Any] | None:
+        """Call a between-blocks hook; a change of what the runner places comes back, else None."""
+        answer = hook(BlockInfo(block, self._clock(), self.policy, dict(self.planned_peak_bytes),
+                                dict(self.capacity_bytes) if self.capacity_bytes is not None else None))
+        if answer is None:
+            return None
+        policy, reason, *rest = answer
+        caps = dict(rest[0]) if rest and rest[0] is not None else None
+        if rounded_policy(policy, self.spec.num_layers) == self.rounded:
+            if caps is not None:  # a new budget the placement already meets: enforce it from now on
+                _refuse_over_capacity(self.planned_peak_bytes, caps)
+                self.capacity_bytes = caps
+            return None
+        return policy, reason, caps
 
     # ----------------------------------------------------------------- accounting
     def _clock(self) -> float:
@@ -861,35 +1103,46 @@ class Engine:
 
     # ----------------------------------------------------------------- job
     def run(self, requests: Iterable[Request], on_finished: Callable[[list[Finished]], None] | None = None,
-            on_step: Callable[[int], None] | None = None) -> EngineStats:
-        """Generate for every request (consumed lazily, in order); see the module docstring."""
+            on_step: Callable[[int], None] | None = None,
+            between_blocks: Callable[[BlockInfo], HookAnswer] | None = None) -> EngineStats:
+        """Generate for every request (consumed lazily, in order); see the module docstring.
+
+        ``between_blocks`` is called at every block boundary (``refill_every == 0``: after each
+        block drained; with refill: after each refill interval) while requests remain. Returning
+        ``(policy, reason)`` (optionally ``(policy, reason, capacity_bytes)``, a new budget to
+        enforce) stops admission, lets the rows in flight finish under the old policy, then
+        :meth:`reconfigure` s and goes on with the remaining requests in order.
+        """
         if self._closed:
             raise RuntimeError("engine is closed")
-        p = self.policy
-        gbs, nb, R = p.gbs, p.nb, p.refill_every
-        queue = iter(requests)
+        queue = _Queue(requests)
         self._t0 = time.perf_counter()
         with self._lock:
             self.busy_s = {r: 0.0 for r in RESOURCES}
             self.events = []
+            self.markers = []
+        self.ledger.reset_window()
+        first_change = len(self.reconfigurations)
         self.stats = EngineStats(0.0, 0, 0, 0, 0, 0, {}, dict(self.planned_peak_bytes), {}, [], [])
+        boundary = 0
         with torch.inference_mode():
-            exhausted = False
-            while not exhausted:
+            while True:
+                p = self.policy
+                gbs, nb, R = p.gbs, p.nb, p.refill_every
                 batches = [_Batch([None] * gbs, torch.zeros((gbs, self.cap), dtype=torch.bool)) for _ in range(nb)]
-                first = True
+                first, change = True, None
                 while True:
                     joining: list[tuple[int, Request]] = []
-                    if first or R > 0:
+                    if change is None and (first or R > 0):
                         free = [s for s in range(gbs * nb) if batches[s // gbs].rows[s % gbs] is None]
-                        reqs = [self._check(r) for r in itertools.islice(queue, len(free))]
-                        exhausted = exhausted or len(reqs) < len(free)
+                        reqs = [self._check(r) for r in queue.take(len(free))]
                         if p.bucket:
                             reqs.sort(key=lambda r: len(r.prompt_ids))
                         joining = list(zip(free, reqs))
                     first = False
                     if not joining and not any(b.active() for b in batches):
                         break
+                    self._in_flight = True
                     finished: list[Finished] = []
                     if joining:
                         self._prefill(batches, joining, finished, on_step)
@@ -897,15 +1150,30 @@ class Engine:
                     while (R == 0 or steps < R) and any(b.active() for b in batches):
                         self._decode(batches, finished, on_step)
                         steps += 1
+                    self._in_flight = any(b.active() for b in batches)
                     if on_finished is not None:  # every interval, so a caller can flush per block
                         on_finished(finished)
-                if R > 0:
+                    if R > 0 and change is None and between_blocks is not None and not queue.empty():
+                        change = self._ask(between_blocks, boundary)
+                        boundary += 1
+                self._in_flight = False
+                if queue.empty():
                     break
+                if R == 0 and between_blocks is not None:
+                    change = self._ask(between_blocks, boundary)
+                    boundary += 1
+                if change is not None:
+                    self.reconfigure(change[0], change[1], change[2])
         s = self.stats
         s.wall_s = self._clock()
         s.peak_bytes = dict(self.ledger.peak)
+        s.peak_bytes_since_change = dict(self.ledger.window_peak)
         s.busy_s = dict(self.busy_s)
         s.events = list(self.events)
+        s.markers = list(self.markers)
+        s.reconfigurations = self.reconfigurations[first_change:]
+        for rec in s.reconfigurations:  # the plan of every policy that was in force during the run
+            s.planned_peak_bytes = {t: max(s.planned_peak_bytes[t], rec.planned_peak_bytes[t]) for t in TIERS}
         return s
 
     def _check(self, r: Request) -> Request:

@@ -48,17 +48,28 @@ class MemoryLedger:
         self.live: dict[str, int] = {t: 0 for t in TIERS}
         self.peak: dict[str, int] = {t: 0 for t in TIERS}
         self.by_name: dict[tuple[str, str], int] = {}
+        self.window_peak: dict[str, int] = {t: 0 for t in TIERS}  # peak since the last reset_window()
+        self.freed_total: dict[str, int] = {t: 0 for t in TIERS}  # bytes ever given back, per tier
 
     def add(self, tier: str, name: str, nbytes: int) -> None:
         with self._lock:
             self.live[tier] += int(nbytes)
             self.by_name[tier, name] = self.by_name.get((tier, name), 0) + int(nbytes)
             self.peak[tier] = max(self.peak[tier], self.live[tier])
+            self.window_peak[tier] = max(self.window_peak[tier], self.live[tier])
+
+    def reset_window(self) -> dict[str, int]:
+        """Start a new peak window at the live bytes (e.g. after a reconfiguration); returns the old window's peak."""
+        with self._lock:
+            old = dict(self.window_peak)
+            self.window_peak = dict(self.live)
+            return old
 
     def sub(self, tier: str, name: str, nbytes: int) -> None:
         with self._lock:
             self.live[tier] -= int(nbytes)
             self.by_name[tier, name] -= int(nbytes)
+            self.freed_total[tier] += int(nbytes)
 
     @contextmanager
     def transient(self, tier: str, name: str, nbytes: int) -> Iterator[None]:
@@ -128,7 +139,9 @@ class TierStore:
         self.files: dict[str, DirectFile] = {}
         self._ends: dict[str, int] = {}
         self._registered: list[int] = []
-        self._keep: list[object] = []  # numpy owners of aligned cpu buffers
+        self._keep: dict[int, np.ndarray] = {}  # data pointer -> numpy owner of an aligned cpu buffer
+        self._free: dict[str, list[tuple[int, int]]] = {}  # per offload file: free (offset, size), sorted
+        self._allocated: dict[str, int] = {}  # bytes fallocated per offload file
         self.streams = ({ch: torch.cuda.Stream(device) for ch in ("ctog", "gtoc")} if self.cuda else {})
 
     # ----------------------------------------------------------------- allocation
@@ -148,7 +161,7 @@ class TierStore:
                 ptr = buf.ctypes.data
                 torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, buf.nbytes, 0))
                 self._registered.append(ptr)
-            self._keep.append(buf)
+            self._keep[buf.ctypes.data] = buf
             t = torch.from_numpy(buf[:nbytes]).view(dtype).view(shape)
         else:
             raise ValueError(f"use disk_region for the disk tier, not {tier!r}")
@@ -162,7 +175,30 @@ class TierStore:
         return t
 
     def release(self, tier: str, name: str, t: torch.Tensor) -> None:
+        """Un-account ``t``; a cpu buffer from :meth:`empty` is also unpinned and dropped here, so its
+        memory goes back to the OS once the caller's references are gone (a reconfiguration)."""
         self.ledger.sub(tier, name, nbytes_of(t))
+        if tier == "cpu" and t.device.type == "cpu":
+            buf = self._keep.pop(t.data_ptr(), None)
+            if buf is not None and self.cuda and buf.ctypes.data in self._registered:
+                torch.cuda.cudart().cudaHostUnregister(buf.ctypes.data)
+                self._registered.remove(buf.ctypes.data)
+
+    def free_region(self, name: str, ds: DiskSlice, align: bool = False) -> None:
+        """Give a :meth:`disk_region` back: un-account it and let a later region reuse its bytes."""
+        kind = next(k for k, f in self.files.items() if f is ds.file)
+        size = round_up(ds.nbytes) if align else ds.nbytes
+        self.ledger.sub("disk", name, size)
+        free = sorted(self._free.setdefault(kind, []) + [(ds.offset, size)])
+        merged: list[tuple[int, int]] = []
+        for off, n in free:  # coalesce neighbours
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((off, n))
+        if merged and merged[-1][0] + merged[-1][1] == self._ends[kind]:  # a free tail shortens the file's use
+            self._ends[kind] = merged.pop()[0]
+        self._free[kind] = merged
 
     def _file(self, kind: str) -> DirectFile:
         """The offload file for ``kind``: ``weights`` (O_DIRECT, aligned records) or ``rows``."""
@@ -185,15 +221,23 @@ class TierStore:
         f = self._file(kind)
         ds = DiskSlice(f, self._ends[kind], tuple(shape), dtype)
         size = round_up(ds.nbytes) if align else ds.nbytes
-        self._ends[kind] += size
+        free = self._free.get(kind, [])
+        hole = next((i for i, (off, n) in enumerate(free) if n >= size and (not align or off % 4096 == 0)), None)
+        if hole is not None:  # first fit in space a freed region left
+            off, n = free[hole]
+            ds = DiskSlice(f, off, tuple(shape), dtype)
+            free[hole:hole + 1] = [(off + size, n - size)] if n > size else []
+        else:
+            self._ends[kind] += size
         self.ledger.add("disk", name, size)
         return ds
 
     def reserve(self) -> None:
         """Allocate every reserved byte on disk now, so a full disk fails before the run."""
         for kind, f in self.files.items():
-            if self._ends[kind]:
+            if self._ends[kind] > self._allocated.get(kind, 0):
                 f.allocate(round_up(self._ends[kind]))
+                self._allocated[kind] = round_up(self._ends[kind])
 
     # ----------------------------------------------------------------- the copy routine
     def copy(self, dst: Ref, src: Ref, relay: torch.Tensor | None = None) -> None:
@@ -291,3 +335,4 @@ class TierStore:
                 torch.cuda.cudart().cudaHostUnregister(ptr)
         self._registered.clear()
         self._keep.clear()
+        self._free.clear()
