@@ -150,3 +150,42 @@ def test_replan_cli_errors_are_one_line(setup, tmp_path):
         r = run_cli("replan", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.slow  # two engine runs of 80 requests plus a re-plan: minutes on 2 shared cores
+def test_run_replans_when_prompt_lengths_shift_and_outputs_match_a_run_without(tmp_path):
+    from tests.sim_profiles import cpu_host
+    from tests.test_run_cli import make_plan, random_spec, read_rows, without_timing, write_prompts
+    from xrunner.result import RunResult
+    from xsimulator.policy import Policy
+
+    prof = cpu_host()
+    prof_path = tmp_path / "profile.json"
+    prof.save(prof_path)
+    spec = random_spec()
+    policy = Policy(gbs=4, nb=1, wg=1.0, wc=0.0, wd=0.0, cg=1.0, cc=0.0, cd=0.0, hg=1.0, hc=0.0, hd=0.0)
+    plan = make_plan(tmp_path / "plan.json", spec, policy, prompt_len=8, output_len=4, profile=prof)
+    rng = np.random.default_rng(0)
+    rows = [{"id": i, "prompt_ids": rng.integers(3, spec.vocab_size, 8 if i < 40 else 24).tolist(),
+             "max_new_tokens": 4} for i in range(80)]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
+    outs = {}
+    for adapt in ("drift", "none"):
+        out = tmp_path / f"{adapt}.jsonl"
+        r = subprocess.run([sys.executable, "-m", "xsched", "run", "--plan", str(plan), "--model", "random:opt-125m",
+                            "--prompts", str(prompts), "--out", str(out), "--adapt", adapt, "--profile",
+                            str(prof_path), "--result", str(tmp_path / f"{adapt}.json"), "--trace",
+                            str(tmp_path / f"{adapt}.trace.json"), "--quiet"],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        outs[adapt] = (read_rows(out), RunResult.load(tmp_path / f"{adapt}.json"), r.stderr)
+    rows_d, res_d, err_d = outs["drift"]
+    rows_n, res_n, _ = outs["none"]
+    assert len(res_d.adaptations) == 1 and res_d.adaptations[0].reason.startswith("drift: prompt")
+    assert res_d.adaptations[0].new_policy != policy and not res_n.adaptations
+    assert err_d.count("xsched: adapt at block") == 1
+    assert without_timing(rows_d) == without_timing(rows_n) and len(rows_d) == 80
+    from xsimulator.trace import read_chrome_trace
+
+    _, markers = read_chrome_trace(tmp_path / "drift.trace.json")
+    assert any(m.name == "reconfigure" and "drift" in m.args.get("reason", "") for m in markers)
