@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--latency", type=float, default=300.0)
     ap.add_argument("--requests", type=int, default=4000, help="requests per job (shift at the middle)")
     ap.add_argument("--seeds", type=int, default=100, help="unshifted streams for the false-alarm rate")
+    ap.add_argument("--shift-seeds", type=int, default=3, help="shifted jobs per shift size")
     ap.add_argument("--hook-every", type=int, default=32)
     ap.add_argument("--false-alarm-rate", type=float, default=0.01)
     args = ap.parse_args()
@@ -66,14 +67,14 @@ def main() -> None:
           f"to plan); policy gbs {plan.policy.gbs} x nb {plan.policy.nb}, refill {plan.policy.refill_every}")
     half = args.requests // 2
     rows = []
-    for factor in (1.15, 1.30):
+    for factor, seed in [(f, s) for f in (1.15, 1.30) for s in range(args.shift_seeds)]:
         shifted = replace(w, output=w.output.scaled(factor))
-        a, b = w.sample(half, seed=1), shifted.sample(args.requests - half, seed=2)
+        a, b = w.sample(half, seed=10 + 2 * seed), shifted.sample(args.requests - half, seed=11 + 2 * seed)
         p, o = np.concatenate((a[0], b[0])), np.concatenate((a[1], b[1]))
         watcher = DriftWatcher(plan, prof, false_alarm_rate=args.false_alarm_rate)
         at = run_stream(watcher, p, o, args.hook_every)
         lat0, wall0, tok = segment(plan, prof, plan.policy, w, p, o)
-        row = {"shift": f"+{factor - 1:.0%}", "delay": None if at is None else at - half,
+        row = {"shift": f"+{factor - 1:.0%}", "seed": seed, "delay": None if at is None else at - half,
                "replan_s": None, "viol_without": float(np.mean(lat0 > sla.latency_s)),
                "tps_without": tok / wall0, "viol_with": None, "tps_with": None, "policy": "-"}
         if at is not None:
@@ -99,10 +100,10 @@ def main() -> None:
         looks.append(watcher.looks)
 
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    print(f"\n{'shift':>6} {'delay req':>9} {'replan s':>9} {'viol w/o':>9} {'viol with':>9} {'after w/o':>9} "
+    print(f"\n{'shift':>6} {'seed':>4} {'delay req':>9} {'replan s':>9} {'viol w/o':>9} {'viol with':>9} {'after w/o':>9} "
           f"{'after with':>10} {'tok/s w/o':>10} {'tok/s with':>10}  new policy")
     for r in rows:
-        print(f"{r['shift']:>6} {fmt(r['delay'], 'd'):>9} {fmt(r['replan_s'], '.2f'):>9} {r['viol_without']:>9.3f} "
+        print(f"{r['shift']:>6} {r['seed']:>4} {fmt(r['delay'], 'd'):>9} {fmt(r['replan_s'], '.2f'):>9} {r['viol_without']:>9.3f} "
               f"{fmt(r['viol_with'], '.3f'):>9} {r['viol_after_without']:>9.3f} {fmt(r.get('viol_after_with'), '.3f'):>10} "
               f"{r['tps_without']:>10.2f} {fmt(r['tps_with'], '.2f'):>10}  {r['policy']}")
     rate = alarms / args.seeds
