@@ -10,6 +10,11 @@ std (most powerful for a shift of the mean, the drift ExeGPT §7.6 studies). Bot
 scipy.stats; KS is conservative for integer lengths, so the overall false-alarm rate stays at
 most ``alpha`` (up to the normal approximation of the mean test).
 
+A change in the middle of a long stream moves the mean of *everything* seen so far only slowly,
+so a look may also test the most recent ``w`` lengths for a few window sizes (``windows``): the
+window that holds about the post-change lengths has full power. The level of a look is split
+evenly over every test it runs (streams x windows x 2), so the bound above still holds.
+
 Feed lengths of requests whose fate is settled (e.g. all requests of finished blocks); feeding
 only the requests that finished first biases the output lengths short.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 from scipy import stats
@@ -39,6 +44,7 @@ class DriftStat:
     pvalue: float
     observed_mean: float
     planned_mean: float
+    n: int = 0  # how many (most recent) lengths the test used
 
 
 @dataclass(frozen=True)
@@ -59,8 +65,8 @@ class DriftReport:
         if not self.stats:
             return f"look {self.look}: too few lengths to test"
         head = "drift detected" if self.drifted else "no significant drift"
-        parts = [f"{s.stream} {s.test} p={s.pvalue:.2g} (mean {s.observed_mean:.1f} vs planned {s.planned_mean:.1f})"
-                 for s in (self.fired() or self.stats)]
+        parts = [f"{s.stream} {s.test} p={s.pvalue:.2g} (mean {s.observed_mean:.1f} of the last {s.n} vs planned "
+                 f"{s.planned_mean:.1f})" for s in (self.fired() or self.stats)]
         return f"look {self.look}: {head} at level {self.level:.2g}: " + "; ".join(parts)
 
 
@@ -87,8 +93,10 @@ class DriftMonitor:
         self.min_samples = min_samples
         self.looks = 0
 
-    def check(self, prompt_lens: Any, output_lens: Any = None) -> DriftReport:
-        """One look at all lengths observed so far; spends part of the false-alarm budget."""
+    def check(self, prompt_lens: Any, output_lens: Any = None, windows: Sequence[int] = ()) -> DriftReport:
+        """One look at all lengths observed so far (and at the most recent ``w`` of them for each
+        ``w`` in ``windows`` that is at least ``min_samples`` and below the count); spends part of
+        the false-alarm budget."""
         streams = []
         for name, dist, data in (("prompt", self.planned.prompt, prompt_lens),
                                  ("output", self.planned.output, output_lens)):
@@ -105,13 +113,15 @@ class DriftMonitor:
             return DriftReport(self.looks, n_prompt, n_output, 0.0, False, ())
         self.looks += 1
         k = self.looks
-        level = self.false_alarm_rate / (k * (k + 1)) / (2 * len(streams))
+        samples = [(name, dist, arr[-w:]) for name, dist, arr in streams
+                   for w in sorted({len(arr), *(w for w in windows if self.min_samples <= w < len(arr))})]
+        level = self.false_alarm_rate / (k * (k + 1)) / (2 * len(samples))
         results = []
-        for name, dist, arr in streams:
+        for name, dist, arr in samples:
             d, p_ks = ks_pvalue(dist, arr)
             z, p_mean = mean_shift_pvalue(dist, arr)
             mean = float(arr.mean())
-            results.append(DriftStat(name, "ks", d, p_ks, mean, dist.mean))
-            results.append(DriftStat(name, "mean", z, p_mean, mean, dist.mean))
+            results.append(DriftStat(name, "ks", d, p_ks, mean, dist.mean, len(arr)))
+            results.append(DriftStat(name, "mean", z, p_mean, mean, dist.mean, len(arr)))
         drifted = any(s.pvalue < level for s in results)
         return DriftReport(k, n_prompt, n_output, level, drifted, tuple(results))

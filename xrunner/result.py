@@ -33,6 +33,17 @@ SIM_TERMS_OF_TRACK: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
+class Adaptation:
+    """A policy change applied mid-run (drift re-plan or budget change; also a trace marker)."""
+
+    at_s: float  # job clock when it started
+    stall_s: float  # wall seconds the job stopped for it
+    reason: str  # "drift: ..." or "budget: ..." with the predictions before/after
+    old_policy: Policy
+    new_policy: Policy
+
+
+@dataclass(frozen=True)
 class RunResult(Contract):
     """Measured metrics of one ``xsched run`` (the requests it ran, not those resumed past)."""
 
@@ -66,6 +77,7 @@ class RunResult(Contract):
     max_prompt: int
     max_output: int
     predicted: SimResult | None = None  # the plan's prediction, if the run came from a plan
+    adaptations: tuple[Adaptation, ...] = ()  # policy changes between blocks (xsched run --adapt/--budget-file)
 
     @property
     def fits(self) -> bool:
@@ -123,6 +135,7 @@ class RunResult(Contract):
             f"  {'':<{w0}}  {'measured':>{w1}}  {'predicted':>10}",
         ]
         head += [f"  {m:<{w0}}  {a:>{w1}}  {b:>10}" for m, a, b in rows]
+        head += [f"  adapted at {a.at_s:,.1f} s (stalled {a.stall_s:.2f} s): {a.reason}" for a in self.adaptations]
         if self.predicted is not None:
             head.append(f"  (predicted: {self.predicted.method} simulation of {self.predicted.num_requests} requests "
                         f"of workload {self.predicted.workload} on profile {self.predicted.profile})")

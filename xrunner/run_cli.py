@@ -52,6 +52,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="do not stop at end-of-sequence tokens (every request generates its max_new_tokens)")
     p.add_argument("--no-chat-template", action="store_true",
                    help="feed the prompt text as is instead of wrapping it in the tokenizer's chat template")
+    p.add_argument("--adapt", choices=("drift", "none"), default="drift",
+                   help="drift (default): test the observed lengths against the plan's workload between blocks and "
+                        "re-plan for the same SLA when they drift; none: keep the plan's policy")
+    p.add_argument("--profile", default=None, metavar="FILE|PRESET",
+                   help="profile the plan was priced on, for re-planning (default: the plan's preset)")
+    p.add_argument("--budget-file", metavar="FILE", default=None,
+                   help="JSON {\"gpu_bytes\": ..., \"cpu_bytes\": ...} polled between blocks; when it changes, re-plan "
+                        "under the new budget and move only what changed")
     from xrunner.cli import add_sampling_args
 
     add_sampling_args(p)
@@ -178,7 +186,9 @@ def _run(args: argparse.Namespace) -> int:
     from xrunner.cli import encode_prompt, resolve_device, sampling_from_args, stop_token_ids
     from xrunner.jobfiles import ResultsWriter, read_prompts, tokenize_prompts
     from xrunner.loaders import open_model
-    from xrunner.result import build_run_result
+    from dataclasses import replace
+
+    from xrunner.result import Adaptation, build_run_result
     from xscheduler.plan import Plan
     from xsched.errors import UserError
     from xsimulator.costmodel import CostModel
@@ -247,6 +257,10 @@ def _run(args: argparse.Namespace) -> int:
                     text = tokenizer.decode(list(f.output_ids), skip_special_tokens=True) if tokenizer else None
                     rows.append(result_row(f, text))
                     latencies.append(f.latency_s)
+                    if watcher is not None:  # capped: ended at max_new_tokens without EOS (see xscheduler.replan)
+                        capped = not args.ignore_eos and not f.stopped_on_eos and \
+                            len(f.output_ids) >= new_tokens_of[f.id]
+                        watcher.observe(f.prompt_tokens, len(f.output_ids), capped, order=order_of[f.id])
                     eos[0] += bool(f.stopped_on_eos)
                     unused = new_tokens_of[f.id] - len(f.output_ids)  # early stop: the bar counts budgets
                     if unused > 0:
@@ -254,16 +268,21 @@ def _run(args: argparse.Namespace) -> int:
                 writer.write(rows)
 
             new_tokens_of = {records[i].id: new_tokens[i] for i in pending_idx}
+            order_of = {records[i].id: k for k, i in enumerate(pending_idx)}
+            hook, watcher = _adapt_hook(args, plan, capacity)
             with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
                         capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
                         stop_token_ids=stops, record_trace=bool(args.trace), device=device,
                         progress=show) as engine:
-                stats = engine.run(requests, on_finished=on_finished, on_step=bar.update)
+                stats = engine.run(requests, on_finished=on_finished, on_step=bar.update, between_blocks=hook)
 
     result = build_run_result(model=source.spec.name, policy=plan.policy, device=device, dtype=source.spec.dtype,
                               stats=stats, latencies_s=latencies, num_stopped_on_eos=eos[0],
                               num_skipped=len(records) - len(pending_idx), capacity_bytes=capacity,
                               max_prompt=max_prompt, max_output=max_output, predicted=plan.predicted)
+    result = replace(result, adaptations=tuple(
+        Adaptation(at_s=r.at_s, stall_s=r.stall_s, reason=r.reason, old_policy=r.old_policy, new_policy=r.new_policy)
+        for r in stats.reconfigurations))
     notes = []
     if args.trace:
         from xsimulator.trace import write_chrome_trace
@@ -282,6 +301,63 @@ def _run(args: argparse.Namespace) -> int:
         for note in notes + [f"{len(writer.done)} of {len(records)} requests are in {args.out}"]:
             print(note, file=sys.stderr)
     return 0
+
+
+def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float]) -> tuple[Any, Any]:
+    """The between-blocks hook of ``--adapt``/``--budget-file`` (budget first, then drift) and the
+    drift watcher (None when off). Each event is one line on stderr."""
+    from xsched.errors import UserError
+    from xscheduler.replan import DriftWatcher, profile_for
+
+    watcher = budget = None
+    profile = None
+    if args.adapt == "drift" or args.budget_file:
+        try:
+            profile = profile_for(plan, args.profile)
+        except UserError as exc:
+            if args.budget_file:
+                raise
+            warnings.warn(f"drift re-planning is off: {exc}", UserWarning, stacklevel=1)
+    if args.adapt == "drift" and profile is not None:
+        watcher = DriftWatcher(plan, profile)
+    if args.budget_file:
+        from xrunner.budget import FileBudget, budget_hook, plan_fn_for
+
+        budget = budget_hook(FileBudget(args.budget_file), plan_fn_for(plan, profile, confirm_seeds=()),
+                             capacity_bytes={t: capacity[t] for t in ("gpu", "cpu")})
+    if watcher is None and budget is None:
+        return None, None
+
+    def log(info: Any, answer: Any) -> None:
+        old, new, reason = info.policy, answer[0], answer[1]
+        print(f"xsched: adapt at block {info.block} ({info.clock_s:,.1f} s): {reason}; policy "
+              f"gbs {old.gbs} x nb {old.nb} refill {old.refill_every} -> gbs {new.gbs} x nb {new.nb} refill "
+              f"{new.refill_every}", file=sys.stderr)
+
+    def hook(info: Any) -> Any:
+        if budget is not None:
+            answer = budget(info)
+            if answer is not None:
+                if watcher is not None and len(answer) > 2:  # later drift re-plans respect the new budget
+                    from dataclasses import replace
+
+                    caps = answer[2]
+                    watcher.profile = replace(watcher.profile, **{f"{t}_bytes": int(caps[t]) for t in ("gpu", "cpu")
+                                                                  if t in caps})
+                log(info, answer)
+                return answer
+        if watcher is not None:
+            seen = len(watcher.events)
+            answer = watcher(info)
+            if answer is not None:
+                log(info, answer)
+            elif len(watcher.events) > seen:
+                print(f"xsched: adapt at block {info.block} ({info.clock_s:,.1f} s): {watcher.events[-1].reason()}",
+                      file=sys.stderr)
+            return answer
+        return None
+
+    return hook, watcher
 
 
 def _tokenizer(source: Any, needed: bool) -> Any:

@@ -1,0 +1,410 @@
+"""Re-plan when the observed prompt/output lengths drift from the workload a plan was priced on.
+
+``replan`` is the offline answer (``xsched replan``): one look of the workloads drift test at the
+observed lengths; when it fires, the lengths after the estimated change point become the
+observed workload (empirical pmfs), the old policy is priced on it, and ``plan_search`` looks for the best
+policy for the *same* model, profile and SLA. ``DriftWatcher`` does the same online during
+``xsched run``: it collects settled requests, looks every ``look_every`` of them (the
+group-sequential budget of :class:`workloads.drift.DriftMonitor` keeps the false-alarm rate of
+the whole job at or under ``false_alarm_rate``) and, as a ``between_blocks`` hook, hands the
+engine the new policy.
+
+Censoring: a request that stopped because it reached ``max_new_tokens`` (not EOS) has an output
+length that is only a lower bound of what the model would have written. It is counted at its
+capped value in the tests and the fit, on purpose: the cap is exactly what the engine generates
+for it (and for every later request with the same cap), and that work is what a plan is priced
+on -- a plan's output distribution is truncated at its ``max_len``, which ``xsched run`` uses as
+the default cap. Treating it as missing or imputing a longer length would price tokens that are
+never generated. How many outputs were capped is reported, and when more of them hit the plan's
+longest output than the planned distribution puts there, the description says the cap binds
+(the model would write more; raise the cap and plan again to serve that).
+
+Online, only *settled* requests are tested: when the caller passes each request's position in
+the queue (``order``), a request counts once every earlier one has finished, so the short
+requests that finish first in a block cannot bias the output lengths short.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+
+import numpy as np
+
+from workloads.drift import DriftMonitor, DriftReport, DriftStat
+from workloads.distributions import LengthDistribution
+from workloads.workload import Workload, read_request_lengths, spearman_to_copula
+from xprofiler.profile import HardwareProfile
+from xsched.contract import Contract
+from xsched.errors import UserError
+from xscheduler.plan import Plan
+from xsimulator.policy import Policy
+from xsimulator.result import SimResult
+
+if TYPE_CHECKING:  # the engine's hook argument; xscheduler must not import xrunner (torch)
+    from xrunner.engine import BlockInfo
+
+# Recent-window sizes each look also tests: a window about as long as the stream since a change
+# has the power of a test that knew where the change was (see workloads.drift).
+DEFAULT_WINDOWS: tuple[int, ...] = (64, 128, 256, 512, 1024)
+DEFAULT_LOOK_EVERY = 64  # settled requests between two looks of the online watcher
+REPLAN_REQUESTS = 1000  # requests a re-plan prices each candidate on (speed; the plan said how many it used)
+
+
+@dataclass(frozen=True)
+class Replan(Contract):
+    """One drift check and what it changed: the test, the fitted workload, old and new plans."""
+
+    SCHEMA: ClassVar[str] = "xsched.Replan/1"
+
+    drift: DriftReport  # every statistic of the look (JSON: a dict)
+    drifted: bool
+    observed: Workload  # fitted to the lengths after the estimated change point
+    old_plan: Plan
+    new_plan: Plan | None  # None: no drift, the old policy is still the best, or nothing meets the SLA
+    wall_s: float  # wall time of the check and re-plan
+    old_on_observed: SimResult | None = None  # the old policy priced on the observed workload
+    num_observed: int = 0  # lengths given
+    fit_from: int = 0  # index of the first length the fit used (the estimated change point)
+    num_capped: int = 0  # outputs that reached max_new_tokens (counted at the cap, see module doc)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        return self.new_plan is not None
+
+    def reason(self) -> str:
+        """One line for logs and the engine's reconfiguration record."""
+        s = _strongest(self.drift)
+        what = (f"{s.stream} mean {s.planned_mean:.1f} -> {s.observed_mean:.1f} ({s.test} p={s.pvalue:.2g}, last "
+                f"{s.n})") if s else "no test"
+        kind, bound = self.old_plan.sla.kind, self.old_plan.sla.latency_s
+        parts = [f"drift: {what}"]
+        if self.old_on_observed is not None:
+            parts.append(f"old policy on observed: {_tps(self.old_on_observed)} tok/s, {kind} "
+                         f"{self.old_on_observed.latency_s(kind):,.4g} s (bound {bound:g})")
+        if self.new_plan is not None:
+            p = self.new_plan.predicted
+            parts.append(f"new: {_short(self.new_plan.policy)}, {_tps(p)} tok/s, {kind} {p.latency_s(kind):,.4g} s")
+        else:
+            parts.append("policy kept")
+        return "; ".join(parts)
+
+    def describe(self) -> str:
+        """What the test says and what changes, in words, with predictions before and after."""
+        r = self.drift
+        kind, bound = self.old_plan.sla.kind, self.old_plan.sla.latency_s
+        lines = [("drift detected" if self.drifted else "no significant drift")
+                 + f" in {self.num_observed} observed requests (look {r.look}, per-test level {r.level:.3g}, "
+                   f"overall false-alarm budget of the monitor)",
+                 stats_table(r), ""]
+        lines.append(f"observed workload (fitted to requests {self.fit_from}..{self.num_observed - 1}):")
+        lines += ["  " + ln for ln in self.observed.describe().splitlines()[1:]]
+        if self.num_capped:
+            lines.append(f"  {self.num_capped} output(s) reached max_new_tokens; counted at the cap (what the "
+                         "engine generates)")
+        lines.append("")
+        cols = [("old plan, planned workload", self.old_plan.predicted),
+                ("old plan, observed workload", self.old_on_observed)]
+        if self.new_plan is not None:
+            cols.append(("new plan, observed workload", self.new_plan.predicted))
+        w = max(len(c[0]) for c in cols)
+        lines.append(f"  {'':<22}" + "".join(f"  {name:>{w}}" for name, _ in cols))
+        rows = [("throughput tok/s", lambda p: f"{p.throughput_tokens_per_s:,.3f}"),
+                (f"{kind} latency s", lambda p: f"{p.latency_s(kind):,.5g}"),
+                ("p50 latency s", lambda p: f"{p.latency_p50_s:,.5g}"),
+                (f"meets {kind} <= {bound:g} s", lambda p: "yes" if self.old_plan.sla.met_by(p) else "NO")]
+        for label, fmt in rows:
+            lines.append(f"  {label:<22}" + "".join(f"  {(fmt(p) if p is not None else '-'):>{w}}" for _, p in cols))
+        lines.append("")
+        if self.new_plan is not None:
+            lines.append("policy change:")
+            lines += ["  " + d for d in policy_changes(self.old_plan.policy, self.new_plan.policy)]
+        notes = list(self.notes)
+        if self.new_plan is None:
+            why = notes.pop(0) if self.drifted and notes else "the observed lengths are consistent with the plan's workload"
+            lines.append("policy kept: " + why)
+        lines += [f"note: {n}" for n in notes]
+        lines.append(f"check and re-plan took {self.wall_s:.3f} s")
+        return "\n".join(lines)
+
+
+def stats_table(report: DriftReport) -> str:
+    """The look's tests, one row each: stream, window, test, statistic, p-value, fired."""
+    if not report.stats:
+        return "  (too few lengths to test)"
+    head = f"  {'stream':<7} {'last n':>7} {'test':<5} {'statistic':>10} {'p-value':>9} {'obs mean':>9} " \
+           f"{'plan mean':>9}  fired"
+    rows = [f"  {s.stream:<7} {s.n:>7} {s.test:<5} {s.statistic:>10.4g} {s.pvalue:>9.3g} {s.observed_mean:>9.1f} "
+            f"{s.planned_mean:>9.1f}  {'yes' if s.pvalue < report.level else ''}" for s in report.stats]
+    return "\n".join([head, *rows])
+
+
+def policy_changes(old: Policy, new: Policy) -> list[str]:
+    """The knobs that differ, in words (``old -> new``)."""
+    out = []
+    for label, a, b in (("GPU batch size", old.gbs, new.gbs), ("GPU batches per block", old.nb, new.nb),
+                        ("refill every (decode steps)", old.refill_every, new.refill_every),
+                        ("4-bit weights", old.compress_weight, new.compress_weight),
+                        ("4-bit KV cache", old.compress_cache, new.compress_cache),
+                        ("CPU attention", old.cpu_attention, new.cpu_attention)):
+        if a != b:
+            out.append(f"{label}: {a} -> {b}")
+    for what, prefix in (("weights", "w"), ("KV cache", "c"), ("activations", "h")):
+        a = [getattr(old, prefix + t) for t in "gcd"]
+        b = [getattr(new, prefix + t) for t in "gcd"]
+        if not np.allclose(a, b):
+            fmt = lambda v: "/".join(f"{x:.0%}" for x in v)  # noqa: E731
+            out.append(f"{what} gpu/cpu/disk: {fmt(a)} -> {fmt(b)}")
+    return out or ["(none)"]
+
+
+def _tps(r: SimResult) -> str:
+    return f"{r.throughput_tokens_per_s:,.3f}"
+
+
+def _short(p: Policy) -> str:
+    return f"gbs {p.gbs} x nb {p.nb}, refill {p.refill_every}"
+
+
+def _strongest(report: DriftReport) -> DriftStat | None:
+    """The test furthest below the level (the one that fired hardest), else the smallest p."""
+    if not report.stats:
+        return None
+    return min(report.stats, key=lambda s: (s.pvalue, s.test != "mean"))
+
+
+def change_point(x: np.ndarray, mean: float, std: float, min_len: int) -> int:
+    """Start of the segment whose mean departs most from ``mean``: the maximum-likelihood change
+    point of a shift from a known mean (argmax over t of (S_n - S_t)^2 / (n - t), S the cumsum of
+    standardised lengths), keeping at least ``min_len`` lengths after it."""
+    n = len(x)
+    if n <= min_len:
+        return 0
+    s = np.concatenate(([0.0], np.cumsum((np.asarray(x, float) - mean) / max(std, 1e-9))))
+    t = np.arange(0, n - min_len + 1)
+    return int(t[np.argmax((s[n] - s[t]) ** 2 / (n - t))])
+
+
+def profile_for(plan: Plan, profile: HardwareProfile | str | None = None) -> HardwareProfile:
+    """The profile the plan was priced on (a re-plan must use the same machine numbers)."""
+    from xprofiler.presets import load_preset, load_profile, preset_names
+
+    if profile is None:
+        if plan.profile_source != "preset" or plan.profile_name not in preset_names():
+            raise UserError(f"the plan was priced on the measured profile {plan.profile_name!r}; pass that profile "
+                            "file with --profile")
+        profile = load_preset(plan.profile_name)
+    elif isinstance(profile, str):
+        profile = load_profile(profile, check_machine=False)
+    if profile.name != plan.profile_name or profile.fingerprint != plan.profile_fingerprint:
+        raise UserError(f"profile {profile.name!r} is not the one the plan was priced on ({plan.profile_name!r}, "
+                        "same name and fingerprint needed); pass that profile, or make a new plan with `xsched plan`")
+    return profile
+
+
+def fit_workload(prompt_lens: Any, output_lens: Any, reference: Workload) -> Workload:
+    """The observed lengths as empirical pmfs (exactly what the simulator consumes; the
+    parametric fits of ``workloads.fit`` cost seconds of Nelder-Mead and a re-plan must be fast)
+    plus their copula correlation.
+
+    The longest lengths never fall below the reference's: memory is sized by them, and a short
+    sample's maximum would let the planner pick batches the job's longest request cannot fit.
+    """
+    p, o = np.asarray(prompt_lens, np.int64), np.asarray(output_lens, np.int64)
+    prompt = LengthDistribution.empirical(p, max(reference.prompt.max_len, int(p.max())))
+    output = LengthDistribution.empirical(o, max(reference.output.max_len, int(o.max())))
+    return Workload(name=f"observed({reference.name})", prompt=prompt, output=output,
+                    correlation=spearman_to_copula(p, o), source=f"empirical, {len(p)} observed requests")
+
+
+def read_observed(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prompt lengths, output lengths, capped flags) from a results JSONL or a lengths JSONL/CSV.
+
+    ``stopped_on_eos`` false (as ``xsched run`` writes it) marks an output that ended at its
+    ``max_new_tokens``; a file without that column has no capped outputs.
+    """
+    import csv
+    import json
+
+    lengths = read_request_lengths(path)
+    if lengths.outputs is None:
+        raise UserError(f"{path}: no output lengths; each request needs output_tokens")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".csv":
+        flags = [row.get("stopped_on_eos", "") for row in csv.DictReader(text.splitlines())]
+    else:
+        flags = [json.loads(line).get("stopped_on_eos") for line in text.splitlines() if line.strip()]
+    capped = np.array([str(f).strip().lower() in ("false", "0") for f in flags], bool)
+    return lengths.prompts, lengths.outputs, capped
+
+
+def _check_lengths(prompt_lens: Any, output_lens: Any, censored: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    p, o = np.asarray(prompt_lens), np.asarray(output_lens)
+    if p.ndim != 1 or p.shape != o.shape:
+        raise UserError("observed prompt and output lengths must be two equally long lists")
+    c = np.zeros(len(p), bool) if censored is None else np.asarray(censored, bool)
+    if c.shape != p.shape:
+        raise UserError("the censored flags must have one entry per observed request")
+    for name, a in (("prompt", p), ("output", o)):
+        if a.size and (not np.all(np.isfinite(a)) or np.any(a != np.round(a)) or np.any(a < 1)):
+            raise UserError(f"observed {name} lengths must be whole numbers of tokens >= 1")
+    return p.astype(np.int64), o.astype(np.int64), c
+
+
+def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray, capped: np.ndarray,
+             report: DriftReport, reference: Workload, t0: float, *, num_requests: int, evaluator: str,
+             compress: str, min_samples: int) -> Replan:
+    """After a look: fit the observed lengths, price the old policy on them, search if drifted."""
+    from xscheduler.planner import plan_search
+    from xsimulator.discrete_event import simulate
+
+    start = 0
+    s = _strongest(report)
+    if report.drifted and s is not None:
+        if s.test == "mean":
+            x = p if s.stream == "prompt" else o
+            dist = reference.prompt if s.stream == "prompt" else reference.output
+            start = change_point(x, dist.mean, dist.std, min_samples)
+        else:
+            start = len(p) - s.n
+    observed = fit_workload(p[start:], o[start:], reference)
+    notes = []
+    top = reference.output.max_len
+    at_top = int(np.sum(capped[start:] & (o[start:] >= top)))
+    n_fit = len(o) - start
+    q = float(reference.output.pmf()[1][-1])  # planned mass at the longest output
+    if at_top > n_fit * q + 3 * math.sqrt(max(n_fit * q * (1 - q), 1.0)):
+        notes.append(f"{at_top} of {n_fit} outputs were cut at the longest planned output ({top} tokens) without "
+                     f"EOS, more than the {q:.1%} the plan expects: the cap binds; the model would write more")
+    old_on = simulate(plan.model, profile, plan.policy, observed, num_requests, seed=0)
+    new_plan = None
+    if report.drifted:
+        try:
+            cand = plan_search(plan.model, profile, observed, plan.sla, compress=compress, num_requests=num_requests,
+                               evaluator=evaluator, confirm_seeds=())
+        except UserError as exc:
+            notes.insert(0, f"no new plan: {exc}")
+        else:
+            if cand.policy != plan.policy:
+                new_plan = cand
+            else:
+                notes.insert(0, "the old policy is still the best for the observed workload")
+    return Replan(drift=report, drifted=report.drifted, observed=observed, old_plan=plan, new_plan=new_plan,
+                  wall_s=time.perf_counter() - t0, old_on_observed=old_on, num_observed=len(p), fit_from=start,
+                  num_capped=int(capped.sum()), notes=tuple(notes))
+
+
+def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None, *,
+           profile: HardwareProfile | str | None = None, false_alarm_rate: float = 0.01, min_samples: int = 30,
+           windows: Sequence[int] = DEFAULT_WINDOWS, num_requests: int = REPLAN_REQUESTS,
+           evaluator: str = "analytic", compress: str = "auto") -> Replan:
+    """Test the observed lengths against ``plan.workload``; if they drifted, plan again.
+
+    Lengths are in the order they were observed (a change in the middle of the list is located
+    and only what follows it is fitted); ``censored[i]`` marks an output that stopped at its
+    ``max_new_tokens`` (see the module docstring for how it counts). The search uses the same
+    model, profile (``profile_for``) and SLA as ``plan``; ``evaluator`` prices its candidates
+    (the analytic path, for speed), and the chosen plan is priced again by the discrete-event
+    simulator on ``num_requests`` requests.
+    """
+    t0 = time.perf_counter()
+    prof = profile_for(plan, profile)
+    p, o, c = _check_lengths(prompt_lens, output_lens, censored)
+    if len(p) < min_samples:
+        raise UserError(f"only {len(p)} observed request(s); the drift test needs at least {min_samples}")
+    report = DriftMonitor(plan.workload, false_alarm_rate, min_samples).check(p, o, windows)
+    return _respond(plan, prof, p, o, c, report, plan.workload, t0, num_requests=num_requests, evaluator=evaluator,
+                    compress=compress, min_samples=min_samples)
+
+
+@dataclass
+class DriftWatcher:
+    """Online drift check for ``xsched run``: ``observe`` each finished request, call between blocks.
+
+    The watcher's reference is the plan's workload until a re-plan, then the fitted observed
+    workload (with a fresh false-alarm budget), so one shift causes one re-plan. A re-plan whose
+    search finds nothing meeting the SLA keeps the policy (the event says why).
+    """
+
+    plan: Plan
+    profile: HardwareProfile
+    false_alarm_rate: float = 0.01
+    min_samples: int = 30
+    look_every: int = DEFAULT_LOOK_EVERY
+    windows: tuple[int, ...] = DEFAULT_WINDOWS
+    num_requests: int = REPLAN_REQUESTS
+    evaluator: str = "analytic"
+    compress: str = "auto"
+    events: list[Replan] = field(default_factory=list)
+    looks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.look_every < 1:
+            raise UserError(f"look_every must be >= 1, got {self.look_every}")
+        self.reference = self.plan.workload
+        self._monitor = DriftMonitor(self.reference, self.false_alarm_rate, self.min_samples)
+        self._p: list[int] = []
+        self._o: list[int] = []
+        self._c: list[bool] = []
+        self._pending: dict[int, tuple[int, int, bool]] = {}
+        self._next = 0
+        self._start = 0  # first settled request compared with the current reference
+        self._looked_at = 0
+
+    @property
+    def settled(self) -> int:
+        return len(self._p)
+
+    def observe(self, prompt_len: int, output_len: int, censored: bool = False, order: int | None = None) -> None:
+        """One finished request. ``order`` (its position in the queue, from 0) holds it back until
+        every earlier request has finished, so the test never sees only the fast ones."""
+        if prompt_len < 1 or output_len < 1:
+            raise UserError("observed prompt and output lengths must be >= 1 token")
+        item = (int(prompt_len), int(output_len), bool(censored))
+        if order is None:
+            self._settle(item)
+            return
+        self._pending[int(order)] = item
+        while self._next in self._pending:
+            self._settle(self._pending.pop(self._next))
+            self._next += 1
+
+    def _settle(self, item: tuple[int, int, bool]) -> None:
+        self._p.append(item[0])
+        self._o.append(item[1])
+        self._c.append(item[2])
+
+    def check(self) -> Replan | None:
+        """Look now if ``look_every`` requests settled since the last look; the event if it fired."""
+        n = self.settled - self._start
+        if n < self.min_samples or self.settled - self._looked_at < self.look_every:
+            return None
+        t0 = time.perf_counter()
+        self._looked_at = self.settled
+        self.looks += 1
+        sl = slice(self._start, None)
+        p, o, c = np.array(self._p[sl]), np.array(self._o[sl]), np.array(self._c[sl], bool)
+        report = self._monitor.check(p, o, self.windows)
+        if not report.drifted:
+            return None
+        event = _respond(self.plan, self.profile, p, o, c, report, self.reference, t0,
+                         num_requests=self.num_requests, evaluator=self.evaluator, compress=self.compress,
+                         min_samples=self.min_samples)
+        self.events.append(event)
+        if event.new_plan is not None:
+            self.plan = event.new_plan
+        self.reference = event.observed
+        self._monitor = DriftMonitor(self.reference, self.false_alarm_rate, self.min_samples)
+        self._start = self.settled
+        return event
+
+    def __call__(self, info: "BlockInfo") -> tuple[Policy, str] | None:
+        """``between_blocks`` hook: the new policy and a one-line reason when a re-plan changed it."""
+        event = self.check()
+        if event is None or event.new_plan is None or event.new_plan.policy == info.policy:
+            return None
+        return event.new_plan.policy, event.reason()
