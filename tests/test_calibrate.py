@@ -110,6 +110,11 @@ def test_cli_preset_and_other_machine(capsys, tmp_path):
     assert "another machine" in _err(capsys, ["calibrate", "--profile", str(other), "--model", "opt-125m"])
 
 
+def test_cli_depth_too_small(capsys, here_profile):
+    assert "--depth must be >= 4" in _err(capsys, ["calibrate", "--profile", str(here_profile), "--model", "opt-125m",
+                                                   "--depth", "2"])
+
+
 def test_cli_unwritable_output(capsys, here_profile, tmp_path):
     err = _err(capsys, ["calibrate", "--profile", str(here_profile), "--model", "opt-125m", "-o",
                         str(tmp_path / "missing" / "c.json")])

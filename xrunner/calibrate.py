@@ -288,7 +288,8 @@ class Fit:
 
     def to_dict(self) -> dict[str, Any]:
         return {"calibration": dict(self.profile.calibration),
-                "terms": [t.__dict__ for t in self.terms], "residuals": self.rows,
+                "terms": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in t.__dict__.items()}
+                          for t in self.terms], "residuals": self.rows,
                 "error_before": self.error_before, "error_after": self.error_after,
                 "wall_error_before": self.wall_error_before, "wall_error_after": self.wall_error_after,
                 "runs_s": self.runs_s, "notes": self.notes}

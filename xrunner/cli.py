@@ -55,7 +55,7 @@ def register_calibrate(sub: argparse._SubParsersAction) -> None:
                    help="where to write the calibrated profile (default: only print the fit)")
     c.add_argument("--gen-len", type=int, default=6, help="decode tokens per request in the runs (default 6)")
     c.add_argument("--depth", type=int, default=4,
-                   help="layers of the cut model in most runs; two runs use twice as many (default 4)")
+                   help="layers of the cut model in most runs, >= 4; two runs use twice as many (default 4)")
     c.add_argument("--repeats", type=int, default=3, help="repeats of each run; metrics are medians (default 3)")
     c.add_argument("--offload-dir", default=None, metavar="DIR",
                    help="directory for the disk-tier runs (default: the system temporary directory)")
@@ -159,9 +159,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     from xrunner.run_cli import check_offload_dir
     from xsched.errors import UserError
 
-    for name in ("gen_len", "depth", "repeats"):
+    for name in ("gen_len", "repeats"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.depth < 4:
+        raise UserError(f"--depth must be >= 4, got {args.depth}: the weight-offload runs need 3 offloaded layers "
+                        "(the engine keeps up to 2 fetched layers in its stage slots and never fetches them again)")
     if args.output is not None:
         parent = Path(args.output).resolve().parent
         if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
