@@ -182,7 +182,9 @@ def _plan_fn():
 def test_budget_cut_by_callback_replans_and_peak_stays_under_the_new_budget(job, tmp_path, refill):
     src, reqs, want = job
     plan_fn = _plan_fn()
-    start = {"gpu": 4e6, "cpu": 8e6}
+    # A starting budget the plan fills to over 70% on the gpu tier (so that the cut forces a change) and
+    # whose 70% still fits a policy.
+    start = {"gpu": 3e6, "cpu": 8e6}
     policy = replace(plan_fn(start), refill_every=refill)
     cut = {"gpu": 0.7 * start["gpu"]}  # the gpu-tier budget cut by 30%
     with Engine(src, policy, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, profile=PROFILE) as probe:
