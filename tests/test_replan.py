@@ -17,6 +17,7 @@ from scipy import stats
 from workloads import get_workload
 from xprofiler.presets import load_profile
 from xprofiler.specs import get_model_spec
+from xsched.errors import UserError
 from xscheduler.plan import SLA, Plan
 from xscheduler.planner import plan_search
 from xscheduler.replan import DriftWatcher, Replan, change_point, replan
@@ -86,6 +87,23 @@ def test_replan_after_a_30_percent_output_shift_meets_the_sla_the_old_plan_break
     assert policy is None  # the event was already consumed: one shift, one re-plan
     assert reason is None and "drift: output mean" in ev.reason()
     assert Replan.from_json(ev.to_json()) == ev
+
+
+def test_local_replan_keeps_compression_and_attention_and_still_meets_the_sla(setup):
+    """scope="local" (no weight reload mid-job) searches only the running plan's outer choice."""
+    prof, w, plan, _ = setup
+    p, o = shifted(w, 1.3).sample(600, seed=4)
+    local = replan(plan, p, o, profile=prof, scope="local")
+    full = replan(plan, p, o, profile=prof, scope="full")
+    old, new = plan.policy, local.new_plan.policy
+    assert (new.compress_weight, new.compress_cache, new.cpu_attention) == \
+        (old.compress_weight, old.compress_cache, old.cpu_attention)
+    assert plan.sla.met_by(local.new_plan.predicted)
+    # one outer choice instead of all of them: fewer simulations and placement LPs (the speed it is for)
+    assert local.new_plan.search.evaluations < full.new_plan.search.evaluations
+    assert local.new_plan.search.lp_solves < full.new_plan.search.lp_solves
+    with pytest.raises(UserError, match="scope"):
+        replan(plan, p, o, profile=prof, scope="nearby")
 
 
 def test_offline_replan_without_drift_keeps_the_plan(setup):

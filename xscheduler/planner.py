@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
@@ -20,7 +20,7 @@ from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
 from xscheduler.placement import shortfall_bytes
 from xscheduler.plan import SLA, Confirmation, Plan, SearchStats
-from xscheduler.search import Evaluation, Evaluator, Space, lowest_latency, pareto, search, variants
+from xscheduler.search import Evaluation, Evaluator, Space, Variant, lowest_latency, pareto, search, variants
 
 DEFAULT_REQUESTS = 2000  # matches xsimulator.discrete_event.DEFAULT_REQUESTS
 CONFIRM_SEEDS = (1, 2)
@@ -30,8 +30,9 @@ def _one_line(policy) -> str:  # noqa: ANN001
     return policy.describe().replace("\n", "; ")
 
 
-def _spaces(ev: Evaluator, compress: str, knee: bool) -> list[Space]:
-    out = [s for s in (ev.space(v, knee=knee) for v in variants(compress, ev.profile.compute_device)) if s]
+def _spaces(ev: Evaluator, compress: str, knee: bool, only: Sequence[Variant] | None = None) -> list[Space]:
+    choices = variants(compress, ev.profile.compute_device) if only is None else list(only)
+    out = [s for s in (ev.space(v, knee=knee) for v in choices) if s]
     if not out:
         _raise_does_not_fit(ev, compress)
     return out
@@ -64,13 +65,15 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
                 method: str = "bnb", num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
                 evaluator: str = "discrete-event", eps_t: float = 0.01, eps_l: float = 0.0,
                 confirm_seeds: tuple[int, ...] = CONFIRM_SEEDS, progress: bool = False,
-                budget: int | None = None) -> Plan:
+                budget: int | None = None, only: Sequence[Variant] | None = None) -> Plan:
     """The highest-throughput policy whose predicted latency meets ``sla``.
 
     ``spec`` must be in the profile's compute dtype (``profile.model_for(spec)``). ``method``:
     ``bnb`` (branch-and-bound inside memory-derived knee ranges), ``exhaustive`` (every point of
     the full memory-feasible grid) or ``optuna`` (TPE, ``budget`` evaluations; default: what
-    branch-and-bound needs on the same problem). Raises ``UserError`` when nothing fits or no
+    branch-and-bound needs on the same problem). ``only`` restricts the outer choices
+    (compression, CPU attention) to the given variants, e.g. the running plan's for a quick
+    re-plan mid-job. Raises ``UserError`` when nothing fits or no
     policy meets the SLA (naming the lowest latency that is achievable).
     """
     import xsched
@@ -82,9 +85,9 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
     try:
         if method == "optuna" and budget is None:
             scout = Evaluator(spec, profile, workload, num_requests=num_requests, seed=seed, method=evaluator)
-            budget = search(scout, _spaces(scout, compress, knee=True), sla.kind, sla.latency_s, "bnb",
+            budget = search(scout, _spaces(scout, compress, knee=True, only=only), sla.kind, sla.latency_s, "bnb",
                             eps_t=eps_t, eps_l=eps_l).evaluations
-        spaces = _spaces(ev, compress, knee=(method == "bnb"))
+        spaces = _spaces(ev, compress, knee=(method == "bnb"), only=only)
         out = search(ev, spaces, sla.kind, sla.latency_s, method, eps_t=eps_t, eps_l=eps_l, budget=budget, seed=seed)
         best = out.best
         if best is None:
