@@ -23,6 +23,7 @@ every tier fits. The rounded policy is what gets simulated and reported.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -131,6 +132,27 @@ def fits(cm: CostModel, profile: HardwareProfile, policy: Policy, shape: Shape) 
     return {t: peaks[t] - profile.capacity_bytes(t) for t in TIERS if peaks[t] > profile.capacity_bytes(t)}
 
 
+# Weight buffers the runner double-buffers: (tier, buffer name, placement variables whose layers
+# need it, the tiers faster than where those layers live).
+STAGED: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("gpu", "weight_stage", ("wc", "wd"), ("gpu",)), ("cpu", "weight_relay", ("wd",), ("gpu", "cpu")))
+
+
+def _slot_bytes(cm: CostModel, shape: Shape) -> dict[str, float]:
+    """Bytes of one staging slot per buffer (from the cost model's own memory list)."""
+    off_all = {v: (1.0 if v.endswith("d") else 0.0) for v in PLACEMENT_VARS}  # every layer on disk
+    full = cm.memory(off_all, 1, 1, shape.max_prompt, shape.max_output)
+    return {name: float(full[tier].resident[name]) / min(2, cm.spec.num_layers) for tier, name, _, _ in STAGED}
+
+
+def _staging_can_shrink(cm: CostModel, profile: HardwareProfile) -> list[str]:
+    """Buffers that can hold fewer than two slots: fewer than two layers off their tier(s) is
+    possible only when ``L - 1`` layers fit in the faster tiers."""
+    near_all = (cm.spec.num_layers - 1) * cm.layer_stored_bytes
+    return [name for _, name, _, faster in STAGED
+            if near_all <= sum(float(profile.capacity_bytes(t)) for t in faster)]
+
+
 def _exact_staging(prob: pulp.LpProblem, cm: CostModel, profile: HardwareProfile, x: dict[str, Any],
                    mem: dict[str, MemoryTerms], shape: Shape) -> dict[str, MemoryTerms]:
     """Replace the cost model's constant two staging slots by the exact ``min(2, ceil(k))``.
@@ -141,34 +163,52 @@ def _exact_staging(prob: pulp.LpProblem, cm: CostModel, profile: HardwareProfile
     keeps an all-gpu placement out of the LP when it fits only without staging. Two binaries
     per buffer make it exact (a small MILP): ``z1`` (any layer off the tier) and ``z2 <= z1``
     (more than one), with ``L * fraction <= z1 + (L - 1) * z2`` and ``z1 + z2`` slots.
-    The binaries are added only where fewer than two layers can be off the tier(s) at all
-    (``L - 1`` layers fit in the faster tiers): elsewhere the LP's 2 is exact, and the MILP
-    would double the solve time for nothing.
     """
     L = cm.spec.num_layers
-    off_all = {v: (1.0 if v.endswith("d") else 0.0) for v in PLACEMENT_VARS}  # every layer on disk
-    full = cm.memory(off_all, 1, 1, shape.max_prompt, shape.max_output)
-    slots_full = float(min(2, L))
-    room = {t: float(profile.capacity_bytes(t)) for t in TIERS}
-    near_all = (L - 1) * cm.layer_stored_bytes
+    slot = _slot_bytes(cm, shape)
     out = dict(mem)
-    for tier, name, fraction, faster in (("gpu", "weight_stage", x["wc"] + x["wd"], room["gpu"]),
-                                         ("cpu", "weight_relay", x["wd"], room["gpu"] + room["cpu"])):
-        if near_all > faster:
-            continue  # at least two layers are off these tiers whatever the placement
-        slot_bytes = float(full[tier].resident[name]) / slots_full
+    for tier, name, off, _ in STAGED:
+        if name not in _staging_can_shrink(cm, profile):
+            continue
         z1 = pulp.LpVariable(f"{name}_any", cat=pulp.LpBinary)
         z2 = pulp.LpVariable(f"{name}_two", cat=pulp.LpBinary)
         prob += z2 <= z1, f"{name}_order"
-        prob += fraction * L <= z1 + (L - 1) * z2, f"{name}_count"
+        prob += pulp.lpSum(x[v] for v in off) * L <= z1 + (L - 1) * z2, f"{name}_count"
         resident = dict(mem[tier].resident)
-        resident[name] = (z1 + z2) * slot_bytes
+        resident[name] = (z1 + z2) * slot[name]
         out[tier] = replace(mem[tier], resident=resident)
     return out
 
 
+def _needs_exact_staging(cm: CostModel, profile: HardwareProfile, status: str, frac: dict[str, float],
+                         gbs: int, nb: int, shape: Shape) -> bool:
+    """Whether the MILP of :func:`_exact_staging` may find a better placement than the LP.
+
+    The MILP costs 2-3x an LP solve, so it runs only where the LP's two slots can have
+    mattered: the LP found nothing, or its answer keeps fewer than two layers off a tier (the
+    exact charge is smaller) while that tier's memory is binding. When the LP's answer has two
+    or more layers off, its charge is exact there; a placement with fewer layers off that only
+    the exact charge admits is then not looked for.
+    """
+    shrinkable = _staging_can_shrink(cm, profile)
+    if not shrinkable:
+        return False
+    if status != "Optimal":
+        return True
+    L = cm.spec.num_layers
+    slot = _slot_bytes(cm, shape)
+    peaks = cm.peak_bytes(_knob_policy(gbs, nb, cm.compress_weight, cm.compress_cache, cm.cpu_attention,
+                                       cm.overlap, frac), shape.max_prompt, shape.max_output)
+    for tier, name, off, _ in STAGED:
+        exact = min(2, math.ceil(L * sum(frac[v] for v in off) - 1e-9))
+        over = (2 - exact) * slot[name]  # what the LP charged beyond the runner's buffers
+        if name in shrinkable and over > 0 and peaks[tier] + over >= float(profile.capacity_bytes(tier)) * (1 - 1e-6):
+            return True
+    return False
+
+
 def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Shape,
-           elastic: bool = False) -> tuple[str, dict[str, float], float, dict[str, float]]:
+           elastic: bool = False, exact_staging: bool = False) -> tuple[str, dict[str, float], float, dict[str, float]]:
     """Build and solve the LP. ``elastic`` adds a shortfall variable per tier (bytes over
     capacity) and minimises total shortfall instead: how far from fitting the knobs are.
 
@@ -189,7 +229,9 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
         for i, group in enumerate(cm.groups(cm.layer_terms(phase, gbs, length, x, nb))):
             prob += var * (1.0 / ref) >= group * (1.0 / ref), f"{name}_group{i}"
 
-    mem = _exact_staging(prob, cm, profile, x, cm.memory(x, gbs, nb, shape.max_prompt, shape.max_output), shape)
+    mem = cm.memory(x, gbs, nb, shape.max_prompt, shape.max_output)
+    if exact_staging:
+        mem = _exact_staging(prob, cm, profile, x, mem, shape)
     short = {}  # elastic: bytes over capacity, in units of the tier's capacity
     caps = {t: max(float(profile.capacity_bytes(t)), 1.0) for t in TIERS}
     for tier in TIERS:
@@ -284,6 +326,10 @@ def place(spec: ModelSpec, profile: HardwareProfile, workload: Workload, gbs: in
     cm = _CachedSizes(spec, profile, compress_weight, compress_cache, cpu_attention, overlap)
     shape = Shape.of(workload)
     status, frac, lp_s, _ = _solve(cm, profile, gbs, nb, shape)
+    if _needs_exact_staging(cm, profile, status, frac, gbs, nb, shape):
+        ex_status, ex_frac, ex_s, _ = _solve(cm, profile, gbs, nb, shape, exact_staging=True)
+        if ex_status == "Optimal" and (status != "Optimal" or ex_s < lp_s):
+            status, frac, lp_s = ex_status, ex_frac, ex_s
     if status != "Optimal":
         return None
     relaxed = _knob_policy(gbs, nb, compress_weight, compress_cache, cpu_attention, overlap, frac)

@@ -331,21 +331,23 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
     def promising(up: float) -> bool:
         return best is None or up * (1 + eps_t) >= best.throughput
 
+    def bottom_ok(lo: tuple[int, ...], hi: tuple[int, ...]) -> bool:
+        """Price the bottom corner: whether the box may hold a point meeting the bound, and
+        more than one point."""
+        low_e = perf(lo)
+        offer(low_e)
+        return viable(low_e) and lo != hi
+
     lo0 = (0,) * d
     hi0 = tuple(s - 1 for s in space.shape)
     lp_up = ev.box_bound(space, lo0, hi0)
     if not promising(lp_up):
         return best  # no point of this space can beat the incumbent: no simulation needed
+    # Under a finite bound many spaces hold no point that meets it: the bottom corner (the
+    # lowest latency) says so in one simulation, before the top corner is priced.
     bottom_first = math.isfinite(bound_s)
-    if bottom_first:
-        # Under a finite bound many spaces hold no point that meets it: the bottom corner (the
-        # lowest latency) says so in one simulation, before the top corner is priced.
-        if hopeless(lo0):
-            return best
-        bottom = perf(lo0)
-        offer(bottom)
-        if not viable(bottom):
-            return best
+    if bottom_first and (hopeless(lo0) or not bottom_ok(lo0, hi0)):
+        return best
     up = lp_up
     if not (bottom_first and hopeless(hi0)):  # a top corner known to miss only bounds throughput
         top = perf(hi0)
@@ -353,9 +355,7 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
         if top.meets(kind, bound_s):
             return best
         up = min(upper(top), lp_up)
-    bottom = perf(lo0)
-    offer(bottom)
-    if not viable(bottom) or not promising(up):
+    if (not bottom_first and not bottom_ok(lo0, hi0)) or not promising(up):
         return best
     queue: list[tuple[float, int, tuple[int, ...], tuple[int, ...]]] = [(-up, 0, lo0, hi0)]
     counter = 1
@@ -381,15 +381,10 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
                   (tuple(mid + 1 if i == k else lo[i] for i in range(d)), hi))
         for c_lo, c_hi in halves:
             lp_up = ev.box_bound(space, c_lo, c_hi)
-            if not promising(lp_up):
-                continue  # pruned by the LP bound without simulating its corners
-            if hopeless(c_lo):
+            if not promising(lp_up) or hopeless(c_lo):
+                continue  # pruned without simulating its corners
+            if bottom_first and not bottom_ok(c_lo, c_hi):
                 continue
-            if bottom_first:
-                low_e = perf(c_lo)
-                offer(low_e)
-                if not viable(low_e) or c_lo == c_hi:
-                    continue
             if bottom_first and hopeless(c_hi):
                 up = lp_up  # its top corner misses the bound: only the LP bounds the box
             else:
@@ -398,9 +393,7 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
                 if up_e.meets(kind, bound_s):
                     continue  # its top corner is the best it holds
                 up = min(upper(up_e), lp_up)
-            low_e = perf(c_lo)
-            offer(low_e)
-            if not viable(low_e) or c_lo == c_hi:
+            if not bottom_first and not bottom_ok(c_lo, c_hi):
                 continue
             if promising(up):
                 heapq.heappush(queue, (-up, counter, c_lo, c_hi))
