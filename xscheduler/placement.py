@@ -81,6 +81,16 @@ class _CachedSizes(CostModel):
 
 
 @functools.cache
+
+def _var(prob: "pulp.LpProblem", name: str, low: float | None = None, up: float | None = None,
+         cat: str = "Continuous") -> "pulp.LpVariable":
+    """A variable of ``prob``: PuLP >= 3.3 wants them made by the problem (a bare LpVariable warns
+    on every call, thousands per search); older PuLP only has the bare constructor."""
+    add = getattr(prob, "add_variable", None)
+    if add is not None:
+        return add(name, low, up, cat=cat)
+    return pulp.LpVariable(name, low, up, cat=cat)
+
 def lp_solver() -> pulp.LpSolver:
     """HiGHS in-process when ``highspy`` is installed (about 2 ms a solve), else CBC, which PuLP
     runs as a subprocess (10-40 ms a solve, most of it process start-up)."""
@@ -170,8 +180,8 @@ def _exact_staging(prob: pulp.LpProblem, cm: CostModel, profile: HardwareProfile
     for tier, name, off, _ in STAGED:
         if name not in _staging_can_shrink(cm, profile):
             continue
-        z1 = pulp.LpVariable(f"{name}_any", cat=pulp.LpBinary)
-        z2 = pulp.LpVariable(f"{name}_two", cat=pulp.LpBinary)
+        z1 = _var(prob, f"{name}_any", cat=pulp.LpBinary)
+        z2 = _var(prob, f"{name}_two", cat=pulp.LpBinary)
         prob += z2 <= z1, f"{name}_order"
         prob += pulp.lpSum(x[v] for v in off) * L <= z1 + (L - 1) * z2, f"{name}_count"
         resident = dict(mem[tier].resident)
@@ -217,13 +227,13 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
     LP is well conditioned whatever the machine's scale.
     """
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
-    x = {v: pulp.LpVariable(v, 0, 1) for v in PLACEMENT_VARS}
+    x = {v: _var(prob, v, 0, 1) for v in PLACEMENT_VARS}
     for trio in TRIOS:
         prob += pulp.lpSum(x[v] for v in trio) == 1, f"sum_{trio[0][0]}"
 
     all_gpu = {v: (1.0 if v.endswith("g") else 0.0) for v in PLACEMENT_VARS}
     ref = float(token_seconds(cm, all_gpu, gbs, nb, shape)) or 1.0
-    t_pre, t_dec = pulp.LpVariable("t_prefill", 0), pulp.LpVariable("t_decode", 0)
+    t_pre, t_dec = _var(prob, "t_prefill", 0), _var(prob, "t_decode", 0)
     for name, var, phase, length in (("pre", t_pre, "prefill", shape.prompt_len),
                                      ("dec", t_dec, "decode", shape.decode_context)):
         for i, group in enumerate(cm.groups(cm.layer_terms(phase, gbs, length, x, nb))):
@@ -237,7 +247,7 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
     for tier in TIERS:
         scale = 1.0 / caps[tier]
         if elastic:
-            short[tier] = pulp.LpVariable(f"short_{tier}", 0)
+            short[tier] = _var(prob, f"short_{tier}", 0)
         for i, expr in enumerate(mem[tier].constraints()):
             prob += expr * scale <= (1.0 + short[tier] if elastic else 1.0), f"mem_{tier}_{i}"
 

@@ -201,14 +201,11 @@ class Evaluator:
 
     def misses(self, v: Variant, gbs: int, nb: int, refill: int, kind: str, bound_s: float) -> bool:
         """Whether a point already priced shows, without pricing this one, that it misses the
-        bound: one of the same variant with no larger gbs, nb and refill level (in
-        :data:`REFILL_LEVELS` order, along which latency grows) whose latency is over it."""
-        if refill not in REFILL_LEVELS:
-            return False
-        rank = REFILL_LEVELS.index(refill)
-        return any(e.variant == v and e.fits and e.gbs <= gbs and e.nb <= nb and e.refill_every in REFILL_LEVELS
-                   and REFILL_LEVELS.index(e.refill_every) <= rank and e.latency(kind) > bound_s
-                   for e in self.cache.values())
+        bound: one of the same variant and refill interval with no larger gbs and nb whose
+        latency is over it. Only within one refill interval: latency does not always grow along
+        the refill levels (llama-2-70b on t4, C2: trusting that order lost 40% of the throughput)."""
+        return any(e.variant == v and e.fits and e.gbs <= gbs and e.nb <= nb and e.refill_every == refill
+                   and e.latency(kind) > bound_s for e in self.cache.values())
 
     def box_bound(self, space: "Space", lo: tuple[int, ...], hi: tuple[int, ...]) -> float:
         """The largest :meth:`bound` over the (gbs, nb) pairs of a box of ``space``."""
