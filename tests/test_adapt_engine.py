@@ -182,10 +182,10 @@ def _plan_fn():
 def test_budget_cut_by_callback_replans_and_peak_stays_under_the_new_budget(job, tmp_path, refill):
     src, reqs, want = job
     plan_fn = _plan_fn()
-    # A starting budget the plan fills to over 70% on the gpu tier (so that the cut forces a change) and
-    # whose 70% still fits a policy.
-    start = {"gpu": 3e6, "cpu": 8e6}
-    policy = replace(plan_fn(start), refill_every=refill)
+    # A starting policy of six blocks (boundaries to change at, whatever the planner would pick) that
+    # fills the starting budget past 70% on the gpu tier, so the cut forces a change; 70% still fits one.
+    start = {"gpu": 3.2e6, "cpu": 8e6}
+    policy = Policy(gbs=2, nb=2, refill_every=refill)
     cut = {"gpu": 0.7 * start["gpu"]}  # the gpu-tier budget cut by 30%
     with Engine(src, policy, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, profile=PROFILE) as probe:
         assert probe.planned_peak_bytes["gpu"] > cut["gpu"]  # the starting policy does not fit the cut
@@ -212,8 +212,8 @@ def test_budget_file_changes_apply_and_malformed_files_only_warn(job, tmp_path):
     src, reqs, want = job
     path = tmp_path / "budget.json"
     plan_fn = _plan_fn()
-    start = {"gpu": 4e6, "cpu": 8e6}
-    policy = plan_fn(start)
+    start = {"gpu": 3.2e6, "cpu": 8e6}
+    policy = Policy(gbs=2, nb=2)  # fills the budget past 70%: the cut below forces a change
     writes = iter([
         "{not json",  # half-written: warn, keep
         json.dumps({"gpu_bytes": "lots"}),  # wrong type: warn, keep
