@@ -199,13 +199,21 @@ class Evaluator:
         placed = self.placement(v, gbs, nb)
         return LP_BOUND_SLACK / placed.token_s if placed is not None and placed.token_s > 0 else 0.0
 
-    def misses(self, v: Variant, gbs: int, nb: int, refill: int, kind: str, bound_s: float) -> bool:
+    def misses(self, v: Variant, gbs: int, nb: int, refill: int, kind: str, bound_s: float,
+               across_refill: bool = False) -> bool:
         """Whether a point already priced shows, without pricing this one, that it misses the
-        bound: one of the same variant and refill interval with no larger gbs and nb whose
-        latency is over it. Only within one refill interval: latency does not always grow along
-        the refill levels (llama-2-70b on t4, C2: trusting that order lost 40% of the throughput)."""
-        return any(e.variant == v and e.fits and e.gbs <= gbs and e.nb <= nb and e.refill_every == refill
-                   and e.latency(kind) > bound_s for e in self.cache.values())
+        bound: one of the same variant with no larger gbs and nb whose latency is over it, at the
+        same refill interval or, with ``across_refill``, at no later level of
+        :data:`REFILL_LEVELS`. Latency usually but not always grows along those levels
+        (llama-2-70b on t4, C2, a bound of 1.25x: trusting that order to drop whole spaces lost
+        40% of the throughput), so only the within-interval form may end a box."""
+        if refill not in REFILL_LEVELS:
+            return False
+        rank = REFILL_LEVELS.index(refill)
+        return any(e.variant == v and e.fits and e.gbs <= gbs and e.nb <= nb and e.latency(kind) > bound_s
+                   and (e.refill_every == refill or (across_refill and e.refill_every in REFILL_LEVELS
+                                                     and REFILL_LEVELS.index(e.refill_every) <= rank))
+                   for e in self.cache.values())
 
     def box_bound(self, space: "Space", lo: tuple[int, ...], hi: tuple[int, ...]) -> float:
         """The largest :meth:`bound` over the (gbs, nb) pairs of a box of ``space``."""
@@ -321,9 +329,9 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
     def viable(lo_e: Evaluation) -> bool:
         return lo_e.fits and lo_e.latency(kind) <= bound_s * (1 + eps_l)
 
-    def hopeless(idx: tuple[int, ...]) -> bool:
-        """A box whose bottom corner is known to miss the bound, by latency's monotonicity."""
-        return ev.misses(space.variant, *space.knobs(idx), kind, bound_s * (1 + eps_l))
+    def hopeless(idx: tuple[int, ...], across_refill: bool = False) -> bool:
+        """A corner known to miss the bound, by latency's monotonicity (see ``Evaluator.misses``)."""
+        return ev.misses(space.variant, *space.knobs(idx), kind, bound_s * (1 + eps_l), across_refill)
 
     def promising(up: float) -> bool:
         return best is None or up * (1 + eps_t) >= best.throughput
@@ -346,7 +354,7 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
     if bottom_first and (hopeless(lo0) or not bottom_ok(lo0, hi0)):
         return best
     up = lp_up
-    if not (bottom_first and hopeless(hi0)):  # a top corner known to miss only bounds throughput
+    if not (bottom_first and hopeless(hi0, across_refill=True)):  # a top corner known to miss only bounds throughput
         top = perf(hi0)
         offer(top)
         if top.meets(kind, bound_s):
@@ -382,7 +390,7 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
                 continue  # pruned without simulating its corners
             if bottom_first and not bottom_ok(c_lo, c_hi):
                 continue
-            if bottom_first and hopeless(c_hi):
+            if bottom_first and hopeless(c_hi, across_refill=True):
                 up = lp_up  # its top corner misses the bound: only the LP bounds the box
             else:
                 up_e = perf(c_hi)
