@@ -129,9 +129,11 @@ class RequestLengths:
     estimated: bool  # prompt text was sized without a tokenizer
 
 
-def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None = None) -> RequestLengths:
-    """Prompt and output lengths of every request in a JSONL or CSV file (see ``from_file``)."""
-    rows = _read_rows(path)
+def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None = None,
+                         rows: list[dict[str, Any]] | None = None) -> RequestLengths:
+    """Prompt and output lengths of every request in a JSONL or CSV file (see ``from_file``);
+    ``rows``: the file's rows when the caller already read them with :func:`read_rows`."""
+    rows = read_rows(path) if rows is None else rows
     if not rows:
         raise UserError(f"{path}: no requests in the file")
     prompts, outputs, estimated = [], [], False
@@ -159,7 +161,8 @@ def spearman_to_copula(a: Any, b: Any) -> float:
     return float(np.clip(rho, -0.999, 0.999))
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The request objects of a JSONL file or the rows of a CSV file, as dicts (one-line errors)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -182,7 +182,12 @@ def plan_fn_for(plan: "Plan", profile: "HardwareProfile", **search: Any) -> Call
     def plan_fn(capacity_bytes: dict[str, float]) -> "Policy":
         from xscheduler.planner import plan_search
 
-        caps = {f"{t}_bytes": int(capacity_bytes[t]) for t in BUDGET_TIERS if t in capacity_bytes}
-        return plan_search(plan.model, replace(profile, **caps), plan.workload, plan.sla, **search).policy
+        return plan_search(plan.model, with_budget(profile, capacity_bytes), plan.workload, plan.sla,
+                           **search).policy
 
     return plan_fn
+
+
+def with_budget(profile: "HardwareProfile", capacity_bytes: Mapping[str, float]) -> "HardwareProfile":
+    """``profile`` with its gpu/cpu capacities replaced by those in ``capacity_bytes`` (others kept)."""
+    return replace(profile, **{f"{t}_bytes": int(capacity_bytes[t]) for t in BUDGET_TIERS if t in capacity_bytes})

@@ -321,7 +321,7 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float])
     if args.adapt == "drift" and profile is not None:
         watcher = DriftWatcher(plan, profile)
     if args.budget_file:
-        from xrunner.budget import FileBudget, budget_hook, plan_fn_for
+        from xrunner.budget import FileBudget, budget_hook, plan_fn_for, with_budget
 
         budget = budget_hook(FileBudget(args.budget_file), plan_fn_for(plan, profile, confirm_seeds=()),
                              capacity_bytes={t: capacity[t] for t in ("gpu", "cpu")})
@@ -339,11 +339,7 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float])
             answer = budget(info)
             if answer is not None:
                 if watcher is not None and len(answer) > 2:  # later drift re-plans respect the new budget
-                    from dataclasses import replace
-
-                    caps = answer[2]
-                    watcher.profile = replace(watcher.profile, **{f"{t}_bytes": int(caps[t]) for t in ("gpu", "cpu")
-                                                                  if t in caps})
+                    watcher.profile = with_budget(watcher.profile, answer[2])
                 log(info, answer)
                 return answer
         if watcher is not None:

@@ -36,7 +36,7 @@ import numpy as np
 
 from workloads.drift import DriftMonitor, DriftReport, DriftStat
 from workloads.distributions import LengthDistribution
-from workloads.workload import Workload, read_request_lengths, spearman_to_copula
+from workloads.workload import Workload, read_request_lengths, read_rows, spearman_to_copula
 from xprofiler.profile import HardwareProfile
 from xsched.contract import Contract
 from xsched.errors import UserError
@@ -228,17 +228,11 @@ def read_observed(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ``stopped_on_eos`` false (as ``xsched run`` writes it) marks an output that ended at its
     ``max_new_tokens``; a file without that column has no capped outputs.
     """
-    import csv
-    import json
-
-    lengths = read_request_lengths(path)
+    rows = read_rows(path)
+    lengths = read_request_lengths(path, rows=rows)
     if lengths.outputs is None:
         raise UserError(f"{path}: no output lengths; each request needs output_tokens")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() == ".csv":
-        flags = [row.get("stopped_on_eos", "") for row in csv.DictReader(text.splitlines())]
-    else:
-        flags = [json.loads(line).get("stopped_on_eos") for line in text.splitlines() if line.strip()]
+    flags = [row.get("stopped_on_eos", "") for row in rows]
     capped = np.array([str(f).strip().lower() in ("false", "0") for f in flags], bool)
     return lengths.prompts, lengths.outputs, capped
 
