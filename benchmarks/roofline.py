@@ -9,11 +9,10 @@ before the run (our own small measurement, in the style of ``xsched profile --qu
 
 - disk read bandwidth: O_DIRECT reads of layer-sized records from a file in the offload dir
   (``xprofiler.diskio.DirectFile``, file filled with random bytes first);
-- memcpy bandwidth (relay -> stage: on a CPU host ``ctog`` is a RAM copy on the compute cores);
 - GEMM rate: ``F.linear`` at the step's token count through the layer's largest projection.
 
-Per layer step the CPU-host overlap rule of ``xsimulator.costmodel.channel_groups`` applies:
-``max(flops / gemm_rate + layer_bytes / memcpy_bw, layer_bytes / disk_bw)`` with the layer's
+On a CPU host the engine reads each record straight into its stage slot (no relay memcpy), so
+per layer step the bound is ``max(flops / gemm_rate, layer_bytes / disk_bw)`` with the layer's
 projection and attention FLOPs, plus the LM head of every row per step at the GEMM rate. Norms,
 activations, sampling and Python are left out, so the bound is optimistic and the ratio
 honest. The same block through the in-memory loop (``xrunner.generate``, weights in RAM) is
@@ -57,17 +56,6 @@ def measure_disk_read_bytes_per_s(directory: Path, record_bytes: int, records: i
             return size * records / best, f.method
     finally:
         path.unlink(missing_ok=True)
-
-
-def measure_memcpy_bytes_per_s(nbytes: int) -> float:
-    a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    b = torch.empty(nbytes, dtype=torch.uint8).fill_(2)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
 
 
 def measure_gemm_flops(tokens: int, d_in: int, d_out: int, dtype: torch.dtype) -> float:
@@ -118,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # Rates, measured now on this machine.
     disk_bw, method = measure_disk_read_bytes_per_s(offload, layer_bytes)
-    memcpy_bw = measure_memcpy_bytes_per_s(layer_bytes)
     gemm = {phase: measure_gemm_flops(tokens, spec.hidden, spec.ffn, dtype)
             for phase, tokens in (("prefill", args.gbs * args.prompt), ("decode", args.gbs))}
 
@@ -127,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = rows * (args.prompt if phase == "prefill" else 1)
         context = args.prompt if phase == "prefill" else args.prompt + args.new // 2
         flops = tokens * (spec.linear_flops_per_token() + spec.attention_flops_per_token(context))
-        compute = flops / gemm[phase] + layer_bytes / memcpy_bw
-        return max(compute, layer_bytes / disk_bw)
+        return max(flops / gemm[phase], layer_bytes / disk_bw)
 
     def head_s(phase: str) -> float:  # LM head of the last position of every row, also a GEMM
         return rows * spec.lm_head_flops_per_token() / gemm["decode"]
@@ -162,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = measured_tps / bound_tps
     result = {
         "model_bytes_on_disk": layer_bytes * spec.num_layers, "disk_io": method,
-        "disk_read_bytes_per_s": disk_bw, "memcpy_bytes_per_s": memcpy_bw,
+        "disk_read_bytes_per_s": disk_bw,
         "gemm_flops_prefill": gemm["prefill"], "gemm_flops_decode": gemm["decode"],
         "bound_s": bound_s, "in_memory_s": in_memory_s, "wall_s": stats.wall_s, "generated_tokens": stats.generated_tokens,
         "measured_tokens_per_s": measured_tps, "bound_tokens_per_s": bound_tps, "ratio": ratio,
@@ -173,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"model: {spec.num_layers} layers x {layer_bytes / 2**20:.1f} MiB on disk ({method}); block {rows} rows, "
           f"prompt {args.prompt}, {args.new} new tokens")
-    print(f"measured rates: disk read {disk_bw / 1e9:.2f} GB/s, memcpy {memcpy_bw / 1e9:.2f} GB/s, "
+    print(f"measured rates: disk read {disk_bw / 1e9:.2f} GB/s, "
           f"GEMM {gemm['prefill'] / 1e9:.1f} GFLOP/s (prefill) / {gemm['decode'] / 1e9:.1f} GFLOP/s (decode)")
     print(f"{'':24}{'wall s':>10}{'tokens/s':>12}")
     print(f"{'bound (same plan)':24}{bound_s:>10.2f}{bound_tps:>12.2f}")

@@ -151,6 +151,24 @@ def test_early_termination_skips_finished_rows_and_trace_has_every_resource(llam
     assert all(stats.busy_s[r] > 0 for r in ("compute", "cpu_compute", "ctog", "dtoc", "ctod"))
 
 
+def test_disk_weights_read_straight_into_the_stage_on_a_cpu_host(llama, tmp_path):
+    """No relay -> stage memcpy on the compute cores for disk layers; the cost model agrees."""
+    from xsimulator.costmodel import CostModel
+
+    src, reqs, want = llama
+    policy = Policy(gbs=3, nb=2, wg=0.0, wc=0.0, wd=1.0)
+    got, stats = run_engine(src, policy, reqs, tmp_path)
+    assert got == want
+    assert stats.busy_s["dtoc"] > 0 and stats.busy_s["ctog"] == 0
+    with Engine(src, policy, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path) as eng:
+        assert eng.profile.compute_device == "cpu"
+        model = CostModel.for_policy(LLAMA, eng.profile, policy)
+    terms = model.weight_terms(policy.placement())
+    assert terms.ctog == 0 and terms.dtoc > 0
+    on_cuda = CostModel.for_policy(LLAMA, replace(eng.profile, compute_device="cuda"), policy)
+    assert on_cuda.weight_terms(policy.placement()).ctog > 0  # the relay leg stays on a CUDA host
+
+
 # --------------------------------------------------------------------------- compression
 def _quantized_weights(weights):
     for layer in weights.layers:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from xprofiler.diskio import round_up
 from xprofiler.profile import HardwareProfile
 from xrunner.compression import DEFAULT_GROUP_SIZE, QuantizedTensor, dequantize, quantize
 from xrunner.loaders import ModelSource
@@ -395,8 +396,10 @@ class Engine:
         # Planned peak per tier for what this runner places (whole layers and rows), then the refusal.
         if profile is None:
             from xprofiler.presets import load_preset, preset_names
-            profile = load_preset(preset_names()[0])  # memory terms do not depend on the machine
-        self.profile = profile
+            profile = load_preset(preset_names()[0])
+        # The memory terms depend on the machine only through its compute device (stage slot
+        # sizes), so they follow the device this engine runs on, whatever the plan's profile says.
+        self.profile = replace(profile, compute_device="cuda" if self.device.type == "cuda" else "cpu")
         self.capacity_bytes: dict[str, float] | None = dict(capacity_bytes) if capacity_bytes is not None else None
         self.rounded = rounded_policy(policy, spec.num_layers)
         self.planned_peak_bytes = self._planned_peak(self.rounded)
@@ -537,7 +540,9 @@ class Engine:
         n_off_h = sum(n for t, _s, n in self.act_split if t != "gpu")
         n_disk_h = dict((t, n) for t, _s, n in self.act_split)["disk"]
         n_staged = sum(1 for t in self.layer_tier if t != "gpu")
-        self.w_stage = [self._buf("gpu", "weight_stage", (wbytes,), torch.uint8) for _ in range(min(2, n_staged))]
+        # On a CPU host a slot is a whole 4 KiB-rounded record, so disk reads land in it directly.
+        slot_bytes = wbytes if self.device.type == "cuda" else round_up(wbytes)
+        self.w_stage = [self._buf("gpu", "weight_stage", (slot_bytes,), torch.uint8) for _ in range(min(2, n_staged))]
         self.w_dequant = None
         if p.compress_weight:
             self.w_dequant = {n: self._buf("gpu", "weight_dequant", s, dt)
@@ -728,9 +733,10 @@ class Engine:
         """The weights queue's part of fetching ``layer`` into stage slot ``slot``.
 
         On CUDA the whole path runs here (disk -> relay -> device on the copy stream). On a CPU
-        host the cpu -> "gpu" copy is a memcpy on the compute cores (the cost model puts ctog in
-        the compute group there), so only the disk read runs here and :meth:`_weights` does the
-        memcpy on the compute thread, instead of a concurrent copy slowing every kernel down.
+        host a disk record is read straight into the stage slot (host RAM either way, see
+        ``TierStore._host_side``); a cpu-tier layer's cpu -> "gpu" copy is a memcpy on the compute
+        cores (the cost model puts ctog in the compute group there), so :meth:`_weights` does it
+        on the compute thread instead of a concurrent copy slowing every kernel down.
         """
         home = self.w_home[layer]
         relay = self.w_relays[slot % len(self.w_relays)] if self.w_relays else None
@@ -739,9 +745,7 @@ class Engine:
             self.store.copy(Ref("gpu", self.w_stage[slot]), Ref(tier, home), relay=relay)
             return
         if isinstance(home, DiskSlice):
-            assert relay is not None
-            self.store.copy(Ref("cpu", relay), Ref("disk", home))
-            self._to_stage[layer] = relay[:self.layout.nbytes]
+            self.store.copy(Ref("gpu", self.w_stage[slot]), Ref("disk", home))
         else:
             self._to_stage[layer] = home
 
@@ -773,7 +777,7 @@ class Engine:
             fut = self._wfutures.pop(layer, None)
             if fut is not None:
                 fut.result()
-            flat = self.w_stage[self.w_slot_layer.index(layer)]
+            flat = self.w_stage[self.w_slot_layer.index(layer)][:self.layout.nbytes]
             src = self._to_stage.pop(layer, None)
             if src is not None:
                 self.store.copy(Ref("gpu", flat), Ref("cpu", src))

@@ -152,12 +152,12 @@ class TierStore:
         token) are never written but still enter ``probs @ V``: a weight of 0 times NaN garbage
         from uninitialised memory is NaN.
         """
-        if tier == "gpu":
+        if tier == "gpu" and self.cuda:
             t = torch.empty(shape, dtype=dtype, device=self.device)
-        elif tier == "cpu":
+        elif tier in ("gpu", "cpu"):  # host memory (the gpu tier too on a host without CUDA): 4 KiB-aligned
             nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
             buf = aligned_empty(max(nbytes, 1))
-            if self.cuda and nbytes:
+            if self.cuda and nbytes:  # only the cpu tier gets here on a CUDA host
                 ptr = buf.ctypes.data
                 torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, buf.nbytes, 0))
                 self._registered.append(ptr)
@@ -250,7 +250,7 @@ class TierStore:
         if isinstance(src.data, DiskSlice):
             if isinstance(dst.data, DiskSlice):
                 raise ValueError("disk to disk copies are not needed")
-            if dst.tier == "cpu" and self._direct_ok(dst.data, src.data):
+            if self._host_side(dst.tier, src.data) and self._direct_ok(dst.data, src.data):
                 self._read(src.data, dst.data)
                 return
             if relay is None:
@@ -260,7 +260,7 @@ class TierStore:
             self._copy_tensor(dst.data, dst.tier, typed, "cpu")
             return
         if isinstance(dst.data, DiskSlice):
-            if src.tier == "cpu" and self._direct_ok(src.data, dst.data):
+            if self._host_side(src.tier, dst.data) and self._direct_ok(src.data, dst.data):
                 self._write(dst.data, src.data)
                 return
             if relay is None:
@@ -284,6 +284,16 @@ class TierStore:
             dst.copy_(src)
         if channel is not None and self.on_copy is not None:
             self.on_copy(channel, t0, time.perf_counter(), nbytes_of(src))
+
+    def _host_side(self, tier: str, ds: DiskSlice) -> bool:
+        """Whether a ``tier`` tensor may be the disk transfer's own buffer.
+
+        Always for the cpu tier. On a host without CUDA the gpu tier is host RAM as well, so an
+        O_DIRECT weight record is read straight into its (aligned) stage slot: no relay, and no
+        relay -> stage memcpy on the compute cores. Row files (KV cache, activations) keep the
+        relay path on both hosts, as the cost model prices them.
+        """
+        return tier == "cpu" or (not self.cuda and tier == "gpu" and ds.file.method == "o_direct")
 
     @staticmethod
     def _direct_ok(t: torch.Tensor, ds: DiskSlice) -> bool:

@@ -291,12 +291,15 @@ class CostModel:
     def weight_terms(self, placement: Mapping[str, Any]) -> StepTerms:
         """Fetching the next layer's non-resident weights, once per layer step of a block.
 
-        Disk-resident weights go disk -> cpu relay -> device, so they use dtoc and ctog. With
-        compressed weights every layer (resident ones too) is dequantised once per layer step.
+        Disk-resident weights go disk -> cpu relay -> device, so they use dtoc and ctog; on a
+        host without CUDA the record is read straight into the stage slot (the "gpu" tier is RAM),
+        so only dtoc. With compressed weights every layer (resident ones too) is dequantised once
+        per layer step.
         """
         p = placement
         w = self.layer_stored_bytes
-        ctog = self._move(p["wc"] + p["wd"], "ctog", w)
+        relayed = p["wc"] + p["wd"] if self.profile.compute_device == "cuda" else p["wc"]
+        ctog = self._move(relayed, "ctog", w)
         dtoc = self._move(p["wd"], "dtoc", w)
         dequant = 0.0
         if self.compress_weight:
@@ -453,7 +456,8 @@ class CostModel:
           ``kv_home``        cg of the block's rows x layers x (max_prompt + max_output) positions
           ``act_home``       hg of the block's hidden states between layers (max_prompt positions)
           ``weight_stage``   fetched non-resident weights of the current and the next layer
-                             (whole layers: min(2, offloaded layers) slots)
+                             (whole layers: min(2, offloaded layers) slots; on a host without
+                             CUDA a slot is the 4 KiB-rounded record, the target of O_DIRECT reads)
           ``weight_dequant`` one layer dequantised for compute (compress_weight only)
           ``kv_stage``       offloaded KV rows of the batch computing and the batch loading
                              (with cpu_attention only the prompt's KV on its way out)
@@ -490,7 +494,8 @@ class CostModel:
             "head_weights": float(spec.head_weight_bytes),
             "kv_home": p["cg"] * (bls * L * kv_row),
             "act_home": p["hg"] * (bls * act_row),
-            "weight_stage": _stage_slots(p["wc"] + p["wd"], L) * w_layer,
+            "weight_stage": _stage_slots(p["wc"] + p["wd"], L) * (w_layer if self.profile.compute_device == "cuda"
+                                                                  else w_record),
             "weight_dequant": float(self.layer_matmul_bytes if self.compress_weight else 0),
             "kv_stage": (p["cc"] + p["cd"]) * (2 * gbs * stage_ctx * spec.kv_bytes_per_token_per_layer
                                                * self.kv_stored_ratio),
