@@ -206,6 +206,23 @@ def _stage_slots(fraction: Any, num_layers: int) -> Any:
     return 2.0
 
 
+def _fetched_fraction(fraction: Any, num_layers: int) -> Any:
+    """The part of ``fraction`` (offloaded layers) fetched again at every layer step.
+
+    The runner keeps fetched layers in its stage slots (:func:`_stage_slots`) and fetches a layer
+    only when no slot holds it. With at most two offloaded layers each has a slot of its own, so
+    after its first fetch in a job (a one-time copy of <= 2 layers, not priced) it is never fetched
+    again: nothing per step. With three or more, the layers are visited in a cycle longer than the
+    slots, so every one is evicted before its next use and all are fetched every step. An LP
+    expression keeps the per-step charge (an upper bound: the LP's fractions are rounded to whole
+    layers and the rounded policy is priced exactly).
+    """
+    if isinstance(fraction, (int, float)):
+        layers = math.ceil(fraction * num_layers - 1e-9)
+        return 0.0 if layers <= _stage_slots(fraction, num_layers) else fraction
+    return fraction
+
+
 def _is_zero(x: Any) -> bool:
     """True only for a plain number equal to 0 (never for an LP expression or an array)."""
     return isinstance(x, (int, float)) and x == 0
@@ -291,13 +308,17 @@ class CostModel:
     def weight_terms(self, placement: Mapping[str, Any]) -> StepTerms:
         """Fetching the next layer's non-resident weights, once per layer step of a block.
 
-        Disk-resident weights go disk -> cpu relay -> device, so they use dtoc and ctog. With
-        compressed weights every layer (resident ones too) is dequantised once per layer step.
+        Disk-resident weights go disk -> cpu relay -> device, so they use dtoc and ctog; at most
+        two offloaded layers stay in the stage slots and cost nothing per step
+        (:func:`_fetched_fraction`). With compressed weights every layer (resident and staged
+        ones too) is dequantised once per layer step.
         """
-        p = placement
+        p, L = placement, self.spec.num_layers
         w = self.layer_stored_bytes
-        ctog = self._move(p["wc"] + p["wd"], "ctog", w)
-        dtoc = self._move(p["wd"], "dtoc", w)
+        off = p["wc"] + p["wd"]
+        fetched = _fetched_fraction(off, L)
+        ctog = self._move(fetched, "ctog", w)
+        dtoc = self._move(0.0 if _is_zero(fetched) else p["wd"], "dtoc", w)
         dequant = 0.0
         if self.compress_weight:
             dequant = self.layer_matmul_bytes / self.profile.dequant_bytes_per_s * self.factor("dequant")
