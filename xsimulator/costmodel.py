@@ -451,15 +451,27 @@ class CostModel:
             # opt-125m (1 thread) 2/4/8/16/32 rows took 30/36/44/55/86 ms, which the *sum* of the
             # two roofs tracks within ~10% after one calibration factor, while their max is flat
             # up to 16 rows (and made calibrated predictions of jobs with few active rows slow).
-            head = head_flops / prof.mm_flops + head_bytes / prof.mem_bytes_per_s
+            gemm = head_flops / prof.mm_flops + head_bytes / prof.mem_bytes_per_s
+            # One row is a matrix-vector product, a different kernel: it reads the weight once at
+            # the memory roof (which the profiler measures on exactly such a product), about half
+            # the 2-row GEMM's time (opt-125m, 1 thread: 1/2/4 rows 18/40/60 ms on a busy VM). It
+            # is priced like the decode layers' memory-bound products (their calibration factor),
+            # not with the head factor fitted to few-row GEMMs; between 1 and 2 expected rows
+            # (the analytic path) the two are interpolated.
+            gemv = _op_seconds(prof, "mm", head_flops, head_bytes) * self.factor("gpu_compute")
+            one_row = np.clip(2.0 - np.asarray(rows, dtype=float), 0.0, 1.0)
+            head_factored = (1.0 - one_row) * gemm
+            head_own = one_row * gemv
+            if np.ndim(one_row) == 0:
+                head_factored, head_own = float(head_factored), float(head_own)
         else:
-            head = _op_seconds(prof, "mm", head_flops, head_bytes)
+            head_factored, head_own = _op_seconds(prof, "mm", head_flops, head_bytes), 0.0
         fit = self.profile.layer_fit(spec.name, phase, spec.dtype)
         if fit is not None and "tokens" in fit.features:
             embed = fit.coef[fit.features.index("tokens")] * tokens
         else:
             embed = _op_seconds(self.profile, "mm", 0.0 * tokens, tokens * spec.act_bytes_per_token)
-        return (head + embed) * self.factor("head") + self.overhead_s("step_overhead_s")
+        return (head_factored + embed) * self.factor("head") + head_own + self.overhead_s("step_overhead_s")
 
     # ----------------------------------------------------------------- memory
     def memory(self, placement: Mapping[str, Any], gbs: int, nb: int, max_prompt: int,
