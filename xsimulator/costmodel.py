@@ -33,7 +33,7 @@ from xprofiler.diskio import round_up
 from xprofiler.profile import BandwidthCurve, HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.policy import Policy
+from xsimulator.policy import Policy, split_counts
 
 # Multiplicative calibration factors, one per separately visible time term.
 FACTOR_TERMS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "gpu_compute", "cpu_compute", "dequant",
@@ -206,21 +206,22 @@ def _stage_slots(fraction: Any, num_layers: int) -> Any:
     return 2.0
 
 
-def _fetched_fraction(fraction: Any, num_layers: int) -> Any:
-    """The part of ``fraction`` (offloaded layers) fetched again at every layer step.
+def _weights_stay_staged(placement: Mapping[str, Any], num_layers: int) -> bool:
+    """Whether every offloaded layer keeps a stage slot of its own, so it is fetched only once.
 
-    The runner keeps fetched layers in its stage slots (:func:`_stage_slots`) and fetches a layer
-    only when no slot holds it. With at most two offloaded layers each has a slot of its own, so
-    after its first fetch in a job (a one-time copy of <= 2 layers, not priced) it is never fetched
-    again: nothing per step. With three or more, the layers are visited in a cycle longer than the
-    slots, so every one is evicted before its next use and all are fetched every step. An LP
-    expression keeps the per-step charge (an upper bound: the LP's fractions are rounded to whole
-    layers and the rounded policy is priced exactly).
+    The runner keeps fetched layers in its two stage slots (:func:`_stage_slots`) and fetches a
+    layer only when no slot holds it. With at most two offloaded layers (counted with the runner's
+    rounding, ``split_counts``) each has a slot, so after its first fetch in a job (a one-time copy
+    of <= 2 layers, not priced) it is never fetched again. With three or more, the layers are
+    visited in a cycle longer than the slots, so each is evicted before its next use and all are
+    fetched every step. LP expressions get False: the LP keeps the per-step charge (an upper
+    bound; its fractions are rounded to whole layers and the rounded policy is priced exactly).
     """
-    if isinstance(fraction, (int, float)):
-        layers = math.ceil(fraction * num_layers - 1e-9)
-        return 0.0 if layers <= _stage_slots(fraction, num_layers) else fraction
-    return fraction
+    trio = (placement["wg"], placement["wc"], placement["wd"])
+    if not all(isinstance(x, (int, float)) for x in trio):
+        return False
+    _g, c, d = split_counts(trio, num_layers)
+    return c + d <= 2
 
 
 def _is_zero(x: Any) -> bool:
@@ -310,15 +311,13 @@ class CostModel:
 
         Disk-resident weights go disk -> cpu relay -> device, so they use dtoc and ctog; at most
         two offloaded layers stay in the stage slots and cost nothing per step
-        (:func:`_fetched_fraction`). With compressed weights every layer (resident and staged
+        (:func:`_weights_stay_staged`). With compressed weights every layer (resident and staged
         ones too) is dequantised once per layer step.
         """
-        p, L = placement, self.spec.num_layers
-        w = self.layer_stored_bytes
-        off = p["wc"] + p["wd"]
-        fetched = _fetched_fraction(off, L)
-        ctog = self._move(fetched, "ctog", w)
-        dtoc = self._move(0.0 if _is_zero(fetched) else p["wd"], "dtoc", w)
+        p, w = placement, self.layer_stored_bytes
+        staged = _weights_stay_staged(p, self.spec.num_layers)
+        ctog = 0.0 if staged else self._move(p["wc"] + p["wd"], "ctog", w)
+        dtoc = 0.0 if staged else self._move(p["wd"], "dtoc", w)
         dequant = 0.0
         if self.compress_weight:
             dequant = self.layer_matmul_bytes / self.profile.dequant_bytes_per_s * self.factor("dequant")
