@@ -1,7 +1,8 @@
 """Does the calibrated simulator predict the runner? Measured vs predicted throughput and p99 latency.
 
-Plans covering every kind of placement (all on the gpu tier, weights on cpu, weights on disk,
-KV cache on cpu with CPU attention, 4-bit compression, refill) over two workloads (a fixed one and
+Plans covering every kind of placement (all on the gpu tier, weights on cpu (9 layers, and 2
+layers that stay in the stage slots), weights on disk, KV cache on cpu with CPU attention, 4-bit
+compression, refill, GPU batches of one row) over two workloads (a fixed one and
 the ExeGPT C1 preset scaled to this machine) run for real with :class:`xrunner.engine.Engine`
 (random weights of the model's shape, EOS ignored) and are simulated by the discrete-event
 simulator with the same policy and exactly the request lengths of the run. Predictions come from
@@ -37,10 +38,13 @@ from xsimulator.policy import Policy  # noqa: E402
 PLANS: dict[str, dict] = {
     "all-gpu": dict(gbs=8, nb=2),
     "weights-cpu": dict(gbs=8, nb=2, wg=0.25, wc=0.75),
+    # 2 of 12 layers off the gpu tier: they stay in the engine's two stage slots (no per-step fetch).
+    "weights-cpu-2-layers": dict(gbs=8, nb=2, wg=10 / 12, wc=2 / 12),
     "weights-disk": dict(gbs=8, nb=2, wg=0.25, wc=0.25, wd=0.5),
     "kv-cpu-cpu-attention": dict(gbs=8, nb=2, cg=0.0, cc=1.0, cpu_attention=True),
     "compressed": dict(gbs=8, nb=2, compress_weight=True, compress_cache=True),
     "refill": dict(gbs=4, nb=2, refill_every=4),
+    "one-row-batches": dict(gbs=1, nb=4),  # every LM head is a 1-row matrix-vector product
 }
 
 

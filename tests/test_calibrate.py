@@ -150,3 +150,79 @@ def test_tiny_real_calibration_fits_better_and_round_trips(tmp_path):
     assert loaded.calibration == pytest.approx(fit.profile.calibration)
     assert fit.error_after <= fit.error_before
     assert json.loads(json.dumps(fit.to_dict()))["error_after"] == fit.error_after
+
+
+# ----------------------------------------------------------------------------- weight fetches
+@pytest.mark.parametrize("offloaded", [1, 2, 3])
+def test_weight_fetches_per_step_match_the_engine_copy_counts(tmp_path, offloaded):
+    """The engine keeps up to two offloaded layers in its stage slots (fetched once per job); with
+    three or more every one is fetched at every step. The cost model must charge exactly that."""
+    from xrunner.engine import Engine, Request
+    from xrunner.loaders import RandomSource
+    from xsimulator.costmodel import CostModel
+    from xsimulator.policy import Policy
+
+    profile = cpu_host(fingerprint=detect_fingerprint(None), compute_threads=1)
+    frac = offloaded / TINY.num_layers
+    policy = Policy(gbs=2, nb=1, wg=1 - frac, wc=frac)
+    prompts, outputs = (6, 4), (5, 3)
+    with Engine(RandomSource(TINY, seed=0), policy, max_prompt=6, max_output=5, offload_dir=tmp_path,
+                record_trace=True, profile=profile) as eng:
+        stats = eng.run([Request(f"r{i}", tuple(range(1, p + 1)), o) for i, (p, o) in enumerate(zip(prompts, outputs))])
+        layer_bytes = eng.layout.nbytes
+    fetches = sum(1 for e in stats.events if e.track == "ctog" and e.args.get("bytes") == layer_bytes)
+    # memory() still lists what the engine allocates: min(2, offloaded) stage slots, nothing more
+    assert all(stats.peak_bytes[t] <= stats.planned_peak_bytes[t] for t in ("gpu", "cpu", "disk"))
+    steps = stats.num_prefill_steps + stats.num_decode_steps
+    cm = CostModel.for_policy(TINY, profile, policy)
+    per_layer_s = cm._copy_s("ctog", cm.layer_stored_bytes, cm.layer_stored_bytes)
+    res, _tl = simulate_timeline(TINY, profile, policy, workload_of(prompts, outputs),
+                                 requests=(np.asarray(prompts), np.asarray(outputs)))
+    predicted_fetches = res.busy_s["ctog"] / per_layer_s
+    if offloaded <= 2:
+        assert fetches == offloaded  # the first use only, then resident in a stage slot
+        assert res.busy_s["ctog"] == 0.0 and res.busy_s["dtoc"] == 0.0
+    else:
+        assert fetches == offloaded * steps
+        assert predicted_fetches == pytest.approx(offloaded * steps)
+
+
+# ----------------------------------------------------------------------------- planning margin evidence
+def test_calibrated_profile_records_run_spread_and_fit_error_and_round_trips(tmp_path):
+    """The fit stores the repeats' spread and its remaining wall-time error; ``--margin auto`` reads them."""
+    from xprofiler.profile import CalibrationError, HardwareProfile
+
+    spec = get_model_spec("opt-125m")
+    raw = cpu_host()
+    runs = design_runs(spec)
+    truth = synthetic(spec, replace(raw, calibration=TRUE), runs)
+    # Three repeats per design: the median is the synthetic truth, the others 4% faster / 10% slower
+    # in even designs and 2% / 3% in odd ones: (max - min) / median is 0.14 or 0.05.
+    ms = []
+    for i, m in enumerate(truth):
+        lo, hi = (0.96, 1.10) if i % 2 == 0 else (0.98, 1.03)
+        reps = tuple({k: v * f for k, v in m.metrics.items()} for f in (lo, 1.0, hi))
+        ms.append(replace(m, repeat_metrics=reps))
+    fit = fit_calibration(spec, raw, ms)
+    err = fit.profile.calibration_error
+    assert err is not None and err.repeats == 3 and err.quantile == 0.9
+    spreads = [0.14 if i % 2 == 0 else 0.05 for i, m in enumerate(truth) for k in ("prefill_wall", "decode_wall")
+               if m.metrics[k] >= 2e-3]
+    assert err.pairs == len(spreads)
+    assert err.repeat_rel_spread == pytest.approx(np.quantile(spreads, 0.9))
+    assert err.fit_rel_error < 1e-3  # noise-free measurements: the fit is exact
+    e = np.hypot(err.repeat_rel_spread, err.fit_rel_error)
+    assert err.planning_margin() == pytest.approx(e / (1 + e))
+    # Without repeats the spread is unknown, not zero.
+    assert fit_calibration(spec, raw, truth).profile.calibration_error.repeat_rel_spread is None
+    # JSON round-trip, and a profile written before the field existed still loads (None).
+    path = tmp_path / "cal.json"
+    fit.profile.save(path)
+    assert HardwareProfile.load(path).calibration_error == err
+    old = json.loads(path.read_text())
+    del old["calibration_error"]
+    path.write_text(json.dumps(old))
+    assert HardwareProfile.load(path).calibration_error is None
+    assert json.loads(json.dumps(fit.to_dict()))["planning_margin"] == pytest.approx(err.planning_margin())
+    with pytest.raises(ValueError):
+        CalibrationError(quantile=0.9, repeats=3, pairs=4, repeat_rel_spread=-0.1, fit_rel_error=0.0)

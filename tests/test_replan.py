@@ -106,6 +106,18 @@ def test_local_replan_keeps_compression_and_attention_and_still_meets_the_sla(se
         replan(plan, p, o, profile=prof, scope="nearby")
 
 
+def test_replan_keeps_the_plans_margin(setup):
+    """A re-plan promises what the plan promised: same SLA, same margin, the same tightened bound."""
+    prof, w, plan, _ = setup
+    tight = plan_search(plan.model, prof, w, SLA("p99", BOUND_S), num_requests=1000, confirm_seeds=(), margin=0.15)
+    assert tight.planning_latency_s == pytest.approx(0.85 * BOUND_S)
+    p, o = shifted(w, 1.3).sample(600, seed=4)
+    new = replan(tight, p, o, profile=prof, scope="local").new_plan
+    assert new is not None and new.sla == tight.sla
+    assert new.margin == 0.15 and new.margin_source == "user" and new.planning_latency_s == tight.planning_latency_s
+    assert new.predicted.latency_p99_s <= 0.85 * BOUND_S
+
+
 def test_offline_replan_without_drift_keeps_the_plan(setup):
     prof, w, plan, _ = setup
     p, o = w.sample(500, seed=3)

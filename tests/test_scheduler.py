@@ -14,8 +14,9 @@ import pytest
 from sim_profiles import t4_like
 
 from workloads import get_workload
-from xprofiler.profile import BandwidthCurve
+from xprofiler.profile import BandwidthCurve, CalibrationError
 from xprofiler.specs import get_model_spec
+from xsched.errors import UserError
 from xscheduler import SLA, Evaluator, Plan, place, plan_search, variants
 from xscheduler.search import search
 from xscheduler.placement import Shape, token_seconds
@@ -271,3 +272,82 @@ def test_exhaustive_and_optuna_through_plan_search(case, grid):
     assert opt.search.method == "optuna" and opt.search.evaluations <= 40
     assert opt.predicted.latency_p99_s <= bound
     assert opt.predicted.throughput_tokens_per_s <= exh.predicted.throughput_tokens_per_s * (1 + 1e-9)
+
+
+# ----------------------------------------------------------------------------- planning margin
+ERR = CalibrationError(quantile=0.9, repeats=3, pairs=20, repeat_rel_spread=0.12, fit_rel_error=0.05)
+
+
+def test_margin_from_a_calibrated_profile_tightens_the_bound_the_plan_meets(case, grid):
+    spec, prof, w = case
+    loose = plan_search(spec, prof, w, SLA("p99", 1.5 * min(e.latency("p99") for e in grid[0].cache.values()
+                                                          if e.fits)), compress="off", num_requests=REQUESTS,
+                        confirm_seeds=(), margin=0.0)
+    bound = 1.05 * loose.predicted.latency_p99_s  # a bound the best plan uses 95% of
+    calibrated = replace(prof, calibration_error=ERR)
+    m = ERR.planning_margin()
+    assert 0.11 < m < 0.13  # hypot(0.12, 0.05) = 0.13, kept free as 0.13 / 1.13 of the bound
+    plain = plan_search(spec, prof, w, SLA("p99", bound), compress="off", num_requests=REQUESTS, confirm_seeds=())
+    assert plain.margin == 0.0 and plain.margin_source == "none" and plain.planning_latency_s == bound
+    plan = plan_search(spec, calibrated, w, SLA("p99", bound), compress="off", num_requests=REQUESTS)
+    assert plan.margin == pytest.approx(m) and plan.margin_source == "calibration"
+    assert plan.sla == SLA("p99", bound) and plan.planning_latency_s == pytest.approx(bound * (1 - m))
+    # Without the margin the plan uses more of the bound than the margin leaves: the margin changed the plan.
+    assert plain.predicted.latency_p99_s > bound * (1 - m)
+    again = simulate(spec, calibrated, plan.policy, w, REQUESTS, seed=0)
+    assert again.latency_p99_s <= bound * (1 - m) and again.fits
+    assert plan.slack >= m
+    assert all(c.meets_sla == (c.latency_s <= plan.planning_latency_s) for c in plan.confirmations)
+    # An explicit fraction overrides the profile's; 0 plans against the bound itself.
+    assert plan_search(spec, calibrated, w, SLA("p99", bound), compress="off", num_requests=REQUESTS,
+                       confirm_seeds=(), margin=0.0).policy == plain.policy
+    assert Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(UserError, match="margin must be a fraction"):
+        plan_search(spec, prof, w, SLA("p99", bound), num_requests=REQUESTS, margin=1.0)
+
+
+def test_plan_written_before_margins_loads_with_no_margin(case, grid, tmp_path):
+    spec, prof, w = case
+    plan = plan_search(spec, prof, w, SLA("p99", math.inf), compress="off", num_requests=REQUESTS, confirm_seeds=(),
+                       margin=0.2)
+    assert plan.planning_latency_s == math.inf
+    data = json.loads(plan.to_json())
+    for key in ("margin", "margin_source", "planning_latency_s"):
+        del data[key]
+    old = Plan.from_dict(data)
+    assert old.margin == 0.0 and old.margin_source == "none" and old.planning_latency_s == old.sla.latency_s
+    assert old.policy == plan.policy
+    bad = dict(json.loads(plan.to_json()), planning_latency_s=1.0)
+    with pytest.raises(UserError, match="planning_latency_s"):
+        Plan.from_dict(bad)
+
+
+def test_plan_cli_margin_flag_auto_and_impossible(profile_path, case, tmp_path):
+    spec, prof, w = case
+    out = run("plan", "--profile", profile_path, *SMALL, "--latency", "60", "--margin", "0.25", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = Plan.from_json(out.stdout)
+    assert plan.sla == SLA("p99", 60.0) and plan.margin == 0.25 and plan.margin_source == "user"
+    assert plan.planning_latency_s == pytest.approx(45.0) and plan.predicted.latency_p99_s <= 45.0
+    cal = tmp_path / "cal.json"
+    replace(prof, calibration_error=ERR).save(cal)
+    human = run("plan", "--profile", str(cal), *SMALL, "--latency", "60", "--quiet")
+    assert human.returncode == 0, human.stderr
+    assert (f"planning margin: {ERR.planning_margin():.1%} (derived from the profile's calibration runs); "
+            f"searched against p99 <= {60 * (1 - ERR.planning_margin()):,.6g} s") in human.stdout
+    plain = run("plan", "--profile", profile_path, *SMALL, "--latency", "60", "--quiet")
+    assert "planning margin: 0.0% (the profile records no calibration error)" in plain.stdout
+    # A bound the plan can meet, but not less a 50% margin: the one-line impossible-SLA error names the margin.
+    low = plan_search(spec, prof, w, SLA("p99", math.inf), compress="off", num_requests=100, confirm_seeds=())
+    tight = run("plan", "--profile", profile_path, *SMALL, "--latency", "0.01", "--quiet")
+    lowest = float(tight.stderr.split("the lowest achievable is ")[1].split(" s")[0].replace(",", ""))
+    assert low.predicted.latency_p99_s >= lowest
+    ok = run("plan", "--profile", profile_path, *SMALL, "--latency", f"{1.2 * lowest:.6g}", "--margin", "0",
+             "--quiet")
+    assert ok.returncode == 0, ok.stderr
+    no = run("plan", "--profile", profile_path, *SMALL, "--latency", f"{1.2 * lowest:.6g}", "--margin", "0.5")
+    assert no.returncode == 2 and no.stderr.count("\n") == 1 and "Traceback" not in no.stderr
+    assert "less the planning margin 50.0% asked for" in no.stderr and "--margin 0" in no.stderr
+    for bad in ("1", "-0.1", "lots"):
+        err = run("plan", "--profile", profile_path, *SMALL, "--margin", bad)
+        assert err.returncode == 2 and err.stderr.count("\n") == 1 and "margin" in err.stderr, bad

@@ -284,6 +284,31 @@ def test_calibration_factors_and_overheads():
         CostModel(OPT30, t4_like(calibration={"pcie": 1.1}))
 
 
+def test_one_row_lm_head_is_a_gemv_at_the_memory_roof_not_a_calibrated_gemm():
+    """On a CPU a 1-row LM head is a matrix-vector product that reads the head weights once at the
+    memory roof (the profiler measures the roof on such a product): about half the 2-row GEMM. The
+    head factor fitted on few-row GEMMs must not price it; the decode layers' compute factor does."""
+    spec = get_model_spec("opt-125m")
+    prof = cpu_host(mem_bytes_per_s=11 * GB, calibration={"head": 1.8, "gpu_compute": 1.1})
+    cm = CostModel(spec, prof)
+    head_bytes = spec.vocab_size * spec.hidden * spec.dtype_bytes
+    row_flops = spec.lm_head_flops_per_token()
+    embed = spec.act_bytes_per_token / prof.mem_bytes_per_s  # one token's gather (no layer fit here)
+    one, two = cm.head_seconds("decode", 1, 40), cm.head_seconds("decode", 2, 40)
+    assert one == pytest.approx(1.1 * max(head_bytes / prof.mem_bytes_per_s, row_flops / prof.mm_flops)
+                                + 1.8 * embed)
+    assert two == pytest.approx(1.8 * (2 * row_flops / prof.mm_flops + head_bytes / prof.mem_bytes_per_s
+                                       + 2 * embed))
+    assert one < 0.6 * two
+    # Arrays (the simulator's grids) and expected rows between 1 and 2 (the analytic path) agree.
+    assert cm.head_seconds("decode", np.array([1, 2]), 40) == pytest.approx([one, two])
+    assert one < cm.head_seconds("decode", 1.5, 40) < two
+    # The head factor moves the 2-row head, the 1-row one only by its embedding gather.
+    other = CostModel(spec, replace(prof, calibration={"head": 3.0, "gpu_compute": 1.1}))
+    assert other.head_seconds("decode", 1, 40) - one == pytest.approx(1.2 * embed)
+    assert other.head_seconds("decode", 2, 40) == pytest.approx(two * 3.0 / 1.8)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # PuLP 3.3 deprecates its bundled CBC
 def test_cost_model_is_affine_and_solvable_as_an_lp():
     """The scheduler's use: PuLP variables in, affine expressions out, minimax LP solves."""

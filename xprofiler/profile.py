@@ -228,6 +228,49 @@ def _bracket(axis: tuple[int, ...], value: Any) -> tuple[Any, Any]:
     return i, w
 
 
+MARGIN_QUANTILE = 0.9  # of the calibration's wall-time errors; see CalibrationError
+MAX_AUTO_MARGIN = 0.5  # a derived margin above this says the calibration is unusable, not "plan at half"
+
+
+@dataclass(frozen=True)
+class CalibrationError:
+    """How far one real run strays from the calibrated prediction, seen by ``xsched calibrate``.
+
+    Both numbers are relative errors of the step wall seconds (prefill and decode, per designed
+    run), the quantity request latencies are sums of, at the ``quantile`` (0.9) over the
+    (run, phase) pairs: the median is what the fit minimises and understates what a given plan
+    sees, the maximum of ~20 pairs is one outlier. ``repeat_rel_spread`` is the run-to-run
+    spread, (max - min) / median over the ``repeats`` of one design: how much a run of the same
+    plan moves on this machine (None with a single repeat). ``fit_rel_error`` is |predicted /
+    measured - 1| after the fit: what the cost model still cannot express. ``planning_margin``
+    turns them into the fraction of a latency bound the planner keeps free.
+    """
+
+    quantile: float
+    repeats: int
+    pairs: int  # (run, phase) pairs the quantiles are over
+    repeat_rel_spread: float | None
+    fit_rel_error: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.quantile <= 1.0:
+            raise ValueError(f"quantile must be in (0, 1], got {self.quantile}")
+        for name in ("repeat_rel_spread", "fit_rel_error"):
+            v = getattr(self, name)
+            if v is not None and not v >= 0.0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+
+    def planning_margin(self) -> float:
+        """Fraction of the bound to keep free: ``e / (1 + e)``, ``e = hypot(spread, fit error)``.
+
+        A plan predicted at ``bound * (1 - m)`` and run ``(1 + e)`` slower than predicted lands
+        exactly on the bound; the two errors are independent (noise of the machine, bias of the
+        model), so they add in quadrature. Capped at ``MAX_AUTO_MARGIN``.
+        """
+        e = math.hypot(self.repeat_rel_spread or 0.0, self.fit_rel_error)
+        return min(e / (1.0 + e), MAX_AUTO_MARGIN)
+
+
 @dataclass(frozen=True)
 class HardwareProfile(Contract):
     """Capacities, bandwidths, flop rates and per-layer fits of one machine."""
@@ -259,6 +302,8 @@ class HardwareProfile(Contract):
     layer_fits: tuple[LayerFit, ...] = ()
     # Multiplicative time factors fitted from real runs (xsched calibrate); 1.0 = as measured.
     calibration: dict[str, float] = field(default_factory=dict)
+    # How far real runs strayed from the calibrated prediction (xsched calibrate); None before.
+    calibration_error: CalibrationError | None = None
     notes: str = ""
     # Memory roofs for the flop-rate model (0.0 = unknown): the read bandwidth of the compute
     # device's memory and of host RAM, as seen by a matrix-vector product over a large weight.

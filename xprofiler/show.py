@@ -76,6 +76,12 @@ def summary(p: HardwareProfile) -> str:
         lines.append("  layer fits   none (compute time from the flop rates and memory roofs)")
     if p.calibration:
         lines.append("  calibration  " + ", ".join(f"{k} x{v:.3g}" for k, v in sorted(p.calibration.items())))
+    err = p.calibration_error
+    if err is not None:
+        spread = "unknown" if err.repeat_rel_spread is None else f"{err.repeat_rel_spread:.1%}"
+        lines.append(f"  run error    step wall times, {err.quantile:.0%} quantile: run-to-run spread {spread} "
+                     f"({err.repeats} repeats), fit error {err.fit_rel_error:.1%}; planning margin "
+                     f"{err.planning_margin():.1%}")
     if p.notes:
         lines.append(textwrap.fill(p.notes, width=110, initial_indent="  notes        ",
                                    subsequent_indent=" " * 15))

@@ -177,7 +177,9 @@ def budget_hook(source: BudgetSource, plan_fn: Callable[[dict[str, float]], "Pol
 
 def plan_fn_for(plan: "Plan", profile: "HardwareProfile", **search: Any) -> Callable[[dict[str, float]], "Policy"]:
     """``plan_fn`` for :func:`budget_hook`: ``plan_search`` for the plan's model, workload and SLA on
-    ``profile`` with its gpu/cpu capacities replaced by the new budget (``search``: plan_search options)."""
+    ``profile`` with its gpu/cpu capacities replaced by the new budget (``search``: plan_search options;
+    the plan's margin unless ``margin`` is given)."""
+    search.setdefault("margin", plan.margin)
 
     def plan_fn(capacity_bytes: dict[str, float]) -> "Policy":
         from xscheduler.planner import plan_search

@@ -25,6 +25,11 @@ What is compared (per run; :data:`METRICS`):
 The predicted ``layers``/``head`` busy times exclude the overhead terms (the measured kernels do
 not contain them), so factors and overheads are not fighting over the same seconds: the fit is
 well posed. Terms that no run excites (e.g. ``dtoc`` without a disk) keep their old value.
+
+The calibrated profile also records how far real runs stray from the calibrated prediction
+(:class:`xprofiler.profile.CalibrationError`): the run-to-run spread of the step wall times over
+the repeats of each design and the fit's remaining error on them. ``xsched plan --margin auto``
+turns that into the fraction of a latency bound to keep free.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import numpy as np
 
 from workloads.distributions import LengthDistribution
 from workloads.workload import Workload
-from xprofiler.profile import HardwareProfile
+from xprofiler.profile import MARGIN_QUANTILE, CalibrationError, HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
 from xsimulator.costmodel import FACTOR_TERMS, OVERHEAD_TERMS
@@ -49,6 +54,7 @@ from xsimulator.policy import Policy
 
 METRICS: tuple[str, ...] = ("layers", "head", "cpu_compute", "ctog", "gtoc", "dtoc", "ctod", "prefill_wall",
                             "decode_wall")
+WALL_METRICS: tuple[str, ...] = ("prefill_wall", "decode_wall")
 TERMS: tuple[str, ...] = FACTOR_TERMS + OVERHEAD_TERMS
 # A measured busy time below this is noise (a handful of timer reads), not a signal to fit.
 MIN_MEASURED_S = 2e-3
@@ -98,7 +104,8 @@ def design_runs(spec: ModelSpec, gen_len: int = 6, depth: int = 4) -> list[RunDe
 
     # Weights: all but one layer offloaded. The engine keeps up to two fetched layers in its two
     # stage slots, so with <= 2 offloaded layers nothing is fetched again after the first step
-    # (the cost model charges every layer step); three or more are fetched every step.
+    # (and the cost model charges nothing per step); three or more are fetched every step, which
+    # is what excites ctog/dtoc here.
     frac = (d1 - 1) / d1 if d1 >= 4 else 1.0
     return [
         run("gpu-prefill", d2, 8, 48, 16, 2, ("gpu_compute", "head", "layer_overhead_s"), gbs=4, nb=2),
@@ -129,6 +136,7 @@ class Measurement:
     latency_s: dict[str, float]  # per request id
     peak_bytes: dict[str, float]
     planned_peak_bytes: dict[str, float]
+    repeat_metrics: tuple[dict[str, float], ...] = ()  # every repeat's metrics (``metrics`` is their median)
 
 
 def request_ids(n: int) -> list[str]:
@@ -223,7 +231,7 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
     for d, ms in zip(runs, got):
         metrics = {k: float(np.median([m.metrics[k] for m in ms])) for k in METRICS}
         typical = sorted(ms, key=lambda m: m.wall_s)[len(ms) // 2]
-        out.append(replace(typical, design=d, metrics=metrics))
+        out.append(replace(typical, design=d, metrics=metrics, repeat_metrics=tuple(m.metrics for m in ms)))
     return out
 
 
@@ -287,7 +295,11 @@ class Fit:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"calibration": dict(self.profile.calibration),
+        from xsched.contract import to_jsonable
+
+        err = self.profile.calibration_error
+        return {"calibration": dict(self.profile.calibration), "calibration_error": to_jsonable(err),
+                "planning_margin": err.planning_margin() if err is not None else 0.0,
                 "terms": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in t.__dict__.items()}
                           for t in self.terms], "residuals": self.rows,
                 "error_before": self.error_before, "error_after": self.error_after,
@@ -370,11 +382,40 @@ def fit_calibration(spec: ModelSpec, profile: HardwareProfile, measurements: Seq
             float(np.median(np.abs(r1[idx]))) if idx else math.nan))
     rows = [{"run": measurements[i].design.name, "metric": k, "measured_s": measurements[i].metrics[k],
              "before_s": pred0[i][k], "after_s": pred1[i][k]} for i, k in keys]
-    wall = np.array([k.endswith("_wall") for _i, k in keys])
+    wall = np.array([k in WALL_METRICS for _i, k in keys])
+    fitted = replace(fitted, calibration_error=calibration_error(measurements, r1[wall]))
     return Fit(profile=fitted, terms=terms, rows=rows, error_before=float(np.median(np.abs(r0))),
                error_after=float(np.median(np.abs(r1))),
                wall_error_before=float(np.median(np.abs(r0[wall]))) if wall.any() else math.nan,
                wall_error_after=float(np.median(np.abs(r1[wall]))) if wall.any() else math.nan)
+
+
+def repeat_spreads(measurements: Sequence[Measurement]) -> list[float]:
+    """(max - min) / median of each step wall time over the repeats of its design (>= 2 repeats,
+    median above the noise floor)."""
+    out = []
+    for m in measurements:
+        if len(m.repeat_metrics) < 2:
+            continue
+        for k in WALL_METRICS:
+            xs = np.array([r[k] for r in m.repeat_metrics])
+            med = float(np.median(xs))
+            if med >= MIN_MEASURED_S:
+                out.append(float((xs.max() - xs.min()) / med))
+    return out
+
+
+def calibration_error(measurements: Sequence[Measurement], wall_residuals: np.ndarray,
+                      quantile: float = MARGIN_QUANTILE) -> CalibrationError | None:
+    """The evidence ``--margin auto`` plans with (see :class:`CalibrationError`); None without wall residuals."""
+    if not len(wall_residuals):
+        return None
+    spreads = repeat_spreads(measurements)
+    return CalibrationError(
+        quantile=quantile, repeats=max((len(m.repeat_metrics) for m in measurements), default=1) or 1,
+        pairs=len(wall_residuals),
+        repeat_rel_spread=float(np.quantile(spreads, quantile)) if spreads else None,
+        fit_rel_error=float(np.quantile(np.abs(wall_residuals), quantile)))
 
 
 # --------------------------------------------------------------------------- the command's core
@@ -450,5 +491,11 @@ def report(fit: Fit) -> str:
                      f"{t.error_before:>10.1%} {t.error_after:>10.1%}")
     lines.append(f"median |relative error|: all {fit.error_before:.1%} -> {fit.error_after:.1%}; "
                  f"step wall times {fit.wall_error_before:.1%} -> {fit.wall_error_after:.1%}")
+    err = fit.profile.calibration_error
+    if err is not None:
+        spread = "unknown (one repeat)" if err.repeat_rel_spread is None else f"{err.repeat_rel_spread:.1%}"
+        lines.append(f"step wall times, {err.quantile:.0%} quantile over {err.pairs} (run, phase) pairs: run-to-run "
+                     f"spread over {err.repeats} repeats {spread}, fit error after {err.fit_rel_error:.1%}; "
+                     f"xsched plan --margin auto keeps {err.planning_margin():.1%} of a latency bound free")
     lines.extend(fit.notes)
     return "\n".join(lines)

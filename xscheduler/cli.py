@@ -32,6 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sla", choices=("p99", "p99-length"), default="p99",
                    help="p99: 99%% of requests finish within the bound (default); p99-length: a request of the "
                         "workload's 99th-percentile output length does")
+    p.add_argument("--margin", default="auto", metavar="auto|FRACTION",
+                   help="fraction of the latency bound kept free for the real run being slower than predicted: "
+                        "the search meets bound x (1 - margin). auto (default): derived from the run-to-run spread "
+                        "and the remaining fit error that `xsched calibrate` recorded in the profile, 0 for a "
+                        "profile without them; a number in [0, 1) overrides (0 = plan against the bound itself)")
     p.add_argument("--compress", choices=("auto", "on", "off"), default="auto",
                    help="4-bit group-wise compression of weights/KV cache: auto tries every combination "
                         "(default), on forces weights (and KV cache or CPU attention), off never")
@@ -121,7 +126,8 @@ def _plan(args: argparse.Namespace) -> int:
     sla = SLA(args.sla, latency)
     progress = not args.quiet and sys.stderr.isatty()
     plan = plan_search(spec, profile, workload, sla, compress=args.compress, method=args.search,
-                       num_requests=args.requests, seed=args.seed, evaluator=args.evaluator, progress=progress)
+                       num_requests=args.requests, seed=args.seed, evaluator=args.evaluator, progress=progress,
+                       margin=args.margin)
     if args.output:
         plan.save(args.output)
     written = []
@@ -144,6 +150,8 @@ def describe(plan) -> str:  # noqa: ANN001
     gib = 2.0**30
     lat = r.latency_s(sla.kind)
     bound = "unbounded" if math.isinf(sla.latency_s) else f"{sla.latency_s:,.6g} s"
+    margin = {"calibration": "derived from the profile's calibration runs", "user": "set with --margin",
+              "none": "the profile records no calibration error"}[plan.margin_source]
     lines = [
         f"plan for {plan.model.name} ({plan.model.dtype}) on profile {plan.profile_name} ({plan.profile_source}), "
         f"workload {plan.workload.name}, {r.num_requests} requests",
@@ -154,6 +162,8 @@ def describe(plan) -> str:  # noqa: ANN001
         f"latency: {sla.kind} {lat:,.6g} s against a bound of {bound}"
         + ("" if math.isinf(sla.latency_s) else f" ({plan.slack:.1%} of the bound unused)")
         + f"; p50 {r.latency_p50_s:,.4g} s, max {r.latency_max_s:,.4g} s",
+        f"planning margin: {plan.margin:.1%} ({margin}); searched against {sla.kind} <= "
+        + ("unbounded" if math.isinf(sla.latency_s) else f"{plan.planning_latency_s:,.6g} s"),
         "peak memory: " + ", ".join(f"{t} {r.peak_bytes[t] / gib:,.2f} of {r.capacity_bytes[t] / gib:,.1f} GiB"
                                     for t in ("gpu", "cpu", "disk")),
     ]

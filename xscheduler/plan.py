@@ -19,6 +19,7 @@ from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 
 SLA_KINDS: tuple[str, ...] = ("p99", "p99-length")
+MARGIN_SOURCES: tuple[str, ...] = ("none", "calibration", "user")
 SEARCH_METHODS: tuple[str, ...] = ("bnb", "exhaustive", "optuna")
 
 
@@ -41,6 +42,12 @@ class SLA(Contract):
     def met_by(self, result: SimResult, tolerance: float = 0.0) -> bool:
         """Whether the predicted latency is within the bound, allowing ``tolerance`` (fraction)."""
         return result.latency_s(self.kind) <= self.latency_s * (1.0 + tolerance)
+
+    def tightened(self, margin: float) -> "SLA":
+        """The bound a plan is searched against: ``latency_s * (1 - margin)`` (``margin`` in 0..1)."""
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be a fraction in [0, 1), got {margin}")
+        return SLA(self.kind, self.latency_s * (1.0 - margin))
 
     def describe(self) -> str:
         if math.isinf(self.latency_s):
@@ -93,10 +100,32 @@ class Plan(Contract):
     notes: tuple[str, ...] = ()
     searched_with: str = "discrete-event"  # simulator path the search priced points with
     confirmations: tuple[Confirmation, ...] = ()  # discrete-event re-simulations on other seeds
+    # The planning margin: the search met ``sla.latency_s * (1 - margin)`` (``planning_latency_s``),
+    # leaving room for a real run to be slower than predicted. ``margin_source``: "calibration"
+    # (derived from the profile's CalibrationError), "user" (--margin F) or "none". Plans written
+    # before margins existed load with margin 0 and the SLA's own bound.
+    margin: float = 0.0
+    margin_source: Literal["none", "calibration", "user"] = "none"
+    planning_latency_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"margin must be a fraction in [0, 1), got {self.margin}")
+        want = self.sla.tightened(self.margin).latency_s
+        if self.planning_latency_s is None:
+            object.__setattr__(self, "planning_latency_s", want)
+        elif not math.isclose(self.planning_latency_s, want, rel_tol=1e-9):
+            raise ValueError(f"planning_latency_s {self.planning_latency_s:g} is not the bound {self.sla.latency_s:g} "
+                             f"less the margin {self.margin:g} ({want:g})")
+
+    @property
+    def planning_sla(self) -> SLA:
+        """The SLA the search met: the user's bound less the margin."""
+        return self.sla.tightened(self.margin)
 
     @property
     def slack(self) -> float:
-        """Fraction of the latency bound left unused (0 = exactly at the bound; 1 = unbounded)."""
+        """Fraction of the user's latency bound left unused (0 = exactly at the bound; 1 = unbounded)."""
         if math.isinf(self.sla.latency_s):
             return 1.0
         return 1.0 - self.predicted.latency_s(self.sla.kind) / self.sla.latency_s

@@ -5,6 +5,11 @@ default: on these grids it is as fast as the analytic path (4-30 ms a point, whi
 LP takes about 10 ms) and, unlike the analytic path, it stays exact when a block holds the whole
 job with refill on. The chosen policy is then re-simulated by the discrete-event path on other
 seeds (``Plan.confirmations``), which shows how much the p99 moves between samples.
+
+A planning margin keeps part of the bound free for the real run being slower than predicted:
+the search meets ``bound * (1 - margin)``. ``margin="auto"`` takes it from the profile's
+calibration evidence (:meth:`xprofiler.profile.CalibrationError.planning_margin`: run-to-run
+spread and remaining fit error of the calibration runs), 0 for a profile without it.
 """
 
 from __future__ import annotations
@@ -61,25 +66,55 @@ def _evaluator(spec: ModelSpec, profile: HardwareProfile, workload: Workload, nu
     return ev, (bar.close if bar is not None else (lambda: None))
 
 
+def resolve_margin(profile: HardwareProfile, margin: float | str = "auto") -> tuple[float, str]:
+    """(margin fraction, where it came from) for ``plan_search``'s ``margin`` argument.
+
+    ``"auto"``: the profile's calibration evidence, or 0 (source ``"none"``) when it has none;
+    a number: that fraction, 0 <= margin < 1 (source ``"user"``).
+    """
+    if isinstance(margin, str):
+        if margin != "auto":
+            try:
+                margin = float(margin)
+            except ValueError:
+                raise UserError(f"margin must be 'auto' or a fraction in [0, 1), got {margin!r}") from None
+        else:
+            err = profile.calibration_error
+            if err is None:
+                return 0.0, "none"
+            return err.planning_margin(), "calibration"
+    m = float(margin)
+    if not 0.0 <= m < 1.0 or math.isnan(m):
+        raise UserError(f"margin must be a fraction in [0, 1) of the latency bound (0.1 = plan for 90% of it), got "
+                        f"{margin!r}")
+    return m, "user"
+
+
 def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, sla: SLA, *, compress: str = "auto",
                 method: str = "bnb", num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
                 evaluator: str = "discrete-event", eps_t: float = 0.01, eps_l: float = 0.0,
                 confirm_seeds: tuple[int, ...] = CONFIRM_SEEDS, progress: bool = False,
-                budget: int | None = None, only: Sequence[Variant] | None = None) -> Plan:
-    """The highest-throughput policy whose predicted latency meets ``sla``.
+                budget: int | None = None, only: Sequence[Variant] | None = None,
+                margin: float | str = "auto") -> Plan:
+    """The highest-throughput policy whose predicted latency meets ``sla`` less the planning margin.
 
     ``spec`` must be in the profile's compute dtype (``profile.model_for(spec)``). ``method``:
     ``bnb`` (branch-and-bound inside memory-derived knee ranges), ``exhaustive`` (every point of
     the full memory-feasible grid) or ``optuna`` (TPE, ``budget`` evaluations; default: what
     branch-and-bound needs on the same problem). ``only`` restricts the outer choices
     (compression, CPU attention) to the given variants, e.g. the running plan's for a quick
-    re-plan mid-job. Raises ``UserError`` when nothing fits or no
-    policy meets the SLA (naming the lowest latency that is achievable).
+    re-plan mid-job. ``margin`` (see :func:`resolve_margin`): the search meets
+    ``sla.latency_s * (1 - margin)``; the plan records the SLA, the margin and that bound. Raises
+    ``UserError`` when nothing fits or no policy meets the bound (naming the lowest latency that
+    is achievable, and the margin when one tightened the bound).
     """
     import xsched
 
     if num_requests < 1:
         raise UserError(f"the job needs at least 1 request, got {num_requests}")
+    user_sla = sla
+    margin_f, margin_source = resolve_margin(profile, margin)
+    sla = user_sla.tightened(margin_f)
     t0 = time.perf_counter()
     ev, close = _evaluator(spec, profile, workload, num_requests, seed, evaluator, progress)
     try:
@@ -94,7 +129,13 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
             low = lowest_latency(ev, spaces, sla.kind)
             if low is None:
                 _raise_does_not_fit(ev, compress)
-            raise UserError(f"no policy meets {sla.kind} <= {sla.latency_s:g} s; the lowest achievable is "
+            why = ""
+            if margin_f > 0:
+                how = ("derived from the profile's calibration runs" if margin_source == "calibration"
+                       else "asked for")
+                why = (f" ({user_sla.latency_s:g} s less the planning margin {margin_f:.1%} {how}; "
+                       f"--margin 0 plans against the bound itself)")
+            raise UserError(f"no policy meets {sla.kind} <= {sla.latency_s:g} s{why}; the lowest achievable is "
                             f"{low.latency(sla.kind):,.4g} s (policy {_one_line(low.policy)})")
     finally:
         close()
@@ -108,13 +149,15 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
     notes = []
     if not sla.met_by(predicted):
         notes.append(f"the discrete-event simulation (seed {seed}) puts {sla.kind} latency at "
-                     f"{predicted.latency_s(sla.kind):,.4g} s, over the bound the {evaluator} search used")
+                     f"{predicted.latency_s(sla.kind):,.4g} s, over the bound the {evaluator} search used "
+                     f"({sla.latency_s:g} s)")
     stats = SearchStats(method=method, evaluations=out.evaluations, grid_points=out.grid_points,
                         lp_solves=ev.lp_solves, wall_s=time.perf_counter() - t0)
-    return Plan(policy=best.policy, predicted=predicted, sla=sla, model=spec, workload=workload,
+    return Plan(policy=best.policy, predicted=predicted, sla=user_sla, model=spec, workload=workload,
                 profile_name=profile.name, profile_source=profile.source, profile_fingerprint=profile.fingerprint,
                 search=stats, version=xsched.__version__, notes=tuple(notes), searched_with=evaluator,
-                confirmations=tuple(confirmations))
+                confirmations=tuple(confirmations), margin=margin_f, margin_source=margin_source,
+                planning_latency_s=sla.latency_s)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
@@ -118,6 +118,10 @@ class Replan(Contract):
                 (f"{kind} latency s", lambda p: f"{p.latency_s(kind):,.5g}"),
                 ("p50 latency s", lambda p: f"{p.latency_p50_s:,.5g}"),
                 (f"meets {kind} <= {bound:g} s", lambda p: "yes" if self.old_plan.sla.met_by(p) else "NO")]
+        if self.old_plan.margin > 0:
+            planning = self.old_plan.planning_sla
+            rows.append((f"within {planning.latency_s:g} s ({self.old_plan.margin:.0%} margin)",
+                         lambda p: "yes" if planning.met_by(p) else "NO"))
         for label, fmt in rows:
             lines.append(f"  {label:<22}" + "".join(f"  {(fmt(p) if p is not None else '-'):>{w}}" for _, p in cols))
         lines.append("")
@@ -282,8 +286,10 @@ def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray,
         try:
             pol = plan.policy
             only = [Variant(pol.compress_weight, pol.compress_cache, pol.cpu_attention)] if scope == "local" else None
+            # Same SLA and the same margin: the re-plan promises what the plan promised.
             cand = plan_search(plan.model, profile, observed, plan.sla, compress=compress, num_requests=num_requests,
-                               evaluator=evaluator, confirm_seeds=(), only=only)
+                               evaluator=evaluator, confirm_seeds=(), only=only, margin=plan.margin)
+            cand = replace(cand, margin_source=plan.margin_source)
         except UserError as exc:
             notes.insert(0, f"no new plan: {exc}")
         else:

@@ -33,7 +33,7 @@ from xprofiler.diskio import round_up
 from xprofiler.profile import BandwidthCurve, HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.policy import Policy
+from xsimulator.policy import Policy, split_counts
 
 # Multiplicative calibration factors, one per separately visible time term.
 FACTOR_TERMS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "gpu_compute", "cpu_compute", "dequant",
@@ -206,6 +206,24 @@ def _stage_slots(fraction: Any, num_layers: int) -> Any:
     return 2.0
 
 
+def _weights_stay_staged(placement: Mapping[str, Any], num_layers: int) -> bool:
+    """Whether every offloaded layer keeps a stage slot of its own, so it is fetched only once.
+
+    The runner keeps fetched layers in its two stage slots (:func:`_stage_slots`) and fetches a
+    layer only when no slot holds it. With at most two offloaded layers (counted with the runner's
+    rounding, ``split_counts``) each has a slot, so after its first fetch in a job (a one-time copy
+    of <= 2 layers, not priced) it is never fetched again. With three or more, the layers are
+    visited in a cycle longer than the slots, so each is evicted before its next use and all are
+    fetched every step. LP expressions get False: the LP keeps the per-step charge (an upper
+    bound; its fractions are rounded to whole layers and the rounded policy is priced exactly).
+    """
+    trio = (placement["wg"], placement["wc"], placement["wd"])
+    if not all(isinstance(x, (int, float)) for x in trio):
+        return False
+    _g, c, d = split_counts(trio, num_layers)
+    return c + d <= 2
+
+
 def _is_zero(x: Any) -> bool:
     """True only for a plain number equal to 0 (never for an LP expression or an array)."""
     return isinstance(x, (int, float)) and x == 0
@@ -293,14 +311,15 @@ class CostModel:
 
         Disk-resident weights go disk -> cpu relay -> device, so they use dtoc and ctog; on a
         host without CUDA the record is read straight into the stage slot (the "gpu" tier is RAM),
-        so only dtoc. With compressed weights every layer (resident ones too) is dequantised once
-        per layer step.
+        so only dtoc. At most two offloaded layers stay in the stage slots and cost nothing per
+        step (:func:`_weights_stay_staged`). With compressed weights every layer (resident and
+        staged ones too) is dequantised once per layer step.
         """
-        p = placement
-        w = self.layer_stored_bytes
+        p, w = placement, self.layer_stored_bytes
+        staged = _weights_stay_staged(p, self.spec.num_layers)
         relayed = p["wc"] + p["wd"] if self.profile.compute_device == "cuda" else p["wc"]
-        ctog = self._move(relayed, "ctog", w)
-        dtoc = self._move(p["wd"], "dtoc", w)
+        ctog = 0.0 if staged else self._move(relayed, "ctog", w)
+        dtoc = 0.0 if staged else self._move(p["wd"], "dtoc", w)
         dequant = 0.0
         if self.compress_weight:
             dequant = self.layer_matmul_bytes / self.profile.dequant_bytes_per_s * self.factor("dequant")
@@ -433,15 +452,27 @@ class CostModel:
             # opt-125m (1 thread) 2/4/8/16/32 rows took 30/36/44/55/86 ms, which the *sum* of the
             # two roofs tracks within ~10% after one calibration factor, while their max is flat
             # up to 16 rows (and made calibrated predictions of jobs with few active rows slow).
-            head = head_flops / prof.mm_flops + head_bytes / prof.mem_bytes_per_s
+            gemm = head_flops / prof.mm_flops + head_bytes / prof.mem_bytes_per_s
+            # One row is a matrix-vector product, a different kernel: it reads the weight once at
+            # the memory roof (which the profiler measures on exactly such a product), about half
+            # the 2-row GEMM's time (opt-125m, 1 thread: 1/2/4 rows 18/40/60 ms on a busy VM). It
+            # is priced like the decode layers' memory-bound products (their calibration factor),
+            # not with the head factor fitted to few-row GEMMs; between 1 and 2 expected rows
+            # (the analytic path) the two are interpolated.
+            gemv = _op_seconds(prof, "mm", head_flops, head_bytes) * self.factor("gpu_compute")
+            one_row = np.clip(2.0 - np.asarray(rows, dtype=float), 0.0, 1.0)
+            head_factored = (1.0 - one_row) * gemm
+            head_own = one_row * gemv
+            if np.ndim(one_row) == 0:
+                head_factored, head_own = float(head_factored), float(head_own)
         else:
-            head = _op_seconds(prof, "mm", head_flops, head_bytes)
+            head_factored, head_own = _op_seconds(prof, "mm", head_flops, head_bytes), 0.0
         fit = self.profile.layer_fit(spec.name, phase, spec.dtype)
         if fit is not None and "tokens" in fit.features:
             embed = fit.coef[fit.features.index("tokens")] * tokens
         else:
             embed = _op_seconds(self.profile, "mm", 0.0 * tokens, tokens * spec.act_bytes_per_token)
-        return (head + embed) * self.factor("head") + self.overhead_s("step_overhead_s")
+        return (head_factored + embed) * self.factor("head") + head_own + self.overhead_s("step_overhead_s")
 
     # ----------------------------------------------------------------- memory
     def memory(self, placement: Mapping[str, Any], gbs: int, nb: int, max_prompt: int,
