@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import numpy as np
 
-from workloads.drift import DriftMonitor, DriftReport, DriftStat
+from workloads.drift import DEFAULT_HORIZON, DEFAULT_MIN_SHIFT, CusumMonitor, DriftMonitor, DriftReport, DriftStat
 from workloads.distributions import LengthDistribution
 from workloads.workload import Workload, read_request_lengths, read_rows, spearman_to_copula
 from xprofiler.profile import HardwareProfile
@@ -140,7 +140,7 @@ def stats_table(report: DriftReport) -> str:
     head = f"  {'stream':<7} {'last n':>7} {'test':<5} {'statistic':>10} {'p-value':>9} {'obs mean':>9} " \
            f"{'plan mean':>9}  fired"
     rows = [f"  {s.stream:<7} {s.n:>7} {s.test:<5} {s.statistic:>10.4g} {s.pvalue:>9.3g} {s.observed_mean:>9.1f} "
-            f"{s.planned_mean:>9.1f}  {'yes' if s.pvalue < report.level else ''}" for s in report.stats]
+            f"{s.planned_mean:>9.1f}  {'yes' if s.fired_at(report.level) else ''}" for s in report.stats]
     return "\n".join([head, *rows])
 
 
@@ -175,7 +175,11 @@ def _strongest(report: DriftReport) -> DriftStat | None:
     """The test furthest below the level (the one that fired hardest), else the smallest p."""
     if not report.stats:
         return None
-    return min(report.stats, key=lambda s: (s.pvalue, s.test != "mean"))
+    def ratio(s: DriftStat) -> float:  # p over the level it is judged at (tests have different levels)
+        level = report.level if s.level is None else s.level
+        return s.pvalue / level if level > 0 else s.pvalue
+
+    return min(report.stats, key=lambda s: (ratio(s), s.test != "mean"))
 
 
 def change_point(x: np.ndarray, mean: float, std: float, min_len: int) -> int:
@@ -252,10 +256,10 @@ def _check_lengths(prompt_lens: Any, output_lens: Any, censored: Any) -> tuple[n
 
 def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray, capped: np.ndarray,
              report: DriftReport, reference: Workload, t0: float, *, num_requests: int, evaluator: str,
-             compress: str, min_samples: int, scope: str = "full") -> Replan:
+             compress: str, min_samples: int, scope: str = "local", method: str = "warm") -> Replan:
     """After a look: fit the observed lengths, price the old policy on them, search if drifted."""
     from xscheduler.planner import plan_search
-    from xscheduler.search import Variant
+    from xscheduler.search import variants
     from xsimulator.discrete_event import simulate
 
     start = 0
@@ -265,8 +269,8 @@ def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray,
             x = p if s.stream == "prompt" else o
             dist = reference.prompt if s.stream == "prompt" else reference.output
             start = change_point(x, dist.mean, dist.std, min_samples)
-        else:
-            start = len(p) - s.n
+        else:  # KS on the last n, or a CUSUM positive for the last n (its change-point estimate)
+            start = max(0, min(len(p) - s.n, len(p) - min_samples))
     observed = fit_workload(p[start:], o[start:], reference)
     notes = []
     top = reference.output.max_len
@@ -281,9 +285,10 @@ def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray,
     if report.drifted:
         try:
             pol = plan.policy
-            only = [Variant(pol.compress_weight, pol.compress_cache, pol.cpu_attention)] if scope == "local" else None
+            only = [v for v in variants(compress, profile.compute_device) if v.compress_weight == pol.compress_weight] \
+                if scope == "local" else None
             cand = plan_search(plan.model, profile, observed, plan.sla, compress=compress, num_requests=num_requests,
-                               evaluator=evaluator, confirm_seeds=(), only=only)
+                               evaluator=evaluator, confirm_seeds=(), only=only, method=method, start=pol)
         except UserError as exc:
             notes.insert(0, f"no new plan: {exc}")
         else:
@@ -299,7 +304,8 @@ def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray,
 def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None, *,
            profile: HardwareProfile | str | None = None, false_alarm_rate: float = 0.01, min_samples: int = 30,
            windows: Sequence[int] = DEFAULT_WINDOWS, num_requests: int = REPLAN_REQUESTS,
-           evaluator: str = "analytic", compress: str = "auto", scope: str = "full") -> Replan:
+           evaluator: str = "discrete-event", compress: str = "auto", scope: str = "full",
+           method: str = "warm", min_shift: float = DEFAULT_MIN_SHIFT) -> Replan:
     """Test the observed lengths against ``plan.workload``; if they drifted, plan again.
 
     Lengths are in the order they were observed (a change in the middle of the list is located
@@ -318,9 +324,14 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
     p, o, c = _check_lengths(prompt_lens, output_lens, censored)
     if len(p) < min_samples:
         raise UserError(f"only {len(p)} observed request(s); the drift test needs at least {min_samples}")
-    report = DriftMonitor(plan.workload, false_alarm_rate, min_samples).check(p, o, windows)
+    report = DriftMonitor(plan.workload, false_alarm_rate / 2, min_samples).check(p, o, windows)
+    cusum = CusumMonitor(plan.workload, false_alarm_rate / 2, len(p), min_shift)
+    cusum.update(p, o)
+    stats = cusum.stats()
+    report = replace(report, stats=report.stats + stats,
+                     drifted=report.drifted or any(s.fired_at(cusum.level) for s in stats))
     return _respond(plan, prof, p, o, c, report, plan.workload, t0, num_requests=num_requests, evaluator=evaluator,
-                    compress=compress, min_samples=min_samples, scope=scope)
+                    compress=compress, min_samples=min_samples, scope=scope, method=method)
 
 
 @dataclass
@@ -339,17 +350,19 @@ class DriftWatcher:
     look_every: int = DEFAULT_LOOK_EVERY
     windows: tuple[int, ...] = DEFAULT_WINDOWS
     num_requests: int = REPLAN_REQUESTS
-    evaluator: str = "analytic"
+    evaluator: str = "discrete-event"
     compress: str = "auto"
-    scope: str = "full"  # "local" keeps the running plan's compression/attention choice: ~3x faster, can be worse
+    scope: str = "full"  # "local" keeps the running plan's weight compression (no weight reload mid-job)
+    method: str = "warm"  # plan_search method: "warm" climbs from the running policy, "bnb" searches everything
+    horizon: int = DEFAULT_HORIZON  # requests in the job: the CUSUM holds its false alarms over this many
+    min_shift: float = DEFAULT_MIN_SHIFT  # relative length change the CUSUM is tuned to catch fastest
     events: list[Replan] = field(default_factory=list)
     looks: int = 0
 
     def __post_init__(self) -> None:
         if self.look_every < 1:
             raise UserError(f"look_every must be >= 1, got {self.look_every}")
-        self.reference = self.plan.workload
-        self._monitor = DriftMonitor(self.reference, self.false_alarm_rate, self.min_samples)
+        self._reset(self.plan.workload, self.horizon)
         self._p: list[int] = []
         self._o: list[int] = []
         self._c: list[bool] = []
@@ -357,6 +370,13 @@ class DriftWatcher:
         self._next = 0
         self._start = 0  # first settled request compared with the current reference
         self._looked_at = 0
+
+    def _reset(self, reference: Workload, horizon: int) -> None:
+        """Compare what settles from now on with ``reference``: half the false-alarm budget to
+        the CUSUMs (every request), half to the windowed KS/mean looks (shape changes)."""
+        self.reference = reference
+        self._monitor = DriftMonitor(reference, self.false_alarm_rate / 2, self.min_samples)
+        self._cusum = CusumMonitor(reference, self.false_alarm_rate / 2, max(int(horizon), 1), self.min_shift)
 
     @property
     def settled(self) -> int:
@@ -380,28 +400,37 @@ class DriftWatcher:
         self._p.append(item[0])
         self._o.append(item[1])
         self._c.append(item[2])
+        self._cusum.update(item[0], item[1])
 
     def check(self) -> Replan | None:
-        """Look now if ``look_every`` requests settled since the last look; the event if it fired."""
+        """The event if a CUSUM is over its threshold, or if ``look_every`` requests settled since
+        the last look and the windowed tests fire; else None."""
         n = self.settled - self._start
-        if n < self.min_samples or self.settled - self._looked_at < self.look_every:
+        if n < self.min_samples:
             return None
         t0 = time.perf_counter()
-        self._looked_at = self.settled
-        self.looks += 1
+        cusum = self._cusum.stats()
         sl = slice(self._start, None)
-        p, o, c = np.array(self._p[sl]), np.array(self._o[sl]), np.array(self._c[sl], bool)
-        report = self._monitor.check(p, o, self.windows)
-        if not report.drifted:
+        if any(s.fired_at(self._cusum.level) for s in cusum):
+            p, o, c = np.array(self._p[sl]), np.array(self._o[sl]), np.array(self._c[sl], bool)
+            report = DriftReport(self._monitor.looks, n, n, self._cusum.level, True, cusum)
+        elif self.settled - self._looked_at >= self.look_every:
+            self._looked_at = self.settled
+            self.looks += 1
+            p, o, c = np.array(self._p[sl]), np.array(self._o[sl]), np.array(self._c[sl], bool)
+            report = self._monitor.check(p, o, self.windows)
+            if not report.drifted:
+                return None
+            report = replace(report, stats=report.stats + cusum)
+        else:
             return None
         event = _respond(self.plan, self.profile, p, o, c, report, self.reference, t0,
                          num_requests=self.num_requests, evaluator=self.evaluator, compress=self.compress,
-                         min_samples=self.min_samples, scope=self.scope)
+                         min_samples=self.min_samples, scope=self.scope, method=self.method)
         self.events.append(event)
         if event.new_plan is not None:
             self.plan = event.new_plan
-        self.reference = event.observed
-        self._monitor = DriftMonitor(self.reference, self.false_alarm_rate, self.min_samples)
+        self._reset(event.observed, self.horizon - self.settled)
         self._start = self.settled
         return event
 

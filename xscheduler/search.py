@@ -530,6 +530,63 @@ class SearchOutcome:
     wall_s: float
 
 
+def repair(ev: Evaluator, start: Evaluation, kind: str, bound_s: float, max_steps: int = 16) -> Evaluation | None:
+    """From a point that misses the bound (a running policy after its workload grew), the
+    nearest smaller batch shapes that meet it: each step halves nb or gbs, or refills less
+    often, moving to the fitting neighbour with the lowest latency, until one meets the bound.
+    None when none does within ``max_steps`` (the caller then searches without a start)."""
+    cur = start
+    for _ in range(max_steps):
+        if cur.meets(kind, bound_s):
+            return cur
+        g, nb, r = cur.gbs, cur.nb, cur.refill_every
+        rank = REFILL_LEVELS.index(r) if r in REFILL_LEVELS else 0
+        cands = [(g, nb // 2, r), (g // 2, nb, r)] + [(g, nb, r2) for r2 in REFILL_LEVELS[:rank]]
+        evals = [ev(cur.variant, *k) for k in cands if k[0] >= 1 and k[1] >= 1]
+        evals = [e for e in evals if e.fits]
+        if not evals:
+            return None
+        meeting = [e for e in evals if e.meets(kind, bound_s)]
+        cur = (max(meeting, key=lambda e: (e.throughput, -e.latency(kind))) if meeting
+               else min(evals, key=lambda e: e.latency(kind)))
+    return cur if cur.meets(kind, bound_s) else None
+
+
+def warm_start(ev: Evaluator, start: tuple[Variant, int, int, int], kind: str, bound_s: float,
+               others: Iterable[Variant] = (), refills: Iterable[int] = REFILL_LEVELS) -> Evaluation | None:
+    """The best point near a running policy's knobs: price them on the evaluator's (new)
+    workload, shrink the batch until the bound holds (:func:`repair`), then hill-climb
+    (:func:`polish`). None when the knobs do not fit or no smaller batch meets the bound."""
+    first = ev(*start)
+    if not first.fits:
+        return None
+    ok = repair(ev, first, kind, bound_s)
+    return None if ok is None else polish(ev, ok, kind, bound_s, others, refills)
+
+
+def warm_search(ev: Evaluator, variants_: Iterable[Variant], start: tuple[int, int, int], kind: str,
+                bound_s: float, refills: Iterable[int] = REFILL_LEVELS) -> SearchOutcome:
+    """A re-plan's search: the running policy's knobs ``start`` = (gbs, nb, refill) are the
+    starting point in every variant (:func:`warm_start` within it), and the best of those is
+    hill-climbed once more across variants.
+
+    A drift of a few tens of percent moves the best batch shape by a factor of two or so, which
+    the climb covers in a few steps; it needs no knee walks (placement LPs over the whole grid)
+    and no branch-and-bound, so it prices 10-80 points instead of 60-200 plus 60-330 LPs.
+    ``benchmarks/drift.py`` and ``tests/test_replan.py`` compare it with exhaustive search.
+    """
+    t0, e0, l0 = time.perf_counter(), ev.evaluations, ev.lp_solves
+    vs, refills = list(dict.fromkeys(variants_)), list(refills)
+    best = None
+    for v in vs:
+        e = warm_start(ev, (v, *start), kind, bound_s, (), refills)
+        if e is not None and _better(e, best, kind):
+            best = e
+    if best is not None and len(vs) > 1:
+        best = polish(ev, best, kind, bound_s, vs, refills)
+    return SearchOutcome(best, "warm", ev.evaluations - e0, 0, ev.lp_solves - l0, time.perf_counter() - t0)
+
+
 def search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, method: str = "bnb", *,
            eps_t: float = 0.01, eps_l: float = 0.0, budget: int | None = None, seed: int = 0,
            refill_outer: bool = True) -> SearchOutcome:
