@@ -20,7 +20,8 @@ from xprofiler.specs import get_model_spec
 from xsched.errors import UserError
 from xscheduler.plan import SLA, Plan
 from xscheduler.planner import plan_search
-from xscheduler.replan import DriftWatcher, Replan, change_point, replan
+from xscheduler.replan import DriftWatcher, Replan, change_point, fit_workload, replan
+from xscheduler.search import Evaluator, search, variants
 from xsimulator.discrete_event import simulate
 
 BOUND_S = 300.0  # p99 bound at which +30% longer outputs push opt-6.7b's T plan on the t4 preset over
@@ -89,21 +90,44 @@ def test_replan_after_a_30_percent_output_shift_meets_the_sla_the_old_plan_break
     assert Replan.from_json(ev.to_json()) == ev
 
 
-def test_local_replan_keeps_compression_and_attention_and_still_meets_the_sla(setup):
-    """scope="local" (no weight reload mid-job) searches only the running plan's outer choice."""
+def test_local_replan_keeps_weight_compression_and_still_meets_the_sla(setup):
+    """scope="local" (no weight reload mid-job) keeps the running plan's weight compression; the
+    KV-cache compression and attention placement may change (their buffers are empty between blocks)."""
     prof, w, plan, _ = setup
     p, o = shifted(w, 1.3).sample(600, seed=4)
     local = replan(plan, p, o, profile=prof, scope="local")
     full = replan(plan, p, o, profile=prof, scope="full")
-    old, new = plan.policy, local.new_plan.policy
-    assert (new.compress_weight, new.compress_cache, new.cpu_attention) == \
-        (old.compress_weight, old.compress_cache, old.cpu_attention)
-    assert plan.sla.met_by(local.new_plan.predicted)
-    # one outer choice instead of all of them: fewer simulations and placement LPs (the speed it is for)
+    assert local.new_plan.policy.compress_weight == plan.policy.compress_weight
+    assert plan.sla.met_by(local.new_plan.predicted) and plan.sla.met_by(full.new_plan.predicted)
+    assert local.new_plan.search.method == full.new_plan.search.method == "warm"
+    # fewer outer choices: fewer simulations and placement LPs (the speed it is for)
     assert local.new_plan.search.evaluations < full.new_plan.search.evaluations
     assert local.new_plan.search.lp_solves < full.new_plan.search.lp_solves
     with pytest.raises(UserError, match="scope"):
         replan(plan, p, o, profile=prof, scope="nearby")
+
+
+@pytest.mark.parametrize("factor", [1.3, pytest.param(0.85, marks=pytest.mark.slow)])  # ~15 s each at idle
+def test_warm_replan_matches_exhaustive_search_on_the_observed_workload(setup, factor):
+    """The re-plan's warm search (a climb from the running policy, no knee walks, no
+    branch-and-bound) against every point of the memory-feasible grid, priced by the same
+    simulator on the same requests: both scopes within 5% of the exhaustive best of their variants."""
+    prof, w, plan, _ = setup
+    p, o = shifted(w, factor).sample(600, seed=4)
+    n = 300  # requests per priced point (the exhaustive grid is ~2000 points)
+    ev = Evaluator(plan.model, prof, fit_workload(p, o, plan.workload), num_requests=n)
+    exhaustive = search(ev, [s for s in (ev.space(v) for v in variants("auto", prof.compute_device)) if s],
+                        plan.sla.kind, plan.sla.latency_s, "exhaustive")
+    for scope in ("local", "full"):
+        r = replan(plan, p, o, profile=prof, scope=scope, num_requests=n)
+        assert r.drifted and r.new_plan is not None and r.new_plan.search.method == "warm", r.describe()
+        allowed = [e for e in ev.cache.values() if e.meets(plan.sla.kind, plan.sla.latency_s)
+                   and (scope == "full" or e.variant.compress_weight == plan.policy.compress_weight)]
+        best = max(e.throughput for e in allowed)
+        got = r.new_plan.predicted
+        assert plan.sla.met_by(got)
+        assert got.throughput_tokens_per_s >= 0.95 * best, (scope, got.throughput_tokens_per_s, best)
+    assert exhaustive.best is not None
 
 
 def test_offline_replan_without_drift_keeps_the_plan(setup):

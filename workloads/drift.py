@@ -224,16 +224,23 @@ class CusumMonitor:
 
     def update(self, prompt_lens: Any, output_lens: Any) -> None:
         """Add settled lengths (in the order they settled)."""
-        p, o = np.atleast_1d(np.asarray(prompt_lens)), np.atleast_1d(np.asarray(output_lens))
+        p, o = np.atleast_1d(np.asarray(prompt_lens, np.int64)), np.atleast_1d(np.asarray(output_lens, np.int64))
+        if len(p) != len(o):
+            raise UserError("prompt and output lengths must be two equally long lists")
+        if not len(p):
+            return
         for name, x in (("prompt", p), ("output", o)):
             st = self._streams[name]
-            for z, raw in zip(st["scores"](x).tolist(), x.tolist()):
-                for d, sign in ((0, 1.0), (1, -1.0)):
-                    s = st["s"][d] + sign * z - st["k"][d]
+            zs, raws = st["scores"](x).tolist(), x.tolist()
+            for d, sign in ((0, 1.0), (1, -1.0)):
+                s, since, total, k = st["s"][d], st["since"][d], st["total"][d], st["k"][d]
+                for z, raw in zip(zs, raws):
+                    s += sign * z - k
                     if s > 0:
-                        st["s"][d], st["since"][d], st["total"][d] = s, st["since"][d] + 1, st["total"][d] + raw
+                        since, total = since + 1, total + raw
                     else:
-                        st["s"][d], st["since"][d], st["total"][d] = 0.0, 0, 0.0
+                        s, since, total = 0.0, 0, 0.0
+                st["s"][d], st["since"][d], st["total"][d] = s, since, total
         self.count += len(p)
 
     def stats(self) -> tuple[DriftStat, ...]:

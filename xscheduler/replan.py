@@ -400,7 +400,6 @@ class DriftWatcher:
         self._p.append(item[0])
         self._o.append(item[1])
         self._c.append(item[2])
-        self._cusum.update(item[0], item[1])
 
     def check(self) -> Replan | None:
         """The event if a CUSUM is over its threshold, or if ``look_every`` requests settled since
@@ -409,6 +408,8 @@ class DriftWatcher:
         if n < self.min_samples:
             return None
         t0 = time.perf_counter()
+        fed = self._start + self._cusum.count  # feed the CUSUMs in one batch (numpy scores) per check
+        self._cusum.update(self._p[fed:], self._o[fed:])
         cusum = self._cusum.stats()
         sl = slice(self._start, None)
         if any(s.fired_at(self._cusum.level) for s in cusum):
