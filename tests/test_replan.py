@@ -231,3 +231,59 @@ def test_run_replans_when_prompt_lengths_shift_and_outputs_match_a_run_without(t
 
     _, markers = read_chrome_trace(tmp_path / "drift.trace.json")
     assert any(m.name == "reconfigure" and "drift" in m.args.get("reason", "") for m in markers)
+
+
+@pytest.mark.slow  # three engine runs of 80 requests and two re-plans: about a minute on 2 shared cores
+def test_run_with_a_budget_cut_and_a_drift_replan_in_one_job_matches_a_run_without(tmp_path):
+    """`xsched run --adapt drift --budget-file F`: the budget file (a 30% cut of the gpu tier) is
+    applied at the first block boundary, the prompt lengths then triple half-way and the drift
+    watcher re-plans from the policy the cut put in force; every request is answered exactly once
+    and the outputs equal those of `--adapt none` (greedy; --replan-compress off keeps the weights exact)."""
+    from tests.sim_profiles import cpu_host
+    from tests.test_run_cli import random_spec, read_rows, without_timing, write_prompts
+    from workloads.workload import fixed_workload
+    from xrunner.result import RunResult
+    from xscheduler.plan import SearchStats
+    from xsimulator.costmodel import CostModel
+    from xsimulator.policy import Policy
+
+    prof = cpu_host()
+    prof_path = tmp_path / "profile.json"
+    prof.save(prof_path)
+    spec = random_spec()
+    policy = Policy(gbs=4, nb=1, wg=1.0, wc=0.0, wd=0.0, cg=1.0, cc=0.0, cd=0.0, hg=1.0, hc=0.0, hd=0.0)
+    # A 1 s p99 bound keeps re-planned blocks to 8-16 requests on this profile, so the job has
+    # block boundaries after the cut for the drift re-plan to happen at.
+    workload = fixed_workload(8, 4)
+    plan = tmp_path / "plan.json"
+    Plan(policy=policy, predicted=simulate(spec, prof, policy, workload, 16), sla=SLA("p99", 1.0), model=spec,
+         workload=workload, profile_name=prof.name, profile_source=prof.source, profile_fingerprint=prof.fingerprint,
+         search=SearchStats(method="exhaustive", evaluations=1, grid_points=1, lp_solves=0, wall_s=0.0),
+         version="test").save(plan)
+    peak = CostModel.for_policy(spec, prof, policy).peak_bytes(policy, 24, 4)
+    budget = tmp_path / "budget.json"
+    budget.write_text(json.dumps({"gpu_bytes": int(0.7 * peak["gpu"])}))
+    rng = np.random.default_rng(1)
+    rows = [{"id": i, "prompt_ids": rng.integers(3, spec.vocab_size, 8 if i < 40 else 24).tolist(),
+             "max_new_tokens": 4} for i in range(80)]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
+    outs = {}
+    for name, extra in (("both", ["--adapt", "drift", "--budget-file", str(budget)]), ("none", ["--adapt", "none"])):
+        out = tmp_path / f"{name}.jsonl"
+        r = subprocess.run([sys.executable, "-m", "xsched", "run", "--plan", str(plan), "--model", "random:opt-125m",
+                            "--prompts", str(prompts), "--out", str(out), *extra, "--profile", str(prof_path),
+                            "--replan-compress", "off", "--result", str(tmp_path / f"{name}.json"), "--quiet"],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        outs[name] = (read_rows(out), RunResult.load(tmp_path / f"{name}.json"), r.stderr)
+    rows_b, res_b, err_b = outs["both"]
+    rows_n, res_n, _ = outs["none"]
+    reasons = [a.reason for a in res_b.adaptations]
+    assert len(reasons) == 2 and reasons[0].startswith("budget: gpu") and reasons[1].startswith("drift: prompt"), \
+        reasons
+    cut, drift = res_b.adaptations
+    assert cut.old_policy == policy and drift.old_policy == cut.new_policy and drift.new_policy != cut.new_policy
+    assert err_b.count("xsched: adapt at block") == 2 and not res_n.adaptations
+    ids = [r["id"] for r in rows_b]
+    assert sorted(ids) == list(range(80))  # none lost, none twice
+    assert without_timing(rows_b) == without_timing(rows_n) and len(rows_n) == 80

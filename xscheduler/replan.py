@@ -256,7 +256,8 @@ def _check_lengths(prompt_lens: Any, output_lens: Any, censored: Any) -> tuple[n
 
 def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray, capped: np.ndarray,
              report: DriftReport, reference: Workload, t0: float, *, num_requests: int, evaluator: str,
-             compress: str, min_samples: int, scope: str = "local", method: str = "warm") -> Replan:
+             compress: str, min_samples: int, scope: str = "local", method: str = "warm",
+             running: Policy | None = None) -> Replan:
     """After a look: fit the observed lengths, price the old policy on them, search if drifted."""
     from xscheduler.planner import plan_search
     from xscheduler.search import variants
@@ -280,19 +281,20 @@ def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray,
     if at_top > n_fit * q + 3 * math.sqrt(max(n_fit * q * (1 - q), 1.0)):
         notes.append(f"{at_top} of {n_fit} outputs were cut at the longest planned output ({top} tokens) without "
                      f"EOS, more than the {q:.1%} the plan expects: the cap binds; the model would write more")
-    old_on = simulate(plan.model, profile, plan.policy, observed, num_requests, seed=0)
+    pol = plan.policy if running is None else running  # the policy in force (a budget change may have moved it)
+    old_on = simulate(plan.model, profile, pol, observed, num_requests, seed=0)
     new_plan = None
     if report.drifted:
         try:
-            pol = plan.policy
             only = [v for v in variants(compress, profile.compute_device) if v.compress_weight == pol.compress_weight] \
                 if scope == "local" else None
+            only = only or None  # compress="off" under 4-bit weights: nothing keeps them, so search every choice
             cand = plan_search(plan.model, profile, observed, plan.sla, compress=compress, num_requests=num_requests,
                                evaluator=evaluator, confirm_seeds=(), only=only, method=method, start=pol)
         except UserError as exc:
             notes.insert(0, f"no new plan: {exc}")
         else:
-            if cand.policy != plan.policy:
+            if cand.policy != pol:
                 new_plan = cand
             else:
                 notes.insert(0, "the old policy is still the best for the observed workload")
@@ -401,9 +403,10 @@ class DriftWatcher:
         self._o.append(item[1])
         self._c.append(item[2])
 
-    def check(self) -> Replan | None:
+    def check(self, running: Policy | None = None) -> Replan | None:
         """The event if a CUSUM is over its threshold, or if ``look_every`` requests settled since
-        the last look and the windowed tests fire; else None."""
+        the last look and the windowed tests fire; else None. ``running``: the policy in force
+        (default: the plan's), where the re-plan starts and what it compares with."""
         n = self.settled - self._start
         if n < self.min_samples:
             return None
@@ -427,7 +430,7 @@ class DriftWatcher:
             return None
         event = _respond(self.plan, self.profile, p, o, c, report, self.reference, t0,
                          num_requests=self.num_requests, evaluator=self.evaluator, compress=self.compress,
-                         min_samples=self.min_samples, scope=self.scope, method=self.method)
+                         min_samples=self.min_samples, scope=self.scope, method=self.method, running=running)
         self.events.append(event)
         if event.new_plan is not None:
             self.plan = event.new_plan
@@ -437,7 +440,7 @@ class DriftWatcher:
 
     def __call__(self, info: "BlockInfo") -> tuple[Policy, str] | None:
         """``between_blocks`` hook: the new policy and a one-line reason when a re-plan changed it."""
-        event = self.check()
+        event = self.check(info.policy)
         if event is None or event.new_plan is None or event.new_plan.policy == info.policy:
             return None
         return event.new_plan.policy, event.reason()
