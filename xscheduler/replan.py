@@ -1,13 +1,19 @@
 """Re-plan when the observed prompt/output lengths drift from the workload a plan was priced on.
 
-``replan`` is the offline answer (``xsched replan``): one look of the workloads drift test at the
-observed lengths; when it fires, the lengths after the estimated change point become the
+``replan`` is the offline answer (``xsched replan``): one look of the workloads drift tests at the
+observed lengths; when one fires, the lengths after the estimated change point become the
 observed workload (empirical pmfs), the old policy is priced on it, and ``plan_search`` looks for the best
 policy for the *same* model, profile and SLA. ``DriftWatcher`` does the same online during
-``xsched run``: it collects settled requests, looks every ``look_every`` of them (the
-group-sequential budget of :class:`workloads.drift.DriftMonitor` keeps the false-alarm rate of
-the whole job at or under ``false_alarm_rate``) and, as a ``between_blocks`` hook, hands the
-engine the new policy.
+``xsched run``: it feeds every settled request to the CUSUMs of :class:`workloads.drift.CusumMonitor`
+(a shift of the mean length, the drift that breaks an SLA or wastes throughput, found within a few
+hundred requests) and looks every ``look_every`` of them with the windowed KS/mean tests of
+:class:`workloads.drift.DriftMonitor` (any change of shape); the two share ``false_alarm_rate``
+over the job (:data:`CUSUM_SHARE`). As a ``between_blocks`` hook it hands the engine the new policy.
+
+The search of a re-plan is ``plan_search(method="warm")``: a climb from the policy in force
+(:func:`xscheduler.search.warm_search`, tens of simulations and LPs instead of the whole
+branch-and-bound), falling back to branch-and-bound when nothing near it meets the SLA.
+``scope="local"`` keeps the weight compression (changing it makes the engine read the weights again).
 
 Censoring: a request that stopped because it reached ``max_new_tokens`` (not EOS) has an output
 length that is only a lower bound of what the model would have written. It is counted at its
@@ -52,6 +58,11 @@ if TYPE_CHECKING:  # the engine's hook argument; xscheduler must not import xrun
 DEFAULT_WINDOWS: tuple[int, ...] = (64, 128, 256, 512, 1024)
 DEFAULT_LOOK_EVERY = 64  # settled requests between two looks of the online watcher
 SCOPES: tuple[str, ...] = ("full", "local")
+# Share of the false-alarm budget given to the CUSUMs (the mean-shift detector); the windowed KS
+# and mean tests (any change of shape) get the rest. The CUSUM threshold is conservative (6% of
+# null streams fired at a 20% budget in tests/test_workloads.py), the windowed tests' Bonferroni split
+# less so, and the CUSUM is the one whose delay the goals are about.
+CUSUM_SHARE = 0.75
 REPLAN_REQUESTS = 1000  # requests a re-plan prices each candidate on (speed; the plan said how many it used)
 
 
@@ -314,10 +325,11 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
     and only what follows it is fitted); ``censored[i]`` marks an output that stopped at its
     ``max_new_tokens`` (see the module docstring for how it counts). The search uses the same
     model, profile (``profile_for``) and SLA as ``plan``; ``evaluator`` prices its candidates
-    (the analytic path, for speed), and the chosen plan is priced again by the discrete-event
-    simulator on ``num_requests`` requests. ``scope="local"`` keeps the plan's compression and
-    attention choice and searches only its knobs and placement (what a job re-plans mid-run, in
-    about a sixth of the time of ``"full"``, which searches every outer choice).
+    and the chosen plan is priced by the discrete-event simulator on ``num_requests`` requests.
+    ``method``: ``warm`` (default; see the module docstring) or any ``plan_search`` method.
+    ``scope="local"`` keeps the plan's weight compression (no weight reload mid-job; KV-cache
+    compression, CPU attention, batch shape, refill and placement may change); ``"full"`` may
+    change it too. ``min_shift``: the relative length change the CUSUMs are tuned to.
     """
     if scope not in SCOPES:
         raise UserError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
@@ -326,8 +338,8 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
     p, o, c = _check_lengths(prompt_lens, output_lens, censored)
     if len(p) < min_samples:
         raise UserError(f"only {len(p)} observed request(s); the drift test needs at least {min_samples}")
-    report = DriftMonitor(plan.workload, false_alarm_rate / 2, min_samples).check(p, o, windows)
-    cusum = CusumMonitor(plan.workload, false_alarm_rate / 2, len(p), min_shift)
+    report = DriftMonitor(plan.workload, false_alarm_rate * (1 - CUSUM_SHARE), min_samples).check(p, o, windows)
+    cusum = CusumMonitor(plan.workload, false_alarm_rate * CUSUM_SHARE, len(p), min_shift)
     cusum.update(p, o)
     stats = cusum.stats()
     report = replace(report, stats=report.stats + stats,
@@ -374,11 +386,12 @@ class DriftWatcher:
         self._looked_at = 0
 
     def _reset(self, reference: Workload, horizon: int) -> None:
-        """Compare what settles from now on with ``reference``: half the false-alarm budget to
-        the CUSUMs (every request), half to the windowed KS/mean looks (shape changes)."""
+        """Compare what settles from now on with ``reference``: CUSUM_SHARE of the false-alarm
+        budget to the CUSUMs (every request), the rest to the windowed KS/mean looks."""
         self.reference = reference
-        self._monitor = DriftMonitor(reference, self.false_alarm_rate / 2, self.min_samples)
-        self._cusum = CusumMonitor(reference, self.false_alarm_rate / 2, max(int(horizon), 1), self.min_shift)
+        a = self.false_alarm_rate
+        self._monitor = DriftMonitor(reference, a * (1 - CUSUM_SHARE), self.min_samples)
+        self._cusum = CusumMonitor(reference, a * CUSUM_SHARE, max(int(horizon), 1), self.min_shift)
 
     @property
     def settled(self) -> int:
@@ -415,7 +428,10 @@ class DriftWatcher:
         self._cusum.update(self._p[fed:], self._o[fed:])
         cusum = self._cusum.stats()
         sl = slice(self._start, None)
-        if any(s.fired_at(self._cusum.level) for s in cusum):
+        # A CUSUM over its threshold waits until min_samples lengths lie after its change-point
+        # estimate: a big shift fires within a few requests, and a fit mixing in the lengths from
+        # before the change would leave a reference the next CUSUM fires against again.
+        if any(s.fired_at(self._cusum.level) and s.n >= self.min_samples for s in cusum):
             p, o, c = np.array(self._p[sl]), np.array(self._o[sl]), np.array(self._c[sl], bool)
             report = DriftReport(self._monitor.looks, n, n, self._cusum.level, True, cusum)
         elif self.settled - self._looked_at >= self.look_every:
