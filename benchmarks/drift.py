@@ -40,7 +40,7 @@ from xprofiler.presets import load_profile
 from xprofiler.specs import get_model_spec
 from xscheduler.plan import SLA
 from xscheduler.planner import plan_search
-from xscheduler.replan import DriftWatcher, fit_workload, replan
+from xscheduler.replan import DriftWatcher, replan
 from xscheduler.search import Evaluator, search, variants
 from xsimulator.discrete_event import simulate_timeline
 
@@ -111,8 +111,12 @@ def main() -> None:
             row["test"] = next((f"{st.stream} {st.test}" for st in ev.drift.fired()), None)
             new = ev.new_plan.policy if ev.new_plan is not None else plan.policy
             row["policy"] = _describe(new)
-            l1, w1, t1 = segment(plan, prof, plan.policy, w, p[:at], o[:at])
-            l2, w2, t2 = segment(plan, prof, new, ev.observed, p[at:], o[at:])
+            if new == plan.policy:  # policy kept: the job runs on as one segment
+                (l1, w1, t1), (l2, w2, t2) = segment(plan, prof, plan.policy, w, p, o), (lat0[at:], 0.0, 0.0)
+                l1 = l1[:at]
+            else:  # the block in flight drains under the old policy, the rest runs under the new one
+                l1, w1, t1 = segment(plan, prof, plan.policy, w, p[:at], o[:at])
+                l2, w2, t2 = segment(plan, prof, new, ev.observed, p[at:], o[at:])
             lat = np.concatenate((l1, l2))
             row["viol_with"] = float(np.mean(lat > sla.latency_s))
             row["viol_after_with"] = float(np.mean(l2 > sla.latency_s))
@@ -158,9 +162,9 @@ def main() -> None:
             print(f"  {factor - 1:+.0%}: detected {len(got)}/{len(d)}, delay "
                   + (f"min {min(got)}, median {np.median(got):.0f}, max {max(got)}, over 500: "
                      f"{sum(x > 500 for x in got) + len(d) - len(got)}" if got else "-"))
-    rate = alarms / args.seeds
+    rate = alarms / max(args.seeds, 1)
     print(f"\nfalse alarms: {alarms} of {args.seeds} unshifted streams of {args.requests} requests = {rate:.3f} "
-          f"(goal < 0.01; configured {args.false_alarm_rate}; {np.mean(looks):.0f} looks per stream)")
+          f"(goal < 0.01; configured {args.false_alarm_rate}; {np.mean(looks) if looks else 0:.0f} looks per stream)")
     print("goals: detection delay <= 500 requests, re-plan <= 1 s; 'viol' = fraction of requests over the "
           f"{sla.latency_s:g} s bound (whole job / after the shift), tok/s over the whole job")
 
@@ -171,22 +175,23 @@ def replan_table(args, plan, prof, w) -> list[dict]:  # noqa: ANN001
     jobs = [(f, s) for f in SHIFTS for s in range(args.replan_samples)]
     for factor, seed in tqdm(jobs, desc="re-plans", leave=False):
         p, o = replace(w, output=w.output.scaled(factor)).sample(600, seed=4 + seed)
-        found = []
+        found, observed = [], None
         for scope in ("local", "full"):
             for method in ("warm", "bnb"):
                 r = replan(plan, p, o, profile=prof, scope=scope, method=method,
                            false_alarm_rate=args.false_alarm_rate)
                 if not r.drifted:
                     continue
+                observed = r.observed  # the same fit for every scope and method (from the estimated change point)
                 new = r.new_plan.predicted if r.new_plan is not None else r.old_on_observed
                 pol = r.new_plan.policy if r.new_plan is not None else plan.policy
-                stats = r.new_plan.search if r.new_plan is not None else None
+                stats = r.new_plan.search if r.new_plan is not None else None  # None: the policy was kept
                 found.append(dict(shift=f"{factor - 1:+.0%}", seed=seed, scope=scope, method=method, wall_s=r.wall_s,
                                   load=load(), evals=stats.evaluations if stats else 0, lps=stats.lp_solves if stats else 0,
                                   tps=new.throughput_tokens_per_s, meets="yes" if plan.sla.met_by(new) else "NO",
                                   cw=pol.compress_weight, vs_ref=None, policy=_describe(pol)))
-        if args.exhaustive:
-            ev = Evaluator(plan.model, prof, fit_workload(p, o, plan.workload), num_requests=args.exhaustive_requests)
+        if args.exhaustive and observed is not None:
+            ev = Evaluator(plan.model, prof, observed, num_requests=args.exhaustive_requests)
             search(ev, [sp for sp in (ev.space(v) for v in variants("auto", prof.compute_device)) if sp],
                    plan.sla.kind, plan.sla.latency_s, "exhaustive")
             ok = [e for e in ev.cache.values() if e.meets(plan.sla.kind, plan.sla.latency_s)]

@@ -287,3 +287,16 @@ def test_run_with_a_budget_cut_and_a_drift_replan_in_one_job_matches_a_run_witho
     ids = [r["id"] for r in rows_b]
     assert sorted(ids) == list(range(80))  # none lost, none twice
     assert without_timing(rows_b) == without_timing(rows_n) and len(rows_n) == 80
+
+
+def test_warm_search_falls_back_to_branch_and_bound_when_nothing_near_the_start_fits(setup):
+    from xsimulator.policy import Policy
+
+    prof, w, plan, _ = setup
+    huge = Policy(gbs=4096, nb=64)  # no memory holds this shape in any variant: no warm start anywhere
+    got = plan_search(plan.model, prof, w, plan.sla, num_requests=300, confirm_seeds=(), method="warm", start=huge)
+    ref = plan_search(plan.model, prof, w, plan.sla, num_requests=300, confirm_seeds=(), method="bnb")
+    assert got.search.method == "warm+bnb" and got.policy == ref.policy
+    assert got.search.evaluations >= ref.search.evaluations  # the failed climb's points count too
+    with pytest.raises(UserError, match="running policy"):
+        plan_search(plan.model, prof, w, plan.sla, num_requests=300, confirm_seeds=(), method="warm")
