@@ -245,6 +245,10 @@ def test_drift_monitor_input_checks():
     assert not report.drifted and report.look == 0  # too few lengths: no look spent
     with pytest.raises(UserError, match="whole numbers"):
         monitor.check([0] * 50, None)
+    ks_only = DriftMonitor(w, tests=("ks",)).check(w.prompt.sample(100, seed=1), None, windows=(64,))
+    assert {s.test for s in ks_only.stats} == {"ks"} and len(ks_only.stats) == 2  # whole stream + one window
+    with pytest.raises(UserError, match="ks, mean"):
+        DriftMonitor(w, tests=("t",))
 
 
 def test_skewnorm_pmf_matches_scipy_skewnorm():

@@ -55,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "replan", help="test observed lengths against a plan's workload; re-plan for the same SLA if they drifted",
         description="Read the lengths a job observed (the results JSONL of `xsched run`, or a JSONL/CSV with "
                     "prompt_tokens and output_tokens per request, in the order observed), test them against the "
-                    "plan's workload (CUSUMs of the mean and KS/mean tests on the whole file and recent windows, "
+                    "plan's workload (CUSUMs of the mean, KS tests on the whole file and recent windows, "
                     "prompt and output), and "
                     "when they drifted, search a new plan for the same model, profile and SLA. Prints the tests, "
                     "what the old plan gives under the observed workload and what the new one changes.")

@@ -6,7 +6,7 @@ observed workload (empirical pmfs), the old policy is priced on it, and ``plan_s
 policy for the *same* model, profile and SLA. ``DriftWatcher`` does the same online during
 ``xsched run``: it feeds every settled request to the CUSUMs of :class:`workloads.drift.CusumMonitor`
 (a shift of the mean length, the drift that breaks an SLA or wastes throughput, found within a few
-hundred requests) and looks every ``look_every`` of them with the windowed KS/mean tests of
+hundred requests) and looks every ``look_every`` of them with the windowed KS tests of
 :class:`workloads.drift.DriftMonitor` (any change of shape); the two share ``false_alarm_rate``
 over the job (:data:`CUSUM_SHARE`). As a ``between_blocks`` hook it hands the engine the new policy.
 
@@ -63,6 +63,7 @@ SCOPES: tuple[str, ...] = ("full", "local")
 # null streams fired at a 20% budget in tests/test_workloads.py), the windowed tests' Bonferroni split
 # less so, and the CUSUM is the one whose delay the goals are about.
 CUSUM_SHARE = 0.75
+WINDOW_TESTS = ("ks",)  # the windowed tests beside the CUSUMs: shape changes (the CUSUMs test the mean)
 REPLAN_REQUESTS = 1000  # requests a re-plan prices each candidate on (speed; the plan said how many it used)
 
 
@@ -338,7 +339,8 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
     p, o, c = _check_lengths(prompt_lens, output_lens, censored)
     if len(p) < min_samples:
         raise UserError(f"only {len(p)} observed request(s); the drift test needs at least {min_samples}")
-    report = DriftMonitor(plan.workload, false_alarm_rate * (1 - CUSUM_SHARE), min_samples).check(p, o, windows)
+    report = DriftMonitor(plan.workload, false_alarm_rate * (1 - CUSUM_SHARE), min_samples,
+                          WINDOW_TESTS).check(p, o, windows)
     cusum = CusumMonitor(plan.workload, false_alarm_rate * CUSUM_SHARE, len(p), min_shift)
     cusum.update(p, o)
     stats = cusum.stats()
@@ -387,10 +389,10 @@ class DriftWatcher:
 
     def _reset(self, reference: Workload, horizon: int) -> None:
         """Compare what settles from now on with ``reference``: CUSUM_SHARE of the false-alarm
-        budget to the CUSUMs (every request), the rest to the windowed KS/mean looks."""
+        budget to the CUSUMs (every request), the rest to the windowed KS looks."""
         self.reference = reference
         a = self.false_alarm_rate
-        self._monitor = DriftMonitor(reference, a * (1 - CUSUM_SHARE), self.min_samples)
+        self._monitor = DriftMonitor(reference, a * (1 - CUSUM_SHARE), self.min_samples, WINDOW_TESTS)
         self._cusum = CusumMonitor(reference, a * CUSUM_SHARE, max(int(horizon), 1), self.min_shift)
 
     @property

@@ -534,9 +534,10 @@ class SearchOutcome:
 
 
 def repair(ev: Evaluator, start: Evaluation, kind: str, bound_s: float, max_steps: int = 16) -> Evaluation | None:
-    """From a point that misses the bound (a running policy after its workload grew), the
-    nearest smaller batch shapes that meet it: each step halves nb or gbs, or refills less
-    often, moving to the fitting neighbour with the lowest latency, until one meets the bound.
+    """From a point that misses the bound or does not fit (a running policy after its workload
+    grew), the nearest smaller batch shapes that meet it: each step halves nb or gbs, or refills
+    less often, moving to the best neighbour that meets the bound, else to the fitting one with
+    the lowest latency (else the smaller shape that still does not fit), until one meets the bound.
     None when none does within ``max_steps`` (the caller then searches without a start)."""
     cur = start
     for _ in range(max_steps):
@@ -545,10 +546,14 @@ def repair(ev: Evaluator, start: Evaluation, kind: str, bound_s: float, max_step
         g, nb, r = cur.gbs, cur.nb, cur.refill_every
         rank = REFILL_LEVELS.index(r) if r in REFILL_LEVELS else 0
         cands = [(g, nb // 2, r), (g // 2, nb, r)] + [(g, nb, r2) for r2 in REFILL_LEVELS[:rank]]
-        evals = [ev(cur.variant, *k) for k in cands if k[0] >= 1 and k[1] >= 1]
-        evals = [e for e in evals if e.fits]
+        tried = [ev(cur.variant, *k) for k in cands if k[0] >= 1 and k[1] >= 1]
+        evals = [e for e in tried if e.fits]
         if not evals:
-            return None
+            smaller = [e for e in tried if (e.gbs, e.nb) != (g, nb)]
+            if not smaller:
+                return None
+            cur = min(smaller, key=lambda e: e.gbs * e.nb)  # nothing fits yet: keep shrinking
+            continue
         meeting = [e for e in evals if e.meets(kind, bound_s)]
         cur = (max(meeting, key=lambda e: (e.throughput, -e.latency(kind))) if meeting
                else min(evals, key=lambda e: e.latency(kind)))
@@ -559,11 +564,9 @@ def warm_start(ev: Evaluator, start: tuple[Variant, int, int, int], kind: str, b
                others: Iterable[Variant] = (), refills: Iterable[int] = REFILL_LEVELS) -> Evaluation | None:
     """The best point near a running policy's knobs: price them on the evaluator's (new)
     workload, shrink the batch until the bound holds (:func:`repair`), then hill-climb
-    (:func:`polish`). None when the knobs do not fit or no smaller batch meets the bound."""
-    first = ev(*start)
-    if not first.fits:
-        return None
-    ok = repair(ev, first, kind, bound_s)
+    (:func:`polish`); knobs that no longer fit (a smaller budget) shrink the same way. None when
+    no smaller batch meets the bound within :func:`repair`'s steps."""
+    ok = repair(ev, ev(*start), kind, bound_s)
     return None if ok is None else polish(ev, ok, kind, bound_s, others, refills)
 
 
