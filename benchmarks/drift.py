@@ -135,13 +135,15 @@ def main() -> None:
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     if replan_rows:
         ref = "exhaustive" if args.exhaustive else "best found"
-        print(f"\nre-plan alone on shifted samples of 600 requests ({args.exhaustive_requests if args.exhaustive else 1000} "
-              f"requests priced per point; 'vs ref' = throughput / {ref} for the scope's variants)")
+        priced = args.exhaustive_requests if args.exhaustive else 1000
+        print(f"\nre-plan alone on shifted samples of 600 requests ({priced} requests priced per point; 'vs ref' = "
+              f"throughput / {ref} for the scope's variants)")
         print(f"{'shift':>6} {'seed':>4} {'scope':>6} {'method':>8} {'wall s':>7} {'load':>5} {'evals':>5} {'LPs':>4} "
               f"{'tok/s':>8} {'vs ref':>6} {'meets':>5}  policy")
         for r in replan_rows:
             print(f"{r['shift']:>6} {r['seed']:>4} {r['scope']:>6} {r['method']:>8} {r['wall_s']:>7.3f} {r['load']:>5} "
-                  f"{r['evals']:>5} {r['lps']:>4} {r['tps']:>8.2f} {fmt(r['vs_ref'], '.3f'):>6} {r['meets']:>5}  {r['policy']}")
+                  f"{r['evals']:>5} {r['lps']:>4} {r['tps']:>8.2f} {fmt(r['vs_ref'], '.3f'):>6} {r['meets']:>5}  "
+                  f"{r['policy']}")
         for scope in ("local", "full"):
             for method in ("warm", "bnb"):
                 sel = [r for r in replan_rows if r["scope"] == scope and r["method"] == method]
@@ -187,7 +189,8 @@ def replan_table(args, plan, prof, w) -> list[dict]:  # noqa: ANN001
                 pol = r.new_plan.policy if r.new_plan is not None else plan.policy
                 stats = r.new_plan.search if r.new_plan is not None else None  # None: the policy was kept
                 found.append(dict(shift=f"{factor - 1:+.0%}", seed=seed, scope=scope, method=method, wall_s=r.wall_s,
-                                  load=load(), evals=stats.evaluations if stats else 0, lps=stats.lp_solves if stats else 0,
+                                  load=load(), evals=stats.evaluations if stats else 0,
+                                  lps=stats.lp_solves if stats else 0,
                                   tps=new.throughput_tokens_per_s, meets="yes" if plan.sla.met_by(new) else "NO",
                                   cw=pol.compress_weight, vs_ref=None, policy=_describe(pol)))
         if args.exhaustive and observed is not None:

@@ -352,8 +352,8 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
     if args.budget_file:
         from xrunner.budget import FileBudget, budget_hook, plan_fn_for, with_budget
 
-        budget = budget_hook(FileBudget(args.budget_file), plan_fn_for(plan, profile, confirm_seeds=(), compress=args.replan_compress,
-                                                                num_requests=requests),
+        plan_fn = plan_fn_for(plan, profile, confirm_seeds=(), compress=args.replan_compress, num_requests=requests)
+        budget = budget_hook(FileBudget(args.budget_file), plan_fn,
                              capacity_bytes={t: capacity[t] for t in ("gpu", "cpu")})
     if watcher is None and budget is None:
         return None, None

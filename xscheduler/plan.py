@@ -55,7 +55,7 @@ class SearchStats(Contract):
 
     SCHEMA: ClassVar[str] = "xsched.SearchStats/1"
 
-    method: Literal["bnb", "exhaustive", "optuna", "warm", "warm+bnb"]  # warm: a re-plan climbing from the running policy
+    method: Literal["bnb", "exhaustive", "optuna", "warm", "warm+bnb"]  # warm: a re-plan's climb from its policy
     evaluations: int  # simulator calls (placement LPs included in their cost)
     grid_points: int  # points of the knob grid searched (exhaustive/optuna: memory-feasible grid; bnb: knee ranges)
     lp_solves: int
