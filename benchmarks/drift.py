@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=100, help="unshifted streams for the false-alarm rate")
     ap.add_argument("--shift-seeds", type=int, default=3, help="shifted jobs per shift size")
     ap.add_argument("--hook-every", type=int, default=32)
-    ap.add_argument("--false-alarm-rate", type=float, default=0.01)
+    ap.add_argument("--false-alarm-rate", type=float, default=0.005, help="the watcher's budget (its default)")
     ap.add_argument("--scope", choices=("local", "full"), default="full", help="the watcher's re-plan scope")
     ap.add_argument("--replan-samples", type=int, default=3, help="shifted samples per shift size timed alone")
     ap.add_argument("--exhaustive", action="store_true", help="compare re-plans with exhaustive search (slow)")

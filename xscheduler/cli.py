@@ -65,8 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "output cut at max_new_tokens)")
     r.add_argument("--profile", default=None,
                    help="the profile the plan was priced on (default: the plan's preset; needed for measured ones)")
-    r.add_argument("--false-alarm-rate", type=float, default=0.01,
-                   help="probability of reporting drift when there is none (default 0.01)")
+    r.add_argument("--false-alarm-rate", type=float, default=0.005,
+                   help="probability of reporting drift when there is none (default 0.005)")
     r.add_argument("--compress", choices=("auto", "on", "off"), default="auto",
                    help="compression choices of the new search, as in `xsched plan` (default auto)")
     r.add_argument("--scope", choices=("full", "local"), default="full",
