@@ -107,7 +107,7 @@ def test_local_replan_keeps_weight_compression_and_still_meets_the_sla(setup):
         replan(plan, p, o, profile=prof, scope="nearby")
 
 
-@pytest.mark.parametrize("factor", [1.3, pytest.param(0.85, marks=pytest.mark.slow)])  # ~15 s each at idle
+@pytest.mark.parametrize("factor", [1.3, pytest.param(0.85, marks=pytest.mark.slow)])  # ~10 s each at load 1-2
 def test_warm_replan_matches_exhaustive_search_on_the_observed_workload(setup, factor):
     """The re-plan's warm search (a climb from the running policy, no knee walks, no
     branch-and-bound) against every point of the memory-feasible grid, priced by the same
@@ -233,7 +233,7 @@ def test_run_replans_when_prompt_lengths_shift_and_outputs_match_a_run_without(t
     assert any(m.name == "reconfigure" and "drift" in m.args.get("reason", "") for m in markers)
 
 
-@pytest.mark.slow  # three engine runs of 80 requests and two re-plans: about a minute on 2 shared cores
+@pytest.mark.slow  # two engine runs of 80 requests, a budget and a drift re-plan: 40-50 s on 2 shared cores
 def test_run_with_a_budget_cut_and_a_drift_replan_in_one_job_matches_a_run_without(tmp_path):
     """`xsched run --adapt drift --budget-file F`: the budget file (a 30% cut of the gpu tier) is
     applied at the first block boundary, the prompt lengths then triple half-way and the drift
