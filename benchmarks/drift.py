@@ -1,4 +1,4 @@
-"""Drift benchmark (issue 8): a job whose output lengths grow +15% / +30% halfway through.
+"""Drift benchmark (issue 8): a job whose output lengths shift +15% / +30% / -15% halfway through.
 
 The streams are thousands of requests, so they run in the discrete-event simulator, not the
 engine: requests settle in queue order and the watcher is consulted every ``--hook-every``
@@ -9,26 +9,46 @@ simulated segments; the reconfiguration stall itself is not simulated). Prints d
 streams over many seeds, and SLA violations (fraction of requests over the bound) and
 throughput with and without re-planning.
 
-    OMP_NUM_THREADS=1 python benchmarks/drift.py [--seeds 100] [--requests 4000]
+A second table times ``replan`` alone on ``--replan-samples`` shifted samples of 600 requests per
+shift size, for both scopes (``local`` keeps the weight compression, ``full`` may change it) and
+both search methods (``warm``, the default: a climb from the running policy; ``bnb``: the whole
+branch-and-bound), with each plan's throughput over that of the best plan found for the sample;
+``--exhaustive`` also prices every point of the memory-feasible grid (slow) and makes that the
+reference. Every timing is printed beside the 1-minute load average: the machine may be shared.
+
+    OMP_NUM_THREADS=1 python benchmarks/drift.py [--seeds 100] [--requests 4000] [--shift-seeds 10]
+                                                 [--replan-samples 3] [--exhaustive]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages, not an installed copy
 
 from workloads import get_workload
 from xprofiler.presets import load_profile
 from xprofiler.specs import get_model_spec
 from xscheduler.plan import SLA
 from xscheduler.planner import plan_search
-from xscheduler.replan import DriftWatcher
+from xscheduler.replan import DriftWatcher, replan
+from xscheduler.search import Evaluator, search, variants
 from xsimulator.discrete_event import simulate_timeline
+
+SHIFTS = (1.15, 1.30, 0.85)
+
+
+def load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
 
 
 def run_stream(watcher, p, o, hook_every):
@@ -54,7 +74,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=100, help="unshifted streams for the false-alarm rate")
     ap.add_argument("--shift-seeds", type=int, default=3, help="shifted jobs per shift size")
     ap.add_argument("--hook-every", type=int, default=32)
-    ap.add_argument("--false-alarm-rate", type=float, default=0.01)
+    ap.add_argument("--false-alarm-rate", type=float, default=0.005, help="the watcher's budget (its default)")
+    ap.add_argument("--scope", choices=("local", "full"), default="full", help="the watcher's re-plan scope")
+    ap.add_argument("--replan-samples", type=int, default=3, help="shifted samples per shift size timed alone")
+    ap.add_argument("--exhaustive", action="store_true", help="compare re-plans with exhaustive search (slow)")
+    ap.add_argument("--exhaustive-requests", type=int, default=1000)
     args = ap.parse_args()
 
     prof = load_profile(args.profile)
@@ -67,23 +91,32 @@ def main() -> None:
           f"to plan); policy gbs {plan.policy.gbs} x nb {plan.policy.nb}, refill {plan.policy.refill_every}")
     half = args.requests // 2
     rows = []
-    for factor, seed in [(f, s) for f in (1.15, 1.30) for s in range(args.shift_seeds)]:
+    replan_rows = replan_table(args, plan, prof, w) if args.replan_samples else []
+    for factor, seed in tqdm([(f, s) for f in SHIFTS for s in range(args.shift_seeds)], desc="shifted jobs",
+                             leave=False):
         shifted = replace(w, output=w.output.scaled(factor))
         a, b = w.sample(half, seed=10 + 2 * seed), shifted.sample(args.requests - half, seed=11 + 2 * seed)
         p, o = np.concatenate((a[0], b[0])), np.concatenate((a[1], b[1]))
-        watcher = DriftWatcher(plan, prof, false_alarm_rate=args.false_alarm_rate)
+        watcher = DriftWatcher(plan, prof, false_alarm_rate=args.false_alarm_rate, horizon=args.requests,
+                               scope=args.scope)
         at = run_stream(watcher, p, o, args.hook_every)
         lat0, wall0, tok = segment(plan, prof, plan.policy, w, p, o)
-        row = {"shift": f"+{factor - 1:.0%}", "seed": seed, "delay": None if at is None else at - half,
+        row = {"shift": f"{factor - 1:+.0%}", "seed": seed, "delay": None if at is None else at - half,
+               "load": load(), "test": None,
                "replan_s": None, "viol_without": float(np.mean(lat0 > sla.latency_s)),
                "tps_without": tok / wall0, "viol_with": None, "tps_with": None, "policy": "-"}
         if at is not None:
             ev = watcher.events[0]
             row["replan_s"] = ev.wall_s
+            row["test"] = next((f"{st.stream} {st.test}" for st in ev.drift.fired()), None)
             new = ev.new_plan.policy if ev.new_plan is not None else plan.policy
-            row["policy"] = f"gbs {new.gbs} x nb {new.nb}, refill {new.refill_every}"
-            l1, w1, t1 = segment(plan, prof, plan.policy, w, p[:at], o[:at])
-            l2, w2, t2 = segment(plan, prof, new, ev.observed, p[at:], o[at:])
+            row["policy"] = _describe(new)
+            if new == plan.policy:  # policy kept: the job runs on as one segment
+                (l1, w1, t1), (l2, w2, t2) = segment(plan, prof, plan.policy, w, p, o), (lat0[at:], 0.0, 0.0)
+                l1 = l1[:at]
+            else:  # the block in flight drains under the old policy, the rest runs under the new one
+                l1, w1, t1 = segment(plan, prof, plan.policy, w, p[:at], o[:at])
+                l2, w2, t2 = segment(plan, prof, new, ev.observed, p[at:], o[at:])
             lat = np.concatenate((l1, l2))
             row["viol_with"] = float(np.mean(lat > sla.latency_s))
             row["viol_after_with"] = float(np.mean(l2 > sla.latency_s))
@@ -95,22 +128,92 @@ def main() -> None:
     looks = []
     for seed in tqdm(range(args.seeds), desc="unshifted streams", leave=False):
         pp, oo = w.sample(args.requests, seed=100 + seed)
-        watcher = DriftWatcher(plan, prof, false_alarm_rate=args.false_alarm_rate)
+        watcher = DriftWatcher(plan, prof, false_alarm_rate=args.false_alarm_rate, horizon=args.requests)
         alarms += run_stream(watcher, pp, oo, args.hook_every) is not None
         looks.append(watcher.looks)
 
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    print(f"\n{'shift':>6} {'seed':>4} {'delay req':>9} {'replan s':>9} {'viol w/o':>9} {'viol with':>9} {'after w/o':>9} "
-          f"{'after with':>10} {'tok/s w/o':>10} {'tok/s with':>10}  new policy")
+    if replan_rows:
+        ref = "exhaustive" if args.exhaustive else "best found"
+        priced = args.exhaustive_requests if args.exhaustive else 1000
+        print(f"\nre-plan alone on shifted samples of 600 requests ({priced} requests priced per point; 'vs ref' = "
+              f"throughput / {ref} for the scope's variants)")
+        print(f"{'shift':>6} {'seed':>4} {'scope':>6} {'method':>8} {'wall s':>7} {'load':>5} {'evals':>5} {'LPs':>4} "
+              f"{'tok/s':>8} {'vs ref':>6} {'meets':>5}  policy")
+        for r in replan_rows:
+            print(f"{r['shift']:>6} {r['seed']:>4} {r['scope']:>6} {r['method']:>8} {r['wall_s']:>7.3f} {r['load']:>5} "
+                  f"{r['evals']:>5} {r['lps']:>4} {r['tps']:>8.2f} {fmt(r['vs_ref'], '.3f'):>6} {r['meets']:>5}  "
+                  f"{r['policy']}")
+        for scope in ("local", "full"):
+            for method in ("warm", "bnb"):
+                sel = [r for r in replan_rows if r["scope"] == scope and r["method"] == method]
+                ws, q = [r["wall_s"] for r in sel], [r["vs_ref"] for r in sel if r["vs_ref"] is not None]
+                print(f"  {scope:>5} {method:>4}: wall {min(ws):.3f}-{max(ws):.3f} s (median {np.median(ws):.3f}), "
+                      f"vs ref min {fmt(min(q) if q else None, '.3f')}, mean {fmt(np.mean(q) if q else None, '.3f')}")
+    print(f"\n{'shift':>6} {'seed':>4} {'delay req':>9} {'fired':>14} {'replan s':>9} {'load':>5} {'viol w/o':>9} "
+          f"{'viol with':>9} {'after w/o':>9} {'after with':>10} {'tok/s w/o':>10} {'tok/s with':>10}  new policy")
     for r in rows:
-        print(f"{r['shift']:>6} {r['seed']:>4} {fmt(r['delay'], 'd'):>9} {fmt(r['replan_s'], '.2f'):>9} {r['viol_without']:>9.3f} "
+        print(f"{r['shift']:>6} {r['seed']:>4} {fmt(r['delay'], 'd'):>9} {fmt(r['test'], 's'):>14} "
+              f"{fmt(r['replan_s'], '.2f'):>9} {r['load']:>5} {r['viol_without']:>9.3f} "
               f"{fmt(r['viol_with'], '.3f'):>9} {r['viol_after_without']:>9.3f} {fmt(r.get('viol_after_with'), '.3f'):>10} "
               f"{r['tps_without']:>10.2f} {fmt(r['tps_with'], '.2f'):>10}  {r['policy']}")
-    rate = alarms / args.seeds
+    for factor in SHIFTS:
+        d = [r["delay"] for r in rows if r["shift"] == f"{factor - 1:+.0%}"]
+        got = [x for x in d if x is not None]
+        if d:
+            print(f"  {factor - 1:+.0%}: detected {len(got)}/{len(d)}, delay "
+                  + (f"min {min(got)}, median {np.median(got):.0f}, max {max(got)}, over 500: "
+                     f"{sum(x > 500 for x in got) + len(d) - len(got)}" if got else "-"))
+    rate = alarms / max(args.seeds, 1)
     print(f"\nfalse alarms: {alarms} of {args.seeds} unshifted streams of {args.requests} requests = {rate:.3f} "
-          f"(goal < 0.01; configured {args.false_alarm_rate}; {np.mean(looks):.0f} looks per stream)")
+          f"(goal < 0.01; configured {args.false_alarm_rate}; {np.mean(looks) if looks else 0:.0f} looks per stream)")
     print("goals: detection delay <= 500 requests, re-plan <= 1 s; 'viol' = fraction of requests over the "
           f"{sla.latency_s:g} s bound (whole job / after the shift), tok/s over the whole job")
+
+
+def replan_table(args, plan, prof, w) -> list[dict]:  # noqa: ANN001
+    """``replan`` timed alone per scope and method on shifted samples, with its plan's quality."""
+    rows = []
+    jobs = [(f, s) for f in SHIFTS for s in range(args.replan_samples)]
+    for factor, seed in tqdm(jobs, desc="re-plans", leave=False):
+        p, o = replace(w, output=w.output.scaled(factor)).sample(600, seed=4 + seed)
+        found, observed = [], None
+        for scope in ("local", "full"):
+            for method in ("warm", "bnb"):
+                r = replan(plan, p, o, profile=prof, scope=scope, method=method,
+                           false_alarm_rate=args.false_alarm_rate)
+                if not r.drifted:
+                    continue
+                observed = r.observed  # the same fit for every scope and method (from the estimated change point)
+                new = r.new_plan.predicted if r.new_plan is not None else r.old_on_observed
+                pol = r.new_plan.policy if r.new_plan is not None else plan.policy
+                stats = r.new_plan.search if r.new_plan is not None else None  # None: the policy was kept
+                found.append(dict(shift=f"{factor - 1:+.0%}", seed=seed, scope=scope, method=method, wall_s=r.wall_s,
+                                  load=load(), evals=stats.evaluations if stats else 0,
+                                  lps=stats.lp_solves if stats else 0,
+                                  tps=new.throughput_tokens_per_s, meets="yes" if plan.sla.met_by(new) else "NO",
+                                  cw=pol.compress_weight, vs_ref=None, policy=_describe(pol)))
+        if args.exhaustive and observed is not None:
+            ev = Evaluator(plan.model, prof, observed, num_requests=args.exhaustive_requests)
+            search(ev, [sp for sp in (ev.space(v) for v in variants("auto", prof.compute_device)) if sp],
+                   plan.sla.kind, plan.sla.latency_s, "exhaustive")
+            ok = [e for e in ev.cache.values() if e.meets(plan.sla.kind, plan.sla.latency_s)]
+            for row in found:
+                allowed = [e.throughput for e in ok if row["scope"] == "full"
+                           or e.variant.compress_weight == plan.policy.compress_weight]
+                row["vs_ref"] = row["tps"] / max(allowed) if allowed else None
+        else:
+            for row in found:
+                same = [r["tps"] for r in found if row["scope"] == "full" or r["cw"] == plan.policy.compress_weight]
+                row["vs_ref"] = row["tps"] / max(same)
+        rows += found
+    return rows
+
+
+def _describe(p) -> str:  # noqa: ANN001
+    v = "+".join(n for n, on in (("4-bit w", p.compress_weight), ("4-bit kv", p.compress_cache),
+                                 ("cpu attn", p.cpu_attention)) if on) or "no compression"
+    return f"{v}, gbs {p.gbs} x nb {p.nb}, refill {p.refill_every}"
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from xprofiler.specs import get_model_spec
 from xsched.errors import UserError
 from xscheduler.plan import SLA, Plan
 from xscheduler.planner import plan_search
-from xscheduler.replan import DriftWatcher, Replan, change_point, replan
+from xscheduler.replan import DriftWatcher, Replan, change_point, fit_workload, replan
+from xscheduler.search import Evaluator, search, variants
 from xsimulator.discrete_event import simulate
 
 BOUND_S = 300.0  # p99 bound at which +30% longer outputs push opt-6.7b's T plan on the t4 preset over
@@ -89,17 +90,17 @@ def test_replan_after_a_30_percent_output_shift_meets_the_sla_the_old_plan_break
     assert Replan.from_json(ev.to_json()) == ev
 
 
-def test_local_replan_keeps_compression_and_attention_and_still_meets_the_sla(setup):
-    """scope="local" (no weight reload mid-job) searches only the running plan's outer choice."""
+def test_local_replan_keeps_weight_compression_and_still_meets_the_sla(setup):
+    """scope="local" (no weight reload mid-job) keeps the running plan's weight compression; the
+    KV-cache compression and attention placement may change (their buffers are empty between blocks)."""
     prof, w, plan, _ = setup
     p, o = shifted(w, 1.3).sample(600, seed=4)
     local = replan(plan, p, o, profile=prof, scope="local")
     full = replan(plan, p, o, profile=prof, scope="full")
-    old, new = plan.policy, local.new_plan.policy
-    assert (new.compress_weight, new.compress_cache, new.cpu_attention) == \
-        (old.compress_weight, old.compress_cache, old.cpu_attention)
-    assert plan.sla.met_by(local.new_plan.predicted)
-    # one outer choice instead of all of them: fewer simulations and placement LPs (the speed it is for)
+    assert local.new_plan.policy.compress_weight == plan.policy.compress_weight
+    assert plan.sla.met_by(local.new_plan.predicted) and plan.sla.met_by(full.new_plan.predicted)
+    assert local.new_plan.search.method == full.new_plan.search.method == "warm"
+    # fewer outer choices: fewer simulations and placement LPs (the speed it is for)
     assert local.new_plan.search.evaluations < full.new_plan.search.evaluations
     assert local.new_plan.search.lp_solves < full.new_plan.search.lp_solves
     with pytest.raises(UserError, match="scope"):
@@ -116,6 +117,29 @@ def test_replan_keeps_the_plans_margin(setup):
     assert new is not None and new.sla == tight.sla
     assert new.margin == 0.15 and new.margin_source == "user" and new.planning_latency_s == tight.planning_latency_s
     assert new.predicted.latency_p99_s <= 0.85 * BOUND_S
+
+
+@pytest.mark.parametrize("factor", [1.3, pytest.param(0.85, marks=pytest.mark.slow)])  # ~10 s each at load 1-2
+def test_warm_replan_matches_exhaustive_search_on_the_observed_workload(setup, factor):
+    """The re-plan's warm search (a climb from the running policy, no knee walks, no
+    branch-and-bound) against every point of the memory-feasible grid, priced by the same
+    simulator on the same requests: both scopes within 5% of the exhaustive best of their variants."""
+    prof, w, plan, _ = setup
+    p, o = shifted(w, factor).sample(600, seed=4)
+    n = 300  # requests per priced point (the exhaustive grid is ~2000 points)
+    ev = Evaluator(plan.model, prof, fit_workload(p, o, plan.workload), num_requests=n)
+    exhaustive = search(ev, [s for s in (ev.space(v) for v in variants("auto", prof.compute_device)) if s],
+                        plan.sla.kind, plan.sla.latency_s, "exhaustive")
+    for scope in ("local", "full"):
+        r = replan(plan, p, o, profile=prof, scope=scope, num_requests=n)
+        assert r.drifted and r.new_plan is not None and r.new_plan.search.method == "warm", r.describe()
+        allowed = [e for e in ev.cache.values() if e.meets(plan.sla.kind, plan.sla.latency_s)
+                   and (scope == "full" or e.variant.compress_weight == plan.policy.compress_weight)]
+        best = max(e.throughput for e in allowed)
+        got = r.new_plan.predicted
+        assert plan.sla.met_by(got)
+        assert got.throughput_tokens_per_s >= 0.95 * best, (scope, got.throughput_tokens_per_s, best)
+    assert exhaustive.best is not None
 
 
 def test_offline_replan_without_drift_keeps_the_plan(setup):
@@ -219,3 +243,78 @@ def test_run_replans_when_prompt_lengths_shift_and_outputs_match_a_run_without(t
 
     _, markers = read_chrome_trace(tmp_path / "drift.trace.json")
     assert any(m.name == "reconfigure" and "drift" in m.args.get("reason", "") for m in markers)
+
+
+@pytest.mark.slow  # two engine runs of 80 requests, a budget and a drift re-plan: 40-50 s on 2 shared cores
+def test_run_with_a_budget_cut_and_a_drift_replan_in_one_job_matches_a_run_without(tmp_path):
+    """`xsched run --adapt drift --budget-file F`: the budget file (a 30% cut of the gpu tier) is
+    applied at the first block boundary, the prompt lengths then triple half-way and the drift
+    watcher re-plans from the policy the cut put in force; every request is answered exactly once
+    and the outputs equal those of `--adapt none` (greedy; --replan-compress off keeps the weights exact)."""
+    from tests.sim_profiles import cpu_host
+    from tests.test_run_cli import random_spec, read_rows, without_timing, write_prompts
+    from workloads.workload import fixed_workload
+    from xrunner.result import RunResult
+    from xscheduler.plan import SearchStats
+    from xsimulator.costmodel import CostModel
+    from xsimulator.policy import Policy
+
+    prof = cpu_host()
+    prof_path = tmp_path / "profile.json"
+    prof.save(prof_path)
+    spec = random_spec()
+    policy = Policy(gbs=4, nb=1, wg=1.0, wc=0.0, wd=0.0, cg=1.0, cc=0.0, cd=0.0, hg=1.0, hc=0.0, hd=0.0)
+    # A 1 s p99 bound keeps re-planned blocks to 8-16 requests on this profile, so the job has
+    # block boundaries after the cut for the drift re-plan to happen at.
+    workload = fixed_workload(8, 4)
+    plan = tmp_path / "plan.json"
+    Plan(policy=policy, predicted=simulate(spec, prof, policy, workload, 16), sla=SLA("p99", 1.0), model=spec,
+         workload=workload, profile_name=prof.name, profile_source=prof.source, profile_fingerprint=prof.fingerprint,
+         search=SearchStats(method="exhaustive", evaluations=1, grid_points=1, lp_solves=0, wall_s=0.0),
+         version="test").save(plan)
+    peak = CostModel.for_policy(spec, prof, policy).peak_bytes(policy, 24, 4)
+    budget = tmp_path / "budget.json"
+    budget.write_text(json.dumps({"gpu_bytes": int(0.7 * peak["gpu"])}))
+    rng = np.random.default_rng(1)
+    rows = [{"id": i, "prompt_ids": rng.integers(3, spec.vocab_size, 8 if i < 40 else 24).tolist(),
+             "max_new_tokens": 4} for i in range(80)]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
+    outs = {}
+    for name, extra in (("both", ["--adapt", "drift", "--budget-file", str(budget)]), ("none", ["--adapt", "none"])):
+        out = tmp_path / f"{name}.jsonl"
+        r = subprocess.run([sys.executable, "-m", "xsched", "run", "--plan", str(plan), "--model", "random:opt-125m",
+                            "--prompts", str(prompts), "--out", str(out), *extra, "--profile", str(prof_path),
+                            "--replan-compress", "off", "--result", str(tmp_path / f"{name}.json"), "--quiet"],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        outs[name] = (read_rows(out), RunResult.load(tmp_path / f"{name}.json"), r.stderr)
+    rows_b, res_b, err_b = outs["both"]
+    rows_n, res_n, _ = outs["none"]
+    reasons = [a.reason for a in res_b.adaptations]
+    assert len(reasons) == 2 and reasons[0].startswith("budget: gpu") and reasons[1].startswith("drift: prompt"), \
+        reasons
+    cut, drift = res_b.adaptations
+    assert cut.old_policy == policy and drift.old_policy == cut.new_policy and drift.new_policy != cut.new_policy
+    assert err_b.count("xsched: adapt at block") == 2 and not res_n.adaptations
+    ids = [r["id"] for r in rows_b]
+    assert sorted(ids) == list(range(80))  # none lost, none twice
+    assert without_timing(rows_b) == without_timing(rows_n) and len(rows_n) == 80
+
+
+def test_warm_search_shrinks_a_start_that_no_longer_fits_and_falls_back_to_bnb(setup, monkeypatch):
+    from xscheduler import planner
+    from xscheduler.search import SearchOutcome
+    from xsimulator.policy import Policy
+
+    prof, w, plan, _ = setup
+    huge = Policy(gbs=4096, nb=64)  # no memory holds this shape: the climb shrinks it until it fits
+    ref = plan_search(plan.model, prof, w, plan.sla, num_requests=300, confirm_seeds=(), method="bnb")
+    got = plan_search(plan.model, prof, w, plan.sla, num_requests=300, confirm_seeds=(), method="warm", start=huge)
+    assert got.search.method == "warm" and plan.sla.met_by(got.predicted)
+    assert got.predicted.throughput_tokens_per_s >= 0.95 * ref.predicted.throughput_tokens_per_s
+    # nothing near the start meets the bound: branch-and-bound over everything, and its points count
+    monkeypatch.setattr(planner, "warm_search", lambda ev, *a, **k: SearchOutcome(None, "warm", 0, 0, 0, 0.0))
+    fell = plan_search(plan.model, prof, w, plan.sla, num_requests=300, confirm_seeds=(), method="warm", start=huge)
+    assert fell.search.method == "warm+bnb" and fell.policy == ref.policy
+    with pytest.raises(UserError, match="running policy"):
+        plan_search(plan.model, prof, w, plan.sla, num_requests=300, confirm_seeds=(), method="warm")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -244,6 +245,10 @@ def test_drift_monitor_input_checks():
     assert not report.drifted and report.look == 0  # too few lengths: no look spent
     with pytest.raises(UserError, match="whole numbers"):
         monitor.check([0] * 50, None)
+    ks_only = DriftMonitor(w, tests=("ks",)).check(w.prompt.sample(100, seed=1), None, windows=(64,))
+    assert {s.test for s in ks_only.stats} == {"ks"} and len(ks_only.stats) == 2  # whole stream + one window
+    with pytest.raises(UserError, match="ks, mean"):
+        DriftMonitor(w, tests=("t",))
 
 
 def test_skewnorm_pmf_matches_scipy_skewnorm():
@@ -254,3 +259,53 @@ def test_skewnorm_pmf_matches_scipy_skewnorm():
     expected = ref.cdf(lengths + 0.5) - ref.cdf(lengths - 0.5)
     expected /= ref.cdf(200.5) - ref.cdf(0.5)
     np.testing.assert_allclose(probs, expected, rtol=1e-8, atol=1e-14)
+
+
+def _cusum_alarm(workload, factor, seed, n=2000, change=1000, alpha=0.01, step=32):
+    """Request count at which the CUSUMs fire when outputs are scaled by ``factor`` from ``change`` on."""
+    from workloads.drift import CusumMonitor
+
+    a = workload.sample(change, seed=2 * seed)
+    b = replace(workload, output=workload.output.scaled(factor)).sample(n - change, seed=2 * seed + 1)
+    p, o = np.concatenate((a[0], b[0])), np.concatenate((a[1], b[1]))
+    monitor = CusumMonitor(workload, alpha, horizon=n, seed=seed)
+    for i in range(0, n, step):
+        monitor.update(p[i:i + step], o[i:i + step])
+        if monitor.drifted():
+            return i + step
+    return None
+
+
+def test_cusum_threshold_holds_the_false_alarm_rate_over_the_job_by_simulation():
+    """Null streams drawn from the planned distribution itself: at a generous level (so that a
+    threshold set too low shows), the alarms stay within the level; they are not vanishingly rare
+    either (a threshold set far too high would cost detection delay)."""
+    w = get_workload("T")
+    alpha, streams = 0.2, 150
+    alarms = sum(_cusum_alarm(w, 1.0, 100 + s, n=1000, change=500, alpha=alpha) is not None for s in range(streams))
+    assert alarms <= stats.binom.ppf(0.995, streams, alpha), alarms
+    assert alarms >= 1, alarms
+
+
+def test_cusum_detects_15_percent_shifts_both_ways_within_500_requests():
+    w = get_workload("T")  # output std is 53% of the mean
+    for factor in (1.15, 0.85):
+        delays = [_cusum_alarm(w, factor, s) for s in range(12)]
+        assert all(d is not None and d > 1000 for d in delays), (factor, delays)  # none before the change
+        assert np.median(delays) - 1000 <= 350 and sum(d - 1000 > 500 for d in delays) <= 1, (factor, delays)
+
+
+def test_cusum_scores_are_standard_normal_under_the_plan_and_extreme_outside_it():
+    from workloads.drift import CusumMonitor, cusum_threshold, siegmund_arl
+
+    w = get_workload("C2")
+    m = CusumMonitor(w, 0.01, 1000)
+    scores = m._streams["output"]["scores"]
+    z = scores(w.output.sample(20000, seed=3))
+    assert abs(z.mean()) < 0.03 and abs(z.std() - 1) < 0.03
+    assert stats.kstest(z, "norm").pvalue > 1e-3
+    assert scores(np.array([w.output.max_len + 50]))[0] > 6  # a length the plan says cannot happen
+    h = cusum_threshold(0.15, 3000, 0.001)
+    assert siegmund_arl(h, 0.15) == pytest.approx(3000 / -np.log1p(-0.001), rel=1e-6)
+    with pytest.raises(UserError, match="fraction"):
+        CusumMonitor(w, 2.0)

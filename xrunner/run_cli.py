@@ -60,6 +60,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget-file", metavar="FILE", default=None,
                    help="JSON {\"gpu_bytes\": ..., \"cpu_bytes\": ...} polled between blocks; when it changes, re-plan "
                         "under the new budget and move only what changed")
+    p.add_argument("--replan-compress", choices=("auto", "on", "off"), default="auto",
+                   help="compression a re-plan may choose (auto: any; off keeps outputs identical to a run "
+                        "without re-planning, since 4-bit weights or KV cache change the numbers)")
+    p.add_argument("--replan-scope", choices=("full", "local"), default="full",
+                   help="drift re-plans: full may change the weight compression (the weights are read again); "
+                        "local keeps it (only placement, batch shape, KV compression and attention change)")
     from xrunner.cli import add_sampling_args
 
     add_sampling_args(p)
@@ -269,7 +275,8 @@ def _run(args: argparse.Namespace) -> int:
 
             new_tokens_of = {records[i].id: new_tokens[i] for i in pending_idx}
             order_of = {records[i].id: k for k, i in enumerate(pending_idx)}
-            hook, watcher = _adapt_hook(args, plan, capacity)
+            hook, watcher = _adapt_hook(args, covering(plan, max_prompt, max_output), capacity,
+                                        horizon=len(pending_idx))
             with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
                         capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
                         stop_token_ids=stops, record_trace=bool(args.trace), device=device,
@@ -303,12 +310,33 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float]) -> tuple[Any, Any]:
-    """The between-blocks hook of ``--adapt``/``--budget-file`` (budget first, then drift) and the
-    drift watcher (None when off). Each event is one line on stderr."""
-    from xsched.errors import UserError
-    from xscheduler.replan import DriftWatcher, profile_for
+def covering(plan: Any, max_prompt: int, max_output: int) -> Any:
+    """``plan`` with its workload's longest prompt/output raised to the job's, for re-plans: the
+    engine allocates for the job's lengths and refuses a policy sized for shorter ones (a budget
+    re-plan of a plan made for shorter prompts would stop the job). The added lengths get a
+    probability of 1e-9, so every statistic (and the drift tests' reference) stays as planned."""
+    from dataclasses import replace
 
+    from workloads.distributions import LengthDistribution
+
+    def cover(dist: Any, top: int) -> Any:
+        if top <= dist.max_len:
+            return dist
+        return LengthDistribution.mixture([dist, LengthDistribution.fixed(top)], [1 - 1e-9, 1e-9])
+
+    w = plan.workload
+    wider = replace(w, prompt=cover(w.prompt, max_prompt), output=cover(w.output, max_output))
+    return plan if wider == w else replace(plan, workload=wider)
+
+
+def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float], horizon: int = 1) -> tuple[Any, Any]:
+    """The between-blocks hook of ``--adapt``/``--budget-file`` (budget first, then drift) and the
+    drift watcher (None when off; its false-alarm rate holds over the ``horizon`` requests of the
+    job). Each event is one line on stderr."""
+    from xsched.errors import UserError
+    from xscheduler.replan import REPLAN_REQUESTS, DriftWatcher, profile_for
+
+    requests = max(1, min(REPLAN_REQUESTS, horizon))  # re-plans price the job's size (its block cap), at most this
     watcher = budget = None
     profile = None
     if args.adapt == "drift" or args.budget_file:
@@ -319,11 +347,13 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float])
                 raise
             warnings.warn(f"drift re-planning is off: {exc}", UserWarning, stacklevel=1)
     if args.adapt == "drift" and profile is not None:
-        watcher = DriftWatcher(plan, profile)
+        watcher = DriftWatcher(plan, profile, horizon=max(horizon, 1), compress=args.replan_compress,
+                               scope=args.replan_scope, num_requests=requests)
     if args.budget_file:
         from xrunner.budget import FileBudget, budget_hook, plan_fn_for, with_budget
 
-        budget = budget_hook(FileBudget(args.budget_file), plan_fn_for(plan, profile, confirm_seeds=()),
+        plan_fn = plan_fn_for(plan, profile, confirm_seeds=(), compress=args.replan_compress, num_requests=requests)
+        budget = budget_hook(FileBudget(args.budget_file), plan_fn,
                              capacity_bytes={t: capacity[t] for t in ("gpu", "cpu")})
     if watcher is None and budget is None:
         return None, None

@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "replan", help="test observed lengths against a plan's workload; re-plan for the same SLA if they drifted",
         description="Read the lengths a job observed (the results JSONL of `xsched run`, or a JSONL/CSV with "
                     "prompt_tokens and output_tokens per request, in the order observed), test them against the "
-                    "plan's workload (KS and mean tests, prompt and output, whole file and recent windows), and "
+                    "plan's workload (CUSUMs of the mean, KS tests on the whole file and recent windows, "
+                    "prompt and output), and "
                     "when they drifted, search a new plan for the same model, profile and SLA. Prints the tests, "
                     "what the old plan gives under the observed workload and what the new one changes.")
     r.add_argument("--plan", required=True, metavar="PLAN.json", help="plan JSON written by `xsched plan`")
@@ -69,10 +70,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "output cut at max_new_tokens)")
     r.add_argument("--profile", default=None,
                    help="the profile the plan was priced on (default: the plan's preset; needed for measured ones)")
-    r.add_argument("--false-alarm-rate", type=float, default=0.01,
-                   help="probability of reporting drift when there is none (default 0.01)")
+    r.add_argument("--false-alarm-rate", type=float, default=0.005,
+                   help="probability of reporting drift when there is none (default 0.005)")
     r.add_argument("--compress", choices=("auto", "on", "off"), default="auto",
                    help="compression choices of the new search, as in `xsched plan` (default auto)")
+    r.add_argument("--scope", choices=("full", "local"), default="full",
+                   help="full (default): any compression; local: keep the plan's weight compression")
+    r.add_argument("--search", choices=("warm", "bnb"), default="warm",
+                   help="warm (default): climb from the plan's policy (fast); bnb: the whole branch-and-bound")
     r.add_argument("-o", "--output", metavar="NEW_PLAN.json", help="write the new plan here (only when it changed)")
     r.add_argument("--json", action="store_true", help="print the Replan record as JSON")
     r.set_defaults(handler=_replan)
@@ -87,7 +92,7 @@ def _replan(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     prompts, outputs, capped = read_observed(Path(args.observed))
     result = replan(plan, prompts, outputs, capped, profile=args.profile, false_alarm_rate=args.false_alarm_rate,
-                    compress=args.compress)
+                    compress=args.compress, scope=args.scope, method=args.search)
     if args.output and result.new_plan is not None:
         result.new_plan.save(args.output)
     print(result.to_json() if args.json else result.describe())

@@ -80,8 +80,6 @@ class _CachedSizes(CostModel):
     layer_stored_bytes = functools.cached_property(CostModel.layer_stored_bytes.fget)  # type: ignore[assignment]
 
 
-@functools.cache
-
 def _var(prob: "pulp.LpProblem", name: str, low: float | None = None, up: float | None = None,
          cat: str = "Continuous") -> "pulp.LpVariable":
     """A variable of ``prob``: PuLP >= 3.3 wants them made by the problem (a bare LpVariable warns
@@ -91,6 +89,8 @@ def _var(prob: "pulp.LpProblem", name: str, low: float | None = None, up: float 
         return add(name, low, up, cat=cat)
     return pulp.LpVariable(name, low, up, cat=cat)
 
+
+@functools.cache  # one solver object per process: making one starts a Highs() (the banner guard below)
 def lp_solver() -> pulp.LpSolver:
     """HiGHS in-process when ``highspy`` is installed (about 2 ms a solve), else CBC, which PuLP
     runs as a subprocess (10-40 ms a solve, most of it process start-up)."""

@@ -20,7 +20,7 @@ from xsimulator.result import SimResult
 
 SLA_KINDS: tuple[str, ...] = ("p99", "p99-length")
 MARGIN_SOURCES: tuple[str, ...] = ("none", "calibration", "user")
-SEARCH_METHODS: tuple[str, ...] = ("bnb", "exhaustive", "optuna")
+SEARCH_METHODS: tuple[str, ...] = ("bnb", "exhaustive", "optuna", "warm", "warm+bnb")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class SearchStats(Contract):
 
     SCHEMA: ClassVar[str] = "xsched.SearchStats/1"
 
-    method: Literal["bnb", "exhaustive", "optuna"]
+    method: Literal["bnb", "exhaustive", "optuna", "warm", "warm+bnb"]  # warm: a re-plan's climb from its policy
     evaluations: int  # simulator calls (placement LPs included in their cost)
     grid_points: int  # points of the knob grid searched (exhaustive/optuna: memory-feasible grid; bnb: knee ranges)
     lp_solves: int

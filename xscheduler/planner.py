@@ -25,7 +25,9 @@ from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
 from xscheduler.placement import shortfall_bytes
 from xscheduler.plan import SLA, Confirmation, Plan, SearchStats
-from xscheduler.search import Evaluation, Evaluator, Space, Variant, lowest_latency, pareto, search, variants
+from xscheduler.search import (Evaluation, Evaluator, Space, Variant, lowest_latency, pareto, search, variants,
+                               warm_search)
+from xsimulator.policy import Policy
 
 DEFAULT_REQUESTS = 2000  # matches xsimulator.discrete_event.DEFAULT_REQUESTS
 CONFIRM_SEEDS = (1, 2)
@@ -95,7 +97,7 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
                 evaluator: str = "discrete-event", eps_t: float = 0.01, eps_l: float = 0.0,
                 confirm_seeds: tuple[int, ...] = CONFIRM_SEEDS, progress: bool = False,
                 budget: int | None = None, only: Sequence[Variant] | None = None,
-                margin: float | str = "auto") -> Plan:
+                margin: float | str = "auto", start: Policy | None = None) -> Plan:
     """The highest-throughput policy whose predicted latency meets ``sla`` less the planning margin.
 
     ``spec`` must be in the profile's compute dtype (``profile.model_for(spec)``). ``method``:
@@ -103,10 +105,12 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
     the full memory-feasible grid) or ``optuna`` (TPE, ``budget`` evaluations; default: what
     branch-and-bound needs on the same problem). ``only`` restricts the outer choices
     (compression, CPU attention) to the given variants, e.g. the running plan's for a quick
-    re-plan mid-job. ``margin`` (see :func:`resolve_margin`): the search meets
-    ``sla.latency_s * (1 - margin)``; the plan records the SLA, the margin and that bound. Raises
-    ``UserError`` when nothing fits or no policy meets the bound (naming the lowest latency that
-    is achievable, and the margin when one tightened the bound).
+    re-plan mid-job. ``warm`` (a re-plan's fast search) hill-climbs from the knobs of ``start``,
+    the running policy, in every allowed variant (:func:`xscheduler.search.warm_search`), and falls
+    back to ``bnb`` when nothing near them meets the bound. ``margin`` (see :func:`resolve_margin`):
+    the search meets ``sla.latency_s * (1 - margin)``; the plan records the SLA, the margin and that
+    bound. Raises ``UserError`` when nothing fits or no policy meets the bound (naming the lowest
+    latency that is achievable, and the margin when one tightened the bound).
     """
     import xsched
 
@@ -122,8 +126,17 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
             scout = Evaluator(spec, profile, workload, num_requests=num_requests, seed=seed, method=evaluator)
             budget = search(scout, _spaces(scout, compress, knee=True, only=only), sla.kind, sla.latency_s, "bnb",
                             eps_t=eps_t, eps_l=eps_l).evaluations
-        spaces = _spaces(ev, compress, knee=(method == "bnb"), only=only)
-        out = search(ev, spaces, sla.kind, sla.latency_s, method, eps_t=eps_t, eps_l=eps_l, budget=budget, seed=seed)
+        out = None
+        if method == "warm":
+            if start is None:
+                raise UserError("search method 'warm' needs the running policy to start from")
+            choices = variants(compress, profile.compute_device) if only is None else list(only)
+            out = warm_search(ev, choices, (start.gbs, start.nb, start.refill_every), sla.kind, sla.latency_s)
+        if out is None or out.best is None:  # warm: nothing near the start meets the bound, search everything
+            spaces = _spaces(ev, compress, knee=(method in ("bnb", "warm")), only=only)
+            out = search(ev, spaces, sla.kind, sla.latency_s, "bnb" if method == "warm" else method, eps_t=eps_t,
+                         eps_l=eps_l, budget=budget, seed=seed)
+            method = "warm+bnb" if method == "warm" else method
         best = out.best
         if best is None:
             low = lowest_latency(ev, spaces, sla.kind)
@@ -151,7 +164,7 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
         notes.append(f"the discrete-event simulation (seed {seed}) puts {sla.kind} latency at "
                      f"{predicted.latency_s(sla.kind):,.4g} s, over the bound the {evaluator} search used "
                      f"({sla.latency_s:g} s)")
-    stats = SearchStats(method=method, evaluations=out.evaluations, grid_points=out.grid_points,
+    stats = SearchStats(method=method, evaluations=ev.evaluations, grid_points=out.grid_points,
                         lp_solves=ev.lp_solves, wall_s=time.perf_counter() - t0)
     return Plan(policy=best.policy, predicted=predicted, sla=user_sla, model=spec, workload=workload,
                 profile_name=profile.name, profile_source=profile.source, profile_fingerprint=profile.fingerprint,

@@ -1,13 +1,19 @@
 """Re-plan when the observed prompt/output lengths drift from the workload a plan was priced on.
 
-``replan`` is the offline answer (``xsched replan``): one look of the workloads drift test at the
-observed lengths; when it fires, the lengths after the estimated change point become the
+``replan`` is the offline answer (``xsched replan``): one look of the workloads drift tests at the
+observed lengths; when one fires, the lengths after the estimated change point become the
 observed workload (empirical pmfs), the old policy is priced on it, and ``plan_search`` looks for the best
 policy for the *same* model, profile and SLA. ``DriftWatcher`` does the same online during
-``xsched run``: it collects settled requests, looks every ``look_every`` of them (the
-group-sequential budget of :class:`workloads.drift.DriftMonitor` keeps the false-alarm rate of
-the whole job at or under ``false_alarm_rate``) and, as a ``between_blocks`` hook, hands the
-engine the new policy.
+``xsched run``: it feeds every settled request to the CUSUMs of :class:`workloads.drift.CusumMonitor`
+(a shift of the mean length, the drift that breaks an SLA or wastes throughput, found within a few
+hundred requests) and looks every ``look_every`` of them with the windowed KS tests of
+:class:`workloads.drift.DriftMonitor` (any change of shape); the two share ``false_alarm_rate``
+over the job (:data:`CUSUM_SHARE`). As a ``between_blocks`` hook it hands the engine the new policy.
+
+The search of a re-plan is ``plan_search(method="warm")``: a climb from the policy in force
+(:func:`xscheduler.search.warm_search`, tens of simulations and LPs instead of the whole
+branch-and-bound), falling back to branch-and-bound when nothing near it meets the SLA.
+``scope="local"`` keeps the weight compression (changing it makes the engine read the weights again).
 
 Censoring: a request that stopped because it reached ``max_new_tokens`` (not EOS) has an output
 length that is only a lower bound of what the model would have written. It is counted at its
@@ -34,7 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import numpy as np
 
-from workloads.drift import DriftMonitor, DriftReport, DriftStat
+from workloads.drift import DEFAULT_HORIZON, DEFAULT_MIN_SHIFT, CusumMonitor, DriftMonitor, DriftReport, DriftStat
 from workloads.distributions import LengthDistribution
 from workloads.workload import Workload, read_request_lengths, read_rows, spearman_to_copula
 from xprofiler.profile import HardwareProfile
@@ -52,6 +58,16 @@ if TYPE_CHECKING:  # the engine's hook argument; xscheduler must not import xrun
 DEFAULT_WINDOWS: tuple[int, ...] = (64, 128, 256, 512, 1024)
 DEFAULT_LOOK_EVERY = 64  # settled requests between two looks of the online watcher
 SCOPES: tuple[str, ...] = ("full", "local")
+# Default false-alarm budget of a job: the CUSUM threshold is exact, so the rate sits at the budget
+# (benchmarks/drift.py: 4 of 300 null streams at 0.01, 2 of 300 at 0.005), and halving it costs
+# about 15 requests of delay (2.3 / 0.17 per request): the default keeps the rate under 1%.
+FALSE_ALARM_RATE = 0.005
+# Share of the false-alarm budget given to the CUSUMs (the mean-shift detector); the windowed KS
+# and mean tests (any change of shape) get the rest. The CUSUM threshold is conservative (6% of
+# null streams fired at a 20% budget in tests/test_workloads.py), the windowed tests' Bonferroni split
+# less so, and the CUSUM is the one whose delay the goals are about.
+CUSUM_SHARE = 0.75
+WINDOW_TESTS = ("ks",)  # the windowed tests beside the CUSUMs: shape changes (the CUSUMs test the mean)
 REPLAN_REQUESTS = 1000  # requests a re-plan prices each candidate on (speed; the plan said how many it used)
 
 
@@ -144,7 +160,7 @@ def stats_table(report: DriftReport) -> str:
     head = f"  {'stream':<7} {'last n':>7} {'test':<5} {'statistic':>10} {'p-value':>9} {'obs mean':>9} " \
            f"{'plan mean':>9}  fired"
     rows = [f"  {s.stream:<7} {s.n:>7} {s.test:<5} {s.statistic:>10.4g} {s.pvalue:>9.3g} {s.observed_mean:>9.1f} "
-            f"{s.planned_mean:>9.1f}  {'yes' if s.pvalue < report.level else ''}" for s in report.stats]
+            f"{s.planned_mean:>9.1f}  {'yes' if s.fired_at(report.level) else ''}" for s in report.stats]
     return "\n".join([head, *rows])
 
 
@@ -179,7 +195,11 @@ def _strongest(report: DriftReport) -> DriftStat | None:
     """The test furthest below the level (the one that fired hardest), else the smallest p."""
     if not report.stats:
         return None
-    return min(report.stats, key=lambda s: (s.pvalue, s.test != "mean"))
+    def ratio(s: DriftStat) -> float:  # p over the level it is judged at (tests have different levels)
+        level = report.level if s.level is None else s.level
+        return s.pvalue / level if level > 0 else s.pvalue
+
+    return min(report.stats, key=lambda s: (ratio(s), s.test != "mean"))
 
 
 def change_point(x: np.ndarray, mean: float, std: float, min_len: int) -> int:
@@ -256,10 +276,11 @@ def _check_lengths(prompt_lens: Any, output_lens: Any, censored: Any) -> tuple[n
 
 def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray, capped: np.ndarray,
              report: DriftReport, reference: Workload, t0: float, *, num_requests: int, evaluator: str,
-             compress: str, min_samples: int, scope: str = "full") -> Replan:
+             compress: str, min_samples: int, scope: str = "local", method: str = "warm",
+             running: Policy | None = None) -> Replan:
     """After a look: fit the observed lengths, price the old policy on them, search if drifted."""
     from xscheduler.planner import plan_search
-    from xscheduler.search import Variant
+    from xscheduler.search import variants
     from xsimulator.discrete_event import simulate
 
     start = 0
@@ -269,8 +290,8 @@ def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray,
             x = p if s.stream == "prompt" else o
             dist = reference.prompt if s.stream == "prompt" else reference.output
             start = change_point(x, dist.mean, dist.std, min_samples)
-        else:
-            start = len(p) - s.n
+        else:  # KS on the last n, or a CUSUM positive for the last n (its change-point estimate)
+            start = max(0, min(len(p) - s.n, len(p) - min_samples))
     observed = fit_workload(p[start:], o[start:], reference)
     notes = []
     top = reference.output.max_len
@@ -280,20 +301,23 @@ def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray,
     if at_top > n_fit * q + 3 * math.sqrt(max(n_fit * q * (1 - q), 1.0)):
         notes.append(f"{at_top} of {n_fit} outputs were cut at the longest planned output ({top} tokens) without "
                      f"EOS, more than the {q:.1%} the plan expects: the cap binds; the model would write more")
-    old_on = simulate(plan.model, profile, plan.policy, observed, num_requests, seed=0)
+    pol = plan.policy if running is None else running  # the policy in force (a budget change may have moved it)
+    old_on = simulate(plan.model, profile, pol, observed, num_requests, seed=0)
     new_plan = None
     if report.drifted:
         try:
-            pol = plan.policy
-            only = [Variant(pol.compress_weight, pol.compress_cache, pol.cpu_attention)] if scope == "local" else None
-            # Same SLA and the same margin: the re-plan promises what the plan promised.
+            only = [v for v in variants(compress, profile.compute_device) if v.compress_weight == pol.compress_weight] \
+                if scope == "local" else None
+            only = only or None  # compress="off" under 4-bit weights: nothing keeps them, so search every choice
             cand = plan_search(plan.model, profile, observed, plan.sla, compress=compress, num_requests=num_requests,
-                               evaluator=evaluator, confirm_seeds=(), only=only, margin=plan.margin)
+                               evaluator=evaluator, confirm_seeds=(), only=only, method=method, start=pol,
+                               margin=plan.margin)
+            # Same SLA and the same margin: the re-plan promises what the plan promised.
             cand = replace(cand, margin_source=plan.margin_source)
         except UserError as exc:
             notes.insert(0, f"no new plan: {exc}")
         else:
-            if cand.policy != plan.policy:
+            if cand.policy != pol:
                 new_plan = cand
             else:
                 notes.insert(0, "the old policy is still the best for the observed workload")
@@ -303,19 +327,22 @@ def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray,
 
 
 def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None, *,
-           profile: HardwareProfile | str | None = None, false_alarm_rate: float = 0.01, min_samples: int = 30,
+           profile: HardwareProfile | str | None = None, false_alarm_rate: float = FALSE_ALARM_RATE,
+           min_samples: int = 30,
            windows: Sequence[int] = DEFAULT_WINDOWS, num_requests: int = REPLAN_REQUESTS,
-           evaluator: str = "analytic", compress: str = "auto", scope: str = "full") -> Replan:
+           evaluator: str = "discrete-event", compress: str = "auto", scope: str = "full",
+           method: str = "warm", min_shift: float = DEFAULT_MIN_SHIFT) -> Replan:
     """Test the observed lengths against ``plan.workload``; if they drifted, plan again.
 
     Lengths are in the order they were observed (a change in the middle of the list is located
     and only what follows it is fitted); ``censored[i]`` marks an output that stopped at its
     ``max_new_tokens`` (see the module docstring for how it counts). The search uses the same
     model, profile (``profile_for``) and SLA as ``plan``; ``evaluator`` prices its candidates
-    (the analytic path, for speed), and the chosen plan is priced again by the discrete-event
-    simulator on ``num_requests`` requests. ``scope="local"`` keeps the plan's compression and
-    attention choice and searches only its knobs and placement (what a job re-plans mid-run, in
-    about a sixth of the time of ``"full"``, which searches every outer choice).
+    and the chosen plan is priced by the discrete-event simulator on ``num_requests`` requests.
+    ``method``: ``warm`` (default; see the module docstring) or any ``plan_search`` method.
+    ``scope="local"`` keeps the plan's weight compression (no weight reload mid-job; KV-cache
+    compression, CPU attention, batch shape, refill and placement may change); ``"full"`` may
+    change it too. ``min_shift``: the relative length change the CUSUMs are tuned to.
     """
     if scope not in SCOPES:
         raise UserError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
@@ -324,9 +351,15 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
     p, o, c = _check_lengths(prompt_lens, output_lens, censored)
     if len(p) < min_samples:
         raise UserError(f"only {len(p)} observed request(s); the drift test needs at least {min_samples}")
-    report = DriftMonitor(plan.workload, false_alarm_rate, min_samples).check(p, o, windows)
+    report = DriftMonitor(plan.workload, false_alarm_rate * (1 - CUSUM_SHARE), min_samples,
+                          WINDOW_TESTS).check(p, o, windows)
+    cusum = CusumMonitor(plan.workload, false_alarm_rate * CUSUM_SHARE, len(p), min_shift)
+    cusum.update(p, o)
+    stats = cusum.stats()
+    report = replace(report, stats=report.stats + stats,
+                     drifted=report.drifted or any(s.fired_at(cusum.level) for s in stats))
     return _respond(plan, prof, p, o, c, report, plan.workload, t0, num_requests=num_requests, evaluator=evaluator,
-                    compress=compress, min_samples=min_samples, scope=scope)
+                    compress=compress, min_samples=min_samples, scope=scope, method=method)
 
 
 @dataclass
@@ -340,22 +373,24 @@ class DriftWatcher:
 
     plan: Plan
     profile: HardwareProfile
-    false_alarm_rate: float = 0.01
+    false_alarm_rate: float = FALSE_ALARM_RATE
     min_samples: int = 30
     look_every: int = DEFAULT_LOOK_EVERY
     windows: tuple[int, ...] = DEFAULT_WINDOWS
     num_requests: int = REPLAN_REQUESTS
-    evaluator: str = "analytic"
+    evaluator: str = "discrete-event"
     compress: str = "auto"
-    scope: str = "full"  # "local" keeps the running plan's compression/attention choice: ~3x faster, can be worse
+    scope: str = "full"  # "local" keeps the running plan's weight compression (no weight reload mid-job)
+    method: str = "warm"  # plan_search method: "warm" climbs from the running policy, "bnb" searches everything
+    horizon: int = DEFAULT_HORIZON  # requests in the job: the CUSUM holds its false alarms over this many
+    min_shift: float = DEFAULT_MIN_SHIFT  # relative length change the CUSUM is tuned to catch fastest
     events: list[Replan] = field(default_factory=list)
     looks: int = 0
 
     def __post_init__(self) -> None:
         if self.look_every < 1:
             raise UserError(f"look_every must be >= 1, got {self.look_every}")
-        self.reference = self.plan.workload
-        self._monitor = DriftMonitor(self.reference, self.false_alarm_rate, self.min_samples)
+        self._reset(self.plan.workload, self.horizon)
         self._p: list[int] = []
         self._o: list[int] = []
         self._c: list[bool] = []
@@ -363,6 +398,14 @@ class DriftWatcher:
         self._next = 0
         self._start = 0  # first settled request compared with the current reference
         self._looked_at = 0
+
+    def _reset(self, reference: Workload, horizon: int) -> None:
+        """Compare what settles from now on with ``reference``: CUSUM_SHARE of the false-alarm
+        budget to the CUSUMs (every request), the rest to the windowed KS looks."""
+        self.reference = reference
+        a = self.false_alarm_rate
+        self._monitor = DriftMonitor(reference, a * (1 - CUSUM_SHARE), self.min_samples, WINDOW_TESTS)
+        self._cusum = CusumMonitor(reference, a * CUSUM_SHARE, max(int(horizon), 1), self.min_shift)
 
     @property
     def settled(self) -> int:
@@ -387,33 +430,47 @@ class DriftWatcher:
         self._o.append(item[1])
         self._c.append(item[2])
 
-    def check(self) -> Replan | None:
-        """Look now if ``look_every`` requests settled since the last look; the event if it fired."""
+    def check(self, running: Policy | None = None) -> Replan | None:
+        """The event if a CUSUM is over its threshold, or if ``look_every`` requests settled since
+        the last look and the windowed tests fire; else None. ``running``: the policy in force
+        (default: the plan's), where the re-plan starts and what it compares with."""
         n = self.settled - self._start
-        if n < self.min_samples or self.settled - self._looked_at < self.look_every:
+        if n < self.min_samples:
             return None
         t0 = time.perf_counter()
-        self._looked_at = self.settled
-        self.looks += 1
+        fed = self._start + self._cusum.count  # feed the CUSUMs in one batch (numpy scores) per check
+        self._cusum.update(self._p[fed:], self._o[fed:])
+        cusum = self._cusum.stats()
         sl = slice(self._start, None)
-        p, o, c = np.array(self._p[sl]), np.array(self._o[sl]), np.array(self._c[sl], bool)
-        report = self._monitor.check(p, o, self.windows)
-        if not report.drifted:
+        # A CUSUM over its threshold waits until min_samples lengths lie after its change-point
+        # estimate: a big shift fires within a few requests, and a fit mixing in the lengths from
+        # before the change would leave a reference the next CUSUM fires against again.
+        if any(s.fired_at(self._cusum.level) and s.n >= self.min_samples for s in cusum):
+            p, o, c = np.array(self._p[sl]), np.array(self._o[sl]), np.array(self._c[sl], bool)
+            report = DriftReport(self._monitor.looks, n, n, self._cusum.level, True, cusum)
+        elif self.settled - self._looked_at >= self.look_every:
+            self._looked_at = self.settled
+            self.looks += 1
+            p, o, c = np.array(self._p[sl]), np.array(self._o[sl]), np.array(self._c[sl], bool)
+            report = self._monitor.check(p, o, self.windows)
+            if not report.drifted:
+                return None
+            report = replace(report, stats=report.stats + cusum)
+        else:
             return None
         event = _respond(self.plan, self.profile, p, o, c, report, self.reference, t0,
                          num_requests=self.num_requests, evaluator=self.evaluator, compress=self.compress,
-                         min_samples=self.min_samples, scope=self.scope)
+                         min_samples=self.min_samples, scope=self.scope, method=self.method, running=running)
         self.events.append(event)
         if event.new_plan is not None:
             self.plan = event.new_plan
-        self.reference = event.observed
-        self._monitor = DriftMonitor(self.reference, self.false_alarm_rate, self.min_samples)
+        self._reset(event.observed, self.horizon - self.settled)
         self._start = self.settled
         return event
 
     def __call__(self, info: "BlockInfo") -> tuple[Policy, str] | None:
         """``between_blocks`` hook: the new policy and a one-line reason when a re-plan changed it."""
-        event = self.check()
+        event = self.check(info.policy)
         if event is None or event.new_plan is None or event.new_plan.policy == info.policy:
             return None
         return event.new_plan.policy, event.reason()

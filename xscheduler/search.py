@@ -43,6 +43,9 @@ EVALUATORS: tuple[str, ...] = ("discrete-event", "analytic")
 # over the whole grids of six benchmark cells (opt-6.7b, opt-30b, opt-175b, llama-2-70b; t4 and
 # a100-80gb; workloads S, T, G, C2). The margin above the largest ratio keeps the bound safe.
 LP_BOUND_SLACK = 1.05
+# A re-plan's warm search tries shape-and-refill jumps only from variants whose climb ended within
+# this fraction of the best one (opt-30b/t4/T: the best after the jump was 5% behind before it).
+JUMP_WITHIN = 0.9
 
 
 @dataclass(frozen=True)
@@ -528,6 +531,87 @@ class SearchOutcome:
     grid_points: int
     lp_solves: int
     wall_s: float
+
+
+def repair(ev: Evaluator, start: Evaluation, kind: str, bound_s: float, max_steps: int = 16) -> Evaluation | None:
+    """From a point that misses the bound or does not fit (a running policy after its workload
+    grew), the nearest smaller batch shapes that meet it: each step halves nb or gbs, or refills
+    less often, moving to the best neighbour that meets the bound, else to the fitting one with
+    the lowest latency (else the smaller shape that still does not fit), until one meets the bound.
+    None when none does within ``max_steps`` (the caller then searches without a start)."""
+    cur = start
+    for _ in range(max_steps):
+        if cur.meets(kind, bound_s):
+            return cur
+        g, nb, r = cur.gbs, cur.nb, cur.refill_every
+        rank = REFILL_LEVELS.index(r) if r in REFILL_LEVELS else 0
+        cands = [(g, nb // 2, r), (g // 2, nb, r)] + [(g, nb, r2) for r2 in REFILL_LEVELS[:rank]]
+        tried = [ev(cur.variant, *k) for k in cands if k[0] >= 1 and k[1] >= 1]
+        evals = [e for e in tried if e.fits]
+        if not evals:
+            smaller = [e for e in tried if (e.gbs, e.nb) != (g, nb)]
+            if not smaller:
+                return None
+            cur = min(smaller, key=lambda e: e.gbs * e.nb)  # nothing fits yet: keep shrinking
+            continue
+        meeting = [e for e in evals if e.meets(kind, bound_s)]
+        cur = (max(meeting, key=lambda e: (e.throughput, -e.latency(kind))) if meeting
+               else min(evals, key=lambda e: e.latency(kind)))
+    return cur if cur.meets(kind, bound_s) else None
+
+
+def warm_start(ev: Evaluator, start: tuple[Variant, int, int, int], kind: str, bound_s: float,
+               others: Iterable[Variant] = (), refills: Iterable[int] = REFILL_LEVELS) -> Evaluation | None:
+    """The best point near a running policy's knobs: price them on the evaluator's (new)
+    workload, shrink the batch until the bound holds (:func:`repair`), then hill-climb
+    (:func:`polish`); knobs that no longer fit (a smaller budget) shrink the same way. None when
+    no smaller batch meets the bound within :func:`repair`'s steps."""
+    ok = repair(ev, ev(*start), kind, bound_s)
+    return None if ok is None else polish(ev, ok, kind, bound_s, others, refills)
+
+
+def _jump(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, refills: list[int]) -> Evaluation:
+    """One step of gbs or nb together with another refill interval: moves that pay only
+    together (a ridge the one-knob climb of :func:`polish` cannot cross); climbs on from the
+    best of them. Shapes whose LP bound cannot beat the point cost no simulation."""
+    g, nb = best.gbs, best.nb
+    jump = best
+    for g2, nb2 in ((2 * g, nb), (g // 2, nb), (g, 2 * nb), (g, nb // 2)):
+        if g2 < 1 or nb2 < 1 or ev.bound(best.variant, g2, nb2) * (1 + 1e-9) < jump.throughput:
+            continue
+        for r in refills:
+            if r != best.refill_every:
+                e = ev(best.variant, g2, nb2, r)
+                if e.meets(kind, bound_s) and _better(e, jump, kind):
+                    jump = e
+    return best if jump is best else polish(ev, jump, kind, bound_s, (), refills)
+
+
+def warm_search(ev: Evaluator, variants_: Iterable[Variant], start: tuple[int, int, int], kind: str,
+                bound_s: float, refills: Iterable[int] = REFILL_LEVELS) -> SearchOutcome:
+    """A re-plan's search: the running policy's knobs ``start`` = (gbs, nb, refill) are the
+    starting point in every variant (:func:`warm_start` within it, then :func:`_jump`), and the
+    best of those is hill-climbed once more across variants.
+
+    A drift of a few tens of percent moves the best batch shape by a factor of two or so, which
+    the climb covers in a few steps; it needs no knee walks (placement LPs over the whole grid)
+    and no branch-and-bound, so it prices 30-130 points and 15-55 LPs instead of 100-200 and 160-330.
+    ``benchmarks/drift.py`` and ``tests/test_replan.py`` compare it with exhaustive search.
+    """
+    t0, e0, l0 = time.perf_counter(), ev.evaluations, ev.lp_solves
+    vs, refills = list(dict.fromkeys(variants_)), list(refills)
+    found = [e for e in (warm_start(ev, (v, *start), kind, bound_s, (), refills) for v in vs) if e is not None]
+    best = None
+    if found:
+        top = max(e.throughput for e in found)
+        for e in found:  # jumps cost ~16 simulations: only for variants within JUMP_WITHIN of the best
+            if e.throughput >= JUMP_WITHIN * top:
+                e = _jump(ev, e, kind, bound_s, refills)
+            if _better(e, best, kind):
+                best = e
+    if best is not None and len(vs) > 1:
+        best = polish(ev, best, kind, bound_s, vs, refills)
+    return SearchOutcome(best, "warm", ev.evaluations - e0, 0, ev.lp_solves - l0, time.perf_counter() - t0)
 
 
 def search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, method: str = "bnb", *,
