@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -432,7 +432,6 @@ class Engine:
         L = spec.num_layers
         self.layout = WeightLayout(spec.layer_tensor_shapes(), self.dtype, p.compress_weight)
         self.layer_tier = _layer_tiers(p, L)
-        wbytes = self.layout.nbytes
 
         # Head weights (always on the gpu tier), then every layer into its home tier.
         self.head = {k: st.adopt("gpu", "head_weights", v.to(self.device)) for k, v in self.source.load_head().items()}
