@@ -10,7 +10,8 @@ of 64, dequantized before compute; the tied embedding / LM head stays fp32, as i
 and ``xrunner.engine.KVCodec`` (K/V quantized along the head dimension when written,
 dequantized for attention). The table crosses the two range rules of the format (plain
 min/max, and the default least-squared-error search over shrunk ranges) with what is
-compressed (weights, KV cache, both), and times one KV write (a 128-token prefill and a decode
+compressed (weights, KV cache, both), adds the engine's default mix (weights searched, KV
+min/max), and times one KV write (a 128-token prefill and a decode
 step) under each rule, since the KV range is chosen on the write path. Goal: increase <= 2%.
 
     OMP_NUM_THREADS=1 python benchmarks/compression_ppl.py [--windows 4 --window 256] [--json]
@@ -84,6 +85,48 @@ def window_nll(spec, head, layers, ids: list[int], codec) -> tuple[float, int]:
     return float(F.cross_entropy(all_logits, target, reduction="sum")), len(target)
 
 
+def score(spec, head, layers, ids: list[int], windows: int, window: int, codec) -> float:
+    """Perplexity over ``windows`` consecutive windows of ``ids``."""
+    nll, count = 0.0, 0
+    for wi in range(windows):
+        a, c = window_nll(spec, head, layers, ids[wi * window:(wi + 1) * window], codec)
+        nll, count = nll + a, count + c
+    return math.exp(nll / count)
+
+
+def by_kind(args) -> int:
+    """Which tensors cost the most: each 2-D weight kind quantized alone, under each range rule."""
+    from tqdm import tqdm
+
+    from xrunner.compression import DEFAULT_CLIP_STEPS, dequantize, quantize
+    from xrunner.engine import KVCodec
+    from xrunner.loaders import default_model_path, load_weights, open_model
+
+    src = open_model(default_model_path())
+    ids = text_tokens(src.tokenizer(), args.windows * args.window)
+    weights = load_weights(src)
+    spec = weights.spec
+    codec = KVCodec(spec.head_dim, torch.float32, compress=False)
+    base = score(spec, weights.head, weights.layers, ids, args.windows, args.window, codec)
+    kinds = [n for n, s in spec.layer_tensor_shapes().items() if len(s) == 2] + ["embed_tokens.weight"]
+    rows: dict[str, dict[str, float]] = {}
+    for kind in tqdm(kinds, desc="tensor kinds", file=sys.stderr):
+        for rule, steps in (("min/max", 0), ("range search", DEFAULT_CLIP_STEPS)):
+            rq = lambda t: dequantize(quantize(t, dim=0, clip_steps=steps))  # noqa: E731  (engine: dim 0)
+            head = {k: rq(v) if k == kind else v for k, v in weights.head.items()}
+            layers = [{k: rq(v) if k == kind else v for k, v in w.items()} for w in weights.layers]
+            rows.setdefault(kind, {})[rule] = score(spec, head, layers, ids, args.windows, args.window,
+                                                    codec) / base - 1.0
+    if args.json:
+        print(json.dumps({"fp32_perplexity": base, "increase": rows}, indent=2))
+        return 0
+    print(f"SmolLM2-135M-Instruct, fp32 perplexity {base:.3f}; perplexity increase with one kind 4-bit:")
+    print(f"{'tensor kind':24}{'min/max':>10}{'search':>10}")
+    for kind, r in rows.items():
+        print(f"{kind:24}{r['min/max']:>+10.3f}{r['range search']:>+10.3f}")
+    return 0
+
+
 def kv_write_s(codec, spec, tokens: int, repeats: int = 20) -> float:
     """Median seconds of one layer's KV write (encode of k and v) for ``tokens`` positions."""
     g = torch.Generator().manual_seed(0)
@@ -100,12 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--window", type=int, default=256, help="tokens per window (half prefill, half decode)")
+    ap.add_argument("--by-kind", action="store_true",
+                    help="instead: 4-bit weights of one tensor kind at a time (and the tied embedding / LM head, "
+                         "which the engine keeps fp32), per range rule")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.by_kind:
+        return by_kind(args)
 
     from tqdm import tqdm
 
-    from xrunner.compression import DEFAULT_CLIP_STEPS
+    from xrunner.compression import DEFAULT_CLIP_STEPS, KV_CLIP_STEPS
     from xrunner.engine import KVCodec
     from xrunner.loaders import default_model_path, load_weights, open_model
 
@@ -123,14 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         runs[(rule, "weights")] = (layers, plain_kv)
         runs[(rule, "KV cache")] = (weights.layers, kv)
         runs[(rule, "both")] = (layers, kv)
+    default_rule = [r for r, steps in rules.items() if steps == KV_CLIP_STEPS][0]
+    runs[("engine default", "both")] = (runs[(list(rules)[1], "weights")][0], runs[(default_rule, "KV cache")][1])
     rows = {}
     for (rule, what), (layers, codec) in tqdm(runs.items(), desc="perplexity", file=sys.stderr):
         t0 = time.perf_counter()
-        nll, count = 0.0, 0
-        for wi in range(args.windows):
-            a, c = window_nll(spec, weights.head, layers, ids[wi * args.window:(wi + 1) * args.window], codec)
-            nll, count = nll + a, count + c
-        rows.setdefault(rule, {})[what] = {"perplexity": math.exp(nll / count), "tokens": count,
+        perplexity = score(spec, weights.head, layers, ids, args.windows, args.window, codec)
+        rows.setdefault(rule, {})[what] = {"perplexity": perplexity, "tokens": args.windows * (args.window - 1),
                                            "wall_s": time.perf_counter() - t0}
     base = rows["fp32"]["none"]["perplexity"]
     for r in rows.values():
@@ -149,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     for rule in rules:
         print(f"{rule:30}" + "".join(f"{rows[rule][w]['perplexity']:>11.3f} ({rows[rule][w]['increase']:+.3f})"
                                      for w in ("weights", "KV cache", "both")))
+    both = rows["engine default"]["both"]
+    print(f"engine default (weights: range search, KV cache: {default_rule}), both: {both['perplexity']:.3f} "
+          f"({both['increase']:+.3f})")
     print("KV write (one layer, k and v), median seconds:")
     for rule, c in kv_cost.items():
         print(f"{rule:30}{'decode step':>14}{c['1_tokens_s'] * 1e6:>9.0f} us{'128-token prefill':>20}"
