@@ -8,11 +8,12 @@ scale 0 and dequantizes exactly to its value (no division by zero).
 
 How each group's range is chosen is a pack-time decision that leaves the stored bytes and the
 dequant path unchanged. Plain min/max (``clip_steps=0``, the KV cache's rule) covers every
-value, so the error per value is at most ``scale / 2``. The default (weights) searches ``clip_steps`` ranges shrunk about the
-centre of [min, max] and keeps, per group, the one with the least squared error of the values
-as dequantized (min/max itself is a candidate, so the group's error never grows): one outlier
-no longer stretches the step of its 63 neighbours. Measured on SmolLM2-135M this cuts the
-perplexity cost of 4-bit weights (benchmarks/compression_ppl.py).
+value, so the error per value is at most ``scale / 2``. The default (weights) searches
+``clip_steps`` ranges shrunk about the centre of [min, max] and keeps, per group, the one with
+the least squared error of the values as dequantized (min/max itself is a candidate, so the
+group's error never grows): one outlier no longer stretches the step of its 63 neighbours. On
+SmolLM2-135M this cuts the perplexity cost of 4-bit weights from +40.9% to +23.6%
+(benchmarks/compression_ppl.py).
 
 Used by the engine to store and move compressed tensors, and by the profiler to time
 (de)quantization; everything is vectorised torch, on whatever device the tensor lives.
