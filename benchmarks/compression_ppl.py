@@ -5,9 +5,14 @@ with some code), tokenized with the model's own tokenizer and cut into windows. 
 scored the way the engine computes: the first half is a prefill (attention over the fresh K/V,
 which are then stored), the second half is teacher-forced decode, one token per step, attending
 to the stored cache. The compressed path uses the engine's own stored forms:
-``xrunner.engine.WeightLayout`` (2-D weights quantized along the output channels, groups of 64,
-dequantized before compute) and ``xrunner.engine.KVCodec`` (K/V quantized along the head
-dimension when written, dequantized for attention). Goal: perplexity increase <= 2%.
+``xrunner.engine.WeightLayout`` (2-D layer weights quantized along the output channels, groups
+of 64, dequantized before compute; the tied embedding / LM head stays fp32, as in the engine)
+and ``xrunner.engine.KVCodec`` (K/V quantized along the head dimension when written,
+dequantized for attention). The table crosses the two range rules of the format (plain
+min/max, and the default least-squared-error search over shrunk ranges) with what is
+compressed (weights, KV cache, both), adds the engine's default mix (weights searched, KV
+min/max), and times one KV write (a 128-token prefill and a decode
+step) under each rule, since the KV range is chosen on the write path. Goal: increase <= 2%.
 
     OMP_NUM_THREADS=1 python benchmarks/compression_ppl.py [--windows 4 --window 256] [--json]
 """
@@ -34,12 +39,12 @@ def text_tokens(tok, count: int) -> list[int]:
     return list(ids[:count])
 
 
-def quantized_layers(weights) -> list[dict[str, torch.Tensor]]:
+def quantized_layers(weights, clip_steps: int) -> list[dict[str, torch.Tensor]]:
     """Every layer packed into the engine's 4-bit record and unpacked for compute."""
     from xrunner.engine import WeightLayout
 
     spec = weights.spec
-    layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True)
+    layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True, clip_steps=clip_steps)
     out = []
     for w in weights.layers:
         flat = torch.empty(layout.nbytes, dtype=torch.uint8)
@@ -80,13 +85,75 @@ def window_nll(spec, head, layers, ids: list[int], codec) -> tuple[float, int]:
     return float(F.cross_entropy(all_logits, target, reduction="sum")), len(target)
 
 
+def score(spec, head, layers, ids: list[int], windows: int, window: int, codec) -> float:
+    """Perplexity over ``windows`` consecutive windows of ``ids``."""
+    nll, count = 0.0, 0
+    for wi in range(windows):
+        a, c = window_nll(spec, head, layers, ids[wi * window:(wi + 1) * window], codec)
+        nll, count = nll + a, count + c
+    return math.exp(nll / count)
+
+
+def by_kind(args) -> int:
+    """Which tensors cost the most: each 2-D weight kind quantized alone, under each range rule."""
+    from tqdm import tqdm
+
+    from xrunner.compression import DEFAULT_CLIP_STEPS, dequantize, quantize
+    from xrunner.engine import KVCodec
+    from xrunner.loaders import default_model_path, load_weights, open_model
+
+    src = open_model(default_model_path())
+    ids = text_tokens(src.tokenizer(), args.windows * args.window)
+    weights = load_weights(src)
+    spec = weights.spec
+    codec = KVCodec(spec.head_dim, torch.float32, compress=False)
+    base = score(spec, weights.head, weights.layers, ids, args.windows, args.window, codec)
+    kinds = [n for n, s in spec.layer_tensor_shapes().items() if len(s) == 2] + ["embed_tokens.weight"]
+    rows: dict[str, dict[str, float]] = {}
+    for kind in tqdm(kinds, desc="tensor kinds", file=sys.stderr):
+        for rule, steps in (("min/max", 0), ("range search", DEFAULT_CLIP_STEPS)):
+            rq = lambda t: dequantize(quantize(t, dim=0, clip_steps=steps))  # noqa: E731  (engine: dim 0)
+            head = {k: rq(v) if k == kind else v for k, v in weights.head.items()}
+            layers = [{k: rq(v) if k == kind else v for k, v in w.items()} for w in weights.layers]
+            rows.setdefault(kind, {})[rule] = score(spec, head, layers, ids, args.windows, args.window,
+                                                    codec) / base - 1.0
+    if args.json:
+        print(json.dumps({"fp32_perplexity": base, "increase": rows}, indent=2))
+        return 0
+    print(f"SmolLM2-135M-Instruct, fp32 perplexity {base:.3f}; perplexity increase with one kind 4-bit:")
+    print(f"{'tensor kind':24}{'min/max':>10}{'search':>10}")
+    for kind, r in rows.items():
+        print(f"{kind:24}{r['min/max']:>+10.3f}{r['range search']:>+10.3f}")
+    return 0
+
+
+def kv_write_s(codec, spec, tokens: int, repeats: int = 20) -> float:
+    """Median seconds of one layer's KV write (encode of k and v) for ``tokens`` positions."""
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, spec.num_kv_heads, tokens, spec.head_dim, generator=g) for _ in range(2))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        codec.encode(k, v)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--window", type=int, default=256, help="tokens per window (half prefill, half decode)")
+    ap.add_argument("--by-kind", action="store_true",
+                    help="instead: 4-bit weights of one tensor kind at a time (and the tied embedding / LM head, "
+                         "which the engine keeps fp32), per range rule")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.by_kind:
+        return by_kind(args)
 
+    from tqdm import tqdm
+
+    from xrunner.compression import DEFAULT_CLIP_STEPS, KV_CLIP_STEPS
     from xrunner.engine import KVCodec
     from xrunner.loaders import default_model_path, load_weights, open_model
 
@@ -95,40 +162,48 @@ def main(argv: list[str] | None = None) -> int:
     ids = text_tokens(tok, args.windows * args.window)
     weights = load_weights(src)
     spec = weights.spec
-    variants = {
-        "fp32": (weights.layers, KVCodec(spec.head_dim, torch.float32, compress=False)),
-        "4-bit weights": (quantized_layers(weights), KVCodec(spec.head_dim, torch.float32, compress=False)),
-    }
-    variants["4-bit KV cache"] = (weights.layers, KVCodec(spec.head_dim, torch.float32, compress=True))
-    variants["4-bit weights + KV cache"] = (variants["4-bit weights"][0],
-                                            KVCodec(spec.head_dim, torch.float32, compress=True))
-    # Not the engine's path: the same 4-bit groups of 64 along the *input* dimension (llama.cpp's
-    # Q4 layout, which this GGUF was stored in), to show how much the grouping axis matters.
-    from xrunner.compression import dequantize, quantize
-
-    along_input = [{k: dequantize(quantize(v, dim=1)) if v.dim() == 2 else v for k, v in w.items()}
-                   for w in weights.layers]
-    variants["(groups along input dim)"] = (along_input, KVCodec(spec.head_dim, torch.float32, compress=True))
+    plain_kv = KVCodec(spec.head_dim, torch.float32, compress=False)
+    rules = {"min/max": 0, f"range search ({DEFAULT_CLIP_STEPS} shrinks)": DEFAULT_CLIP_STEPS}
+    runs = {("fp32", "none"): (weights.layers, plain_kv)}
+    for rule, steps in rules.items():
+        kv = KVCodec(spec.head_dim, torch.float32, compress=True, clip_steps=steps)
+        layers = quantized_layers(weights, steps)
+        runs[(rule, "weights")] = (layers, plain_kv)
+        runs[(rule, "KV cache")] = (weights.layers, kv)
+        runs[(rule, "both")] = (layers, kv)
+    default_rule = [r for r, steps in rules.items() if steps == KV_CLIP_STEPS][0]
+    runs[("engine default", "both")] = (runs[(list(rules)[1], "weights")][0], runs[(default_rule, "KV cache")][1])
     rows = {}
-    for name, (layers, codec) in variants.items():
+    for (rule, what), (layers, codec) in tqdm(runs.items(), desc="perplexity", file=sys.stderr):
         t0 = time.perf_counter()
-        nll, count = 0.0, 0
-        for wi in range(args.windows):
-            a, c = window_nll(spec, weights.head, layers, ids[wi * args.window:(wi + 1) * args.window], codec)
-            nll, count = nll + a, count + c
-        rows[name] = {"perplexity": math.exp(nll / count), "tokens": count, "wall_s": time.perf_counter() - t0}
-    base = rows["fp32"]["perplexity"]
+        perplexity = score(spec, weights.head, layers, ids, args.windows, args.window, codec)
+        rows.setdefault(rule, {})[what] = {"perplexity": perplexity, "tokens": args.windows * (args.window - 1),
+                                           "wall_s": time.perf_counter() - t0}
+    base = rows["fp32"]["none"]["perplexity"]
     for r in rows.values():
-        r["increase"] = r["perplexity"] / base - 1.0
+        for cell in r.values():
+            cell["increase"] = cell["perplexity"] / base - 1.0
+    kv_cost = {rule: {f"{n}_tokens_s": kv_write_s(KVCodec(spec.head_dim, torch.float32, compress=True,
+                                                          clip_steps=steps), spec, n) for n in (1, 128)}
+               for rule, steps in rules.items()}
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"perplexity": rows, "kv_write": kv_cost}, indent=2))
         return 0
-    print(f"SmolLM2-135M-Instruct on pydoc_data.topics: {args.windows} windows x {args.window} tokens")
-    print(f"{'variant':28}{'perplexity':>12}{'increase':>10}")
-    for name, r in rows.items():
-        print(f"{name:28}{r['perplexity']:>12.3f}{r['increase']:>10.4f}")
-    print("goal: increase <= 0.02 (4-bit weights + KV cache); the last row is weights grouped along the input "
-          "dimension + 4-bit KV, outside the engine")
+    print(f"SmolLM2-135M-Instruct on pydoc_data.topics: {args.windows} windows x {args.window} tokens, "
+          f"fp32 perplexity {base:.3f}")
+    print("4-bit perplexity (increase over fp32):")
+    print(f"{'range rule':30}" + "".join(f"{w:>20}" for w in ("weights", "KV cache", "both")))
+    for rule in rules:
+        print(f"{rule:30}" + "".join(f"{rows[rule][w]['perplexity']:>11.3f} ({rows[rule][w]['increase']:+.3f})"
+                                     for w in ("weights", "KV cache", "both")))
+    both = rows["engine default"]["both"]
+    print(f"engine default (weights: range search, KV cache: {default_rule}), both: {both['perplexity']:.3f} "
+          f"({both['increase']:+.3f})")
+    print("KV write (one layer, k and v), median seconds:")
+    for rule, c in kv_cost.items():
+        print(f"{rule:30}{'decode step':>14}{c['1_tokens_s'] * 1e6:>9.0f} us{'128-token prefill':>20}"
+              f"{c['128_tokens_s'] * 1e6:>9.0f} us")
+    print("goal: increase <= 0.02 (4-bit weights + KV cache)")
     return 0
 
 

@@ -15,7 +15,8 @@ import torch
 
 import xrunner.generate as generate_module
 from xprofiler.specs import ModelSpec
-from xrunner.compression import dequantize, quantize
+from quant_reference import reference_roundtrip
+from xrunner.compression import DEFAULT_CLIP_STEPS, KV_CLIP_STEPS
 from xrunner.engine import Engine, Request
 from xrunner.generate import generate
 from xrunner.loaders import ModelSource, RandomSource, load_weights
@@ -171,15 +172,16 @@ def test_disk_weights_read_straight_into_the_stage_on_a_cpu_host(llama, tmp_path
 
 # --------------------------------------------------------------------------- compression
 def _quantized_weights(weights):
+    """The weights after the engine's 4-bit format, from the independent reference quantizer."""
     for layer in weights.layers:
         for name, w in layer.items():
             if w.dim() == 2:
-                layer[name] = dequantize(quantize(w, dim=0))
+                layer[name] = reference_roundtrip(w, dim=0, steps=DEFAULT_CLIP_STEPS)
     return weights
 
 
 def _roundtrip(x):
-    return dequantize(quantize(x, dim=-1))
+    return reference_roundtrip(x, dim=-1, steps=KV_CLIP_STEPS)
 
 
 def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_cache, mask, start):

@@ -35,7 +35,8 @@ import torch
 
 from xprofiler.diskio import round_up
 from xprofiler.profile import HardwareProfile
-from xrunner.compression import DEFAULT_GROUP_SIZE, QuantizedTensor, dequantize, quantize
+from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, KV_CLIP_STEPS, QuantizedTensor,
+                                 dequantize, quantize)
 from xrunner.loaders import ModelSource
 from xrunner.model import (attention, attn_in, attn_out_mlp, embed, final_logits, rope_tables, torch_dtype)
 from xrunner.sampling import SamplingParams, sample
@@ -145,12 +146,13 @@ class WeightLayout:
 
     The record is what every tier stores and what the copy routine moves, so a layer is one
     transfer whatever its tier. 2-D weights are quantized along the output channels (dim 0)
-    when ``compress``; 1-D tensors stay as they are.
+    when ``compress``, each group's range searched over ``clip_steps`` shrinks at pack time (0:
+    plain min/max); 1-D tensors stay as they are.
     """
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, compress: bool,
-                 group: int = DEFAULT_GROUP_SIZE):
-        self.dtype, self.compress, self.group = dtype, compress, group
+                 group: int = DEFAULT_GROUP_SIZE, clip_steps: int = DEFAULT_CLIP_STEPS):
+        self.dtype, self.compress, self.group, self.clip_steps = dtype, compress, group, clip_steps
         self.shapes = dict(shapes)
         parts: list[_Part] = []
         off = 0
@@ -187,7 +189,7 @@ class WeightLayout:
                 dst.copy_(w[p.name])
                 continue
             if p.name not in quantized:
-                quantized[p.name] = quantize(w[p.name], dim=0, group_size=self.group)
+                quantized[p.name] = quantize(w[p.name], dim=0, group_size=self.group, clip_steps=self.clip_steps)
             dst.copy_(getattr(quantized[p.name], p.kind))
 
     def unpack(self, flat: torch.Tensor, dequant: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -214,8 +216,10 @@ class KVCodec:
     part is one slice.
     """
 
-    def __init__(self, head_dim: int, dtype: torch.dtype, compress: bool, group: int = DEFAULT_GROUP_SIZE):
+    def __init__(self, head_dim: int, dtype: torch.dtype, compress: bool, group: int = DEFAULT_GROUP_SIZE,
+                 clip_steps: int = KV_CLIP_STEPS):
         self.compress, self.group, self.d, self.dtype = compress, group, head_dim, dtype
+        self.clip_steps = clip_steps
         if compress:
             g = -(-head_dim // group)
             one = [((g, group // 2), torch.uint8), ((g,), dtype), ((g,), dtype)]
@@ -231,7 +235,7 @@ class KVCodec:
             return [k, v]
         out = []
         for x in (k, v):
-            q = quantize(x, dim=-1, group_size=self.group)
+            q = quantize(x, dim=-1, group_size=self.group, clip_steps=self.clip_steps)
             out += [q.packed, q.mins, q.scales]
         return out
 
