@@ -109,6 +109,7 @@ def main() -> int:
     ap.add_argument("--margin", default="auto", help="xsched plan --margin: auto (default) or a fraction")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    args.calibrated = str(Path(args.calibrated).resolve())  # the CLI runs from the repository root
     bounds = ([float(b) for b in args.bounds.split(",")] if args.bounds else
               bounds_from_frontier(args.calibrated, args.model, args.workload, args.requests, margin=args.margin))
     with tempfile.TemporaryDirectory(prefix="xsched-sla-") as tmp:
