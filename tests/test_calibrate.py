@@ -15,8 +15,9 @@ import pytest
 from tests.sim_profiles import cpu_host
 from xprofiler.fingerprint import detect_fingerprint
 from xprofiler.specs import ModelSpec, get_model_spec
-from xrunner.calibrate import (FACTOR_TERMS, METRICS, Measurement, cut_spec, design_runs, fit_calibration,
-                               measure_design, workload_of)
+from xrunner.calibrate import (FACTOR_TERMS, METRICS, SPEED_TERMS, Measurement, anchor_designs, cut_spec,
+                               design_runs, fit_calibration, measure_design, predict, rescaled, speed_ratio,
+                               workload_of)
 from xsched.cli import main
 from xsimulator.discrete_event import simulate_timeline
 
@@ -76,6 +77,47 @@ def test_fit_with_noise_and_unexcited_terms_kept():
     for term in ("gpu_compute", "head", "ctog", "dequant"):
         assert fit.profile.calibration[term] == pytest.approx(true[term], rel=0.1), term
     assert fit.error_after < fit.error_before
+
+
+# ----------------------------------------------------------------------------- re-anchoring the speed
+def test_speed_ratio_recovers_a_uniform_slowdown_and_rescaling_predicts_it():
+    """A machine 1.3x slower in compute than its calibrated profile: the refresh finds 1.3, scales only
+    the compute terms, and the rescaled profile predicts the slow machine's step times exactly."""
+    spec = get_model_spec("opt-125m")
+    cal = cpu_host(calibration=TRUE)
+    slow = replace(cal, calibration={t: v * (1.3 if t in SPEED_TERMS else 1.0) for t, v in TRUE.items()})
+    runs = anchor_designs(spec)
+    assert runs and all(d.policy.wg == 1.0 and d.policy.cg == 1.0 for d in runs)
+    ms = synthetic(spec, slow, runs)
+    ratio, ratios = speed_ratio(spec, cal, ms)
+    assert ratio == pytest.approx(1.3, rel=1e-3) and len(ratios) >= len(runs)
+    fixed = rescaled(cal, ratio)
+    for t in TRUE:
+        assert fixed.calibration[t] == pytest.approx(slow.calibration[t], rel=1e-3), t
+    for m in ms:
+        pred = predict(spec, fixed, m.design)
+        for k in ("prefill_wall", "decode_wall"):
+            assert pred[k] == pytest.approx(m.metrics[k], rel=1e-3)
+    # Unchanged machine: ratio 1 and the profile comes back as it was.
+    same, _ = speed_ratio(spec, cal, synthetic(spec, cal, runs))
+    assert same == pytest.approx(1.0, rel=1e-6)
+
+
+def test_real_speed_check_sees_a_profile_that_is_twice_too_fast(tmp_path):
+    """Real runs of a tiny model against a fit, and against the same fit with every compute term halved."""
+    profile = cpu_host(fingerprint=detect_fingerprint(None), compute_threads=1)
+    runs = anchor_designs(TINY, gen_len=3, depth=2)
+    ms = measure_design(TINY, runs, profile=profile, repeats=1, offload_dir=tmp_path)
+    fitted = fit_calibration(TINY, profile, ms).profile
+    base, _ = speed_ratio(TINY, fitted, ms)
+    halved, _ = speed_ratio(TINY, rescaled(fitted, 0.5), ms)
+    assert halved == pytest.approx(2 * base, rel=1e-6)
+    assert 0.8 < base < 1.25  # the fit describes the runs it was fitted to
+
+
+def test_cli_refresh_needs_a_calibrated_profile(capsys, here_profile):
+    err = _err(capsys, ["calibrate", "--refresh", "--profile", str(here_profile), "--model", "opt-125m"])
+    assert "is not calibrated" in err and "xsched calibrate --profile" in err
 
 
 # ----------------------------------------------------------------------------- CLI errors

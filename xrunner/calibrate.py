@@ -26,6 +26,12 @@ The predicted ``layers``/``head`` busy times exclude the overhead terms (the mea
 not contain them), so factors and overheads are not fighting over the same seconds: the fit is
 well posed. Terms that no run excites (e.g. ``dtoc`` without a disk) keep their old value.
 
+A shared or virtual machine does not keep one speed: on the 2-core VM this was built on, the
+same runs went 10-20% slower within an hour of calibrating. ``xsched calibrate --refresh``
+(:func:`refresh`) re-times only the all-gpu runs of the design (about 10 s) and rescales the
+compute terms by one factor, so a profile can be brought back to the machine's current speed
+right before planning, without refitting the I/O terms.
+
 The calibrated profile also records how far real runs stray from the calibrated prediction
 (:class:`xprofiler.profile.CalibrationError`): the run-to-run spread of the step wall times over
 the repeats of each design and the fit's remaining error on them. ``xsched plan --margin auto``
@@ -59,6 +65,10 @@ TERMS: tuple[str, ...] = FACTOR_TERMS + OVERHEAD_TERMS
 # A measured busy time below this is noise (a handful of timer reads), not a signal to fit.
 MIN_MEASURED_S = 2e-3
 FACTOR_BOUNDS = (0.05, 20.0)
+# The terms a change of the machine's compute speed moves together (refresh scales them by one
+# factor); the I/O channels keep their fitted values.
+SPEED_TERMS: tuple[str, ...] = ("gpu_compute", "cpu_compute", "dequant", "quant", "head", "layer_overhead_s",
+                                "step_overhead_s")
 OVERHEAD_BOUNDS_S = (0.0, 0.05)
 
 
@@ -478,6 +488,83 @@ def calibrate(profile: HardwareProfile, model: "str | ModelSpec", *, profile_arg
     fit.notes.append(f"{len(runs)} runs x {repeats} of {spec.name} ({spec.dtype}) cut to {runs[-1].num_layers}/"
                      f"{runs[0].num_layers} of {spec.num_layers} layers in {runs_s:.1f} s")
     return fit
+
+
+# --------------------------------------------------------------------------- re-anchoring the speed
+@dataclass(frozen=True)
+class Refresh:
+    """A calibrated profile re-anchored to the machine's current compute speed."""
+
+    profile: HardwareProfile
+    speed_ratio: float  # measured / predicted step wall time before the refresh (> 1: slower now)
+    ratios: tuple[float, ...]  # the per (run, phase) ratios it is the geometric median of
+    runs_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"calibration": dict(self.profile.calibration), "speed_ratio": self.speed_ratio,
+                "ratios": list(self.ratios), "runs_s": self.runs_s}
+
+    def summary(self) -> str:
+        way = "slower" if self.speed_ratio >= 1 else "faster"
+        spread = (max(self.ratios) / min(self.ratios) - 1) if self.ratios else 0.0
+        return (f"this machine now runs {abs(self.speed_ratio - 1):.1%} {way} than the profile predicts "
+                f"(median of {len(self.ratios)} step wall times, spread {spread:.1%}); compute terms "
+                f"({', '.join(SPEED_TERMS)}) scaled by {self.speed_ratio:.3f}, I/O terms kept; "
+                f"{self.runs_s:.1f} s of runs")
+
+
+def anchor_designs(spec: ModelSpec, gen_len: int = 6, depth: int = 4) -> list[RunDesign]:
+    """The all-gpu runs of the calibration design: their step times are compute and overheads only."""
+    return [d for d in design_runs(spec, gen_len=gen_len, depth=depth) if d.name.startswith("gpu-")]
+
+
+def speed_ratio(spec: ModelSpec, profile: HardwareProfile, measurements: Sequence[Measurement]) -> tuple[float, list[float]]:
+    """Measured / predicted step wall time over the anchor runs: (median of the log ratios, ratios)."""
+    ratios = []
+    for m in measurements:
+        pred = predict(spec, profile, m.design)
+        for k in WALL_METRICS:
+            if m.metrics[k] >= MIN_MEASURED_S and pred[k] > 0:
+                ratios.append(m.metrics[k] / pred[k])
+    if not ratios:
+        raise UserError("the speed check measured no step above "
+                        f"{MIN_MEASURED_S * 1e3:.0f} ms; use a larger model")
+    return float(np.exp(np.median(np.log(ratios)))), ratios
+
+
+def rescaled(profile: HardwareProfile, ratio: float) -> HardwareProfile:
+    """``profile`` with every compute term (:data:`SPEED_TERMS`) multiplied by ``ratio``.
+
+    For a run on the gpu tier alone a step is compute plus overheads, so this scales its
+    predicted step time by exactly ``ratio``.
+    """
+    cal = profile.calibration
+    return with_terms(profile, {t: cal.get(t, 1.0 if t in FACTOR_TERMS else 0.0) * ratio for t in SPEED_TERMS})
+
+
+def refresh(profile: HardwareProfile, model: "str | ModelSpec", *, profile_arg: str = "profile", gen_len: int = 6,
+            depth: int = 4, repeats: int = 2, progress: bool = False,
+            source_for: Callable[[ModelSpec], Any] | None = None) -> Refresh:
+    """Re-time the anchor runs and rescale the compute terms of a calibrated profile to match."""
+    import torch
+
+    if not profile.calibration:
+        raise UserError(f"{profile_arg} is not calibrated; --refresh re-anchors a calibrated profile: run "
+                        f"xsched calibrate --profile {profile_arg} --model ... -o calibrated.json first")
+    spec, default_source = resolve_model(model, profile)
+    check_profile_for(profile, spec, model if isinstance(model, str) else spec.name, profile_arg)
+    threads = torch.get_num_threads()
+    if profile.compute_threads:
+        torch.set_num_threads(profile.compute_threads)
+    try:
+        t0 = time.perf_counter()
+        ms = measure_design(spec, anchor_designs(spec, gen_len=gen_len, depth=depth), profile=profile,
+                            repeats=repeats, source_for=source_for or default_source, progress=progress)
+        runs_s = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)
+    ratio, ratios = speed_ratio(spec, profile, ms)
+    return Refresh(rescaled(profile, ratio), ratio, tuple(ratios), runs_s)
 
 
 def report(fit: Fit) -> str:

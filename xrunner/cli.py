@@ -47,7 +47,12 @@ def register_calibrate(sub: argparse._SubParsersAction) -> None:
                     "seconds per resource and step wall times, print the error per term before and after, and "
                     "write the calibrated profile. Needs a profile of this machine with the model's layer fits: "
                     "xsched profile --quick --model NAME --threads 1 -o profile.json")
-    c.add_argument("--profile", required=True, metavar="FILE", help="profile measured on this machine")
+    c.add_argument("--profile", required=True, metavar="FILE",
+                   help="profile measured on this machine (with --refresh: a calibrated one)")
+    c.add_argument("--refresh", action="store_true",
+                   help="only re-anchor a calibrated profile to this machine's current speed: re-time the all-gpu "
+                        "runs (about 10 s) and scale the compute terms by one factor, keeping the I/O terms; run it "
+                        "right before planning on a machine whose speed drifts")
     c.add_argument("--model", required=True, metavar="NAME|PATH",
                    help="registry name (or random:NAME), local HF directory or .gguf file; runs use random weights "
                         "of its shape")
@@ -56,7 +61,8 @@ def register_calibrate(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--gen-len", type=int, default=6, help="decode tokens per request in the runs (default 6)")
     c.add_argument("--depth", type=int, default=4,
                    help="layers of the cut model in most runs, >= 4; two runs use twice as many (default 4)")
-    c.add_argument("--repeats", type=int, default=3, help="repeats of each run; metrics are medians (default 3)")
+    c.add_argument("--repeats", type=int, default=None,
+                   help="repeats of each run; metrics are medians (default 3, with --refresh 2)")
     c.add_argument("--offload-dir", default=None, metavar="DIR",
                    help="directory for the disk-tier runs (default: the system temporary directory)")
     c.add_argument("--json", action="store_true", help="print the fit as JSON")
@@ -155,10 +161,12 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from xprofiler.fingerprint import machine_differences
     from xprofiler.presets import load_profile
-    from xrunner.calibrate import calibrate, report
+    from xrunner.calibrate import calibrate, refresh, report
     from xrunner.run_cli import check_offload_dir
     from xsched.errors import UserError
 
+    if args.repeats is None:
+        args.repeats = 2 if args.refresh else 3
     for name in ("gen_len", "repeats"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -177,6 +185,18 @@ def _calibrate(args: argparse.Namespace) -> int:
     if diffs:
         raise UserError(f"{args.profile} was measured on another machine ({'; '.join(diffs)}); calibration fits "
                         "this machine's runs to it: measure this machine first (xsched profile)")
+    if args.refresh:
+        got = refresh(profile, args.model, profile_arg=args.profile, gen_len=args.gen_len, depth=args.depth,
+                      repeats=args.repeats, progress=not args.quiet and sys.stderr.isatty())
+        if args.output is not None:
+            got.profile.save(args.output)
+        if args.json:
+            print(json.dumps({**got.to_dict(), "output": args.output}, indent=2))
+        else:
+            print(got.summary())
+            if args.output is not None:
+                print(f"wrote {args.output}")
+        return 0
     fit = calibrate(profile, args.model, profile_arg=args.profile, gen_len=args.gen_len, depth=args.depth,
                     repeats=args.repeats, offload_dir=args.offload_dir,
                     progress=not args.quiet and sys.stderr.isatty())
