@@ -21,9 +21,12 @@ What is compared (per run; :data:`METRICS`):
   (:data:`OVERHEAD_TERMS`) are fitted to the step wall times. ``layer_overhead_s`` (per layer
   and active GPU batch) and ``step_overhead_s`` (per active GPU batch and step) would be
   collinear with one model depth, so the design runs two depths of the cut model.
+  ``block_layer_overhead_s`` (per layer and block step: the cold read of the layer's weights by
+  the block's first GPU batch) is kernel time, inside ``layers``; designs with one and with two
+  GPU batches per block separate it from the per-batch terms.
 
-The predicted ``layers``/``head`` busy times exclude the overhead terms (the measured kernels do
-not contain them), so factors and overheads are not fighting over the same seconds: the fit is
+The predicted ``layers``/``head`` busy times exclude the two overhead terms that run outside the
+timed kernels, so factors and overheads are not fighting over the same seconds: the fit is
 well posed. Terms that no run excites (e.g. ``dtoc`` without a disk) keep their old value.
 
 A shared or virtual machine does not keep one speed: on the 2-core VM this was built on, the
@@ -68,7 +71,7 @@ FACTOR_BOUNDS = (0.05, 20.0)
 # The terms a change of the machine's compute speed moves together (refresh scales them by one
 # factor); the I/O channels keep their fitted values.
 SPEED_TERMS: tuple[str, ...] = ("gpu_compute", "cpu_compute", "dequant", "quant", "head", "layer_overhead_s",
-                                "step_overhead_s")
+                                "step_overhead_s", "block_layer_overhead_s")
 OVERHEAD_BOUNDS_S = (0.0, 0.05)
 
 
