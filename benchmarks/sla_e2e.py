@@ -14,7 +14,9 @@ Before each plan the calibrated profile is re-anchored to the machine's current 
 ``xsched calibrate --refresh`` (``--no-refresh`` plans on the calibrated profile as it is), and
 that bound is taken from the re-anchored profile's frontier; the "speed" column is the factor the
 refresh found, "after" the same check right after the run (how far the speed moved meanwhile;
-not used by the plan).
+not used by the plan). "drift-corr" is measured / predicted throughput times
+``sqrt(before * after) / before``: the ratio with the machine's measured drift during the run
+taken out (reported beside the plain ratio, which is the issue's criterion).
 
     xsched profile --quick --model opt-125m --threads 1 -o p.json
     xsched calibrate --profile p.json --model opt-125m -o cal.json
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -124,6 +127,11 @@ def check(calibrated: str, model: str, workload: str, requests: int, bounds: lis
         r = rows[-1]
         r["p99_ok"] = r["measured_p99_s"] <= bound
         r["tps_ok"] = r["measured_tps"] >= THROUGHPUT_FLOOR * r["predicted_tps"]
+        # The same ratio with the machine's drift during the run taken out: the plan predicted at the
+        # speed checked before it; the run went at about the geometric mean of the checks around it.
+        drift = math.sqrt(speed * after) / speed if after else 1.0
+        r["speed_drift"] = drift
+        r["drift_corrected_tps_ratio"] = r["measured_tps"] / r["predicted_tps"] * drift
     return rows
 
 
@@ -148,7 +156,7 @@ def main() -> int:
           f"{args.calibrated}")
     print(f"planning margin (--margin {args.margin}): {rows[0]['margin']:.1%}" if rows else "no bounds")
     print(f"{'bound s':>8} {'speed':>6} {'after':>6} {'planned':>8} {'p99 pred':>9} {'p99 meas':>9} {'ok':>4} {'tok/s pred':>10} "
-          f"{'tok/s meas':>10} {'meas/pred':>9} {'ok':>4}  policy")
+          f"{'tok/s meas':>10} {'meas/pred':>9} {'ok':>4} {'drift-corr':>10}  policy")
     for r in rows:
         p = r["policy"]
         pol = (f"gbs {p['gbs']} nb {p['nb']} w {p['wg']:.2f}/{p['wc']:.2f}/{p['wd']:.2f} refill {p['refill_every']}"
@@ -157,7 +165,7 @@ def main() -> int:
         print(f"{r['bound_s']:>8.2f} {r['speed_ratio']:>6.3f} {after:>6} {r['planning_bound_s']:>8.2f} {r['predicted_p99_s']:>9.2f} "
               f"{r['measured_p99_s']:>9.2f} {str(r['p99_ok']):>4} {r['predicted_tps']:>10.1f} "
               f"{r['measured_tps']:>10.1f} {r['measured_tps'] / r['predicted_tps']:>9.2f} "
-              f"{str(r['tps_ok']):>4}  {pol}")
+              f"{str(r['tps_ok']):>4} {r['drift_corrected_tps_ratio']:>10.2f}  {pol}")
     ok = all(r["p99_ok"] and r["tps_ok"] for r in rows)
     print(f"all bounds met and throughput >= {THROUGHPUT_FLOOR} x predicted: {ok}")
     if args.json_out:
