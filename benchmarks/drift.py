@@ -23,7 +23,6 @@ reference. Every timing is printed beside the 1-minute load average: the machine
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time

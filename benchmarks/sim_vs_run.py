@@ -10,7 +10,8 @@ the raw profile ("uncalibrated"), from the calibrated one, and (``--reanchor``, 
 from the calibrated one re-anchored to the machine's speed around each plan ("re-anchored"): the
 speed check of ``xsched calibrate --refresh`` (the calibration's all-gpu runs, a few seconds)
 runs before and after each plan's repeats, and the calibrated compute terms are scaled by the
-geometric mean of the two. This VM's speed drifts by 10-35% within an hour, so a profile
+geometric mean of the two. This VM's speed drifts (speed checks from 1.09 to 1.69 x the
+calibrated step times within one 10-minute run of this benchmark), so a profile
 calibrated once describes the machine of that moment; the re-anchored column is what a user who
 refreshes before planning gets. The calibration set (``xsched calibrate``: a cut model, a few
 decode steps, other batch shapes) is disjoint from the plans evaluated here, and the speed check
@@ -170,16 +171,17 @@ def main() -> int:
     best = "now" if args.reanchor else "cal"
     kinds = (("raw", "uncalibrated"), ("cal", "calibrated")) + ((("now", "re-anchored"),) if args.reanchor else ())
     print()
+    speed_note = ", 'speed' = its scale on the calibrated compute terms" if args.reanchor else ""
     print(f"model {spec.name} ({spec.dtype}), {args.requests} requests per run, random weights, EOS ignored; "
-          f"'{best}' = {dict(kinds)[best]} prediction" + (", 'speed' = its scale on the calibrated compute terms"
-                                                         if args.reanchor else ""))
+          f"'{best}' = {dict(kinds)[best]} prediction{speed_note}")
     print(f"{'workload':<14} {'plan':<22} {'tok/s meas':>10} {'raw':>7} {'cal':>7} {best:>7} {'err':>7} "
           f"{'p99 s meas':>10} {'raw':>7} {'cal':>7} {best:>7} {'err':>7} {'speed':>6} {'peak<=plan':>10} "
           f"{'noise tps/p99':>14}")
     for r in rows:
-        print(f"{r['workload']:<14} {r['plan']:<22} {r['measured_tps']:>10.1f} {r['raw_tps']:>7.1f} {r['cal_tps']:>7.1f} "
-              f"{r[best + '_tps']:>7.1f} {err(r, best, 'tps'):>+7.1%} {r['measured_p99_s']:>10.2f} "
-              f"{r['raw_p99_s']:>7.2f} {r['cal_p99_s']:>7.2f} {r[best + '_p99_s']:>7.2f} {err(r, best, 'p99_s'):>+7.1%} "
+        print(f"{r['workload']:<14} {r['plan']:<22} {r['measured_tps']:>10.1f} {r['raw_tps']:>7.1f} "
+              f"{r['cal_tps']:>7.1f} {r[best + '_tps']:>7.1f} {err(r, best, 'tps'):>+7.1%} "
+              f"{r['measured_p99_s']:>10.2f} {r['raw_p99_s']:>7.2f} {r['cal_p99_s']:>7.2f} "
+              f"{r[best + '_p99_s']:>7.2f} {err(r, best, 'p99_s'):>+7.1%} "
               f"{r['speed_ratio']:>6.3f} {str(r['peak_ok']):>10} "
               f"{r['repeat_spread_tps']:>6.1%}/{r['repeat_spread_p99']:.1%}")
     summary = {}
@@ -197,7 +199,8 @@ def main() -> int:
         sp = [r["speed_ratio"] for r in rows]
         print(f"speed checks: {min(sp):.3f} .. {max(sp):.3f} x the calibrated step times")
     print()
-    print(f"where the {dict(kinds)[best]} seconds differ (signed error of predicted vs measured, median over runs where > 10 ms):")
+    print(f"where the {dict(kinds)[best]} seconds differ (signed error of predicted vs measured, median over "
+          "runs where > 10 ms):")
     for k in METRICS:
         e = [r["metrics_predicted_s"][k] / r["metrics_measured_s"][k] - 1 for r in rows
              if r["metrics_measured_s"][k] > 0.01]

@@ -119,7 +119,8 @@ def check(calibrated: str, model: str, workload: str, requests: int, bounds: lis
             after = speed_check(work / f"after{k}.json")
         run = json.loads(res_path.read_text())
         pred = plan["predicted"]
-        rows.append({"bound_s": bound, "speed_ratio": speed, "speed_ratio_after": after, "margin": plan["margin"], "planning_bound_s": plan["planning_latency_s"],
+        rows.append({"bound_s": bound, "speed_ratio": speed, "speed_ratio_after": after, "margin": plan["margin"],
+                     "planning_bound_s": plan["planning_latency_s"],
                      "policy": plan["policy"], "predicted_p99_s": pred["latency_p99_s"],
                      "measured_p99_s": run["latency_p99_s"],
                      "predicted_tps": pred["throughput_tokens_per_s"], "measured_tps": run["throughput_tokens_per_s"],
@@ -130,7 +131,6 @@ def check(calibrated: str, model: str, workload: str, requests: int, bounds: lis
         # The same ratio with the machine's drift during the run taken out: the plan predicted at the
         # speed checked before it; the run went at about the geometric mean of the checks around it.
         drift = math.sqrt(speed * after) / speed if after else 1.0
-        r["speed_drift"] = drift
         r["drift_corrected_tps_ratio"] = r["measured_tps"] / r["predicted_tps"] * drift
     return rows
 
@@ -155,14 +155,15 @@ def main() -> int:
     print(f"model {args.model}, workload {args.workload}, {args.requests} requests, calibrated profile "
           f"{args.calibrated}")
     print(f"planning margin (--margin {args.margin}): {rows[0]['margin']:.1%}" if rows else "no bounds")
-    print(f"{'bound s':>8} {'speed':>6} {'after':>6} {'planned':>8} {'p99 pred':>9} {'p99 meas':>9} {'ok':>4} {'tok/s pred':>10} "
-          f"{'tok/s meas':>10} {'meas/pred':>9} {'ok':>4} {'drift-corr':>10}  policy")
+    print(f"{'bound s':>8} {'speed':>6} {'after':>6} {'planned':>8} {'p99 pred':>9} {'p99 meas':>9} {'ok':>4} "
+          f"{'tok/s pred':>10} {'tok/s meas':>10} {'meas/pred':>9} {'ok':>4} {'drift-corr':>10}  policy")
     for r in rows:
         p = r["policy"]
         pol = (f"gbs {p['gbs']} nb {p['nb']} w {p['wg']:.2f}/{p['wc']:.2f}/{p['wd']:.2f} refill {p['refill_every']}"
                + (" 4-bit" if p["compress_weight"] or p["compress_cache"] else ""))
         after = "" if r["speed_ratio_after"] is None else f"{r['speed_ratio_after']:.3f}"
-        print(f"{r['bound_s']:>8.2f} {r['speed_ratio']:>6.3f} {after:>6} {r['planning_bound_s']:>8.2f} {r['predicted_p99_s']:>9.2f} "
+        print(f"{r['bound_s']:>8.2f} {r['speed_ratio']:>6.3f} {after:>6} {r['planning_bound_s']:>8.2f} "
+              f"{r['predicted_p99_s']:>9.2f} "
               f"{r['measured_p99_s']:>9.2f} {str(r['p99_ok']):>4} {r['predicted_tps']:>10.1f} "
               f"{r['measured_tps']:>10.1f} {r['measured_tps'] / r['predicted_tps']:>9.2f} "
               f"{str(r['tps_ok']):>4} {r['drift_corrected_tps_ratio']:>10.2f}  {pol}")

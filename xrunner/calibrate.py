@@ -29,8 +29,9 @@ The predicted ``layers``/``head`` busy times exclude the two overhead terms that
 timed kernels, so factors and overheads are not fighting over the same seconds: the fit is
 well posed. Terms that no run excites (e.g. ``dtoc`` without a disk) keep their old value.
 
-A shared or virtual machine does not keep one speed: on the 2-core VM this was built on, the
-same runs went 10-20% slower within an hour of calibrating. ``xsched calibrate --refresh``
+A shared or virtual machine does not keep one speed: on the 2-core VM this was built on, four
+calibrations within two hours fitted ``gpu_compute`` between 0.83 and 1.13, and within ten
+minutes the same short runs went from 1.09 to 1.69 x their calibrated time. ``xsched calibrate --refresh``
 (:func:`refresh`) re-times only the all-gpu runs of the design (about 10 s) and rescales the
 compute terms by one factor, so a profile can be brought back to the machine's current speed
 right before planning, without refitting the I/O terms.
@@ -467,25 +468,30 @@ def resolve_model(model: "str | ModelSpec", profile: HardwareProfile) -> tuple[M
     return spec, (lambda s: RandomSource(s, seed=0, dtype=dtype))
 
 
-def calibrate(profile: HardwareProfile, model: "str | ModelSpec", *, profile_arg: str = "profile", gen_len: int = 6,
-              depth: int = 4, repeats: int = 3, offload_dir: str | Path | None = None,
-              progress: bool = False) -> Fit:
-    """Run the design on this machine and fit; the returned ``Fit.profile`` is the calibrated one."""
+def _measure_as_profiled(spec: ModelSpec, runs: Sequence[RunDesign], profile: HardwareProfile,
+                         **kwargs: Any) -> tuple[list[Measurement], float]:
+    """:func:`measure_design` with torch at the profile's thread count (restored after); (runs, seconds)."""
     import torch
 
-    spec, source_for = resolve_model(model, profile)
-    check_profile_for(profile, spec, model if isinstance(model, str) else spec.name, profile_arg)
-    runs = design_runs(spec, gen_len=gen_len, depth=depth)
     threads = torch.get_num_threads()
     if profile.compute_threads:
         torch.set_num_threads(profile.compute_threads)  # run as the profile measured
     try:
         t0 = time.perf_counter()
-        ms = measure_design(spec, runs, profile=profile, repeats=repeats, offload_dir=offload_dir,
-                            source_for=source_for, progress=progress)
-        runs_s = time.perf_counter() - t0
+        return measure_design(spec, runs, profile=profile, **kwargs), time.perf_counter() - t0
     finally:
         torch.set_num_threads(threads)
+
+
+def calibrate(profile: HardwareProfile, model: "str | ModelSpec", *, profile_arg: str = "profile", gen_len: int = 6,
+              depth: int = 4, repeats: int = 3, offload_dir: str | Path | None = None,
+              progress: bool = False) -> Fit:
+    """Run the design on this machine and fit; the returned ``Fit.profile`` is the calibrated one."""
+    spec, source_for = resolve_model(model, profile)
+    check_profile_for(profile, spec, model if isinstance(model, str) else spec.name, profile_arg)
+    runs = design_runs(spec, gen_len=gen_len, depth=depth)
+    ms, runs_s = _measure_as_profiled(spec, runs, profile, repeats=repeats, offload_dir=offload_dir,
+                                      source_for=source_for, progress=progress)
     fit = fit_calibration(spec, profile, ms)
     fit.runs_s = runs_s
     fit.notes.append(f"{len(runs)} runs x {repeats} of {spec.name} ({spec.dtype}) cut to {runs[-1].num_layers}/"
@@ -521,7 +527,8 @@ def anchor_designs(spec: ModelSpec, gen_len: int = 6, depth: int = 4) -> list[Ru
     return [d for d in design_runs(spec, gen_len=gen_len, depth=depth) if d.name.startswith("gpu-")]
 
 
-def speed_ratio(spec: ModelSpec, profile: HardwareProfile, measurements: Sequence[Measurement]) -> tuple[float, list[float]]:
+def speed_ratio(spec: ModelSpec, profile: HardwareProfile,
+                measurements: Sequence[Measurement]) -> tuple[float, list[float]]:
     """Measured / predicted step wall time over the anchor runs: (median of the log ratios, ratios)."""
     ratios = []
     for m in measurements:
@@ -549,23 +556,13 @@ def refresh(profile: HardwareProfile, model: "str | ModelSpec", *, profile_arg: 
             depth: int = 4, repeats: int = 2, progress: bool = False,
             source_for: Callable[[ModelSpec], Any] | None = None) -> Refresh:
     """Re-time the anchor runs and rescale the compute terms of a calibrated profile to match."""
-    import torch
-
     if not profile.calibration:
         raise UserError(f"{profile_arg} is not calibrated; --refresh re-anchors a calibrated profile: run "
                         f"xsched calibrate --profile {profile_arg} --model ... -o calibrated.json first")
     spec, default_source = resolve_model(model, profile)
     check_profile_for(profile, spec, model if isinstance(model, str) else spec.name, profile_arg)
-    threads = torch.get_num_threads()
-    if profile.compute_threads:
-        torch.set_num_threads(profile.compute_threads)
-    try:
-        t0 = time.perf_counter()
-        ms = measure_design(spec, anchor_designs(spec, gen_len=gen_len, depth=depth), profile=profile,
-                            repeats=repeats, source_for=source_for or default_source, progress=progress)
-        runs_s = time.perf_counter() - t0
-    finally:
-        torch.set_num_threads(threads)
+    ms, runs_s = _measure_as_profiled(spec, anchor_designs(spec, gen_len=gen_len, depth=depth), profile,
+                                      repeats=repeats, source_for=source_for or default_source, progress=progress)
     ratio, ratios = speed_ratio(spec, profile, ms)
     return Refresh(rescaled(profile, ratio), ratio, tuple(ratios), runs_s)
 
