@@ -68,7 +68,12 @@ def test_tiny_profile_measures_every_field(tmp_path):
     layer = df[df.bench == "layer"]
     assert len(layer) == 8 * layer["pass"].nunique() and layer["pass"].nunique() >= 2
     assert (df.time_s > 0).all()
-    assert set(df.bench) >= {"ctog", "gtoc", "dtoc", "ctod", "mm", "bmm", "mem", "quant", "dequant", "layer"}
+    assert set(df.bench) >= {"ctog", "gtoc", "dtoc", "ctod", "mm", "bmm", "mem", "quant", "dequant", "layer",
+                             "row_ctod", "row_dtoc"}
+    # one KV/activation row transfer: its latency, the median of the per-transfer times
+    for key, bench in (("disk_row_write_s", "row_ctod"), ("disk_row_read_s", "row_dtoc")):
+        per = df[df.bench == bench].eval("time_s / count")
+        assert getattr(prof, key) == pytest.approx(per.median()) and 0 < per.median() < 0.1, key
 
 
 def test_min_statistic_and_fadvise_fallback(tmp_path):

@@ -222,6 +222,33 @@ def test_compression_shrinks_stored_bytes_and_adds_dequant_buffers():
 
 
 # --------------------------------------------------------------------------- cost model details
+def test_disk_kv_and_activation_rows_pay_one_latency_per_row_transfer():
+    """The engine moves disk rows one row and KV part at a time; each transfer pays the profile's latency."""
+    p = dict(wg=1.0, wc=0.0, wd=0.0, cg=0.0, cc=0.0, cd=1.0, hg=0.0, hc=0.0, hd=1.0)
+    base = t4_like()
+    slow = replace(base, disk_row_write_s=1e-3, disk_row_read_s=4e-4)
+    for compress, parts in ((False, 2), (True, 6)):
+        for phase in ("prefill", "decode"):
+            b = CostModel(OPT30, base, compress_cache=compress).batch_terms(phase, 8, 300, p)
+            s = CostModel(OPT30, slow, compress_cache=compress).batch_terms(phase, 8, 300, p)
+            assert s.ctod - b.ctod == pytest.approx(8 * (parts + 1) * 1e-3)  # KV parts + the activation row
+            reads = parts + 1 if phase == "decode" else 1  # prefill reads no cache
+            assert s.dtoc - b.dtoc == pytest.approx(8 * reads * 4e-4)
+    # bytes are priced at the size of one row's transfer, not of the whole batch's
+    act = 8 * 300 * OPT30.hidden * 2
+    one = CostModel(OPT30, base).batch_terms("prefill", 8, 300, dict(p, cd=0.0))
+    assert one.dtoc == pytest.approx(act / bandwidth_at(base.dtoc, act / 8))
+
+
+def test_cost_model_kv_parts_match_the_engines_stored_form():
+    torch = pytest.importorskip("torch")
+    from xrunner.engine import KVCodec
+    from xsimulator.costmodel import KV_PARTS, KV_PARTS_COMPRESSED
+
+    assert len(KVCodec(64, torch.float32, compress=False).rests) == KV_PARTS
+    assert len(KVCodec(64, torch.float32, compress=True).rests) == KV_PARTS_COMPRESSED
+
+
 def test_cpu_attention_moves_activations_instead_of_cache():
     prof = t4_like()
     p = dict(wg=1.0, wc=0.0, wd=0.0, cg=0.0, cc=1.0, cd=0.0, hg=1.0, hc=0.0, hd=0.0)

@@ -38,6 +38,11 @@ HOST_RAM_FRACTION = 0.75
 DISK_FREE_FRACTION = 0.9  # of the offload filesystem's free space at profile time
 BUSY_WARN_CORES = 0.25  # warn when other processes used more CPU than this while we measured
 CUDA_MEM_FRACTION = 0.9  # of the device's total memory (the CUDA context and allocator need the rest)
+# One KV-cache / activation row transfer: a 4 KiB piece (opt-125m's K or V column is 3 KiB), 32
+# per timed call, on a reserved file large enough that every write lands on fresh space.
+ROW_BYTES = 4096
+ROW_CALLS = 32
+ROW_FILE_BYTES = 64 * MiB
 
 
 @dataclass(frozen=True)
@@ -252,6 +257,7 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
 
     from xprofiler import bench
     from xprofiler.fingerprint import available_ram_bytes, detect_fingerprint, filesystem_type
+    from xprofiler.samples import op_seconds
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -300,6 +306,8 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
         mm_flops=r.rate("mm"), bmm_flops=r.rate("bmm"), cpu_mm_flops=cpu_mm, cpu_bmm_flops=cpu_bmm,
         quant_bytes_per_s=r.rate("quant", unit="bytes"), dequant_bytes_per_s=r.rate("dequant", unit="bytes"),
         mem_bytes_per_s=r.rate("mem", unit="bytes"), cpu_mem_bytes_per_s=cpu_mem, layer_fits=tuple(fits),
+        disk_row_write_s=op_seconds(r.rows, "row_ctod", st.stat),
+        disk_row_read_s=op_seconds(r.rows, "row_dtoc", st.stat),
         compute_dtype=dtype, compute_threads=torch.get_num_threads(), disk_io=disk_method,  # type: ignore[arg-type]
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         wall_s=time.monotonic() - t_start, notes="; ".join(n for n in r.notes if n),
@@ -327,6 +335,14 @@ def _run_benchmarks(r: _Run, opts: ProfileOptions, device: Any, dtype: str, spec
         r.run("disk", disk.points(), timer=wall_clock)
     finally:
         disk.close()
+    # KV-cache and activation rows: small pieces in files the engine opens without O_DIRECT.
+    os.truncate(test_file, 0)  # the row bench needs never-written space
+    rows = bench.DiskBench(test_file, ROW_FILE_BYTES, [ROW_BYTES], direct=False, fresh=True)
+    try:
+        rows.fill()
+        r.run("disk rows", rows.points("row_ctod", "row_dtoc", count=ROW_CALLS), timer=wall_clock)
+    finally:
+        rows.close()
     shapes = _model_shapes(specs)
     r.run("compute", _compute_points(bench, device, tdt, shapes, st))
     if cuda:

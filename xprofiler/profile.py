@@ -316,6 +316,11 @@ class HardwareProfile(Contract):
     compute_dtype: str = ""  # dtype of the GEMM/attention/layer measurements
     compute_threads: int = 0  # torch intra-op threads during the measurements (0 = unknown)
     disk_io: Literal["o_direct", "fadvise", ""] = ""  # how dtoc/ctod bypassed the page cache
+    # Seconds of one small transfer of a KV-cache or activation row to / from its offload file
+    # (4 KiB, page cache bypassed by write + fdatasync + drop, drop + read; 0.0 = unknown). The
+    # engine moves those one row at a time, so per-transfer latency, not bandwidth, prices them.
+    disk_row_write_s: float = 0.0
+    disk_row_read_s: float = 0.0
     created: str = ""  # ISO time of the measurement
     wall_s: float = 0.0  # how long the profiling took
 
@@ -327,7 +332,7 @@ class HardwareProfile(Contract):
                     "dequant_bytes_per_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be > 0")
-        for key in ("mem_bytes_per_s", "cpu_mem_bytes_per_s", "wall_s"):
+        for key in ("mem_bytes_per_s", "cpu_mem_bytes_per_s", "wall_s", "disk_row_write_s", "disk_row_read_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} must be >= 0")
 

@@ -65,6 +65,9 @@ def summary(p: HardwareProfile) -> str:
         + (si(p.cpu_mem_bytes_per_s, "B/s") if p.cpu_mem_bytes_per_s else "unknown"),
         f"  4-bit        quantize {si(p.quant_bytes_per_s, 'B/s')}, dequantize {si(p.dequant_bytes_per_s, 'B/s')}",
     ]
+    if p.disk_row_write_s or p.disk_row_read_s:
+        lines.append(f"  disk rows    one 4 KiB KV/activation row: write {p.disk_row_write_s * 1e6:.0f} us, "
+                     f"read {p.disk_row_read_s * 1e6:.0f} us")
     if p.layer_fits:
         lines.append("  layer fits   model / phase: time = sum of terms (1/coef as a rate); linear-part error med/max")
         for f in p.layer_fits:

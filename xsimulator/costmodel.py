@@ -45,6 +45,9 @@ FACTOR_TERMS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "gpu_compute", 
 # with warm weights).
 OVERHEAD_TERMS: tuple[str, ...] = ("layer_overhead_s", "step_overhead_s", "block_layer_overhead_s")
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
+# Stored KV parts per layer and row (the engine's KVCodec): K and V; 4-bit: codes, mins, scales of each.
+KV_PARTS = 2
+KV_PARTS_COMPRESSED = 6
 
 QUANT_BITS = 4
 QUANT_GROUP = 64
@@ -364,10 +367,12 @@ class CostModel:
         off_h = p["hc"] + p["hd"]
         move = self._move
 
+        parts = KV_PARTS_COMPRESSED if self.compress_cache else KV_PARTS
         ctog = move(off_h, "ctog", act)
         gtoc = move(off_h, "gtoc", act)
-        dtoc = move(p["hd"], "dtoc", act)
-        ctod = move(p["hd"], "ctod", act) + move(p["cd"], "ctod", kv_new_st)
+        disk_rows = self._disk_rows
+        dtoc = disk_rows(p["hd"], "dtoc", act, rows, 1)
+        ctod = disk_rows(p["hd"], "ctod", act, rows, 1) + disk_rows(p["cd"], "ctod", kv_new_st, rows, parts)
 
         other_s, attn_s = self._compute_parts(phase, rows, length)
         cpu_compute: Any = 0.0
@@ -380,7 +385,7 @@ class CostModel:
         else:
             kv_ctx = rows * length * spec.kv_bytes_per_token_per_layer  # cache the new token attends to
             kv_ctx_st = kv_ctx * self.kv_stored_ratio if self.compress_cache else kv_ctx
-            dtoc = dtoc + move(p["cd"], "dtoc", kv_ctx_st)
+            dtoc = dtoc + disk_rows(p["cd"], "dtoc", kv_ctx_st, rows, parts)
             if self.cpu_attention:
                 # Offloaded rows attend on the CPU: q, k, v go down, the attention output comes up.
                 gtoc = gtoc + move(off_c, "gtoc", rows * ((spec.q_dim + 2 * spec.kv_dim) * dt))
@@ -406,6 +411,24 @@ class CostModel:
         if _is_zero(fraction):
             return 0.0
         return fraction * (self._copy_s(channel, nbytes, nbytes) * self.factor(channel))
+
+    def _disk_rows(self, fraction: Any, channel: str, nbytes: Any, rows: Any, per_row: int) -> Any:
+        """``fraction`` of moving ``nbytes`` of KV-cache or activation rows to or from disk.
+
+        The engine moves those one row (and KV part) at a time through files opened without
+        O_DIRECT (write + fdatasync + drop; drop + read), so each of the ``rows * per_row``
+        transfers costs the profile's per-row latency plus its own bytes at the bandwidth of its
+        own size. On the VM this was built on a 3 KiB write took about 250 us, 60x what the
+        bandwidth curve gives for its bytes; priced as one big transfer, calibration had to push
+        ``ctod`` to its bound.
+        """
+        if _is_zero(fraction):
+            return 0.0
+        ops = rows * per_row
+        unit = nbytes / np.maximum(ops, 1)
+        lat = self.profile.disk_row_write_s if channel == "ctod" else self.profile.disk_row_read_s
+        seconds = ops * (lat + unit / bandwidth_at(self.profile.bandwidth(channel), unit))
+        return fraction * (seconds * self.factor(channel))
 
     def layer_terms(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any], nb: int) -> StepTerms:
         """A layer step of a block of ``nb`` identical GPU batches (the LP's representative step)."""
