@@ -170,6 +170,30 @@ def test_disk_weights_read_straight_into_the_stage_on_a_cpu_host(llama, tmp_path
     assert on_cuda.weight_terms(policy.placement()).ctog > 0  # the relay leg stays on a CUDA host
 
 
+def test_disk_row_writes_of_one_store_share_one_fdatasync(llama, tmp_path, monkeypatch):
+    """KV and activation rows go to disk one row at a time; a store's writes share one fdatasync."""
+    import os
+
+    src, reqs, want = llama
+    counts = {"fdatasync": 0, "pwrite": 0}
+
+    def counted(name):
+        real = getattr(os, name)
+
+        def call(*args):
+            counts[name] += 1
+            return real(*args)
+        return call
+
+    for name in counts:
+        monkeypatch.setattr(os, name, counted(name))
+    got, stats = run_engine(src, Policy(gbs=3, nb=2, cg=0.0, cd=1.0, hg=0.0, hd=1.0), reqs, tmp_path)
+    assert got == want and stats.busy_s["ctod"] > 0
+    # weights stay on the gpu tier, so every write is a row: up to 3 rows x (2 KV parts + 1 activation)
+    # per store, fewer in a part-filled batch; one fdatasync per row write would make the counts equal
+    assert 0 < counts["fdatasync"] and counts["pwrite"] >= 3 * counts["fdatasync"]
+
+
 # --------------------------------------------------------------------------- compression
 def _quantized_weights(weights):
     """The weights after the engine's 4-bit format, from the independent reference quantizer."""

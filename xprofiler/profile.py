@@ -318,7 +318,8 @@ class HardwareProfile(Contract):
     disk_io: Literal["o_direct", "fadvise", ""] = ""  # how dtoc/ctod bypassed the page cache
     # Seconds of one small transfer of a KV-cache or activation row to / from its offload file
     # (4 KiB, page cache bypassed by write + fdatasync + drop, drop + read; 0.0 = unknown). The
-    # engine moves those one row at a time, so per-transfer latency, not bandwidth, prices them.
+    # engine reads those one row at a time and syncs a store's row writes once, so latency, not
+    # bandwidth, prices them.
     disk_row_write_s: float = 0.0
     disk_row_read_s: float = 0.0
     created: str = ""  # ISO time of the measurement

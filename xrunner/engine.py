@@ -1066,7 +1066,8 @@ class Engine:
 
             def run() -> None:
                 try:
-                    self._store(l, works[i], j % 2, decode, store_act=l < L - 1)
+                    with self.store.deferred_sync():
+                        self._store(l, works[i], j % 2, decode, store_act=l < L - 1)
                     _settle(store_done[j], None)
                 except BaseException as exc:
                     _settle(store_done[j], exc)

@@ -416,18 +416,22 @@ class CostModel:
         """``fraction`` of moving ``nbytes`` of KV-cache or activation rows to or from disk.
 
         The engine moves those one row (and KV part) at a time through files opened without
-        O_DIRECT (write + fdatasync + drop; drop + read), so each of the ``rows * per_row``
-        transfers costs the profile's per-row latency plus its own bytes at the bandwidth of its
-        own size. On the VM this was built on a 3 KiB write took about 250 us, 60x what the
-        bandwidth curve gives for its bytes; priced as one big transfer, calibration had to push
-        ``ctod`` to its bound.
+        O_DIRECT, so each of the ``rows * per_row`` transfers moves its bytes at the bandwidth of
+        its own size. A read also pays the profile's per-row latency (drop + read); the writes
+        of one store share one fdatasync (``TierStore.deferred_sync``), priced as one row write
+        per kind (KV cache, activations) that has rows on disk. Before this, a 3 KiB row cost
+        about 250 us on the VM this was built on, 60x what the bandwidth curve gives for its
+        bytes, and calibration pushed ``ctod`` to its bound.
         """
         if _is_zero(fraction):
             return 0.0
         ops = rows * per_row
         unit = nbytes / np.maximum(ops, 1)
-        lat = self.profile.disk_row_write_s if channel == "ctod" else self.profile.disk_row_read_s
-        seconds = ops * (lat + unit / bandwidth_at(self.profile.bandwidth(channel), unit))
+        seconds = ops * (unit / bandwidth_at(self.profile.bandwidth(channel), unit))
+        if channel == "ctod":
+            seconds = seconds + self.profile.disk_row_write_s
+        else:
+            seconds = seconds + ops * self.profile.disk_row_read_s
         return fraction * (seconds * self.factor(channel))
 
     def layer_terms(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any], nb: int) -> StepTerms:
