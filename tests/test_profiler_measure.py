@@ -69,11 +69,13 @@ def test_tiny_profile_measures_every_field(tmp_path):
     assert len(layer) == 8 * layer["pass"].nunique() and layer["pass"].nunique() >= 2
     assert (df.time_s > 0).all()
     assert set(df.bench) >= {"ctog", "gtoc", "dtoc", "ctod", "mm", "bmm", "mem", "quant", "dequant", "layer",
-                             "row_ctod", "row_dtoc"}
-    # one KV/activation row transfer: its latency, the median of the per-transfer times
-    for key, bench in (("disk_row_write_s", "row_ctod"), ("disk_row_read_s", "row_dtoc")):
-        per = df[df.bench == bench].eval("time_s / count")
-        assert getattr(prof, key) == pytest.approx(per.median()) and 0 < per.median() < 0.1, key
+                             "row_store", "row_dtoc"}
+    # KV/activation rows: a read's latency; a store's flush + per-row cost, a line through its two sizes
+    per = df[df.bench == "row_dtoc"].eval("time_s / count")
+    assert prof.disk_row_read_s == pytest.approx(per.median()) and 0 < per.median() < 0.1
+    store = df[df.bench == "row_store"].assign(t=lambda d: d.time_s / d["count"]).groupby("batch").t.median()
+    assert list(store.index) == [1, 16] and 0 < prof.disk_row_write_s < 0.1 and 0 <= prof.disk_sync_s < 0.1
+    assert prof.disk_sync_s + 16 * prof.disk_row_write_s == pytest.approx(store[16])
 
 
 def test_min_statistic_and_fadvise_fallback(tmp_path):

@@ -136,6 +136,27 @@ class DiskBench:
             points.append(Point(sample_meta(read_bench, size_bytes=n, count=calls), read))
         return points
 
+    def store_points(self, rows_per_store: Sequence[int], count: int) -> list[Point]:
+        """``row_store`` points: ``n`` row writes of the smallest size, then one flush (fdatasync).
+
+        The engine's stores write KV-cache and activation rows this way (``deferred_sync``); two
+        or more ``n`` separate the flush's fixed cost from the per-row one.
+        """
+        size = self.sizes[0]
+        view = self.buf[:size]
+        points = []
+        for n in rows_per_store:
+            def store(n: int = n) -> None:
+                ranges = []
+                for _ in range(n):
+                    off = self._next_offset(size)
+                    self.file.write_at(view, off, sync=False)
+                    ranges.append((off, size))
+                self.file.flush(ranges)
+
+            points.append(Point(sample_meta("row_store", size_bytes=size, batch=n, count=count), store))
+        return points
+
     def close(self) -> None:
         self.file.close()
 

@@ -42,6 +42,8 @@ CUDA_MEM_FRACTION = 0.9  # of the device's total memory (the CUDA context and al
 # per timed call, on a reserved file large enough that every write lands on fresh space.
 ROW_BYTES = 4096
 ROW_CALLS = 32
+ROWS_PER_STORE = (1, 16)  # rows written before one flush, in the two store points
+ROW_STORE_CALLS = 4
 ROW_FILE_BYTES = 64 * MiB
 
 
@@ -306,13 +308,32 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
         mm_flops=r.rate("mm"), bmm_flops=r.rate("bmm"), cpu_mm_flops=cpu_mm, cpu_bmm_flops=cpu_bmm,
         quant_bytes_per_s=r.rate("quant", unit="bytes"), dequant_bytes_per_s=r.rate("dequant", unit="bytes"),
         mem_bytes_per_s=r.rate("mem", unit="bytes"), cpu_mem_bytes_per_s=cpu_mem, layer_fits=tuple(fits),
-        disk_row_write_s=op_seconds(r.rows, "row_ctod", st.stat),
+        **dict(zip(("disk_sync_s", "disk_row_write_s"), store_cost(r.rows, st.stat))),
         disk_row_read_s=op_seconds(r.rows, "row_dtoc", st.stat),
         compute_dtype=dtype, compute_threads=torch.get_num_threads(), disk_io=disk_method,  # type: ignore[arg-type]
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         wall_s=time.monotonic() - t_start, notes="; ".join(n for n in r.notes if n),
     )
     return profile, r.rows
+
+
+def store_cost(rows: Sequence[dict[str, Any]], stat: str = "median") -> tuple[float, float]:
+    """(fixed seconds of one flush, seconds per row written before it) from the ``row_store`` points.
+
+    A straight line through the per-call times of the stores of fewest and most rows; a pair
+    that would give a negative slope or intercept (noise, or a flush that costs nothing, as on
+    tmpfs) counts every row as the largest store's mean share instead.
+    """
+    from xprofiler.samples import summarize_by
+
+    mine = [r for r in rows if r["bench"] == "row_store"]
+    per_n = summarize_by(mine, "batch", lambda r: r["time_s"] / r["count"], stat)
+    lo, hi = min(per_n), max(per_n)
+    per_row = (per_n[hi] - per_n[lo]) / (hi - lo) if hi > lo else 0.0
+    sync = per_n[lo] - lo * per_row
+    if per_row <= 0 or sync < 0:
+        return 0.0, per_n[hi] / hi
+    return sync, per_row
 
 
 def _run_benchmarks(r: _Run, opts: ProfileOptions, device: Any, dtype: str, specs: list[Any], gpu_bytes: int,
@@ -340,7 +361,8 @@ def _run_benchmarks(r: _Run, opts: ProfileOptions, device: Any, dtype: str, spec
     rows = bench.DiskBench(test_file, ROW_FILE_BYTES, [ROW_BYTES], direct=False, fresh=True)
     try:
         rows.fill()
-        r.run("disk rows", rows.points("row_ctod", "row_dtoc", count=ROW_CALLS), timer=wall_clock)
+        reads = [p for p in rows.points("row_ctod", "row_dtoc", count=ROW_CALLS) if p.meta["bench"] == "row_dtoc"]
+        r.run("disk rows", rows.store_points(ROWS_PER_STORE, count=ROW_STORE_CALLS) + reads, timer=wall_clock)
     finally:
         rows.close()
     shapes = _model_shapes(specs)

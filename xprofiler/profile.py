@@ -316,12 +316,14 @@ class HardwareProfile(Contract):
     compute_dtype: str = ""  # dtype of the GEMM/attention/layer measurements
     compute_threads: int = 0  # torch intra-op threads during the measurements (0 = unknown)
     disk_io: Literal["o_direct", "fadvise", ""] = ""  # how dtoc/ctod bypassed the page cache
-    # Seconds of one small transfer of a KV-cache or activation row to / from its offload file
-    # (4 KiB, page cache bypassed by write + fdatasync + drop, drop + read; 0.0 = unknown). The
-    # engine reads those one row at a time and syncs a store's row writes once, so latency, not
+    # KV-cache and activation rows in their offload file (4 KiB rows on reserved, never-written
+    # space, page cache bypassed; 0.0 = unknown). The engine reads them one row at a time (drop +
+    # read: ``disk_row_read_s`` each) and writes a store's rows, then flushes once (fdatasync +
+    # drop): ``disk_sync_s`` per store plus ``disk_row_write_s`` per row. Latency, not
     # bandwidth, prices them.
     disk_row_write_s: float = 0.0
     disk_row_read_s: float = 0.0
+    disk_sync_s: float = 0.0
     created: str = ""  # ISO time of the measurement
     wall_s: float = 0.0  # how long the profiling took
 
@@ -333,7 +335,8 @@ class HardwareProfile(Contract):
                     "dequant_bytes_per_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be > 0")
-        for key in ("mem_bytes_per_s", "cpu_mem_bytes_per_s", "wall_s", "disk_row_write_s", "disk_row_read_s"):
+        for key in ("mem_bytes_per_s", "cpu_mem_bytes_per_s", "wall_s", "disk_row_write_s", "disk_row_read_s",
+                    "disk_sync_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} must be >= 0")
 

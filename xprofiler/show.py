@@ -66,8 +66,8 @@ def summary(p: HardwareProfile) -> str:
         f"  4-bit        quantize {si(p.quant_bytes_per_s, 'B/s')}, dequantize {si(p.dequant_bytes_per_s, 'B/s')}",
     ]
     if p.disk_row_write_s or p.disk_row_read_s:
-        lines.append(f"  disk rows    one 4 KiB KV/activation row: write {p.disk_row_write_s * 1e6:.0f} us, "
-                     f"read {p.disk_row_read_s * 1e6:.0f} us")
+        lines.append(f"  disk rows    4 KiB KV/activation rows: read {p.disk_row_read_s * 1e6:.0f} us each; a store "
+                     f"{p.disk_sync_s * 1e6:.0f} us + {p.disk_row_write_s * 1e6:.0f} us per row")
     if p.layer_fits:
         lines.append("  layer fits   model / phase: time = sum of terms (1/coef as a rate); linear-part error med/max")
         for f in p.layer_fits:

@@ -418,8 +418,10 @@ class CostModel:
         The engine moves those one row (and KV part) at a time through files opened without
         O_DIRECT, so each of the ``rows * per_row`` transfers moves its bytes at the bandwidth of
         its own size. A read also pays the profile's per-row latency (drop + read); the writes
-        of one store share one fdatasync (``TierStore.deferred_sync``), priced as one row write
-        per kind (KV cache, activations) that has rows on disk. Before this, a 3 KiB row cost
+        of one store share one fdatasync (``TierStore.deferred_sync``): each row pays
+        ``disk_row_write_s`` and each kind (KV cache, activations) with rows on disk one
+        ``disk_sync_s`` (one flush covers both kinds, so that case is counted twice). Before
+        this, a 3 KiB row cost
         about 250 us on the VM this was built on, 60x what the bandwidth curve gives for its
         bytes, and calibration pushed ``ctod`` to its bound.
         """
@@ -429,7 +431,7 @@ class CostModel:
         unit = nbytes / np.maximum(ops, 1)
         seconds = ops * (unit / bandwidth_at(self.profile.bandwidth(channel), unit))
         if channel == "ctod":
-            seconds = seconds + self.profile.disk_row_write_s
+            seconds = seconds + (ops * self.profile.disk_row_write_s + self.profile.disk_sync_s)
         else:
             seconds = seconds + ops * self.profile.disk_row_read_s
         return fraction * (seconds * self.factor(channel))
