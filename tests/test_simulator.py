@@ -241,6 +241,19 @@ def test_disk_kv_and_activation_rows_priced_per_row_transfer():
     assert one.dtoc == pytest.approx(act / bandwidth_at(base.dtoc, act / 8))
 
 
+def test_disk_reads_slow_the_compute_beside_them_by_the_calibrated_fraction():
+    prof = cpu_host()
+    p = dict(wg=0.5, wc=0.0, wd=0.5, cg=0.0, cc=0.0, cd=1.0, hg=1.0, hc=0.0, hd=0.0)
+    plain = CostModel(OPT30, prof)
+    slowed = CostModel(OPT30, replace(prof, calibration={"disk_interference": 0.25}))
+    for terms in (lambda m: m.weight_terms(p), lambda m: m.batch_terms("decode", 8, 300, p)):
+        a, b = terms(plain), terms(slowed)
+        assert a.dtoc > 0 and b.dtoc == a.dtoc
+        assert b.gpu_compute - a.gpu_compute == pytest.approx(0.25 * a.dtoc)
+    with pytest.raises(UserError, match="unknown term"):
+        CostModel(OPT30, replace(prof, calibration={"disk_interferense": 0.25}))
+
+
 def test_cost_model_kv_parts_match_the_engines_stored_form():
     torch = pytest.importorskip("torch")
     from xrunner.engine import KVCodec

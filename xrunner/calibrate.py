@@ -58,14 +58,14 @@ from workloads.workload import Workload
 from xprofiler.profile import MARGIN_QUANTILE, CalibrationError, HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import FACTOR_TERMS, OVERHEAD_TERMS
+from xsimulator.costmodel import FACTOR_TERMS, INTERFERENCE_TERMS, OVERHEAD_TERMS
 from xsimulator.discrete_event import simulate_timeline
 from xsimulator.policy import Policy
 
 METRICS: tuple[str, ...] = ("layers", "head", "cpu_compute", "ctog", "gtoc", "dtoc", "ctod", "prefill_wall",
                             "decode_wall")
 WALL_METRICS: tuple[str, ...] = ("prefill_wall", "decode_wall")
-TERMS: tuple[str, ...] = FACTOR_TERMS + OVERHEAD_TERMS
+TERMS: tuple[str, ...] = FACTOR_TERMS + OVERHEAD_TERMS + INTERFERENCE_TERMS
 # A measured busy time below this is noise (a handful of timer reads), not a signal to fit.
 MIN_MEASURED_S = 2e-3
 FACTOR_BOUNDS = (0.05, 20.0)
@@ -74,6 +74,13 @@ FACTOR_BOUNDS = (0.05, 20.0)
 SPEED_TERMS: tuple[str, ...] = ("gpu_compute", "cpu_compute", "dequant", "quant", "head", "layer_overhead_s",
                                 "step_overhead_s", "block_layer_overhead_s")
 OVERHEAD_BOUNDS_S = (0.0, 0.05)
+INTERFERENCE_BOUNDS = (0.0, 1.0)
+
+
+def _bounds(term: str) -> tuple[float, float]:
+    if term in FACTOR_TERMS:
+        return FACTOR_BOUNDS
+    return INTERFERENCE_BOUNDS if term in INTERFERENCE_TERMS else OVERHEAD_BOUNDS_S
 
 
 # --------------------------------------------------------------------------- the design
@@ -375,9 +382,9 @@ def fit_calibration(spec: ModelSpec, profile: HardwareProfile, measurements: Seq
                         f"{MIN_MEASURED_S * 1e3:.0f} ms); use a larger model")
     deps = _dependence(spec, p0, measurements, keys)
     free = [t for t in TERMS if deps[t]]
-    lo = [FACTOR_BOUNDS[0] if t in FACTOR_TERMS else OVERHEAD_BOUNDS_S[0] for t in free]
-    hi = [FACTOR_BOUNDS[1] if t in FACTOR_TERMS else OVERHEAD_BOUNDS_S[1] for t in free]
-    scale = [1.0 if t in FACTOR_TERMS else 1e-4 for t in free]
+    lo = [_bounds(t)[0] for t in free]
+    hi = [_bounds(t)[1] for t in free]
+    scale = [1.0 if t in FACTOR_TERMS else 0.1 if t in INTERFERENCE_TERMS else 1e-4 for t in free]
 
     def residuals(x: np.ndarray) -> np.ndarray:
         return _errors(spec, with_terms(p0, dict(zip(free, x))), measurements, keys)[0]

@@ -1238,7 +1238,8 @@ class Engine:
             if not slots:
                 continue
             if batch.end >= self.cap:
-                self._compact(j, batch)
+                with self.store.deferred_sync():
+                    self._compact(j, batch)
             b, c = batch.begin(), batch.end
             rows = [batch.rows[s] for s in slots]
             ids = torch.tensor([[r.out[-1]] for r in rows], dtype=torch.long)  # type: ignore[union-attr]

@@ -44,6 +44,12 @@ FACTOR_TERMS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "gpu_compute", 
 # the cache: the block schedule's weight reuse one level down; the profile's layer fits are timed
 # with warm weights).
 OVERHEAD_TERMS: tuple[str, ...] = ("layer_overhead_s", "step_overhead_s", "block_layer_overhead_s")
+# Compute seconds lost per second of disk reads running beside the compute (a fraction, default
+# 0): on a host without CUDA the reads land in the memory the compute streams from, and on a
+# small VM their interrupts and copies share its cores. Calibration fits it from the compute busy
+# time of the runs that read from disk; on the 2-core VM this was built on, compute ran 8-14%
+# longer in weights-on-disk plans than the same plans all in memory.
+INTERFERENCE_TERMS: tuple[str, ...] = ("disk_interference",)
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 # Stored KV parts per layer and row (the engine's KVCodec): K and V; 4-bit: codes, mins, scales of each.
 KV_PARTS = 2
@@ -268,10 +274,11 @@ class CostModel:
         if self.compress_cache and self.cpu_attention:
             raise UserError("compress_cache with cpu_attention is not supported (the CPU would have to dequantise "
                             "the cache); turn one of them off")
-        unknown = set(self.profile.calibration) - set(FACTOR_TERMS) - set(OVERHEAD_TERMS)
+        known = FACTOR_TERMS + OVERHEAD_TERMS + INTERFERENCE_TERMS
+        unknown = set(self.profile.calibration) - set(known)
         if unknown:
             raise UserError(f"profile calibration has unknown term(s) {', '.join(sorted(unknown))}; known: "
-                            f"{', '.join(FACTOR_TERMS + OVERHEAD_TERMS)}")
+                            f"{', '.join(known)}")
 
     @classmethod
     def for_policy(cls, spec: ModelSpec, profile: HardwareProfile, policy: Policy) -> "CostModel":
@@ -331,7 +338,8 @@ class CostModel:
         dequant = 0.0
         if self.compress_weight:
             dequant = self.layer_matmul_bytes / self.profile.dequant_bytes_per_s * self.factor("dequant")
-        return StepTerms(ctog=ctog, dtoc=dtoc, dequant=dequant, gpu_compute=self.overhead_s("block_layer_overhead_s"))
+        return StepTerms(ctog=ctog, dtoc=dtoc, dequant=dequant,
+                         gpu_compute=self.overhead_s("block_layer_overhead_s") + self._interference(dtoc))
 
     def _compute_parts(self, phase: str, rows: Any, length: Any) -> tuple[Any, Any]:
         """(non-attention seconds, attention seconds) of one layer on the compute device."""
@@ -402,7 +410,8 @@ class CostModel:
                 gpu_compute = other_s + attn_s
             if self.compress_cache:
                 dequant = kv_ctx * (self.factor("dequant") / self.profile.dequant_bytes_per_s)
-        gpu_compute = _times(self.factor("gpu_compute"), gpu_compute) + self.overhead_s("layer_overhead_s")
+        gpu_compute = (_times(self.factor("gpu_compute"), gpu_compute) + self.overhead_s("layer_overhead_s")
+                       + self._interference(dtoc))
         return StepTerms(ctog=ctog, gtoc=gtoc, dtoc=dtoc, ctod=ctod, gpu_compute=gpu_compute,
                          cpu_compute=cpu_compute, dequant=dequant, quant=quant)
 
@@ -411,6 +420,11 @@ class CostModel:
         if _is_zero(fraction):
             return 0.0
         return fraction * (self._copy_s(channel, nbytes, nbytes) * self.factor(channel))
+
+    def _interference(self, dtoc: Any) -> Any:
+        """Compute seconds lost to ``dtoc`` seconds of disk reads beside it (:data:`INTERFERENCE_TERMS`)."""
+        k = float(self.profile.calibration.get("disk_interference", 0.0))
+        return 0.0 if _is_zero(dtoc) else _times(k, dtoc)
 
     def _disk_rows(self, fraction: Any, channel: str, nbytes: Any, rows: Any, per_row: int) -> Any:
         """``fraction`` of moving ``nbytes`` of KV-cache or activation rows to or from disk.
