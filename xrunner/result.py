@@ -129,7 +129,7 @@ class RunResult(Contract):
             f"ran {self.num_requests} requests on {self.model} ({self.device}, {self.dtype})"
             + (f"; {self.num_skipped} already done (resumed)" if self.num_skipped else ""),
             "  policy: " + self.policy.describe().replace("\n", "; "),
-            f"  planned peak: " + ", ".join(f"{t} {self.planned_peak_bytes.get(t, 0.0) / gib:,.3f} GiB" for t in TIERS)
+            "  planned peak: " + ", ".join(f"{t} {self.planned_peak_bytes.get(t, 0.0) / gib:,.3f} GiB" for t in TIERS)
             + ("" if self.fits else "  -- MEASURED PEAK ABOVE PLAN"),
             "",
             f"  {'':<{w0}}  {'measured':>{w1}}  {'predicted':>10}",
