@@ -113,28 +113,37 @@ class DiskBench:
         self._cursor += n
         return off
 
-    def points(self, write_bench: str = "ctod", read_bench: str = "dtoc", count: int | None = None) -> list[Point]:
-        """A write and a read point per size (``count`` transfers per timed call; default ~4 MiB)."""
+    def points(self) -> list[Point]:
+        """A ``ctod`` write and a ``dtoc`` read point per size (each call ~4 MiB of transfers)."""
         points = []
         for n in self.sizes:
-            calls = count or max(1, MIN_BYTES_PER_CALL // n)
+            count = max(1, MIN_BYTES_PER_CALL // n)
             view = self.buf[:n]
 
             def write(n: int = n, view: np.ndarray = view) -> None:
                 self.file.write_at(view, self._next_offset(n))
 
-            def read(n: int = n, view: np.ndarray = view) -> None:
-                if self.fresh:
-                    if self._read_cursor + n > self._cursor:
-                        self._read_cursor = 0
-                    off, self._read_cursor = self._read_cursor, self._read_cursor + n
-                else:
-                    off = self._next_offset(n)
-                self.file.read_into(view, off)
-
-            points.append(Point(sample_meta(write_bench, size_bytes=n, count=calls), write))
-            points.append(Point(sample_meta(read_bench, size_bytes=n, count=calls), read))
+            points.append(Point(sample_meta("ctod", size_bytes=n, count=count), write))
+            points.append(self._read_point("dtoc", n, count))
         return points
+
+    def read_points(self, bench: str, count: int) -> list[Point]:
+        """Only read points, ``count`` reads per timed call (after writes of a ``fresh`` file)."""
+        return [self._read_point(bench, n, count) for n in self.sizes]
+
+    def _read_point(self, bench: str, n: int, count: int) -> Point:
+        view = self.buf[:n]
+
+        def read() -> None:
+            if self.fresh:
+                if self._read_cursor + n > self._cursor:
+                    self._read_cursor = 0
+                off, self._read_cursor = self._read_cursor, self._read_cursor + n
+            else:
+                off = self._next_offset(n)
+            self.file.read_into(view, off)
+
+        return Point(sample_meta(bench, size_bytes=n, count=count), read)
 
     def store_points(self, rows_per_store: Sequence[int], count: int) -> list[Point]:
         """``row_store`` points: ``n`` row writes of the smallest size, then one flush (fdatasync).

@@ -14,6 +14,7 @@ import os
 import platform
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -259,7 +260,6 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
 
     from xprofiler import bench
     from xprofiler.fingerprint import available_ram_bytes, detect_fingerprint, filesystem_type
-    from xprofiler.samples import op_seconds
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -308,8 +308,7 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
         mm_flops=r.rate("mm"), bmm_flops=r.rate("bmm"), cpu_mm_flops=cpu_mm, cpu_bmm_flops=cpu_bmm,
         quant_bytes_per_s=r.rate("quant", unit="bytes"), dequant_bytes_per_s=r.rate("dequant", unit="bytes"),
         mem_bytes_per_s=r.rate("mem", unit="bytes"), cpu_mem_bytes_per_s=cpu_mem, layer_fits=tuple(fits),
-        **dict(zip(("disk_sync_s", "disk_row_write_s"), store_cost(r.rows, st.stat))),
-        disk_row_read_s=op_seconds(r.rows, "row_dtoc", st.stat),
+        **row_costs(r.rows, st.stat),
         compute_dtype=dtype, compute_threads=torch.get_num_threads(), disk_io=disk_method,  # type: ignore[arg-type]
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         wall_s=time.monotonic() - t_start, notes="; ".join(n for n in r.notes if n),
@@ -317,23 +316,26 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
     return profile, r.rows
 
 
-def store_cost(rows: Sequence[dict[str, Any]], stat: str = "median") -> tuple[float, float]:
-    """(fixed seconds of one flush, seconds per row written before it) from the ``row_store`` points.
+def row_costs(rows: Sequence[dict[str, Any]], stat: str = "median") -> dict[str, float]:
+    """``disk_sync_s``, ``disk_row_write_s`` and ``disk_row_read_s`` from the disk-row samples.
 
-    A straight line through the per-call times of the stores of fewest and most rows; a pair
-    that would give a negative slope or intercept (noise, or a flush that costs nothing, as on
-    tmpfs) counts every row as the largest store's mean share instead.
+    A store's cost is a straight line through the per-call times of the stores of fewest and most
+    rows; a pair that would give a negative slope or intercept (noise, or a flush that costs
+    nothing, as on tmpfs) counts every row as the largest store's mean share instead.
     """
     from xprofiler.samples import summarize_by
 
-    mine = [r for r in rows if r["bench"] == "row_store"]
-    per_n = summarize_by(mine, "batch", lambda r: r["time_s"] / r["count"], stat)
-    lo, hi = min(per_n), max(per_n)
-    per_row = (per_n[hi] - per_n[lo]) / (hi - lo) if hi > lo else 0.0
-    sync = per_n[lo] - lo * per_row
+    def per_call(bench: str, key: str) -> dict[Any, float]:
+        return summarize_by([r for r in rows if r["bench"] == bench], key, lambda r: r["time_s"] / r["count"], stat)
+
+    store = per_call("row_store", "batch")
+    lo, hi = min(store), max(store)
+    per_row = (store[hi] - store[lo]) / (hi - lo) if hi > lo else 0.0
+    sync = store[lo] - lo * per_row
     if per_row <= 0 or sync < 0:
-        return 0.0, per_n[hi] / hi
-    return sync, per_row
+        sync, per_row = 0.0, store[hi] / hi
+    read = statistics.median(per_call("row_dtoc", "size_bytes").values())
+    return {"disk_sync_s": float(sync), "disk_row_write_s": float(per_row), "disk_row_read_s": read}
 
 
 def _run_benchmarks(r: _Run, opts: ProfileOptions, device: Any, dtype: str, specs: list[Any], gpu_bytes: int,
@@ -361,8 +363,8 @@ def _run_benchmarks(r: _Run, opts: ProfileOptions, device: Any, dtype: str, spec
     rows = bench.DiskBench(test_file, ROW_FILE_BYTES, [ROW_BYTES], direct=False, fresh=True)
     try:
         rows.fill()
-        reads = [p for p in rows.points("row_ctod", "row_dtoc", count=ROW_CALLS) if p.meta["bench"] == "row_dtoc"]
-        r.run("disk rows", rows.store_points(ROWS_PER_STORE, count=ROW_STORE_CALLS) + reads, timer=wall_clock)
+        r.run("disk rows", rows.store_points(ROWS_PER_STORE, count=ROW_STORE_CALLS)
+              + rows.read_points("row_dtoc", count=ROW_CALLS), timer=wall_clock)
     finally:
         rows.close()
     shapes = _model_shapes(specs)

@@ -120,12 +120,6 @@ def bandwidth_curve(rows: Sequence[Row], bench: str, stat: str = "median") -> Ba
     return BandwidthCurve(sizes_bytes=sizes, bytes_per_s=rates, large_bytes_per_s=rates[-1])
 
 
-def op_seconds(rows: Sequence[Row], bench: str, stat: str = "median") -> float:
-    """Seconds per transfer of a fixed-size bench, the median over its sizes."""
-    per_size = _rates_by(rows, bench, "size_bytes", lambda r: 1.0, stat)
-    return float(np.median([1.0 / r for r in per_size.values()]))
-
-
 def rate(rows: Sequence[Row], bench: str, unit: str = "flops", stat: str = "median") -> float:
     """``unit`` per second per shape, then the median over shapes."""
     per_shape = _rates_by(rows, bench, "shape", lambda r: r[unit], stat)

@@ -434,10 +434,9 @@ class CostModel:
         its own size. A read also pays the profile's per-row latency (drop + read); the writes
         of one store share one fdatasync (``TierStore.deferred_sync``): each row pays
         ``disk_row_write_s`` and each kind (KV cache, activations) with rows on disk one
-        ``disk_sync_s`` (one flush covers both kinds, so that case is counted twice). Before
-        this, a 3 KiB row cost
-        about 250 us on the VM this was built on, 60x what the bandwidth curve gives for its
-        bytes, and calibration pushed ``ctod`` to its bound.
+        ``disk_sync_s`` (one flush covers both kinds, so that case is counted twice). Priced as
+        one transfer at the batch's bandwidth, a 3 KiB row came out 60x too cheap on the VM this
+        was built on, and calibration pushed ``ctod`` to its bound.
         """
         if _is_zero(fraction):
             return 0.0
