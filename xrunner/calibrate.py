@@ -77,6 +77,11 @@ OVERHEAD_BOUNDS_S = (0.0, 0.05)
 INTERFERENCE_BOUNDS = (0.0, 1.0)
 
 
+def _neutral(term: str) -> float:
+    """The value that leaves the uncalibrated model as it is: 1 for a factor, 0 for the others."""
+    return 1.0 if term in FACTOR_TERMS else 0.0
+
+
 def _bounds(term: str) -> tuple[float, float]:
     if term in FACTOR_TERMS:
         return FACTOR_BOUNDS
@@ -349,7 +354,7 @@ def _dependence(spec: ModelSpec, profile: HardwareProfile, measurements: Sequenc
     out: dict[str, list[int]] = {}
     for t in TERMS:
         step = 0.5 if t in FACTOR_TERMS else 1e-3
-        cur = profile.calibration.get(t, 1.0 if t in FACTOR_TERMS else 0.0)
+        cur = profile.calibration.get(t, _neutral(t))
         moved_prof = with_terms(profile, {t: cur + step})
         moved = [predict(spec, moved_prof, m.design) for m in measurements]
         out[t] = [j for j, (i, k) in enumerate(keys) if abs(moved[i][k] - base[i][k]) > 1e-12 * max(1.0, base[i][k])]
@@ -373,7 +378,7 @@ def fit_calibration(spec: ModelSpec, profile: HardwareProfile, measurements: Seq
     """
     from scipy.optimize import least_squares
 
-    init = {t: (1.0 if t in FACTOR_TERMS else 0.0) for t in TERMS}
+    init = {t: _neutral(t) for t in TERMS}
     init.update(start or {})
     p0 = with_terms(profile, init)
     keys = _residual_keys(spec, p0, measurements)
@@ -556,7 +561,7 @@ def rescaled(profile: HardwareProfile, ratio: float) -> HardwareProfile:
     predicted step time by exactly ``ratio``.
     """
     cal = profile.calibration
-    return with_terms(profile, {t: cal.get(t, 1.0 if t in FACTOR_TERMS else 0.0) * ratio for t in SPEED_TERMS})
+    return with_terms(profile, {t: cal.get(t, _neutral(t)) * ratio for t in SPEED_TERMS})
 
 
 def refresh(profile: HardwareProfile, model: "str | ModelSpec", *, profile_arg: str = "profile", gen_len: int = 6,
