@@ -78,7 +78,7 @@ def window_nll(spec, head, layers, ids: list[int], codec) -> tuple[float, int]:
             q, k, v = attn_in(spec, w, h, p, rope)
             caches[i] = [torch.cat((c, e), dim=2) for c, e in zip(caches[i], codec.encode(k, v))]
             kk, vv = codec.decode(caches[i])
-            h = attn_out_mlp(spec, w, attention(spec, q, kk, vv, None, causal=False), h)
+            h = attn_out_mlp(spec, w, codec.attend(spec, q, kk, vv, None), h)
         logits.append(final_logits(spec, head, h)[0])
     all_logits = torch.cat(logits).float()
     target = x[0, 1:]

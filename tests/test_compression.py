@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from quant_reference import reference_roundtrip
-from xrunner.compression import DEFAULT_CLIP_STEPS, QuantizedTensor, dequantize, quantize, quantized_nbytes
+from xprofiler.specs import get_model_spec
+from xrunner.compression import (DEFAULT_CLIP_STEPS, QuantizedTensor, dequantize, hadamard_rotation, quantize,
+                                 quantized_nbytes)
 
 
 def _half_ulp(y: torch.Tensor) -> torch.Tensor:
@@ -139,3 +141,34 @@ def test_quantizer_matches_an_independent_reference(clip_steps, shape, dim):
     want = reference_roundtrip(x, dim, steps=clip_steps)
     off = (got - want).abs() > 1e-5 * x.abs().max()
     assert float(off.float().mean()) < 1e-4, int(off.sum())
+
+
+def test_hadamard_rotation_is_orthonormal_and_only_for_powers_of_two():
+    r = hadamard_rotation(64, torch.float64)
+    assert torch.allclose(r @ r.T, torch.eye(64, dtype=torch.float64), atol=1e-12)
+    assert set(r.abs().unique().tolist()) == {1 / 8}  # every entry +-1/sqrt(64): spreads each channel evenly
+    assert hadamard_rotation(80) is None and hadamard_rotation(0) is None
+
+
+def test_rotated_kv_attention_equals_attention_over_the_unrotated_cache():
+    """The engine attends in the rotated space (query rotated, output rotated back); that must equal
+    plain attention over the dequantized cache rotated back, and beat the unrotated cache on outliers."""
+    from xrunner.engine import KVCodec
+    from xrunner.model import attention
+
+    spec = get_model_spec("smollm2-135m")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, spec.num_heads, 1, spec.head_dim, generator=g)
+    k, v = (torch.randn(2, spec.num_kv_heads, 40, spec.head_dim, generator=g) for _ in range(2))
+    k[..., 5] *= 30  # one outlier channel, as rotary dimensions of real keys have
+    codec = KVCodec(spec.head_dim, torch.float32, compress=True)
+    kk, vv = codec.decode(codec.encode(k, v))
+    r = hadamard_rotation(spec.head_dim)
+    got = codec.attend(spec, q, kk, vv, None)
+    want = attention(spec, q, kk @ r.T, vv @ r.T, None, causal=False)
+    assert torch.allclose(got, want, atol=1e-5)
+    exact = attention(spec, q, k, v, None, causal=False)
+    plain = KVCodec(spec.head_dim, torch.float32, compress=True, rotate=False)
+    pk, pv = plain.decode(plain.encode(k, v))
+    unrotated = attention(spec, q, pk, pv, None, causal=False)
+    assert (got - exact).norm() < 0.5 * (unrotated - exact).norm()

@@ -204,8 +204,17 @@ def _quantized_weights(weights):
     return weights
 
 
+def _sylvester(n):
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / n ** 0.5
+
+
 def _roundtrip(x):
-    return reference_roundtrip(x, dim=-1, steps=KV_CLIP_STEPS)
+    """The cache's 4-bit form: each head vector rotated by a Hadamard matrix, quantized, rotated back."""
+    r = _sylvester(x.shape[-1])
+    return reference_roundtrip(x @ r, dim=-1, steps=KV_CLIP_STEPS) @ r.T
 
 
 def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_cache, mask, start):

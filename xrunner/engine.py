@@ -35,8 +35,9 @@ import torch
 
 from xprofiler.diskio import round_up
 from xprofiler.profile import HardwareProfile
+from xprofiler.specs import ModelSpec
 from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, KV_CLIP_STEPS, QuantizedTensor,
-                                 dequantize, quantize)
+                                 dequantize, hadamard_rotation, quantize)
 from xrunner.loaders import ModelSource
 from xrunner.model import (attention, attn_in, attn_out_mlp, embed, final_logits, rope_tables, torch_dtype)
 from xrunner.sampling import SamplingParams, sample
@@ -212,14 +213,19 @@ class KVCodec:
     """The KV cache's stored form: ``parts`` tensors ``[rows, Hkv, T, *rest]`` per layer.
 
     Plain: ``(k, v)`` with ``rest = (d,)``. 4-bit: packed codes, mins and scales of k, then of
-    v, grouped along the head dimension. Position is always dim 2, so a column range of every
-    part is one slice.
+    v, grouped along the head dimension, each head's vector first rotated by an orthonormal
+    Hadamard matrix (``xrunner.compression``: it spreads outlier channels over the group).
+    ``decode`` gives the cache in that rotated space and :meth:`attend` rotates the query and
+    un-rotates the output to match, which costs one ``d x d`` product per query instead of one
+    per cached position. Position is always dim 2, so a column range of every part is one slice.
     """
 
     def __init__(self, head_dim: int, dtype: torch.dtype, compress: bool, group: int = DEFAULT_GROUP_SIZE,
-                 clip_steps: int = KV_CLIP_STEPS):
+                 clip_steps: int = KV_CLIP_STEPS, rotate: bool = True):
         self.compress, self.group, self.d, self.dtype = compress, group, head_dim, dtype
         self.clip_steps = clip_steps
+        self.rotation = hadamard_rotation(head_dim, torch.float32) if compress and rotate else None
+        self._rotations: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if compress:
             g = -(-head_dim // group)
             one = [((g, group // 2), torch.uint8), ((g,), dtype), ((g,), dtype)]
@@ -230,17 +236,27 @@ class KVCodec:
     def bytes_per_position(self, kv_heads: int) -> int:
         return sum(kv_heads * math.prod(r) * torch.empty((), dtype=dt).element_size() for r, dt in self.rests)
 
+    def _rotate(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        if self.rotation is None:
+            return x
+        key = (x.device, x.dtype)
+        if key not in self._rotations:
+            self._rotations[key] = self.rotation.to(device=x.device, dtype=x.dtype)
+        r = self._rotations[key]
+        return x @ (r.T if inverse else r)
+
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
         if not self.compress:
             return [k, v]
         out = []
         for x in (k, v):
-            q = quantize(x, dim=-1, group_size=self.group, clip_steps=self.clip_steps)
+            q = quantize(self._rotate(x), dim=-1, group_size=self.group, clip_steps=self.clip_steps)
             out += [q.packed, q.mins, q.scales]
         return out
 
     def decode(self, parts: Sequence[torch.Tensor], into: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as stored, dequantized (still rotated: pass them to :meth:`attend`)."""
         if not self.compress:
             return parts[0], parts[1]
         res = []
@@ -252,6 +268,15 @@ class KVCodec:
                 x = into[i][:shape[0], :, :shape[2]].copy_(x)
             res.append(x)
         return res[0], res[1]
+
+    def attend(self, spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Decode attention of ``q`` over a cache from :meth:`decode` (as ``model.attention``)."""
+        if self.rotation is None:
+            return attention(spec, q, k, v, mask, causal=False)
+        out = attention(spec, self._rotate(q), k, v, mask, causal=False)
+        b, t, _ = out.shape
+        return self._rotate(out.view(b, t, -1, self.d), inverse=True).reshape(b, t, -1)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -981,7 +1006,7 @@ class Engine:
                 cpu_s += self._cpu_attention(tier, work, homes, qs, new, pos, rows, attn)
                 continue
             with led.transient("gpu", "attention_decode", 2 * nbytes_of(qs) + nbytes_of(kk, vv)):
-                out = attention(spec, qs, kk, vv, None if bool(mask.all()) else mask, causal=False)
+                out = codec.attend(spec, qs, kk, vv, None if bool(mask.all()) else mask)
             self._put_rows(attn, pos, out)
         return cpu_s
 
