@@ -39,12 +39,13 @@ def text_tokens(tok, count: int) -> list[int]:
     return list(ids[:count])
 
 
-def quantized_layers(weights, clip_steps: int) -> list[dict[str, torch.Tensor]]:
+def quantized_layers(weights, clip_steps: int, rotate: bool) -> list[dict[str, torch.Tensor]]:
     """Every layer packed into the engine's 4-bit record and unpacked for compute."""
     from xrunner.engine import WeightLayout
 
     spec = weights.spec
-    layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True, clip_steps=clip_steps)
+    layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True, clip_steps=clip_steps,
+                          rotate=rotate)
     out = []
     for w in weights.layers:
         flat = torch.empty(layout.nbytes, dtype=torch.uint8)
@@ -98,7 +99,8 @@ def by_kind(args) -> int:
     """Which tensors cost the most: each 2-D weight kind quantized alone, under each range rule."""
     from tqdm import tqdm
 
-    from xrunner.compression import DEFAULT_CLIP_STEPS, dequantize, quantize
+    from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, dequantize, hadamard_rotation, quantize,
+                                     rotate_groups)
     from xrunner.engine import KVCodec
     from xrunner.loaders import default_model_path, load_weights, open_model
 
@@ -107,12 +109,16 @@ def by_kind(args) -> int:
     weights = load_weights(src)
     spec = weights.spec
     codec = KVCodec(spec.head_dim, torch.float32, compress=False)
+    r = hadamard_rotation(DEFAULT_GROUP_SIZE)
     base = score(spec, weights.head, weights.layers, ids, args.windows, args.window, codec)
     kinds = [n for n, s in spec.layer_tensor_shapes().items() if len(s) == 2] + ["embed_tokens.weight"]
     rows: dict[str, dict[str, float]] = {}
     for kind in tqdm(kinds, desc="tensor kinds", file=sys.stderr):
         for rule, steps in (("min/max", 0), ("range search", DEFAULT_CLIP_STEPS)):
-            rq = lambda t: dequantize(quantize(t, dim=0, clip_steps=steps))  # noqa: E731  (engine: dim 0)
+            def rq(t: torch.Tensor) -> torch.Tensor:  # as WeightLayout: rotated row groups, then dim 0
+                rot = r if t.shape[0] % DEFAULT_GROUP_SIZE == 0 else torch.eye(DEFAULT_GROUP_SIZE)
+                return rotate_groups(dequantize(quantize(rotate_groups(t, rot), dim=0, clip_steps=steps)), rot.T)
+
             head = {k: rq(v) if k == kind else v for k, v in weights.head.items()}
             layers = [{k: rq(v) if k == kind else v for k, v in w.items()} for w in weights.layers]
             rows.setdefault(kind, {})[rule] = score(spec, head, layers, ids, args.windows, args.window,
@@ -165,14 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     plain_kv = KVCodec(spec.head_dim, torch.float32, compress=False)
     rules = {"min/max": 0, f"range search ({DEFAULT_CLIP_STEPS} shrinks)": DEFAULT_CLIP_STEPS}
     runs = {("fp32", "none"): (weights.layers, plain_kv)}
-    for rule, steps in rules.items():
-        kv = KVCodec(spec.head_dim, torch.float32, compress=True, clip_steps=steps)
-        layers = quantized_layers(weights, steps)
-        runs[(rule, "weights")] = (layers, plain_kv)
-        runs[(rule, "KV cache")] = (weights.layers, kv)
-        runs[(rule, "both")] = (layers, kv)
-    default_rule = [r for r, steps in rules.items() if steps == KV_CLIP_STEPS][0]
-    runs[("engine default", "both")] = (runs[(list(rules)[1], "weights")][0], runs[(default_rule, "KV cache")][1])
+    for rotate in (False, True):
+        for rule, steps in rules.items():
+            name = f"{rule}{', rotated' if rotate else ''}"
+            kv = KVCodec(spec.head_dim, torch.float32, compress=True, clip_steps=steps, rotate=rotate)
+            layers = quantized_layers(weights, steps, rotate)
+            runs[(name, "weights")] = (layers, plain_kv)
+            runs[(name, "KV cache")] = (weights.layers, kv)
+            runs[(name, "both")] = (layers, kv)
+    default_kv = [r for r, steps in rules.items() if steps == KV_CLIP_STEPS][0] + ", rotated"
+    default_w = list(rules)[1] + ", rotated"
+    runs[("engine default", "both")] = (runs[(default_w, "weights")][0], runs[(default_kv, "KV cache")][1])
     rows = {}
     for (rule, what), (layers, codec) in tqdm(runs.items(), desc="perplexity", file=sys.stderr):
         t0 = time.perf_counter()
@@ -192,12 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"SmolLM2-135M-Instruct on pydoc_data.topics: {args.windows} windows x {args.window} tokens, "
           f"fp32 perplexity {base:.3f}")
     print("4-bit perplexity (increase over fp32):")
-    print(f"{'range rule':30}" + "".join(f"{w:>20}" for w in ("weights", "KV cache", "both")))
-    for rule in rules:
-        print(f"{rule:30}" + "".join(f"{rows[rule][w]['perplexity']:>11.3f} ({rows[rule][w]['increase']:+.3f})"
+    print(f"{'range rule':34}" + "".join(f"{w:>20}" for w in ("weights", "KV cache", "both")))
+    for rule in (r for r in rows if r not in ("fp32", "engine default")):
+        print(f"{rule:34}" + "".join(f"{rows[rule][w]['perplexity']:>11.3f} ({rows[rule][w]['increase']:+.3f})"
                                      for w in ("weights", "KV cache", "both")))
     both = rows["engine default"]["both"]
-    print(f"engine default (weights: range search, KV cache: {default_rule}), both: {both['perplexity']:.3f} "
+    print(f"engine default (weights: {default_w}, KV cache: {default_kv}), both: {both['perplexity']:.3f} "
           f"({both['increase']:+.3f})")
     print("KV write (one layer, k and v), median seconds:")
     for rule, c in kv_cost.items():

@@ -172,3 +172,33 @@ def test_rotated_kv_attention_equals_attention_over_the_unrotated_cache():
     pk, pv = plain.decode(plain.encode(k, v))
     unrotated = attention(spec, q, pk, pv, None, causal=False)
     assert (got - exact).norm() < 0.5 * (unrotated - exact).norm()
+
+
+def test_rotated_weight_record_gives_the_layers_output_with_bias():
+    """A 4-bit weight stored with its row groups rotated: the linear layer (output rotated back, then the
+    bias) equals x W^T + b for W = the reference quantization of the rotated rows, rotated back; and an
+    outlier row costs its group less than without the rotation."""
+    from xrunner.engine import WeightLayout
+    from xrunner.model import _linear
+
+    g = torch.Generator().manual_seed(1)
+    w = {"fc1.weight": torch.randn(128, 96, generator=g), "fc1.bias": torch.randn(128, generator=g)}
+    w["fc1.weight"][3] *= 25  # one outlier output channel
+    x = torch.randn(5, 96, generator=g)
+    exact = x @ w["fc1.weight"].T + w["fc1.bias"]
+
+    def through_record(rotate):
+        layout = WeightLayout({k: tuple(v.shape) for k, v in w.items()}, torch.float32, compress=True, rotate=rotate)
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.pack(w, flat)
+        unpacked = layout.unpack(flat, {"fc1.weight": torch.empty(128, 96)})
+        return unpacked, _linear(x, unpacked, "fc1")
+
+    r = hadamard_rotation(64)
+    blocks = w["fc1.weight"].unflatten(0, (-1, 64))
+    ref = (r.T @ reference_roundtrip((r @ blocks).flatten(0, 1), dim=0).unflatten(0, (-1, 64))).flatten(0, 1)
+    unpacked, got = through_record(True)
+    assert set(unpacked) == {"fc1.weight", "fc1.bias", "fc1.out_rotation"}
+    assert torch.allclose(got, x @ ref.T + w["fc1.bias"], atol=1e-4)
+    errs = {rotate: float((through_record(rotate)[1] - exact).norm()) for rotate in (True, False)}
+    assert errs[True] < 0.5 * errs[False]

@@ -195,20 +195,23 @@ def test_disk_row_writes_of_one_store_share_one_fdatasync(llama, tmp_path, monke
 
 
 # --------------------------------------------------------------------------- compression
-def _quantized_weights(weights):
-    """The weights after the engine's 4-bit format, from the independent reference quantizer."""
-    for layer in weights.layers:
-        for name, w in layer.items():
-            if w.dim() == 2:
-                layer[name] = reference_roundtrip(w, dim=0, steps=DEFAULT_CLIP_STEPS)
-    return weights
-
-
 def _sylvester(n):
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     return h / n ** 0.5
+
+
+def _quantized_weights(weights):
+    """The weights after the engine's 4-bit format, from the independent reference quantizer: each
+    block of 64 output rows rotated by a Hadamard matrix, quantized along the rows, rotated back."""
+    r = _sylvester(64)
+    for layer in weights.layers:
+        for name, w in layer.items():
+            if w.dim() == 2:
+                q = reference_roundtrip((r @ w.unflatten(0, (-1, 64))).flatten(0, 1), dim=0, steps=DEFAULT_CLIP_STEPS)
+                layer[name] = (r.T @ q.unflatten(0, (-1, 64))).flatten(0, 1)
+    return weights
 
 
 def _roundtrip(x):

@@ -15,7 +15,11 @@ group's error never grows): one outlier no longer stretches the step of its 63 n
 SmolLM2-135M this cuts the perplexity cost of 4-bit weights from +40.9% to +23.6%
 (benchmarks/compression_ppl.py).
 
-The KV cache is rotated before it is quantized (:func:`hadamard_rotation`): each head's vector
+Both are rotated before they are quantized (:func:`hadamard_rotation`, orthonormal Hadamard
+matrices, QuaRot-style incoherence processing). Weights: each group of 64 output rows is
+multiplied by one (:func:`rotate_groups`), so an outlier row's magnitude is spread over its
+group instead of stretching the group's step; the layer's output is rotated back per block
+(``model._linear``), 64 multiply-adds per output value. KV cache: each head's vector
 is multiplied by an orthonormal Hadamard matrix, which spreads a few large channels (rotary
 dimensions, outliers) over the whole group so that one group range no longer has to stretch
 over them. Attention is invariant to it: ``(qR)(kR)^T = qk^T``, and the output of rotated
@@ -56,6 +60,17 @@ def hadamard_rotation(n: int, dtype: torch.dtype = torch.float32, device: torch.
     from scipy.linalg import hadamard
 
     return torch.from_numpy(hadamard(n)).to(device=device, dtype=torch.float64).div_(math.sqrt(n)).to(dtype)
+
+
+def rotate_groups(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``x`` with each block of ``len(r)`` consecutive rows (dim 0) multiplied by ``r`` from the left.
+
+    For a weight ``[out, in]`` quantized in groups along the output channels, this mixes the
+    rows of each group; the layer's output then comes out rotated the same way per block, and
+    ``y @ r`` per block rotates it back (``r`` orthonormal, see ``model._linear``).
+    """
+    g = r.shape[0]
+    return torch.einsum("ij,bjk->bik", r.to(x.dtype), x.reshape(-1, g, *x.shape[1:])).reshape(x.shape)
 
 
 @dataclass(frozen=True)

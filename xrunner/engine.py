@@ -37,7 +37,7 @@ from xprofiler.diskio import round_up
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, KV_CLIP_STEPS, QuantizedTensor,
-                                 dequantize, hadamard_rotation, quantize)
+                                 dequantize, hadamard_rotation, quantize, rotate_groups)
 from xrunner.loaders import ModelSource
 from xrunner.model import (attention, attn_in, attn_out_mlp, embed, final_logits, rope_tables, torch_dtype)
 from xrunner.sampling import SamplingParams, sample
@@ -148,13 +148,21 @@ class WeightLayout:
     The record is what every tier stores and what the copy routine moves, so a layer is one
     transfer whatever its tier. 2-D weights are quantized along the output channels (dim 0)
     when ``compress``, each group's range searched over ``clip_steps`` shrinks at pack time (0:
-    plain min/max); 1-D tensors stay as they are.
+    plain min/max); 1-D tensors stay as they are. With ``rotate``, each group of rows is first
+    multiplied by an orthonormal Hadamard matrix (outlier rows no longer stretch their group's
+    range); :meth:`unpack` then adds ``<module>.out_rotation`` and ``model._linear`` rotates the
+    layer's output back, ``group`` multiply-adds per output value instead of one per weight.
     """
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, compress: bool,
-                 group: int = DEFAULT_GROUP_SIZE, clip_steps: int = DEFAULT_CLIP_STEPS):
+                 group: int = DEFAULT_GROUP_SIZE, clip_steps: int = DEFAULT_CLIP_STEPS, rotate: bool = True):
         self.dtype, self.compress, self.group, self.clip_steps = dtype, compress, group, clip_steps
         self.shapes = dict(shapes)
+        r = hadamard_rotation(group, torch.float32) if compress and rotate else None
+        # Only whole groups are rotated: a partial last group would mix padding into real rows.
+        self.rotated = {n for n, s in shapes.items() if len(s) == 2 and s[0] % group == 0} if r is not None else set()
+        self.rotation = r
+        self._rotations: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         parts: list[_Part] = []
         off = 0
 
@@ -190,7 +198,10 @@ class WeightLayout:
                 dst.copy_(w[p.name])
                 continue
             if p.name not in quantized:
-                quantized[p.name] = quantize(w[p.name], dim=0, group_size=self.group, clip_steps=self.clip_steps)
+                x = w[p.name]
+                if p.name in self.rotated:
+                    x = rotate_groups(x.float(), self.rotation).to(x.dtype)
+                quantized[p.name] = quantize(x, dim=0, group_size=self.group, clip_steps=self.clip_steps)
             dst.copy_(getattr(quantized[p.name], p.kind))
 
     def unpack(self, flat: torch.Tensor, dequant: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -206,6 +217,11 @@ class WeightLayout:
             qt = QuantizedTensor(q["packed"], q["mins"], q["scales"], tuple(self.shapes[name]), 0, self.group)
             assert dequant is not None
             out[name] = dequant[name].copy_(dequantize(qt))
+            if name in self.rotated:
+                key = (out[name].device, out[name].dtype)
+                if key not in self._rotations:
+                    self._rotations[key] = self.rotation.to(device=key[0], dtype=key[1])
+                out[name.rsplit(".", 1)[0] + ".out_rotation"] = self._rotations[key]
         return out
 
 

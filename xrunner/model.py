@@ -77,7 +77,15 @@ def _norm(spec: ModelSpec, x: torch.Tensor, w: Weights, name: str) -> torch.Tens
 
 
 def _linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
-    return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
+    """``x W^T + b``. A weight stored with its rows rotated per block (4-bit weights, key
+    ``<name>.out_rotation``: see ``engine.WeightLayout``) gives a rotated output; ``y @ r`` per
+    block of output channels rotates it back, before the bias."""
+    r = w.get(f"{name}.out_rotation")
+    if r is None:
+        return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
+    y = (F.linear(x, w[f"{name}.weight"]).unflatten(-1, (-1, r.shape[0])) @ r).flatten(-2)
+    bias = w.get(f"{name}.bias")
+    return y if bias is None else y + bias
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
