@@ -263,6 +263,27 @@ def test_cost_model_kv_parts_match_the_engines_stored_form():
     assert len(KVCodec(64, torch.float32, compress=True).rests) == KV_PARTS_COMPRESSED
 
 
+def test_cost_model_charges_the_output_rotation_of_the_weights_the_engine_rotates():
+    """4-bit weights: the engine rotates whole groups of 64 output rows and rotates each output back
+    (64 multiply-adds per output value); the cost model adds exactly those flops to the matmuls'."""
+    torch = pytest.importorskip("torch")
+    from xrunner.engine import WeightLayout
+    from xsimulator.costmodel import rotation_flop_ratio
+
+    odd = replace(OPT30, name="odd", hidden=1000, num_heads=8, num_kv_heads=8, head_dim=125, ffn=4096)
+    rotated = {}
+    for spec in (OPT30, odd):
+        shapes = spec.layer_tensor_shapes()
+        rotated[spec.name] = WeightLayout(shapes, torch.float16, compress=True).rotated
+        extra = sum(shapes[n][0] * 64 for n in rotated[spec.name])
+        assert rotation_flop_ratio(spec) == pytest.approx(extra / spec.matmul_params_per_layer)
+    assert rotated["odd"] == {"fc1.weight"}  # 1000-row tensors are not whole groups
+    prof, p = t4_like(), dict(wg=1.0, wc=0.0, wd=0.0, cg=1.0, cc=0.0, cd=0.0, hg=1.0, hc=0.0, hd=0.0)
+    plain = CostModel(OPT30, prof).batch_terms("decode", 16, 100, p).gpu_compute
+    packed = CostModel(OPT30, prof, compress_weight=True).batch_terms("decode", 16, 100, p).gpu_compute
+    assert packed > plain
+
+
 def test_cpu_attention_moves_activations_instead_of_cache():
     prof = t4_like()
     p = dict(wg=1.0, wc=0.0, wd=0.0, cg=0.0, cc=1.0, cd=0.0, hg=1.0, hc=0.0, hd=0.0)

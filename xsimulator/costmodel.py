@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any, Mapping
 
 import numpy as np
@@ -66,6 +67,17 @@ def compression_ratio(dtype_bytes: int, bits: int = QUANT_BITS, group: int = QUA
     (4 + 2*16/64) / 16 = 0.28125.
     """
     return (bits + 2 * 8 * dtype_bytes / group) / (8 * dtype_bytes)
+
+
+def rotation_flop_ratio(spec: ModelSpec, group: int = QUANT_GROUP) -> float:
+    """Extra linear-layer flops of 4-bit weights / the layer's matmul flops.
+
+    ``xrunner`` stores each whole group of ``group`` output rows rotated by a Hadamard matrix
+    and rotates the output back: ``group`` multiply-adds per output value, against ``in`` per
+    output value for the matmul itself (a tensor whose rows are not whole groups is not rotated).
+    """
+    shapes = [s for s in spec.layer_tensor_shapes().values() if len(s) == 2]
+    return sum(o * group for o, _ in shapes if o % group == 0) / sum(o * i for o, i in shapes)
 
 
 # --------------------------------------------------------------------------- time terms
@@ -284,6 +296,10 @@ class CostModel:
     def for_policy(cls, spec: ModelSpec, profile: HardwareProfile, policy: Policy) -> "CostModel":
         return cls(spec, profile, policy.compress_weight, policy.compress_cache, policy.cpu_attention, policy.overlap)
 
+    @cached_property
+    def _rotation_factor(self) -> float:
+        return 1.0 + rotation_flop_ratio(self.spec)
+
     # ----------------------------------------------------------------- sizes
     @property
     def dtype_bytes(self) -> int:
@@ -383,6 +399,8 @@ class CostModel:
         ctod = disk_rows(p["hd"], "ctod", act, rows, 1) + disk_rows(p["cd"], "ctod", kv_new_st, rows, parts)
 
         other_s, attn_s = self._compute_parts(phase, rows, length)
+        if self.compress_weight:
+            other_s = _times(self._rotation_factor, other_s)
         cpu_compute: Any = 0.0
         dequant: Any = 0.0
         quant = kv_new * (self.factor("quant") / self.profile.quant_bytes_per_s) if self.compress_cache else 0.0
