@@ -39,17 +39,21 @@ def text_tokens(tok, count: int) -> list[int]:
     return list(ids[:count])
 
 
-def quantized_layers(weights, clip_steps: int, rotate: bool) -> list[dict[str, torch.Tensor]]:
-    """Every layer packed into the engine's 4-bit record and unpacked for compute."""
+def quantized_layers(weights, clip_steps: int, rotate: bool, calibration=None) -> list[dict[str, torch.Tensor]]:
+    """Every layer packed into the engine's 4-bit record and unpacked for compute (GPTQ codes when
+    ``calibration`` token ids are given, as the engine does with them)."""
     from xrunner.engine import WeightLayout
+    from xrunner.gptq import GPTQCalibration
 
     spec = weights.spec
     layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True, clip_steps=clip_steps,
                           rotate=rotate)
+    gptq = None if calibration is None else GPTQCalibration(spec, weights.head, calibration, layout.quantize_tensor,
+                                                            layout.dequantize_tensor)
     out = []
-    for w in weights.layers:
+    for i, w in enumerate(weights.layers):
         flat = torch.empty(layout.nbytes, dtype=torch.uint8)
-        layout.pack(w, flat)
+        layout.pack(w, flat, gptq.quantize_layer(i, w) if gptq else None)
         dequant = {n: torch.empty(s) for n, s in spec.layer_tensor_shapes().items() if len(s) == 2}
         out.append({k: v.clone() for k, v in layout.unpack(flat, dequant).items()})
     return out
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from xrunner.compression import DEFAULT_CLIP_STEPS, KV_CLIP_STEPS
     from xrunner.engine import KVCodec
+    from xrunner.gptq import calibration_ids
     from xrunner.loaders import default_model_path, load_weights, open_model
 
     src = open_model(default_model_path())
@@ -169,48 +174,53 @@ def main(argv: list[str] | None = None) -> int:
     weights = load_weights(src)
     spec = weights.spec
     plain_kv = KVCodec(spec.head_dim, torch.float32, compress=False)
-    rules = {"min/max": 0, f"range search ({DEFAULT_CLIP_STEPS} shrinks)": DEFAULT_CLIP_STEPS}
+    search = f"range search ({DEFAULT_CLIP_STEPS} shrinks)"
+    rules = {"min/max": 0, search: DEFAULT_CLIP_STEPS}
+    t0 = time.perf_counter()
+    calibration = calibration_ids(tok)
+    weight_rules = {f"{rule}{', rotated' if rotate else ''}": (steps, rotate, None)
+                    for rotate in (False, True) for rule, steps in rules.items()}
+    weight_rules[f"{search}, rotated, GPTQ"] = (DEFAULT_CLIP_STEPS, True, calibration)
+    layers = {name: quantized_layers(weights, *r) for name, r in tqdm(weight_rules.items(), desc="packing",
+                                                                       file=sys.stderr)}
+    pack_s = time.perf_counter() - t0
+    kv_rules = {f"{rule}{', rotated' if rotate else ''}": KVCodec(spec.head_dim, torch.float32, compress=True,
+                                                                 clip_steps=steps, rotate=rotate)
+                for rotate in (False, True) for rule, steps in rules.items()}
+    kv_default = f"{[r for r, steps in rules.items() if steps == KV_CLIP_STEPS][0]}, rotated"
     runs = {("fp32", "none"): (weights.layers, plain_kv)}
-    for rotate in (False, True):
-        for rule, steps in rules.items():
-            name = f"{rule}{', rotated' if rotate else ''}"
-            kv = KVCodec(spec.head_dim, torch.float32, compress=True, clip_steps=steps, rotate=rotate)
-            layers = quantized_layers(weights, steps, rotate)
-            runs[(name, "weights")] = (layers, plain_kv)
-            runs[(name, "KV cache")] = (weights.layers, kv)
-            runs[(name, "both")] = (layers, kv)
-    default_kv = [r for r, steps in rules.items() if steps == KV_CLIP_STEPS][0] + ", rotated"
-    default_w = list(rules)[1] + ", rotated"
-    runs[("engine default", "both")] = (runs[(default_w, "weights")][0], runs[(default_kv, "KV cache")][1])
+    runs.update({(name, "weights"): (lay, plain_kv) for name, lay in layers.items()})
+    runs.update({(name, "KV cache"): (weights.layers, codec) for name, codec in kv_rules.items()})
+    mixes = {"FlexGen's plain format (min/max, min/max)": ("min/max", "min/max"),
+             "stop 14's default (search, min/max)": (search, "min/max"),
+             "engine default, random weights (no text)": (f"{search}, rotated", kv_default),
+             "engine default, real model": (f"{search}, rotated, GPTQ", kv_default)}
+    runs.update({(mix, "both"): (layers[w], kv_rules[k]) for mix, (w, k) in mixes.items()})
     rows = {}
-    for (rule, what), (layers, codec) in tqdm(runs.items(), desc="perplexity", file=sys.stderr):
+    for (rule, what), (lay, codec) in tqdm(runs.items(), desc="perplexity", file=sys.stderr):
         t0 = time.perf_counter()
-        perplexity = score(spec, weights.head, layers, ids, args.windows, args.window, codec)
-        rows.setdefault(rule, {})[what] = {"perplexity": perplexity, "tokens": args.windows * (args.window - 1),
+        perplexity = score(spec, weights.head, lay, ids, args.windows, args.window, codec)
+        rows.setdefault(what, {})[rule] = {"perplexity": perplexity, "tokens": args.windows * (args.window - 1),
                                            "wall_s": time.perf_counter() - t0}
-    base = rows["fp32"]["none"]["perplexity"]
+    base = rows["none"]["fp32"]["perplexity"]
     for r in rows.values():
         for cell in r.values():
             cell["increase"] = cell["perplexity"] / base - 1.0
-    kv_cost = {rule: {f"{n}_tokens_s": kv_write_s(KVCodec(spec.head_dim, torch.float32, compress=True,
-                                                          clip_steps=steps), spec, n) for n in (1, 128)}
-               for rule, steps in rules.items()}
+    kv_cost = {rule: {f"{n}_tokens_s": kv_write_s(codec, spec, n) for n in (1, 128)}
+               for rule, codec in kv_rules.items()}
     if args.json:
-        print(json.dumps({"perplexity": rows, "kv_write": kv_cost}, indent=2))
+        print(json.dumps({"perplexity": rows, "kv_write": kv_cost, "pack_all_rules_s": pack_s}, indent=2))
         return 0
     print(f"SmolLM2-135M-Instruct on pydoc_data.topics: {args.windows} windows x {args.window} tokens, "
           f"fp32 perplexity {base:.3f}")
-    print("4-bit perplexity (increase over fp32):")
-    print(f"{'range rule':34}" + "".join(f"{w:>20}" for w in ("weights", "KV cache", "both")))
-    for rule in (r for r in rows if r not in ("fp32", "engine default")):
-        print(f"{rule:34}" + "".join(f"{rows[rule][w]['perplexity']:>11.3f} ({rows[rule][w]['increase']:+.3f})"
-                                     for w in ("weights", "KV cache", "both")))
-    both = rows["engine default"]["both"]
-    print(f"engine default (weights: {default_w}, KV cache: {default_kv}), both: {both['perplexity']:.3f} "
-          f"({both['increase']:+.3f})")
+    for what, title in (("weights", "4-bit weights only"), ("KV cache", "4-bit KV cache only"),
+                        ("both", "4-bit weights + KV cache")):
+        print(f"{title}: perplexity (increase over fp32)")
+        for rule, cell in rows[what].items():
+            print(f"  {rule:46}{cell['perplexity']:>9.3f} ({cell['increase']:+.3f})")
     print("KV write (one layer, k and v), median seconds:")
     for rule, c in kv_cost.items():
-        print(f"{rule:30}{'decode step':>14}{c['1_tokens_s'] * 1e6:>9.0f} us{'128-token prefill':>20}"
+        print(f"  {rule:46}{'decode step':>14}{c['1_tokens_s'] * 1e6:>9.0f} us{'128-token prefill':>20}"
               f"{c['128_tokens_s'] * 1e6:>9.0f} us")
     print("goal: increase <= 0.02 (4-bit weights + KV cache)")
     return 0

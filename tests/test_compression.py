@@ -179,7 +179,7 @@ def test_rotated_weight_record_gives_the_layers_output_with_bias():
     bias) equals x W^T + b for W = the reference quantization of the rotated rows, rotated back; and an
     outlier row costs its group less than without the rotation."""
     from xrunner.engine import WeightLayout
-    from xrunner.model import _linear
+    from xrunner.model import linear
 
     g = torch.Generator().manual_seed(1)
     w = {"fc1.weight": torch.randn(128, 96, generator=g), "fc1.bias": torch.randn(128, generator=g)}
@@ -192,7 +192,7 @@ def test_rotated_weight_record_gives_the_layers_output_with_bias():
         flat = torch.empty(layout.nbytes, dtype=torch.uint8)
         layout.pack(w, flat)
         unpacked = layout.unpack(flat, {"fc1.weight": torch.empty(128, 96)})
-        return unpacked, _linear(x, unpacked, "fc1")
+        return unpacked, linear(x, unpacked, "fc1")
 
     r = hadamard_rotation(64)
     blocks = w["fc1.weight"].unflatten(0, (-1, 64))
@@ -202,3 +202,28 @@ def test_rotated_weight_record_gives_the_layers_output_with_bias():
     assert torch.allclose(got, x @ ref.T + w["fc1.bias"], atol=1e-4)
     errs = {rotate: float((through_record(rotate)[1] - exact).norm()) for rotate in (True, False)}
     assert errs[True] < 0.5 * errs[False]
+
+
+def test_gptq_matches_an_independent_obq_reference_and_beats_nearest_rounding():
+    """GPTQ (Cholesky form, blocks of 16 columns here) equals the optimal-brain-quantizer updates of an
+    independent reference column for column, keeps quantize()'s ranges, and moves the layer's output on
+    the calibration inputs less than nearest rounding; a never-active input does not break it."""
+    from quant_reference import reference_gptq
+    from xrunner.compression import gptq_quantize
+
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(512, 96, generator=g) @ torch.randn(96, 96, generator=g) + torch.randn(512, 96, generator=g)
+    X[:, 7] = 0.0  # dead input channel
+    w = torch.randn(130, 96, generator=g)  # 130 rows: a partial last group
+    H = X.T @ X
+    q = gptq_quantize(w, H, block=16)
+    nearest = quantize(w, dim=0)
+    assert torch.equal(q.mins, nearest.mins) and torch.equal(q.scales, nearest.scales)
+    got = dequantize(q)
+    want = reference_gptq(w, q.mins, q.scales, H)
+    same_code = (got - want).abs() < 1e-4  # a different code differs by a whole step (>= 0.01 here)
+    assert float(same_code.float().mean()) > 0.99
+    out_err = lambda y: float((X @ (y - w).T).norm())  # noqa: E731
+    assert out_err(got) == pytest.approx(out_err(want), rel=1e-3)
+    assert out_err(got) < 0.8 * out_err(dequantize(nearest))
+    assert bool(torch.isfinite(got).all())

@@ -19,7 +19,7 @@ Both are rotated before they are quantized (:func:`hadamard_rotation`, orthonorm
 matrices, QuaRot-style incoherence processing). Weights: each group of 64 output rows is
 multiplied by one (:func:`rotate_groups`), so an outlier row's magnitude is spread over its
 group instead of stretching the group's step; the layer's output is rotated back per block
-(``model._linear``), 64 multiply-adds per output value. KV cache: each head's vector
+(``model.linear``), 64 multiply-adds per output value. KV cache: each head's vector
 is multiplied by an orthonormal Hadamard matrix, which spreads a few large channels (rotary
 dimensions, outliers) over the whole group so that one group range no longer has to stretch
 over them. Attention is invariant to it: ``(qR)(kR)^T = qk^T``, and the output of rotated
@@ -34,7 +34,7 @@ Used by the engine to store and move compressed tensors, and by the profiler to 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -67,7 +67,7 @@ def rotate_groups(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
     For a weight ``[out, in]`` quantized in groups along the output channels, this mixes the
     rows of each group; the layer's output then comes out rotated the same way per block, and
-    ``y @ r`` per block rotates it back (``r`` orthonormal, see ``model._linear``).
+    ``y @ r`` per block rotates it back (``r`` orthonormal, see ``model.linear``).
     """
     g = r.shape[0]
     return torch.einsum("ij,bjk->bik", r.to(x.dtype), x.reshape(-1, g, *x.shape[1:])).reshape(x.shape)
@@ -204,3 +204,52 @@ def _round_toward(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor
     wrong = y.float() < x if up else y.float() > x
     target = torch.full_like(y, float("inf") if up else float("-inf"))
     return torch.where(wrong, torch.nextafter(y, target), y)
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
+                  clip_steps: int = DEFAULT_CLIP_STEPS, damp: float = 0.01, block: int = 128) -> QuantizedTensor:
+    """``quantize(w, dim=0)`` of a weight ``[out, in]``, with codes chosen by GPTQ (Frantar et al., 2023).
+
+    ``hessian`` is ``X^T X`` of calibration inputs ``X [tokens, in]`` of the layer (any positive
+    scale). The groups' ranges are the ones :func:`quantize` picks, so the stored format and
+    the dequant path do not change; only the codes do. Input channels (columns) are rounded one
+    at a time, largest ``hessian`` diagonal first (act order), and each column's rounding error
+    is pushed onto the columns not yet rounded through the Cholesky factor of the inverse
+    Hessian, so that ``X w^T`` moves least. Groups run along the output channels, so every
+    column's ranges are fixed before it is rounded and the order costs nothing in the format.
+    """
+    if w.dim() != 2 or hessian.shape != (w.shape[1], w.shape[1]):
+        raise ValueError(f"gptq_quantize needs w [out, in] and hessian [in, in], got {tuple(w.shape)} and "
+                         f"{tuple(hessian.shape)}")
+    base = quantize(w, dim=0, group_size=group_size, clip_steps=clip_steps)
+    n = w.shape[1]
+    mins, scales = base.mins.float(), base.scales.float()  # [in, groups]
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    rows = mins.shape[1] * group_size
+    pad = rows - w.shape[0]
+    W = w.float().t().contiguous()  # [in, out]: one column of w is one contiguous row here
+    if pad:
+        W = torch.cat((W, W[:, -1:].expand(n, pad)), dim=1)
+    H = hessian.to(torch.float64, copy=True)
+    dead = torch.diagonal(H) <= 0
+    H[dead, dead] = 1.0  # a never-active input: its rounding error costs nothing
+    H.diagonal().add_(damp * float(torch.diagonal(H).mean()))
+    order = torch.argsort(torch.diagonal(H), descending=True)
+    H = H[order][:, order]
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    W, mins, scales, inv = W[order], mins[order, :, None], scales[order, :, None], inv[order, :, None]
+    codes = torch.empty(n, rows, dtype=torch.uint8, device=w.device)
+    for i1 in range(0, n, block):
+        i2 = min(i1 + block, n)
+        err = torch.empty(i2 - i1, rows, device=w.device)
+        for i in range(i1, i2):
+            col = W[i].view(-1, group_size)
+            c = (col - mins[i]).mul_(inv[i]).round_().clamp_(0, LEVELS)
+            codes[i] = c.view(-1).to(torch.uint8)
+            e = (W[i] - c.mul_(scales[i]).add_(mins[i]).view(-1)) / U[i, i]
+            W[i + 1:i2] -= U[i, i + 1:i2, None] * e[None, :]
+            err[i - i1] = e
+        W[i2:] -= U[i1:i2, i2:].t() @ err
+    codes = codes[torch.argsort(order)].view(n, -1, group_size)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return replace(base, packed=packed.contiguous())

@@ -37,7 +37,9 @@ from xprofiler.diskio import round_up
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, KV_CLIP_STEPS, QuantizedTensor,
-                                 dequantize, hadamard_rotation, quantize, rotate_groups)
+                                 dequantize, gptq_quantize, hadamard_rotation, quantize,
+                                 rotate_groups)
+from xrunner.gptq import GPTQCalibration
 from xrunner.loaders import ModelSource
 from xrunner.model import (attention, attn_in, attn_out_mlp, embed, final_logits, rope_tables, torch_dtype)
 from xrunner.sampling import SamplingParams, sample
@@ -150,7 +152,7 @@ class WeightLayout:
     when ``compress``, each group's range searched over ``clip_steps`` shrinks at pack time (0:
     plain min/max); 1-D tensors stay as they are. With ``rotate``, each group of rows is first
     multiplied by an orthonormal Hadamard matrix (outlier rows no longer stretch their group's
-    range); :meth:`unpack` then adds ``<module>.out_rotation`` and ``model._linear`` rotates the
+    range); :meth:`unpack` then adds ``<module>.out_rotation`` and ``model.linear`` rotates the
     layer's output back, ``group`` multiply-adds per output value instead of one per weight.
     """
 
@@ -189,20 +191,32 @@ class WeightLayout:
         size = torch.empty((), dtype=p.dtype).element_size()
         return flat[p.offset:p.offset + math.prod(p.shape) * size].view(p.dtype).view(p.shape)
 
-    def pack(self, w: Mapping[str, torch.Tensor], flat: torch.Tensor) -> None:
-        """Write a layer's tensors (quantizing 2-D ones if asked) into the record ``flat``."""
-        quantized: dict[str, QuantizedTensor] = {}
+    def quantize_tensor(self, name: str, x: torch.Tensor, hessian: torch.Tensor | None = None) -> QuantizedTensor:
+        """The stored 4-bit form of 2-D weight ``name`` (rows rotated if it is in ``rotated``);
+        with ``hessian`` (``X^T X`` of its inputs) the codes come from GPTQ (``xrunner.gptq``)."""
+        if name in self.rotated:
+            x = rotate_groups(x.float(), self.rotation).to(x.dtype)
+        if hessian is None:
+            return quantize(x, dim=0, group_size=self.group, clip_steps=self.clip_steps)
+        return gptq_quantize(x, hessian, group_size=self.group, clip_steps=self.clip_steps)
+
+    def dequantize_tensor(self, name: str, q: QuantizedTensor) -> torch.Tensor:
+        """The weight ``q`` stands for, rotated back (a reference path; compute uses :meth:`unpack`)."""
+        x = dequantize(q)
+        return rotate_groups(x, self.rotation.T) if name in self.rotated else x
+
+    def pack(self, w: Mapping[str, torch.Tensor], flat: torch.Tensor,
+             quantized: Mapping[str, QuantizedTensor] | None = None) -> None:
+        """Write a layer's tensors (quantizing 2-D ones if asked, unless given in ``quantized``) into ``flat``."""
+        done: dict[str, QuantizedTensor] = dict(quantized or {})
         for p in self.parts:
             dst = self._view(flat, p)
             if p.kind == "plain":
                 dst.copy_(w[p.name])
                 continue
-            if p.name not in quantized:
-                x = w[p.name]
-                if p.name in self.rotated:
-                    x = rotate_groups(x.float(), self.rotation).to(x.dtype)
-                quantized[p.name] = quantize(x, dim=0, group_size=self.group, clip_steps=self.clip_steps)
-            dst.copy_(getattr(quantized[p.name], p.kind))
+            if p.name not in done:
+                done[p.name] = self.quantize_tensor(p.name, w[p.name])
+            dst.copy_(getattr(done[p.name], p.kind))
 
     def unpack(self, flat: torch.Tensor, dequant: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """The layer's weights for compute: views of ``flat``; 4-bit ones dequantized into ``dequant``."""
@@ -419,7 +433,8 @@ class Engine:
                  capacity_bytes: Mapping[str, float] | None = None, offload_dir: str | Path | None = None,
                  sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
                  record_trace: bool = False, profile: HardwareProfile | None = None,
-                 device: str | torch.device | None = None, progress: bool = False):
+                 device: str | torch.device | None = None, progress: bool = False,
+                 calibration_ids: torch.Tensor | Callable[[], torch.Tensor] | None = None):
         spec = source.spec
         self.spec, self.source = spec, source
         if max_prompt < 1 or max_output < 1:
@@ -432,6 +447,10 @@ class Engine:
         self.cap = max_prompt + max_output
         self.sampling = sampling or SamplingParams()
         self.stop = frozenset(int(t) for t in stop_token_ids)
+        # Token ids [sequences, length] of calibration text (or a function giving them, called the
+        # first time 4-bit weights are packed): 4-bit weights then get GPTQ codes (xrunner.gptq)
+        # instead of nearest rounding. None: nearest rounding.
+        self.calibration_ids = calibration_ids
         self.record_trace = record_trace
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
@@ -489,8 +508,9 @@ class Engine:
         # Weights: layer by layer from the source straight into their home tier.
         from tqdm import tqdm
         import sys
-        for i in tqdm(range(L), desc=f"loading {spec.name}", unit="layer", file=sys.stderr, disable=not progress,
-                      leave=False):
+        self._gptq = self._new_gptq()
+        for i in tqdm(range(L), desc=f"loading {spec.name}" + (" (GPTQ)" if self._gptq else ""), unit="layer",
+                      file=sys.stderr, disable=not progress, leave=False):
             self._load_layer(i)
         self.rope = rope_tables(spec, self.cap, self.device, self.dtype)
         self.generator = self.sampling.generator(self.device) if not self.sampling.greedy else None
@@ -511,21 +531,31 @@ class Engine:
         else:
             self.store.release(tier, "weights_home", home)
 
+    def _new_gptq(self) -> GPTQCalibration | None:
+        """A fresh GPTQ pass over the layers (they are then loaded in order), if 4-bit weights and text."""
+        if not self.layout.compress or self.calibration_ids is None:
+            return None
+        if callable(self.calibration_ids):
+            self.calibration_ids = self.calibration_ids()
+        return GPTQCalibration(self.spec, self.head, self.calibration_ids, self.layout.quantize_tensor,
+                               self.layout.dequantize_tensor)
+
     def _load_layer(self, i: int) -> int:
         """Read layer ``i`` from the source into its home (packed, compressed if asked); returns bytes read."""
         st, wbytes = self.store, self.layout.nbytes
         w = self.source.load_layer(i)
         nread = nbytes_of(*w.values())
+        quantized = self._gptq.quantize_layer(i, w) if self._gptq is not None else None
         home = self.w_home[i]
         if isinstance(home, DiskSlice):
-            self.layout.pack(w, self.w_relays[0][:wbytes])
+            self.layout.pack(w, self.w_relays[0][:wbytes], quantized)
             st.copy(Ref("disk", home), Ref("cpu", self.w_relays[0]))
         elif self.layer_tier[i] == "gpu" and self.device.type == "cuda":
             tmp = torch.empty(wbytes, dtype=torch.uint8)
-            self.layout.pack(w, tmp)
+            self.layout.pack(w, tmp, quantized)
             home.copy_(tmp)
         else:
-            self.layout.pack(w, home)
+            self.layout.pack(w, home, quantized)
         return nread
 
     def _buf(self, tier: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -682,6 +712,7 @@ class Engine:
             for i, tier in enumerate(self.layer_tier):
                 self._free_home(self.w_home[i], tier)
             self.layout = WeightLayout(spec.layer_tensor_shapes(), self.dtype, policy.compress_weight)
+            self._gptq = self._new_gptq()
             self.layer_tier = new_tiers
             self.w_relays = [self._new_relay() for _ in range(min(2, new_tiers.count("disk")))]
             for i, tier in enumerate(new_tiers):

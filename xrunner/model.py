@@ -68,7 +68,7 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
-def _norm(spec: ModelSpec, x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
+def norm(spec: ModelSpec, x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
     if spec.norm == "layernorm":
         return F.layer_norm(x, (x.shape[-1],), w[f"{name}.weight"], w[f"{name}.bias"], spec.norm_eps)
     # RMSNorm in float32, then scale in the input dtype (as Llama does).
@@ -76,7 +76,7 @@ def _norm(spec: ModelSpec, x: torch.Tensor, w: Weights, name: str) -> torch.Tens
     return w[f"{name}.weight"] * y
 
 
-def _linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
     """``x W^T + b``. A weight stored with its rows rotated per block (4-bit weights, key
     ``<name>.out_rotation``: see ``engine.WeightLayout``) gives a rotated output; ``y @ r`` per
     block of output channels rotates it back, before the bias."""
@@ -110,10 +110,10 @@ def attn_in(spec: ModelSpec, w: Weights, hidden: torch.Tensor, position_ids: tor
     """Pre-attention norm, q/k/v projections and rotary: returns q ``[b,H,t,d]``, k, v ``[b,Hkv,t,d]``."""
     b, t, _ = hidden.shape
     d = spec.head_dim
-    x = _norm(spec, hidden, w, "attn_norm")
-    q = _linear(x, w, "q_proj").view(b, t, spec.num_heads, d).transpose(1, 2)
-    k = _linear(x, w, "k_proj").view(b, t, spec.num_kv_heads, d).transpose(1, 2)
-    v = _linear(x, w, "v_proj").view(b, t, spec.num_kv_heads, d).transpose(1, 2)
+    x = norm(spec, hidden, w, "attn_norm")
+    q = linear(x, w, "q_proj").view(b, t, spec.num_heads, d).transpose(1, 2)
+    k = linear(x, w, "k_proj").view(b, t, spec.num_kv_heads, d).transpose(1, 2)
+    v = linear(x, w, "v_proj").view(b, t, spec.num_kv_heads, d).transpose(1, 2)
     if rope is not None:
         cos = rope.cos[position_ids].unsqueeze(1)  # [b, 1, t, d]
         sin = rope.sin[position_ids].unsqueeze(1)
@@ -149,15 +149,18 @@ def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out.transpose(1, 2).reshape(b, t, n_heads * d)
 
 
+def mlp_hidden(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's inner activation (the input of its down projection) for normed input ``x``."""
+    if spec.gated_mlp:
+        return F.silu(linear(x, w, "gate_proj")) * linear(x, w, "up_proj")
+    return F.relu(linear(x, w, "fc1"))
+
+
 def attn_out_mlp(spec: ModelSpec, w: Weights, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """Output projection and residual, then pre-norm MLP (ReLU or SwiGLU) and residual."""
-    hidden = hidden + _linear(attn, w, "o_proj")
-    x = _norm(spec, hidden, w, "mlp_norm")
-    if spec.gated_mlp:
-        x = _linear(F.silu(_linear(x, w, "gate_proj")) * _linear(x, w, "up_proj"), w, "down_proj")
-    else:
-        x = _linear(F.relu(_linear(x, w, "fc1")), w, "fc2")
-    return hidden + x
+    hidden = hidden + linear(attn, w, "o_proj")
+    down = "down_proj" if spec.gated_mlp else "fc2"
+    return hidden + linear(mlp_hidden(spec, w, norm(spec, hidden, w, "mlp_norm")), w, down)
 
 
 def layer_forward(spec: ModelSpec, w: Weights, hidden: torch.Tensor, position_ids: torch.Tensor,
@@ -180,6 +183,6 @@ def layer_forward(spec: ModelSpec, w: Weights, hidden: torch.Tensor, position_id
 
 def final_logits(spec: ModelSpec, head_w: Weights, hidden: torch.Tensor) -> torch.Tensor:
     """Final norm and LM head (the token embedding when tied): ``[..., h]`` -> ``[..., vocab]``."""
-    x = _norm(spec, hidden, head_w, "final_norm")
+    x = norm(spec, hidden, head_w, "final_norm")
     head = head_w["embed_tokens.weight"] if spec.tied_embeddings else head_w["lm_head.weight"]
     return F.linear(x, head)

@@ -1,0 +1,118 @@
+"""Calibrated 4-bit weights: GPTQ over real text, layer by layer as the engine packs them.
+
+Rounding each weight to its nearest code (``compression.quantize``) minimises the weight's own
+error; GPTQ (Frantar et al., 2023; ``compression.gptq_quantize``) instead minimises the error
+of the layer's *output* on calibration inputs, which is what the next layer sees. The inputs
+of each projection are those of the model as quantized so far: calibration text is embedded
+once, then every layer, in order, is quantized (q/k/v, then o, then the MLP's input
+projections, then its down projection, each from the activations of the parts before it
+already quantized) and the hidden states are carried through the quantized layer.
+
+The stored format is the engine's (``engine.WeightLayout``: rotated row groups of 64, ranges
+from the range search); only the codes differ, so nothing downstream changes. It needs text,
+so real models only: random-weight models keep nearest rounding.
+
+The calibration text is the docstrings of a fixed list of standard-library modules (English
+prose that ships with Python); ``pydoc_data.topics``, which ``benchmarks/compression_ppl.py``
+scores on, is not among them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch
+
+from xprofiler.specs import ModelSpec
+from xrunner.compression import QuantizedTensor
+from xrunner.model import (Weights, attention, attn_in, embed, linear, mlp_hidden, norm, position_ids_from_mask,
+                           rope_tables)
+
+CALIBRATION_MODULES = ("os", "json", "re", "collections", "functools", "itertools", "pathlib", "subprocess",
+                       "threading", "asyncio", "typing", "dataclasses", "argparse", "logging", "unittest", "email",
+                       "http.client", "urllib.request", "csv", "sqlite3", "decimal", "fractions", "statistics",
+                       "random", "socket", "zipfile", "tarfile", "shutil", "tempfile", "textwrap", "difflib",
+                       "heapq", "bisect", "contextlib", "inspect", "pickle", "copy", "enum", "abc")
+CALIBRATION_SEQUENCES = 16
+CALIBRATION_LENGTH = 256
+
+
+def calibration_text() -> str:
+    """Module and (long) member docstrings of :data:`CALIBRATION_MODULES`, each once, in a fixed order."""
+    docs: list[str] = []
+    for name in CALIBRATION_MODULES:
+        mod = importlib.import_module(name)
+        if mod.__doc__:
+            docs.append(mod.__doc__)
+        for attr in sorted(dir(mod)):
+            doc = getattr(getattr(mod, attr, None), "__doc__", None)
+            if callable(getattr(mod, attr, None)) and isinstance(doc, str) and len(doc) > 200:
+                docs.append(doc)
+    return "\n\n".join(dict.fromkeys(docs))
+
+
+def calibration_ids(tokenizer: Any, sequences: int = CALIBRATION_SEQUENCES,
+                    length: int = CALIBRATION_LENGTH) -> torch.Tensor:
+    """``[sequences, length]`` token ids of :func:`calibration_text` for ``tokenizer``."""
+    ids = tokenizer(calibration_text(), add_special_tokens=False)["input_ids"]
+    if len(ids) < sequences * length:
+        raise ValueError(f"calibration text has {len(ids)} tokens, {sequences} x {length} needed")
+    return torch.tensor(ids[:sequences * length]).view(sequences, length)
+
+
+def _gram(x: torch.Tensor) -> torch.Tensor:
+    """``X^T X`` of activations ``[..., in]`` (the GPTQ Hessian up to scale), in float64."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    return x.T @ x / x.shape[0]
+
+
+class GPTQCalibration:
+    """Quantizes a model's layers in order with GPTQ, carrying calibration hidden states along.
+
+    ``quantize_tensor(name, w, hessian) -> QuantizedTensor`` and ``dequantize_tensor(name, q)``
+    are the layout's (``WeightLayout.quantize_tensor`` / ``dequantize_tensor``): rotation and
+    range rule live there, once.
+    """
+
+    def __init__(self, spec: ModelSpec, head: Weights, ids: torch.Tensor,
+                 quantize_tensor: Callable[[str, torch.Tensor, torch.Tensor], QuantizedTensor],
+                 dequantize_tensor: Callable[[str, QuantizedTensor], torch.Tensor]):
+        self.spec = spec
+        self._quantize, self._dequantize = quantize_tensor, dequantize_tensor
+        self.device = head["embed_tokens.weight"].device  # where the head lives, the pass runs (float32)
+        ids = ids.to(self.device)
+        self.pos = position_ids_from_mask(torch.ones_like(ids, dtype=torch.bool))
+        self.rope = rope_tables(spec, ids.shape[1], self.device)
+        with torch.inference_mode():
+            self.hidden = embed(spec, head, ids, self.pos).float()
+        self.next_layer = 0
+
+    @torch.inference_mode()
+    def quantize_layer(self, index: int, w: Weights) -> dict[str, QuantizedTensor]:
+        """GPTQ codes for every 2-D tensor of layer ``index`` (layers must come in order)."""
+        if index != self.next_layer:
+            raise RuntimeError(f"GPTQ calibration needs layers in order: got {index}, expected {self.next_layer}")
+        spec, h = self.spec, self.hidden
+        wq = {k: v.to(self.device, torch.float32) for k, v in w.items()}
+        out: dict[str, QuantizedTensor] = {}
+
+        def quantize(names: tuple[str, ...], x: torch.Tensor) -> None:
+            hessian = _gram(x)
+            for name in names:
+                out[name] = self._quantize(name, wq[name], hessian)
+                wq[name] = self._dequantize(name, out[name]).float()
+
+        quantize(("q_proj.weight", "k_proj.weight", "v_proj.weight"), norm(spec, h, wq, "attn_norm"))
+        q, k, v = attn_in(spec, wq, h, self.pos, self.rope)
+        a = attention(spec, q, k, v, None, causal=True)
+        quantize(("o_proj.weight",), a)
+        h = h + linear(a, wq, "o_proj")
+        x = norm(spec, h, wq, "mlp_norm")
+        quantize(("gate_proj.weight", "up_proj.weight") if spec.gated_mlp else ("fc1.weight",), x)
+        act = mlp_hidden(spec, wq, x)
+        down = "down_proj" if spec.gated_mlp else "fc2"
+        quantize((f"{down}.weight",), act)
+        self.hidden = h + linear(act, wq, down)
+        self.next_layer += 1
+        return out
