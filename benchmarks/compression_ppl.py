@@ -8,11 +8,13 @@ to the stored cache. The compressed path uses the engine's own stored forms:
 ``xrunner.engine.WeightLayout`` (2-D layer weights quantized along the output channels, groups
 of 64, dequantized before compute; the tied embedding / LM head stays fp32, as in the engine)
 and ``xrunner.engine.KVCodec`` (K/V quantized along the head dimension when written,
-dequantized for attention). The table crosses the two range rules of the format (plain
-min/max, and the default least-squared-error search over shrunk ranges) with what is
-compressed (weights, KV cache, both), adds the engine's default mix (weights searched, KV
-min/max), and times one KV write (a 128-token prefill and a decode
-step) under each rule, since the KV range is chosen on the write path. Goal: increase <= 2%.
+dequantized for attention). It scores each way of choosing a group's 4-bit form: plain
+min/max (FlexGen's), the least-squared-error range search, each with and without the Hadamard
+rotation, and for weights also GPTQ codes fitted on the engine's calibration text
+(``xrunner.gptq``, which is not this text); then weights and KV cache together for FlexGen's
+plain format, the previous default and the engine's defaults without and with GPTQ. It also
+times one KV write (a 128-token prefill and a decode step) per rule, since the KV range is
+chosen on the write path. Goal: increase <= 2%.
 
     OMP_NUM_THREADS=1 python benchmarks/compression_ppl.py [--windows 4 --window 256] [--json]
 """
