@@ -417,3 +417,25 @@ def test_plan_measured_on_another_machine_warns(tmp_path):
     with pytest.warns(ProfileMismatchWarning, match="Imaginary CPU 9000"):
         diffs = warn_if_plan_from_other_machine(plan, None)
     assert any("cpu_model" in d for d in diffs)
+
+
+def test_weight_rounding_fits_gptq_only_when_4bit_weights_are_packed(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--weight-rounding gptq (default) tokenizes the calibration text once, and only for a plan with 4-bit
+    weights; nearest never does. Both runs finish every request."""
+    import xrunner.gptq as gptq
+    from xsimulator.policy import Policy
+
+    calls = []
+    real = gptq.calibration_ids
+    monkeypatch.setattr(gptq, "calibration_ids", lambda tok, *a, **k: calls.append(1) or real(tok, 2, 16))
+    prompts, rows = tiny_job(tiny_dir, tmp_path, 4)
+    packed = tiny_plan(tiny_dir, tmp_path / "packed.json", Policy(gbs=2, nb=1, wg=0.5, wc=0.5, compress_weight=True))
+    plain = tiny_plan(tiny_dir, tmp_path / "plain.json", Policy(gbs=2, nb=1, wg=0.5, wc=0.5))
+    cases = ((plain, [], 0), (packed, ["--weight-rounding", "nearest"], 0), (packed, [], 1))
+    for i, (plan, extra, want_calls) in enumerate(cases):
+        out = tmp_path / f"out-{i}.jsonl"
+        calls.clear()
+        assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out",
+                     str(out), "--adapt", "none", "--quiet", *extra]) == 0
+        assert len(calls) == want_calls and len(read_rows(out)) == len(rows)
+    capsys.readouterr()
