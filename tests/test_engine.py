@@ -286,6 +286,17 @@ def test_gptq_weights_reach_the_engine_and_the_calibration_pass_is_the_models_la
     assert got == want
 
 
+def test_calibration_text_too_short_for_the_tokenizer_is_a_user_error():
+    from xrunner.gptq import calibration_ids
+
+    def few_tokens(text, add_special_tokens=False):
+        return {"input_ids": [1, 2, 3]}
+
+    with pytest.raises(UserError, match="--weight-rounding nearest"):
+        calibration_ids(few_tokens)
+    assert calibration_ids(lambda text, add_special_tokens: {"input_ids": list(range(5000))}).shape == (16, 256)
+
+
 # --------------------------------------------------------------------------- refusals and cleanup
 def test_capacity_refusal_names_tier_and_shortfall(tmp_path):
     src = RandomSource(LLAMA, seed=3)

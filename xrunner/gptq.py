@@ -28,6 +28,7 @@ from xprofiler.specs import ModelSpec
 from xrunner.compression import QuantizedTensor
 from xrunner.model import (Weights, attention, attn_in, embed, linear, mlp_hidden, norm, position_ids_from_mask,
                            rope_tables)
+from xsched.errors import UserError
 
 CALIBRATION_MODULES = ("os", "json", "re", "collections", "functools", "itertools", "pathlib", "subprocess",
                        "threading", "asyncio", "typing", "dataclasses", "argparse", "logging", "unittest", "email",
@@ -57,7 +58,8 @@ def calibration_ids(tokenizer: Any, sequences: int = CALIBRATION_SEQUENCES,
     """``[sequences, length]`` token ids of :func:`calibration_text` for ``tokenizer``."""
     ids = tokenizer(calibration_text(), add_special_tokens=False)["input_ids"]
     if len(ids) < sequences * length:
-        raise ValueError(f"calibration text has {len(ids)} tokens, {sequences} x {length} needed")
+        raise UserError(f"the GPTQ calibration text has only {len(ids)} tokens for this tokenizer, {sequences} x "
+                        f"{length} needed; pass --weight-rounding nearest")
     return torch.tensor(ids[:sequences * length]).view(sequences, length)
 
 

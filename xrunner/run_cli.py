@@ -398,9 +398,11 @@ def _calibration(args: argparse.Namespace, source: Any, tokenizer: Any) -> Calla
         return None
 
     def ids() -> Any:
-        from xrunner.gptq import calibration_ids
+        from xrunner.gptq import CALIBRATION_LENGTH, calibration_ids
 
-        return calibration_ids(tokenizer if tokenizer is not None else source.tokenizer())
+        # Sequences no longer than the model's positions (learned position tables end there).
+        return calibration_ids(tokenizer if tokenizer is not None else source.tokenizer(),
+                               length=min(CALIBRATION_LENGTH, source.spec.max_positions))
 
     return ids
 
