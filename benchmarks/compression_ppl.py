@@ -132,7 +132,8 @@ def by_kind(args) -> int:
     if args.json:
         print(json.dumps({"fp32_perplexity": base, "increase": rows}, indent=2))
         return 0
-    print(f"SmolLM2-135M-Instruct, fp32 perplexity {base:.3f}; perplexity increase with one kind 4-bit:")
+    print(f"SmolLM2-135M-Instruct, fp32 perplexity {base:.3f}; perplexity increase with one kind 4-bit "
+          "(row groups rotated as the engine stores them, nearest codes, no GPTQ):")
     print(f"{'tensor kind':24}{'min/max':>10}{'search':>10}")
     for kind, r in rows.items():
         print(f"{kind:24}{r['min/max']:>+10.3f}{r['range search']:>+10.3f}")
