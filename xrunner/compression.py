@@ -52,14 +52,34 @@ CLIP_MIN_SHRINK = 0.7
 KV_CLIP_STEPS = 0
 
 
-def hadamard_rotation(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-                      ) -> torch.Tensor | None:
+def hadamard_rotation(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """Orthonormal ``n x n`` Hadamard matrix (Sylvester), or None when ``n`` is not a power of two."""
     if n < 1 or n & (n - 1):
         return None
     from scipy.linalg import hadamard
 
-    return torch.from_numpy(hadamard(n)).to(device=device, dtype=torch.float64).div_(math.sqrt(n)).to(dtype)
+    return torch.from_numpy(hadamard(n)).to(torch.float64).div_(math.sqrt(n)).to(dtype)
+
+
+class Rotation:
+    """An orthonormal matrix (float32) and its copy per (device, dtype), each made once."""
+
+    def __init__(self, matrix: torch.Tensor):
+        self.matrix = matrix
+        self._copies: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def like(self, x: torch.Tensor) -> torch.Tensor:
+        """The matrix on ``x``'s device in ``x``'s dtype."""
+        key = (x.device, x.dtype)
+        if key not in self._copies:
+            self._copies[key] = self.matrix.to(device=x.device, dtype=x.dtype)
+        return self._copies[key]
+
+
+def hadamard(n: int) -> Rotation | None:
+    """:func:`hadamard_rotation` as a :class:`Rotation`, or None when ``n`` is not a power of two."""
+    r = hadamard_rotation(n)
+    return None if r is None else Rotation(r)
 
 
 def rotate_groups(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,7 @@ from xprofiler.diskio import round_up
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, KV_CLIP_STEPS, QuantizedTensor,
-                                 dequantize, gptq_quantize, hadamard_rotation, quantize,
-                                 rotate_groups)
+                                 dequantize, gptq_quantize, hadamard, quantize, rotate_groups)
 from xrunner.gptq import GPTQCalibration
 from xrunner.loaders import ModelSource
 from xrunner.model import (attention, attn_in, attn_out_mlp, embed, final_logits, rope_tables, torch_dtype)
@@ -160,11 +159,10 @@ class WeightLayout:
                  group: int = DEFAULT_GROUP_SIZE, clip_steps: int = DEFAULT_CLIP_STEPS, rotate: bool = True):
         self.dtype, self.compress, self.group, self.clip_steps = dtype, compress, group, clip_steps
         self.shapes = dict(shapes)
-        r = hadamard_rotation(group, torch.float32) if compress and rotate else None
+        self.rotation = hadamard(group) if compress and rotate else None
         # Only whole groups are rotated: a partial last group would mix padding into real rows.
-        self.rotated = {n for n, s in shapes.items() if len(s) == 2 and s[0] % group == 0} if r is not None else set()
-        self.rotation = r
-        self._rotations: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.rotated = ({n for n, s in shapes.items() if len(s) == 2 and s[0] % group == 0}
+                        if self.rotation is not None else set())
         parts: list[_Part] = []
         off = 0
 
@@ -195,7 +193,7 @@ class WeightLayout:
         """The stored 4-bit form of 2-D weight ``name`` (rows rotated if it is in ``rotated``);
         with ``hessian`` (``X^T X`` of its inputs) the codes come from GPTQ (``xrunner.gptq``)."""
         if name in self.rotated:
-            x = rotate_groups(x.float(), self.rotation).to(x.dtype)
+            x = rotate_groups(x.float(), self.rotation.matrix).to(x.dtype)
         if hessian is None:
             return quantize(x, dim=0, group_size=self.group, clip_steps=self.clip_steps)
         return gptq_quantize(x, hessian, group_size=self.group, clip_steps=self.clip_steps)
@@ -203,7 +201,7 @@ class WeightLayout:
     def dequantize_tensor(self, name: str, q: QuantizedTensor) -> torch.Tensor:
         """The weight ``q`` stands for, rotated back (a reference path; compute uses :meth:`unpack`)."""
         x = dequantize(q)
-        return rotate_groups(x, self.rotation.T) if name in self.rotated else x
+        return rotate_groups(x, self.rotation.matrix.T) if name in self.rotated else x
 
     def pack(self, w: Mapping[str, torch.Tensor], flat: torch.Tensor,
              quantized: Mapping[str, QuantizedTensor] | None = None) -> None:
@@ -232,10 +230,7 @@ class WeightLayout:
             assert dequant is not None
             out[name] = dequant[name].copy_(dequantize(qt))
             if name in self.rotated:
-                key = (out[name].device, out[name].dtype)
-                if key not in self._rotations:
-                    self._rotations[key] = self.rotation.to(device=key[0], dtype=key[1])
-                out[name.rsplit(".", 1)[0] + ".out_rotation"] = self._rotations[key]
+                out[name.rsplit(".", 1)[0] + ".out_rotation"] = self.rotation.like(out[name])
         return out
 
 
@@ -254,8 +249,7 @@ class KVCodec:
                  clip_steps: int = KV_CLIP_STEPS, rotate: bool = True):
         self.compress, self.group, self.d, self.dtype = compress, group, head_dim, dtype
         self.clip_steps = clip_steps
-        self.rotation = hadamard_rotation(head_dim, torch.float32) if compress and rotate else None
-        self._rotations: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.rotation = hadamard(head_dim) if compress and rotate else None
         if compress:
             g = -(-head_dim // group)
             one = [((g, group // 2), torch.uint8), ((g,), dtype), ((g,), dtype)]
@@ -269,10 +263,7 @@ class KVCodec:
     def _rotate(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         if self.rotation is None:
             return x
-        key = (x.device, x.dtype)
-        if key not in self._rotations:
-            self._rotations[key] = self.rotation.to(device=x.device, dtype=x.dtype)
-        r = self._rotations[key]
+        r = self.rotation.like(x)
         return x @ (r.T if inverse else r)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:

@@ -47,8 +47,9 @@ def calibration_text() -> str:
         if mod.__doc__:
             docs.append(mod.__doc__)
         for attr in sorted(dir(mod)):
-            doc = getattr(getattr(mod, attr, None), "__doc__", None)
-            if callable(getattr(mod, attr, None)) and isinstance(doc, str) and len(doc) > 200:
+            member = getattr(mod, attr, None)
+            doc = getattr(member, "__doc__", None)
+            if callable(member) and isinstance(doc, str) and len(doc) > 200:
                 docs.append(doc)
     return "\n\n".join(dict.fromkeys(docs))
 

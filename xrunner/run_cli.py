@@ -68,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "local keeps it (only placement, batch shape, KV compression and attention change)")
     p.add_argument("--weight-rounding", choices=("gptq", "nearest"), default="gptq",
                    help="codes of 4-bit weights of a real model: gptq fits them to calibration text (standard-library "
-                        "docstrings) at load, about 3 s per SmolLM2 layer on one CPU thread; nearest rounds each weight "
+                        "docstrings) at load, about 2-3 s per SmolLM2 layer on one CPU thread; nearest rounds each weight "
                         "(random-weight models always round)")
     from xrunner.cli import add_sampling_args
 
