@@ -105,9 +105,8 @@ def by_kind(args) -> int:
     """Which tensors cost the most: each 2-D weight kind quantized alone, under each range rule."""
     from tqdm import tqdm
 
-    from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, dequantize, hadamard_rotation, quantize,
-                                     rotate_groups)
-    from xrunner.engine import KVCodec
+    from xrunner.compression import DEFAULT_CLIP_STEPS
+    from xrunner.engine import KVCodec, WeightLayout
     from xrunner.loaders import default_model_path, load_weights, open_model
 
     src = open_model(default_model_path())
@@ -115,18 +114,19 @@ def by_kind(args) -> int:
     weights = load_weights(src)
     spec = weights.spec
     codec = KVCodec(spec.head_dim, torch.float32, compress=False)
-    r = hadamard_rotation(DEFAULT_GROUP_SIZE)
     base = score(spec, weights.head, weights.layers, ids, args.windows, args.window, codec)
     kinds = [n for n, s in spec.layer_tensor_shapes().items() if len(s) == 2] + ["embed_tokens.weight"]
+    shapes = {k: tuple(v.shape) for k, v in {**weights.layers[0], **weights.head}.items()}
     rows: dict[str, dict[str, float]] = {}
     for kind in tqdm(kinds, desc="tensor kinds", file=sys.stderr):
         for rule, steps in (("min/max", 0), ("range search", DEFAULT_CLIP_STEPS)):
-            def rq(t: torch.Tensor) -> torch.Tensor:  # as WeightLayout: rotated row groups, then dim 0
-                rot = r if t.shape[0] % DEFAULT_GROUP_SIZE == 0 else torch.eye(DEFAULT_GROUP_SIZE)
-                return rotate_groups(dequantize(quantize(rotate_groups(t, rot), dim=0, clip_steps=steps)), rot.T)
+            layout = WeightLayout(shapes, torch.float32, compress=True, clip_steps=steps)  # as the engine stores
 
-            head = {k: rq(v) if k == kind else v for k, v in weights.head.items()}
-            layers = [{k: rq(v) if k == kind else v for k, v in w.items()} for w in weights.layers]
+            def rq(k: str, v: torch.Tensor) -> torch.Tensor:
+                return layout.dequantize_tensor(k, layout.quantize_tensor(k, v)) if k == kind else v
+
+            head = {k: rq(k, v) for k, v in weights.head.items()}
+            layers = [{k: rq(k, v) for k, v in w.items()} for w in weights.layers]
             rows.setdefault(kind, {})[rule] = score(spec, head, layers, ids, args.windows, args.window,
                                                     codec) / base - 1.0
     if args.json:
@@ -135,8 +135,8 @@ def by_kind(args) -> int:
     print(f"SmolLM2-135M-Instruct, fp32 perplexity {base:.3f}; perplexity increase with one kind 4-bit "
           "(row groups rotated as the engine stores them, nearest codes, no GPTQ):")
     print(f"{'tensor kind':24}{'min/max':>10}{'search':>10}")
-    for kind, r in rows.items():
-        print(f"{kind:24}{r['min/max']:>+10.3f}{r['range search']:>+10.3f}")
+    for kind, cells in rows.items():
+        print(f"{kind:24}{cells['min/max']:>+10.3f}{cells['range search']:>+10.3f}")
     return 0
 
 
