@@ -484,3 +484,92 @@ def test_smollm2_gptq_weights_follow_held_out_text_closer_than_nearest_rounding(
             hidden[name] = attn_out_mlp(spec, wv, attention(spec, q, k, v, None, True), hidden[name])
     err = {name: float((hidden[name] - hidden["fp32"]).norm()) for name in ("nearest", "gptq")}
     assert err["gptq"] < 0.92 * err["nearest"], err  # measured 0.88 (with 4 x 128 calibration tokens: 0.98)
+
+
+# --------------------------------------------------------------------------- memory while loading
+_LOAD_PROBE = """
+import json, sys, torch
+from xprofiler.specs import ModelSpec
+from xrunner.engine import WeightLayout
+from xrunner.gptq import GPTQCalibration, scratch_bytes
+from xrunner.loaders import RandomSource
+from xsimulator.costmodel import layer_load_bytes
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    return status("VmRSS:")
+
+torch.set_num_threads(1)
+spec = ModelSpec.from_json(sys.argv[1])
+src = RandomSource(spec)
+head = src.load_head()
+layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True)
+home = torch.empty(layout.nbytes, dtype=torch.uint8)
+layout.pack(src.load_layer(0), home, None)  # warm-up: the first call of a kernel maps library pages
+base = reset_peak()
+layout.pack(src.load_layer(1), home, None)
+load = status("VmHWM:") - base
+w0, w1 = src.load_layer(0), src.load_layer(1)
+ids = torch.randint(0, spec.vocab_size, (4, 128))
+warm = GPTQCalibration(spec, head, ids[:1, :16], layout.quantize_tensor, layout.dequantize_tensor)
+warm.quantize_layer(0, w0)
+del warm
+base = reset_peak()
+cal = GPTQCalibration(spec, head, ids, layout.quantize_tensor, layout.dequantize_tensor)
+for i, w in enumerate((w0, w1)):
+    layout.pack(w, home, cal.quantize_layer(i, w))
+gptq = status("VmHWM:") - base
+print(json.dumps({"layer_load": [load, layer_load_bytes(spec, True, False, 0.0)],
+                  "gptq": [gptq, scratch_bytes(spec, 4, 128)]}))
+"""
+
+
+@pytest.mark.parametrize("shape", ["llama", "opt"])
+def test_planned_load_and_gptq_scratch_cover_the_measured_resident_memory(shape):
+    """The bytes the engine plans and accounts while it loads weights (``layer_load``: the source's
+    layer and the 4-bit packer's scratch; ``gptq``: the calibration pass) are upper bounds of the
+    process's real peak resident memory, measured in a fresh process whose allocator returns every
+    large block to the OS (so RSS follows live bytes), and not loose ones (within 1.5x)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spec = replace(LLAMA, hidden=576, ffn=1536, num_heads=9, num_kv_heads=3, vocab_size=2048, num_layers=2) \
+        if shape == "llama" else replace(OPT, hidden=512, ffn=2048, num_heads=8, num_kv_heads=8, vocab_size=2048)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _LOAD_PROBE, spec.to_json()], env=env, capture_output=True,
+                         text=True, check=True, timeout=300)
+    for name, (measured, planned) in json.loads(out.stdout).items():
+        assert measured <= planned <= 1.5 * measured, (name, measured, planned)
+
+
+def test_gptq_scratch_is_planned_accounted_and_refused_when_it_does_not_fit(tmp_path):
+    """The GPTQ pass's scratch counts on the gpu tier while the weights load: in the planned peak, in
+    the ledger (released afterwards), and in the refusal, which points to nearest rounding."""
+    from xrunner.gptq import scratch_bytes
+
+    src = RandomSource(LLAMA, seed=7)
+    ids = torch.randint(0, LLAMA.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    policy = Policy(gbs=2, nb=2, wg=0.34, wc=0.66, compress_weight=True)
+    kw = dict(max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path)
+    with Engine(src, policy, **kw) as nearest:
+        plain = dict(nearest.planned_peak_bytes)
+        assert ("gpu", "gptq") not in nearest.ledger.by_name
+    with Engine(src, policy, calibration_ids=ids, **kw) as eng:
+        gptq = scratch_bytes(LLAMA, 2, 12)
+        assert eng.planned_peak_bytes["gpu"] > plain["gpu"]
+        assert eng.ledger.peak["gpu"] == pytest.approx(eng.planned_peak_bytes["gpu"])  # the load is the peak
+        assert eng.ledger.peak["gpu"] >= gptq + eng.ledger.by_name["gpu", "weights_home"]
+        assert eng.ledger.by_name["gpu", "gptq"] == 0
+        assert eng.planned_peak_bytes["cpu"] == plain["cpu"]
+    caps = {"gpu": plain["gpu"], "cpu": float("inf"), "disk": float("inf")}
+    with pytest.raises(UserError, match="weight-rounding nearest"):
+        Engine(src, policy, capacity_bytes=caps, calibration_ids=ids, **kw)
+    Engine(src, policy, capacity_bytes=caps, **kw).close()  # the same plan fits with nearest rounding

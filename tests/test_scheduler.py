@@ -123,8 +123,10 @@ def test_lp_charges_no_weight_staging_when_every_layer_is_resident():
     all_gpu = Policy(gbs=4, nb=2)  # defaults: everything on the gpu tier
     peak = CostModel(spec, base).peak_bytes(all_gpu, shape.max_prompt, shape.max_output)
     layer = CostModel(spec, base).layer_stored_bytes
-    # Tight GPU and CPU (the CPU could not take two disk relay records either).
-    prof = replace(base, gpu_bytes=int(peak["gpu"]) + 1, cpu_bytes=int(layer))
+    # Tight GPU and CPU: the CPU holds only the all-gpu policy's peak (one layer read and staged
+    # while loading), so it could not take two disk relay records beside it either.
+    assert peak["cpu"] == 2 * layer  # the layer as read and its packed record staged for the GPU
+    prof = replace(base, gpu_bytes=int(peak["gpu"]) + 1, cpu_bytes=int(peak["cpu"]))
     lp = place(spec, prof, w, 4, 2)
     assert lp is not None
     assert (lp.policy.wg, lp.policy.cg, lp.policy.hg) == (1.0, 1.0, 1.0), lp.policy

@@ -255,8 +255,15 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = DEFA
     H[dead, dead] = 1.0  # a never-active input: its rounding error costs nothing
     H.diagonal().add_(damp * float(torch.diagonal(H).mean()))
     order = torch.argsort(torch.diagonal(H), descending=True)
-    H = H[order][:, order]
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    # One float64 [in, in] at a time beside the one being made (the caller's hessian is a third):
+    # scratch_bytes in xrunner.gptq counts this.
+    H = H[order]
+    H = H[:, order]
+    H = torch.linalg.cholesky(H)
+    H = torch.cholesky_inverse(H)
+    H = torch.linalg.cholesky(H, upper=True)
+    U = H.float()
+    del H
     W, mins, scales, inv = W[order], mins[order, :, None], scales[order, :, None], inv[order, :, None]
     codes = torch.empty(n, rows, dtype=torch.uint8, device=w.device)
     for i1 in range(0, n, block):

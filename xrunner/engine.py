@@ -38,13 +38,13 @@ from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, KV_CLIP_STEPS, QuantizedTensor,
                                  dequantize, gptq_quantize, hadamard, quantize, rotate_groups)
-from xrunner.gptq import GPTQCalibration
+from xrunner.gptq import GPTQCalibration, scratch_bytes as gptq_scratch_bytes
 from xrunner.loaders import ModelSource
 from xrunner.model import (attention, attn_in, attn_out_mlp, embed, final_logits, rope_tables, torch_dtype)
 from xrunner.sampling import SamplingParams, sample
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
 from xsched.errors import UserError
-from xsimulator.costmodel import CostModel
+from xsimulator.costmodel import CostModel, quantize_scratch_bytes
 from xsimulator.policy import Policy
 from xsimulator.trace import TraceEvent, TraceMarker
 
@@ -457,8 +457,7 @@ class Engine:
         self.profile = replace(profile, compute_device="cuda" if self.device.type == "cuda" else "cpu")
         self.capacity_bytes: dict[str, float] | None = dict(capacity_bytes) if capacity_bytes is not None else None
         self.rounded = rounded_policy(policy, spec.num_layers)
-        self.planned_peak_bytes = self._planned_peak(self.rounded)
-        _refuse_over_capacity(self.planned_peak_bytes, self.capacity_bytes)
+        self.planned_peak_bytes = self._planned_peak(self.rounded, self.capacity_bytes, loads_weights=True)
 
         self.ledger = MemoryLedger()
         self._lock = threading.Lock()
@@ -477,9 +476,38 @@ class Engine:
             self.close()
             raise
 
-    def _planned_peak(self, rounded: Policy) -> dict[str, float]:
-        return CostModel.for_policy(self.spec, self.profile, rounded).peak_bytes(rounded, self.max_prompt,
-                                                                                 self.max_output)
+    def _planned_peak(self, rounded: Policy, caps: Mapping[str, float] | None,
+                      loads_weights: bool) -> dict[str, float]:
+        """Planned peak bytes per tier of ``rounded``, refused (``UserError``) if over ``caps``.
+
+        When the weights are (re)loaded from the source, the GPTQ pass (4-bit weights with
+        calibration text) adds its scratch to the gpu tier's resident buffers; that is checked
+        after the plan itself, so the error can say that nearest rounding would fit.
+        """
+        mem = CostModel.for_policy(self.spec, self.profile, rounded).memory(
+            rounded.placement(), rounded.gbs, rounded.nb, self.max_prompt, self.max_output)
+        peaks = {tier: m.peak_bytes() for tier, m in mem.items()}
+        _refuse_over_capacity(peaks, caps)
+        gptq = self._gptq_bytes(rounded.compress_weight) if loads_weights else 0
+        if gptq:
+            loading = sum(float(v) for v in mem["gpu"].resident.values()) + gptq
+            if caps is not None and "gpu" in caps and loading > caps["gpu"]:
+                raise UserError(f"GPTQ calibration of the 4-bit weights needs {gptq:.0f} bytes on the gpu tier while "
+                                f"the weights load, {loading - caps['gpu']:.0f} more than the plan leaves free; "
+                                "round to nearest instead (xsched run --weight-rounding nearest)")
+            peaks["gpu"] = max(peaks["gpu"], loading)
+        return peaks
+
+    def _calibration(self) -> torch.Tensor:
+        if callable(self.calibration_ids):
+            self.calibration_ids = self.calibration_ids()
+        return self.calibration_ids
+
+    def _gptq_bytes(self, compress_weight: bool) -> int:
+        """Scratch bytes of the GPTQ pass that loading ``compress_weight`` weights runs (0: none)."""
+        if not compress_weight or self.calibration_ids is None:
+            return 0
+        return gptq_scratch_bytes(self.spec, *self._calibration().shape)
 
     # ----------------------------------------------------------------- setup
     def _allocate(self, progress: bool) -> None:
@@ -496,13 +524,7 @@ class Engine:
         self._bufs: list[tuple[str, str, Any]] = []
         self._alloc_buffers()
 
-        # Weights: layer by layer from the source straight into their home tier.
-        from tqdm import tqdm
-        import sys
-        self._gptq = self._new_gptq()
-        for i in tqdm(range(L), desc=f"loading {spec.name}" + (" (GPTQ)" if self._gptq else ""), unit="layer",
-                      file=sys.stderr, disable=not progress, leave=False):
-            self._load_layer(i)
+        self._load_weights(progress)
         self.rope = rope_tables(spec, self.cap, self.device, self.dtype)
         self.generator = self.sampling.generator(self.device) if not self.sampling.greedy else None
         self._set_overlap(p.overlap)
@@ -522,31 +544,49 @@ class Engine:
         else:
             self.store.release(tier, "weights_home", home)
 
-    def _new_gptq(self) -> GPTQCalibration | None:
-        """A fresh GPTQ pass over the layers (they are then loaded in order), if 4-bit weights and text."""
-        if not self.layout.compress or self.calibration_ids is None:
-            return None
-        if callable(self.calibration_ids):
-            self.calibration_ids = self.calibration_ids()
-        return GPTQCalibration(self.spec, self.head, self.calibration_ids, self.layout.quantize_tensor,
-                               self.layout.dequantize_tensor)
+    def _load_weights(self, progress: bool = False) -> int:
+        """Read every layer from the source into its home, in order; returns the bytes read.
 
-    def _load_layer(self, i: int) -> int:
-        """Read layer ``i`` from the source into its home (packed, compressed if asked); returns bytes read."""
+        4-bit weights with calibration text get GPTQ codes: one pass carries the calibration
+        hidden states through the layers as they are quantized, on the head's (gpu) tier, and is
+        dropped at the end. Its scratch is accounted as ``gptq`` while it lives.
+        """
+        from tqdm import tqdm
+        import sys
+        gptq = None
+        if self._gptq_bytes(self.layout.compress):
+            gptq = GPTQCalibration(self.spec, self.head, self._calibration(), self.layout.quantize_tensor,
+                                   self.layout.dequantize_tensor)
+        nread = 0
+        with self.ledger.transient("gpu", "gptq", self._gptq_bytes(self.layout.compress)):
+            for i in tqdm(range(self.spec.num_layers), desc=f"loading {self.spec.name}" + (" (GPTQ)" if gptq else ""),
+                          unit="layer", file=sys.stderr, disable=not progress, leave=False):
+                nread += self._load_layer(i, gptq)
+        return nread
+
+    def _load_layer(self, i: int, gptq: GPTQCalibration | None) -> int:
+        """Read layer ``i`` from the source into its home (packed, compressed if asked); returns bytes read.
+
+        The source's copy, the packer's scratch (nearest rounding; GPTQ quantizes in its own pass)
+        and a CUDA host's staged record are accounted on the cpu tier as ``layer_load``."""
         st, wbytes = self.store, self.layout.nbytes
         w = self.source.load_layer(i)
         nread = nbytes_of(*w.values())
-        quantized = self._gptq.quantize_layer(i, w) if self._gptq is not None else None
         home = self.w_home[i]
-        if isinstance(home, DiskSlice):
-            self.layout.pack(w, self.w_relays[0][:wbytes], quantized)
-            st.copy(Ref("disk", home), Ref("cpu", self.w_relays[0]))
-        elif self.layer_tier[i] == "gpu" and self.device.type == "cuda":
-            tmp = torch.empty(wbytes, dtype=torch.uint8)
-            self.layout.pack(w, tmp, quantized)
-            home.copy_(tmp)
-        else:
-            self.layout.pack(w, home, quantized)
+        staged = self.layer_tier[i] == "gpu" and self.device.type == "cuda"
+        scratch = 0 if gptq is not None or not self.layout.compress else max(
+            quantize_scratch_bytes(*shape) for shape in self.spec.layer_tensor_shapes().values() if len(shape) == 2)
+        with self.ledger.transient("cpu", "layer_load", nread + scratch + (wbytes if staged else 0)):
+            quantized = gptq.quantize_layer(i, w) if gptq is not None else None
+            if isinstance(home, DiskSlice):
+                self.layout.pack(w, self.w_relays[0][:wbytes], quantized)
+                st.copy(Ref("disk", home), Ref("cpu", self.w_relays[0]))
+            elif staged:
+                tmp = torch.empty(wbytes, dtype=torch.uint8)
+                self.layout.pack(w, tmp, quantized)
+                home.copy_(tmp)
+            else:
+                self.layout.pack(w, home, quantized)
         return nread
 
     def _buf(self, tier: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -685,8 +725,7 @@ class Engine:
         _refuse_unsupported(policy)
         caps = dict(capacity_bytes) if capacity_bytes is not None else self.capacity_bytes
         rounded = rounded_policy(policy, L)
-        planned = self._planned_peak(rounded)
-        _refuse_over_capacity(planned, caps)
+        planned = self._planned_peak(rounded, caps, loads_weights=policy.compress_weight != self.layout.compress)
 
         for fut in self._wfutures.values():  # a prefetch of the next step's first layer may be pending
             fut.result()
@@ -703,12 +742,10 @@ class Engine:
             for i, tier in enumerate(self.layer_tier):
                 self._free_home(self.w_home[i], tier)
             self.layout = WeightLayout(spec.layer_tensor_shapes(), self.dtype, policy.compress_weight)
-            self._gptq = self._new_gptq()
             self.layer_tier = new_tiers
             self.w_relays = [self._new_relay() for _ in range(min(2, new_tiers.count("disk")))]
-            for i, tier in enumerate(new_tiers):
-                self.w_home[i] = self._new_home(tier)
-                reloaded += self._load_layer(i)
+            self.w_home = [self._new_home(tier) for tier in new_tiers]
+            reloaded = self._load_weights()
         else:
             moves = sorted(((i, a, b) for i, (a, b) in enumerate(zip(self.layer_tier, new_tiers)) if a != b),
                            key=_move_order)

@@ -20,6 +20,8 @@ scores on, is not among them.
 from __future__ import annotations
 
 import importlib
+import math
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -29,6 +31,7 @@ from xrunner.compression import QuantizedTensor
 from xrunner.model import (Weights, attention, attn_in, embed, linear, mlp_hidden, norm, position_ids_from_mask,
                            rope_tables)
 from xsched.errors import UserError
+from xsimulator.costmodel import quantize_scratch_bytes
 
 CALIBRATION_MODULES = ("os", "json", "re", "collections", "functools", "itertools", "pathlib", "subprocess",
                        "threading", "asyncio", "typing", "dataclasses", "argparse", "logging", "unittest", "email",
@@ -42,15 +45,17 @@ CALIBRATION_LENGTH = 256
 def calibration_text() -> str:
     """Module and (long) member docstrings of :data:`CALIBRATION_MODULES`, each once, in a fixed order."""
     docs: list[str] = []
-    for name in CALIBRATION_MODULES:
-        mod = importlib.import_module(name)
-        if mod.__doc__:
-            docs.append(mod.__doc__)
-        for attr in sorted(dir(mod)):
-            member = getattr(mod, attr, None)
-            doc = getattr(member, "__doc__", None)
-            if callable(member) and isinstance(doc, str) and len(doc) > 200:
-                docs.append(doc)
+    with warnings.catch_warnings():  # reading typing's deprecated aliases (typing.io, typing.re) warns
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in CALIBRATION_MODULES:
+            mod = importlib.import_module(name)
+            if mod.__doc__:
+                docs.append(mod.__doc__)
+            for attr in sorted(dir(mod)):
+                member = getattr(mod, attr, None)
+                doc = getattr(member, "__doc__", None)
+                if callable(member) and isinstance(doc, str) and len(doc) > 200:
+                    docs.append(doc)
     return "\n\n".join(dict.fromkeys(docs))
 
 
@@ -64,10 +69,50 @@ def calibration_ids(tokenizer: Any, sequences: int = CALIBRATION_SEQUENCES,
     return torch.tensor(ids[:sequences * length]).view(sequences, length)
 
 
+GRAM_ROWS = 1024  # activation rows converted to float64 at a time by _gram
+
+
 def _gram(x: torch.Tensor) -> torch.Tensor:
-    """``X^T X`` of activations ``[..., in]`` (the GPTQ Hessian up to scale), in float64."""
-    x = x.reshape(-1, x.shape[-1]).double()
-    return x.T @ x / x.shape[0]
+    """``X^T X`` of activations ``[..., in]`` (the GPTQ Hessian up to scale), in float64.
+
+    Summed over chunks of :data:`GRAM_ROWS` rows, so the float64 copy is one chunk, not all of X."""
+    x = x.reshape(-1, x.shape[-1])
+    g = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
+    for i in range(0, x.shape[0], GRAM_ROWS):
+        c = x[i:i + GRAM_ROWS].double()
+        g.addmm_(c.T, c)
+    return g.div_(x.shape[0])
+
+
+def _tensor_bytes(out_rows: int, in_cols: int, group: int) -> int:
+    """Bytes ``compression.gptq_quantize`` (behind ``WeightLayout.quantize_tensor``) holds for one
+    ``[out, in]`` weight: the caller's float64 Hessian and two more in its Cholesky chain plus the
+    float32 factor; or, before that, the rotated float32 copy, the range search's float32 groups
+    and dequantized candidates with three code arrays, and the transposed + reordered weight."""
+    n = -(-out_rows // group) * group * in_cols
+    return 3 * in_cols * in_cols * 8 + in_cols * in_cols * 4 + max(quantize_scratch_bytes(out_rows, in_cols, group),
+                                                                    2 * n * 4 + n)
+
+
+def scratch_bytes(spec: ModelSpec, sequences: int, length: int, group: int = 64) -> int:
+    """Upper bound on the bytes a :class:`GPTQCalibration` of ``sequences x length`` tokens holds at
+    once on its device, beyond the model's own weights: the calibration hidden states, a float32
+    copy of the layer, and the largest of its steps (a projection group's inputs, Hessian and
+    quantization; the attention; the MLP). The engine plans and accounts this as ``gptq``.
+    """
+    t, h, q, kv, f = sequences * length, spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn
+    f4 = 4
+    numel = sum(math.prod(s) for s in spec.layer_tensor_shapes().values())
+    layer = numel * f4 + numel // 2 + 2 * (numel // group) * f4  # float32 copy + the 4-bit records made
+    gram = min(t, GRAM_ROWS) * max(h, q, f) * 8
+    qkv = t * h * f4 + max(_tensor_bytes(q, h, group), _tensor_bytes(kv, h, group)) + gram
+    # normed input, q/k/v, rotary temporaries (products and the rotated half) or SDPA's output
+    attend = t * h * f4 + t * (q + 2 * kv) * f4 + 4 * t * q * f4
+    o_proj = t * q * f4 + _tensor_bytes(h, q, group) + gram
+    mlp_in = t * h * f4 + _tensor_bytes(f, h, group) + gram
+    mlp = t * h * f4 + (3 if spec.gated_mlp else 2) * t * f * f4
+    down = t * f * f4 + _tensor_bytes(h, f, group) + gram
+    return 2 * t * h * f4 + layer + max(qkv, attend, o_proj, mlp_in, mlp, down)
 
 
 class GPTQCalibration:
@@ -107,13 +152,15 @@ class GPTQCalibration:
                 wq[name] = self._dequantize(name, out[name]).float()
 
         quantize(("q_proj.weight", "k_proj.weight", "v_proj.weight"), norm(spec, h, wq, "attn_norm"))
-        q, k, v = attn_in(spec, wq, h, self.pos, self.rope)
-        a = attention(spec, q, k, v, None, causal=True)
+        # Activations are dropped as soon as they are used: scratch_bytes counts only the live ones.
+        a = attention(spec, *attn_in(spec, wq, h, self.pos, self.rope), None, causal=True)
         quantize(("o_proj.weight",), a)
         h = h + linear(a, wq, "o_proj")
+        del a
         x = norm(spec, h, wq, "mlp_norm")
         quantize(("gate_proj.weight", "up_proj.weight") if spec.gated_mlp else ("fc1.weight",), x)
         act = mlp_hidden(spec, wq, x)
+        del x
         down = "down_proj" if spec.gated_mlp else "fc2"
         quantize((f"{down}.weight",), act)
         self.hidden = h + linear(act, wq, down)

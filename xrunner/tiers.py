@@ -74,6 +74,9 @@ class MemoryLedger:
     @contextmanager
     def transient(self, tier: str, name: str, nbytes: int) -> Iterator[None]:
         """Account a short-lived working set (e.g. q/k/v of one GPU batch) while it is alive."""
+        if not nbytes:
+            yield
+            return
         self.add(tier, name, nbytes)
         try:
             yield

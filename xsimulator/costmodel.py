@@ -80,6 +80,24 @@ def rotation_flop_ratio(spec: ModelSpec, group: int = QUANT_GROUP) -> float:
     return sum(o * group for o, _ in shapes if o % group == 0) / sum(o * i for o, i in shapes)
 
 
+def quantize_scratch_bytes(out_rows: int, in_cols: int, group: int = QUANT_GROUP) -> int:
+    """Working bytes of packing one ``[out, in]`` weight into 4-bit (``xrunner.compression``):
+    the rotated float32 copy, the range search's float32 groups and dequantized candidate, three
+    uint8 code arrays (the kept, the candidate's and the merge), and the 4-bit record made (codes,
+    float32 min and scale per group), rows padded to ``group``."""
+    n = -(-out_rows // group) * group * in_cols
+    return 3 * n * 4 + 3 * n + n // 2 + 2 * (n // group) * 4
+
+
+def layer_load_bytes(spec: ModelSpec, compress_weight: bool, cuda: bool, stored_bytes: float) -> float:
+    """Host bytes while one layer is read and packed into its home: the source's copy of the layer
+    (``spec.dtype``), the packer's scratch for its largest weight when compressing, and on a CUDA
+    host the packed record staged in RAM before it is copied to the device."""
+    shapes = [s for s in spec.layer_tensor_shapes().values() if len(s) == 2]
+    scratch = max(quantize_scratch_bytes(o, i) for o, i in shapes) if compress_weight else 0
+    return float(spec.weight_bytes_per_layer + scratch) + (float(stored_bytes) if cuda else 0.0)
+
+
 # --------------------------------------------------------------------------- time terms
 @dataclass(frozen=True)
 class StepTerms:
@@ -568,6 +586,8 @@ class CostModel:
           ``kv_relay``       disk-resident KV rows of one batch in each direction
           ``act_relay``      disk-resident hidden states of one batch in each direction
           transient ``cpu_attention``: scores and expanded K/V of the offloaded rows
+          transient ``layer_load``: while the weights are loaded, one layer as the source gives it
+                             and its packing scratch (:func:`layer_load_bytes`)
         disk tier
           ``weights_home``, ``kv_home``, ``act_home`` for the wd/cd/hd fractions (a weight layer
           is one O_DIRECT record rounded up to 4 KiB)
@@ -615,7 +635,9 @@ class CostModel:
             "kv_relay": p["cd"] * (2 * gbs * kv_row),
             "act_relay": p["hd"] * (2 * gbs * act_row),
         }
-        cpu_tr = {"cpu_attention": (p["cc"] + p["cd"]) * float(decode_attn if self.cpu_attention else 0)}
+        cpu_tr = {"cpu_attention": (p["cc"] + p["cd"]) * float(decode_attn if self.cpu_attention else 0),
+                  "layer_load": layer_load_bytes(spec, self.compress_weight, self.profile.compute_device == "cuda",
+                                                 w_layer)}
         disk_res = {
             "weights_home": p["wd"] * (L * w_record),
             "kv_home": p["cd"] * (bls * L * kv_row),
