@@ -573,3 +573,21 @@ def test_gptq_scratch_is_planned_accounted_and_refused_when_it_does_not_fit(tmp_
     with pytest.raises(UserError, match="weight-rounding nearest"):
         Engine(src, policy, capacity_bytes=caps, calibration_ids=ids, **kw)
     Engine(src, policy, capacity_bytes=caps, **kw).close()  # the same plan fits with nearest rounding
+
+
+def test_cpu_host_moves_weight_records_without_a_cpu_relay(tmp_path, llama):
+    """Without CUDA the gpu tier is host RAM: disk records are packed into, written from and read
+    into aligned gpu-tier buffers directly, so no cpu-tier relay exists (the cost model plans
+    none), including when a reconfiguration moves layers to and from disk."""
+    src, reqs, want = llama
+    policy = Policy(gbs=2, nb=2, wg=0.0, wc=0.34, wd=0.66)
+    got: dict[str, list[int]] = {}
+    again: dict[str, list[int]] = {}
+    with Engine(src, policy, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path, device="cpu") as eng:
+        eng.run(reqs, on_finished=lambda fs: got.update({f.id: list(f.output_ids) for f in fs}))
+        eng.reconfigure(Policy(gbs=2, nb=2, wg=0.34, wc=0.0, wd=0.66), reason="test")
+        eng.reconfigure(Policy(gbs=2, nb=2, wg=0.66, wc=0.34, wd=0.0), reason="test")
+        eng.run(reqs, on_finished=lambda fs: again.update({f.id: list(f.output_ids) for f in fs}))
+        assert eng.ledger.peak["cpu"] <= eng.planned_peak_bytes["cpu"]
+        assert ("cpu", "weight_relay") not in eng.ledger.by_name
+    assert got == want == again

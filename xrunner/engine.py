@@ -26,10 +26,11 @@ import itertools
 import math
 import threading
 import time
+from contextlib import contextmanager
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -518,8 +519,7 @@ class Engine:
 
         # Head weights (always on the gpu tier), then every layer into its home tier.
         self.head = {k: st.adopt("gpu", "head_weights", v.to(self.device)) for k, v in self.source.load_head().items()}
-        # One relay per in-flight disk layer (two: the one being staged and the next one's read).
-        self.w_relays = [self._new_relay() for _ in range(min(2, self.layer_tier.count("disk")))]
+        self.w_relays = [self._new_relay() for _ in range(self._relay_count(self.layer_tier))]
         self.w_home: list[torch.Tensor | DiskSlice] = [self._new_home(t) for t in self.layer_tier]
         self._bufs: list[tuple[str, str, Any]] = []
         self._alloc_buffers()
@@ -531,7 +531,35 @@ class Engine:
         self._reset_fetch_state()
 
     def _new_relay(self) -> torch.Tensor:
-        return self.store.empty("cpu", "weight_relay", (-(-self.layout.nbytes // 4096) * 4096,), torch.uint8)
+        return self.store.empty("cpu", "weight_relay", (round_up(self.layout.nbytes),), torch.uint8)
+
+    def _relay_count(self, tiers: Sequence[str], moves_via_disk: bool = False) -> int:
+        """Weight relays (cpu tier) for disk-resident layers: one per in-flight disk layer on CUDA
+        (the one being staged and the next one's read), at least one while layers move via disk.
+        A CPU host has none: its gpu tier is host RAM, so disk records go straight to and from
+        aligned gpu-tier buffers (:meth:`_record_buffer`)."""
+        if self.device.type != "cuda":
+            return 0
+        return max(min(2, list(tiers).count("disk")), 1 if moves_via_disk else 0)
+
+    @contextmanager
+    def _record_buffer(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """A 4 KiB-aligned buffer (tier, tensor) for one weight record on its way to or from disk.
+
+        On CUDA the cpu relay. On a CPU host a gpu-tier record, which O_DIRECT reads and writes
+        directly: a stage slot while the buffers exist (they are empty while weights load), else
+        a temporary one (during a reconfiguration, after the old buffers are freed).
+        """
+        if self.w_relays:
+            yield "cpu", self.w_relays[0]
+        elif getattr(self, "w_stage", None):
+            yield "gpu", self.w_stage[0]
+        else:
+            buf = self.store.empty("gpu", "weight_stage", (round_up(self.layout.nbytes),), torch.uint8)
+            try:
+                yield "gpu", buf
+            finally:
+                self.store.release("gpu", "weight_stage", buf)
 
     def _new_home(self, tier: str) -> torch.Tensor | DiskSlice:
         if tier == "disk":
@@ -579,8 +607,9 @@ class Engine:
         with self.ledger.transient("cpu", "layer_load", nread + scratch + (wbytes if staged else 0)):
             quantized = gptq.quantize_layer(i, w) if gptq is not None else None
             if isinstance(home, DiskSlice):
-                self.layout.pack(w, self.w_relays[0][:wbytes], quantized)
-                st.copy(Ref("disk", home), Ref("cpu", self.w_relays[0]))
+                with self._record_buffer() as (tier, buf):
+                    self.layout.pack(w, buf[:wbytes], quantized)
+                    st.copy(Ref("disk", home), Ref(tier, buf))
             elif staged:
                 tmp = torch.empty(wbytes, dtype=torch.uint8)
                 self.layout.pack(w, tmp, quantized)
@@ -743,22 +772,25 @@ class Engine:
                 self._free_home(self.w_home[i], tier)
             self.layout = WeightLayout(spec.layer_tensor_shapes(), self.dtype, policy.compress_weight)
             self.layer_tier = new_tiers
-            self.w_relays = [self._new_relay() for _ in range(min(2, new_tiers.count("disk")))]
+            self.w_relays = [self._new_relay() for _ in range(self._relay_count(new_tiers))]
             self.w_home = [self._new_home(tier) for tier in new_tiers]
             reloaded = self._load_weights()
         else:
             moves = sorted(((i, a, b) for i, (a, b) in enumerate(zip(self.layer_tier, new_tiers)) if a != b),
                            key=_move_order)
-            want = min(2, new_tiers.count("disk"))
-            keep = max(want, 1 if any("disk" in (a, b) for _i, a, b in moves) else 0)  # a move via disk needs one
+            want = self._relay_count(new_tiers)
+            keep = self._relay_count(new_tiers, moves_via_disk=any("disk" in (a, b) for _i, a, b in moves))
             while len(self.w_relays) > keep:
                 self.store.release("cpu", "weight_relay", self.w_relays.pop())
             if len(self.w_relays) < keep:
                 self.w_relays.append(self._new_relay())
             for i, a, b in moves:
                 home = self._new_home(b)
-                self.store.copy(Ref(b, home), Ref(a, self.w_home[i]), relay=self.w_relays[0] if self.w_relays
-                                else None)
+                if "disk" in (a, b):
+                    with self._record_buffer() as (_tier, buf):
+                        self.store.copy(Ref(b, home), Ref(a, self.w_home[i]), relay=buf)
+                else:
+                    self.store.copy(Ref(b, home), Ref(a, self.w_home[i]))
                 self._free_home(self.w_home[i], a)
                 self.w_home[i] = home
                 self.layer_tier[i] = b

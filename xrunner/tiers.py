@@ -292,12 +292,12 @@ class TierStore:
     def _host_side(self, tier: str, ds: DiskSlice) -> bool:
         """Whether a ``tier`` tensor may be the disk transfer's own buffer.
 
-        Always for the cpu tier. On a host without CUDA the gpu tier is host RAM as well, so an
-        O_DIRECT weight record is read straight into its (aligned) stage slot: no relay, and no
-        relay -> stage memcpy on the compute cores. Row files (KV cache, activations) keep the
-        relay path on both hosts, as the cost model prices them.
+        Always for the cpu tier. On a host without CUDA the gpu tier is host RAM as well, so a
+        weight record is read straight into its (aligned) stage slot and written from one: no
+        relay, and no relay -> stage memcpy on the compute cores. Row files (KV cache,
+        activations) keep the relay path on both hosts, as the cost model prices them.
         """
-        return tier == "cpu" or (not self.cuda and tier == "gpu" and ds.file.method == "o_direct")
+        return tier == "cpu" or (not self.cuda and tier == "gpu" and ds.file is self.files.get("weights"))
 
     @staticmethod
     def _direct_ok(t: torch.Tensor, ds: DiskSlice) -> bool:

@@ -582,6 +582,7 @@ class CostModel:
         cpu tier
           ``weights_home``, ``kv_home``, ``act_home`` for the wc/cc/hc fractions
           ``weight_relay``   disk-resident part of the current and next layer (disk -> cpu -> gpu),
+                             on CUDA only (a CPU host reads records straight into weight_stage),
                              min(2, disk layers) slots of a 4 KiB-rounded layer (O_DIRECT)
           ``kv_relay``       disk-resident KV rows of one batch in each direction
           ``act_relay``      disk-resident hidden states of one batch in each direction
@@ -631,7 +632,7 @@ class CostModel:
             "weights_home": p["wc"] * (L * w_layer),
             "kv_home": p["cc"] * (bls * L * kv_row),
             "act_home": p["hc"] * (bls * act_row),
-            "weight_relay": _stage_slots(p["wd"], L) * w_record,
+            "weight_relay": _stage_slots(p["wd"], L) * w_record if self.profile.compute_device == "cuda" else 0.0,
             "kv_relay": p["cd"] * (2 * gbs * kv_row),
             "act_relay": p["hd"] * (2 * gbs * act_row),
         }
