@@ -4,7 +4,7 @@ The text is the Python standard library's ``pydoc_data.topics`` (the help topics
 with some code), tokenized with the model's own tokenizer and cut into windows. Each window is
 scored the way the engine computes: the first half is a prefill (attention over the fresh K/V,
 which are then stored), the second half is teacher-forced decode, one token per step, attending
-to the stored cache. The compressed path uses the engine's own stored forms:
+to the stored cache (and to its own position's K/V exactly, as the engine and FlexGen do). The compressed path uses the engine's own stored forms:
 ``xrunner.engine.WeightLayout`` (2-D layer weights quantized along the output channels, groups
 of 64, dequantized before compute; the tied embedding / LM head stays fp32, as in the engine)
 and ``xrunner.engine.KVCodec`` (K/V quantized along the head dimension when written,
@@ -84,7 +84,7 @@ def window_nll(spec, head, layers, ids: list[int], codec) -> tuple[float, int]:
         for i, w in enumerate(layers):
             q, k, v = attn_in(spec, w, h, p, rope)
             caches[i] = [torch.cat((c, e), dim=2) for c, e in zip(caches[i], codec.encode(k, v))]
-            kk, vv = codec.decode(caches[i])
+            kk, vv = codec.decode(caches[i], fresh=(k, v))  # the step's own K/V exact, as the engine
             h = attn_out_mlp(spec, w, codec.attend(spec, q, kk, vv, None), h)
         logits.append(final_logits(spec, head, h)[0])
     all_logits = torch.cat(logits).float()

@@ -221,7 +221,8 @@ def _roundtrip(x):
 
 
 def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_cache, mask, start):
-    """layer_forward whose cache holds 4-bit K/V: prefill attends to fresh K/V, decode to the stored cache."""
+    """layer_forward whose cache holds 4-bit K/V: prefill attends to fresh K/V, decode to the stored
+    cache, except the step's own position, which it attends to exactly (FlexGen's rule)."""
     t = hidden.shape[1]
     q, k, v = attn_in(spec, w, hidden, position_ids, rope)
     end = start + t
@@ -230,7 +231,8 @@ def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_
     if start == 0:
         attn = attention(spec, q, k, v, mask, causal=True)
     else:
-        attn = attention(spec, q, k_cache[:, :, :end], v_cache[:, :, :end], mask, causal=False)
+        kk, vv = (torch.cat((c[:, :, :start], x), dim=2) for c, x in ((k_cache, k), (v_cache, v)))
+        attn = attention(spec, q, kk, vv, mask, causal=False)
     return attn_out_mlp(spec, w, attn, hidden)
 
 
