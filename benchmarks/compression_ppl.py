@@ -4,16 +4,17 @@ The text is the Python standard library's ``pydoc_data.topics`` (the help topics
 with some code), tokenized with the model's own tokenizer and cut into windows. Each window is
 scored the way the engine computes: the first half is a prefill (attention over the fresh K/V,
 which are then stored), the second half is teacher-forced decode, one token per step, attending
-to the stored cache (and to its own position's K/V exactly, as the engine and FlexGen do). The compressed path uses the engine's own stored forms:
-``xrunner.engine.WeightLayout`` (2-D layer weights quantized along the output channels, groups
-of 64, dequantized before compute; the tied embedding / LM head stays fp32, as in the engine)
-and ``xrunner.engine.KVCodec`` (K/V quantized along the head dimension when written,
-dequantized for attention). It scores each way of choosing a group's 4-bit form: plain
-min/max (FlexGen's), the least-squared-error range search, each with and without the Hadamard
-rotation, and for weights also GPTQ codes fitted on the engine's calibration text
+to the stored cache (and to its own position's K/V exactly, as the engine and FlexGen do). The
+compressed path uses the engine's own stored forms: ``xrunner.engine.WeightLayout`` (2-D layer
+weights quantized along the output channels, groups of 64, dequantized before compute; the tied
+embedding / LM head stays fp32, as in the engine) and ``xrunner.engine.KVCodec`` (K/V quantized
+along the head dimension when written, dequantized for attention). It scores each way of
+choosing a group's 4-bit form: plain min/max (FlexGen's), the least-squared-error range search,
+each with and without the Hadamard rotation; for weights also GPTQ codes, and for the KV cache
+also centering on each layer's mean K/V, both fitted on the engine's calibration text
 (``xrunner.gptq``, which is not this text); then weights and KV cache together for FlexGen's
-plain format, the previous default and the engine's defaults without and with GPTQ. It also
-times one KV write (a 128-token prefill and a decode step) per rule, since the KV range is
+plain format, earlier defaults and the engine's defaults for random-weight and real models. It
+also times one KV write (a 128-token prefill and a decode step) per rule, since the KV range is
 chosen on the write path. Goal: increase <= 2%.
 
     OMP_NUM_THREADS=1 python benchmarks/compression_ppl.py [--windows 4 --window 256] [--json]
@@ -41,9 +42,10 @@ def text_tokens(tok, count: int) -> list[int]:
     return list(ids[:count])
 
 
-def quantized_layers(weights, clip_steps: int, rotate: bool, calibration=None) -> list[dict[str, torch.Tensor]]:
+def quantized_layers(weights, clip_steps: int, rotate: bool, calibration=None):
     """Every layer packed into the engine's 4-bit record and unpacked for compute (GPTQ codes when
-    ``calibration`` token ids are given, as the engine does with them)."""
+    ``calibration`` token ids are given, as the engine does with them); and the pass's K/V centers
+    (None without calibration)."""
     from xrunner.engine import WeightLayout
     from xrunner.gptq import GPTQCalibration
 
@@ -58,7 +60,18 @@ def quantized_layers(weights, clip_steps: int, rotate: bool, calibration=None) -
         layout.pack(w, flat, gptq.quantize_layer(i, w) if gptq else None)
         dequant = {n: torch.empty(s) for n, s in spec.layer_tensor_shapes().items() if len(s) == 2}
         out.append({k: v.clone() for k, v in layout.unpack(flat, dequant).items()})
-    return out
+    return out, (gptq.kv_centers if gptq else None)
+
+
+def observed_centers(weights, calibration):
+    """K/V centers as the engine records them when weights stay plain: a pass that only observes,
+    over the first ``CENTER_SEQUENCES`` of the calibration text."""
+    from xrunner.gptq import CENTER_SEQUENCES, GPTQCalibration
+
+    cal = GPTQCalibration(weights.spec, weights.head, calibration[:CENTER_SEQUENCES])
+    for i, w in enumerate(weights.layers):
+        cal.observe_layer(i, w)
+    return cal.kv_centers
 
 
 @torch.inference_mode()
@@ -73,9 +86,9 @@ def window_nll(spec, head, layers, ids: list[int], codec) -> tuple[float, int]:
     caches: list[list[torch.Tensor]] = []
     pos = torch.arange(half)[None]
     h = embed(spec, head, x[:, :half], pos)
-    for w in layers:
+    for i, w in enumerate(layers):
         q, k, v = attn_in(spec, w, h, pos, rope)
-        caches.append(codec.encode(k, v))
+        caches.append(codec.encode(k, v, i))
         h = attn_out_mlp(spec, w, attention(spec, q, k, v, None, causal=True), h)
     logits = [final_logits(spec, head, h)[0]]
     for t in range(half, n - 1):
@@ -83,9 +96,9 @@ def window_nll(spec, head, layers, ids: list[int], codec) -> tuple[float, int]:
         h = embed(spec, head, x[:, t:t + 1], p)
         for i, w in enumerate(layers):
             q, k, v = attn_in(spec, w, h, p, rope)
-            caches[i] = [torch.cat((c, e), dim=2) for c, e in zip(caches[i], codec.encode(k, v))]
-            kk, vv = codec.decode(caches[i], fresh=(k, v))  # the step's own K/V exact, as the engine
-            h = attn_out_mlp(spec, w, codec.attend(spec, q, kk, vv, None), h)
+            caches[i] = [torch.cat((c, e), dim=2) for c, e in zip(caches[i], codec.encode(k, v, i))]
+            kk, vv = codec.decode(caches[i], fresh=(k, v), layer=i)  # the step's own K/V exact, as the engine
+            h = attn_out_mlp(spec, w, codec.attend(spec, q, kk, vv, None, i), h)
         logits.append(final_logits(spec, head, h)[0])
     all_logits = torch.cat(logits).float()
     target = x[0, 1:]
@@ -184,21 +197,30 @@ def main(argv: list[str] | None = None) -> int:
     weight_rules = {f"{rule}{', rotated' if rotate else ''}": (steps, rotate, None)
                     for rotate in (False, True) for rule, steps in rules.items()}
     weight_rules[f"{search}, rotated, GPTQ"] = (DEFAULT_CLIP_STEPS, True, calibration)
-    layers = {name: quantized_layers(weights, *r) for name, r in tqdm(weight_rules.items(), desc="packing",
+    packed = {name: quantized_layers(weights, *r) for name, r in tqdm(weight_rules.items(), desc="packing",
                                                                        file=sys.stderr)}
+    layers = {name: lay for name, (lay, _centers) in packed.items()}
     pack_s = time.perf_counter() - t0
     kv_rules = {f"{rule}{', rotated' if rotate else ''}": KVCodec(spec.head_dim, torch.float32, compress=True,
                                                                  clip_steps=steps, rotate=rotate)
                 for rotate in (False, True) for rule, steps in rules.items()}
     kv_default = f"{[r for r, steps in rules.items() if steps == KV_CLIP_STEPS][0]}, rotated"
+
+    def centered(centers):
+        return KVCodec(spec.head_dim, torch.float32, compress=True, clip_steps=KV_CLIP_STEPS, centers=centers)
+
+    kv_centered = f"{kv_default}, centered (real models)"
+    kv_rules[kv_centered] = centered(observed_centers(weights, calibration))
     runs = {("fp32", "none"): (weights.layers, plain_kv)}
     runs.update({(name, "weights"): (lay, plain_kv) for name, lay in layers.items()})
     runs.update({(name, "KV cache"): (weights.layers, codec) for name, codec in kv_rules.items()})
-    mixes = {"FlexGen's plain format (min/max, min/max)": ("min/max", "min/max"),
-             "stop 14's default (search, min/max)": (search, "min/max"),
-             "engine default, random weights (no text)": (f"{search}, rotated", kv_default),
-             "engine default, real model": (f"{search}, rotated, GPTQ", kv_default)}
-    runs.update({(mix, "both"): (layers[w], kv_rules[k]) for mix, (w, k) in mixes.items()})
+    gptq = f"{search}, rotated, GPTQ"
+    mixes = {"FlexGen's plain format (min/max, min/max)": ("min/max", kv_rules["min/max"]),
+             "stop 14's default (search, min/max)": (search, kv_rules["min/max"]),
+             "engine default, random weights (no text)": (f"{search}, rotated", kv_rules[kv_default]),
+             "stop 15's default, real model (GPTQ, KV not centered)": (gptq, kv_rules[kv_default]),
+             "engine default, real model (GPTQ, KV centered)": (gptq, centered(packed[gptq][1]))}
+    runs.update({(mix, "both"): (layers[w], codec) for mix, (w, codec) in mixes.items()})
     rows = {}
     for (rule, what), (lay, codec) in tqdm(runs.items(), desc="perplexity", file=sys.stderr):
         t0 = time.perf_counter()
@@ -220,10 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                         ("both", "4-bit weights + KV cache")):
         print(f"{title}: perplexity (increase over fp32)")
         for rule, cell in rows[what].items():
-            print(f"  {rule:46}{cell['perplexity']:>9.3f} ({cell['increase']:+.3f})")
+            print(f"  {rule:56}{cell['perplexity']:>9.3f} ({cell['increase']:+.3f})")
     print("KV write (one layer, k and v), median seconds:")
     for rule, c in kv_cost.items():
-        print(f"  {rule:46}{'decode step':>14}{c['1_tokens_s'] * 1e6:>9.0f} us{'128-token prefill':>20}"
+        print(f"  {rule:56}{'decode step':>14}{c['1_tokens_s'] * 1e6:>9.0f} us{'128-token prefill':>20}"
               f"{c['128_tokens_s'] * 1e6:>9.0f} us")
     print("goal: increase <= 0.02 (4-bit weights + KV cache)")
     return 0

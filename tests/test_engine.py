@@ -257,6 +257,66 @@ def test_compression_equals_reference_with_the_same_quantization(tmp_path, monke
     assert stats.peak_bytes["disk"] < uncompressed.planned_peak_bytes["disk"]
 
 
+def _kv_centers(spec, weights, ids):
+    """Each layer's mean K and V over ``ids`` in the in-memory model, keyed by the layer's weights."""
+    from xrunner.model import embed, position_ids_from_mask, rope_tables
+
+    pos = position_ids_from_mask(torch.ones_like(ids, dtype=torch.bool))
+    rope = rope_tables(spec, ids.shape[1], "cpu")
+    h = embed(spec, weights.head, ids, pos)
+    centers = {}
+    for w in weights.layers:
+        q, k, v = attn_in(spec, w, h, pos, rope)
+        centers[id(w)] = (k.mean(dim=(0, 2)), v.mean(dim=(0, 2)))
+        h = attn_out_mlp(spec, w, attention(spec, q, k, v, None, causal=True), h)
+    return centers
+
+
+def _centered_cache_forward(centers):
+    """layer_forward whose 4-bit cache holds K and V minus the layer's centers (softmax ignores the
+    common K shift; the V center is added back to each head's output)."""
+    def forward(spec, w, hidden, position_ids, rope, k_cache, v_cache, mask, start):
+        ck, cv = (c[None, :, None, :] for c in centers[id(w)])
+        t = hidden.shape[1]
+        q, k, v = attn_in(spec, w, hidden, position_ids, rope)
+        end = start + t
+        k_cache[:, :, start:end] = _roundtrip(k - ck)
+        v_cache[:, :, start:end] = _roundtrip(v - cv)
+        if start == 0:
+            attn = attention(spec, q, k, v, mask, causal=True)
+        else:
+            kk = torch.cat((k_cache[:, :, :start], k - ck), dim=2)
+            vv = torch.cat((v_cache[:, :, :start], v - cv), dim=2)
+            attn = attention(spec, q, kk, vv, mask, causal=False)
+            per_head = cv[0, :, 0].repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=0)
+            attn = (attn.view(*attn.shape[:2], spec.num_heads, -1) + per_head).flatten(2)
+        return attn_out_mlp(spec, w, attn, hidden)
+    return forward
+
+
+@pytest.mark.parametrize("spec", [LLAMA, OPT], ids=["llama", "opt"])
+def test_kv_cache_centered_on_calibration_means_equals_reference(tmp_path, monkeypatch, spec):
+    """With calibration text and a 4-bit cache (weights plain, so the pass only observes) the engine
+    stores each layer's K/V minus its mean over the first sequences of the text: greedy outputs equal
+    a reference that centers with independently computed means, and differ from the uncentered cache."""
+    from xrunner.gptq import CENTER_SEQUENCES
+
+    src = RandomSource(spec, seed=5)
+    ids = torch.randint(0, spec.vocab_size, (CENTER_SEQUENCES + 2, 12), generator=torch.Generator().manual_seed(1))
+    reqs = make_requests(8, seed=6, vocab=spec.vocab_size, min_prompt=2)
+    weights = load_weights(src)
+    monkeypatch.setattr(generate_module, "layer_forward",
+                        _centered_cache_forward(_kv_centers(spec, weights, ids[:CENTER_SEQUENCES])))
+    want = reference(weights, reqs)
+    monkeypatch.setattr(generate_module, "layer_forward", _layer_with_quantized_cache)
+    uncentered = reference(weights, reqs)
+    monkeypatch.undo()
+    assert want != uncentered
+    policy = Policy(gbs=2, nb=2, cg=0.5, cc=0.0, cd=0.5, compress_cache=True, refill_every=2)
+    got, stats = run_engine(src, policy, reqs, tmp_path, calibration_ids=ids)
+    assert got == want
+
+
 def test_gptq_weights_reach_the_engine_and_the_calibration_pass_is_the_models_layer(tmp_path):
     """With calibration ids the engine stores GPTQ's codes: its outputs equal the in-memory model with
     those weights, which differ from nearest rounding's. The calibration pass carries its hidden states
@@ -563,13 +623,13 @@ def test_gptq_scratch_is_planned_accounted_and_refused_when_it_does_not_fit(tmp_
     kw = dict(max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path)
     with Engine(src, policy, **kw) as nearest:
         plain = dict(nearest.planned_peak_bytes)
-        assert ("gpu", "gptq") not in nearest.ledger.by_name
+        assert ("gpu", "calibration") not in nearest.ledger.by_name
     with Engine(src, policy, calibration_ids=ids, **kw) as eng:
         gptq = scratch_bytes(LLAMA, 2, 12)
         assert eng.planned_peak_bytes["gpu"] > plain["gpu"]
         assert eng.ledger.peak["gpu"] == pytest.approx(eng.planned_peak_bytes["gpu"])  # the load is the peak
         assert eng.ledger.peak["gpu"] >= gptq + eng.ledger.by_name["gpu", "weights_home"]
-        assert eng.ledger.by_name["gpu", "gptq"] == 0
+        assert eng.ledger.by_name["gpu", "calibration"] == 0
         assert eng.planned_peak_bytes["cpu"] == plain["cpu"]
     caps = {"gpu": plain["gpu"], "cpu": float("inf"), "disk": float("inf")}
     with pytest.raises(UserError, match="weight-rounding nearest"):

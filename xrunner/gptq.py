@@ -12,6 +12,10 @@ The stored format is the engine's (``engine.WeightLayout``: rotated row groups o
 from the range search); only the codes differ, so nothing downstream changes. It needs text,
 so real models only: random-weight models keep nearest rounding.
 
+The same pass records each layer's mean K and V on the text, the centers a 4-bit KV cache is
+stored around (``engine.KVCodec``); with weights not quantized it only observes, on
+:data:`CENTER_SEQUENCES` of the sequences.
+
 The calibration text is the docstrings of a fixed list of standard-library modules (English
 prose that ships with Python); ``pydoc_data.topics``, which ``benchmarks/compression_ppl.py``
 scores on, is not among them.
@@ -39,6 +43,7 @@ CALIBRATION_MODULES = ("os", "json", "re", "collections", "functools", "itertool
                        "random", "socket", "zipfile", "tarfile", "shutil", "tempfile", "textwrap", "difflib",
                        "heapq", "bisect", "contextlib", "inspect", "pickle", "copy", "enum", "abc")
 CALIBRATION_SEQUENCES = 16
+CENTER_SEQUENCES = 4  # enough for K/V means; a pass that only observes uses the first ones
 CALIBRATION_LENGTH = 256
 
 
@@ -94,38 +99,46 @@ def _tensor_bytes(out_rows: int, in_cols: int, group: int) -> int:
                                                                     2 * n * 4 + n)
 
 
-def scratch_bytes(spec: ModelSpec, sequences: int, length: int, group: int = 64) -> int:
+def scratch_bytes(spec: ModelSpec, sequences: int, length: int, group: int = 64, fit: bool = True) -> int:
     """Upper bound on the bytes a :class:`GPTQCalibration` of ``sequences x length`` tokens holds at
     once on its device, beyond the model's own weights: the calibration hidden states, a float32
     copy of the layer, and the largest of its steps (a projection group's inputs, Hessian and
-    quantization; the attention; the MLP). The engine plans and accounts this as ``gptq``.
+    quantization; the attention; the MLP). ``fit=False``: a pass that only observes (no Hessians,
+    no quantization). The engine plans and accounts this as ``calibration``.
     """
     t, h, q, kv, f = sequences * length, spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn
     f4 = 4
     numel = sum(math.prod(s) for s in spec.layer_tensor_shapes().values())
     layer = numel * f4 + numel // 2 + 2 * (numel // group) * f4  # float32 copy + the 4-bit records made
-    gram = min(t, GRAM_ROWS) * max(h, q, f) * 8
-    qkv = t * h * f4 + max(_tensor_bytes(q, h, group), _tensor_bytes(kv, h, group)) + gram
+    gram = min(t, GRAM_ROWS) * max(h, q, f) * 8 if fit else 0
+
+    def quant(out_rows: int, in_cols: int) -> int:
+        return _tensor_bytes(out_rows, in_cols, group) if fit else 0
+
+    qkv = t * h * f4 + max(quant(q, h), quant(kv, h)) + gram
     # normed input, q/k/v, rotary temporaries (products and the rotated half) or SDPA's output
     attend = t * h * f4 + t * (q + 2 * kv) * f4 + 4 * t * q * f4
-    o_proj = t * q * f4 + _tensor_bytes(h, q, group) + gram
-    mlp_in = t * h * f4 + _tensor_bytes(f, h, group) + gram
+    o_proj = t * q * f4 + quant(h, q) + gram
+    mlp_in = t * h * f4 + quant(f, h) + gram
     mlp = t * h * f4 + (3 if spec.gated_mlp else 2) * t * f * f4
-    down = t * f * f4 + _tensor_bytes(h, f, group) + gram
+    down = t * f * f4 + quant(h, f) + gram
     return 2 * t * h * f4 + layer + max(qkv, attend, o_proj, mlp_in, mlp, down)
 
 
 class GPTQCalibration:
-    """Quantizes a model's layers in order with GPTQ, carrying calibration hidden states along.
+    """Carries calibration hidden states through a model's layers in order: quantizing each with
+    GPTQ (:meth:`quantize_layer`) or as it is (:meth:`observe_layer`), and recording each layer's
+    mean K and V over the text (``kv_centers``, ``[Hkv, d]`` each, K after the rotary embedding
+    as the cache holds it), which ``engine.KVCodec`` subtracts before quantizing the cache.
 
     ``quantize_tensor(name, w, hessian) -> QuantizedTensor`` and ``dequantize_tensor(name, q)``
     are the layout's (``WeightLayout.quantize_tensor`` / ``dequantize_tensor``): rotation and
-    range rule live there, once.
+    range rule live there, once. Without them the pass can only observe.
     """
 
     def __init__(self, spec: ModelSpec, head: Weights, ids: torch.Tensor,
-                 quantize_tensor: Callable[[str, torch.Tensor, torch.Tensor], QuantizedTensor],
-                 dequantize_tensor: Callable[[str, QuantizedTensor], torch.Tensor]):
+                 quantize_tensor: Callable[[str, torch.Tensor, torch.Tensor], QuantizedTensor] | None = None,
+                 dequantize_tensor: Callable[[str, QuantizedTensor], torch.Tensor] | None = None):
         self.spec = spec
         self._quantize, self._dequantize = quantize_tensor, dequantize_tensor
         self.device = head["embed_tokens.weight"].device  # where the head lives, the pass runs (float32)
@@ -135,10 +148,20 @@ class GPTQCalibration:
         with torch.inference_mode():
             self.hidden = embed(spec, head, ids, self.pos).float()
         self.next_layer = 0
+        self.kv_centers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    @torch.inference_mode()
     def quantize_layer(self, index: int, w: Weights) -> dict[str, QuantizedTensor]:
         """GPTQ codes for every 2-D tensor of layer ``index`` (layers must come in order)."""
+        if self._quantize is None or self._dequantize is None:
+            raise RuntimeError("this calibration pass was made without a quantizer: it can only observe")
+        return self._layer(index, w, fit=True)
+
+    def observe_layer(self, index: int, w: Weights) -> None:
+        """Carry the hidden states through layer ``index`` as it is, recording its K/V centers."""
+        self._layer(index, w, fit=False)
+
+    @torch.inference_mode()
+    def _layer(self, index: int, w: Weights, fit: bool) -> dict[str, QuantizedTensor]:
         if index != self.next_layer:
             raise RuntimeError(f"GPTQ calibration needs layers in order: got {index}, expected {self.next_layer}")
         spec, h = self.spec, self.hidden
@@ -146,6 +169,8 @@ class GPTQCalibration:
         out: dict[str, QuantizedTensor] = {}
 
         def quantize(names: tuple[str, ...], x: torch.Tensor) -> None:
+            if not fit:
+                return
             hessian = _gram(x)
             for name in names:
                 out[name] = self._quantize(name, wq[name], hessian)
@@ -153,7 +178,10 @@ class GPTQCalibration:
 
         quantize(("q_proj.weight", "k_proj.weight", "v_proj.weight"), norm(spec, h, wq, "attn_norm"))
         # Activations are dropped as soon as they are used: scratch_bytes counts only the live ones.
-        a = attention(spec, *attn_in(spec, wq, h, self.pos, self.rope), None, causal=True)
+        q, k, v = attn_in(spec, wq, h, self.pos, self.rope)
+        self.kv_centers.append((k.mean(dim=(0, 2)), v.mean(dim=(0, 2))))
+        a = attention(spec, q, k, v, None, causal=True)
+        del q, k, v
         quantize(("o_proj.weight",), a)
         h = h + linear(a, wq, "o_proj")
         del a

@@ -67,9 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="drift re-plans: full may change the weight compression (the weights are read again); "
                         "local keeps it (only placement, batch shape, KV compression and attention change)")
     p.add_argument("--weight-rounding", choices=("gptq", "nearest"), default="gptq",
-                   help="codes of 4-bit weights of a real model: gptq fits them to calibration text (standard-library "
-                        "docstrings) at load, about 2-3 s per SmolLM2 layer on one CPU thread; nearest rounds each weight "
-                        "(random-weight models always round)")
+                   help="4-bit forms of a real model: gptq runs a calibration pass over standard-library docstrings "
+                        "at load that fits 4-bit weights' codes by GPTQ (about 2-3 s per SmolLM2 layer on one CPU "
+                        "thread) and centers a 4-bit KV cache on each layer's mean K/V; nearest skips it (each weight "
+                        "rounds to its nearest code, the cache is not centered; random-weight models never calibrate)")
     from xrunner.cli import add_sampling_args
 
     add_sampling_args(p)
@@ -391,7 +392,7 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
 
 
 def _calibration(args: argparse.Namespace, source: Any, tokenizer: Any) -> Callable[[], Any] | None:
-    """GPTQ calibration ids for the engine, made only if it packs 4-bit weights (None: nearest rounding)."""
+    """Calibration ids for the engine, made only if it runs a pass (4-bit weights or KV cache; None: nearest)."""
     from xrunner.loaders import RandomSource
 
     if args.weight_rounding != "gptq" or isinstance(source, RandomSource):

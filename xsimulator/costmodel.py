@@ -576,6 +576,8 @@ class CostModel:
           ``kv_stage``       offloaded KV rows of the batch computing and the batch loading
                              (with cpu_attention only the prompt's KV on its way out)
           ``kv_dequant``     one batch's layer cache dequantised for attention (compress_cache)
+          ``kv_centers``     each layer's mean K and V on calibration text, which a 4-bit cache
+                             is stored around (compress_cache; real models)
           ``act_stage``      offloaded hidden states of the batch computing and the batch loading
           transients (one at a time, for one GPU batch): ``qkv`` projections, ``attention``
           (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32)
@@ -617,6 +619,7 @@ class CostModel:
             "kv_stage": (p["cc"] + p["cd"]) * (2 * gbs * stage_ctx * spec.kv_bytes_per_token_per_layer
                                                * self.kv_stored_ratio),
             "kv_dequant": float(gbs * ctx * spec.kv_bytes_per_token_per_layer if self.compress_cache else 0),
+            "kv_centers": float(L * spec.kv_bytes_per_token_per_layer if self.compress_cache else 0),
             "act_stage": (p["hc"] + p["hd"]) * (2 * gbs * act_row),
         }
         prefill_attn = gbs * dt * (2 * s * q + 2 * s * q + 2 * heads * s * s)
