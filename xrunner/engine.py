@@ -546,7 +546,10 @@ class Engine:
     def _calibration_bytes(self, compress_weight: bool, compress_cache: bool) -> int:
         """Scratch bytes of that pass on the gpu tier (0: none)."""
         shape = self._calibration_pass(compress_weight, compress_cache)
-        return 0 if shape is None else calibration_scratch_bytes(self.spec, *shape, fit=compress_weight)
+        if shape is None:
+            return 0
+        copies = self.device.type != "cpu" or self.dtype != torch.float32  # sources give CPU tensors in spec.dtype
+        return calibration_scratch_bytes(self.spec, *shape, fit=compress_weight, copies_layer=copies)
 
     # ----------------------------------------------------------------- setup
     def _allocate(self, progress: bool) -> None:

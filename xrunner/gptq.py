@@ -99,17 +99,22 @@ def _tensor_bytes(out_rows: int, in_cols: int, group: int) -> int:
                                                                     2 * n * 4 + n)
 
 
-def scratch_bytes(spec: ModelSpec, sequences: int, length: int, group: int = 64, fit: bool = True) -> int:
+def scratch_bytes(spec: ModelSpec, sequences: int, length: int, group: int = 64, fit: bool = True,
+                  copies_layer: bool = True) -> int:
     """Upper bound on the bytes a :class:`GPTQCalibration` of ``sequences x length`` tokens holds at
     once on its device, beyond the model's own weights: the calibration hidden states, a float32
     copy of the layer, and the largest of its steps (a projection group's inputs, Hessian and
     quantization; the attention; the MLP). ``fit=False``: a pass that only observes (no Hessians,
-    no quantization). The engine plans and accounts this as ``calibration``.
+    no quantization), which copies the layer only when ``copies_layer`` (the source's layer is not
+    float32 on the pass's device). The engine plans and accounts this as ``calibration``.
     """
     t, h, q, kv, f = sequences * length, spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn
     f4 = 4
     numel = sum(math.prod(s) for s in spec.layer_tensor_shapes().values())
-    layer = numel * f4 + numel // 2 + 2 * (numel // group) * f4  # float32 copy + the 4-bit records made
+    if fit:  # the dequantized float32 layer builds up beside the source's, with the 4-bit records made
+        layer = numel * f4 + numel // 2 + 2 * (numel // group) * f4
+    else:
+        layer = numel * f4 if copies_layer else 0
     gram = min(t, GRAM_ROWS) * max(h, q, f) * 8 if fit else 0
 
     def quant(out_rows: int, in_cols: int) -> int:

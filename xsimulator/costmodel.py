@@ -83,10 +83,11 @@ def rotation_flop_ratio(spec: ModelSpec, group: int = QUANT_GROUP) -> float:
 def quantize_scratch_bytes(out_rows: int, in_cols: int, group: int = QUANT_GROUP) -> int:
     """Working bytes of packing one ``[out, in]`` weight into 4-bit (``xrunner.compression``):
     the rotated float32 copy, the range search's float32 groups and dequantized candidate, three
-    uint8 code arrays (the kept, the candidate's and the merge), and the 4-bit record made (codes,
-    float32 min and scale per group), rows padded to ``group``."""
+    uint8 code arrays (the kept, the candidate's and the merge), about twelve float32 values per
+    group (ranges, candidate ranges, errors) and the 4-bit record made (codes, float32 min and
+    scale per group), rows padded to ``group``."""
     n = -(-out_rows // group) * group * in_cols
-    return 3 * n * 4 + 3 * n + n // 2 + 2 * (n // group) * 4
+    return 3 * n * 4 + 3 * n + 12 * (n // group) * 4 + n // 2 + 2 * (n // group) * 4
 
 
 def layer_load_bytes(spec: ModelSpec, compress_weight: bool, cuda: bool, stored_bytes: float) -> float:
