@@ -419,9 +419,9 @@ def test_plan_measured_on_another_machine_warns(tmp_path):
     assert any("cpu_model" in d for d in diffs)
 
 
-def test_weight_rounding_fits_gptq_only_when_4bit_weights_are_packed(tiny_dir, tmp_path, monkeypatch, capsys):
+def test_weight_rounding_calibrates_only_when_4bit_weights_or_cache_are_packed(tiny_dir, tmp_path, monkeypatch, capsys):
     """--weight-rounding gptq (default) tokenizes the calibration text once, and only for a plan with 4-bit
-    weights; nearest never does. Both runs finish every request."""
+    weights (GPTQ) or a 4-bit KV cache (its centers); nearest never does. Every run finishes every request."""
     import xrunner.gptq as gptq
     from xsimulator.policy import Policy
 
@@ -431,7 +431,9 @@ def test_weight_rounding_fits_gptq_only_when_4bit_weights_are_packed(tiny_dir, t
     prompts, rows = tiny_job(tiny_dir, tmp_path, 4)
     packed = tiny_plan(tiny_dir, tmp_path / "packed.json", Policy(gbs=2, nb=1, wg=0.5, wc=0.5, compress_weight=True))
     plain = tiny_plan(tiny_dir, tmp_path / "plain.json", Policy(gbs=2, nb=1, wg=0.5, wc=0.5))
-    cases = ((plain, [], 0), (packed, ["--weight-rounding", "nearest"], 0), (packed, [], 1))
+    kv4 = tiny_plan(tiny_dir, tmp_path / "kv4.json", Policy(gbs=2, nb=1, compress_cache=True))
+    cases = ((plain, [], 0), (packed, ["--weight-rounding", "nearest"], 0), (packed, [], 1), (kv4, [], 1),
+             (kv4, ["--weight-rounding", "nearest"], 0))
     for i, (plan, extra, want_calls) in enumerate(cases):
         out = tmp_path / f"out-{i}.jsonl"
         calls.clear()
