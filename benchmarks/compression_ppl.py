@@ -65,10 +65,10 @@ def quantized_layers(weights, clip_steps: int, rotate: bool, calibration=None):
 
 def observed_centers(weights, calibration):
     """K/V centers as the engine records them when weights stay plain: a pass that only observes,
-    over the first ``CENTER_SEQUENCES`` of the calibration text."""
-    from xrunner.gptq import CENTER_SEQUENCES, GPTQCalibration
+    over the calibration text."""
+    from xrunner.gptq import GPTQCalibration
 
-    cal = GPTQCalibration(weights.spec, weights.head, calibration[:CENTER_SEQUENCES])
+    cal = GPTQCalibration(weights.spec, weights.head, calibration)
     for i, w in enumerate(weights.layers):
         cal.observe_layer(i, w)
     return cal.kv_centers

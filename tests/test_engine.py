@@ -297,16 +297,14 @@ def _centered_cache_forward(centers):
 @pytest.mark.parametrize("spec", [LLAMA, OPT], ids=["llama", "opt"])
 def test_kv_cache_centered_on_calibration_means_equals_reference(tmp_path, monkeypatch, spec):
     """With calibration text and a 4-bit cache (weights plain, so the pass only observes) the engine
-    stores each layer's K/V minus its mean over the first sequences of the text: greedy outputs equal
+    stores each layer's K/V minus its mean over the text: greedy outputs equal
     a reference that centers with independently computed means, and differ from the uncentered cache."""
-    from xrunner.gptq import CENTER_SEQUENCES
-
     src = RandomSource(spec, seed=5)
-    ids = torch.randint(0, spec.vocab_size, (CENTER_SEQUENCES + 2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, spec.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
     reqs = make_requests(8, seed=6, vocab=spec.vocab_size, min_prompt=2)
     weights = load_weights(src)
     monkeypatch.setattr(generate_module, "layer_forward",
-                        _centered_cache_forward(_kv_centers(spec, weights, ids[:CENTER_SEQUENCES])))
+                        _centered_cache_forward(_kv_centers(spec, weights, ids)))
     want = reference(weights, reqs)
     monkeypatch.setattr(generate_module, "layer_forward", _layer_with_quantized_cache)
     uncentered = reference(weights, reqs)

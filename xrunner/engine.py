@@ -39,7 +39,7 @@ from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, KV_CLIP_STEPS, QuantizedTensor,
                                  dequantize, gptq_quantize, hadamard, quantize, rotate_groups)
-from xrunner.gptq import CENTER_SEQUENCES, GPTQCalibration, scratch_bytes as calibration_scratch_bytes
+from xrunner.gptq import GPTQCalibration, scratch_bytes as calibration_scratch_bytes
 from xrunner.loaders import ModelSource
 from xrunner.model import (attention, attn_in, attn_out_mlp, embed, final_logits, rope_tables, torch_dtype)
 from xrunner.sampling import SamplingParams, sample
@@ -536,12 +536,11 @@ class Engine:
         return self.calibration_ids
 
     def _calibration_pass(self, compress_weight: bool, compress_cache: bool) -> tuple[int, int] | None:
-        """(sequences, length) of the calibration pass a load runs, None for none: GPTQ over all
-        the text for 4-bit weights, else K/V centers only (for a 4-bit cache) over a few sequences."""
+        """(sequences, length) of the calibration pass a load runs, None for none: GPTQ (and K/V
+        centers) for 4-bit weights, K/V centers only for a 4-bit cache with plain weights."""
         if self.calibration_ids is None or not (compress_weight or compress_cache):
             return None
-        seqs, length = self._calibration().shape
-        return (seqs if compress_weight else min(seqs, CENTER_SEQUENCES)), length
+        return tuple(self._calibration().shape)
 
     def _calibration_bytes(self, compress_weight: bool, compress_cache: bool) -> int:
         """Scratch bytes of that pass on the gpu tier (0: none)."""
@@ -626,7 +625,7 @@ class Engine:
         shape = self._calibration_pass(self.layout.compress, compress_cache)
         calib = None
         if shape is not None:
-            ids = self._calibration()[:shape[0]]
+            ids = self._calibration()
             calib = (GPTQCalibration(self.spec, self.head, ids, self.layout.quantize_tensor,
                                      self.layout.dequantize_tensor) if self.layout.compress
                      else GPTQCalibration(self.spec, self.head, ids))

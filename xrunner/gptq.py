@@ -13,8 +13,9 @@ from the range search); only the codes differ, so nothing downstream changes. It
 so real models only: random-weight models keep nearest rounding.
 
 The same pass records each layer's mean K and V on the text, the centers a 4-bit KV cache is
-stored around (``engine.KVCodec``); with weights not quantized it only observes, on
-:data:`CENTER_SEQUENCES` of the sequences.
+stored around (``engine.KVCodec``); with weights not quantized it only observes. (All 16
+sequences: on SmolLM2, 16 windows of held-out text, the cache's perplexity cost was +1.71% with
+means over 4 sequences, +1.14% over 16, +1.45% over 64, and +2.39% uncentered.)
 
 The calibration text is the docstrings of a fixed list of standard-library modules (English
 prose that ships with Python); ``pydoc_data.topics``, which ``benchmarks/compression_ppl.py``
@@ -43,7 +44,6 @@ CALIBRATION_MODULES = ("os", "json", "re", "collections", "functools", "itertool
                        "random", "socket", "zipfile", "tarfile", "shutil", "tempfile", "textwrap", "difflib",
                        "heapq", "bisect", "contextlib", "inspect", "pickle", "copy", "enum", "abc")
 CALIBRATION_SEQUENCES = 16
-CENTER_SEQUENCES = 4  # enough for K/V means; a pass that only observes uses the first ones
 CALIBRATION_LENGTH = 256
 
 
