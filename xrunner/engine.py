@@ -250,7 +250,7 @@ class KVCodec:
     bias-like outlier) otherwise widens every group's range; attention does not change, since
     softmax ignores a shift common to all keys (``q.(k - c)`` differs from ``q.k`` by the same
     ``q.c`` at every position) and the attention weights sum to 1, so :meth:`attend` adds the V
-    center back to the output. Measured on SmolLM2: KV cache +2.4% -> +0.5% perplexity.
+    center back to the output. Measured on SmolLM2 (16 windows): KV cache +2.39% -> +1.14% perplexity.
     """
 
     def __init__(self, head_dim: int, dtype: torch.dtype, compress: bool, group: int = DEFAULT_GROUP_SIZE,
