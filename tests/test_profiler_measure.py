@@ -184,7 +184,9 @@ def test_ctrl_c_removes_the_test_file(tmp_path):
     offload.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "xsched", "profile", "--quick", "--quiet", "--offload-dir",
                              str(offload), "--disk-test-bytes", "64MiB", "-o", str(tmp_path / "p.json")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # default SIGINT in the child even if this session ignores it (started in the background)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not list(offload.glob("xsched-profile-*")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.02)

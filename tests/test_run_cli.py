@@ -314,8 +314,12 @@ def test_full_disk_stops_with_one_line_and_keeps_written_results(tiny_dir, tmp_p
 
 
 def _start(args: list[str]) -> subprocess.Popen:
+    # SIGINT back to its default in the child: a test session started in the background by a
+    # non-interactive shell ignores SIGINT, the child would inherit that, and Python then installs
+    # no KeyboardInterrupt handler (Ctrl-C would be silently ignored).
     return subprocess.Popen([sys.executable, "-m", "xsched", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=Path(__file__).resolve().parents[1])
+                            text=True, cwd=Path(__file__).resolve().parents[1],
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for_lines(proc: subprocess.Popen, out: Path, lines: int, timeout_s: float = 120.0) -> int:
