@@ -45,7 +45,7 @@ from xrunner.model import (attention, attn_in, attn_out_mlp, embed, final_logits
 from xrunner.sampling import SamplingParams, sample
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
 from xsched.errors import UserError
-from xsimulator.costmodel import CostModel, quantize_scratch_bytes
+from xsimulator.costmodel import CostModel, pack_scratch_bytes
 from xsimulator.policy import Policy
 from xsimulator.trace import TraceEvent, TraceMarker
 
@@ -535,20 +535,14 @@ class Engine:
             self.calibration_ids = self.calibration_ids()
         return self.calibration_ids
 
-    def _calibration_pass(self, compress_weight: bool, compress_cache: bool) -> tuple[int, int] | None:
-        """(sequences, length) of the calibration pass a load runs, None for none: GPTQ (and K/V
-        centers) for 4-bit weights, K/V centers only for a 4-bit cache with plain weights."""
-        if self.calibration_ids is None or not (compress_weight or compress_cache):
-            return None
-        return tuple(self._calibration().shape)
-
     def _calibration_bytes(self, compress_weight: bool, compress_cache: bool) -> int:
-        """Scratch bytes of that pass on the gpu tier (0: none)."""
-        shape = self._calibration_pass(compress_weight, compress_cache)
-        if shape is None:
+        """Scratch bytes on the gpu tier of the calibration pass a load runs (0: none): GPTQ (and
+        K/V centers) for 4-bit weights, K/V centers only for a 4-bit cache with plain weights."""
+        if self.calibration_ids is None or not (compress_weight or compress_cache):
             return 0
         copies = self.device.type != "cpu" or self.dtype != torch.float32  # sources give CPU tensors in spec.dtype
-        return calibration_scratch_bytes(self.spec, *shape, fit=compress_weight, copies_layer=copies)
+        return calibration_scratch_bytes(self.spec, *self._calibration().shape, fit=compress_weight,
+                                         copies_layer=copies)
 
     # ----------------------------------------------------------------- setup
     def _allocate(self, progress: bool) -> None:
@@ -622,30 +616,26 @@ class Engine:
         """
         from tqdm import tqdm
         import sys
-        shape = self._calibration_pass(self.layout.compress, compress_cache)
-        calib = None
-        if shape is not None:
-            ids = self._calibration()
-            calib = (GPTQCalibration(self.spec, self.head, ids, self.layout.quantize_tensor,
-                                     self.layout.dequantize_tensor) if self.layout.compress
-                     else GPTQCalibration(self.spec, self.head, ids))
+        scratch = self._calibration_bytes(self.layout.compress, compress_cache)
+        calib = GPTQCalibration(self.spec, self.head, self._calibration(), self.layout.quantize_tensor,
+                                self.layout.dequantize_tensor) if scratch else None
         nread = 0
-        what = " (GPTQ)" if calib is not None and self.layout.compress else " (KV centers)" if calib else ""
-        with self.ledger.transient("gpu", "calibration", self._calibration_bytes(self.layout.compress, compress_cache)):
+        what = "" if calib is None else " (GPTQ)" if self.layout.compress else " (KV centers)"
+        with self.ledger.transient("gpu", "calibration", scratch):
             for i in tqdm(range(self.spec.num_layers), desc=f"loading {self.spec.name}{what}", unit="layer",
                           file=sys.stderr, disable=not progress, leave=False):
                 nread += self._load_layer(i, calib)
         if calib is not None:
             self._set_kv_centers([(k.to(self.dtype), v.to(self.dtype)) for k, v in calib.kv_centers])
+            self.codec = self._new_codec(self.codec.compress)
         return nread
 
-    def _set_kv_centers(self, centers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keep the K/V centers (accounted as ``kv_centers`` on the gpu tier) and give them to the codec."""
-        if self.kv_centers is not None:
-            self.ledger.sub("gpu", "kv_centers", nbytes_of(*[t for pair in self.kv_centers for t in pair]))
+    def _set_kv_centers(self, centers: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """Keep (or drop: None) the K/V centers, accounted as ``kv_centers`` on the gpu tier."""
+        for pairs, account in ((self.kv_centers, self.ledger.sub), (centers, self.ledger.add)):
+            if pairs is not None:
+                account("gpu", "kv_centers", nbytes_of(*[t for pair in pairs for t in pair]))
         self.kv_centers = centers
-        self.ledger.add("gpu", "kv_centers", nbytes_of(*[t for pair in centers for t in pair]))
-        self.codec = self._new_codec(self.codec.compress)
 
     def _new_codec(self, compress_cache: bool) -> KVCodec:
         return KVCodec(self.spec.head_dim, self.dtype, compress_cache, centers=self.kv_centers)
@@ -661,8 +651,7 @@ class Engine:
         home = self.w_home[i]
         staged = self.layer_tier[i] == "gpu" and self.device.type == "cuda"
         fit = calib is not None and self.layout.compress  # GPTQ quantizes in its own pass
-        scratch = 0 if fit or not self.layout.compress else max(
-            quantize_scratch_bytes(*shape) for shape in self.spec.layer_tensor_shapes().values() if len(shape) == 2)
+        scratch = pack_scratch_bytes(self.spec) if self.layout.compress and not fit else 0
         with self.ledger.transient("cpu", "layer_load", nread + scratch + (wbytes if staged else 0)):
             quantized = calib.quantize_layer(i, w) if fit else None
             if calib is not None and not fit:
@@ -700,9 +689,8 @@ class Engine:
         L, gbs, nb = spec.num_layers, p.gbs, p.nb
         self.cache_split = _split(p.row_counts("cache", gbs))
         self.act_split = _split(p.row_counts("act", gbs))
-        if not p.compress_cache and self.kv_centers is not None:  # a plain cache has no use for them
-            self.ledger.sub("gpu", "kv_centers", nbytes_of(*[t for pair in self.kv_centers for t in pair]))
-            self.kv_centers = None
+        if not p.compress_cache:  # a plain cache has no use for centers
+            self._set_kv_centers(None)
         self.codec = self._new_codec(p.compress_cache)
         hkv, cap, h, wbytes = spec.num_kv_heads, self.cap, spec.hidden, self.layout.nbytes
         self.kv_home: list[list[dict[str, list[Any]]]] = []  # [batch][layer][tier] -> parts

@@ -90,12 +90,16 @@ def quantize_scratch_bytes(out_rows: int, in_cols: int, group: int = QUANT_GROUP
     return 3 * n * 4 + 3 * n + 12 * (n // group) * 4 + n // 2 + 2 * (n // group) * 4
 
 
+def pack_scratch_bytes(spec: ModelSpec) -> int:
+    """:func:`quantize_scratch_bytes` of a layer's largest weight (the packer does one at a time)."""
+    return max(quantize_scratch_bytes(*s) for s in spec.layer_tensor_shapes().values() if len(s) == 2)
+
+
 def layer_load_bytes(spec: ModelSpec, compress_weight: bool, cuda: bool, stored_bytes: float) -> float:
     """Host bytes while one layer is read and packed into its home: the source's copy of the layer
     (``spec.dtype``), the packer's scratch for its largest weight when compressing, and on a CUDA
     host the packed record staged in RAM before it is copied to the device."""
-    shapes = [s for s in spec.layer_tensor_shapes().values() if len(s) == 2]
-    scratch = max(quantize_scratch_bytes(o, i) for o, i in shapes) if compress_weight else 0
+    scratch = pack_scratch_bytes(spec) if compress_weight else 0
     return float(spec.weight_bytes_per_layer + scratch) + (float(stored_bytes) if cuda else 0.0)
 
 
