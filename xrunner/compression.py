@@ -25,7 +25,8 @@ engine rotates the query and un-rotates the output instead of un-rotating the ca
 (``KVCodec.attend``). :func:`gptq_quantize` keeps :func:`quantize`'s ranges and chooses the
 codes with GPTQ (``xrunner.gptq`` feeds it calibration text). On SmolLM2-135M, 4-bit weights
 cost +9.9% perplexity rotated (+23.6% not) and +2.8% with GPTQ codes on top; the 4-bit KV cache
-+2.9% rotated (+7.5% not) (benchmarks/compression_ppl.py).
++2.4% rotated (+7.0% not), +0.5% also centered on calibration means (``engine.KVCodec``), all
+on 4 windows of text (benchmarks/compression_ppl.py; a 16-window check is in README).
 
 Used by the engine to store and move compressed tensors, and by the profiler to time
 (de)quantization; everything is vectorised torch, on whatever device the tensor lives.

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from xprofiler.specs import ModelSpec
-from xrunner.compression import QuantizedTensor
+from xrunner.compression import DEFAULT_GROUP_SIZE, QuantizedTensor
 from xrunner.model import (Weights, attention, attn_in, embed, linear, mlp_hidden, norm, position_ids_from_mask,
                            rope_tables)
 from xsched.errors import UserError
@@ -69,7 +69,7 @@ def calibration_ids(tokenizer: Any, sequences: int = CALIBRATION_SEQUENCES,
     """``[sequences, length]`` token ids of :func:`calibration_text` for ``tokenizer``."""
     ids = tokenizer(calibration_text(), add_special_tokens=False)["input_ids"]
     if len(ids) < sequences * length:
-        raise UserError(f"the GPTQ calibration text has only {len(ids)} tokens for this tokenizer, {sequences} x "
+        raise UserError(f"the calibration text has only {len(ids)} tokens for this tokenizer, {sequences} x "
                         f"{length} needed; pass --weight-rounding nearest")
     return torch.tensor(ids[:sequences * length]).view(sequences, length)
 
@@ -99,7 +99,7 @@ def _tensor_bytes(out_rows: int, in_cols: int, group: int) -> int:
                                                                     2 * n * 4 + n)
 
 
-def scratch_bytes(spec: ModelSpec, sequences: int, length: int, group: int = 64, fit: bool = True,
+def scratch_bytes(spec: ModelSpec, sequences: int, length: int, group: int = DEFAULT_GROUP_SIZE, fit: bool = True,
                   copies_layer: bool = True) -> int:
     """Upper bound on the bytes a :class:`GPTQCalibration` of ``sequences x length`` tokens holds at
     once on its device, beyond the model's own weights: the calibration hidden states, a float32
@@ -181,7 +181,8 @@ class GPTQCalibration:
                 out[name] = self._quantize(name, wq[name], hessian)
                 wq[name] = self._dequantize(name, out[name]).float()
 
-        quantize(("q_proj.weight", "k_proj.weight", "v_proj.weight"), norm(spec, h, wq, "attn_norm"))
+        if fit:  # (attn_in norms again below; an observing pass needs only that)
+            quantize(("q_proj.weight", "k_proj.weight", "v_proj.weight"), norm(spec, h, wq, "attn_norm"))
         # Activations are dropped as soon as they are used: scratch_bytes counts only the live ones.
         q, k, v = attn_in(spec, wq, h, self.pos, self.rope)
         self.kv_centers.append((k.mean(dim=(0, 2)), v.mean(dim=(0, 2))))
