@@ -311,7 +311,7 @@ def test_kv_cache_centered_on_calibration_means_equals_reference(tmp_path, monke
     monkeypatch.undo()
     assert want != uncentered
     policy = Policy(gbs=2, nb=2, cg=0.5, cc=0.0, cd=0.5, compress_cache=True, refill_every=2)
-    got, stats = run_engine(src, policy, reqs, tmp_path, calibration_ids=ids)
+    got, _ = run_engine(src, policy, reqs, tmp_path, calibration_ids=ids)
     assert got == want
 
 
