@@ -315,6 +315,37 @@ def test_kv_cache_centered_on_calibration_means_equals_reference(tmp_path, monke
     assert got == want
 
 
+def test_reconfigure_to_a_4bit_cache_centers_it_without_reloading_the_weights(tmp_path, monkeypatch):
+    """A plain-cache engine with calibration text that a reconfiguration switches to a 4-bit cache
+    makes the centers then (an observing pass over the source): its outputs equal the centered
+    reference, the weights are not re-read into their homes, and the pass's memory is planned."""
+    spec = LLAMA
+    src = RandomSource(spec, seed=5)
+    ids = torch.randint(0, spec.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
+    reqs = make_requests(8, seed=6, vocab=spec.vocab_size, min_prompt=2)
+    weights = load_weights(src)
+    monkeypatch.setattr(generate_module, "layer_forward",
+                        _centered_cache_forward(_kv_centers(spec, weights, ids)))
+    want = reference(weights, reqs)
+    monkeypatch.undo()
+    plain = Policy(gbs=2, nb=2, cg=0.5, cc=0.0, cd=0.5, wg=0.5, wc=0.0, wd=0.5, refill_every=2)
+    got = {}
+    with Engine(src, plain, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
+                calibration_ids=ids) as eng:
+        assert eng.kv_centers is None  # a plain cache needs no pass
+        rec = eng.reconfigure(replace(plain, compress_cache=True), reason="test")
+        assert rec.reloaded_bytes == 0 and rec.moved_bytes == {}
+        assert eng.kv_centers is not None and eng.ledger.by_name["gpu", "calibration"] == 0  # accounted, then dropped
+        for tier in ("gpu", "cpu"):  # where the pass's scratch and the layers it reads live: within the new plan
+            assert rec.transition_peak_bytes[tier] <= rec.planned_peak_bytes[tier] + 1e-6, tier
+        planned_without_pass = Engine(src, replace(plain, compress_cache=True), max_prompt=MAX_PROMPT,
+                                      max_output=MAX_OUTPUT, offload_dir=tmp_path)
+        planned_without_pass.close()
+        assert rec.planned_peak_bytes["gpu"] > planned_without_pass.planned_peak_bytes["gpu"]
+        eng.run(reqs, on_finished=lambda fs: got.update({f.id: list(f.output_ids) for f in fs}))
+    assert got == want
+
+
 def test_gptq_weights_reach_the_engine_and_the_calibration_pass_is_the_models_layer(tmp_path):
     """With calibration ids the engine stores GPTQ's codes: its outputs equal the in-memory model with
     those weights, which differ from nearest rounding's. The calibration pass carries its hidden states

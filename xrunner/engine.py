@@ -489,7 +489,9 @@ class Engine:
         self.profile = replace(profile, compute_device="cuda" if self.device.type == "cuda" else "cpu")
         self.capacity_bytes: dict[str, float] | None = dict(capacity_bytes) if capacity_bytes is not None else None
         self.rounded = rounded_policy(policy, spec.num_layers)
-        self.planned_peak_bytes = self._planned_peak(self.rounded, self.capacity_bytes, loads_weights=True)
+        self.planned_peak_bytes = self._planned_peak(
+            self.rounded, self.capacity_bytes, self._calibration_bytes(self.rounded.compress_weight,
+                                                                       self.rounded.compress_cache))
 
         self.ledger = MemoryLedger()
         self._lock = threading.Lock()
@@ -508,19 +510,17 @@ class Engine:
             self.close()
             raise
 
-    def _planned_peak(self, rounded: Policy, caps: Mapping[str, float] | None,
-                      loads_weights: bool) -> dict[str, float]:
+    def _planned_peak(self, rounded: Policy, caps: Mapping[str, float] | None, scratch: int) -> dict[str, float]:
         """Planned peak bytes per tier of ``rounded``, refused (``UserError``) if over ``caps``.
 
-        When the weights are (re)loaded from the source, the calibration pass (GPTQ for 4-bit
-        weights, KV centers for a 4-bit cache) adds its scratch to the gpu tier's resident
-        buffers; that is checked after the plan itself, so the error can say that no pass would fit.
+        ``scratch``: the calibration pass this setup runs (GPTQ for 4-bit weights, KV centers for
+        a 4-bit cache; 0: none), added to the gpu tier's resident buffers while the weights load;
+        that is checked after the plan itself, so the error can say that no pass would fit.
         """
         mem = CostModel.for_policy(self.spec, self.profile, rounded).memory(
             rounded.placement(), rounded.gbs, rounded.nb, self.max_prompt, self.max_output)
         peaks = {tier: m.peak_bytes() for tier, m in mem.items()}
         _refuse_over_capacity(peaks, caps)
-        scratch = self._calibration_bytes(rounded.compress_weight, rounded.compress_cache) if loads_weights else 0
         if scratch:
             loading = sum(float(v) for v in mem["gpu"].resident.values()) + scratch
             if caps is not None and "gpu" in caps and loading > caps["gpu"]:
@@ -626,9 +626,24 @@ class Engine:
                           file=sys.stderr, disable=not progress, leave=False):
                 nread += self._load_layer(i, calib)
         if calib is not None:
-            self._set_kv_centers([(k.to(self.dtype), v.to(self.dtype)) for k, v in calib.kv_centers])
-            self.codec = self._new_codec(self.codec.compress)
+            self._adopt_centers(calib)
         return nread
+
+    def _observe_centers(self) -> None:
+        """K/V centers for a 4-bit cache switched on by a reconfiguration that keeps the weights:
+        an observe-only calibration pass over the source's layers (the stored weights stay put)."""
+        calib = GPTQCalibration(self.spec, self.head, self._calibration())
+        with self.ledger.transient("gpu", "calibration", self._calibration_bytes(False, True)):
+            for i in range(self.spec.num_layers):
+                w = self.source.load_layer(i)
+                with self.ledger.transient("cpu", "layer_load", nbytes_of(*w.values())):
+                    calib.observe_layer(i, w)
+                del w
+        self._adopt_centers(calib)
+
+    def _adopt_centers(self, calib: GPTQCalibration) -> None:
+        self._set_kv_centers([(k.to(self.dtype), v.to(self.dtype)) for k, v in calib.kv_centers])
+        self.codec = self._new_codec(self.codec.compress)
 
     def _set_kv_centers(self, centers: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """Keep (or drop: None) the K/V centers, accounted as ``kv_centers`` on the gpu tier."""
@@ -806,7 +821,13 @@ class Engine:
         _refuse_unsupported(policy)
         caps = dict(capacity_bytes) if capacity_bytes is not None else self.capacity_bytes
         rounded = rounded_policy(policy, L)
-        planned = self._planned_peak(rounded, caps, loads_weights=policy.compress_weight != self.layout.compress)
+        reload = policy.compress_weight != self.layout.compress
+        # A 4-bit cache switched on without a reload still needs centers: an observing pass makes them.
+        observe = (not reload and policy.compress_cache and self.kv_centers is None
+                   and self.calibration_ids is not None)
+        scratch = (self._calibration_bytes(policy.compress_weight, policy.compress_cache) if reload
+                   else self._calibration_bytes(False, True) if observe else 0)
+        planned = self._planned_peak(rounded, caps, scratch)
 
         for fut in self._wfutures.values():  # a prefetch of the next step's first layer may be pending
             fut.result()
@@ -817,7 +838,7 @@ class Engine:
         moved: dict[str, int] = {}
         reloaded = 0
         new_tiers = _layer_tiers(policy, L)
-        if policy.compress_weight != self.layout.compress:  # the stored form changes: read from the source
+        if reload:  # the stored form changes: read from the source
             for relay in self.w_relays:
                 self.store.release("cpu", "weight_relay", relay)
             for i, tier in enumerate(self.layer_tier):
@@ -851,6 +872,8 @@ class Engine:
                 self.store.release("cpu", "weight_relay", self.w_relays.pop())
             while len(self.w_relays) < want:
                 self.w_relays.append(self._new_relay())
+        if observe:
+            self._observe_centers()
         self.policy, self.rounded, self.planned_peak_bytes, self.capacity_bytes = policy, rounded, planned, caps
         self._alloc_buffers()
         self._set_overlap(policy.overlap)
