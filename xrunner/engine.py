@@ -626,7 +626,7 @@ class Engine:
                           file=sys.stderr, disable=not progress, leave=False):
                 nread += self._load_layer(i, calib)
         if calib is not None:
-            self._adopt_centers(calib)
+            self._adopt_centers(calib if compress_cache else None)
         return nread
 
     def _observe_centers(self) -> None:
@@ -641,8 +641,10 @@ class Engine:
                 del w
         self._adopt_centers(calib)
 
-    def _adopt_centers(self, calib: GPTQCalibration) -> None:
-        self._set_kv_centers([(k.to(self.dtype), v.to(self.dtype)) for k, v in calib.kv_centers])
+    def _adopt_centers(self, calib: GPTQCalibration | None) -> None:
+        """Keep a pass's K/V centers (None: a plain cache, which has no use for them)."""
+        self._set_kv_centers(None if calib is None else
+                             [(k.to(self.dtype), v.to(self.dtype)) for k, v in calib.kv_centers])
         self.codec = self._new_codec(self.codec.compress)
 
     def _set_kv_centers(self, centers: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
