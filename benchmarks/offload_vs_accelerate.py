@@ -13,6 +13,11 @@ dropped (``POSIX_FADV_DONTNEED``), so reads really come from the disk.
 Throughput = generated tokens / wall time of the generation (prefill included), model setup
 excluded on both sides. Each side runs in its own process inside a fresh cgroup.
 
+It also prints the compute ceiling: the FLOPs of one request (prefill, then each decode step
+over its growing context, LM head once per token) at this core's best measured fp32 GEMM rate.
+No fp32 engine can beat that tokens/s with this many threads, so ceiling / Accelerate bounds the
+speed-up any engine can show here, whatever it does about I/O.
+
     OMP_NUM_THREADS=1 python benchmarks/offload_vs_accelerate.py               # the issue's setting
     python benchmarks/offload_vs_accelerate.py --accelerate-batches 8 --rows 64  # shorter
 """
@@ -254,20 +259,55 @@ def child_baseline(args: argparse.Namespace) -> None:
     print(json.dumps({"maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 
 
+# ----------------------------------------------------------------------------- the compute ceiling
+def job_flops_per_request(spec, prompt_len: int, new_tokens: int) -> int:
+    """FLOPs one request needs whatever the engine: its prefill (LM head on the last position only),
+    then one decode step per further token over a growing context."""
+    L = spec.num_layers
+    flops = L * spec.prefill_flops_per_layer(1, prompt_len) + spec.lm_head_flops_per_token()
+    for t in range(1, new_tokens):
+        flops += L * spec.decode_flops_per_layer(1, prompt_len + t) + spec.lm_head_flops_per_token()
+    return flops
+
+
+def child_gemm(args: argparse.Namespace) -> None:
+    """Best GEMM rate of this core at the model's largest projection, a 1024-row chunk (the most a
+    dense fp32 engine can get out of it), median of 7 after warm-up."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    x = torch.randn(1024, args.hidden)
+    w = torch.randn(4 * args.hidden, args.hidden) * 0.02
+    for _ in range(2):
+        torch.nn.functional.linear(x, w)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({"gemm_flops_per_s": 2.0 * x.shape[0] * w.numel() / sorted(times)[3]}))
+
+
 # ----------------------------------------------------------------------------- the xsched side
 def choose_policy(spec, profile, budget: int, overhead: int, max_prompt: int, max_output: int, max_rows: int,
-                  compress_options: tuple[bool, ...] = (False, True)):
-    """The largest block whose planned gpu+cpu peak fits the budget, then as many weights in RAM as
-    fit, then the largest GPU batch (on a CPU each GPU batch re-reads the layer's weights from RAM).
+                  compress_options: tuple[bool, ...] = (False, True), predict: bool = False):
+    """A policy whose planned gpu+cpu peak fits the budget, with as many weights in RAM as fit.
 
     On this CPU host the gpu and cpu tiers are both RAM; weights that fit stay on the gpu tier (no
-    copy), the rest on disk. The KV cache is compressed when that buys a larger block.
+    copy), the rest on disk. ``predict``: of the candidates (KV cache 4-bit or not, GPU batch size,
+    number of GPU batches), the one ``xsimulator`` predicts fastest with this ``profile`` (a
+    measured one; what ``xsched plan`` would do). Otherwise the largest block, then the largest GPU
+    batch (on a CPU each GPU batch re-reads the layer's weights from RAM), the KV cache compressed
+    when that buys a larger block.
     """
+    from workloads.workload import fixed_workload
     from xsimulator.costmodel import CostModel
+    from xsimulator.discrete_event import simulate
     from xsimulator.policy import Policy
 
     room = budget - overhead
     L = spec.num_layers
+    workload = fixed_workload(max_prompt, max_output)
     best = None
     for compress in compress_options:
         for gbs in (16, 32, 48, 64, 96, 128):  # smaller GPU batches waste the CPU on re-reading weights
@@ -279,7 +319,11 @@ def choose_policy(spec, profile, budget: int, overhead: int, max_prompt: int, ma
                     pol = Policy(gbs=gbs, nb=nb, wg=wg, wc=0.0, wd=1.0 - wg, compress_cache=compress)
                     peak = CostModel.for_policy(spec, profile, pol).peak_bytes(pol, max_prompt, max_output)
                     if peak["gpu"] + peak["cpu"] <= room:
-                        key = (gbs * nb, k, gbs, -int(compress))
+                        if predict:
+                            key = (simulate(spec, profile, pol, workload, num_requests=gbs * nb)
+                                   .throughput_tokens_per_s,)
+                        else:
+                            key = (gbs * nb, k, gbs, -int(compress))
                         if best is None or key > best[0]:
                             best = (key, pol, peak)
                         break
@@ -316,10 +360,12 @@ def main() -> None:
     ap.add_argument("--accelerate-batches", default="16,48", help="comma-separated batch sizes to try")
     ap.add_argument("--rows", type=int, default=128, help="most requests for xsched (one block; keeps the run short)")
     ap.add_argument("--kv-compression", choices=("auto", "on", "off"), default="auto",
-                    help="4-bit KV cache in the budget search: auto picks what buys the largest block")
+                    help="4-bit KV cache in the budget search: auto tries both")
     ap.add_argument("--policy", default=None, help="policy JSON for xsched instead of the budget search")
     ap.add_argument("--profile", default=None,
-                    help="profile for the plan's prediction column (default: the t4 preset; only printed)")
+                    help="measured profile of this machine with this model (xsched profile --model <workdir>/"
+                         "opt-0.5b-random): the policy is then the one it predicts fastest among those that fit. "
+                         "Default: the t4 preset, used only for the memory plan and the printed prediction")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     ap.add_argument("--no-malloc-fix", action="store_true",
@@ -327,7 +373,7 @@ def main() -> None:
     ap.add_argument("--skip-accelerate", action="store_true")
     ap.add_argument("--skip-xsched", action="store_true")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--child", choices=("accelerate", "baseline"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("accelerate", "baseline", "gemm"), help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--offload-dir", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -336,6 +382,8 @@ def main() -> None:
         return child_accelerate(args)
     if args.child == "baseline":
         return child_baseline(args)
+    if args.child == "gemm":
+        return child_gemm(args)
 
     from xprofiler.presets import load_profile
     from xsimulator.policy import Policy
@@ -383,7 +431,8 @@ def main() -> None:
             peak = None
         else:
             options = {"auto": (False, True), "on": (True,), "off": (False,)}[args.kv_compression]
-            policy, peak = choose_policy(spec, profile, budget, overhead, max_prompt, max_output, args.rows, options)
+            policy, peak = choose_policy(spec, profile, budget, overhead, max_prompt, max_output, args.rows, options,
+                                         predict=args.profile is not None)
         n = min(args.rows, policy.block_size) if not args.policy else args.rows
         print(f"xsched policy ({n} requests): " + policy.describe().replace("\n", "; ")
               + (f"; planned RAM {(peak['gpu'] + peak['cpu']) / GiB:.2f} GiB + process {overhead / GiB:.2f} GiB"
@@ -419,10 +468,17 @@ def main() -> None:
     ours = [r for r in rows if r["side"] == "xsched run" and r["tokens_per_s"]]
     best_acc = max(acc_ok, key=lambda r: r["tokens_per_s"]) if acc_ok else None
     speedup = ours[0]["tokens_per_s"] / best_acc["tokens_per_s"] if ours and best_acc else None
+    gemm = subprocess.run(me + ["--child", "gemm", "--hidden", str(args.hidden), "--threads", str(args.threads)],
+                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True)
+    gemm_rate = (last_json(gemm.stdout) or {}).get("gemm_flops_per_s") if gemm.returncode == 0 else None
+    flops = job_flops_per_request(spec, args.prompt_len, args.new_tokens)
+    ceiling = args.new_tokens * gemm_rate / flops if gemm_rate else None
     summary = {"model": spec.name, "params": spec.num_params, "weight_bytes": spec.weight_bytes,
                "budget": enforced, "threads": args.threads, "malloc_fix": not args.no_malloc_fix, "prompt_len": args.prompt_len,
                "new_tokens": args.new_tokens, "rows": rows,
-               "best_accelerate_batch": best_acc["batch"] if best_acc else None, "speedup": speedup}
+               "best_accelerate_batch": best_acc["batch"] if best_acc else None, "speedup": speedup,
+               "flops_per_request": flops, "gemm_flops_per_s": gemm_rate, "compute_ceiling_tokens_per_s": ceiling}
     if args.json:
         print(json.dumps(summary, indent=2))
         return
@@ -435,6 +491,14 @@ def main() -> None:
               f"{(r['peak_bytes'] or 0) / GiB:>16.2f}  {r['status']}")
     if speedup is not None:
         print(f"\nxsched run / Accelerate at its best batch size ({best_acc['batch']}): {speedup:.1f}x (goal >= 20x)")
+    if ceiling is not None:
+        line = (f"compute ceiling: {flops / 1e9:.1f} GFLOP per request at this core's best GEMM rate "
+                f"({gemm_rate / 1e9:.1f} GFLOP/s, {args.threads} thread(s)) = {ceiling:.1f} tokens/s for any engine")
+        if ours:
+            line += f"; xsched run reaches {ours[0]['tokens_per_s'] / ceiling:.2f} of it"
+        if best_acc:
+            line += f"; the most any engine can beat Accelerate by here is {ceiling / best_acc['tokens_per_s']:.1f}x"
+        print(line)
 
 
 if __name__ == "__main__":
