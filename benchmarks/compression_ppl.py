@@ -18,11 +18,14 @@ also times one KV write (a 128-token prefill and a decode step) per rule, since 
 chosen on the write path. Goal: increase <= 2%.
 
     OMP_NUM_THREADS=1 python benchmarks/compression_ppl.py [--windows 4 --window 256] [--json]
+    # one run on 16 windows, another range search:
+    python benchmarks/compression_ppl.py --windows 16 --clip-steps 20 --only "weights: range search (20 shrinks), rotated, GPTQ"
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -172,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--by-kind", action="store_true",
                     help="instead: 4-bit weights of one tensor kind at a time (and the tied embedding / LM head, "
                          "which the engine keeps fp32), per range rule")
+    ap.add_argument("--clip-steps", type=int, default=None,
+                    help="shrinks of the range search (default: the engine's, xrunner.compression.DEFAULT_CLIP_STEPS)")
+    ap.add_argument("--calibration-sequences", type=int, default=None,
+                    help="sequences of 256 calibration tokens for GPTQ and the K/V centers (default: the engine's)")
+    ap.add_argument("--only", default="",
+                    help="substrings separated by ';': score only the runs whose 'section: rule' contains one "
+                         "(e.g. 'weights: range search (10 shrinks), rotated, GPTQ'); fp32 always runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.by_kind:
@@ -181,8 +191,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from xrunner.compression import DEFAULT_CLIP_STEPS, KV_CLIP_STEPS
     from xrunner.engine import KVCodec
-    from xrunner.gptq import calibration_ids
+    from xrunner.gptq import CALIBRATION_SEQUENCES, calibration_ids
     from xrunner.loaders import default_model_path, load_weights, open_model
+
+    if args.clip_steps is None:
+        args.clip_steps = DEFAULT_CLIP_STEPS
+    if args.calibration_sequences is None:
+        args.calibration_sequences = CALIBRATION_SEQUENCES
 
     src = open_model(default_model_path())
     tok = src.tokenizer()
@@ -190,17 +205,23 @@ def main(argv: list[str] | None = None) -> int:
     weights = load_weights(src)
     spec = weights.spec
     plain_kv = KVCodec(spec.head_dim, torch.float32, compress=False)
-    search = f"range search ({DEFAULT_CLIP_STEPS} shrinks)"
-    rules = {"min/max": 0, search: DEFAULT_CLIP_STEPS}
-    t0 = time.perf_counter()
-    calibration = calibration_ids(tok)
+    search = f"range search ({args.clip_steps} shrinks)"
+    rules = {"min/max": 0, search: args.clip_steps}
+    calibration = calibration_ids(tok, sequences=args.calibration_sequences)
     weight_rules = {f"{rule}{', rotated' if rotate else ''}": (steps, rotate, None)
                     for rotate in (False, True) for rule, steps in rules.items()}
-    weight_rules[f"{search}, rotated, GPTQ"] = (DEFAULT_CLIP_STEPS, True, calibration)
-    packed = {name: quantized_layers(weights, *r) for name, r in tqdm(weight_rules.items(), desc="packing",
-                                                                       file=sys.stderr)}
-    layers = {name: lay for name, (lay, _centers) in packed.items()}
-    pack_s = time.perf_counter() - t0
+    gptq = f"{search}, rotated, GPTQ"
+    weight_rules[gptq] = (args.clip_steps, True, calibration)
+    pack_s = 0.0
+
+    @functools.cache
+    def packed(name: str):  # (layers, K/V centers), made the first time a selected run needs them
+        nonlocal pack_s
+        t0 = time.perf_counter()
+        out = quantized_layers(weights, *weight_rules[name])
+        pack_s += time.perf_counter() - t0
+        return out
+
     kv_rules = {f"{rule}{', rotated' if rotate else ''}": KVCodec(spec.head_dim, torch.float32, compress=True,
                                                                  clip_steps=steps, rotate=rotate)
                 for rotate in (False, True) for rule, steps in rules.items()}
@@ -210,19 +231,26 @@ def main(argv: list[str] | None = None) -> int:
         return KVCodec(spec.head_dim, torch.float32, compress=True, clip_steps=KV_CLIP_STEPS, centers=centers)
 
     kv_centered = f"{kv_default}, centered (real models)"
-    kv_rules[kv_centered] = centered(observed_centers(weights, calibration))
-    runs = {("fp32", "none"): (weights.layers, plain_kv)}
-    runs.update({(name, "weights"): (lay, plain_kv) for name, lay in layers.items()})
-    runs.update({(name, "KV cache"): (weights.layers, codec) for name, codec in kv_rules.items()})
-    gptq = f"{search}, rotated, GPTQ"
-    mixes = {"FlexGen's plain format (min/max, min/max)": ("min/max", kv_rules["min/max"]),
-             "stop 14's default (search, min/max)": (search, kv_rules["min/max"]),
-             "engine default, random weights (no text)": (f"{search}, rotated", kv_rules[kv_default]),
-             "stop 15's default, real model (GPTQ, KV not centered)": (gptq, kv_rules[kv_default]),
-             "engine default, real model (GPTQ, KV centered)": (gptq, centered(packed[gptq][1]))}
-    runs.update({(mix, "both"): (layers[w], codec) for mix, (w, codec) in mixes.items()})
+    # Each run: (what, rule) -> a function giving (layers, KV codec), called only if the run is selected.
+    runs = {("none", "fp32"): lambda: (weights.layers, plain_kv)}
+    runs.update({("weights", name): functools.partial(lambda n: (packed(n)[0], plain_kv), name)
+                 for name in weight_rules})
+    runs.update({("KV cache", name): functools.partial(lambda c: (weights.layers, c), codec)
+                 for name, codec in kv_rules.items()})
+    runs[("KV cache", kv_centered)] = lambda: (weights.layers, centered(observed_centers(weights, calibration)))
+    mixes = {"FlexGen's plain format (min/max, min/max)": ("min/max", lambda: kv_rules["min/max"]),
+             "stop 14's default (search, min/max)": (search, lambda: kv_rules["min/max"]),
+             "engine default, random weights (no text)": (f"{search}, rotated", lambda: kv_rules[kv_default]),
+             "stop 15's default, real model (GPTQ, KV not centered)": (gptq, lambda: kv_rules[kv_default]),
+             "engine default, real model (GPTQ, KV centered)": (gptq, lambda: centered(packed(gptq)[1]))}
+    runs.update({("both", mix): functools.partial(lambda w, c: (packed(w)[0], c()), w, codec)
+                 for mix, (w, codec) in mixes.items()})
+    only = [x.strip() for x in args.only.split(";")] if args.only else None
+    selected = {key: make for key, make in runs.items()
+                if key == ("none", "fp32") or only is None or any(o in f"{key[0]}: {key[1]}" for o in only)}
     rows = {}
-    for (rule, what), (lay, codec) in tqdm(runs.items(), desc="perplexity", file=sys.stderr):
+    for (what, rule), make in tqdm(selected.items(), desc="perplexity", file=sys.stderr):
+        lay, codec = make()
         t0 = time.perf_counter()
         perplexity = score(spec, weights.head, lay, ids, args.windows, args.window, codec)
         rows.setdefault(what, {})[rule] = {"perplexity": perplexity, "tokens": args.windows * (args.window - 1),
@@ -232,18 +260,21 @@ def main(argv: list[str] | None = None) -> int:
         for cell in r.values():
             cell["increase"] = cell["perplexity"] / base - 1.0
     kv_cost = {rule: {f"{n}_tokens_s": kv_write_s(codec, spec, n) for n in (1, 128)}
-               for rule, codec in kv_rules.items()}
+               for rule, codec in kv_rules.items() if rule in rows.get("KV cache", {})}
     if args.json:
-        print(json.dumps({"perplexity": rows, "kv_write": kv_cost, "pack_all_rules_s": pack_s}, indent=2))
+        print(json.dumps({"perplexity": rows, "kv_write": kv_cost, "pack_s": pack_s}, indent=2))
         return 0
     print(f"SmolLM2-135M-Instruct on pydoc_data.topics: {args.windows} windows x {args.window} tokens, "
           f"fp32 perplexity {base:.3f}")
     for what, title in (("weights", "4-bit weights only"), ("KV cache", "4-bit KV cache only"),
                         ("both", "4-bit weights + KV cache")):
+        if what not in rows:
+            continue
         print(f"{title}: perplexity (increase over fp32)")
         for rule, cell in rows[what].items():
             print(f"  {rule:56}{cell['perplexity']:>9.3f} ({cell['increase']:+.3f})")
-    print("KV write (one layer, k and v), median seconds:")
+    if kv_cost:
+        print("KV write (one layer, k and v), median seconds:")
     for rule, c in kv_cost.items():
         print(f"  {rule:56}{'decode step':>14}{c['1_tokens_s'] * 1e6:>9.0f} us{'128-token prefill':>20}"
               f"{c['128_tokens_s'] * 1e6:>9.0f} us")
