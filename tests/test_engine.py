@@ -694,4 +694,5 @@ def test_cpu_host_moves_weight_records_without_a_cpu_relay(tmp_path, llama):
         eng.run(reqs, on_finished=lambda fs: again.update({f.id: list(f.output_ids) for f in fs}))
         assert eng.ledger.peak["cpu"] <= eng.planned_peak_bytes["cpu"]
         assert ("cpu", "weight_relay") not in eng.ledger.by_name
+        assert eng.ledger.by_name["gpu", "head_layout"] == 0  # the LM head's transposed copy: accounted, then gone
     assert got == want == again

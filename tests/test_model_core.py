@@ -97,6 +97,23 @@ def hf_model_and_ours(kind: str, seed: int = 0):
     return spec, ours, hf
 
 
+@pytest.mark.parametrize("kind", ["opt-mha", "opt-untied"])
+def test_the_lm_head_is_stored_transposed_on_the_cpu_with_the_same_values(kind):
+    """``load_weights`` keeps the LM head matrix ``[h, vocab]`` in memory (the CPU GEMM's fast layout
+    for a few rows) under the same name and values; the logits equal those of the row-major matrix,
+    and an untied model's embedding table stays row-major for the lookup."""
+    spec, ours, _hf = hf_model_and_ours(kind)
+    name = "embed_tokens.weight" if spec.tied_embeddings else "lm_head.weight"
+    w = ours.head[name]
+    assert w.shape == (spec.vocab_size, spec.hidden) and not w.is_contiguous() and w.t().is_contiguous()
+    row_major = RandomSource(spec, seed=0).load_head()[name]
+    assert row_major.is_contiguous() and torch.equal(w, row_major)
+    x = torch.randn(3, spec.hidden, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(final_logits(spec, ours.head, x), final_logits(spec, {**ours.head, name: row_major}, x),
+                          atol=1e-5, rtol=1e-5)
+    assert spec.tied_embeddings or ours.head["embed_tokens.weight"].is_contiguous()
+
+
 def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     ids = torch.tensor([prompt])
     with torch.no_grad():

@@ -41,11 +41,12 @@ from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, KV_CLIP
                                  dequantize, gptq_quantize, hadamard, quantize, rotate_groups)
 from xrunner.gptq import GPTQCalibration, scratch_bytes as calibration_scratch_bytes
 from xrunner.loaders import ModelSource
-from xrunner.model import (attention, attn_in, attn_out_mlp, embed, final_logits, rope_tables, torch_dtype)
+from xrunner.model import (attention, attn_in, attn_out_mlp, cpu_head_layout, embed, final_logits, rope_tables,
+                           torch_dtype)
 from xrunner.sampling import SamplingParams, sample
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
 from xsched.errors import UserError
-from xsimulator.costmodel import CostModel, pack_scratch_bytes
+from xsimulator.costmodel import CostModel, head_layout_bytes, pack_scratch_bytes
 from xsimulator.policy import Policy
 from xsimulator.trace import TraceEvent, TraceMarker
 
@@ -553,6 +554,9 @@ class Engine:
 
         # Head weights (always on the gpu tier), then every layer into its home tier.
         self.head = {k: st.adopt("gpu", "head_weights", v.to(self.device)) for k, v in self.source.load_head().items()}
+        if self.device.type == "cpu":  # the LM head in the CPU GEMM's fast layout: one more copy for a moment
+            with self.ledger.transient("gpu", "head_layout", head_layout_bytes(spec, "cpu")):
+                self.head = cpu_head_layout(spec, self.head)
         self.w_relays = [self._new_relay() for _ in range(self._relay_count(self.layer_tier))]
         self.w_home: list[torch.Tensor | DiskSlice] = [self._new_home(t) for t in self.layer_tier]
         self._bufs: list[tuple[str, str, Any]] = []

