@@ -537,3 +537,31 @@ def test_split_counts_sums_and_exact_multiples():
             assert sum(counts) == n
             assert all(abs(c - f * n) < 1 for c, f in zip(counts, fr))
     assert split_counts((6 / 30, 24 / 30, 0), 30) == (6, 24, 0)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # PuLP 3.3 deprecates its bundled CBC
+def test_the_head_relayout_on_a_cpu_host_is_planned_alone_not_on_top_of_the_rest():
+    """A CPU runner's first step holds the LM head twice (re-laid out, ``xrunner.model.cpu_head_layout``)
+    before anything else exists: planned as an ``alone`` sum, which can set the peak when the
+    tier holds little else and never adds to the generation's peak; a CUDA runner has no copy."""
+    spec = get_model_spec("opt-125m")
+    head_matrix = spec.vocab_size * spec.hidden * spec.dtype_bytes
+    placement = Policy(gbs=1, nb=1, wg=0.0, wc=1.0).placement()
+    cpu = CostModel(spec, cpu_host()).memory(placement, 1, 1, 8, 8)["gpu"]
+    assert cpu.alone == {"head_weights": spec.head_weight_bytes, "head_layout": head_matrix}
+    generation = sum(cpu.resident.values()) + max(cpu.transient.values())
+    assert generation < spec.head_weight_bytes + head_matrix  # a small plan: the re-layout is the peak
+    assert cpu.peak_bytes() == spec.head_weight_bytes + head_matrix
+    assert max(cpu.constraints()) == spec.head_weight_bytes + head_matrix
+    big = CostModel(spec, cpu_host()).memory(Policy(gbs=64, nb=4).placement(), 64, 4, 512, 512)["gpu"]
+    assert big.peak_bytes() == sum(big.resident.values()) + max(big.transient.values())  # nothing added
+    assert CostModel(spec, t4_like()).memory(placement, 1, 1, 8, 8)["gpu"].alone["head_layout"] == 0
+    # In the LP it is one more (constant) constraint: a gpu tier below it leaves no placement.
+    lp = pulp.LpProblem("alone", pulp.LpMinimize)
+    x = {v: lp.add_variable(v, 0, 1) for v in PLACEMENT_VARS}
+    lp += x["wg"]
+    for trio in (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd")):
+        lp += pulp.lpSum(x[v] for v in trio) == 1
+    for expr in CostModel(spec, cpu_host()).memory(x, 1, 1, 8, 8)["gpu"].constraints():
+        lp += expr <= spec.head_weight_bytes + head_matrix - 1
+    assert lp.solve(pulp.PULP_CBC_CMD(msg=False)) == pulp.LpStatusInfeasible

@@ -24,7 +24,7 @@ seconds for :data:`OVERHEAD_TERMS` (default 0.0).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any, Mapping
 
@@ -205,23 +205,30 @@ class BlockStep:
 class MemoryTerms:
     """Bytes on one tier: named buffers that coexist, plus transients of which one is live.
 
-    ``peak = sum(resident) + max(transient)``. The names are the runner's allocation list
-    (see :meth:`CostModel.memory`); the LP adds ``sum(resident) + t <= capacity`` for each
-    transient ``t``.
+    ``peak = max(sum(resident) + max(transient), sum(alone))``. The names are the runner's
+    allocation list (see :meth:`CostModel.memory`); the LP adds ``sum(resident) + t <= capacity``
+    for each transient ``t``. ``alone``: buffers that exist for a moment before anything else
+    on the tier is allocated (the runner's first step), so they never add to the rest.
     """
 
     tier: str
     resident: dict[str, Any]
     transient: dict[str, Any]
+    alone: dict[str, Any] = field(default_factory=dict)
 
     def peak_bytes(self) -> float:
         base = sum(float(v) for v in self.resident.values())
-        return base + max((float(v) for v in self.transient.values()), default=0.0)
+        return max(base + max((float(v) for v in self.transient.values()), default=0.0),
+                   sum(float(v) for v in self.alone.values()))
 
     def constraints(self) -> list[Any]:
-        """One affine expression per transient: each must stay within the tier's capacity."""
+        """One affine expression per transient, and the ``alone`` sum: each must stay within the
+        tier's capacity."""
         base = sum(self.resident.values())
-        return [base + t for t in self.transient.values()] or [base]
+        out = [base + t for t in self.transient.values()] or [base]
+        if self.alone:  # a constant, in base's type (an LP expression when placing)
+            out.append(base * 0 + sum(self.alone.values()))
+        return out
 
 
 # --------------------------------------------------------------------------- helpers
@@ -591,8 +598,9 @@ class CostModel:
                              is stored around (compress_cache; real models)
           ``act_stage``      offloaded hidden states of the batch computing and the batch loading
           transients (one at a time, for one GPU batch): ``qkv`` projections, ``attention``
-          (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32);
-          at load on a CPU host ``head_layout``, the LM head's transposed copy (:func:`head_layout_bytes`)
+          (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32)
+          alone (before anything else): ``head_weights`` and, on a CPU host, ``head_layout``,
+                             the LM head's transposed copy being made (:func:`head_layout_bytes`)
         cpu tier
           ``weights_home``, ``kv_home``, ``act_home`` for the wc/cc/hc fractions
           ``weight_relay``   disk-resident part of the current and next layer (disk -> cpu -> gpu),
@@ -642,8 +650,10 @@ class CostModel:
             "attention_decode": attn_gpu * float(decode_attn),
             "mlp": float(gbs * s * (2 * h + ffn_width) * dt),
             "logits": float(gbs * (spec.vocab_size * 4 + h * dt)),
-            "head_layout": head_layout_bytes(spec, self.profile.compute_device),
         }
+        # The runner's first allocation: the head, and on a CPU host its LM head re-laid out.
+        gpu_alone = {"head_weights": float(spec.head_weight_bytes),
+                     "head_layout": head_layout_bytes(spec, self.profile.compute_device)}
         cpu_res = {
             "weights_home": p["wc"] * (L * w_layer),
             "kv_home": p["cc"] * (bls * L * kv_row),
@@ -660,7 +670,7 @@ class CostModel:
             "kv_home": p["cd"] * (bls * L * kv_row),
             "act_home": p["hd"] * (bls * act_row),
         }
-        return {"gpu": MemoryTerms("gpu", gpu_res, gpu_tr), "cpu": MemoryTerms("cpu", cpu_res, cpu_tr),
+        return {"gpu": MemoryTerms("gpu", gpu_res, gpu_tr, gpu_alone), "cpu": MemoryTerms("cpu", cpu_res, cpu_tr),
                 "disk": MemoryTerms("disk", disk_res, {})}
 
     def peak_bytes(self, policy: Policy, max_prompt: int, max_output: int) -> dict[str, float]:
