@@ -294,18 +294,25 @@ def _centered_cache_forward(centers):
     return forward
 
 
+def _centered_case(spec, monkeypatch):
+    """A random model, calibration ids, requests, its weights, and the greedy outputs of the
+    reference whose 4-bit cache is centered on independently computed means."""
+    src = RandomSource(spec, seed=5)
+    ids = torch.randint(0, spec.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
+    reqs = make_requests(8, seed=6, vocab=spec.vocab_size, min_prompt=2)
+    weights = load_weights(src)
+    monkeypatch.setattr(generate_module, "layer_forward", _centered_cache_forward(_kv_centers(spec, weights, ids)))
+    want = reference(weights, reqs)
+    monkeypatch.undo()
+    return src, ids, reqs, weights, want
+
+
 @pytest.mark.parametrize("spec", [LLAMA, OPT], ids=["llama", "opt"])
 def test_kv_cache_centered_on_calibration_means_equals_reference(tmp_path, monkeypatch, spec):
     """With calibration text and a 4-bit cache (weights plain, so the pass only observes) the engine
     stores each layer's K/V minus its mean over the text: greedy outputs equal
     a reference that centers with independently computed means, and differ from the uncentered cache."""
-    src = RandomSource(spec, seed=5)
-    ids = torch.randint(0, spec.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
-    reqs = make_requests(8, seed=6, vocab=spec.vocab_size, min_prompt=2)
-    weights = load_weights(src)
-    monkeypatch.setattr(generate_module, "layer_forward",
-                        _centered_cache_forward(_kv_centers(spec, weights, ids)))
-    want = reference(weights, reqs)
+    src, ids, reqs, weights, want = _centered_case(spec, monkeypatch)
     monkeypatch.setattr(generate_module, "layer_forward", _layer_with_quantized_cache)
     uncentered = reference(weights, reqs)
     monkeypatch.undo()
@@ -319,15 +326,7 @@ def test_reconfigure_to_a_4bit_cache_centers_it_without_reloading_the_weights(tm
     """A plain-cache engine with calibration text that a reconfiguration switches to a 4-bit cache
     makes the centers then (an observing pass over the source): its outputs equal the centered
     reference, the weights are not re-read into their homes, and the pass's memory is planned."""
-    spec = LLAMA
-    src = RandomSource(spec, seed=5)
-    ids = torch.randint(0, spec.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
-    reqs = make_requests(8, seed=6, vocab=spec.vocab_size, min_prompt=2)
-    weights = load_weights(src)
-    monkeypatch.setattr(generate_module, "layer_forward",
-                        _centered_cache_forward(_kv_centers(spec, weights, ids)))
-    want = reference(weights, reqs)
-    monkeypatch.undo()
+    src, ids, reqs, _weights, want = _centered_case(LLAMA, monkeypatch)
     plain = Policy(gbs=2, nb=2, cg=0.5, cc=0.0, cd=0.5, wg=0.5, wc=0.0, wd=0.5, refill_every=2)
     got = {}
     with Engine(src, plain, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
