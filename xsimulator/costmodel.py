@@ -553,6 +553,9 @@ class CostModel:
             # opt-125m (1 thread) 2/4/8/16/32 rows took 30/36/44/55/86 ms, which the *sum* of the
             # two roofs tracks within ~10% after one calibration factor, while their max is flat
             # up to 16 rows (and made calibrated predictions of jobs with few active rows slow).
+            # (Those times are of the row-major matrix; the runner now stores it transposed on a
+            # CPU, xrunner.model.cpu_head_layout, which tracks the sum more closely: 50272 x 1024,
+            # 4/8/16/32/64 rows 22/26/37/56/93 ms, 1.5x to 1.06x the sum's uncalibrated figure.)
             gemm = head_flops / prof.mm_flops + head_bytes / prof.mem_bytes_per_s
             # One row is a matrix-vector product, a different kernel: it reads the weight once at
             # the memory roof (which the profiler measures on exactly such a product), about half
