@@ -272,20 +272,20 @@ def job_flops_per_request(spec, prompt_len: int, new_tokens: int) -> int:
 
 def child_gemm(args: argparse.Namespace) -> None:
     """Best GEMM rate of this core at the model's largest projection, a 1024-row chunk (the most a
-    dense fp32 engine can get out of it), median of 7 after warm-up."""
+    dense fp32 engine can get out of it): the profiler's own probe and sampler, median of 7 passes."""
+    import statistics
+
     import torch
 
+    from xprofiler.bench import Timer, gemm_point
+    from xprofiler.samples import run_points
+
     torch.set_num_threads(args.threads)
-    x = torch.randn(1024, args.hidden)
-    w = torch.randn(4 * args.hidden, args.hidden) * 0.02
-    for _ in range(2):
-        torch.nn.functional.linear(x, w)
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        times.append(time.perf_counter() - t0)
-    print(json.dumps({"gemm_flops_per_s": 2.0 * x.shape[0] * w.numel() / sorted(times)[3]}))
+    cpu = torch.device("cpu")
+    point = gemm_point("mm", cpu, torch.float32, 1024, args.hidden, 4 * args.hidden)
+    rows = run_points([point], Timer(cpu), passes=7, warmup=2)
+    per_call_s = statistics.median(r["time_s"] / r["count"] for r in rows)
+    print(json.dumps({"gemm_flops_per_s": point.meta["flops"] / per_call_s}))
 
 
 # ----------------------------------------------------------------------------- the xsched side
