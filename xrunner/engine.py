@@ -554,9 +554,9 @@ class Engine:
 
         # Head weights (always on the gpu tier), then every layer into its home tier.
         self.head = {k: st.adopt("gpu", "head_weights", v.to(self.device)) for k, v in self.source.load_head().items()}
-        if self.device.type == "cpu":  # the LM head in the CPU GEMM's fast layout: one more copy for a moment
-            with self.ledger.transient("gpu", "head_layout", head_layout_bytes(spec, "cpu")):
-                self.head = cpu_head_layout(spec, self.head)
+        # On a CPU the LM head is re-laid out for its GEMM, one more copy for a moment (none on CUDA).
+        with self.ledger.transient("gpu", "head_layout", head_layout_bytes(spec, self.profile.compute_device)):
+            self.head = cpu_head_layout(spec, self.head)
         self.w_relays = [self._new_relay() for _ in range(self._relay_count(self.layer_tier))]
         self.w_home: list[torch.Tensor | DiskSlice] = [self._new_home(t) for t in self.layer_tier]
         self._bufs: list[tuple[str, str, Any]] = []
@@ -618,8 +618,10 @@ class Engine:
         and records each layer's K/V centers for a 4-bit cache (``kv_centers``). It is dropped at
         the end; its scratch is accounted as ``calibration`` while it lives.
         """
-        from tqdm import tqdm
         import sys
+
+        from tqdm import tqdm
+
         scratch = self._calibration_bytes(self.layout.compress, compress_cache)
         calib = GPTQCalibration(self.spec, self.head, self._calibration(), self.layout.quantize_tensor,
                                 self.layout.dequantize_tensor) if scratch else None
