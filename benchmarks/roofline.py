@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     from xrunner.loaders import load_weights
 
     # Runs alternate and each side keeps its best (fastest) repeat: the machine may be shared.
-    weights = load_weights(RandomSource(spec, seed=0))
+    weights = load_weights(RandomSource(spec, seed=0), head_rows=args.gbs)
     in_memory_s, stats = float("inf"), None
     with Engine(RandomSource(spec, seed=0), policy, max_prompt=args.prompt, max_output=args.new,
                 offload_dir=offload) as eng:

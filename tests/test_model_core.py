@@ -98,20 +98,45 @@ def hf_model_and_ours(kind: str, seed: int = 0):
 
 
 @pytest.mark.parametrize("kind", ["opt-mha", "opt-untied"])
-def test_the_lm_head_is_stored_transposed_on_the_cpu_with_the_same_values(kind):
-    """``load_weights`` keeps the LM head matrix ``[h, vocab]`` in memory (the CPU GEMM's fast layout
-    for a few rows) under the same name and values; the logits equal those of the row-major matrix,
-    and an untied model's embedding table stays row-major for the lookup."""
-    spec, ours, _hf = hf_model_and_ours(kind)
+@pytest.mark.parametrize("faster", ["rows", "transposed"])
+def test_the_lm_head_takes_the_layout_measured_faster_with_the_same_values(kind, faster, monkeypatch):
+    """``load_weights`` keeps the LM head matrix in whichever layout its logits product timed faster
+    (``[h, vocab]`` in memory when transposed), under the same name and values; the logits equal
+    those of the stored matrix, and an untied model's embedding table stays row-major for the lookup."""
+    import xrunner.model as model_core
+
+    timed = []
+
+    def fake_seconds(layouts, rows, repeats=3):
+        timed.append((sorted(layouts), rows))
+        return {name: 1.0 if name == faster else 2.0 for name in layouts}
+
+    monkeypatch.setattr(model_core, "head_layout_seconds", fake_seconds)
+    spec, _, _ = hf_model_and_ours(kind)
+    timed.clear()
+    ours = load_weights(RandomSource(spec, seed=0), head_rows=3)
+    assert timed == [(["rows", "transposed"], 3)]
     name = "embed_tokens.weight" if spec.tied_embeddings else "lm_head.weight"
     w = ours.head[name]
-    assert w.shape == (spec.vocab_size, spec.hidden) and not w.is_contiguous() and w.t().is_contiguous()
+    assert w.shape == (spec.vocab_size, spec.hidden)
+    assert w.is_contiguous() == (faster == "rows") and w.t().is_contiguous() == (faster == "transposed")
     row_major = RandomSource(spec, seed=0).load_head()[name]
     assert row_major.is_contiguous() and torch.equal(w, row_major)
     x = torch.randn(3, spec.hidden, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(final_logits(spec, ours.head, x), final_logits(spec, {**ours.head, name: row_major}, x),
                           atol=1e-5, rtol=1e-5)
     assert spec.tied_embeddings or ours.head["embed_tokens.weight"].is_contiguous()
+
+
+def test_head_layout_seconds_times_every_layout():
+    """Both layouts of a head are timed, each a positive finite time, for the rows asked."""
+    from xrunner.model import head_layout_seconds, head_layouts
+
+    w = torch.randn(512, 64)
+    layouts = head_layouts(w)
+    assert torch.equal(layouts["transposed"], w) and layouts["transposed"].t().is_contiguous()
+    seconds = head_layout_seconds(layouts, rows=4, repeats=2)
+    assert set(seconds) == {"rows", "transposed"} and all(0 < s < 1 for s in seconds.values())
 
 
 def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -181,3 +182,27 @@ def test_parts_split_attention_and_keep_the_correction():
     # the attention part is the KV-read term, corrected by the same factor
     assert np.allclose(attn, fit.coef[fit.features.index("kv_bytes")] * layer_features(SPEC, "decode", b, n)["kv_bytes"]
                        * fit.correction(b, n), rtol=1e-12)
+
+
+def test_head_fit_interpolates_in_log_rows_and_round_trips():
+    """Exact at the measured row counts, linear in log rows between them, linear in rows past the
+    last (the last segment's slope), down to 0 below one row; kept through the profile's JSON."""
+    from xprofiler.profile import HeadFit
+
+    fit = HeadFit(model="m", dtype="float32", rows=(1, 2, 4, 8), seconds=(0.005, 0.01, 0.02, 0.024),
+                  layouts=("transposed", "transposed", "rows", "rows"))
+    assert fit.predict_s(np.array([1, 2, 4, 8])) == pytest.approx([0.005, 0.01, 0.02, 0.024])
+    assert fit.predict_s(2 ** 1.5) == pytest.approx(0.015)  # halfway in log rows
+    assert fit.predict_s(16) == pytest.approx(0.024 + 8 * 0.004 / 4)
+    assert fit.predict_s(0.5) == pytest.approx(0.0025) and fit.predict_s(0) == 0.0
+    assert isinstance(fit.predict_s(3), float)
+    for bad in (dict(rows=(2, 1)), dict(rows=(0, 1, 2, 3)), dict(seconds=(0.0, 1, 1, 1)), dict(layouts=("rows",))):
+        with pytest.raises(ValueError):
+            HeadFit(**{**dataclasses.asdict(fit), **bad})
+    prof = load_preset(preset_names()[0])
+    with_fit = dataclasses.replace(prof, head_fits=(fit,))
+    again = HardwareProfile.from_json(with_fit.to_json())
+    assert again == with_fit and again.head_fit("m", "float32") == fit and again.head_fit("m", "float16") is None
+    from xprofiler.show import summary
+
+    assert "lm head      m (float32), ms per rows (T: transposed layout): 1: 5 T, 2: 10 T, 4: 20, 8: 24" in summary(again)

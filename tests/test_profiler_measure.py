@@ -17,7 +17,7 @@ import pytest
 from xprofiler import HardwareProfile
 from xprofiler.measure import ProfileOptions, Settings, measure_profile, parse_bytes, profile_machine
 from xprofiler.specs import ModelSpec
-from xprofiler.sweeps import Grid
+from xprofiler.sweeps import HEAD_ROWS, Grid
 from xsched.errors import UserError
 
 KiB, MiB = 2**10, 2**20
@@ -62,8 +62,17 @@ def test_tiny_profile_measures_every_field(tmp_path):
     for fit in prof.layer_fits:
         assert fit.n_samples == 4 and fit.samples_csv == csv_path.name
         assert fit.predict_s(TINY, 2, 32) > 0 and fit.max_rel_error >= fit.median_rel_error >= 0
+    # the model's logits product: per row count, the faster of the two layouts the runner chooses from
+    (head,) = prof.head_fits
+    assert (head.model, head.dtype, head.rows) == ("tiny-llama", "float32", HEAD_ROWS)
+    assert set(head.layouts) <= {"rows", "transposed"} and all(0 < t < 0.1 for t in head.seconds)
     # the raw samples: every repeat of every point, enough to recompute the profile
     df = pd.read_csv(csv_path)
+    timed = df[df.bench == "head"].assign(t=lambda d: d.time_s / d["count"]).groupby("shape").t.median()
+    assert len(timed) == 2 * len(HEAD_ROWS)
+    for r, t, layout in zip(head.rows, head.seconds, head.layouts):
+        mine = {k.split(":")[0]: v for k, v in timed.items() if k.split(":")[1].startswith(f"{r}x")}
+        assert t == pytest.approx(min(mine.values())) and mine[layout] == pytest.approx(t)
     assert {"bench", "model", "phase", "batch", "length", "size_bytes", "count", "pass", "time_s"} <= set(df.columns)
     layer = df[df.bench == "layer"]
     assert len(layer) == 8 * layer["pass"].nunique() and layer["pass"].nunique() >= 2

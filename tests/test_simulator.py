@@ -539,13 +539,35 @@ def test_split_counts_sums_and_exact_multiples():
     assert split_counts((6 / 30, 24 / 30, 0), 30) == (6, 24, 0)
 
 
+def test_a_measured_head_fit_prices_the_lm_head_instead_of_the_roofs():
+    """With the profiler's measured logits products for the model (``HeadFit``), the head costs the
+    measured time (times the head factor) at every row count, one row included, whatever the
+    roofs would say; another model's fit is not used."""
+    from xprofiler.profile import HeadFit
+
+    spec = get_model_spec("opt-125m")
+    fit = HeadFit(model=spec.name, dtype=spec.dtype, rows=(1, 2, 4, 8), seconds=(0.006, 0.012, 0.02, 0.024),
+                  layouts=("transposed",) * 4)
+    base = cpu_host(mem_bytes_per_s=11 * GB, calibration={"head": 1.5, "gpu_compute": 1.1})
+    roofs = CostModel(spec, base)
+    measured = CostModel(spec, replace(base, head_fits=(fit,)))
+    slower = CostModel(spec, replace(base, head_fits=(replace(fit, seconds=tuple(2 * t for t in fit.seconds)),)))
+    rows = np.array([1, 2, 3, 4, 8, 16])
+    extra = slower.head_seconds("decode", rows, 40) - measured.head_seconds("decode", rows, 40)
+    assert extra == pytest.approx(1.5 * fit.predict_s(rows))
+    assert measured.head_seconds("decode", 1, 40) != pytest.approx(roofs.head_seconds("decode", 1, 40))
+    elsewhere = CostModel(spec, replace(base, head_fits=(replace(fit, model="other"),)))
+    assert elsewhere.head_seconds("decode", rows, 40) == pytest.approx(roofs.head_seconds("decode", rows, 40))
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # PuLP 3.3 deprecates its bundled CBC
 def test_the_head_relayout_on_a_cpu_host_is_planned_alone_not_on_top_of_the_rest():
-    """A CPU runner's first step holds the LM head twice (re-laid out, ``xrunner.model.cpu_head_layout``)
-    before anything else exists: planned as an ``alone`` sum, which can set the peak when the
-    tier holds little else and never adds to the generation's peak; a CUDA runner has no copy."""
+    """A CPU runner's first step holds the LM head twice, with one product's input and logits (its
+    layouts timed, ``xrunner.model.cpu_head_layout``), before anything else exists: planned as an
+    ``alone`` sum, which can set the peak when the tier holds little else and never adds to the
+    generation's peak; a CUDA runner has no copy."""
     spec = get_model_spec("opt-125m")
-    head_matrix = spec.vocab_size * spec.hidden * spec.dtype_bytes
+    head_matrix = (spec.vocab_size * spec.hidden + 1 * (spec.hidden + spec.vocab_size)) * spec.dtype_bytes
     placement = Policy(gbs=1, nb=1, wg=0.0, wc=1.0).placement()
     cpu = CostModel(spec, cpu_host()).memory(placement, 1, 1, 8, 8)["gpu"]
     assert cpu.alone == {"head_weights": spec.head_weight_bytes, "head_layout": head_matrix}

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from xprofiler.profile import BandwidthCurve, HardwareProfile, LayerFit
+from xprofiler.profile import BandwidthCurve, HardwareProfile, HeadFit, LayerFit
 from xprofiler.sweeps import FULL_GRIDS, PHASES, QUICK_GRIDS, Grid
 from xsched.errors import UserError
 from xsched.fileio import atomic_write_text, describe_os_error
@@ -39,6 +39,7 @@ HOST_RAM_FRACTION = 0.75
 DISK_FREE_FRACTION = 0.9  # of the offload filesystem's free space at profile time
 BUSY_WARN_CORES = 0.25  # warn when other processes used more CPU than this while we measured
 CUDA_MEM_FRACTION = 0.9  # of the device's total memory (the CUDA context and allocator need the rest)
+HEAD_MEMORY_FRACTION = 0.5  # of the gpu tier the logits-product benchmark may hold (both layouts)
 # One KV-cache / activation row transfer: a 4 KiB piece (opt-125m's K or V column is 3 KiB), 32
 # per timed call, on a reserved file large enough that every write lands on fresh space.
 ROW_BYTES = 4096
@@ -276,7 +277,7 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
     os.close(fd)
     try:
         disk_method = _run_benchmarks(r, opts, device, dtype, specs, gpu_bytes, Path(tmp_name), disk_test)
-        fits = _run_sweeps(r, opts, device, dtype, specs, gpu_bytes)
+        fits, heads = _run_sweeps(r, opts, device, dtype, specs, gpu_bytes)
     finally:
         r.bar.close()
         try:
@@ -308,6 +309,7 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
         mm_flops=r.rate("mm"), bmm_flops=r.rate("bmm"), cpu_mm_flops=cpu_mm, cpu_bmm_flops=cpu_bmm,
         quant_bytes_per_s=r.rate("quant", unit="bytes"), dequant_bytes_per_s=r.rate("dequant", unit="bytes"),
         mem_bytes_per_s=r.rate("mem", unit="bytes"), cpu_mem_bytes_per_s=cpu_mem, layer_fits=tuple(fits),
+        head_fits=tuple(heads),
         **row_costs(r.rows, st.stat),
         compute_dtype=dtype, compute_threads=torch.get_num_threads(), disk_io=disk_method,  # type: ignore[arg-type]
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -377,8 +379,9 @@ def _run_benchmarks(r: _Run, opts: ProfileOptions, device: Any, dtype: str, spec
 
 
 def _run_sweeps(r: _Run, opts: ProfileOptions, device: Any, dtype: str, specs: list[Any], gpu_bytes: int
-                ) -> list[LayerFit]:
-    """Per-layer sweeps of each model, sized by the time budget, and their fits."""
+                ) -> tuple[list[LayerFit], list[HeadFit]]:
+    """Per-layer sweeps of each model, sized by the time budget, and their fits; then each model's
+    logits products (``HeadFit``)."""
     from xprofiler import sweeps
     from xprofiler.specs import DTYPE_BYTES
 
@@ -386,6 +389,7 @@ def _run_sweeps(r: _Run, opts: ProfileOptions, device: Any, dtype: str, specs: l
     mm, mem = r.rate("mm"), r.rate("mem", unit="bytes")
     csv_name = samples_csv_path(opts.output).name
     fits: list[LayerFit] = []
+    heads: list[HeadFit] = []
     for spec in specs:
         for phase in PHASES:
             if phase not in st.grids:
@@ -401,7 +405,16 @@ def _run_sweeps(r: _Run, opts: ProfileOptions, device: Any, dtype: str, specs: l
                 points = sweeps.layer_points(spec, phase, pts, device, dtype)
                 r.run(f"{spec.name} {phase}", points, passes, deadline=deadline)
         fits.extend(sweeps.fit_sweeps(spec, r.rows, dtype, csv_name, st.stat))
-    return fits
+        head_bytes = 2 * spec.vocab_size * spec.hidden * DTYPE_BYTES[dtype]  # both layouts at once
+        if head_bytes > HEAD_MEMORY_FRACTION * gpu_bytes:
+            r.notes.append(f"{spec.name}: logits product not timed (its two layouts need {head_bytes / GiB:.2f} GiB, "
+                           f"over {HEAD_MEMORY_FRACTION:g} of the gpu tier); the cost model prices it from the roofs")
+            continue
+        r.run(f"{spec.name} head", sweeps.head_points(spec, device, dtype))
+        head = sweeps.fit_head(spec, r.rows, dtype, st.stat)
+        if head is not None:
+            heads.append(head)
+    return fits, heads
 
 
 def _capacities(opts: ProfileOptions, cuda: bool, device: Any, avail: int, notes: list[str]) -> tuple[int, int]:

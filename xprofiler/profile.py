@@ -215,6 +215,46 @@ class LayerFit:
         return other * k, attn * k
 
 
+@dataclass(frozen=True)
+class HeadFit:
+    """Measured time of one GPU batch's logits product for one model: ``rows`` rows times the LM
+    head matrix, in the layout the runner keeps it in (on a CPU the faster of the stored and the
+    transposed one at each row count, as ``xrunner.model.cpu_head_layout`` chooses; ``layouts``
+    says which). The product's time is far from linear in rows at the few rows a decode step
+    has (one row is a matrix-vector product, a different kernel), so it is measured at each
+    power of two and interpolated, linearly in log rows between them and linearly in rows past
+    the last one; below one row (an expected count) it scales down to 0.
+    """
+
+    model: str
+    dtype: str
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+    layouts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.rows or len(self.seconds) != len(self.rows):
+            raise ValueError("a head fit needs one time per row count")
+        if any(r < 1 for r in self.rows) or list(self.rows) != sorted(set(self.rows)):
+            raise ValueError("head fit rows must be >= 1 and strictly increasing")
+        if any(not s > 0 for s in self.seconds):
+            raise ValueError("head fit seconds must be positive")
+        if self.layouts and len(self.layouts) != len(self.rows):
+            raise ValueError("head fit layouts must name one layout per row count")
+
+    def predict_s(self, rows: Any) -> Any:
+        """Seconds of the product for ``rows`` rows (floats or numpy arrays)."""
+        import numpy as np
+
+        r = np.asarray(rows, dtype=float)
+        xs, ys = np.log(np.asarray(self.rows, dtype=float)), np.asarray(self.seconds, dtype=float)
+        inside = np.interp(np.log(np.clip(r, self.rows[0], self.rows[-1])), xs, ys)
+        slope = (ys[-1] - ys[-2]) / (self.rows[-1] - self.rows[-2]) if len(ys) > 1 else ys[-1] / self.rows[-1]
+        out = inside + max(slope, 0.0) * np.maximum(r - self.rows[-1], 0.0)
+        out = np.where(r < self.rows[0], ys[0] * np.clip(r, 0.0, None) / self.rows[0], out)
+        return float(out) if np.ndim(out) == 0 else out
+
+
 def _bracket(axis: tuple[int, ...], value: Any) -> tuple[Any, Any]:
     """Index of the grid cell holding ``value`` and its weight, in log space, clamped to the grid."""
     import numpy as np
@@ -305,6 +345,9 @@ class HardwareProfile(Contract):
     # How far real runs strayed from the calibrated prediction (xsched calibrate); None before.
     calibration_error: CalibrationError | None = None
     notes: str = ""
+    # Measured logits products per model (``xsched profile --model``); the cost model falls back to
+    # the roofs below without one.
+    head_fits: tuple[HeadFit, ...] = ()
     # Memory roofs for the flop-rate model (0.0 = unknown): the read bandwidth of the compute
     # device's memory and of host RAM, as seen by a matrix-vector product over a large weight.
     # Decode-shaped GEMMs and attention are bound by these, not by the flop rates above.
@@ -361,6 +404,12 @@ class HardwareProfile(Contract):
     def layer_fit(self, model: str, phase: str, dtype: str | None = None) -> LayerFit | None:
         for fit in self.layer_fits:
             if fit.model == model and fit.phase == phase and (dtype is None or fit.dtype == dtype):
+                return fit
+        return None
+
+    def head_fit(self, model: str, dtype: str | None = None) -> HeadFit | None:
+        for fit in self.head_fits:
+            if fit.model == model and (dtype is None or fit.dtype == dtype):
                 return fit
         return None
 

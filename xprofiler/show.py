@@ -77,6 +77,10 @@ def summary(p: HardwareProfile) -> str:
                          f"error {f.median_rel_error:.1%} / {f.max_rel_error:.1%}")
     else:
         lines.append("  layer fits   none (compute time from the flop rates and memory roofs)")
+    for f in p.head_fits:
+        cells = ", ".join(f"{r}: {t * 1e3:.3g}" + (" T" if layout == "transposed" else "")
+                          for r, t, layout in zip(f.rows, f.seconds, f.layouts or ("",) * len(f.rows)))
+        lines.append(f"  lm head      {f.model} ({f.dtype}), ms per rows (T: transposed layout): {cells}")
     if p.calibration:
         lines.append("  calibration  " + ", ".join(f"{k} x{v:.3g}" for k, v in sorted(p.calibration.items())))
     err = p.calibration_error

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from xprofiler.samples import Point, Row, sample_meta, summarize_by
-from xprofiler.profile import LayerFit
+from xprofiler.profile import HeadFit, LayerFit
 from xprofiler.specs import ModelSpec
 
 PHASES: tuple[str, ...] = ("prefill", "decode")
@@ -157,6 +157,52 @@ def fit_sweeps(spec: ModelSpec, rows: Sequence[Row], dtype: str, samples_csv: st
         if len(t):
             fits.append(fit_layer(spec, phase, b, n, t, model=spec.name, dtype=dtype, samples_csv=samples_csv))
     return fits
+
+
+HEAD_ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)  # rows of the logits products timed per model
+
+
+def head_points(spec: ModelSpec, device: Any, dtype: str, rows: Sequence[int] = HEAD_ROWS, seed: int = 0
+                ) -> list[Point]:
+    """One ``Point`` per (row count, layout) for the model's logits product, random weights.
+
+    On a CPU both layouts of ``xrunner.model.head_layouts`` are timed, because the runner keeps the
+    faster one (``cpu_head_layout``); on CUDA only the stored one, which the runner keeps there.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from xrunner.model import head_layouts, torch_dtype
+
+    tdt = torch_dtype(dtype)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    matrix = (torch.randn(spec.vocab_size, spec.hidden, generator=gen) * 0.02).to(device=device, dtype=tdt)
+    layouts = head_layouts(matrix) if matrix.device.type == "cpu" else {"rows": matrix}
+    out = []
+    for r in rows:
+        x = torch.randn(r, spec.hidden, generator=gen).to(device=device, dtype=tdt)
+        for name, w in layouts.items():
+            meta = sample_meta("head", model=spec.name, dtype=dtype, shape=f"{name}:{r}x{spec.hidden}x{spec.vocab_size}",
+                               batch=r, flops=2.0 * r * spec.hidden * spec.vocab_size)
+            out.append(Point(meta, lambda x=x, w=w: F.linear(x, w)))
+    return out
+
+
+def fit_head(spec: ModelSpec, rows: Sequence[Row], dtype: str, stat: str = "median") -> HeadFit | None:
+    """The model's ``HeadFit`` from its ``head`` samples: per row count, the faster layout's time."""
+    mine = [r for r in rows if r["bench"] == "head" and r["model"] == spec.name and r["dtype"] == dtype]
+    if not mine:
+        return None
+    per_shape = summarize_by(mine, "shape", lambda r: r["time_s"] / r["count"], stat)
+    best: dict[int, tuple[float, str]] = {}
+    for shape, t in per_shape.items():
+        layout, dims = shape.split(":")
+        r = int(dims.split("x")[0])
+        if r not in best or t < best[r][0]:
+            best[r] = (t, layout)
+    counts = sorted(best)
+    return HeadFit(model=spec.name, dtype=dtype, rows=tuple(counts), seconds=tuple(best[r][0] for r in counts),
+                   layouts=tuple(best[r][1] for r in counts))
 
 
 def describe_dropped(model: str, phase: str, dropped: Sequence[tuple[int, int]]) -> str:

@@ -128,7 +128,7 @@ def _generate(args: argparse.Namespace) -> int:
     source = open_model(args.model, dtype=args.dtype)
     tokenizer = source.tokenizer()
     prompts = [encode_prompt(tokenizer, p, chat=not args.no_chat_template) for p in args.prompt]
-    weights = load_weights(source, device=device, progress=show)
+    weights = load_weights(source, device=device, progress=show, head_rows=len(prompts))
     stops = stop_token_ids(source, tokenizer)
     with tqdm(total=args.max_new_tokens, desc="generating", unit="tok", file=sys.stderr, disable=not show,
               leave=False) as bar:

@@ -554,9 +554,10 @@ class Engine:
 
         # Head weights (always on the gpu tier), then every layer into its home tier.
         self.head = {k: st.adopt("gpu", "head_weights", v.to(self.device)) for k, v in self.source.load_head().items()}
-        # On a CPU the LM head is re-laid out for its GEMM, one more copy for a moment (none on CUDA).
-        with self.ledger.transient("gpu", "head_layout", head_layout_bytes(spec, self.profile.compute_device)):
-            self.head = cpu_head_layout(spec, self.head)
+        # On a CPU the LM head takes the layout its GEMM of gbs rows runs fastest in, measured with
+        # one more copy for a moment (none on CUDA). A reconfiguration to another gbs keeps it.
+        with self.ledger.transient("gpu", "head_layout", head_layout_bytes(spec, self.profile.compute_device, p.gbs)):
+            self.head = cpu_head_layout(spec, self.head, p.gbs)
         self.w_relays = [self._new_relay() for _ in range(self._relay_count(self.layer_tier))]
         self.w_home: list[torch.Tensor | DiskSlice] = [self._new_home(t) for t in self.layer_tier]
         self._bufs: list[tuple[str, str, Any]] = []

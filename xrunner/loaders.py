@@ -377,11 +377,13 @@ def open_model(model: str | Path | None = None, dtype: str | None = None, seed: 
                     "(or a local HF directory or .gguf file)")
 
 
-def load_weights(source: ModelSource, device: torch.device | str = "cpu", progress: bool = False) -> ModelWeights:
-    """Read every layer of ``source`` into memory on ``device`` (the in-memory reference path)."""
+def load_weights(source: ModelSource, device: torch.device | str = "cpu", progress: bool = False,
+                 head_rows: int = 1) -> ModelWeights:
+    """Read every layer of ``source`` into memory on ``device`` (the in-memory reference path); the
+    LM head in the layout that multiplies ``head_rows`` rows (the caller's batch) fastest."""
     from tqdm import tqdm
 
-    head = cpu_head_layout(source.spec, {k: v.to(device) for k, v in source.load_head().items()})
+    head = cpu_head_layout(source.spec, {k: v.to(device) for k, v in source.load_head().items()}, head_rows)
     layers = []
     bar = tqdm(range(source.spec.num_layers), desc=f"loading {source.spec.name}", unit="layer",
                file=sys.stderr, disable=not progress, leave=False)

@@ -95,10 +95,13 @@ def pack_scratch_bytes(spec: ModelSpec) -> int:
     return max(quantize_scratch_bytes(*s) for s in spec.layer_tensor_shapes().values() if len(s) == 2)
 
 
-def head_layout_bytes(spec: ModelSpec, compute_device: str) -> float:
-    """The second copy of the LM head matrix held while a CPU runner stores it transposed
-    (``xrunner.model.cpu_head_layout``); none on CUDA."""
-    return float(spec.vocab_size * spec.hidden * spec.dtype_bytes) if compute_device == "cpu" else 0.0
+def head_layout_bytes(spec: ModelSpec, compute_device: str, gbs: int) -> float:
+    """What a CPU runner holds while it times the LM head's two layouts to keep the faster
+    (``xrunner.model.cpu_head_layout``): the matrix's second copy and one product's input and
+    logits for ``gbs`` rows; none on CUDA."""
+    if compute_device != "cpu":
+        return 0.0
+    return float((spec.vocab_size * spec.hidden + gbs * (spec.hidden + spec.vocab_size)) * spec.dtype_bytes)
 
 
 def layer_load_bytes(spec: ModelSpec, compress_weight: bool, cuda: bool, stored_bytes: float) -> float:
@@ -548,14 +551,19 @@ class CostModel:
         tokens = rows * length if phase == "prefill" else rows
         head_flops = rows * spec.lm_head_flops_per_token()
         head_bytes = spec.vocab_size * spec.hidden * self.dtype_bytes
-        if prof.compute_device == "cpu" and prof.mem_bytes_per_s > 0:
-            # On a CPU the few-row LM head GEMM is neither purely compute- nor memory-bound: for
-            # opt-125m (1 thread) 2/4/8/16/32 rows took 30/36/44/55/86 ms, which the *sum* of the
-            # two roofs tracks within ~10% after one calibration factor, while their max is flat
-            # up to 16 rows (and made calibrated predictions of jobs with few active rows slow).
-            # (Those times are of the row-major matrix; the runner now stores it transposed on a
-            # CPU, xrunner.model.cpu_head_layout, which tracks the sum more closely: 50272 x 1024,
-            # 4/8/16/32/64 rows 22/26/37/56/93 ms, 1.5x to 1.06x the sum's uncalibrated figure.)
+        head_fit = prof.head_fit(spec.name, spec.dtype)
+        if head_fit is not None:
+            # Measured on this machine at each power of two of rows, in the layout the runner keeps.
+            head_factored, head_own = head_fit.predict_s(rows), 0.0
+        elif prof.compute_device == "cpu" and prof.mem_bytes_per_s > 0:
+            # Without a measured fit (a profile taken without the model): on a CPU the few-row
+            # LM head GEMM is neither purely compute- nor memory-bound: for opt-125m (1 thread)
+            # 2/4/8/16/32 rows took 30/36/44/55/86 ms, which the *sum* of the two roofs tracks
+            # within ~10% after one calibration factor, while their max is flat up to 16 rows
+            # (and made calibrated predictions of jobs with few active rows slow).
+            # (Those times are of the row-major matrix; the runner keeps the faster of it and its
+            # transpose, xrunner.model.cpu_head_layout, and the transposed one is up to 1.7x faster
+            # for most shapes, which is why a measured HeadFit is preferred.)
             gemm = head_flops / prof.mm_flops + head_bytes / prof.mem_bytes_per_s
             # One row is a matrix-vector product, a different kernel: it reads the weight once at
             # the memory roof (which the profiler measures on exactly such a product), about half
@@ -603,7 +611,7 @@ class CostModel:
           transients (one at a time, for one GPU batch): ``qkv`` projections, ``attention``
           (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32)
           alone (before anything else): ``head_weights`` and, on a CPU host, ``head_layout``,
-                             the LM head's transposed copy being made (:func:`head_layout_bytes`)
+                             the LM head's layouts being timed (:func:`head_layout_bytes`)
         cpu tier
           ``weights_home``, ``kv_home``, ``act_home`` for the wc/cc/hc fractions
           ``weight_relay``   disk-resident part of the current and next layer (disk -> cpu -> gpu),
@@ -656,7 +664,7 @@ class CostModel:
         }
         # The runner's first allocation: the head, and on a CPU host its LM head re-laid out.
         gpu_alone = {"head_weights": float(spec.head_weight_bytes),
-                     "head_layout": head_layout_bytes(spec, self.profile.compute_device)}
+                     "head_layout": head_layout_bytes(spec, self.profile.compute_device, gbs)}
         cpu_res = {
             "weights_home": p["wc"] * (L * w_layer),
             "kv_home": p["cc"] * (bls * L * kv_row),
