@@ -196,7 +196,8 @@ def test_head_fit_interpolates_in_log_rows_and_round_trips():
     assert fit.predict_s(16) == pytest.approx(0.024 + 8 * 0.004 / 4)
     assert fit.predict_s(0.5) == pytest.approx(0.0025) and fit.predict_s(0) == 0.0
     assert isinstance(fit.predict_s(3), float)
-    for bad in (dict(rows=(2, 1)), dict(rows=(0, 1, 2, 3)), dict(seconds=(0.0, 1, 1, 1)), dict(layouts=("rows",))):
+    for bad in (dict(rows=(2, 1)), dict(rows=(0, 1, 2, 3)), dict(seconds=(0.0, 1, 1, 1)), dict(layouts=("rows",)),
+                dict(layouts=("rows", "rows", "rows", "columns"))):
         with pytest.raises(ValueError):
             HeadFit(**{**dataclasses.asdict(fit), **bad})
     prof = load_preset(preset_names()[0])

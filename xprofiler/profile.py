@@ -239,8 +239,9 @@ class HeadFit:
             raise ValueError("head fit rows must be >= 1 and strictly increasing")
         if any(not s > 0 for s in self.seconds):
             raise ValueError("head fit seconds must be positive")
-        if self.layouts and len(self.layouts) != len(self.rows):
-            raise ValueError("head fit layouts must name one layout per row count")
+        if self.layouts and (len(self.layouts) != len(self.rows)
+                             or not set(self.layouts) <= {"rows", "transposed"}):
+            raise ValueError("head fit layouts must name one layout, rows or transposed, per row count")
 
     def predict_s(self, rows: Any) -> Any:
         """Seconds of the product for ``rows`` rows (floats or numpy arrays)."""
