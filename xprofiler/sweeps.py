@@ -170,34 +170,26 @@ def head_points(spec: ModelSpec, device: Any, dtype: str, rows: Sequence[int] = 
     faster one (``cpu_head_layout``); on CUDA only the stored one, which the runner keeps there.
     """
     import torch
-    import torch.nn.functional as F
 
-    from xrunner.model import head_layouts, torch_dtype
+    from xrunner.model import head_layouts, head_product_points, torch_dtype
 
-    tdt = torch_dtype(dtype)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    matrix = (torch.randn(spec.vocab_size, spec.hidden, generator=gen) * 0.02).to(device=device, dtype=tdt)
+    matrix = (torch.randn(spec.vocab_size, spec.hidden, generator=gen) * 0.02).to(device=device,
+                                                                                  dtype=torch_dtype(dtype))
     layouts = head_layouts(matrix) if matrix.device.type == "cpu" else {"rows": matrix}
-    out = []
-    for r in rows:
-        x = torch.randn(r, spec.hidden, generator=gen).to(device=device, dtype=tdt)
-        for name, w in layouts.items():
-            meta = sample_meta("head", model=spec.name, dtype=dtype, shape=f"{name}:{r}x{spec.hidden}x{spec.vocab_size}",
-                               batch=r, flops=2.0 * r * spec.hidden * spec.vocab_size)
-            out.append(Point(meta, lambda x=x, w=w: F.linear(x, w)))
-    return out
+    return head_product_points(layouts, rows, seed=seed, model=spec.name, dtype=dtype)
 
 
 def fit_head(spec: ModelSpec, rows: Sequence[Row], dtype: str, stat: str = "median") -> HeadFit | None:
     """The model's ``HeadFit`` from its ``head`` samples: per row count, the faster layout's time."""
+    from xrunner.model import head_point_of
+
     mine = [r for r in rows if r["bench"] == "head" and r["model"] == spec.name and r["dtype"] == dtype]
     if not mine:
         return None
-    per_shape = summarize_by(mine, "shape", lambda r: r["time_s"] / r["count"], stat)
     best: dict[int, tuple[float, str]] = {}
-    for shape, t in per_shape.items():
-        layout, dims = shape.split(":")
-        r = int(dims.split("x")[0])
+    for shape, t in summarize_by(mine, "shape", lambda r: r["time_s"] / r["count"], stat).items():
+        layout, r = head_point_of(shape)
         if r not in best or t < best[r][0]:
             best[r] = (t, layout)
     counts = sorted(best)

@@ -14,6 +14,7 @@ whole context, left padded, with the boolean mask ``[b, T]`` True for real token
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -193,27 +194,46 @@ def head_layouts(matrix: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"rows": matrix, "transposed": matrix.t().contiguous().t()}
 
 
+def head_product_points(layouts: dict[str, torch.Tensor], row_counts: Sequence[int], seed: int = 0,
+                        **meta: Any) -> list[Any]:
+    """Profiler points (``xprofiler.samples.Point``, bench ``head``) of the logits product of each
+    row count with each of ``layouts``; the shape column says which (:func:`head_point_of`).
+    ``meta`` fills the other sample columns (model, dtype)."""
+    from xprofiler.samples import Point, sample_meta
+
+    any_w = next(iter(layouts.values()))
+    vocab, h = any_w.shape
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    points = []
+    for r in row_counts:
+        x = torch.randn(r, h, generator=gen).to(device=any_w.device, dtype=any_w.dtype)
+        for name, w in layouts.items():
+            row = sample_meta("head", shape=f"{name}:{r}x{h}x{vocab}", batch=r, flops=2.0 * r * h * vocab, **meta)
+            points.append(Point(row, lambda x=x, w=w: F.linear(x, w)))
+    return points
+
+
+def head_point_of(shape: str) -> tuple[str, int]:
+    """(layout, rows) of a :func:`head_product_points` sample's shape."""
+    layout, dims = shape.split(":")
+    return layout, int(dims.split("x")[0])
+
+
 def head_layout_seconds(layouts: dict[str, torch.Tensor], rows: int, repeats: int = 3) -> dict[str, float]:
-    """Fastest of ``repeats`` timed logits products of ``rows`` rows in each of ``layouts``.
+    """Fastest of ``repeats`` timed logits products of ``rows`` rows in each of ``layouts``, with
+    the profiler's harness (warm-up, passes in shuffled order, so that drift hits every layout).
 
     Which layout is faster depends on the shape and the row count, so it is measured, not
     assumed: on the project's VM (1 thread) the transposed one is 1.7x faster for one row of every
     shape tried, 1.2-1.6x for 4-64 rows of a 768- or 1024-wide head, and 0.8-0.9x for 4-64 rows
-    of SmolLM2's 576-wide one. The layouts are timed in turn, so that drift hits all of them.
+    of SmolLM2's 576-wide one.
     """
-    import time
+    from xprofiler.samples import run_points, summarize_by, wall_clock
 
-    any_w = next(iter(layouts.values()))
-    x = torch.randn(rows, any_w.shape[1], dtype=any_w.dtype, device=any_w.device)
-    best = dict.fromkeys(layouts, float("inf"))
     with torch.inference_mode():
-        for trial in range(repeats + 1):  # the first round warms up
-            for name, w in layouts.items():
-                t0 = time.perf_counter()
-                F.linear(x, w)
-                if trial:
-                    best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+        samples = run_points(head_product_points(layouts, [rows]), wall_clock, passes=repeats)
+    best = summarize_by(samples, "shape", lambda r: r["time_s"] / r["count"], stat="min")
+    return {head_point_of(shape)[0]: t for shape, t in best.items()}
 
 
 def cpu_head_layout(spec: ModelSpec, head_w: Weights, rows: int) -> Weights:

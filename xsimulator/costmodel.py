@@ -560,10 +560,8 @@ class CostModel:
             # LM head GEMM is neither purely compute- nor memory-bound: for opt-125m (1 thread)
             # 2/4/8/16/32 rows took 30/36/44/55/86 ms, which the *sum* of the two roofs tracks
             # within ~10% after one calibration factor, while their max is flat up to 16 rows
-            # (and made calibrated predictions of jobs with few active rows slow).
-            # (Those times are of the row-major matrix; the runner keeps the faster of it and its
-            # transpose, xrunner.model.cpu_head_layout, and the transposed one is up to 1.7x faster
-            # for most shapes, which is why a measured HeadFit is preferred.)
+            # (and made calibrated predictions of jobs with few active rows slow). Those times are
+            # of the row-major matrix; the runner's layout is often up to 1.7x faster, hence HeadFit.
             gemm = head_flops / prof.mm_flops + head_bytes / prof.mem_bytes_per_s
             # One row is a matrix-vector product, a different kernel: it reads the weight once at
             # the memory roof (which the profiler measures on exactly such a product), about half
