@@ -695,3 +695,42 @@ def test_cpu_host_moves_weight_records_without_a_cpu_relay(tmp_path, llama):
         assert ("cpu", "weight_relay") not in eng.ledger.by_name
         assert eng.ledger.by_name["gpu", "head_layout"] == 0  # the LM head's transposed copy: accounted, then gone
     assert got == want == again
+
+
+def test_a_new_gbs_times_the_lm_head_layout_again_when_its_copy_fits_the_new_plan(tmp_path, monkeypatch):
+    """The LM head's faster layout depends on the rows multiplied (on the project's VM SmolLM2's
+    head is faster transposed for 1-3 rows and row-major for more), so a reconfiguration to another
+    gbs times the layouts again while its buffers are freed: with the weights off the gpu tier the
+    copy fits the new plan and the head switches, outputs unchanged and the change's peak within
+    the plan; with every weight on the gpu tier it does not fit, and the layout is kept."""
+    import xrunner.model as model_core
+
+    spec = replace(LLAMA, vocab_size=8192)  # a head larger than the layers, as in small real models
+    src = RandomSource(spec, seed=3)
+    reqs = make_requests(5, seed=1, vocab=spec.vocab_size)
+    want = reference(load_weights(src), reqs)
+    timed_rows = []
+
+    def fake_seconds(layouts, rows, repeats=3):  # transposed faster for up to 2 rows, row-major above
+        timed_rows.append(rows)
+        return {"transposed": 1.0, "rows": 2.0 if rows <= 2 else 0.5}
+
+    monkeypatch.setattr(model_core, "head_layout_seconds", fake_seconds)
+    for wg, fits in ((0.0, True), (1.0, False)):
+        timed_rows.clear()
+        small = Policy(gbs=2, nb=2, wg=wg, wc=1.0 - wg)
+        got: dict[str, list[int]] = {}
+        with Engine(src, small, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
+                    device="cpu") as eng:
+            assert timed_rows == [2] and model_core.head_layout_of(eng.head["lm_head.weight"]) == "transposed"
+            same = eng.reconfigure(replace(small, nb=3), reason="same gbs")
+            assert not same.head_retimed and timed_rows == [2]
+            rec = eng.reconfigure(replace(small, gbs=4), reason="more rows")
+            assert rec.head_retimed == fits and timed_rows == ([2, 4] if fits else [2])
+            assert rec.head_layout == ("rows" if fits else "transposed")
+            assert model_core.head_layout_of(eng.head["lm_head.weight"]) == rec.head_layout
+            assert rec.transition_peak_bytes["gpu"] <= rec.planned_peak_bytes["gpu"] + 1e-6
+            assert eng.ledger.by_name["gpu", "head_layout"] == 0
+            stats = eng.run(reqs, on_finished=lambda fs: got.update({f.id: list(f.output_ids) for f in fs}))
+            assert stats.peak_bytes["gpu"] <= stats.planned_peak_bytes["gpu"] + 1e-6
+        assert got == want, wg

@@ -41,8 +41,8 @@ from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, KV_CLIP
                                  dequantize, gptq_quantize, hadamard, quantize, rotate_groups)
 from xrunner.gptq import GPTQCalibration, scratch_bytes as calibration_scratch_bytes
 from xrunner.loaders import ModelSource
-from xrunner.model import (attention, attn_in, attn_out_mlp, cpu_head_layout, embed, final_logits, rope_tables,
-                           torch_dtype)
+from xrunner.model import (attention, attn_in, attn_out_mlp, cpu_head_layout, embed, final_logits, head_layout_of,
+                           lm_head_name, rope_tables, torch_dtype)
 from xrunner.sampling import SamplingParams, sample
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
 from xsched.errors import UserError
@@ -120,6 +120,8 @@ class Reconfiguration:
     transition_peak_bytes: dict[str, int] = field(default_factory=dict)  # measured peak per tier during the change
     capacity_bytes: dict[str, float] | None = None  # the budget checked (None: unchecked)
     peak_before_bytes: dict[str, int] = field(default_factory=dict)  # measured peak per tier under the old policy
+    head_layout: str = ""  # the LM head matrix's layout after the change (xrunner.model.head_layout_of)
+    head_retimed: bool = False  # the layouts were timed again at the new gbs (a CPU host with room for the copy)
 
 
 HookAnswer = tuple[Policy, str] | tuple[Policy, str, Mapping[str, float]] | None
@@ -554,10 +556,7 @@ class Engine:
 
         # Head weights (always on the gpu tier), then every layer into its home tier.
         self.head = {k: st.adopt("gpu", "head_weights", v.to(self.device)) for k, v in self.source.load_head().items()}
-        # On a CPU the LM head takes the layout its GEMM of gbs rows runs fastest in, measured with
-        # one more copy for a moment (none on CUDA). A reconfiguration to another gbs keeps it.
-        with self.ledger.transient("gpu", "head_layout", head_layout_bytes(spec, self.profile.compute_device, p.gbs)):
-            self.head = cpu_head_layout(spec, self.head, p.gbs)
+        self._choose_head_layout(p.gbs)
         self.w_relays = [self._new_relay() for _ in range(self._relay_count(self.layer_tier))]
         self.w_home: list[torch.Tensor | DiskSlice] = [self._new_home(t) for t in self.layer_tier]
         self._bufs: list[tuple[str, str, Any]] = []
@@ -568,6 +567,17 @@ class Engine:
         self.generator = self.sampling.generator(self.device) if not self.sampling.greedy else None
         self._set_overlap(p.overlap)
         self._reset_fetch_state()
+
+    def _choose_head_layout(self, gbs: int, room_bytes: float | None = None) -> bool:
+        """On a CPU, put the LM head in the layout its GEMM of ``gbs`` rows runs fastest in, timed
+        with one more copy for a moment (none on CUDA); skipped, returning False, when that copy
+        would take the gpu tier's live bytes over ``room_bytes``."""
+        need = head_layout_bytes(self.spec, self.profile.compute_device, gbs)
+        if need == 0 or (room_bytes is not None and self.ledger.live["gpu"] + need > room_bytes):
+            return False
+        with self.ledger.transient("gpu", "head_layout", need):
+            self.head = cpu_head_layout(self.spec, self.head, gbs)
+        return True
 
     def _new_relay(self) -> torch.Tensor:
         return self.store.empty("cpu", "weight_relay", (round_up(self.layout.nbytes),), torch.uint8)
@@ -883,6 +893,9 @@ class Engine:
                 self.w_relays.append(self._new_relay())
         if observe:
             self._observe_centers()
+        # The head's faster layout depends on the rows it multiplies: time it again at a new gbs
+        # while the buffers are freed, if its second copy fits the new plan (else keep the old one).
+        retimed = policy.gbs != old.gbs and self._choose_head_layout(policy.gbs, planned["gpu"])
         self.policy, self.rounded, self.planned_peak_bytes, self.capacity_bytes = policy, rounded, planned, caps
         self._alloc_buffers()
         self._set_overlap(policy.overlap)
@@ -894,11 +907,13 @@ class Engine:
                               planned_peak_bytes=dict(planned),
                               freed_bytes={t: self.ledger.freed_total[t] - freed_before[t] for t in TIERS},
                               transition_peak_bytes=transition, capacity_bytes=caps,
-                              peak_before_bytes=peak_before)
+                              peak_before_bytes=peak_before,
+                              head_layout=head_layout_of(self.head[lm_head_name(spec)]), head_retimed=retimed)
         self.reconfigurations.append(rec)
         marker = TraceMarker("reconfigure", at_s, {"reason": reason, "stall_s": rec.stall_s,
                                                    "moved_bytes": sum(moved.values()), "reloaded_bytes": reloaded,
-                                                   "old": old.to_dict(), "new": policy.to_dict()})
+                                                   "old": old.to_dict(), "new": policy.to_dict(),
+                                                   "head_layout": rec.head_layout, "head_retimed": retimed})
         with self._lock:
             self.markers.append(marker)
             if self.record_trace:

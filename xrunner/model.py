@@ -189,9 +189,14 @@ def lm_head_name(spec: ModelSpec) -> str:
 
 def head_layouts(matrix: torch.Tensor) -> dict[str, torch.Tensor]:
     """The LM head matrix (``[vocab, h]``) in each memory layout a logits product can read: ``rows``
-    (as stored, ``[vocab, h]`` in memory) and ``transposed`` (``[h, vocab]`` in memory, the same
-    ``[vocab, h]`` tensor to every caller)."""
-    return {"rows": matrix, "transposed": matrix.t().contiguous().t()}
+    (``[vocab, h]`` in memory) and ``transposed`` (``[h, vocab]`` in memory, the same ``[vocab, h]``
+    tensor to every caller). The layout ``matrix`` already has is itself, not a copy."""
+    return {"rows": matrix.contiguous(), "transposed": matrix.t().contiguous().t()}
+
+
+def head_layout_of(matrix: torch.Tensor) -> str:
+    """Which of :func:`head_layouts` ``matrix`` is in ("" for neither)."""
+    return "rows" if matrix.is_contiguous() else "transposed" if matrix.t().is_contiguous() else ""
 
 
 def head_product_points(layouts: dict[str, torch.Tensor], row_counts: Sequence[int], seed: int = 0,
@@ -243,11 +248,12 @@ def cpu_head_layout(spec: ModelSpec, head_w: Weights, rows: int) -> Weights:
     A decode step multiplies a few rows by the whole matrix, and torch's CPU GEMM streams it up to
     1.7x faster transposed for most shapes (:func:`head_layout_seconds`). The embedding lookup
     then reads strided rows, 0.3 ms for 32 tokens. Choosing holds a second copy of the matrix for
-    a moment (``CostModel.memory``: ``head_layout``).
+    a moment (``CostModel.memory``: ``head_layout``). ``head_w`` may hold either layout, so a
+    runner whose batch size changes can choose again.
     """
     name = lm_head_name(spec)
     w = head_w[name]
-    if w.device.type != "cpu" or w.dim() != 2 or w.stride() != (w.shape[1], 1):
+    if w.device.type != "cpu" or w.dim() != 2 or not head_layout_of(w):
         return head_w
     layouts = head_layouts(w)
     seconds = head_layout_seconds(layouts, rows)
