@@ -697,6 +697,31 @@ def test_cpu_host_moves_weight_records_without_a_cpu_relay(tmp_path, llama):
     assert got == want == again
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cpu_attention_of_a_half_precision_model_runs_in_float32_within_its_plan(tmp_path, dtype, monkeypatch):
+    """A half-precision model's CPU attention upcasts to float32 (CPU half kernels are slow and
+    the profile's CPU rates are float32): every delegated attention gets float32 inputs, the
+    greedy outputs equal those of the same model attending on the gpu tier, and the float32
+    copies stay within the planned cpu peak (``run_engine`` checks the peaks)."""
+    import xrunner.engine as engine_module
+
+    spec = replace(LLAMA, dtype=dtype)
+    src = RandomSource(spec, seed=3)
+    reqs = make_requests(6, seed=2, vocab=spec.vocab_size)
+    on_gpu, _ = run_engine(src, Policy(gbs=2, nb=2), reqs, tmp_path)
+    delegated = []
+
+    def recording(spec_, q, k, v, mask, causal):
+        if not causal:  # decode rows delegated to the CPU (prefill attention is causal)
+            delegated.append((q.dtype, k.dtype, v.dtype))
+        return attention(spec_, q, k, v, mask, causal=causal)
+
+    monkeypatch.setattr(engine_module, "attention", recording)
+    got, stats = run_engine(src, Policy(gbs=2, nb=2, cg=0.0, cc=1.0, cpu_attention=True), reqs, tmp_path)
+    assert delegated and set(delegated) == {(torch.float32,) * 3}
+    assert got == on_gpu and stats.busy_s["cpu_compute"] > 0
+
+
 def test_a_new_gbs_times_the_lm_head_layout_again_when_its_copy_fits_the_new_plan(tmp_path, monkeypatch):
     """The LM head's faster layout depends on the rows multiplied (on the project's VM SmolLM2's
     head is faster transposed for 1-3 rows and row-major for more), so a reconfiguration to another

@@ -334,6 +334,11 @@ class KVCodec:
 
 
 # --------------------------------------------------------------------------- helpers
+def _kv_time_dim(tier: str) -> int:
+    """The positions dimension of a tier's KV home tensor (``Engine._alloc_buffers``)."""
+    return 2 if tier == "gpu" else 1
+
+
 def _take(t: torch.Tensor, idx: Sequence[int], dim: int = 0) -> torch.Tensor:
     """Rows ``idx`` of ``t``: a view when they are a contiguous range, else a gather (a copy)."""
     if len(idx) and list(idx) == list(range(idx[0], idx[0] + len(idx))):
@@ -736,12 +741,16 @@ class Engine:
                 for tier, _s, n in self.cache_split:
                     if not n:
                         continue
+                    # Off the gpu tier a row's columns are positions-major (``[cap, hkv, ...]``), so a
+                    # span of positions is one contiguous piece: one DMA from pinned memory on CUDA
+                    # (a heads-major span is hkv strided pieces, which torch gathers through pageable
+                    # memory). The gpu tier is heads-major, as attention reads it.
                     if tier == "disk":
                         tiers[tier] = [self._region("kv_home", (n, cap, hkv) + rest, pdt)
                                        for rest, pdt in self.codec.rests]
                     else:
-                        tiers[tier] = [self._buf(tier, "kv_home", (n, hkv, cap) + rest, pdt)
-                                       for rest, pdt in self.codec.rests]
+                        shape = (n, hkv, cap) if tier == "gpu" else (n, cap, hkv)
+                        tiers[tier] = [self._buf(tier, "kv_home", shape + rest, pdt) for rest, pdt in self.codec.rests]
                 per_layer.append(tiers)
             self.kv_home.append(per_layer)
             acts: dict[str, Any] = {}
@@ -795,7 +804,8 @@ class Engine:
     def _set_overlap(self, overlap: bool) -> None:
         self.overlap = overlap
         if overlap and not self._pools:
-            self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"xsched-{n}") for n in ("weights", "load", "store")]
+            self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"xsched-{n}", initializer=self.store.mark_io_thread)
+                           for n in ("weights", "load", "store")]
         elif not overlap and self._pools:
             for pool in self._pools:
                 pool.shutdown(wait=True)
@@ -1018,6 +1028,7 @@ class Engine:
         t0 = time.perf_counter()
         w = self.layout.unpack(flat, self.w_dequant)
         if self.layout.compress:
+            self._sync()  # on CUDA the dequantization kernels are only queued
             self._busy("compute", "dequant_weights", t0, {"layer": layer})
         return w
 
@@ -1063,7 +1074,7 @@ class Engine:
                 for k, r in enumerate(rows):
                     if tier == "cpu":
                         if not self.policy.cpu_attention:
-                            st.copy(Ref("gpu", stage[k0 + k, :, :c - b]), Ref("cpu", home[r, :, b:c]))
+                            st.copy(Ref("gpu", stage[k0 + k, :, :c - b].transpose(0, 1)), Ref("cpu", home[r, b:c]))
                     elif self.policy.cpu_attention:  # CPU attention reads the context in the relay
                         st.copy(Ref("cpu", self.kv_relay[0][part][k][:c - b]), Ref("disk", home.row(r).span(b, c)))
                     else:
@@ -1096,7 +1107,7 @@ class Engine:
                         continue
                     src = self.kv_stage[slot][part][k0 + k, :, src_col:src_col + width]
                     if tier == "cpu":
-                        st.copy(Ref("cpu", home[r, :, c0:c0 + width]), Ref("gpu", src))
+                        st.copy(Ref("cpu", home[r, c0:c0 + width]), Ref("gpu", src.transpose(0, 1)))
                     else:
                         st.copy(Ref("disk", home.row(r).span(c0, c0 + width)), Ref("gpu", src.transpose(0, 1)),
                                 relay=self.kv_relay[1][part][k])
@@ -1131,14 +1142,18 @@ class Engine:
                 self.act_stage[slot][k0:k0 + len(rows), :t] = src
                 k0 += len(rows)
 
-    def _put_cols(self, parts: list[torch.Tensor], rows: list[int], c0: int, new: list[torch.Tensor]) -> None:
+    def _put_cols(self, parts: list[torch.Tensor], rows: list[int], c0: int, new: list[torch.Tensor],
+                  tier: str = "gpu") -> None:
+        """Write ``new`` (``[rows, hkv, width, ...]``) at positions ``c0:`` of ``rows`` of a tier's
+        KV home (positions-major off the gpu tier: ``_alloc_buffers``)."""
         for dst, src in zip(parts, new):
+            if tier != "gpu":
+                src = src.transpose(1, 2)
+            view = dst.narrow(_kv_time_dim(tier), c0, src.shape[_kv_time_dim(tier)])
             if rows == list(range(rows[0], rows[0] + len(rows))):
-                dst[rows[0]:rows[0] + len(rows), :, c0:c0 + src.shape[2]] = src
+                view[rows[0]:rows[0] + len(rows)] = src
             else:
-                idx = torch.tensor(rows, device=dst.device)
-                view = dst[:, :, c0:c0 + src.shape[2]]
-                view.index_copy_(0, idx, src.to(dst.device))
+                view.index_copy_(0, torch.tensor(rows, device=dst.device), src.to(dst.device))
 
     def _compute(self, layer: int, work: _Work, w: dict[str, torch.Tensor], slot: int, decode: bool,
                  last: bool) -> torch.Tensor | None:
@@ -1237,8 +1252,8 @@ class Engine:
             st.copy(Ref("cpu", dst), Ref("gpu", src))
         t0 = time.perf_counter()
         if tier == "cpu":
-            self._put_cols(homes["cpu"], rows, c, newc)
-            kk, vv = [_take(part[:, :, b:c + 1], rows) for part in homes["cpu"]]
+            self._put_cols(homes["cpu"], rows, c, newc, tier="cpu")
+            kk, vv = [_take(part[:, b:c + 1].transpose(1, 2), rows) for part in homes["cpu"]]
         else:  # disk rows: the load queue read their context into the load relay
             if self._item >= 1:
                 self._store_done[self._item - 1].result()  # the store relay is free again
@@ -1250,9 +1265,14 @@ class Engine:
                 ctx.append(relay[:, :T1].transpose(1, 2))
             kk, vv = ctx
         mask = _take(work.cpu_mask, pos)
+        # Half precision attends in float32 on the CPU (as FlexGen does): CPU half kernels are slow,
+        # and the profile's CPU rates are float32 ones.
+        up = qc.dtype in (torch.float16, torch.bfloat16)
         with led.transient("cpu", "cpu_attention", 2 * nbytes_of(qc) + nbytes_of(*newc) + (
-                nbytes_of(kk, vv) if not kk.is_contiguous() or tier == "disk" else 0)):
-            out = attention(spec, qc, kk, vv, None if bool(mask.all()) else mask, causal=False)
+                nbytes_of(kk, vv) if not kk.is_contiguous() or tier == "disk" else 0)
+                + (4 * (qc.numel() + kk.numel() + vv.numel()) if up else 0)):
+            args = [x.float() for x in (qc, kk, vv)] if up else [qc, kk, vv]
+            out = attention(spec, *args, None if bool(mask.all()) else mask, causal=False).to(qc.dtype)
         cpu_s = time.perf_counter() - t0
         self._busy("cpu_compute", "cpu_attention", t0, {"batch": work.batch, "rows": len(rows)})
         res = torch.empty(out.shape, dtype=out.dtype, device=self.device)
@@ -1261,8 +1281,10 @@ class Engine:
         return cpu_s
 
     def _sync(self) -> None:
+        """Wait for the compute stream's kernels (not the copy streams': their own tasks wait for
+        those), so that a compute event's end is when its kernels ended."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     # ----------------------------------------------------------------- the one loop
     def _step(self, works: list[_Work], decode: bool) -> list[torch.Tensor]:
@@ -1340,6 +1362,7 @@ class Engine:
                                    self.spec.vocab_size * 4):
             t0 = time.perf_counter()
             logits = final_logits(self.spec, self.head, hidden_last)
+            self._sync()
             self._busy("compute", "head", t0, {})
             return logits
 
@@ -1524,9 +1547,10 @@ class Engine:
                             self.store.copy(Ref("cpu", relay), Ref("disk", home.row(r).span(b, e)))
                             self.store.copy(Ref("disk", home.row(r).span(0, T)), Ref("cpu", relay))
                     else:
+                        d = _kv_time_dim(tier)
                         for s in range(0, T, b):  # chunks of width <= b never overlap their source
                             w = min(b, T - s)
-                            home[:, :, s:s + w] = home[:, :, b + s:b + s + w]
+                            home.narrow(d, s, w).copy_(home.narrow(d, b + s, w))
         batch.mask[:, :T] = batch.mask[:, b:e].clone()
         batch.mask[:, T:] = False
         for r in batch.rows:

@@ -119,7 +119,7 @@ def machine_capacity_bytes(device: str, offload_dir: str | Path) -> dict[str, fl
     if device.startswith("cuda"):
         import torch
 
-        gpu = float(torch.cuda.mem_get_info()[0])
+        gpu = float(torch.cuda.mem_get_info(torch.device(device))[0])  # of the device the run uses
     else:
         gpu = ram
     return {"gpu": gpu, "cpu": ram, "disk": float(shutil.disk_usage(offload_dir).free)}

@@ -145,8 +145,8 @@ class TierStore:
         self._keep: dict[int, np.ndarray] = {}  # data pointer -> numpy owner of an aligned cpu buffer
         self._free: dict[str, list[tuple[int, int]]] = {}  # per offload file: free (offset, size), sorted
         self._allocated: dict[str, int] = {}  # bytes fallocated per offload file
-        self.streams = ({ch: torch.cuda.Stream(device) for ch in ("ctog", "gtoc")} if self.cuda else {})
         self._deferred = threading.local()  # per thread: writes awaiting one fdatasync (deferred_sync)
+        self._thread = threading.local()  # per thread: its CUDA copy streams, and whether it is an I/O thread
 
     # ----------------------------------------------------------------- allocation
     def empty(self, tier: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -275,12 +275,30 @@ class TierStore:
             return
         self._copy_tensor(dst.data, dst.tier, src.data, src.tier)
 
+    def mark_io_thread(self) -> None:
+        """Declare the calling thread an I/O queue's (a pool initializer). Its copies do not wait for
+        the kernels queued on the compute stream: the engine hands it only data whose producer has
+        synchronised and slots whose last reader has, so waiting would only serialise the copy
+        behind compute it should overlap."""
+        self._thread.io = True
+
+    def _stream(self, channel: str) -> "torch.cuda.Stream":
+        """This thread's copy stream for ``channel``: threads never share one, so a compute-thread
+        copy (CPU attention) does not queue behind an I/O thread's whole-layer prefetch."""
+        streams = getattr(self._thread, "streams", None)
+        if streams is None:
+            streams = self._thread.streams = {}
+        if channel not in streams:
+            streams[channel] = torch.cuda.Stream(self.device)
+        return streams[channel]
+
     def _copy_tensor(self, dst: torch.Tensor, dst_tier: str, src: torch.Tensor, src_tier: str) -> None:
         channel = {("cpu", "gpu"): "ctog", ("gpu", "cpu"): "gtoc"}.get((src_tier, dst_tier))
         t0 = time.perf_counter()
         if self.cuda and channel is not None:
-            stream = self.streams[channel]
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # producer kernels first
+            stream = self._stream(channel)
+            if not getattr(self._thread, "io", False):  # the compute thread: its queued kernels first
+                stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
             stream.synchronize()

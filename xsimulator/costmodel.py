@@ -618,6 +618,7 @@ class CostModel:
           ``kv_relay``       disk-resident KV rows of one batch in each direction
           ``act_relay``      disk-resident hidden states of one batch in each direction
           transient ``cpu_attention``: scores and expanded K/V of the offloaded rows
+                             (float32 for a half-precision model)
           transient ``layer_load``: while the weights are loaded, one layer as the source gives it
                              and its packing scratch (:func:`layer_load_bytes`)
         disk tier
@@ -671,7 +672,10 @@ class CostModel:
             "kv_relay": p["cd"] * (2 * gbs * kv_row),
             "act_relay": p["hd"] * (2 * gbs * act_row),
         }
-        cpu_tr = {"cpu_attention": (p["cc"] + p["cd"]) * float(decode_attn if self.cpu_attention else 0),
+        # CPU attention of a half-precision model runs in float32, beside its half inputs.
+        cpu_attn = (decode_attn if dt >= 4 else
+                    gbs * (4 * (2 * q + 2 * ctx * q + 2 * heads * ctx) + dt * (q + 2 * ctx * kvd)))
+        cpu_tr = {"cpu_attention": (p["cc"] + p["cd"]) * float(cpu_attn if self.cpu_attention else 0),
                   "layer_load": layer_load_bytes(spec, self.compress_weight, self.profile.compute_device == "cuda",
                                                  w_layer)}
         disk_res = {
