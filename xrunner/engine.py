@@ -190,8 +190,7 @@ class WeightLayout:
         self.nbytes = off
 
     def _view(self, flat: torch.Tensor, p: _Part) -> torch.Tensor:
-        size = torch.empty((), dtype=p.dtype).element_size()
-        return flat[p.offset:p.offset + math.prod(p.shape) * size].view(p.dtype).view(p.shape)
+        return flat[p.offset:p.offset + math.prod(p.shape) * p.dtype.itemsize].view(p.dtype).view(p.shape)
 
     def quantize_tensor(self, name: str, x: torch.Tensor, hessian: torch.Tensor | None = None) -> QuantizedTensor:
         """The stored 4-bit form of 2-D weight ``name`` (rows rotated if it is in ``rotated``);
@@ -344,6 +343,13 @@ def _take(t: torch.Tensor, idx: Sequence[int], dim: int = 0) -> torch.Tensor:
     if len(idx) and list(idx) == list(range(idx[0], idx[0] + len(idx))):
         return t.narrow(dim, idx[0], len(idx))
     return t.index_select(dim, torch.tensor(list(idx), dtype=torch.long, device=t.device))
+
+
+def _done() -> Future:
+    """A future that has already completed (a task with nothing to do)."""
+    fut: Future = Future()
+    fut.set_result(None)
+    return fut
 
 
 def _settle(fut: Future, error: BaseException | None) -> None:
@@ -967,10 +973,8 @@ class Engine:
         """Run ``fn`` on I/O queue ``queue`` (0 weights, 1 loads, 2 stores), or inline without overlap."""
         if self.overlap:
             return self._pools[queue].submit(fn)
-        fut: Future = Future()
         fn()
-        fut.set_result(None)
-        return fut
+        return _done()
 
     # ----------------------------------------------------------------- weights
     def _fetch(self, layer: int, slot: int) -> None:
@@ -1297,6 +1301,10 @@ class Engine:
         """
         L, nb = self.spec.num_layers, len(works)
         items = [(l, i) for l in range(L) for i in range(nb)]
+        # A batch with every row's KV and hidden state on the gpu tier loads and stores nothing:
+        # its tasks are not queued, so its compute does not wait on two thread hand-offs.
+        moves = [bool(self._offloaded(self.act_split, w.slots) or self._offloaded(self.cache_split, w.slots))
+                 for w in works]
         store_done = [Future() for _ in items]
         compute_done = [threading.Event() for _ in items]
         self._store_done, self._item = store_done, 0
@@ -1336,16 +1344,19 @@ class Engine:
                     w = self._weights(l)
                     self._prefetch((l + 1) % L)
                 if j not in loads:
-                    loads[j] = self._submit(1, load_task(j))
+                    loads[j] = self._submit(1, load_task(j)) if moves[i] else _done()
                 if self.overlap and j + 1 < len(items):
-                    loads[j + 1] = self._submit(1, load_task(j + 1))
+                    loads[j + 1] = self._submit(1, load_task(j + 1)) if moves[items[j + 1][1]] else _done()
                 loads.pop(j).result()
                 self._item = j
                 out = self._compute(l, works[i], w, j % 2, decode, last=l == L - 1)
                 compute_done[j].set()
                 if out is not None:
                     logits[i] = self._head(out)
-                self._submit(2, store_task(j))
+                if moves[i]:
+                    self._submit(2, store_task(j))
+                else:
+                    _settle(store_done[j], None)
             for f in store_done:
                 f.result()
             for f in loads.values():
