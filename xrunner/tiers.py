@@ -145,8 +145,9 @@ class TierStore:
         self._keep: dict[int, np.ndarray] = {}  # data pointer -> numpy owner of an aligned cpu buffer
         self._free: dict[str, list[tuple[int, int]]] = {}  # per offload file: free (offset, size), sorted
         self._allocated: dict[str, int] = {}  # bytes fallocated per offload file
-        self._deferred = threading.local()  # per thread: writes awaiting one fdatasync (deferred_sync)
-        self._thread = threading.local()  # per thread: its CUDA copy streams, and whether it is an I/O thread
+        # Per thread: writes awaiting one fdatasync (deferred_sync), its CUDA copy streams, and
+        # whether it is an I/O queue's thread (mark_io_thread).
+        self._thread = threading.local()
 
     # ----------------------------------------------------------------- allocation
     def empty(self, tier: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -285,9 +286,7 @@ class TierStore:
     def _stream(self, channel: str) -> "torch.cuda.Stream":
         """This thread's copy stream for ``channel``: threads never share one, so a compute-thread
         copy (CPU attention) does not queue behind an I/O thread's whole-layer prefetch."""
-        streams = getattr(self._thread, "streams", None)
-        if streams is None:
-            streams = self._thread.streams = {}
+        streams = self._thread.__dict__.setdefault("streams", {})
         if channel not in streams:
             streams[channel] = torch.cuda.Stream(self.device)
         return streams[channel]
@@ -339,7 +338,7 @@ class TierStore:
         """One disk transfer (``dtoc`` reads into, ``ctod`` writes from ``buf_tensor``), timed."""
         buf = _numpy_bytes(buf_tensor)
         n = round_up(ds.nbytes) if ds.file.method == "o_direct" else ds.nbytes
-        pending = getattr(self._deferred, "writes", None)
+        pending = getattr(self._thread, "writes", None)
         t0 = time.perf_counter()
         if channel == "dtoc":
             ds.file.read_into(buf[:n], ds.offset)
@@ -359,15 +358,15 @@ class TierStore:
         each (about 0.25 ms on the VM this was built on) made disk-tier rows latency-bound. The
         data is still on the device, and out of the page cache, when the block returns.
         """
-        outer = getattr(self._deferred, "writes", None)
+        outer = getattr(self._thread, "writes", None)
         if outer is not None:  # nested: the outer block flushes
             yield
             return
-        self._deferred.writes = pending = {}
+        self._thread.writes = pending = {}
         try:
             yield
         finally:
-            self._deferred.writes = None
+            self._thread.writes = None
             t0 = time.perf_counter()
             for f, ranges in pending.values():
                 f.flush(ranges)

@@ -653,7 +653,10 @@ class CostModel:
             "act_stage": (p["hc"] + p["hd"]) * (2 * gbs * act_row),
         }
         prefill_attn = gbs * dt * (2 * s * q + 2 * s * q + 2 * heads * s * s)
-        decode_attn = gbs * dt * (2 * q + 2 * ctx * q + 2 * heads * ctx)
+        def decode_attn_bytes(elem: float) -> float:  # one step's query, expanded K/V and scores
+            return gbs * elem * (2 * q + 2 * ctx * q + 2 * heads * ctx)
+
+        decode_attn = decode_attn_bytes(dt)
         gpu_tr = {
             "qkv": float(gbs * s * (h + q + 2 * kvd) * dt),
             "attention": float(prefill_attn),
@@ -673,8 +676,7 @@ class CostModel:
             "act_relay": p["hd"] * (2 * gbs * act_row),
         }
         # CPU attention of a half-precision model runs in float32, beside its half inputs.
-        cpu_attn = (decode_attn if dt >= 4 else
-                    gbs * (4 * (2 * q + 2 * ctx * q + 2 * heads * ctx) + dt * (q + 2 * ctx * kvd)))
+        cpu_attn = decode_attn if dt >= 4 else decode_attn_bytes(4) + gbs * dt * (q + 2 * ctx * kvd)
         cpu_tr = {"cpu_attention": (p["cc"] + p["cd"]) * float(cpu_attn if self.cpu_attention else 0),
                   "layer_load": layer_load_bytes(spec, self.compress_weight, self.profile.compute_device == "cuda",
                                                  w_layer)}
