@@ -67,7 +67,8 @@ def main() -> int:
     ap.add_argument("--calibrated", default=None, help="calibrated profile to use (default: run calibrate first)")
     ap.add_argument("--model", default="opt-125m", help="registry model (random weights)")
     ap.add_argument("--requests", type=int, default=24, help="requests per run (default 24)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each plan; medians are compared (default 2)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each plan; medians are compared (default 3, so one stalled run does not move it)")
     ap.add_argument("--fixed", default="fixed:32:16", help="the fixed workload")
     ap.add_argument("--dist", default="C1@0.125", help="the distribution workload (preset@scale)")
     ap.add_argument("--plans", default=",".join(PLANS), help="comma-separated subset of the plans")

@@ -134,6 +134,14 @@ def test_run_result_percentiles_match_the_simulator_and_round_trip():
     assert (r.throughput_tokens_per_s, r.total_throughput_tokens_per_s, r.padded_throughput_tokens_per_s) == (50, 80, 90)
     assert r.fits and RunResult.from_json(r.to_json()) == r
     assert "measured" in r.describe() and "predicted" in r.describe()
+    assert r.device_reserved_peak_bytes is None and "reserved" not in r.describe()
+    # A CUDA run also carries the caching allocator's peak, which the tier ledger does not see.
+    stats.device_reserved_peak_bytes = 3 * 2**30
+    g = build_run_result(model="m", policy=Policy(gbs=4, nb=2), device="cuda:0", dtype="float16", stats=stats,
+                         latencies_s=lat, num_stopped_on_eos=3, num_skipped=2, capacity_bytes={"gpu": 1e9},
+                         max_prompt=8, max_output=9, predicted=None)
+    assert g.device_reserved_peak_bytes == 3 * 2**30 and RunResult.from_json(g.to_json()) == g
+    assert "gpu reserved GiB" in g.describe() and "3.000" in g.describe()
 
 
 # ----------------------------------------------------------------------------- CLI errors

@@ -91,6 +91,9 @@ class EngineStats:
     reconfigurations: list["Reconfiguration"] = field(default_factory=list)  # applied during this run
     # Measured peak per tier since the last reconfiguration finished (the whole run when there was none).
     peak_bytes_since_change: dict[str, int] = field(default_factory=dict)
+    # CUDA only: torch's caching allocator's peak reserved bytes during the run (None elsewhere). The
+    # ledger counts what the engine allocates; this adds what the allocator kept around it.
+    device_reserved_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -1392,6 +1395,8 @@ class Engine:
         if self._closed:
             raise RuntimeError("engine is closed")
         queue = _Queue(requests)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._t0 = time.perf_counter()
         with self._lock:
             self.busy_s = {r: 0.0 for r in RESOURCES}
@@ -1444,6 +1449,8 @@ class Engine:
         s.wall_s = self._clock()
         s.peak_bytes = dict(self.ledger.peak)
         s.peak_bytes_since_change = dict(self.ledger.window_peak)
+        if self.device.type == "cuda":
+            s.device_reserved_peak_bytes = int(torch.cuda.max_memory_reserved(self.device))
         s.busy_s = dict(self.busy_s)
         s.events = list(self.events)
         s.markers = list(self.markers)

@@ -78,6 +78,9 @@ class RunResult(Contract):
     max_output: int
     predicted: SimResult | None = None  # the plan's prediction, if the run came from a plan
     adaptations: tuple[Adaptation, ...] = ()  # policy changes between blocks (xsched run --adapt/--budget-file)
+    # CUDA runs: the caching allocator's peak reserved bytes (torch.cuda.max_memory_reserved), which
+    # peak_bytes["gpu"] (the engine's own allocations) does not see; None on other devices.
+    device_reserved_peak_bytes: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -114,6 +117,8 @@ class RunResult(Contract):
         for tier in TIERS:
             rows.append((f"peak {tier} GiB", num(self.peak_bytes.get(tier, 0.0) / gib, ",.3f"),
                          num(p and p.peak_bytes.get(tier, 0.0) / gib, ",.3f")))
+        if self.device_reserved_peak_bytes is not None:
+            rows.append(("gpu reserved GiB", num(self.device_reserved_peak_bytes / gib, ",.3f"), "-"))
         pb = self.predicted_busy_s()
         for track, secs in self.busy_s.items():
             if secs > 0 or (pb and pb.get(track, 0.0) > 0):
@@ -173,4 +178,6 @@ def build_run_result(*, model: str, policy: Policy, device: str, dtype: str, sta
         capacity_bytes={t: float(capacity_bytes.get(t, 0.0)) for t in TIERS},
         busy_s={k: float(v) for k, v in stats.busy_s.items()},
         num_prefill_steps=int(stats.num_prefill_steps), num_decode_steps=int(stats.num_decode_steps),
-        max_prompt=max_prompt, max_output=max_output, predicted=predicted)
+        max_prompt=max_prompt, max_output=max_output, predicted=predicted,
+        device_reserved_peak_bytes=None if getattr(stats, "device_reserved_peak_bytes", None) is None
+        else float(stats.device_reserved_peak_bytes))
