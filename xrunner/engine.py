@@ -828,6 +828,9 @@ class Engine:
         self._current_layer = -1
         self._store_done: list[Future] = []
         self._item = 0
+        # Views of plain layers kept on the gpu tier, made once: their homes do not move between
+        # reconfigurations, which call this again.
+        self._home_views: dict[int, dict[str, torch.Tensor]] = {}
 
     # ----------------------------------------------------------------- adapting mid-job
     def reconfigure(self, policy: Policy, reason: str = "",
@@ -1020,6 +1023,11 @@ class Engine:
         """Layer ``layer``'s weights on the gpu tier: its home, or a stage slot (fetched now if needed)."""
         if self.layer_tier[layer] == "gpu":
             flat = self.w_home[layer]
+            if not self.layout.compress:
+                views = self._home_views.get(layer)
+                if views is None:
+                    views = self._home_views[layer] = self.layout.unpack(flat, None)
+                return views
         else:
             if layer not in self.w_slot_layer:
                 self._current_layer = -1  # nothing computes between layers: any slot may be reused

@@ -180,10 +180,11 @@ class TierStore:
         return t
 
     def release(self, tier: str, name: str, t: torch.Tensor) -> None:
-        """Un-account ``t``; a cpu buffer from :meth:`empty` is also unpinned and dropped here, so its
-        memory goes back to the OS once the caller's references are gone (a reconfiguration)."""
+        """Un-account ``t``; a host buffer from :meth:`empty` (the cpu tier, and the gpu tier on a host
+        without CUDA) is also unpinned and dropped here, so its memory goes back to the OS once the
+        caller's references are gone (a reconfiguration)."""
         self.ledger.sub(tier, name, nbytes_of(t))
-        if tier == "cpu" and t.device.type == "cpu":
+        if t.device.type == "cpu":
             buf = self._keep.pop(t.data_ptr(), None)
             if buf is not None and self.cuda and buf.ctypes.data in self._registered:
                 torch.cuda.cudart().cudaHostUnregister(buf.ctypes.data)
