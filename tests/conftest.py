@@ -32,3 +32,14 @@ def tiny_dir(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w2").save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _host_without_cuda_unless_marked(request, monkeypatch):
+    """Tests not marked ``cuda`` check the CPU host's paths (a declared-RAM gpu tier, O_DIRECT
+    straight into stage slots, the CPU LM-head layout) and compare with CPU references, so on a
+    machine with a GPU they still see none; the ``cuda`` tests run the same contracts on the device."""
+    if request.node.get_closest_marker("cuda") is None:
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
