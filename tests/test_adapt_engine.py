@@ -135,10 +135,12 @@ def test_only_changed_layers_move_and_the_ledger_frees_what_left(job, tmp_path):
         assert stats.peak_bytes_since_change[tier] <= rec.planned_peak_bytes[tier]
 
 
-@pytest.mark.parametrize("policy", [Policy(gbs=2, nb=2, wg=0.67, wc=0.33),
-                                    Policy(gbs=3, nb=1, wg=0.34, wd=0.66, hg=0.34, hc=0.33, hd=0.33)],
-                         ids=["layer-to-cpu", "layers-kv-activations-off-gpu"])
-def test_host_memory_follows_the_ledger_through_a_reconfiguration(job, tmp_path, policy):
+@pytest.mark.parametrize("start, policy", [
+    (Policy(gbs=2, nb=2, wg=1.0), Policy(gbs=2, nb=2, wg=0.67, wc=0.33)),
+    (Policy(gbs=2, nb=2, wg=1.0), Policy(gbs=3, nb=1, wg=0.34, wd=0.66, hg=0.34, hc=0.33, hd=0.33)),
+    (Policy(gbs=2, nb=2, wg=0.0, wc=0.34, wd=0.66), Policy(gbs=2, nb=2, wg=1.0)),
+], ids=["layer-to-cpu", "layers-kv-activations-off-gpu", "staged-layers-back-to-gpu"])
+def test_host_memory_follows_the_ledger_through_a_reconfiguration(job, tmp_path, start, policy):
     """What the ledger frees is really freed: on a host without CUDA the gpu tier is host memory
     too, and neither the store nor a view kept for compute may hold a buffer the ledger let go."""
     import gc
@@ -147,9 +149,9 @@ def test_host_memory_follows_the_ledger_through_a_reconfiguration(job, tmp_path,
     src, reqs, want = job
     tracemalloc.start()  # before the engine, so that its buffers' frees are traced too
     try:
-        with Engine(src, Policy(gbs=2, nb=2, wg=1.0), max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT,
+        with Engine(src, start, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT,
                     offload_dir=tmp_path, profile=PROFILE) as eng:
-            eng.run(reqs[:4])  # computes from every gpu-tier home
+            eng.run(reqs[:4])  # computes from every layer's buffer
             gc.collect()
             traced0, live0 = tracemalloc.get_traced_memory()[0], eng.ledger.live["gpu"] + eng.ledger.live["cpu"]
             eng.reconfigure(policy, "test change")

@@ -828,9 +828,9 @@ class Engine:
         self._current_layer = -1
         self._store_done: list[Future] = []
         self._item = 0
-        # Views of plain layers kept on the gpu tier, made once: their homes do not move between
-        # reconfigurations, which call this again.
-        self._home_views: dict[int, dict[str, torch.Tensor]] = {}
+        # Views of plain weights per buffer (a gpu-tier home, or a stage slot whatever layer it holds),
+        # made once: the buffers stay put until a reconfiguration, which calls this again.
+        self._views: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
     # ----------------------------------------------------------------- adapting mid-job
     def reconfigure(self, policy: Policy, reason: str = "",
@@ -1022,12 +1022,7 @@ class Engine:
     def _weights(self, layer: int) -> dict[str, torch.Tensor]:
         """Layer ``layer``'s weights on the gpu tier: its home, or a stage slot (fetched now if needed)."""
         if self.layer_tier[layer] == "gpu":
-            flat = self.w_home[layer]
-            if not self.layout.compress:
-                views = self._home_views.get(layer)
-                if views is None:
-                    views = self._home_views[layer] = self.layout.unpack(flat, None)
-                return views
+            flat, key = self.w_home[layer], ("home", layer)
         else:
             if layer not in self.w_slot_layer:
                 self._current_layer = -1  # nothing computes between layers: any slot may be reused
@@ -1036,10 +1031,16 @@ class Engine:
             fut = self._wfutures.pop(layer, None)
             if fut is not None:
                 fut.result()
-            flat = self.w_stage[self.w_slot_layer.index(layer)][:self.layout.nbytes]
+            slot = self.w_slot_layer.index(layer)
+            flat, key = self.w_stage[slot][:self.layout.nbytes], ("stage", slot)
             src = self._to_stage.pop(layer, None)
             if src is not None:
                 self.store.copy(Ref("gpu", flat), Ref("cpu", src))
+        if not self.layout.compress:  # plain weights are views at fixed offsets of their buffer
+            views = self._views.get(key)
+            if views is None:
+                views = self._views[key] = self.layout.unpack(flat, None)
+            return views
         t0 = time.perf_counter()
         w = self.layout.unpack(flat, self.w_dequant)
         if self.layout.compress:
