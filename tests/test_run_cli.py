@@ -124,7 +124,7 @@ def test_run_result_percentiles_match_the_simulator_and_round_trip():
     stats = SimpleNamespace(wall_s=10.0, generated_tokens=500, prompt_tokens=300, padded_prompt_tokens=400,
                             num_prefill_steps=3, num_decode_steps=40, peak_bytes={"gpu": 10, "cpu": 5, "disk": 0},
                             planned_peak_bytes={"gpu": 12.0, "cpu": 5.0, "disk": 0.0},
-                            busy_s={"compute": 8.0, "dtoc": 1.0})
+                            busy_s={"compute": 8.0, "dtoc": 1.0}, device_reserved_peak_bytes=None)
     r = build_run_result(model="m", policy=Policy(gbs=4, nb=2), device="cpu", dtype="float32", stats=stats,
                          latencies_s=lat, num_stopped_on_eos=3, num_skipped=2, capacity_bytes={"gpu": 1e9},
                          max_prompt=8, max_output=9, predicted=None)

@@ -1043,9 +1043,8 @@ class Engine:
             return views
         t0 = time.perf_counter()
         w = self.layout.unpack(flat, self.w_dequant)
-        if self.layout.compress:
-            self._sync()  # on CUDA the dequantization kernels are only queued
-            self._busy("compute", "dequant_weights", t0, {"layer": layer})
+        self._sync()  # on CUDA the dequantization kernels are only queued
+        self._busy("compute", "dequant_weights", t0, {"layer": layer})
         return w
 
     # ----------------------------------------------------------------- row groups
@@ -1323,8 +1322,11 @@ class Engine:
         loads: dict[int, Future] = {}
         logits: list[torch.Tensor | None] = [None] * nb
 
-        def load_task(j: int) -> Callable[[], None]:
+        def load(j: int) -> Future:
+            """Queue item ``j``'s load task (a done future for a batch with nothing to move)."""
             l, i = items[j]
+            if not moves[i]:
+                return _done()
 
             def run() -> None:
                 for dep in (j - 2, j - nb):
@@ -1333,10 +1335,14 @@ class Engine:
                 if self.policy.cpu_attention and j >= 1:
                     compute_done[j - 1].wait()  # CPU attention of item j-1 reads the load relay
                 self._load(l, works[i], j % 2, decode)
-            return run
+            return self._submit(1, run)
 
-        def store_task(j: int) -> Callable[[], None]:
+        def store(j: int) -> None:
+            """Queue item ``j``'s store task (``store_done[j]`` is settled at once if nothing moves)."""
             l, i = items[j]
+            if not moves[i]:
+                _settle(store_done[j], None)
+                return
 
             def run() -> None:
                 try:
@@ -1346,7 +1352,7 @@ class Engine:
                 except BaseException as exc:
                     _settle(store_done[j], exc)
                     raise
-            return run
+            self._submit(2, run)
 
         try:
             w: dict[str, torch.Tensor] = {}
@@ -1356,19 +1362,16 @@ class Engine:
                     w = self._weights(l)
                     self._prefetch((l + 1) % L)
                 if j not in loads:
-                    loads[j] = self._submit(1, load_task(j)) if moves[i] else _done()
+                    loads[j] = load(j)
                 if self.overlap and j + 1 < len(items):
-                    loads[j + 1] = self._submit(1, load_task(j + 1)) if moves[items[j + 1][1]] else _done()
+                    loads[j + 1] = load(j + 1)
                 loads.pop(j).result()
                 self._item = j
                 out = self._compute(l, works[i], w, j % 2, decode, last=l == L - 1)
                 compute_done[j].set()
                 if out is not None:
                     logits[i] = self._head(out)
-                if moves[i]:
-                    self._submit(2, store_task(j))
-                else:
-                    _settle(store_done[j], None)
+                store(j)
             for f in store_done:
                 f.result()
             for f in loads.values():

@@ -179,5 +179,5 @@ def build_run_result(*, model: str, policy: Policy, device: str, dtype: str, sta
         busy_s={k: float(v) for k, v in stats.busy_s.items()},
         num_prefill_steps=int(stats.num_prefill_steps), num_decode_steps=int(stats.num_decode_steps),
         max_prompt=max_prompt, max_output=max_output, predicted=predicted,
-        device_reserved_peak_bytes=None if getattr(stats, "device_reserved_peak_bytes", None) is None
+        device_reserved_peak_bytes=None if stats.device_reserved_peak_bytes is None
         else float(stats.device_reserved_peak_bytes))
