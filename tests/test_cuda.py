@@ -13,7 +13,7 @@ from test_engine import LLAMA, POLICIES, make_requests, reference, run_engine
 
 from xrunner.loaders import RandomSource, load_weights
 from xrunner.model import ModelWeights
-from xrunner.tiers import MemoryLedger, TierStore
+from xrunner.tiers import MemoryLedger, Ref, TierStore
 from xsimulator.policy import Policy
 
 pytestmark = [pytest.mark.cuda,
@@ -50,4 +50,27 @@ def test_cpu_tier_buffers_are_pinned_and_released_on_a_cuda_store():
     store.release("cpu", "kv_home", t)
     store.release("gpu", "kv_home", g)
     assert ledger.live == {"gpu": 0, "cpu": 0, "disk": 0}
+    store.close()
+
+
+def test_row_copies_in_a_deferred_block_are_complete_when_it_returns():
+    """Home <-> stage row copies inside ``deferred_sync`` share one stream synchronisation per
+    channel (one timed event each), and the data is in place when the block returns: the host
+    reads the cpu rows straight after it, with no synchronisation of its own."""
+    events = []
+    store = TierStore(torch.device("cuda"), None, MemoryLedger(), on_copy=lambda c, t0, t1, n: events.append((c, n)))
+    store.mark_io_thread()
+    rows, width = 16, 1 << 16
+    home = store.empty("cpu", "kv_home", (rows, width), torch.float32)
+    home.copy_(torch.randn(rows, width))
+    stage = store.empty("gpu", "kv_stage", (rows, width), torch.float32)
+    back = store.empty("cpu", "kv_home", (rows, width), torch.float32)
+    with store.deferred_sync():
+        for r in range(rows):
+            store.copy(Ref("gpu", stage[r]), Ref("cpu", home[r]))
+    with store.deferred_sync():
+        for r in range(rows):
+            store.copy(Ref("cpu", back[r]), Ref("gpu", stage[r]))
+    assert torch.equal(back, home)
+    assert events == [("ctog", rows * width * 4), ("gtoc", rows * width * 4)]
     store.close()

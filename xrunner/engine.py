@@ -1334,7 +1334,8 @@ class Engine:
                         store_done[dep].result()
                 if self.policy.cpu_attention and j >= 1:
                     compute_done[j - 1].wait()  # CPU attention of item j-1 reads the load relay
-                self._load(l, works[i], j % 2, decode)
+                with self.store.deferred_sync():
+                    self._load(l, works[i], j % 2, decode)
             return self._submit(1, run)
 
         def store(j: int) -> None:

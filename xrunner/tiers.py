@@ -275,7 +275,7 @@ class TierStore:
             self._copy_tensor(typed, "cpu", src.data, src.tier)
             self._write(dst.data, io)
             return
-        self._copy_tensor(dst.data, dst.tier, src.data, src.tier)
+        self._copy_tensor(dst.data, dst.tier, src.data, src.tier, defer=True)
 
     def mark_io_thread(self) -> None:
         """Declare the calling thread an I/O queue's (a pool initializer). Its copies do not wait for
@@ -292,7 +292,13 @@ class TierStore:
             streams[channel] = torch.cuda.Stream(self.device)
         return streams[channel]
 
-    def _copy_tensor(self, dst: torch.Tensor, dst_tier: str, src: torch.Tensor, src_tier: str) -> None:
+    def _copy_tensor(self, dst: torch.Tensor, dst_tier: str, src: torch.Tensor, src_tier: str,
+                     defer: bool = False) -> None:
+        """One tier-to-tier tensor copy, complete on return unless ``defer`` and inside ``deferred_sync``.
+
+        ``defer`` is for copies between two long-lived buffers (a home and a stage slot): relay legs
+        never defer, since the relay is read by the disk write or overwritten by the next row's read.
+        """
         channel = {("cpu", "gpu"): "ctog", ("gpu", "cpu"): "gtoc"}.get((src_tier, dst_tier))
         t0 = time.perf_counter()
         if self.cuda and channel is not None:
@@ -301,6 +307,11 @@ class TierStore:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
+            pending = getattr(self._thread, "copies", None) if defer else None
+            if pending is not None:  # one synchronisation per stream at the block's end, timed there
+                entry = pending.setdefault(channel, [stream, t0, 0])
+                entry[2] += nbytes_of(src)
+                return
             stream.synchronize()
         else:
             dst.copy_(src)
@@ -353,21 +364,29 @@ class TierStore:
 
     @contextmanager
     def deferred_sync(self) -> Iterator[None]:
-        """Row writes of this thread inside the block share one fdatasync per file, at its end.
+        """Row copies of this thread inside the block share one synchronisation, at its end.
 
-        The engine writes KV-cache and activation rows one row at a time; an fdatasync after
-        each (about 0.25 ms on the VM this was built on) made disk-tier rows latency-bound. The
-        data is still on the device, and out of the page cache, when the block returns.
+        The engine moves KV-cache and activation rows one row at a time. An fdatasync after each
+        disk write (about 0.25 ms on the VM this was built on) made disk-tier rows latency-bound,
+        so a block's writes share one fdatasync per file; on CUDA its copies between homes and
+        stage slots share one stream synchronisation per channel instead of one per row. Every
+        copy is complete, and written data is on the device and out of the page cache, when the
+        block returns, also when it raises.
         """
         outer = getattr(self._thread, "writes", None)
         if outer is not None:  # nested: the outer block flushes
             yield
             return
         self._thread.writes = pending = {}
+        self._thread.copies = copies = {}
         try:
             yield
         finally:
-            self._thread.writes = None
+            self._thread.writes = self._thread.copies = None
+            for channel, (stream, c0, nbytes) in copies.items():
+                stream.synchronize()
+                if self.on_copy is not None:
+                    self.on_copy(channel, c0, time.perf_counter(), nbytes)
             t0 = time.perf_counter()
             for f, ranges in pending.values():
                 f.flush(ranges)
