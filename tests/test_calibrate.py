@@ -23,7 +23,7 @@ from xsimulator.discrete_event import simulate_timeline
 
 TRUE = {"ctog": 1.7, "gtoc": 0.6, "dtoc": 2.0, "ctod": 1.3, "gpu_compute": 1.4, "cpu_compute": 2.5,
         "dequant": 0.8, "quant": 1.9, "head": 3.0, "layer_overhead_s": 2e-4, "step_overhead_s": 4e-3,
-        "block_layer_overhead_s": 1.5e-3, "disk_interference": 0.2}
+        "block_layer_overhead_s": 1.5e-3, "row_copy_s": 3e-5, "disk_interference": 0.2}
 
 TINY = ModelSpec(name="tiny-opt", family="opt", num_layers=4, hidden=128, ffn=512, num_heads=2, num_kv_heads=2,
                  head_dim=64, vocab_size=512, max_positions=256, norm="layernorm", activation="relu",
@@ -61,6 +61,7 @@ def test_fit_recovers_known_terms_from_synthetic_measurements():
     assert got["step_overhead_s"] == pytest.approx(TRUE["step_overhead_s"], rel=0.05)
     assert got["layer_overhead_s"] == pytest.approx(TRUE["layer_overhead_s"], rel=0.1)
     assert got["block_layer_overhead_s"] == pytest.approx(TRUE["block_layer_overhead_s"], rel=0.05)
+    assert got["row_copy_s"] == pytest.approx(TRUE["row_copy_s"], rel=0.1)
     assert got["disk_interference"] == pytest.approx(TRUE["disk_interference"], rel=0.05)
     assert fit.error_after < 1e-3 < fit.error_before
     by_term = {t.term: t for t in fit.terms}
@@ -247,6 +248,38 @@ def test_weight_fetches_per_step_match_the_engine_copy_counts(tmp_path, offloade
     else:
         assert fetches == offloaded * steps
         assert predicted_fetches == pytest.approx(offloaded * steps)
+
+
+@pytest.mark.parametrize("name, placement", [
+    ("kv-cpu", {"cg": 0.0, "cc": 1.0}),
+    ("kv-half-cpu", {"cg": 0.5, "cc": 0.5}),
+    ("kv-cpu-cpu-attention", {"cg": 0.0, "cc": 1.0, "cpu_attention": True}),
+    ("kv-cpu-4bit", {"cg": 0.0, "cc": 1.0, "compress_cache": True}),
+    ("act-cpu", {"hg": 0.0, "hc": 1.0}),
+    ("kv-act-disk", {"cg": 0.5, "cd": 0.5, "hg": 0.5, "hd": 0.5}),
+])
+def test_row_copies_priced_per_copy_match_the_engine_copy_counts(tmp_path, name, placement):
+    """The engine moves KV rows between the cpu and gpu tiers one row and stored part at a time,
+    hidden-state rows one at a time between layers (not into the first nor out of the last), and
+    CPU attention's q, new K/V and output one tensor each; disk rows pass through a cpu relay, one
+    copy each way. The cost model charges ``row_copy_s`` once per such copy. With ``row_copy_s`` at 1 s, every other part of the
+    predicted ctog/gtoc time is negligible, so the busy seconds count the copies it charges."""
+    from xrunner.engine import Engine, Request
+    from xrunner.loaders import RandomSource
+    from xsimulator.policy import Policy
+
+    profile = cpu_host(fingerprint=detect_fingerprint(None), compute_threads=1)
+    policy = Policy(gbs=4, nb=2, **placement)
+    prompts, outputs = (6, 5, 6, 4, 6, 6, 3, 5), (4, 4, 4, 4, 4, 4, 4, 4)
+    with Engine(RandomSource(TINY, seed=0), policy, max_prompt=6, max_output=4, offload_dir=tmp_path,
+                record_trace=True, profile=profile) as eng:
+        stats = eng.run([Request(f"r{i}", tuple(range(1, p + 1)), o) for i, (p, o) in enumerate(zip(prompts, outputs))])
+    counted = {ch: sum(1 for e in stats.events if e.track == ch) for ch in ("ctog", "gtoc")}
+    res, _tl = simulate_timeline(TINY, replace(profile, calibration={"row_copy_s": 1.0}), policy,
+                                 workload_of(prompts, outputs), requests=(np.asarray(prompts), np.asarray(outputs)))
+    assert counted["ctog"] + counted["gtoc"] > 0
+    for ch in ("ctog", "gtoc"):
+        assert res.busy_s[ch] == pytest.approx(counted[ch], abs=0.01), ch
 
 
 # ----------------------------------------------------------------------------- planning margin evidence

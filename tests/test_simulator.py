@@ -223,22 +223,24 @@ def test_compression_shrinks_stored_bytes_and_adds_dequant_buffers():
 
 # --------------------------------------------------------------------------- cost model details
 def test_disk_kv_and_activation_rows_priced_per_row_transfer():
-    """Disk rows move one row and KV part at a time: each read pays the profile's latency, a store one sync."""
+    """Disk rows move one row and KV part at a time: each read pays the profile's latency, a store one
+    sync. Hidden states move between layers only (L - 1 of L layers), so their share is scaled."""
     p = dict(wg=1.0, wc=0.0, wd=0.0, cg=0.0, cc=0.0, cd=1.0, hg=0.0, hc=0.0, hd=1.0)
     base = t4_like()
     slow = replace(base, disk_row_write_s=1e-4, disk_row_read_s=4e-4, disk_sync_s=1e-3)
+    between = (OPT30.num_layers - 1) / OPT30.num_layers
     for compress, parts in ((False, 2), (True, 6)):
         for phase in ("prefill", "decode"):
             b = CostModel(OPT30, base, compress_cache=compress).batch_terms(phase, 8, 300, p)
             s = CostModel(OPT30, slow, compress_cache=compress).batch_terms(phase, 8, 300, p)
             # a row write per KV part and activation row; one flush per kind (KV cache, activations)
-            assert s.ctod - b.ctod == pytest.approx(8 * (parts + 1) * 1e-4 + 2 * 1e-3)
-            reads = parts + 1 if phase == "decode" else 1  # prefill reads no cache
-            assert s.dtoc - b.dtoc == pytest.approx(8 * reads * 4e-4)
+            assert s.ctod - b.ctod == pytest.approx(8 * parts * 1e-4 + 1e-3 + between * (8 * 1e-4 + 1e-3))
+            kv_reads = parts if phase == "decode" else 0  # prefill reads no cache
+            assert s.dtoc - b.dtoc == pytest.approx(8 * (kv_reads + between) * 4e-4)
     # bytes are priced at the size of one row's transfer, not of the whole batch's
     act = 8 * 300 * OPT30.hidden * 2
     one = CostModel(OPT30, base).batch_terms("prefill", 8, 300, dict(p, cd=0.0))
-    assert one.dtoc == pytest.approx(act / bandwidth_at(base.dtoc, act / 8))
+    assert one.dtoc == pytest.approx(between * act / bandwidth_at(base.dtoc, act / 8))
 
 
 def test_disk_reads_slow_the_compute_beside_them_by_the_calibrated_fraction():

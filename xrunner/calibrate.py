@@ -24,7 +24,10 @@ What is compared (per run; :data:`METRICS`):
   layer's weights by the block's first GPU batch) are inside the engine's layer events, so inside
   ``layers``. They are told apart from each other and from the ``gpu_compute`` factor by designs
   with one, two and four GPU batches per block and with 1, 4 and 8 rows per batch; the two model
-  depths separate the per-layer terms from ``step_overhead_s``.
+  depths separate the per-layer terms from ``step_overhead_s``. ``row_copy_s`` (per copy of a KV
+  or hidden-state row between the cpu and gpu tiers) is told apart from the ``ctog``/``gtoc``
+  factors by the weights-on-cpu run (a few whole-layer copies) against the runs with KV cache and
+  activations on cpu (many small row copies).
 
 The predicted ``head`` busy time excludes ``step_overhead_s``, which runs outside the timed
 kernels, so factors and overheads are not fighting over the same seconds: the fit is well
@@ -73,7 +76,7 @@ FACTOR_BOUNDS = (0.05, 20.0)
 # The terms a change of the machine's compute speed moves together (refresh scales them by one
 # factor); the I/O channels keep their fitted values.
 SPEED_TERMS: tuple[str, ...] = ("gpu_compute", "cpu_compute", "dequant", "quant", "head", "layer_overhead_s",
-                                "step_overhead_s", "block_layer_overhead_s")
+                                "step_overhead_s", "block_layer_overhead_s", "row_copy_s")
 OVERHEAD_BOUNDS_S = (0.0, 0.05)
 INTERFERENCE_BOUNDS = (0.0, 1.0)
 

@@ -43,8 +43,11 @@ FACTOR_TERMS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "gpu_compute", 
 # GPU batch per generation step (embedding, sampling, bookkeeping), and per layer per block step
 # (the first GPU batch of a block reads the layer's weights from memory, the others find them in
 # the cache: the block schedule's weight reuse one level down; the profile's layer fits are timed
-# with warm weights).
-OVERHEAD_TERMS: tuple[str, ...] = ("layer_overhead_s", "step_overhead_s", "block_layer_overhead_s")
+# with warm weights). And per copy of a KV-cache or activation row between the cpu and gpu tiers
+# (the engine moves those one row and KV part at a time: on the 2-core VM this was built on, a
+# 3 KiB row cost tens of microseconds of Python and launch, not 3 KiB of bandwidth, and with one
+# factor per channel that cost inflated the factor of whole-layer weight copies two-fold).
+OVERHEAD_TERMS: tuple[str, ...] = ("layer_overhead_s", "step_overhead_s", "block_layer_overhead_s", "row_copy_s")
 # Compute seconds lost per second of disk reads running beside the compute (a fraction, default
 # 0): on a host without CUDA the reads land in the memory the compute streams from, and on a
 # small VM their interrupts and copies share its cores. Calibration fits it from the compute busy
@@ -428,14 +431,18 @@ class CostModel:
         kv_new_st = kv_new * self.kv_stored_ratio if self.compress_cache else kv_new
         off_c = p["cc"] + p["cd"]  # KV rows not resident on the device
         off_h = p["hc"] + p["hd"]
-        move = self._move
 
         parts = KV_PARTS_COMPRESSED if self.compress_cache else KV_PARTS
-        ctog = move(off_h, "ctog", act)
-        gtoc = move(off_h, "gtoc", act)
+        rows_move = self._move_rows
+        # Hidden states cross a tier boundary between layers only: the first layer's input is the
+        # embedding and the last layer's output goes to the LM head, so L - 1 of L layers move them.
+        between = (spec.num_layers - 1) / spec.num_layers
+        ctog = rows_move(_times(between, off_h), "ctog", act, rows)
+        gtoc = rows_move(_times(between, off_h), "gtoc", act, rows)
         disk_rows = self._disk_rows
-        dtoc = disk_rows(p["hd"], "dtoc", act, rows, 1)
-        ctod = disk_rows(p["hd"], "ctod", act, rows, 1) + disk_rows(p["cd"], "ctod", kv_new_st, rows, parts)
+        dtoc = disk_rows(_times(between, p["hd"]), "dtoc", act, rows, 1)
+        ctod = (disk_rows(_times(between, p["hd"]), "ctod", act, rows, 1)
+                + disk_rows(p["cd"], "ctod", kv_new_st, rows, parts))
 
         other_s, attn_s = self._compute_parts(phase, rows, length)
         if self.compress_weight:
@@ -445,16 +452,17 @@ class CostModel:
         quant = kv_new * (self.factor("quant") / self.profile.quant_bytes_per_s) if self.compress_cache else 0.0
         if prefill:
             # The device computes the prompt's KV; offloaded rows are written back (and on to disk).
-            gtoc = gtoc + move(off_c, "gtoc", kv_new_st)
+            gtoc = gtoc + rows_move(off_c, "gtoc", kv_new_st, rows * parts)
             gpu_compute = other_s + attn_s
         else:
             kv_ctx = rows * length * spec.kv_bytes_per_token_per_layer  # cache the new token attends to
             kv_ctx_st = kv_ctx * self.kv_stored_ratio if self.compress_cache else kv_ctx
             dtoc = dtoc + disk_rows(p["cd"], "dtoc", kv_ctx_st, rows, parts)
             if self.cpu_attention:
-                # Offloaded rows attend on the CPU: q, k, v go down, the attention output comes up.
-                gtoc = gtoc + move(off_c, "gtoc", rows * ((spec.q_dim + 2 * spec.kv_dim) * dt))
-                ctog = ctog + move(off_c, "ctog", rows * (spec.q_dim * dt))
+                # Offloaded rows attend on the CPU: q, k, v go down, the attention output comes up
+                # (one copy per tensor for all the rows).
+                gtoc = gtoc + rows_move(off_c, "gtoc", rows * ((spec.q_dim + 2 * spec.kv_dim) * dt), 3)
+                ctog = ctog + rows_move(off_c, "ctog", rows * (spec.q_dim * dt), 1)
                 if not _is_zero(off_c):
                     cpu_attn = _op_seconds(self.profile, "cpu_bmm", rows * spec.attention_flops_per_token(length),
                                            kv_ctx)
@@ -462,8 +470,8 @@ class CostModel:
                 gpu_compute = other_s + _times(p["cg"], attn_s)
             else:
                 # Offloaded rows' cache comes to the device for attention; the new entries go back.
-                ctog = ctog + move(off_c, "ctog", kv_ctx_st)
-                gtoc = gtoc + move(off_c, "gtoc", kv_new_st)
+                ctog = ctog + rows_move(off_c, "ctog", kv_ctx_st, rows * parts)
+                gtoc = gtoc + rows_move(off_c, "gtoc", kv_new_st, rows * parts)
                 gpu_compute = other_s + attn_s
             if self.compress_cache:
                 dequant = kv_ctx * (self.factor("dequant") / self.profile.dequant_bytes_per_s)
@@ -477,6 +485,18 @@ class CostModel:
         if _is_zero(fraction):
             return 0.0
         return fraction * (self._copy_s(channel, nbytes, nbytes) * self.factor(channel))
+
+    def _move_rows(self, fraction: Any, channel: str, nbytes: Any, ops: Any) -> Any:
+        """``fraction`` of moving ``nbytes`` of rows between the cpu and gpu tiers as ``ops`` copies.
+
+        Each copy moves its own share at the bandwidth of its size and pays ``row_copy_s`` (the
+        engine's per-copy work), which no bandwidth factor scales.
+        """
+        if _is_zero(fraction):
+            return 0.0
+        unit = nbytes / np.maximum(ops, 1)
+        seconds = nbytes / bandwidth_at(self.profile.bandwidth(channel), unit) * self.factor(channel)
+        return fraction * (seconds + ops * self.overhead_s("row_copy_s"))
 
     def _interference(self, dtoc: Any) -> Any:
         """Compute seconds lost to ``dtoc`` seconds of disk reads beside it (:data:`INTERFERENCE_TERMS`)."""
