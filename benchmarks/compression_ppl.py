@@ -61,7 +61,7 @@ def quantized_layers(weights, clip_steps: int, rotate: bool, calibration=None):
     for i, w in enumerate(weights.layers):
         flat = torch.empty(layout.nbytes, dtype=torch.uint8)
         layout.pack(w, flat, gptq.quantize_layer(i, w) if gptq else None)
-        dequant = {n: torch.empty(s) for n, s in spec.layer_tensor_shapes().items() if len(s) == 2}
+        dequant = {n: torch.empty(s) for n, s in layout.dequant_shapes().items()}
         out.append({k: v.clone() for k, v in layout.unpack(flat, dequant).items()})
     return out, (gptq.kv_centers if gptq else None)
 

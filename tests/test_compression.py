@@ -191,7 +191,7 @@ def test_rotated_weight_record_gives_the_layers_output_with_bias():
         layout = WeightLayout({k: tuple(v.shape) for k, v in w.items()}, torch.float32, compress=True, rotate=rotate)
         flat = torch.empty(layout.nbytes, dtype=torch.uint8)
         layout.pack(w, flat)
-        unpacked = layout.unpack(flat, {"fc1.weight": torch.empty(128, 96)})
+        unpacked = layout.unpack(flat, {n: torch.empty(s) for n, s in layout.dequant_shapes().items()})
         return unpacked, linear(x, unpacked, "fc1")
 
     r = hadamard_rotation(64)

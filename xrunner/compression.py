@@ -205,18 +205,50 @@ def _squared_error(groups: torch.Tensor, mins: torch.Tensor, scales: torch.Tenso
 
 
 def _dequant_groups(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 ``min + code * scale`` per group (the one dequant formula, also used to score ranges)."""
-    return codes.float().mul_(scales.float()[..., None]).add_(mins.float()[..., None])
+    """float32 ``min + code * scale`` per group (used to score ranges; :func:`dequantize` the same)."""
+    return _dequant_in_place(codes.float(), mins, scales)
 
 
-def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Rebuild the tensor (in ``dtype``, default the original dtype) from its 4-bit form."""
+def _dequant_in_place(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``codes`` (float32 ``[..., groups, group_size]``) turned into ``min + code * scale`` in place:
+    the one dequant formula."""
+    return codes.mul_(scales.float()[..., None]).add_(mins.float()[..., None])
+
+
+def stored_shape(q: QuantizedTensor) -> tuple[int, ...]:
+    """The shape of ``q``'s values with the grouped dimension last: the layout ``dequantize(q, out=...)`` fills."""
+    shape = list(q.shape)
+    n = shape.pop(q.dim)
+    return (*shape, n)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rebuild the tensor (in ``dtype``, default the original dtype) from its 4-bit form.
+
+    ``out`` (contiguous, of :func:`stored_shape`, in the result's dtype): the values are written
+    there in the stored layout and the result is a view of it (grouped dimension moved back, so
+    strided when that is not the last one). A float32 ``out`` is filled in place, with no
+    temporary and no transposing copy: the engine gives a weight's view to ``F.linear``, whose
+    matrix product reads either stride order. Without ``out`` the result is contiguous.
+    """
     dtype = dtype or q.dtype
-    codes = torch.stack((q.packed & 0x0F, q.packed >> 4), dim=-1).reshape(*q.packed.shape[:-1], q.group_size)
+    lead, g, n = q.packed.shape[:-1], q.group_size, q.shape[q.dim]
+    if out is not None and (tuple(out.shape) != stored_shape(q) or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be contiguous {dtype} of shape {stored_shape(q)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    direct = out is not None and dtype == torch.float32 and lead[-1] * g == n
+    work = out.view(*lead, g) if direct else torch.empty(*lead, g, dtype=torch.float32, device=q.packed.device)
+    pairs = work.view(*lead, g // 2, 2)
+    pairs[..., 0].copy_(q.packed & 0x0F)
+    pairs[..., 1].copy_(q.packed >> 4)
     # float32 arithmetic, one rounding at the end: error <= scale/2 + half an ulp of ``dtype``.
-    values = _dequant_groups(codes, q.mins, q.scales).to(dtype)
-    values = values.reshape(*values.shape[:-2], -1)[..., :q.shape[q.dim]]
-    return values.movedim(-1, q.dim).contiguous()
+    _dequant_in_place(work, q.mins, q.scales)
+    values = work.reshape(*lead[:-1], -1)[..., :n]
+    if out is None:
+        return values.to(dtype).movedim(-1, q.dim).contiguous()
+    if not direct:
+        out.copy_(values)
+    return out.movedim(-1, q.dim)
 
 
 def _round_toward(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:

@@ -222,8 +222,14 @@ class WeightLayout:
                 done[p.name] = self.quantize_tensor(p.name, w[p.name])
             dst.copy_(getattr(done[p.name], p.kind))
 
+    def dequant_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the buffers :meth:`unpack` dequantizes 4-bit weights into: ``[in, out]``, the
+        stored layout (``compression.stored_shape``), so dequantization writes them in place."""
+        return {n: (s[1], s[0]) for n, s in self.shapes.items() if len(s) == 2}
+
     def unpack(self, flat: torch.Tensor, dequant: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """The layer's weights for compute: views of ``flat``; 4-bit ones dequantized into ``dequant``."""
+        """The layer's weights for compute: views of ``flat``; 4-bit ones dequantized into ``dequant``
+        (buffers of :meth:`dequant_shapes`; each weight is an ``[out, in]`` view of its buffer)."""
         out: dict[str, torch.Tensor] = {}
         parts: dict[str, dict[str, torch.Tensor]] = {}
         for p in self.parts:
@@ -234,7 +240,7 @@ class WeightLayout:
         for name, q in parts.items():
             qt = QuantizedTensor(q["packed"], q["mins"], q["scales"], tuple(self.shapes[name]), 0, self.group)
             assert dequant is not None
-            out[name] = dequant[name].copy_(dequantize(qt))
+            out[name] = dequantize(qt, out=dequant[name])  # [out, in] view of an [in, out] buffer
             if name in self.rotated:
                 out[name.rsplit(".", 1)[0] + ".out_rotation"] = self.rotation.like(out[name])
         return out
@@ -784,7 +790,7 @@ class Engine:
         self.w_dequant = None
         if p.compress_weight:
             self.w_dequant = {n: self._buf("gpu", "weight_dequant", s, dt)
-                              for n, s in spec.layer_tensor_shapes().items() if len(s) == 2}
+                              for n, s in self.layout.dequant_shapes().items()}
         stage_ctx = self.max_prompt if p.cpu_attention else cap
         self.kv_stage = [[self._buf("gpu", "kv_stage", (n_off_c, hkv, stage_ctx) + rest, pdt)
                           for rest, pdt in self.codec.rests] for _ in range(2)] if n_off_c else []
