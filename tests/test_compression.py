@@ -227,3 +227,21 @@ def test_gptq_matches_an_independent_obq_reference_and_beats_nearest_rounding():
     assert out_err(got) == pytest.approx(out_err(want), rel=1e-3)
     assert out_err(got) < 0.8 * out_err(dequantize(nearest))
     assert bool(torch.isfinite(got).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape, dim", [((256, 96), 0), ((130, 70), 0), ((4, 2, 37, 64), -1)])
+def test_dequantize_into_a_buffer_gives_the_same_values_as_a_view_of_it(dtype, shape, dim):
+    """The engine dequantizes 4-bit weights into a preallocated buffer in the stored layout and
+    computes with a view of it: the values equal the allocating path's bit for bit (padded groups
+    and half precision included), and the result shares the buffer's memory."""
+    from xrunner.compression import stored_shape
+
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    q = quantize(x, dim=dim)
+    buf = torch.empty(stored_shape(q), dtype=dtype)
+    got = dequantize(q, out=buf)
+    assert got.shape == x.shape and got.data_ptr() == buf.data_ptr()
+    assert torch.equal(got, dequantize(q))
+    with pytest.raises(ValueError, match="out must be"):
+        dequantize(q, out=torch.empty(x.shape if dim == 0 else (1,), dtype=dtype))
