@@ -433,16 +433,15 @@ class CostModel:
         off_h = p["hc"] + p["hd"]
 
         parts = KV_PARTS_COMPRESSED if self.compress_cache else KV_PARTS
-        rows_move = self._move_rows
+        rows_move, disk_rows = self._move_rows, self._disk_rows
         # Hidden states cross a tier boundary between layers only: the first layer's input is the
         # embedding and the last layer's output goes to the LM head, so L - 1 of L layers move them.
         between = (spec.num_layers - 1) / spec.num_layers
-        ctog = rows_move(_times(between, off_h), "ctog", act, rows)
-        gtoc = rows_move(_times(between, off_h), "gtoc", act, rows)
-        disk_rows = self._disk_rows
-        dtoc = disk_rows(_times(between, p["hd"]), "dtoc", act, rows, 1)
-        ctod = (disk_rows(_times(between, p["hd"]), "ctod", act, rows, 1)
-                + disk_rows(p["cd"], "ctod", kv_new_st, rows, parts))
+        off_h_moved, hd_moved = _times(between, off_h), _times(between, p["hd"])
+        ctog = rows_move(off_h_moved, "ctog", act, rows)
+        gtoc = rows_move(off_h_moved, "gtoc", act, rows)
+        dtoc = disk_rows(hd_moved, "dtoc", act, rows, 1)
+        ctod = disk_rows(hd_moved, "ctod", act, rows, 1) + disk_rows(p["cd"], "ctod", kv_new_st, rows, parts)
 
         other_s, attn_s = self._compute_parts(phase, rows, length)
         if self.compress_weight:
@@ -494,8 +493,7 @@ class CostModel:
         """
         if _is_zero(fraction):
             return 0.0
-        unit = nbytes / np.maximum(ops, 1)
-        seconds = nbytes / bandwidth_at(self.profile.bandwidth(channel), unit) * self.factor(channel)
+        seconds = self._copy_s(channel, nbytes, nbytes / np.maximum(ops, 1)) * self.factor(channel)
         return fraction * (seconds + ops * self.overhead_s("row_copy_s"))
 
     def _interference(self, dtoc: Any) -> Any:
