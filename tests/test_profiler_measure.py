@@ -219,6 +219,61 @@ def test_cli_quick_profile_end_to_end(tmp_path):
     assert (tmp_path / "p.samples.csv").exists() and list(tmp_path.glob("xsched-profile-*")) == []
 
 
+def test_rotation_copies_spill_the_cache_but_never_exceed_the_runs_own_count():
+    from xprofiler.sweeps import rotation_copies
+
+    assert rotation_copies(28e6, 260 * 2**20, 12) == 12  # opt-125m layer vs a 260 MiB L3: all layers
+    assert rotation_copies(28e6, 4 * 2**20, 12) == 1  # a 4 MiB cache: one layer spills it
+    assert rotation_copies(1e6, 10e6, 100) == 20  # twice the cache
+    assert rotation_copies(0, 10e6, 5) == 1 and rotation_copies(1e6, 10e6, 0) == 1
+
+
+def test_layer_sweep_calls_rotate_through_distinct_layers_and_caches(monkeypatch):
+    """Timing one layer's weights again and again leaves them in the cache, which a run's layer
+    never finds there: successive calls must read other layers' weights and KV caches."""
+    import xrunner.model
+    from xprofiler.sweeps import layer_points
+
+    spec = dataclasses.replace(TINY, num_layers=4)
+    seen = []
+    real = xrunner.model.layer_forward
+
+    def spy(spec_, w, hidden, pos, rope, kc, vc, mask, start):
+        seen.append((id(w), kc.data_ptr(), vc.data_ptr(), tuple(kc.shape)))
+        return real(spec_, w, hidden, pos, rope, kc, vc, mask, start)
+
+    monkeypatch.setattr(xrunner.model, "layer_forward", spy)
+    call_bytes = spec.with_dtype("float32").weight_bytes_per_layer + 2 * 8 * 64 * spec.kv_dim * 4
+    (dec,) = layer_points(spec, "decode", [(8, 64)], "cpu", "float32", cache_bytes=int(1.2 * call_bytes))
+    assert dec.meta["copies"] == 3  # 2.4 calls' operands would not spill the cache, 3 do
+    for _ in range(6):
+        dec.fn()
+    assert seen[:3] == seen[3:]  # a cycle of three ...
+    assert len({s[0] for s in seen}) == 3 and len({s[1] for s in seen} | {s[2] for s in seen}) == 6  # ... all distinct
+    assert {s[3] for s in seen} == {(8, 2, 64, 16)}
+    seen.clear()
+    (big,) = layer_points(spec, "decode", [(8, 64)], "cpu", "float32", cache_bytes=100 * call_bytes)
+    assert big.meta["copies"] == 4  # capped at the model's layer count: a run has no more to cycle through
+    (small,) = layer_points(spec, "decode", [(8, 64)], "cpu", "float32", cache_bytes=0)
+    small.fn(), small.fn()
+    assert small.meta["copies"] == 1 and seen[0] == seen[1]
+
+
+def test_head_sweep_rotates_through_copies_of_the_matrix():
+    import torch
+
+    from xprofiler.sweeps import head_points
+
+    head_bytes = TINY.vocab_size * TINY.hidden * 4
+    points = head_points(TINY, "cpu", "float32", rows=[2], cache_bytes=head_bytes)
+    limit = -(-TINY.with_dtype("float32").weight_bytes // head_bytes)
+    assert {p.meta["copies"] for p in points} == {min(2, limit)}
+    assert {p.meta["shape"].split(":")[0] for p in points} == {"rows", "transposed"}
+    out = [p.fn() for p in points for _ in range(2)]
+    assert all(o.shape == (2, TINY.vocab_size) for o in out)
+    assert torch.equal(out[0], out[1])  # copies hold the same values: only the addresses differ
+
+
 def test_sweeps_time_the_runners_own_layer_forward(monkeypatch):
     import xrunner.model
     from xprofiler.sweeps import layer_points

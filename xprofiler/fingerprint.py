@@ -59,6 +59,27 @@ def available_ram_bytes() -> int:
     return ram_bytes()
 
 
+def last_level_cache_bytes() -> int:
+    """Size of the CPU's largest cache level per sysfs (0 when the kernel does not say).
+
+    The layer sweeps rotate through enough distinct weights to spill it (``xprofiler.sweeps``).
+    """
+    best = (0, 0)
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((entry / "level").read_text().strip())
+            size = (entry / "size").read_text().strip().upper()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        try:
+            nbytes = int(size.rstrip("KMG")) * scale
+        except ValueError:
+            continue
+        best = max(best, (level, nbytes))
+    return best[1]
+
+
 def torch_version() -> str:
     """Installed torch version from package metadata, without importing torch."""
     try:

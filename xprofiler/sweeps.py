@@ -6,8 +6,14 @@ with a preallocated KV cache sliced the way the runner slices it — and not a c
 math. Prefill points run ``length`` new tokens (causal, cache written at 0..length); decode
 points run one new token per row attending to ``length`` keys.
 
-One KV buffer of the grid's largest (batch, length) is shared by all points of a phase, so
-memory stays that of the largest point. The number of passes is chosen from a time budget
+Calls rotate through distinct copies of their operands (layers' weights, KV caches, LM head
+matrices) until the copies together are twice the device's last-level cache: in a run, the other
+layers pass through the cache between two uses of one layer, so its weights come from memory.
+Timing one layer's weights over and over would leave a small model's layer in a large cache
+(a 28 MB opt-125m layer in this VM's 260 MB L3) and price its decode 1.2-1.9x too cheap. The
+copies never exceed the model's own layer count, so a model that does fit the cache stays warm
+as it does in a run, and the KV copies share one pool sized for the costliest point, so memory
+stays about that of the largest point or twice the cache, whichever is more. The number of passes is chosen from a time budget
 using a rough per-point estimate (FLOPs over the measured GEMM rate, bytes over the memory
 roof); points that would not fit the budget even with the minimum passes are dropped, the
 most expensive first, and reported.
@@ -15,6 +21,7 @@ most expensive first, and reported.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -28,6 +35,7 @@ from xprofiler.specs import ModelSpec
 PHASES: tuple[str, ...] = ("prefill", "decode")
 CALL_OVERHEAD_S = 3e-4  # rough fixed cost of one layer call on the CPU, for budgeting only
 MIN_SAMPLE_S = 0.05  # short layer steps are repeated back-to-back up to about this long per sample
+FALLBACK_CACHE_BYTES = 256 << 20  # a CPU whose sysfs names no cache: the largest L3 seen on the project's VMs
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,26 @@ FULL_GRIDS: dict[str, Grid] = {
     "prefill": Grid((1, 2, 4, 8, 16), (16, 32, 64, 128, 256, 512, 1024)),
     "decode": Grid((1, 2, 4, 8, 16, 32, 64, 128), (64, 128, 256, 512, 1024, 2048, 4096)),
 }
+
+
+def cache_bytes_of(device: Any) -> int:
+    """The compute device's last-level cache: a CUDA GPU's L2, else the CPU's largest level."""
+    import torch
+
+    from xprofiler.fingerprint import last_level_cache_bytes
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).L2_cache_size)
+    return last_level_cache_bytes() or FALLBACK_CACHE_BYTES
+
+
+def rotation_copies(call_bytes: float, cache_bytes: float, limit: int) -> int:
+    """Copies of one call's operands to cycle through so that together they are at least twice
+    ``cache_bytes`` (each call then reads its operands from memory), at least one and at most
+    ``limit``, the number of distinct ones a run cycles through itself."""
+    need = math.ceil(2 * cache_bytes / call_bytes) if call_bytes > 0 else 1
+    return int(min(max(limit, 1), max(need, 1)))
 
 
 def estimate_s(spec: ModelSpec, phase: str, batch: int, length: int, flops_per_s: float,
@@ -95,10 +123,13 @@ def plan_points(spec: ModelSpec, phase: str, grid: Grid, budget_s: float, flops_
 
 
 def layer_points(spec: ModelSpec, phase: str, points: Sequence[tuple[int, int]] | dict[tuple[int, int], int],
-                 device: Any, dtype: str, seed: int = 0) -> list[Point]:
+                 device: Any, dtype: str, seed: int = 0, cache_bytes: int | None = None) -> list[Point]:
     """One ``Point`` per (batch, length) calling ``xrunner.model.layer_forward``.
 
     ``points`` may map each (batch, length) to its calls per sample (from ``plan_points``).
+    Successive calls of a point use distinct layers' weights and KV caches (``rotation_copies``
+    against ``cache_bytes``, by default the device's: ``cache_bytes_of``); the point's
+    ``copies`` column says how many.
     """
     counts = points if isinstance(points, dict) else {p: 1 for p in points}
     import torch
@@ -108,13 +139,14 @@ def layer_points(spec: ModelSpec, phase: str, points: Sequence[tuple[int, int]] 
 
     tdt = torch_dtype(dtype)
     spec = spec.with_dtype(dtype)
-    weights = {k: v.to(device) for k, v in RandomSource(spec, seed=seed).load_layer(0).items()}
-    b_max = max(b for b, _ in counts)
-    t_max = max(n for _, n in counts)
-    shape = (b_max, spec.num_kv_heads, t_max, spec.head_dim)
-    k_cache = torch.zeros(shape, dtype=tdt, device=device)
-    v_cache = torch.zeros(shape, dtype=tdt, device=device)
-    rope = rope_tables(spec, t_max, device, tdt)
+    cache = cache_bytes_of(device) if cache_bytes is None else cache_bytes
+    kv_elems = {p: 2 * p[0] * p[1] * spec.kv_dim for p in counts}  # K and V of one call
+    copies = {p: rotation_copies(spec.weight_bytes_per_layer + kv_elems[p] * tdt.itemsize, cache, spec.num_layers)
+              for p in counts}
+    source = RandomSource(spec, seed=seed)
+    weights = [{k: v.to(device) for k, v in source.load_layer(i).items()} for i in range(max(copies.values()))]
+    pool = torch.zeros(max(copies[p] * kv_elems[p] for p in counts), dtype=tdt, device=device)
+    rope = rope_tables(spec, max(n for _, n in counts), device, tdt)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out = []
     for (b, n), count in counts.items():
@@ -122,15 +154,19 @@ def layer_points(spec: ModelSpec, phase: str, points: Sequence[tuple[int, int]] 
         hidden = torch.randn(b, t, spec.hidden, generator=gen).to(device=device, dtype=tdt)
         mask = torch.ones(b, n, dtype=torch.bool, device=device)
         pos = torch.arange(start, start + t, device=device).expand(b, t)
-        kc, vc = k_cache[:b], v_cache[:b]
+        shape = (b, spec.num_kv_heads, n, spec.head_dim)
+        half = kv_elems[(b, n)] // 2
+        ops = itertools.cycle([(weights[j], pool[2 * j * half:(2 * j + 1) * half].view(shape),
+                                pool[(2 * j + 1) * half:(2 * j + 2) * half].view(shape))
+                               for j in range(copies[(b, n)])])
 
-        def step(hidden: Any = hidden, pos: Any = pos, kc: Any = kc, vc: Any = vc, mask: Any = mask,
-                 start: int = start) -> Any:
+        def step(hidden: Any = hidden, pos: Any = pos, mask: Any = mask, start: int = start, ops: Any = ops) -> Any:
+            w, kc, vc = next(ops)
             with torch.inference_mode():
-                return layer_forward(spec, weights, hidden, pos, rope, kc, vc, mask, start)
+                return layer_forward(spec, w, hidden, pos, rope, kc, vc, mask, start)
 
         out.append(Point(sample_meta("layer", model=spec.name, phase=phase, dtype=dtype, batch=b, length=n,
-                               shape=f"{b}x{n}", count=count), step))
+                                     shape=f"{b}x{n}", count=count, copies=copies[(b, n)]), step))
     return out
 
 
@@ -162,22 +198,32 @@ def fit_sweeps(spec: ModelSpec, rows: Sequence[Row], dtype: str, samples_csv: st
 HEAD_ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)  # rows of the logits products timed per model
 
 
-def head_points(spec: ModelSpec, device: Any, dtype: str, rows: Sequence[int] = HEAD_ROWS, seed: int = 0
-                ) -> list[Point]:
+def head_points(spec: ModelSpec, device: Any, dtype: str, rows: Sequence[int] = HEAD_ROWS, seed: int = 0,
+                cache_bytes: int | None = None) -> list[Point]:
     """One ``Point`` per (row count, layout) for the model's logits product, random weights.
 
     On a CPU both layouts of ``xrunner.model.head_layouts`` are timed, because the runner keeps the
     faster one (``cpu_head_layout``); on CUDA only the stored one, which the runner keeps there.
+    Calls rotate through copies of the matrix (``rotation_copies``, at most as many as the
+    model's weights hold heads: the layers pass through the cache between two heads of a run).
     """
     import torch
 
     from xrunner.model import head_layouts, head_product_points, torch_dtype
 
+    cache = cache_bytes_of(device) if cache_bytes is None else cache_bytes
+    head_bytes = spec.vocab_size * spec.hidden * torch_dtype(dtype).itemsize
+    copies = rotation_copies(head_bytes, cache, math.ceil(spec.with_dtype(dtype).weight_bytes / head_bytes))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     matrix = (torch.randn(spec.vocab_size, spec.hidden, generator=gen) * 0.02).to(device=device,
                                                                                   dtype=torch_dtype(dtype))
-    layouts = head_layouts(matrix) if matrix.device.type == "cpu" else {"rows": matrix}
-    return head_product_points(layouts, rows, seed=seed, model=spec.name, dtype=dtype)
+    mats = [matrix] + [matrix.clone() for _ in range(copies - 1)]
+    if matrix.device.type == "cpu":
+        per = [head_layouts(m) for m in mats]
+        layouts = {name: [p[name] for p in per] for name in per[0]}
+    else:
+        layouts = {"rows": mats}
+    return head_product_points(layouts, rows, seed=seed, model=spec.name, dtype=dtype, copies=copies)
 
 
 def fit_head(spec: ModelSpec, rows: Sequence[Row], dtype: str, stat: str = "median") -> HeadFit | None:

@@ -1219,7 +1219,8 @@ class Engine:
             self.busy_s["compute"] += end - t0 - cpu_s
             if self.record_trace:
                 self.events.append(TraceEvent("compute", "decode" if decode else "prefill", t0 - self._t0,
-                                              end - t0, {"layer": layer, "batch": work.batch, "rows": n}))
+                                              end - t0, {"layer": layer, "batch": work.batch, "rows": n,
+                                               "length": work.col + 1 - work.begin if decode else t}))
         return out
 
     def _decode_attention(self, layer: int, work: _Work, homes: dict[str, list[Any]], q: torch.Tensor,

@@ -13,6 +13,7 @@ whole context, left padded, with the boolean mask ``[b, T]`` True for real token
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -199,22 +200,25 @@ def head_layout_of(matrix: torch.Tensor) -> str:
     return "rows" if matrix.is_contiguous() else "transposed" if matrix.t().is_contiguous() else ""
 
 
-def head_product_points(layouts: dict[str, torch.Tensor], row_counts: Sequence[int], seed: int = 0,
-                        **meta: Any) -> list[Any]:
+def head_product_points(layouts: dict[str, torch.Tensor | Sequence[torch.Tensor]], row_counts: Sequence[int],
+                        seed: int = 0, **meta: Any) -> list[Any]:
     """Profiler points (``xprofiler.samples.Point``, bench ``head``) of the logits product of each
     row count with each of ``layouts``; the shape column says which (:func:`head_point_of`).
-    ``meta`` fills the other sample columns (model, dtype)."""
+    A layout given as several copies cycles through them call by call. ``meta`` fills the other
+    sample columns (model, dtype)."""
     from xprofiler.samples import Point, sample_meta
 
-    any_w = next(iter(layouts.values()))
+    copies = {name: [w] if isinstance(w, torch.Tensor) else list(w) for name, w in layouts.items()}
+    any_w = next(iter(copies.values()))[0]
     vocab, h = any_w.shape
     gen = torch.Generator(device="cpu").manual_seed(seed)
     points = []
     for r in row_counts:
         x = torch.randn(r, h, generator=gen).to(device=any_w.device, dtype=any_w.dtype)
-        for name, w in layouts.items():
+        for name, ws in copies.items():
             row = sample_meta("head", shape=f"{name}:{r}x{h}x{vocab}", batch=r, flops=2.0 * r * h * vocab, **meta)
-            points.append(Point(row, lambda x=x, w=w: F.linear(x, w)))
+            cycle = itertools.cycle(ws)
+            points.append(Point(row, lambda x=x, cycle=cycle: F.linear(x, next(cycle))))
     return points
 
 
