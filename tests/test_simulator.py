@@ -256,6 +256,38 @@ def test_disk_reads_slow_the_compute_beside_them_by_the_calibrated_fraction():
         CostModel(OPT30, replace(prof, calibration={"disk_interferense": 0.25}))
 
 
+def test_layers_on_different_weight_tiers_are_priced_apart():
+    """The runner puts whole layers on a tier, so a step lasts the sum over layers of each one's
+    max(compute, its own fetch), not L x the max over the average layer's terms (FlexGen's model,
+    which splits every layer): reference computed per layer from the bandwidths."""
+    for prof in (t4_like(), cpu_host()):
+        cm = CostModel(OPT30, prof)
+        p = dict(wg=0.5, wc=0.25, wd=0.25, cg=1.0, cc=0.0, cd=0.0, hg=1.0, hc=0.0, hd=0.0)
+        batch = cm.batch_terms("prefill", 4, 64, p)
+        w = cm.layer_stored_bytes
+        ctog, dtoc = w / bandwidth_at(prof.ctog, w), w / bandwidth_at(prof.dtoc, w)
+        cuda = prof.compute_device == "cuda"
+        fetch = {"gpu": (0.0, 0.0), "cpu": (ctog, 0.0), "disk": (ctog if cuda else 0.0, dtoc)}
+        tiers = ["gpu"] * 24 + ["cpu"] * 12 + ["disk"] * 12  # OPT-30B's 48 layers, as the runner splits them
+        ref = 0.0
+        for tier in tiers:
+            c, d = fetch[tier]
+            if cuda:
+                ref += max(batch.gpu_compute, batch.ctog + c, batch.gtoc, batch.dtoc + d, batch.ctod)
+            else:  # host copies share the cores with compute
+                ref += max(batch.gpu_compute + batch.ctog + batch.gtoc + c, batch.dtoc + d, batch.ctod)
+        head = cm.head_seconds("prefill", 4, 64)
+        step = cm.block_step("prefill", 4, 64, p, 1.0, 1.0)
+        assert step.seconds == pytest.approx(ref + head, rel=1e-9)
+        averaged = OPT30.num_layers * cm.layer_seconds(batch + cm.weight_terms(p)) + head
+        if cuda:  # (the CPU host computes OPT-30B for minutes a step: no layer waits on its read there)
+            assert step.seconds > 1.05 * averaged  # the disk layers wait on their reads, the others do not
+        assert step.terms.dtoc == pytest.approx(0.25 * dtoc)  # the mean layer's terms are unchanged
+    # <= 2 offloaded layers stay in the stage slots: nothing is fetched per step, one price for all
+    few = dict(p, wg=46 / 48, wc=1 / 48, wd=1 / 48)
+    assert CostModel(OPT30, t4_like()).weight_tier_terms(few) == [(1.0, CostModel(OPT30, t4_like()).weight_terms(few))]
+
+
 def test_cost_model_kv_parts_match_the_engines_stored_form():
     torch = pytest.importorskip("torch")
     from xrunner.engine import KVCodec

@@ -121,12 +121,15 @@ def _knob_policy(gbs: int, nb: int, compress_weight: bool, compress_cache: bool,
 
 
 def token_seconds(cm: CostModel, placement: Mapping[str, Any], gbs: int, nb: int, shape: Shape,
-                  phase_time: Any = None) -> Any:
+                  phase_time: Any = None, whole_layers: bool = True) -> Any:
     """Seconds per generated token of the representative block (numeric, or an LP expression when
-    ``phase_time`` gives the LP's minimax variables for the prefill and decode layer steps)."""
+    ``phase_time`` gives the LP's minimax variables for the prefill and decode layer steps).
+    ``whole_layers``: as the runner places weights (``CostModel.mean_layer_seconds``); off, the
+    LP's relaxation of the same fractions."""
     if phase_time is None:
-        pre = cm.layer_seconds(cm.layer_terms("prefill", gbs, shape.prompt_len, placement, nb))
-        dec = cm.layer_seconds(cm.layer_terms("decode", gbs, shape.decode_context, placement, nb))
+        pre, dec = (cm.mean_layer_seconds(cm.batch_terms(phase, gbs, length, placement).scaled(nb), placement,
+                                          whole_layers=whole_layers)
+                    for phase, length in (("prefill", shape.prompt_len), ("decode", shape.decode_context)))
     else:
         pre, dec = phase_time
     n = shape.decode_steps
@@ -272,7 +275,8 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
         for v in trio:
             frac[v] /= s
     shortfall = {t: float(v.value() or 0.0) * caps[t] for t, v in short.items()}
-    lp_s = 0.0 if elastic else float(token_seconds(cm, frac, gbs, nb, shape))  # without the tie-break term
+    # the relaxation's own price, without the tie-break term
+    lp_s = 0.0 if elastic else float(token_seconds(cm, frac, gbs, nb, shape, whole_layers=False))
     return status, frac, lp_s, shortfall
 
 
