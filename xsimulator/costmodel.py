@@ -384,9 +384,9 @@ class CostModel:
         host without CUDA the record is read straight into the stage slot (the "gpu" tier is RAM),
         so only dtoc. At most two offloaded layers stay in the stage slots and cost nothing per
         step (:func:`_weights_stay_staged`). With compressed weights every layer (resident and
-        staged ones too) is dequantised once per layer step. The cold read of the layer's weights
-        by the block's first GPU batch (``block_layer_overhead_s``) is compute time, also once per
-        layer step.
+        staged ones too) is dequantised once per layer step. The engine's once-per-layer work for
+        the block (``block_layer_overhead_s``: weight hand-off, prefetch) is compute time, also once
+        per layer step.
         """
         return self._weight_terms(placement, _weights_stay_staged(placement, self.spec.num_layers))
 
