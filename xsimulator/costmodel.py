@@ -323,6 +323,7 @@ class CostModel:
     compress_cache: bool = False
     cpu_attention: bool = False
     overlap: bool = True
+    slots: int = 0  # rows of a GPU batch (the policy's gbs); 0: unknown, gathers are not priced
 
     def __post_init__(self) -> None:
         if self.compress_cache and self.cpu_attention:
@@ -336,7 +337,8 @@ class CostModel:
 
     @classmethod
     def for_policy(cls, spec: ModelSpec, profile: HardwareProfile, policy: Policy) -> "CostModel":
-        return cls(spec, profile, policy.compress_weight, policy.compress_cache, policy.cpu_attention, policy.overlap)
+        return cls(spec, profile, policy.compress_weight, policy.compress_cache, policy.cpu_attention, policy.overlap,
+                   slots=policy.gbs)
 
     @cached_property
     def _rotation_factor(self) -> float:
@@ -490,18 +492,38 @@ class CostModel:
                     cpu_attn = _op_seconds(self.profile, "cpu_bmm", rows * spec.attention_flops_per_token(length),
                                            kv_ctx)
                     cpu_compute = off_c * (cpu_attn * self.factor("cpu_compute"))
+                    cpu_compute = cpu_compute + _times(p["cc"], self._gather_s(rows, kv_ctx, cpu=True))
                 gpu_compute = other_s + _times(p["cg"], attn_s)
             else:
                 # Offloaded rows' cache comes to the device for attention; the new entries go back.
                 ctog = ctog + rows_move(off_c, "ctog", kv_ctx_st, rows * parts)
                 gtoc = gtoc + rows_move(off_c, "gtoc", kv_new_st, rows * parts)
                 gpu_compute = other_s + attn_s
+            gpu_compute = gpu_compute + _times(p["cg"], self._gather_s(rows, kv_ctx_st, cpu=False))
             if self.compress_cache:
                 dequant = kv_ctx * (self.factor("dequant") / self.profile.dequant_bytes_per_s)
         gpu_compute = (_times(self.factor("gpu_compute"), gpu_compute) + self.overhead_s("layer_overhead_s")
                        + self._interference(dtoc))
         return StepTerms(ctog=ctog, gtoc=gtoc, dtoc=dtoc, ctod=ctod, gpu_compute=gpu_compute,
                          cpu_compute=cpu_compute, dequant=dequant, quant=quant)
+
+    def _gather_s(self, rows: Any, nbytes: Any, cpu: bool) -> Any:
+        """Seconds to gather ``nbytes`` of decode KV context of ``rows`` active rows into one tensor.
+
+        Once some rows of a GPU batch have finished, the ones left (two or more, fewer than its
+        slots) are no contiguous range of the cache, and the engine copies their context out
+        before attention (``xrunner.engine._take``); the layer fits, timed on contiguous caches,
+        do not see the copy (opt-125m, 32 slots: decode layers 1.15-1.57x the fit at 4-30 rows).
+        Priced at the memory roof: a CPU copy moves three times its bytes (read, and the
+        destination line read for ownership before it is written), a GPU copy twice.
+        """
+        roof = self.profile.cpu_mem_bytes_per_s if cpu else self.profile.mem_bytes_per_s
+        if not self.slots or not roof or isinstance(rows, (int, float)) and not 1 < rows < self.slots:
+            return 0.0
+        traffic = 3.0 if cpu or self.profile.compute_device == "cpu" else 2.0
+        scattered = np.logical_and(np.asarray(rows) > 1, np.asarray(rows) < self.slots)
+        out = np.where(scattered, traffic * np.asarray(nbytes, dtype=float) / roof, 0.0)
+        return float(out) if np.ndim(out) == 0 else out
 
     def _move(self, fraction: Any, channel: str, nbytes: Any) -> Any:
         """``fraction`` of a transfer of ``nbytes`` on ``channel``, calibrated (0 if none moves)."""
