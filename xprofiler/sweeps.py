@@ -13,10 +13,11 @@ Timing one layer's weights over and over would leave a small model's layer in a 
 (a 28 MB opt-125m layer in this VM's 260 MB L3) and price its decode 1.2-1.9x too cheap. The
 copies never exceed the model's own layer count, so a model that does fit the cache stays warm
 as it does in a run, and the KV copies share one pool sized for the costliest point, so memory
-stays about that of the largest point or twice the cache, whichever is more. The number of passes is chosen from a time budget
-using a rough per-point estimate (FLOPs over the measured GEMM rate, bytes over the memory
-roof); points that would not fit the budget even with the minimum passes are dropped, the
-most expensive first, and reported.
+stays about that of the largest point or twice the cache, whichever is more.
+
+The number of passes is chosen from a time budget using a rough per-point estimate (FLOPs over
+the measured GEMM rate, bytes over the memory roof); points that would not fit the budget even
+with the minimum passes are dropped, the most expensive first, and reported.
 """
 
 from __future__ import annotations

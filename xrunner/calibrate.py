@@ -20,9 +20,9 @@ What is compared (per run; :data:`METRICS`):
   and the overlap of the groups decides how busy times become a step; so ``step_overhead_s``
   (per active GPU batch and step, outside the timed kernels) is fitted to the step wall times.
   ``layer_overhead_s`` (per layer and active GPU batch: the engine's per-batch work around the
-  layer's kernels) and ``block_layer_overhead_s`` (per layer and block step: the engine's once-per-layer
-  work for the block, weight hand-off and prefetch; the layer fits already read weights cold) are inside the engine's layer events, so inside
-  ``layers``. They are told apart from each other and from the ``gpu_compute`` factor by designs
+  layer's kernels) and ``block_layer_overhead_s`` (per layer and block step: the engine's
+  once-per-layer work for the block, weight hand-off and prefetch; the layer fits already read
+  weights cold) are inside the engine's layer events, so inside ``layers``. They are told apart from each other and from the ``gpu_compute`` factor by designs
   with one, two and four GPU batches per block and with 1, 4 and 8 rows per batch; the two model
   depths separate the per-layer terms from ``step_overhead_s``. ``row_copy_s`` (per copy of a KV
   or hidden-state row between the cpu and gpu tiers) is told apart from the ``ctog``/``gtoc``
