@@ -128,6 +128,32 @@ def test_opt_family_with_offloading(tmp_path):
     assert got == want
 
 
+def test_partly_finished_batches_attend_in_place_over_the_span_of_their_rows(llama, tmp_path, monkeypatch):
+    """When the rows left of a GPU batch are no contiguous range, decode attention runs over the
+    slots between the first and the last in place (no copy of their context): same tokens."""
+    import xrunner.engine as engine_module
+    from xrunner.engine import attention_span
+
+    assert attention_span([0, 2, 4]) == (0, 5) and attention_span([1, 3]) == (1, 4)
+    assert attention_span([2, 3, 4]) is None  # a contiguous range is a view already
+    assert attention_span([0, 7]) is None  # 8 slots for 2 rows: copying the 2 is cheaper
+    assert attention_span([4, 2]) is None and attention_span([5]) is None
+    src, reqs, _ = llama
+    alternating = [replace(r, max_new_tokens=2 if i % 2 else MAX_OUTPUT) for i, r in enumerate(reqs[:6])]
+    want = reference(load_weights(src), alternating)
+    spans = []
+
+    def spy(rows):
+        out = attention_span(rows)
+        spans.append(out)
+        return out
+
+    monkeypatch.setattr(engine_module, "attention_span", spy)
+    got, _ = run_engine(src, Policy(gbs=6, nb=1), alternating, tmp_path)
+    assert got == want
+    assert any(sp is not None for sp in spans)
+
+
 def test_stop_at_eos_frees_the_row(llama, tmp_path):
     src, reqs, want = llama
     # A token some reference outputs produce mid-way becomes the stop token.

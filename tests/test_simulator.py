@@ -288,26 +288,44 @@ def test_layers_on_different_weight_tiers_are_priced_apart():
     assert CostModel(OPT30, t4_like()).weight_tier_terms(few) == [(1.0, CostModel(OPT30, t4_like()).weight_terms(few))]
 
 
-def test_decode_prices_the_gather_of_a_partly_finished_batchs_kv_context():
-    """Two or more rows left of a GPU batch's slots are no contiguous range of the cache: the
-    engine copies their KV context out before attention (``_take``), at the memory roof, three
-    times the bytes on a CPU (read, read for ownership, write). One row or a full batch is a view."""
+def test_decode_prices_the_rows_left_of_a_partly_finished_batch_as_the_engine_attends_them():
+    """Two or more rows left of a GPU batch's slots are no contiguous range of the cache. On the
+    gpu tier the engine attends in place over their span when they fill a third of it (the idle
+    slots cost attention; the span is the expected range of the rows), else it copies their
+    context out first (``_take``: three times the bytes at the memory roof on a CPU), as CPU
+    attention and a 4-bit cache always do. One row or a full batch is a view."""
     prof = cpu_host(mem_bytes_per_s=15 * GB, cpu_mem_bytes_per_s=15 * GB)
     p = dict(wg=1.0, wc=0.0, wd=0.0, cg=0.75, cc=0.25, cd=0.0, hg=1.0, hc=0.0, hd=0.0)
-    bare = CostModel(OPT30, prof, cpu_attention=True)
-    slotted = replace(bare, slots=16)
     rows = np.array([1, 2, 9, 15, 16])
     kv = rows * 300 * OPT30.kv_bytes_per_token_per_layer
-    a, b = bare.batch_terms("decode", rows, 300, p), slotted.batch_terms("decode", rows, 300, p)
     scattered = (rows > 1) & (rows < 16)
-    assert np.allclose(b.gpu_compute - a.gpu_compute, scattered * 0.75 * 3 * kv / prof.mem_bytes_per_s)
+    span = 17 * (rows - 1) / (rows + 1) + 1  # expected range of `rows` random slots of 16
+    assert list(span[scattered] <= 3 * rows[scattered]) == [False, True, True]  # 2 rows: span 6.7 > 6
+
+    bare = CostModel(OPT30, prof, cpu_attention=True)
+    slotted = replace(bare, slots=16)
+    a, b = bare.batch_terms("decode", rows, 300, p), slotted.batch_terms("decode", rows, 300, p)
+    idle = bare._compute_parts("decode", span, 300)[1] - bare._compute_parts("decode", rows, 300)[1]
+    gather = 3 * kv / prof.mem_bytes_per_s
+    want = np.where(scattered, np.where(span <= 3 * rows, idle, gather), 0.0)
+    assert np.allclose(b.gpu_compute - a.gpu_compute, 0.75 * want)
+    assert np.all(want[2:4] > 0) and want[1] == pytest.approx(gather[1])
     assert np.allclose(b.cpu_compute - a.cpu_compute, scattered * 0.25 * 3 * kv / prof.cpu_mem_bytes_per_s)
-    # prefill writes the cache and gathers nothing; the policy's gbs is the slot count
+
+    packed = CostModel(OPT30, prof, compress_cache=True)  # 4-bit rows are always gathered
+    kv4 = kv * packed.kv_stored_ratio
+    q = dict(p, cg=1.0, cc=0.0)
+    extra = replace(packed, slots=16).batch_terms("decode", rows, 300, q).gpu_compute \
+        - packed.batch_terms("decode", rows, 300, q).gpu_compute
+    assert np.allclose(extra, scattered * 3 * kv4 / prof.mem_bytes_per_s)
+    # prefill writes the cache and attends over whole rows; the policy's gbs is the slot count
     assert slotted.batch_terms("prefill", 9, 300, p) == bare.batch_terms("prefill", 9, 300, p)
     assert CostModel.for_policy(OPT30, prof, Policy(gbs=24, nb=2)).slots == 24
     torch = pytest.importorskip("torch")
-    from xrunner.engine import _take
+    from xrunner.engine import SPAN_MAX_RATIO, _take
+    from xsimulator.costmodel import SPAN_MAX_RATIO as PRICED_RATIO
 
+    assert SPAN_MAX_RATIO == PRICED_RATIO
     cache = torch.zeros(16, 2, 8, 4)
     assert _take(cache, [3, 4, 5])._base is cache and _take(cache, [7])._base is cache  # views
     assert _take(cache, [3, 5, 6])._base is None  # a copy

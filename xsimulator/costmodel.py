@@ -54,6 +54,7 @@ OVERHEAD_TERMS: tuple[str, ...] = ("layer_overhead_s", "step_overhead_s", "block
 # time of the runs that read from disk; on the 2-core VM this was built on, compute ran 8-14%
 # longer in weights-on-disk plans than the same plans all in memory.
 INTERFERENCE_TERMS: tuple[str, ...] = ("disk_interference",)
+SPAN_MAX_RATIO = 3  # xrunner.engine.SPAN_MAX_RATIO (this package imports no torch)
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 # Stored KV parts per layer and row (the engine's KVCodec): K and V; 4-bit: codes, mins, scales of each.
 KV_PARTS = 2
@@ -499,7 +500,7 @@ class CostModel:
                 ctog = ctog + rows_move(off_c, "ctog", kv_ctx_st, rows * parts)
                 gtoc = gtoc + rows_move(off_c, "gtoc", kv_new_st, rows * parts)
                 gpu_compute = other_s + attn_s
-            gpu_compute = gpu_compute + _times(p["cg"], self._gather_s(rows, kv_ctx_st, cpu=False))
+            gpu_compute = gpu_compute + _times(p["cg"], self._scattered_rows_s(rows, length, kv_ctx_st))
             if self.compress_cache:
                 dequant = kv_ctx * (self.factor("dequant") / self.profile.dequant_bytes_per_s)
         gpu_compute = (_times(self.factor("gpu_compute"), gpu_compute) + self.overhead_s("layer_overhead_s")
@@ -507,21 +508,50 @@ class CostModel:
         return StepTerms(ctog=ctog, gtoc=gtoc, dtoc=dtoc, ctod=ctod, gpu_compute=gpu_compute,
                          cpu_compute=cpu_compute, dequant=dequant, quant=quant)
 
+    def _scattered(self, rows: Any) -> Any:
+        """Where ``rows`` active rows are no contiguous range of their batch's slots (two or more
+        left of ``slots``: the finished ones are spread over the batch), or None where none is."""
+        if not self.slots or isinstance(rows, (int, float)) and not 1 < rows < self.slots:
+            return None
+        r = np.asarray(rows)
+        return np.logical_and(r > 1, r < self.slots)
+
+    def _scattered_rows_s(self, rows: Any, length: Any, nbytes: Any) -> Any:
+        """Extra decode seconds of gpu-tier rows that are no contiguous range of their batch's slots.
+
+        The engine attends in place over the span from the first to the last such row when the
+        rows fill at least 1 / ``SPAN_MAX_RATIO`` of it and the cache is not 4-bit
+        (``xrunner.engine.attention_span``): the idle slots in the span cost attention. Otherwise
+        it gathers the rows' context (:meth:`_gather_s`). Finished rows are spread at random over
+        the slots, so the span is the expected range of ``rows`` of ``slots``.
+        """
+        scattered = self._scattered(rows)
+        if scattered is None:
+            return 0.0
+        gather = self._gather_s(rows, nbytes, cpu=False)
+        if self.compress_cache:
+            return gather
+        r = np.asarray(rows, dtype=float)
+        span = np.maximum((self.slots + 1) * (r - 1) / (r + 1) + 1, r)
+        idle = self._compute_parts("decode", span, length)[1] - self._compute_parts("decode", r, length)[1]
+        out = np.where(scattered, np.where(span <= SPAN_MAX_RATIO * r, idle, gather), 0.0)
+        return float(out) if np.ndim(out) == 0 else out
+
     def _gather_s(self, rows: Any, nbytes: Any, cpu: bool) -> Any:
         """Seconds to gather ``nbytes`` of decode KV context of ``rows`` active rows into one tensor.
 
-        Once some rows of a GPU batch have finished, the ones left (two or more, fewer than its
-        slots) are no contiguous range of the cache, and the engine copies their context out
-        before attention (``xrunner.engine._take``); the layer fits, timed on contiguous caches,
+        Rows that are no contiguous range (:meth:`_scattered`) and attend where no in-place span
+        is used (CPU attention, a 4-bit cache, rows too sparse in their span) have their context
+        copied out first (``xrunner.engine._take``); the layer fits, timed on contiguous caches,
         do not see the copy (opt-125m, 32 slots: decode layers 1.15-1.57x the fit at 4-30 rows).
         Priced at the memory roof: a CPU copy moves three times its bytes (read, and the
         destination line read for ownership before it is written), a GPU copy twice.
         """
+        scattered = self._scattered(rows)
         roof = self.profile.cpu_mem_bytes_per_s if cpu else self.profile.mem_bytes_per_s
-        if not self.slots or not roof or isinstance(rows, (int, float)) and not 1 < rows < self.slots:
+        if scattered is None or not roof:
             return 0.0
         traffic = 3.0 if cpu or self.profile.compute_device == "cpu" else 2.0
-        scattered = np.logical_and(np.asarray(rows) > 1, np.asarray(rows) < self.slots)
         out = np.where(scattered, traffic * np.asarray(nbytes, dtype=float) / roof, 0.0)
         return float(out) if np.ndim(out) == 0 else out
 
