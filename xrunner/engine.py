@@ -46,7 +46,7 @@ from xrunner.model import (attention, attn_in, attn_out_mlp, cpu_head_layout, em
 from xrunner.sampling import SamplingParams, sample
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
 from xsched.errors import UserError
-from xsimulator.costmodel import CostModel, head_layout_bytes, pack_scratch_bytes
+from xsimulator.costmodel import SPAN_MAX_RATIO, CostModel, head_layout_bytes, pack_scratch_bytes
 from xsimulator.policy import Policy
 from xsimulator.trace import TraceEvent, TraceMarker
 
@@ -352,9 +352,6 @@ def _take(t: torch.Tensor, idx: Sequence[int], dim: int = 0) -> torch.Tensor:
     if len(idx) and list(idx) == list(range(idx[0], idx[0] + len(idx))):
         return t.narrow(dim, idx[0], len(idx))
     return t.index_select(dim, torch.tensor(list(idx), dtype=torch.long, device=t.device))
-
-
-SPAN_MAX_RATIO = 3  # attend over a span of slots in place while it is at most this many times the rows in it
 
 
 def attention_span(rows: Sequence[int]) -> tuple[int, int] | None:

@@ -54,7 +54,9 @@ OVERHEAD_TERMS: tuple[str, ...] = ("layer_overhead_s", "step_overhead_s", "block
 # time of the runs that read from disk; on the 2-core VM this was built on, compute ran 8-14%
 # longer in weights-on-disk plans than the same plans all in memory.
 INTERFERENCE_TERMS: tuple[str, ...] = ("disk_interference",)
-SPAN_MAX_RATIO = 3  # xrunner.engine.SPAN_MAX_RATIO (this package imports no torch)
+# The engine attends in place over a span of a GPU batch's slots while it is at most this many
+# times the rows left in it (xrunner.engine.attention_span); the cost model prices the same rule.
+SPAN_MAX_RATIO = 3
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 # Stored KV parts per layer and row (the engine's KVCodec): K and V; 4-bit: codes, mins, scales of each.
 KV_PARTS = 2
@@ -414,10 +416,9 @@ class CostModel:
         and others compute-bound: sim_vs_run's 50%-on-disk plan ran 17-31% slower than predicted
         that way. Numeric placements only; staged layers (``_weights_stay_staged``) fetch nothing.
         """
-        whole = self.weight_terms(placement)
         if _weights_stay_staged(placement, self.spec.num_layers) or not all(
                 isinstance(placement[v], (int, float)) for v in ("wg", "wc", "wd")):
-            return [(1.0, whole)]
+            return [(1.0, self.weight_terms(placement))]
         out = []
         for var in ("wg", "wc", "wd"):
             share = float(placement[var])
