@@ -278,9 +278,6 @@ class KVCodec:
         else:
             self.rests = [((head_dim,), dtype), ((head_dim,), dtype)]
 
-    def bytes_per_position(self, kv_heads: int) -> int:
-        return sum(kv_heads * math.prod(r) * torch.empty((), dtype=dt).element_size() for r, dt in self.rests)
-
     def _rotate(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         if self.rotation is None:
             return x

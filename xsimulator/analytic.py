@@ -91,10 +91,6 @@ def _concat(a: BlockStep, b: BlockStep) -> BlockStep:
     return BlockStep(terms, cat(a.head_s, b.head_s), cat(a.seconds, b.seconds))
 
 
-def _broadcast_terms(terms: StepTerms, shape: tuple[int, ...]) -> StepTerms:
-    return StepTerms(*(np.broadcast_to(np.asarray(v, dtype=float), shape) for v in terms.as_dict().values()))
-
-
 class _Analytic:
     """Expected-value pricing of one policy on one workload."""
 
