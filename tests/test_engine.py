@@ -128,9 +128,11 @@ def test_opt_family_with_offloading(tmp_path):
     assert got == want
 
 
-def test_partly_finished_batches_attend_in_place_over_the_span_of_their_rows(llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", [dict(), dict(cg=0.0, cc=1.0, cpu_attention=True)], ids=["gpu", "cpu-attention"])
+def test_partly_finished_batches_attend_in_place_over_the_span_of_their_rows(llama, tmp_path, monkeypatch, where):
     """When the rows left of a GPU batch are no contiguous range, decode attention runs over the
-    slots between the first and the last in place (no copy of their context): same tokens."""
+    slots between the first and the last in place (no copy of their context), on the device or
+    with CPU attention over the cpu tier: same tokens."""
     import xrunner.engine as engine_module
     from xrunner.engine import attention_span
 
@@ -149,7 +151,7 @@ def test_partly_finished_batches_attend_in_place_over_the_span_of_their_rows(lla
         return out
 
     monkeypatch.setattr(engine_module, "attention_span", spy)
-    got, _ = run_engine(src, Policy(gbs=6, nb=1), alternating, tmp_path)
+    got, _ = run_engine(src, Policy(gbs=6, nb=1, **where), alternating, tmp_path)
     assert got == want
     assert any(sp is not None for sp in spans)
 

@@ -289,11 +289,12 @@ def test_layers_on_different_weight_tiers_are_priced_apart():
 
 
 def test_decode_prices_the_rows_left_of_a_partly_finished_batch_as_the_engine_attends_them():
-    """Two or more rows left of a GPU batch's slots are no contiguous range of the cache. On the
-    gpu tier the engine attends in place over their span when they fill a third of it (the idle
-    slots cost attention; the span is the expected range of the rows), else it copies their
-    context out first (``_take``: three times the bytes at the memory roof on a CPU), as CPU
-    attention and a 4-bit cache always do. One row or a full batch is a view."""
+    """Two or more rows left of a GPU batch's slots are no contiguous range of the cache. The
+    engine attends in place over their span when they fill a third of it (the idle slots cost
+    attention, on the device or, with CPU attention over the cpu tier, on the CPU; the span is
+    the expected range of the rows), else it copies their context out first (``_take``: three
+    times the bytes at the memory roof on a CPU), as a 4-bit cache always does. One row or a
+    full batch is a view."""
     prof = cpu_host(mem_bytes_per_s=15 * GB, cpu_mem_bytes_per_s=15 * GB)
     p = dict(wg=1.0, wc=0.0, wd=0.0, cg=0.75, cc=0.25, cd=0.0, hg=1.0, hc=0.0, hd=0.0)
     rows = np.array([1, 2, 9, 15, 16])
@@ -310,7 +311,11 @@ def test_decode_prices_the_rows_left_of_a_partly_finished_batch_as_the_engine_at
     want = np.where(scattered, np.where(span <= 3 * rows, idle, gather), 0.0)
     assert np.allclose(b.gpu_compute - a.gpu_compute, 0.75 * want)
     assert np.all(want[2:4] > 0) and want[1] == pytest.approx(gather[1])
-    assert np.allclose(b.cpu_compute - a.cpu_compute, scattered * 0.25 * 3 * kv / prof.cpu_mem_bytes_per_s)
+    cpu_attn = prof.compute_s("cpu_bmm", rows * OPT30.attention_flops_per_token(300), kv)
+    cpu_gather = 3 * kv / prof.cpu_mem_bytes_per_s
+    cpu_want = np.where(scattered, np.where(span <= 3 * rows, cpu_attn * (span - rows) / rows, cpu_gather), 0.0)
+    assert np.allclose(b.cpu_compute - a.cpu_compute, 0.25 * cpu_want)
+    assert np.all(cpu_want[2:4] > 0) and cpu_want[1] == pytest.approx(cpu_gather[1])
 
     packed = CostModel(OPT30, prof, compress_cache=True)  # 4-bit rows are always gathered
     kv4 = kv * packed.kv_stored_ratio

@@ -494,7 +494,8 @@ class CostModel:
                     cpu_attn = _op_seconds(self.profile, "cpu_bmm", rows * spec.attention_flops_per_token(length),
                                            kv_ctx)
                     cpu_compute = off_c * (cpu_attn * self.factor("cpu_compute"))
-                    cpu_compute = cpu_compute + _times(p["cc"], self._gather_s(rows, kv_ctx, cpu=True))
+                    cpu_compute = cpu_compute + _times(p["cc"], self._scattered_rows_s(
+                        rows, length, kv_ctx, cpu_attn_s=cpu_attn * self.factor("cpu_compute")))
                 gpu_compute = other_s + _times(p["cg"], attn_s)
             else:
                 # Offloaded rows' cache comes to the device for attention; the new entries go back.
@@ -517,8 +518,9 @@ class CostModel:
         r = np.asarray(rows)
         return np.logical_and(r > 1, r < self.slots)
 
-    def _scattered_rows_s(self, rows: Any, length: Any, nbytes: Any) -> Any:
-        """Extra decode seconds of gpu-tier rows that are no contiguous range of their batch's slots.
+    def _scattered_rows_s(self, rows: Any, length: Any, nbytes: Any, cpu_attn_s: Any = None) -> Any:
+        """Extra decode seconds of rows that are no contiguous range of their batch's slots: on the
+        gpu tier, or with ``cpu_attn_s`` (the rows' CPU attention seconds) on the cpu tier.
 
         The engine attends in place over the span from the first to the last such row when the
         rows fill at least 1 / ``SPAN_MAX_RATIO`` of it and the cache is not 4-bit
@@ -529,12 +531,16 @@ class CostModel:
         scattered = self._scattered(rows)
         if scattered is None:
             return 0.0
-        gather = self._gather_s(rows, nbytes, cpu=False)
+        cpu = cpu_attn_s is not None
+        gather = self._gather_s(rows, nbytes, cpu=cpu)
         if self.compress_cache:
             return gather
         r = np.asarray(rows, dtype=float)
         span = np.maximum((self.slots + 1) * (r - 1) / (r + 1) + 1, r)
-        idle = self._compute_parts("decode", span, length)[1] - self._compute_parts("decode", r, length)[1]
+        if cpu:  # CPU attention's time is linear in rows (the profile's CPU rates have no row term)
+            idle = np.asarray(cpu_attn_s, dtype=float) * (span - r) / r
+        else:
+            idle = self._compute_parts("decode", span, length)[1] - self._compute_parts("decode", r, length)[1]
         out = np.where(scattered, np.where(span <= SPAN_MAX_RATIO * r, idle, gather), 0.0)
         return float(out) if np.ndim(out) == 0 else out
 
@@ -542,7 +548,7 @@ class CostModel:
         """Seconds to gather ``nbytes`` of decode KV context of ``rows`` active rows into one tensor.
 
         Rows that are no contiguous range (:meth:`_scattered`) and attend where no in-place span
-        is used (CPU attention, a 4-bit cache, rows too sparse in their span) have their context
+        is used (a 4-bit cache, rows too sparse in their span) have their context
         copied out first (``xrunner.engine._take``); the layer fits, timed on contiguous caches,
         do not see the copy (opt-125m, 32 slots: decode layers 1.15-1.57x the fit at 4-30 rows).
         Priced at the memory roof: a CPU copy moves three times its bytes (read, and the
