@@ -538,7 +538,7 @@ class CostModel:
         r = np.asarray(rows, dtype=float)
         span = np.maximum((self.slots + 1) * (r - 1) / (r + 1) + 1, r)
         if cpu:  # CPU attention's time is linear in rows (the profile's CPU rates have no row term)
-            idle = np.asarray(cpu_attn_s, dtype=float) * (span - r) / r
+            idle = np.asarray(cpu_attn_s, dtype=float) * (span - r) / np.maximum(r, 1.0)
         else:
             idle = self._compute_parts("decode", span, length)[1] - self._compute_parts("decode", r, length)[1]
         out = np.where(scattered, np.where(span <= SPAN_MAX_RATIO * r, idle, gather), 0.0)
