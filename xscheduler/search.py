@@ -46,6 +46,10 @@ LP_BOUND_SLACK = 1.05
 # A re-plan's warm search tries shape-and-refill jumps only from variants whose climb ended within
 # this fraction of the best one (opt-30b/t4/T: the best after the jump was 5% behind before it).
 JUMP_WITHIN = 0.9
+# Branch-and-bound's answer is polished from every variant's best point within this fraction of
+# it too (opt-6.7b/t4/G: the best plan was a shape step away in a variant whose best priced
+# point was 0.977 of the answer; one-knob steps change the variant or the shape, not both).
+POLISH_WITHIN = 0.95
 
 
 @dataclass(frozen=True)
@@ -424,9 +428,8 @@ def polish(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, others: I
     cap = 1 << max(0, math.ceil(math.log2(max(1, ev.num_requests))))
     for _ in range(max_steps):
         g, nb = best.gbs, best.nb
-        moves = ((2 * g, nb), (g // 2, nb), (g, 2 * nb), (g, nb // 2), (2 * g, nb // 2), (g // 2, 2 * nb))
         r = best.refill_every
-        cands = [(best.variant, g2, nb2, r) for g2, nb2 in moves if 1 <= g2 <= cap and 1 <= nb2 and g2 * nb2 <= cap]
+        cands = [(best.variant, g2, nb2, r) for g2, nb2 in _shape_moves(g, nb, cap)]
         cands += [(best.variant, g, nb, r2) for r2 in refills if r2 != r]
         cands += [(v, g, nb, r) for v in others if v != best.variant]
         step = best
@@ -570,16 +573,23 @@ def warm_start(ev: Evaluator, start: tuple[Variant, int, int, int], kind: str, b
     return None if ok is None else polish(ev, ok, kind, bound_s, others, refills)
 
 
+def _shape_moves(g: int, nb: int, cap: int) -> list[tuple[int, int]]:
+    """Batch shapes next to (g, nb): gbs or nb halved or doubled, or traded at the same block
+    size, within the job's block cap."""
+    moves = ((2 * g, nb), (g // 2, nb), (g, 2 * nb), (g, nb // 2), (2 * g, nb // 2), (g // 2, 2 * nb))
+    return [(g2, nb2) for g2, nb2 in moves if 1 <= g2 <= cap and 1 <= nb2 and g2 * nb2 <= cap]
+
+
 def _jump(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, refills: list[int]) -> Evaluation:
-    """One step of gbs or nb together with another refill interval: moves that pay only
+    """One shape step (:func:`_shape_moves`) together with another refill interval: moves that pay only
     together (a ridge the one-knob climb of :func:`polish` cannot cross); climbs on from the
     best of them. Shapes whose LP bound cannot beat the point cost no simulation. The best
     refill interval moves with the shape: opt-175b on t4, workload T, unbounded, polished to nb 4
     without refill, 0.945 of exhaustive search's nb 2 with refill every 16 steps."""
-    g, nb = best.gbs, best.nb
+    cap = 1 << max(0, math.ceil(math.log2(max(1, ev.num_requests))))
     jump = best
-    for g2, nb2 in ((2 * g, nb), (g // 2, nb), (g, 2 * nb), (g, nb // 2)):
-        if g2 < 1 or nb2 < 1 or ev.bound(best.variant, g2, nb2) * (1 + 1e-9) < jump.throughput:
+    for g2, nb2 in _shape_moves(best.gbs, best.nb, cap):
+        if ev.bound(best.variant, g2, nb2) * (1 + 1e-9) < jump.throughput:
             continue
         for r in refills:
             if r != best.refill_every:
@@ -642,11 +652,18 @@ def search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, method
         extended = None
         for space in spaces:  # after the search, so that it does not change what was pruned
             extended = extend_past_cap(ev, space, kind, bound_s, extended)
-        # Polish from both starts: hill-climbing is path-dependent.
+        # Polish from several starts, hill-climbing being path-dependent: the best point, the
+        # extension's, and each other variant's best when within POLISH_WITHIN of it.
         starts = [e for e in (best, extended) if e is not None]
-        if len(starts) == 2 and starts[0] is starts[1]:
-            starts.pop()
-        for start in starts:
+        if best is not None:
+            own: dict[Variant, Evaluation] = {}
+            for e in ev.cache.values():
+                if e.meets(kind, bound_s) and _better(e, own.get(e.variant), kind):
+                    own[e.variant] = e
+            starts += [e for v, e in own.items() if v != best.variant and e.throughput >= POLISH_WITHIN * best.throughput]
+        for i, start in enumerate(starts):
+            if any(start is other for other in starts[:i]):
+                continue
             cand = _jump(ev, polish(ev, start, kind, bound_s, variants_, refills), kind, bound_s, refills)
             if _better(cand, best, kind) or best is None:
                 best = cand
