@@ -573,22 +573,27 @@ def warm_start(ev: Evaluator, start: tuple[Variant, int, int, int], kind: str, b
     return None if ok is None else polish(ev, ok, kind, bound_s, others, refills)
 
 
-def _shape_moves(g: int, nb: int, cap: int) -> list[tuple[int, int]]:
-    """Batch shapes next to (g, nb): gbs or nb halved or doubled, or traded at the same block
-    size, within the job's block cap."""
-    moves = ((2 * g, nb), (g // 2, nb), (g, 2 * nb), (g, nb // 2), (2 * g, nb // 2), (g // 2, 2 * nb))
+def _shape_moves(g: int, nb: int, cap: int, trades: bool = True) -> list[tuple[int, int]]:
+    """Batch shapes next to (g, nb): gbs or nb halved or doubled, or (``trades``) traded at the
+    same block size, within the job's block cap."""
+    moves = [(2 * g, nb), (g // 2, nb), (g, 2 * nb), (g, nb // 2)]
+    if trades:
+        moves += [(2 * g, nb // 2), (g // 2, 2 * nb)]
     return [(g2, nb2) for g2, nb2 in moves if 1 <= g2 <= cap and 1 <= nb2 and g2 * nb2 <= cap]
 
 
-def _jump(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, refills: list[int]) -> Evaluation:
+def _jump(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, refills: list[int],
+          trades: bool = True) -> Evaluation:
     """One shape step (:func:`_shape_moves`) together with another refill interval: moves that pay only
     together (a ridge the one-knob climb of :func:`polish` cannot cross); climbs on from the
     best of them. Shapes whose LP bound cannot beat the point cost no simulation. The best
     refill interval moves with the shape: opt-175b on t4, workload T, unbounded, polished to nb 4
-    without refill, 0.945 of exhaustive search's nb 2 with refill every 16 steps."""
+    without refill, 0.945 of exhaustive search's nb 2 with refill every 16 steps; on a100-80gb,
+    G, a trade of gbs for nb with another interval was 4.4% better (the re-planner, which has
+    a second's budget, leaves trades out: 12% longer re-plans)."""
     cap = 1 << max(0, math.ceil(math.log2(max(1, ev.num_requests))))
     jump = best
-    for g2, nb2 in _shape_moves(best.gbs, best.nb, cap):
+    for g2, nb2 in _shape_moves(best.gbs, best.nb, cap, trades):
         if ev.bound(best.variant, g2, nb2) * (1 + 1e-9) < jump.throughput:
             continue
         for r in refills:
@@ -618,7 +623,7 @@ def warm_search(ev: Evaluator, variants_: Iterable[Variant], start: tuple[int, i
         top = max(e.throughput for e in found)
         for e in found:  # jumps cost ~16 simulations: only for variants within JUMP_WITHIN of the best
             if e.throughput >= JUMP_WITHIN * top:
-                e = _jump(ev, e, kind, bound_s, refills)
+                e = _jump(ev, e, kind, bound_s, refills, trades=False)
             if _better(e, best, kind):
                 best = e
     if best is not None and len(vs) > 1:
