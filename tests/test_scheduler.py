@@ -367,7 +367,7 @@ def test_after_polishing_the_search_changes_batch_shape_and_refill_together():
     table = {(64, 4, 0): 7.21, (64, 4, 16): 6.5, (64, 2, 0): 5.0, (64, 2, 16): 7.63}
 
     class Table:
-        num_requests = 2000
+        job_cap = 2048
 
         def bound(self, v, g, nb):
             return math.inf

@@ -371,10 +371,18 @@ def attention_span(rows: Sequence[int]) -> tuple[int, int] | None:
     return lo, hi
 
 
-def _spread(x: torch.Tensor, at: torch.Tensor, n: int, fill: int) -> torch.Tensor:
-    """``n`` rows filled with ``fill``, rows ``at`` replaced by those of ``x``: the inputs of a
-    span's idle slots (queries of zeros; masks of ones, so their outputs stay finite)."""
-    return torch.full((n,) + tuple(x.shape[1:]), fill, dtype=x.dtype, device=x.device).index_copy_(0, at, x)
+def _spread(span: tuple[int, int], rows: Sequence[int], q: torch.Tensor, mask: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries and mask of ``rows`` laid out over the slots of ``span``, and the rows' positions
+    in it (to pick their outputs): idle slots get zero queries and all-ones masks, so their
+    outputs stay finite."""
+    lo, hi = span
+    at = torch.tensor([r - lo for r in rows], device=q.device)
+
+    def fill(x: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.full((hi - lo,) + tuple(x.shape[1:]), value, dtype=x.dtype, device=x.device).index_copy_(0, at, x)
+
+    return fill(q, 0), fill(mask, 1), at
 
 
 def _done() -> Future:
@@ -1267,10 +1275,8 @@ class Engine:
                     ctx = [_take(part[:, :, b:c + 1], rows) for part in homes["gpu"]]
                     kk, vv = codec.decode(ctx, self.kv_dequant, fresh=own, layer=layer)
                 else:  # the slots from the first row to the last attend in place; the others' outputs are dropped
-                    lo, hi = span
-                    at = torch.tensor([r - lo for r in rows], device=q.device)
-                    kk, vv = [part[lo:hi, :, b:c + 1] for part in homes["gpu"]]
-                    qs, mask = _spread(qs, at, hi - lo, 0), _spread(mask, at, hi - lo, 1)
+                    kk, vv = [part[span[0]:span[1], :, b:c + 1] for part in homes["gpu"]]
+                    qs, mask, at = _spread(span, rows, qs, mask)
             elif not self.policy.cpu_attention:
                 stage = [s[k_off:k_off + len(rows)] for s in self.kv_stage[slot]]
                 for dst, src in zip(stage, new):
@@ -1314,10 +1320,8 @@ class Engine:
             if span is None:
                 kk, vv = [_take(part[:, b:c + 1].transpose(1, 2), rows) for part in homes["cpu"]]
             else:  # in place over the span, as on the gpu tier (same cache layout, strided view)
-                lo, hi = span
-                at = torch.tensor([r - lo for r in rows])
-                kk, vv = [part[lo:hi, b:c + 1].transpose(1, 2) for part in homes["cpu"]]
-                qc, mask = _spread(qc, at, hi - lo, 0), _spread(mask, at, hi - lo, 1)
+                kk, vv = [part[span[0]:span[1], b:c + 1].transpose(1, 2) for part in homes["cpu"]]
+                qc, mask, at = _spread(span, rows, qc, mask)
         else:  # disk rows: the load queue read their context into the load relay
             if self._item >= 1:
                 self._store_done[self._item - 1].result()  # the store relay is free again

@@ -200,6 +200,11 @@ class Evaluator:
     def evaluations(self) -> int:
         return len(self.cache)
 
+    @property
+    def job_cap(self) -> int:
+        """The job's size to a power of two: a larger block behaves the same."""
+        return 1 << max(0, math.ceil(math.log2(max(1, self.num_requests))))
+
     def bound(self, v: Variant, gbs: int, nb: int) -> float:
         """Throughput no point with these knobs can beat (any refill), from the LP alone
         (:data:`LP_BOUND_SLACK`); 0 when nothing fits. Costs an LP solve, not a simulation."""
@@ -241,7 +246,7 @@ class Evaluator:
         batch only pushes weights or KV cache to slower tiers, so throughput falls while latency
         still rises, which would break the monotonicity branch-and-bound relies on.
         """
-        cap = 1 << max(0, math.ceil(math.log2(max(1, self.num_requests))))
+        cap = self.job_cap
         if self.placement(v, 1, 1) is None:
             return None
         top = min(max_exp, int(math.log2(cap)))
@@ -425,7 +430,7 @@ def polish(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, others: I
     variants) and moves to the best one that meets the bound, until none is better.
     """
     others, refills = list(others), list(refills)
-    cap = 1 << max(0, math.ceil(math.log2(max(1, ev.num_requests))))
+    cap = ev.job_cap
     for _ in range(max_steps):
         g, nb = best.gbs, best.nb
         r = best.refill_every
@@ -458,7 +463,7 @@ def extend_past_cap(ev: Evaluator, space: Space, kind: str, bound_s: float,
     if not mine:
         return best
     cur = max(mine, key=lambda e: e.throughput)
-    job_cap = 1 << max(0, math.ceil(math.log2(max(1, ev.num_requests))))
+    job_cap = ev.job_cap
     while cur.gbs * cur.nb * 2 <= job_cap and ev.bound(cur.variant, cur.gbs, cur.nb * 2) > cur.throughput:
         nxt = ev(cur.variant, cur.gbs, cur.nb * 2, cur.refill_every)
         if not (nxt.meets(kind, bound_s) and nxt.throughput > cur.throughput):
@@ -591,7 +596,7 @@ def _jump(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, refills: l
     without refill, 0.945 of exhaustive search's nb 2 with refill every 16 steps; on a100-80gb,
     G, a trade of gbs for nb with another interval was 4.4% better (the re-planner, which has
     a second's budget, leaves trades out: 12% longer re-plans)."""
-    cap = 1 << max(0, math.ceil(math.log2(max(1, ev.num_requests))))
+    cap = ev.job_cap
     jump = best
     for g2, nb2 in _shape_moves(best.gbs, best.nb, cap, trades):
         if ev.bound(best.variant, g2, nb2) * (1 + 1e-9) < jump.throughput:
@@ -666,9 +671,11 @@ def search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, method
                 if e.meets(kind, bound_s) and _better(e, own.get(e.variant), kind):
                     own[e.variant] = e
             starts += [e for v, e in own.items() if v != best.variant and e.throughput >= POLISH_WITHIN * best.throughput]
-        for i, start in enumerate(starts):
-            if any(start is other for other in starts[:i]):
+        seen = set()
+        for start in starts:
+            if (key := (start.variant, start.gbs, start.nb, start.refill_every)) in seen:
                 continue
+            seen.add(key)
             cand = _jump(ev, polish(ev, start, kind, bound_s, variants_, refills), kind, bound_s, refills)
             if _better(cand, best, kind) or best is None:
                 best = cand

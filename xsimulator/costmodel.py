@@ -492,10 +492,9 @@ class CostModel:
                 ctog = ctog + rows_move(off_c, "ctog", rows * (spec.q_dim * dt), 1)
                 if not _is_zero(off_c):
                     cpu_attn = _op_seconds(self.profile, "cpu_bmm", rows * spec.attention_flops_per_token(length),
-                                           kv_ctx)
-                    cpu_compute = off_c * (cpu_attn * self.factor("cpu_compute"))
-                    cpu_compute = cpu_compute + _times(p["cc"], self._scattered_rows_s(
-                        rows, length, kv_ctx, cpu_attn_s=cpu_attn * self.factor("cpu_compute")))
+                                           kv_ctx) * self.factor("cpu_compute")
+                    cpu_compute = off_c * cpu_attn + _times(p["cc"], self._scattered_rows_s(
+                        rows, length, kv_ctx, cpu_attn_s=cpu_attn))
                 gpu_compute = other_s + _times(p["cg"], attn_s)
             else:
                 # Offloaded rows' cache comes to the device for attention; the new entries go back.
