@@ -28,7 +28,7 @@ TINY = ModelSpec(name="tiny-llama", family="llama", num_layers=2, hidden=64, ffn
 TINY_SETTINGS = Settings(
     copy_sizes=(64 * KiB, 1 * MiB), disk_sizes=(64 * KiB, 1 * MiB), disk_file_bytes=4 * MiB, passes=2, warmup=1,
     gemm_tokens=32, gemv_bytes=1 * MiB, sweep_budget_s=4.0, sweep_min_passes=2, sweep_max_passes=3,
-    grids={"prefill": Grid((1, 2), (8, 32)), "decode": Grid((1, 4), (16, 64))})
+    grids={"prefill": Grid((1, 2, 4), (8, 32), max_tokens=64), "decode": Grid((1, 4), (16, 64))})
 
 
 def _opts(tmp_path: Path, **kw) -> ProfileOptions:
@@ -60,7 +60,7 @@ def test_tiny_profile_measures_every_field(tmp_path):
     assert prof.fingerprint.cpu_cores >= 1 and prof.fingerprint.offload_fs
     assert {(f.model, f.phase) for f in prof.layer_fits} == {("tiny-llama", "prefill"), ("tiny-llama", "decode")}
     for fit in prof.layer_fits:
-        assert fit.n_samples == 4 and fit.samples_csv == csv_path.name
+        assert fit.n_samples == (5 if fit.phase == "prefill" else 4) and fit.samples_csv == csv_path.name
         assert fit.predict_s(TINY, 2, 32) > 0 and fit.max_rel_error >= fit.median_rel_error >= 0
     # the model's logits product: per row count, the faster of the two layouts the runner chooses from
     (head,) = prof.head_fits
@@ -75,7 +75,13 @@ def test_tiny_profile_measures_every_field(tmp_path):
         assert t == pytest.approx(min(mine.values())) and mine[layout] == pytest.approx(t)
     assert {"bench", "model", "phase", "batch", "length", "size_bytes", "count", "pass", "time_s"} <= set(df.columns)
     layer = df[df.bench == "layer"]
-    assert len(layer) == 8 * layer["pass"].nunique() and layer["pass"].nunique() >= 2
+    assert len(layer) == 9 * layer["pass"].nunique() and layer["pass"].nunique() >= 2
+    # The prefill grid's corner past max_tokens (4 x 32) is not measured; its correction is the
+    # nearest measured node's (2 x 32), so predictions stay continuous there.
+    assert not ((layer.phase == "prefill") & (layer.batch == 4) & (layer.length == 32)).any()
+    (pre,) = [f for f in prof.layer_fits if f.phase == "prefill"]
+    assert (pre.grid_batches, pre.grid_lengths) == ((1, 2, 4), (8, 32))
+    assert pre.grid_ratio[2][1] == pre.grid_ratio[1][1] and pre.grid_ratio[2][0] != pre.grid_ratio[1][0]
     assert (df.time_s > 0).all()
     assert set(df.bench) >= {"ctog", "gtoc", "dtoc", "ctod", "mm", "bmm", "mem", "quant", "dequant", "layer",
                              "row_store", "row_dtoc"}
