@@ -30,12 +30,13 @@ from xprofiler.bench import Timer, gemm_point, gemv_point
 from xprofiler.samples import rate, run_points
 from xprofiler.fit import fit_layer, relative_errors
 from xprofiler.measure import LoadMeter
-from xprofiler.sweeps import QUICK_GRIDS, estimate_s, layer_points, point_times, resolve_spec, sample_counts
+from xprofiler.sweeps import QUICK_GRIDS, Grid, estimate_s, layer_points, point_times, resolve_spec, sample_counts
 
-# Held-out points: between the quick grid's nodes (see xprofiler.sweeps.QUICK_GRIDS).
+# Held-out points: between the quick grid's nodes (see xprofiler.sweeps.QUICK_GRIDS), inside its
+# trimmed prefill rectangle (batch x length <= its max_tokens).
 HELD_OUT = {
-    "prefill": ((3, 6), (32, 128, 384)),
-    "decode": ((5, 12, 24, 48), (256, 1024)),
+    "prefill": Grid((3, 6, 12, 24), (32, 128, 384), max_tokens=3072),
+    "decode": Grid((5, 12, 24, 48), (256, 1024)),
 }
 
 
@@ -71,8 +72,7 @@ def accuracy(model: str, passes: int) -> dict:
     flops, mem = machine_rates(device)
     for phase, grid in QUICK_GRIDS.items():
         train = grid.points(spec.max_positions)
-        hb, hn = HELD_OUT[phase]
-        held = [(b, n) for b in hb for n in hn if n <= spec.max_positions]
+        held = HELD_OUT[phase].points(spec.max_positions)
         counts = sample_counts({p: estimate_s(spec, phase, *p, flops, mem, 4) for p in train + held})
         points = layer_points(spec, phase, counts, device, "float32")
         rows = run_points(points, Timer(device), passes=passes, warmup=1, seed=1)
