@@ -44,9 +44,10 @@ class Grid:
     """Batch sizes and lengths (prompt length for prefill, context length for decode).
 
     ``max_tokens`` (batch x length) trims the rectangle's costly corner, so that large batches
-    can be measured at the short lengths plans give them: a prefill layer's time per token
-    depends on batch x length (the GEMMs' row count), and a fit measured only at small batches
-    under-predicts a 32-prompt batch of short prompts by about 10% on a CPU.
+    can be measured at the short lengths plans give them. The fit holds its edge correction past
+    the last batch, and that edge was wrong there: at 2048 tokens an opt-125m prefill layer of
+    16-64 short prompts ran 1.14-1.16 x the linear model, of 4-8 long ones 1.05-1.10 (2-core
+    VM), so a grid ending at 8 rows priced a 32 x 64 prefill 8-10% short.
     """
 
     batches: tuple[int, ...]
