@@ -776,9 +776,9 @@ def test_a_new_gbs_times_the_lm_head_layout_again_when_its_copy_fits_the_new_pla
     want = reference(load_weights(src), reqs)
     timed_rows = []
 
-    def fake_seconds(layouts, rows, repeats=3):  # transposed faster for up to 2 rows, row-major above
-        timed_rows.append(rows)
-        return {"transposed": 1.0, "rows": 2.0 if rows <= 2 else 0.5}
+    def fake_seconds(layouts, rows, repeats=3):  # over the drain's row counts: row-major slow at 1 row
+        timed_rows.append(rows[0])  # the batch's full row count
+        return {"transposed": 1.0 * len(rows), "rows": sum(2.0 if r <= 1 else 0.5 for r in rows)}
 
     monkeypatch.setattr(model_core, "head_layout_seconds", fake_seconds)
     for wg, fits in ((0.0, True), (1.0, False)):

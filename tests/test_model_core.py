@@ -115,7 +115,7 @@ def test_the_lm_head_takes_the_layout_measured_faster_with_the_same_values(kind,
     spec, _, _ = hf_model_and_ours(kind)
     timed.clear()
     ours = load_weights(RandomSource(spec, seed=0), head_rows=3)
-    assert timed == [(["rows", "transposed"], 3)]
+    assert timed == [(["rows", "transposed"], [3, 2, 1])]  # the batch's row counts as it drains
     name = "embed_tokens.weight" if spec.tied_embeddings else "lm_head.weight"
     w = ours.head[name]
     assert w.shape == (spec.vocab_size, spec.hidden)
@@ -137,6 +137,26 @@ def test_head_layout_seconds_times_every_layout():
     assert torch.equal(layouts["transposed"], w) and layouts["transposed"].t().is_contiguous()
     seconds = head_layout_seconds(layouts, rows=4, repeats=2)
     assert set(seconds) == {"rows", "transposed"} and all(0 < s < 1 for s in seconds.values())
+    # Several row counts: one total per layout, more than any one count's time.
+    several = head_layout_seconds(layouts, rows=[4, 3, 1], repeats=2)
+    assert set(several) == {"rows", "transposed"} and all(0 < s < 1 for s in several.values())
+
+
+def test_the_head_layout_is_chosen_over_the_row_counts_a_batch_drains_through(monkeypatch):
+    """A layout fast at the full batch but slow once rows finish loses to one fast at every
+    count (opt-125m on the VM: row-major 27 ms at 16 rows, 63-66 ms at 13-15; transposed 24-25 ms)."""
+    import xrunner.model as model_core
+    from xrunner.model import cpu_head_layout, drain_rows, head_layout_of
+
+    assert drain_rows(16) == [16, 14, 10, 6] and drain_rows(1) == [1]
+    ms = {"rows": {16: 27.0, 14: 64.0, 10: 50.0, 6: 30.0}, "transposed": {16: 28.0, 14: 25.0, 10: 24.0, 6: 23.0}}
+    spec, _, _ = hf_model_and_ours("opt-untied")
+    monkeypatch.setattr(model_core, "head_layout_seconds",
+                        lambda layouts, rows, repeats=3: {n: sum(ms[n][r] for r in rows) for n in layouts})
+    head = {"lm_head.weight": torch.randn(spec.vocab_size, spec.hidden)}
+    assert head_layout_of(cpu_head_layout(spec, head, 16)["lm_head.weight"]) == "transposed"
+    ms["rows"].update({14: 26.0, 10: 22.0, 6: 20.0})  # now row-major is faster overall
+    assert head_layout_of(cpu_head_layout(spec, head, 16)["lm_head.weight"]) == "rows"
 
 
 def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
