@@ -39,8 +39,11 @@ MiB = 2**20
 # Accelerate copies every offloaded weight into a fresh tensor per forward pass. glibc's dynamic
 # mmap threshold then serves those 4-16 MiB buffers from the heap and keeps the freed memory:
 # measured +0.7 GiB of anonymous memory per forward pass of this model (OOM-killed within a 2 GiB
-# budget in the first decode steps). A fixed threshold keeps its RSS flat (~0.3 GiB), so both
-# sides run with it by default (--no-malloc-fix shows the default behaviour).
+# budget in the first decode steps). A fixed threshold keeps its RSS flat (~0.3 GiB), so Accelerate
+# runs with it by default. xsched does not need it (its buffers are allocated once and it stays
+# within the budget without it) and is slowed by it: every transient over 1 MiB becomes a fresh
+# mmap, page-faulted anew (stop 26, 128-row 4-bit-cache plan: 17.6M minor faults, 35.5 tok/s,
+# against 1.7M and 40.4 tok/s with glibc's default). ``--malloc-fix`` picks the sides.
 MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
 MALLOC_MMAP_THRESHOLD_BYTES = 1 * MiB
 REPO = Path(__file__).resolve().parents[1]
@@ -368,8 +371,9 @@ def main() -> None:
                          "Default: the t4 preset, used only for the memory plan and the printed prediction")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
-    ap.add_argument("--no-malloc-fix", action="store_true",
-                    help=f"run both sides without {MALLOC_ENV} (Accelerate then grows until the cgroup kills it)")
+    ap.add_argument("--malloc-fix", choices=("accelerate", "both", "none"), default="accelerate",
+                    help=f"the sides run with {MALLOC_ENV}={MALLOC_MMAP_THRESHOLD_BYTES} (without it Accelerate "
+                         "grows until the cgroup kills it; xsched does not need it and runs slower with it)")
     ap.add_argument("--skip-accelerate", action="store_true")
     ap.add_argument("--skip-xsched", action="store_true")
     ap.add_argument("--json", action="store_true")
@@ -408,7 +412,7 @@ def main() -> None:
             r = run_limited(me + ["--child", "accelerate", "--model-dir", str(model_dir), "--offload-dir", str(acc_dir),
                                   "--batch", str(b), "--prompt-len", str(args.prompt_len), "--new-tokens",
                                   str(args.new_tokens), "--threads", str(args.threads)],
-                            budget, f"acc{b}", args.threads, args.timeout_s, not args.no_malloc_fix)
+                            budget, f"acc{b}", args.threads, args.timeout_s, args.malloc_fix != "none")
             enforced = r["cgroup"]
             res = last_json(r["stdout"]) if r["returncode"] == 0 else None
             row = {"side": "accelerate", "batch": b, "tokens_per_s": res["tokens_per_s"] if res else None,
@@ -422,7 +426,7 @@ def main() -> None:
 
     if not args.skip_xsched:
         profile = load_profile(args.profile or "t4")
-        base = run_limited(me + ["--child", "baseline"], budget, "base", args.threads, 300, not args.no_malloc_fix)
+        base = run_limited(me + ["--child", "baseline"], budget, "base", args.threads, 300, args.malloc_fix == "both")
         overhead = last_json(base["stdout"])["maxrss_bytes"] if base["returncode"] == 0 else 600 * MiB
         overhead = int(overhead * 1.15) + 256 * MiB  # allocator slack, torch workspaces, the results writer
         max_prompt, max_output = args.prompt_len, args.new_tokens
@@ -453,7 +457,7 @@ def main() -> None:
                          "--prompts", str(prompts_path), "--out", str(out), "--result", str(result),
                          "--offload-dir", str(offload), "--ignore-eos", "--quiet",
                          "--weight-rounding", "nearest"],  # random weights: no calibration text to fit
-                        budget, "xsched", args.threads, args.timeout_s, not args.no_malloc_fix)
+                        budget, "xsched", args.threads, args.timeout_s, args.malloc_fix == "both")
         enforced = r["cgroup"]
         ok = r["returncode"] == 0 and result.exists()
         res = json.loads(result.read_text()) if ok else None
@@ -475,7 +479,7 @@ def main() -> None:
     flops = job_flops_per_request(spec, args.prompt_len, args.new_tokens)
     ceiling = args.new_tokens * gemm_rate / flops if gemm_rate else None
     summary = {"model": spec.name, "params": spec.num_params, "weight_bytes": spec.weight_bytes,
-               "budget": enforced, "threads": args.threads, "malloc_fix": not args.no_malloc_fix, "prompt_len": args.prompt_len,
+               "budget": enforced, "threads": args.threads, "malloc_fix": args.malloc_fix, "prompt_len": args.prompt_len,
                "new_tokens": args.new_tokens, "rows": rows,
                "best_accelerate_batch": best_acc["batch"] if best_acc else None, "speedup": speedup,
                "flops_per_request": flops, "gemm_flops_per_s": gemm_rate, "compute_ceiling_tokens_per_s": ceiling}
@@ -483,7 +487,7 @@ def main() -> None:
         print(json.dumps(summary, indent=2))
         return
     print(f"\nRAM budget enforced on each side: {enforced}; torch threads {args.threads}; "
-          f"{MALLOC_ENV}={'unset' if args.no_malloc_fix else MALLOC_MMAP_THRESHOLD_BYTES}; "
+          f"{MALLOC_ENV}={MALLOC_MMAP_THRESHOLD_BYTES} for {args.malloc_fix}; "
           f"workload {args.prompt_len} prompt + {args.new_tokens} new tokens, greedy, EOS ignored")
     print(f"{'side':<12} {'batch':>8} {'tokens/s':>10} {'wall s':>9} {'cgroup peak GiB':>16}  status")
     for r in rows:
