@@ -135,7 +135,8 @@ def test_range_search_never_increases_a_groups_squared_error(dtype, dim):
 @pytest.mark.parametrize("clip_steps", [0, DEFAULT_CLIP_STEPS])
 @pytest.mark.parametrize("shape,dim", [((1536, 576), 0), ((2, 3, 40, 64), 3), ((5, 150), 1)])
 def test_quantizer_matches_an_independent_reference(clip_steps, shape, dim):
-    """Same values as a plain-torch model of the format, up to a code flip at an exact rounding tie."""
+    """Same values as a plain-torch model of the format, up to a code flip at an exact rounding tie.
+    (1536, 576) along dim 0 is dequantized in four slices of ``DEQUANT_CHUNK_BYTES``."""
     x = _heavy_tailed(shape, seed=1)
     got = dequantize(quantize(x, dim=dim, clip_steps=clip_steps))
     want = reference_roundtrip(x, dim, steps=clip_steps)

@@ -51,6 +51,10 @@ CLIP_MIN_SHRINK = 0.7
 # less attention error), and it would run on every cache write (benchmarks/compression_ppl.py
 # measures both).
 KV_CLIP_STEPS = 0
+# On a CPU, dequantize in slices of about this many output bytes, so that a slice's codes are still
+# in the L2 cache when the scale and min are applied: 33 MB of KV values (128 rows x 64 positions)
+# 17.6-25.8 ms in one pass, 10.7 ms in 1 MiB slices (stop 26; the values are bit-identical).
+DEQUANT_CHUNK_BYTES = 2**20
 
 
 def hadamard_rotation(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
@@ -239,10 +243,15 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None, out: torch.
     direct = out is not None and dtype == torch.float32 and lead[-1] * g == n
     work = out.view(*lead, g) if direct else torch.empty(*lead, g, dtype=torch.float32, device=q.packed.device)
     pairs = work.view(*lead, g // 2, 2)
-    pairs[..., 0].copy_(q.packed & 0x0F)
-    pairs[..., 1].copy_(q.packed >> 4)
-    # float32 arithmetic, one rounding at the end: error <= scale/2 + half an ulp of ``dtype``.
-    _dequant_in_place(work, q.mins, q.scales)
+    step = len(work)
+    if work.device.type == "cpu":  # slices of about DEQUANT_CHUNK_BYTES along dim 0
+        step = max(1, DEQUANT_CHUNK_BYTES // (work[0].numel() * work.element_size()))
+    for s in range(0, len(work), step):
+        codes, packed = pairs[s:s + step], q.packed[s:s + step]
+        codes[..., 0].copy_(packed & 0x0F)
+        codes[..., 1].copy_(packed >> 4)
+        # float32 arithmetic, one rounding at the end: error <= scale/2 + half an ulp of ``dtype``.
+        _dequant_in_place(work[s:s + step], q.mins[s:s + step], q.scales[s:s + step])
     values = work.reshape(*lead[:-1], -1)[..., :n]
     if out is None:
         return values.to(dtype).movedim(-1, q.dim).contiguous()
