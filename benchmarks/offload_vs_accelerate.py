@@ -11,7 +11,10 @@ footprint of a bare engine process). Before each run the page cache of the weigh
 dropped (``POSIX_FADV_DONTNEED``), so reads really come from the disk.
 
 Throughput = generated tokens / wall time of the generation (prefill included), model setup
-excluded on both sides. Each side runs in its own process inside a fresh cgroup.
+excluded on both sides. Each side runs in its own process inside a fresh cgroup; Accelerate with
+glibc's mmap threshold fixed at 1 MiB, without which it outgrows the budget (``--malloc-fix``).
+With ``--profile`` (this machine's calibrated profile of the model) the xsched side runs the
+fitting policy, fp32 or 4-bit KV cache, that the simulator predicts fastest.
 
 It also prints the compute ceiling: the FLOPs of one request (prefill, then each decode step
 over its growing context, LM head once per token) at this core's best measured fp32 GEMM rate.
