@@ -135,7 +135,7 @@ def test_head_layout_seconds_times_every_layout():
     w = torch.randn(512, 64)
     layouts = head_layouts(w)
     assert torch.equal(layouts["transposed"], w) and layouts["transposed"].t().is_contiguous()
-    seconds = head_layout_seconds(layouts, rows=4, repeats=2)
+    seconds = head_layout_seconds(layouts, rows=[4], repeats=2)
     assert set(seconds) == {"rows", "transposed"} and all(0 < s < 1 for s in seconds.values())
     # Several row counts: still one (summed) time per layout.
     several = head_layout_seconds(layouts, rows=[4, 3, 1], repeats=2)

@@ -243,8 +243,8 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None, out: torch.
     direct = out is not None and dtype == torch.float32 and lead[-1] * g == n
     work = out.view(*lead, g) if direct else torch.empty(*lead, g, dtype=torch.float32, device=q.packed.device)
     pairs = work.view(*lead, g // 2, 2)
-    step = max(1, len(work))
-    if work.device.type == "cpu" and work.numel():  # slices of about DEQUANT_CHUNK_BYTES along dim 0
+    step = len(work)
+    if work.device.type == "cpu":  # slices of about DEQUANT_CHUNK_BYTES along dim 0
         step = max(1, DEQUANT_CHUNK_BYTES // (work[0].numel() * work.element_size()))
     for s in range(0, len(work), step):
         codes, packed = pairs[s:s + step], q.packed[s:s + step]

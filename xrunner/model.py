@@ -236,11 +236,11 @@ def drain_rows(rows: int) -> list[int]:
     return sorted({rows} | {max(1, round(rows * f)) for f in (0.875, 0.625, 0.375)}, reverse=True)
 
 
-def head_layout_seconds(layouts: dict[str, torch.Tensor], rows: int | Sequence[int], repeats: int = 3
+def head_layout_seconds(layouts: dict[str, torch.Tensor], rows: Sequence[int], repeats: int = 3
                         ) -> dict[str, float]:
-    """Fastest of ``repeats`` timed logits products of ``rows`` rows in each of ``layouts`` (summed
-    over the row counts when ``rows`` lists several), with the profiler's harness (warm-up,
-    passes in shuffled order, so that drift hits every layout).
+    """Per layout in ``layouts``, the fastest of ``repeats`` timed logits products summed over the
+    row counts ``rows``, with the profiler's harness (warm-up, passes in shuffled order, so that
+    drift hits every layout).
 
     Which layout is faster depends on the shape and the row count, so it is measured, not
     assumed: on the project's VM (1 thread) the transposed one is 1.7x faster for one row of every
@@ -249,9 +249,8 @@ def head_layout_seconds(layouts: dict[str, torch.Tensor], rows: int | Sequence[i
     """
     from xprofiler.samples import run_points, summarize_by, wall_clock
 
-    counts = [rows] if isinstance(rows, int) else list(rows)
     with torch.inference_mode():
-        samples = run_points(head_product_points(layouts, counts), wall_clock, passes=repeats)
+        samples = run_points(head_product_points(layouts, list(rows)), wall_clock, passes=repeats)
     best = summarize_by(samples, "shape", lambda r: r["time_s"] / r["count"], stat="min")
     total: dict[str, float] = {}
     for shape, t in best.items():
