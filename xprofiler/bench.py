@@ -212,9 +212,11 @@ def quant_points(device: torch.device, dtype: torch.dtype, shapes: Sequence[tupl
     """Group-wise 4-bit quantize and dequantize of MLP weights, with the runner's quantizer.
 
     Quantize is timed with the KV cache's range rule: the KV write is the only quantization in
-    the steady-state loop (weights are packed once, at load).
+    the steady-state loop (weights are packed once, at load). Dequantize writes into a buffer
+    allocated once, as the engine does: the allocating form also times a fresh tensor and a
+    transposing copy the engine never makes.
     """
-    from xrunner.compression import KV_CLIP_STEPS, dequantize, quantize
+    from xrunner.compression import KV_CLIP_STEPS, dequantize, quantize, stored_shape
 
     points = []
     for label, rows, cols in shapes:
@@ -223,5 +225,6 @@ def quant_points(device: torch.device, dtype: torch.dtype, shapes: Sequence[tupl
         meta = dict(dtype=str(dtype).removeprefix("torch."), shape=f"{label}{rows}x{cols}",
                     bytes=float(w.numel() * w.element_size()))
         points.append(Point(sample_meta("quant", **meta), lambda w=w: quantize(w, clip_steps=KV_CLIP_STEPS)))
-        points.append(Point(sample_meta("dequant", **meta), lambda q=q: dequantize(q)))
+        buf = torch.empty(stored_shape(q), dtype=dtype, device=device)
+        points.append(Point(sample_meta("dequant", **meta), lambda q=q, buf=buf: dequantize(q, out=buf)))
     return points
