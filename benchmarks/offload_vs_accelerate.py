@@ -17,11 +17,15 @@ With ``--profile`` (this machine's calibrated profile of the model) the xsched s
 fitting policy, fp32 or 4-bit KV cache, that the simulator predicts fastest.
 
 It also prints the compute ceiling: the FLOPs of one request (prefill, then each decode step
-over its growing context, LM head once per token) at this core's best measured fp32 GEMM rate.
+over its growing context, LM head once per token) at the best fp32 GEMM rate measured with its threads.
 No fp32 engine can beat that tokens/s with this many threads, so ceiling / Accelerate bounds the
 speed-up any engine can show here, whatever it does about I/O.
 
-    OMP_NUM_THREADS=1 python benchmarks/offload_vs_accelerate.py               # the issue's setting
+Both sides use every core by default (``--threads``; stop 27 on 2 cores: Accelerate 7.95 -> 10.17
+tokens/s from 1 to 2 threads, xsched 47.2 -> 89.3).
+
+    python benchmarks/offload_vs_accelerate.py --accelerate-batches 32 --profile cal.json   # as reported
+    python benchmarks/offload_vs_accelerate.py                                  # no profile: largest block
     python benchmarks/offload_vs_accelerate.py --accelerate-batches 8 --rows 64  # shorter
 """
 
@@ -372,7 +376,9 @@ def main() -> None:
                     help="measured profile of this machine with this model (xsched profile --model <workdir>/"
                          "opt-0.5b-random): the policy is then the one it predicts fastest among those that fit. "
                          "Default: the t4 preset, used only for the memory plan and the printed prediction")
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", len(os.sched_getaffinity(0)))),
+                    help="torch threads of each side (default OMP_NUM_THREADS, else every core this process may use); "
+                         "--profile must have been measured with as many")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     ap.add_argument("--malloc-fix", choices=("accelerate", "both", "none"), default="accelerate",
                     help=f"the sides run with {MALLOC_ENV}={MALLOC_MMAP_THRESHOLD_BYTES} (without it Accelerate "
@@ -429,6 +435,10 @@ def main() -> None:
 
     if not args.skip_xsched:
         profile = load_profile(args.profile or "t4")
+        if args.profile and profile.compute_threads not in (0, args.threads):  # 0: an old profile, unknown
+            raise SystemExit(f"error: {args.profile} was measured with {profile.compute_threads} thread(s), this run "
+                             f"uses {args.threads}: pass --threads {profile.compute_threads}, or profile with "
+                             f"--threads {args.threads}")
         base = run_limited(me + ["--child", "baseline"], budget, "base", args.threads, 300, args.malloc_fix == "both")
         overhead = last_json(base["stdout"])["maxrss_bytes"] if base["returncode"] == 0 else 600 * MiB
         overhead = int(overhead * 1.15) + 256 * MiB  # allocator slack, torch workspaces, the results writer
@@ -469,7 +479,9 @@ def main() -> None:
                      "wall_s": res["wall_s"] if res else None, "peak_bytes": r["cgroup_peak_bytes"],
                      "status": "ok" if ok else ("OOM-killed" if r["oom_kills"] else
                                                 f"failed: {(r['stderr'].strip().splitlines() or ['?'])[-1][:160]}"),
-                     "policy": policy.to_dict(), "engine_peak_bytes": res["peak_bytes"] if res else None})
+                     "policy": policy.to_dict(), "engine_peak_bytes": res["peak_bytes"] if res else None,
+                     "predicted_tokens_per_s": (res.get("predicted") or {}).get("throughput_tokens_per_s")
+                     if res and args.profile else None})
 
     acc_ok = [r for r in rows if r["side"] == "accelerate" and r["tokens_per_s"]]
     ours = [r for r in rows if r["side"] == "xsched run" and r["tokens_per_s"]]
@@ -492,14 +504,15 @@ def main() -> None:
     print(f"\nRAM budget enforced on each side: {enforced}; torch threads {args.threads}; "
           f"{MALLOC_ENV}={MALLOC_MMAP_THRESHOLD_BYTES} for {args.malloc_fix}; "
           f"workload {args.prompt_len} prompt + {args.new_tokens} new tokens, greedy, EOS ignored")
-    print(f"{'side':<12} {'batch':>8} {'tokens/s':>10} {'wall s':>9} {'cgroup peak GiB':>16}  status")
+    print(f"{'side':<12} {'batch':>8} {'tokens/s':>10} {'predicted':>10} {'wall s':>9} {'cgroup peak GiB':>16}  status")
     for r in rows:
-        print(f"{r['side']:<12} {str(r['batch']):>8} {r['tokens_per_s'] or 0:>10.2f} {r['wall_s'] or 0:>9.1f} "
-              f"{(r['peak_bytes'] or 0) / GiB:>16.2f}  {r['status']}")
+        pred = f"{r['predicted_tokens_per_s']:.2f}" if r.get("predicted_tokens_per_s") else "-"
+        print(f"{r['side']:<12} {str(r['batch']):>8} {r['tokens_per_s'] or 0:>10.2f} {pred:>10} "
+              f"{r['wall_s'] or 0:>9.1f} {(r['peak_bytes'] or 0) / GiB:>16.2f}  {r['status']}")
     if speedup is not None:
         print(f"\nxsched run / Accelerate at its best batch size ({best_acc['batch']}): {speedup:.1f}x (goal >= 20x)")
     if ceiling is not None:
-        line = (f"compute ceiling: {flops / 1e9:.1f} GFLOP per request at this core's best GEMM rate "
+        line = (f"compute ceiling: {flops / 1e9:.1f} GFLOP per request at the best GEMM rate "
                 f"({gemm_rate / 1e9:.1f} GFLOP/s, {args.threads} thread(s)) = {ceiling:.1f} tokens/s for any engine")
         if ours:
             line += f"; xsched run reaches {ours[0]['tokens_per_s'] / ceiling:.2f} of it"
