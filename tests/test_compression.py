@@ -246,3 +246,33 @@ def test_dequantize_into_a_buffer_gives_the_same_values_as_a_view_of_it(dtype, s
     assert torch.equal(got, dequantize(q))
     with pytest.raises(ValueError, match="out must be"):
         dequantize(q, out=torch.empty(x.shape if dim == 0 else (1,), dtype=dtype))
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,group", [(4, 4, 64, 64), (6, 2, 64, 64), (4, 2, 80, 64), (2, 1, 32, 16)])
+def test_attention_over_the_codes_matches_attention_over_the_dequantized_cache(heads, kv_heads, d, group):
+    """The fused CPU kernel gives what SDPA gives over the dequantized cache plus the own position,
+    with padding keys masked, grouped-query heads and a head dim that is no multiple of the group."""
+    from xprofiler.specs import ModelSpec
+    from xrunner.kvattend import attend_quantized
+    from xrunner.model import attention
+
+    g = torch.Generator().manual_seed(3)
+    B, T = 5, 23
+    spec = ModelSpec(name="t", family="llama", num_layers=1, hidden=heads * d, ffn=4, num_heads=heads,
+                     num_kv_heads=kv_heads, head_dim=d, vocab_size=8, max_positions=64, norm="rmsnorm",
+                     activation="silu", position="rotary", tied_embeddings=False, bias=False, dtype="float32")
+    k, v = (torch.randn(B, kv_heads, T, d, generator=g) * 2 + 0.5 for _ in range(2))
+    own_k, own_v = (torch.randn(B, kv_heads, d, generator=g) for _ in range(2))
+    q = torch.randn(B, heads, d, generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :7] = False  # left padding of a shorter prompt
+    mask[3, :T] = False  # a row that sees only its own position
+    qk, qv = (quantize(x, dim=-1, group_size=group, clip_steps=0) for x in (k, v))
+    kk = torch.cat((dequantize(qk), own_k[:, :, None]), dim=2)
+    vv = torch.cat((dequantize(qv), own_v[:, :, None]), dim=2)
+    full = torch.cat((mask, torch.ones(B, 1, dtype=torch.bool)), dim=1)
+    for m, fm in ((mask, full), (None, None)):
+        want = attention(spec, q[:, :, None], kk, vv, fm, causal=False).view(B, heads, d)
+        got = attend_quantized(q, qk, qv, own_k, own_v, m)
+        assert got.shape == (B, heads, d)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -56,6 +56,7 @@ def test_tiny_profile_measures_every_field(tmp_path):
     for key in ("mm_flops", "bmm_flops", "cpu_mm_flops", "cpu_bmm_flops"):
         assert 1e8 < getattr(prof, key) < 1e14, key
     assert 1e6 < prof.quant_bytes_per_s and 1e6 < prof.dequant_bytes_per_s  # tiny tensors, loaded 2-core VM
+    assert 1e6 < prof.kv_attend_bytes_per_s  # CPU host: the fused 4-bit decode attention is timed
     assert 1e8 < prof.mem_bytes_per_s and prof.cpu_mem_bytes_per_s == prof.mem_bytes_per_s
     assert prof.fingerprint.cpu_cores >= 1 and prof.fingerprint.offload_fs
     assert {(f.model, f.phase) for f in prof.layer_fits} == {("tiny-llama", "prefill"), ("tiny-llama", "decode")}
@@ -84,7 +85,7 @@ def test_tiny_profile_measures_every_field(tmp_path):
     assert pre.grid_ratio[2][1] == pre.grid_ratio[1][1] and pre.grid_ratio[2][0] != pre.grid_ratio[1][0]
     assert (df.time_s > 0).all()
     assert set(df.bench) >= {"ctog", "gtoc", "dtoc", "ctod", "mm", "bmm", "mem", "quant", "dequant", "layer",
-                             "row_store", "row_dtoc"}
+                             "row_store", "row_dtoc", "kv_attend"}
     # KV/activation rows: a read's latency; a store's flush + per-row cost, a line through its two sizes
     per = df[df.bench == "row_dtoc"].eval("time_s / count")
     assert prof.disk_row_read_s == pytest.approx(per.median()) and 0 < per.median() < 0.1

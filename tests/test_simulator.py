@@ -221,6 +221,29 @@ def test_compression_shrinks_stored_bytes_and_adds_dequant_buffers():
         CostModel(OPT30, prof, compress_cache=True, cpu_attention=True)
 
 
+def test_a_4bit_cache_on_a_cpu_attends_over_its_codes_without_a_dequant_buffer():
+    """On a CPU host the engine attends over the 4-bit codes (xrunner.kvattend): the plan has no
+    kv_dequant buffer, and decode attention is priced from the profile's kv_attend probe (per query
+    head) in place of a dequantize pass plus attention; a profile without the probe keeps the old price."""
+    spec = get_model_spec("smollm2-135m").with_dtype("float32")  # 9 query heads share 3 kv heads
+    pol = Policy(gbs=8, nb=1, compress_cache=True)
+    old = cpu_host()
+    new = cpu_host(kv_attend_bytes_per_s=16 * GB)
+    mem_old = CostModel.for_policy(spec, old, pol).memory(pol.placement(), 8, 1, 64, 32)
+    mem_gpu = CostModel.for_policy(spec, t4_like(), pol).memory(pol.placement(), 8, 1, 64, 32)
+    assert mem_old["gpu"].resident["kv_dequant"] == 0 and mem_gpu["gpu"].resident["kv_dequant"] > 0
+    kv_ctx = 8 * 100 * spec.kv_bytes_per_token_per_layer
+    fused = CostModel.for_policy(spec, new, pol).batch_terms("decode", 8, 100, pol.placement())
+    assert fused.dequant == pytest.approx(kv_ctx * 3 / (16 * GB))
+    before = CostModel.for_policy(spec, old, pol).batch_terms("decode", 8, 100, pol.placement())
+    assert before.dequant == pytest.approx(kv_ctx / old.dequant_bytes_per_s)
+    # the fused price replaces the float attention: compute without it is cheaper by exactly that
+    plain = CostModel.for_policy(spec, new, replace(pol, compress_cache=False))
+    _, attn_s = plain._compute_parts("decode", 8, 100)
+    assert attn_s > 0
+    assert before.gpu_compute - fused.gpu_compute == pytest.approx(attn_s)
+
+
 # --------------------------------------------------------------------------- cost model details
 def test_disk_kv_and_activation_rows_priced_per_row_transfer():
     """Disk rows move one row and KV part at a time: each read pays the profile's latency, a store one

@@ -308,6 +308,8 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
         gtoc_pageable=r.curve("gtoc_pageable") if cuda else None,
         mm_flops=r.rate("mm"), bmm_flops=r.rate("bmm"), cpu_mm_flops=cpu_mm, cpu_bmm_flops=cpu_bmm,
         quant_bytes_per_s=r.rate("quant", unit="bytes"), dequant_bytes_per_s=r.rate("dequant", unit="bytes"),
+        kv_attend_bytes_per_s=r.rate("kv_attend", unit="bytes") if any(x["bench"] == "kv_attend" for x in r.rows)
+        else 0.0,
         mem_bytes_per_s=r.rate("mem", unit="bytes"), cpu_mem_bytes_per_s=cpu_mem, layer_fits=tuple(fits),
         head_fits=tuple(heads),
         **row_costs(r.rows, st.stat),

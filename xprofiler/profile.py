@@ -368,6 +368,10 @@ class HardwareProfile(Contract):
     disk_row_write_s: float = 0.0
     disk_row_read_s: float = 0.0
     disk_sync_s: float = 0.0
+    # Decode attention straight over a 4-bit KV cache on a CPU (``xrunner.kvattend``), in bytes of
+    # the float32 K and V attended over per second (0.0 = unknown: priced as a dequantize pass,
+    # then attention over the float copy, as on a GPU).
+    kv_attend_bytes_per_s: float = 0.0
     created: str = ""  # ISO time of the measurement
     wall_s: float = 0.0  # how long the profiling took
 
@@ -380,7 +384,7 @@ class HardwareProfile(Contract):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be > 0")
         for key in ("mem_bytes_per_s", "cpu_mem_bytes_per_s", "wall_s", "disk_row_write_s", "disk_row_read_s",
-                    "disk_sync_s"):
+                    "disk_sync_s", "kv_attend_bytes_per_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} must be >= 0")
 

@@ -29,7 +29,8 @@ cost +9.9% perplexity rotated (+23.6% not) and +2.8% with GPTQ codes on top; the
 on 4 windows of text (benchmarks/compression_ppl.py; a 16-window check is in README).
 
 Used by the engine to store and move compressed tensors, and by the profiler to time
-(de)quantization; everything is vectorised torch, on whatever device the tensor lives.
+(de)quantization; everything is vectorised torch, on whatever device the tensor lives. On a CPU,
+decode attention reads a 4-bit cache without dequantizing it (``xrunner.kvattend``).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from xprofiler.specs import ModelSpec
 from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, KV_CLIP_STEPS, QuantizedTensor,
                                  dequantize, gptq_quantize, hadamard, quantize, rotate_groups)
 from xrunner.gptq import GPTQCalibration, scratch_bytes as calibration_scratch_bytes
+from xrunner.kvattend import attend_quantized
 from xrunner.loaders import ModelSource
 from xrunner.model import (attention, attn_in, attn_out_mlp, cpu_head_layout, embed, final_logits, head_layout_of,
                            lm_head_name, rope_tables, torch_dtype)
@@ -266,8 +267,11 @@ class KVCodec:
 
     def __init__(self, head_dim: int, dtype: torch.dtype, compress: bool, group: int = DEFAULT_GROUP_SIZE,
                  clip_steps: int = KV_CLIP_STEPS, rotate: bool = True,
-                 centers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None):
+                 centers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, fused: bool = False):
         self.compress, self.group, self.d, self.dtype = compress, group, head_dim, dtype
+        # A float32 4-bit cache on a CPU attends over its codes (xrunner.kvattend), with no
+        # dequantized copy: :meth:`attend_stored`.
+        self.fused = fused and compress and dtype == torch.float32
         self.clip_steps = clip_steps
         self.centers = list(centers) if compress and centers is not None else None
         self.rotation = hadamard(head_dim) if compress and rotate else None
@@ -333,7 +337,30 @@ class KVCodec:
             return attention(spec, q, k, v, mask, causal=False)
         out = attention(spec, self._rotate(q), k, v, mask, causal=False)
         b, t, _ = out.shape
-        out = self._rotate(out.view(b, t, -1, self.d), inverse=True)  # [b, t, H, d]
+        return self._unrotated(spec, out.view(b, t, -1, self.d), layer)
+
+    def attend_stored(self, spec: ModelSpec, q: torch.Tensor, parts: Sequence[torch.Tensor],
+                      fresh: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                      into: tuple[torch.Tensor, torch.Tensor] | None = None, layer: int | None = None) -> torch.Tensor:
+        """Decode attention of ``q [b, H, 1, d]`` over stored ``parts`` (``[b, Hkv, T, ...]``, the
+        last position the step's own, whose exact K/V are ``fresh``): :meth:`decode` (into
+        ``into``) then :meth:`attend`, or with ``fused`` straight over the codes."""
+        if not self.fused:
+            kk, vv = self.decode(parts, into, fresh=fresh, layer=layer)
+            return self.attend(spec, q, kk, vv, mask, layer)
+        b, hkv, T = parts[0].shape[:3]
+        shape = (b, hkv, T - 1, self.d)
+        k, v = (QuantizedTensor(*(x[:, :, :T - 1] for x in parts[3 * i:3 * i + 3]), shape, 3, self.group)
+                for i in range(2))
+        own_k, own_v = (self._centered(fresh[i], layer, i)[:, :, 0] for i in range(2))
+        out = attend_quantized(self._rotate(q)[:, :, 0], k, v, own_k, own_v,
+                               None if mask is None else mask[:, :T - 1])
+        return self._unrotated(spec, out[:, None], layer)
+
+    def _unrotated(self, spec: ModelSpec, out: torch.Tensor, layer: int | None) -> torch.Tensor:
+        """Attention output ``[b, t, H, d]`` in the rotated, centered space back to ``[b, t, H * d]``."""
+        b, t = out.shape[:2]
+        out = self._rotate(out, inverse=True)  # [b, t, H, d]
         if self.centers is not None and layer is not None:
             center = self.centers[layer][1].to(out.device, out.dtype)  # [Hkv, d]
             out = out + center.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=0)
@@ -725,7 +752,8 @@ class Engine:
         self.kv_centers = centers
 
     def _new_codec(self, compress_cache: bool) -> KVCodec:
-        return KVCodec(self.spec.head_dim, self.dtype, compress_cache, centers=self.kv_centers)
+        return KVCodec(self.spec.head_dim, self.dtype, compress_cache, centers=self.kv_centers,
+                       fused=self.device.type == "cpu")
 
     def _load_layer(self, i: int, calib: GPTQCalibration | None) -> int:
         """Read layer ``i`` from the source into its home (packed, compressed if asked); returns bytes read.
@@ -828,7 +856,7 @@ class Engine:
         self.kv_stage = [[self._buf("gpu", "kv_stage", (n_off_c, hkv, stage_ctx) + rest, pdt)
                           for rest, pdt in self.codec.rests] for _ in range(2)] if n_off_c else []
         self.kv_dequant = None
-        if p.compress_cache:
+        if p.compress_cache and not self.codec.fused:
             shape = (gbs, hkv, cap, spec.head_dim)
             self.kv_dequant = (self._buf("gpu", "kv_dequant", shape, dt), self._buf("gpu", "kv_dequant", shape, dt))
         self.act_stage = [self._buf("gpu", "act_stage", (n_off_h, self.max_prompt, h), dt)
@@ -1275,21 +1303,23 @@ class Engine:
                 span = None if codec.compress else attention_span(rows)
                 if span is None:
                     ctx = [_take(part[:, :, b:c + 1], rows) for part in homes["gpu"]]
-                    kk, vv = codec.decode(ctx, self.kv_dequant, fresh=own, layer=layer)
                 else:  # the slots from the first row to the last attend in place; the others' outputs are dropped
-                    kk, vv = [part[span[0]:span[1], :, b:c + 1] for part in homes["gpu"]]
+                    ctx = [part[span[0]:span[1], :, b:c + 1] for part in homes["gpu"]]
                     qs, mask, at = _spread(span, rows, qs, mask)
             elif not self.policy.cpu_attention:
                 stage = [s[k_off:k_off + len(rows)] for s in self.kv_stage[slot]]
                 for dst, src in zip(stage, new):
                     dst[:, :, T1 - 1:T1] = src
-                kk, vv = codec.decode([s[:, :, :T1] for s in stage], self.kv_dequant, fresh=own, layer=layer)
+                ctx = [s[:, :, :T1] for s in stage]
                 k_off += len(rows)
             else:
                 cpu_s += self._cpu_attention(tier, work, homes, qs, new, pos, rows, attn)
                 continue
-            with led.transient("gpu", "attention_decode", 2 * nbytes_of(qs) + (0 if span else nbytes_of(kk, vv))):
-                out = codec.attend(spec, qs, kk, vv, None if bool(mask.all()) else mask, layer)
+            # the query and output (split into even and odd channels when fused), and a gathered context
+            scratch = (8 if codec.fused else 2) * nbytes_of(qs) + (0 if span else nbytes_of(*ctx))
+            with led.transient("gpu", "attention_decode", scratch):
+                out = codec.attend_stored(spec, qs, ctx, own, None if bool(mask.all()) else mask, self.kv_dequant,
+                                          layer)
             if span:
                 out = out.index_select(0, at)
             self._put_rows(attn, pos, out)

@@ -371,6 +371,12 @@ class CostModel:
     def kv_stored_ratio(self) -> float:
         return self.ratio if self.compress_cache else 1.0
 
+    @property
+    def fused_kv(self) -> bool:
+        """A float32 4-bit cache on a CPU: decode attends over the codes (``xrunner.kvattend``),
+        with no dequantized copy of the cache and no attention over one."""
+        return self.compress_cache and self.profile.compute_device != "cuda" and self.spec.dtype == "float32"
+
     def factor(self, term: str) -> float:
         return self.profile.calibration_factor(term)
 
@@ -485,6 +491,9 @@ class CostModel:
             kv_ctx = rows * length * spec.kv_bytes_per_token_per_layer  # cache the new token attends to
             kv_ctx_st = kv_ctx * self.kv_stored_ratio if self.compress_cache else kv_ctx
             dtoc = dtoc + disk_rows(p["cd"], "dtoc", kv_ctx_st, rows, parts)
+            # Over a 4-bit cache on a CPU, attention is the fused kernel's, priced below (a profile
+            # from before its probe prices it as on a GPU: dequantize, then attend).
+            fused = self.fused_kv and self.profile.kv_attend_bytes_per_s > 0
             if self.cpu_attention:
                 # Offloaded rows attend on the CPU: q, k, v go down, the attention output comes up
                 # (one copy per tensor for all the rows).
@@ -500,9 +509,13 @@ class CostModel:
                 # Offloaded rows' cache comes to the device for attention; the new entries go back.
                 ctog = ctog + rows_move(off_c, "ctog", kv_ctx_st, rows * parts)
                 gtoc = gtoc + rows_move(off_c, "gtoc", kv_new_st, rows * parts)
-                gpu_compute = other_s + attn_s
+                gpu_compute = other_s + (0.0 if fused else attn_s)
             gpu_compute = gpu_compute + _times(p["cg"], self._scattered_rows_s(rows, length, kv_ctx_st))
-            if self.compress_cache:
+            if self.compress_cache and fused:
+                # measured with one query head per kv head; each further one repeats the work
+                heads = spec.num_heads / spec.num_kv_heads
+                dequant = kv_ctx * (heads * self.factor("dequant") / self.profile.kv_attend_bytes_per_s)
+            elif self.compress_cache:
                 dequant = kv_ctx * (self.factor("dequant") / self.profile.dequant_bytes_per_s)
         gpu_compute = (_times(self.factor("gpu_compute"), gpu_compute) + self.overhead_s("layer_overhead_s")
                        + self._interference(dtoc))
@@ -714,7 +727,8 @@ class CostModel:
           ``weight_dequant`` one layer dequantised for compute (compress_weight only)
           ``kv_stage``       offloaded KV rows of the batch computing and the batch loading
                              (with cpu_attention only the prompt's KV on its way out)
-          ``kv_dequant``     one batch's layer cache dequantised for attention (compress_cache)
+          ``kv_dequant``     one batch's layer cache dequantised for attention (compress_cache,
+                             except a float32 cache on a CPU, which attends over its codes)
           ``kv_centers``     each layer's mean K and V on calibration text, which a 4-bit cache
                              is stored around (compress_cache; real models)
           ``act_stage``      offloaded hidden states of the batch computing and the batch loading
@@ -760,7 +774,8 @@ class CostModel:
             "weight_dequant": float(self.layer_matmul_bytes if self.compress_weight else 0),
             "kv_stage": (p["cc"] + p["cd"]) * (2 * gbs * stage_ctx * spec.kv_bytes_per_token_per_layer
                                                * self.kv_stored_ratio),
-            "kv_dequant": float(gbs * ctx * spec.kv_bytes_per_token_per_layer if self.compress_cache else 0),
+            "kv_dequant": float(gbs * ctx * spec.kv_bytes_per_token_per_layer
+                                if self.compress_cache and not self.fused_kv else 0),
             "kv_centers": float(L * spec.kv_bytes_per_token_per_layer if self.compress_cache else 0),
             "act_stage": (p["hc"] + p["hd"]) * (2 * gbs * act_row),
         }
@@ -769,6 +784,8 @@ class CostModel:
             return gbs * elem * (2 * q + 2 * ctx * q + 2 * heads * ctx)
 
         decode_attn = decode_attn_bytes(dt)
+        if self.fused_kv:  # the query and output split by channel parity, and the rows' context gathered
+            decode_attn = gbs * (8 * q * dt + ctx * spec.kv_bytes_per_token_per_layer * self.kv_stored_ratio)
         gpu_tr = {
             "qkv": float(gbs * s * (h + q + 2 * kvd) * dt),
             "attention": float(prefill_attn),
