@@ -320,7 +320,7 @@ def choose_policy(spec, profile, budget: int, overhead: int, max_prompt: int, ma
     workload = fixed_workload(max_prompt, max_output)
     best = None
     for compress in compress_options:
-        for gbs in (16, 32, 48, 64, 96, 128):  # smaller GPU batches waste the CPU on re-reading weights
+        for gbs in (16, 32, 48, 64, 96, 128, 192, 256):  # smaller GPU batches re-read weights more often
             for nb in (1, 2, 4, 8, 16):
                 if gbs * nb > max_rows:
                     continue
@@ -368,7 +368,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--accelerate-batches", default="16,48", help="comma-separated batch sizes to try")
-    ap.add_argument("--rows", type=int, default=128, help="most requests for xsched (one block; keeps the run short)")
+    ap.add_argument("--rows", type=int, default=256, help="most requests for xsched (one block; keeps the run short)")
     ap.add_argument("--kv-compression", choices=("auto", "on", "off"), default="auto",
                     help="4-bit KV cache in the budget search: auto tries both")
     ap.add_argument("--policy", default=None, help="policy JSON for xsched instead of the budget search")
