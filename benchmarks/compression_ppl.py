@@ -100,8 +100,8 @@ def window_nll(spec, head, layers, ids: list[int], codec) -> tuple[float, int]:
         for i, w in enumerate(layers):
             q, k, v = attn_in(spec, w, h, p, rope)
             caches[i] = [torch.cat((c, e), dim=2) for c, e in zip(caches[i], codec.encode(k, v, i))]
-            kk, vv = codec.decode(caches[i], fresh=(k, v), layer=i)  # the step's own K/V exact, as the engine
-            h = attn_out_mlp(spec, w, codec.attend(spec, q, kk, vv, None, i), h)
+            # the step's own K/V exact; a 4-bit cache attended over its codes on a CPU, as the engine
+            h = attn_out_mlp(spec, w, codec.attend_stored(spec, q, caches[i], (k, v), None, layer=i), h)
         logits.append(final_logits(spec, head, h)[0])
     all_logits = torch.cat(logits).float()
     target = x[0, 1:]
@@ -223,12 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     kv_rules = {f"{rule}{', rotated' if rotate else ''}": KVCodec(spec.head_dim, torch.float32, compress=True,
-                                                                 clip_steps=steps, rotate=rotate)
+                                                                 clip_steps=steps, rotate=rotate, fused=True)
                 for rotate in (False, True) for rule, steps in rules.items()}
     kv_default = f"{[r for r, steps in rules.items() if steps == KV_CLIP_STEPS][0]}, rotated"
 
     def centered(centers):
-        return KVCodec(spec.head_dim, torch.float32, compress=True, clip_steps=KV_CLIP_STEPS, centers=centers)
+        return KVCodec(spec.head_dim, torch.float32, compress=True, clip_steps=KV_CLIP_STEPS, centers=centers,
+                       fused=True)
 
     kv_centered = f"{kv_default}, centered (real models)"
     # Each run: (what, rule) -> a function giving (layers, KV codec), called only if the run is selected.

@@ -276,3 +276,19 @@ def test_attention_over_the_codes_matches_attention_over_the_dequantized_cache(h
         got = attend_quantized(q, qk, qv, own_k, own_v, m)
         assert got.shape == (B, heads, d)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_over_the_codes_leaves_torch_thread_count_alone():
+    """numba's thread pool starts on the first call and resets the OpenMP thread count it shares with
+    torch; a profile or run asked for one thread must stay on one. A fresh process: the pool starts once."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\ntorch.set_num_threads(1)\nfrom xrunner.compression import quantize\n"
+            "from xrunner.kvattend import attend_quantized\nk = quantize(torch.randn(2, 2, 5, 64))\n"
+            "q = torch.randn(2, 2, 64)\nattend_quantized(q, k, k, q, q, None)\nprint(torch.get_num_threads())\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1"]

@@ -124,9 +124,14 @@ def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, ow
     q_e, q_o = qp[..., 0].contiguous(), qp[..., 1].contiguous()
     out_e, out_o, p_own = torch.empty(B, H, G, half), torch.empty(B, H, G, half), torch.empty(B, H)
     keep = (torch.ones(B, T, dtype=torch.bool) if mask is None else mask).contiguous()
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    threads = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
     _attend_kernel(q_e.numpy(), q_o.numpy(), k.packed.numpy(), k.mins.numpy(), k.scales.numpy(), v.packed.numpy(),
-              v.mins.numpy(), v.scales.numpy(), s_own.numpy(), keep.numpy(), np.float32(scale),
-              out_e.numpy(), out_o.numpy(), p_own.numpy())
+                   v.mins.numpy(), v.scales.numpy(), s_own.numpy(), keep.numpy(), np.float32(scale),
+                   out_e.numpy(), out_o.numpy(), p_own.numpy())
+    if torch.get_num_threads() != threads:
+        # numba's OpenMP pool, started by the first call, sets the OpenMP thread count it shares
+        # with torch to every core: a 1-thread profile or run would silently go on with 2.
+        torch.set_num_threads(threads)
     res = torch.stack((out_e, out_o), dim=-1).view(B, H, -1)[..., :d]
     return res + p_own[..., None] * own_v.repeat_interleave(rep, dim=1)
