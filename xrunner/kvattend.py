@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 import torch
+import numba
 from numba import njit, prange
 
 from xrunner.compression import QuantizedTensor
@@ -95,12 +96,6 @@ def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, out_e, 
                         out_o[b, h, gi, j] += pm + ps * np.float32(byte >> 4)
 
 
-def supported(q: torch.Tensor, k: QuantizedTensor) -> bool:
-    """Whether :func:`attend_quantized` takes these: float32 on a CPU, grouped along the head dim."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k.packed.device.type == "cpu"
-            and k.mins.dtype == torch.float32 and k.scales.dtype == torch.float32 and k.dim == len(k.shape) - 1)
-
-
 def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, own_k: torch.Tensor,
                      own_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Attention of one query per row over a 4-bit cache plus each row's own exact K and V.
@@ -111,14 +106,12 @@ def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, ow
     query heads. Returns ``[B, H, d]`` float32, as ``softmax(q k^T / sqrt(d)) v`` over the
     dequantized cache followed by the own position.
     """
-    import numba
-
     B, H, d = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     G, half = k.packed.shape[-2], k.packed.shape[-1]
     scale = 1.0 / math.sqrt(d)
     rep = H // Hkv
-    s_own = (q.view(B, Hkv, rep, d) * own_k[:, :, None]).sum(-1).view(B, H) * scale
+    s_own = (q.reshape(B, Hkv, rep, d) * own_k[:, :, None]).sum(-1).reshape(B, H) * scale
     qp = q if G * 2 * half == d else torch.nn.functional.pad(q, (0, G * 2 * half - d))
     qp = qp.reshape(B, H, G, half, 2)
     q_e, q_o = qp[..., 0].contiguous(), qp[..., 1].contiguous()
