@@ -21,8 +21,8 @@ over its growing context, LM head once per token) at the best fp32 GEMM rate mea
 No fp32 engine can beat that tokens/s with this many threads, so ceiling / Accelerate bounds the
 speed-up any engine can show here, whatever it does about I/O.
 
-Both sides use every core by default (``--threads``; stop 27 on 2 cores: Accelerate 7.95 -> 10.17
-tokens/s from 1 to 2 threads, xsched 47.2 -> 89.3).
+Both sides use every core by default (``--threads``; stop 27's final code on 2 cores, 1 -> 2
+threads: Accelerate 8.60 -> 10.72 tokens/s, xsched 71.43 -> 133.15).
 
     python benchmarks/offload_vs_accelerate.py --accelerate-batches 32 --profile cal.json   # as reported
     python benchmarks/offload_vs_accelerate.py                                  # no profile: largest block
