@@ -40,14 +40,14 @@ def reference_roundtrip(x: torch.Tensor, dim: int, group: int = 64, steps: int =
     return out.movedim(-1, dim).to(x.dtype)
 
 
-def reference_gptq(w: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, hessian: torch.Tensor,
-                   damp: float = 0.01) -> torch.Tensor:
+def reference_gptq(w: torch.Tensor, hessian: torch.Tensor, damp: float) -> torch.Tensor:
     """``w [out, in]`` rounded column by column with optimal-brain-quantizer updates (float64).
 
-    Columns go largest Hessian diagonal first; each is rounded with its given per-group
-    ``mins / scales [in, groups]`` (groups of 64 rows), and its error moves the columns not yet
-    rounded by ``-err / Hinv[c, c] * Hinv[c, :]``, after which column ``c`` is eliminated from
-    the inverse Hessian (the OBS formulas, not GPTQ's Cholesky form). Returns the rounded weight.
+    Columns go largest Hessian diagonal first; each is rounded, as the earlier columns' updates
+    left it, by :func:`reference_roundtrip` along the rows (its own range search per group of 64
+    rows), and its error moves the columns not yet rounded by ``-err / Hinv[c, c] * Hinv[c, :]``,
+    after which column ``c`` is eliminated from the inverse Hessian (the OBS formulas, not GPTQ's
+    Cholesky form). Returns the rounded weight.
     """
     W = w.double().clone()
     H = hessian.double().clone()
@@ -55,11 +55,8 @@ def reference_gptq(w: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, he
     H[dead, dead] = 1.0
     H += damp * torch.diagonal(H).mean() * torch.eye(H.shape[0], dtype=H.dtype)
     hinv = torch.linalg.inv(H)
-    group_of_row = torch.arange(W.shape[0]) // 64
     for c in torch.argsort(torch.diagonal(H), descending=True).tolist():
-        lo, step = mins[c].double()[group_of_row], scales[c].double()[group_of_row]
-        code = torch.where(step > 0, torch.round((W[:, c] - lo) / torch.where(step > 0, step, 1.0)), 0.0).clamp(0, 15)
-        q = lo + code * step
+        q = reference_roundtrip(W[:, c:c + 1].float(), dim=0)[:, 0].double()
         err = (W[:, c] - q) / hinv[c, c]
         W -= err[:, None] * hinv[c][None, :]
         W[:, c] = q

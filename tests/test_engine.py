@@ -415,7 +415,7 @@ def test_calibration_text_too_short_for_the_tokenizer_is_a_user_error():
 
     with pytest.raises(UserError, match="--weight-rounding nearest"):
         calibration_ids(few_tokens)
-    assert calibration_ids(lambda text, add_special_tokens: {"input_ids": list(range(5000))}).shape == (16, 256)
+    assert calibration_ids(lambda text, add_special_tokens: {"input_ids": list(range(20000))}).shape == (64, 256)
 
 
 # --------------------------------------------------------------------------- refusals and cleanup

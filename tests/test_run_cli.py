@@ -439,17 +439,22 @@ def test_weight_rounding_calibrates_only_when_4bit_weights_or_cache_are_packed(t
 
     calls = []
     real = gptq.calibration_ids
-    monkeypatch.setattr(gptq, "calibration_ids", lambda tok, *a, **k: calls.append(1) or real(tok, 2, 16))
+    monkeypatch.setattr(gptq, "calibration_ids", lambda tok, *a, **k: calls.append(k["sequences"]) or real(tok, 2, 16))
     prompts, rows = tiny_job(tiny_dir, tmp_path, 4)
     packed = tiny_plan(tiny_dir, tmp_path / "packed.json", Policy(gbs=2, nb=1, wg=0.5, wc=0.5, compress_weight=True))
     plain = tiny_plan(tiny_dir, tmp_path / "plain.json", Policy(gbs=2, nb=1, wg=0.5, wc=0.5))
     kv4 = tiny_plan(tiny_dir, tmp_path / "kv4.json", Policy(gbs=2, nb=1, compress_cache=True))
-    cases = ((plain, [], 0), (packed, ["--weight-rounding", "nearest"], 0), (packed, [], 1), (kv4, [], 1),
-             (kv4, ["--weight-rounding", "nearest"], 0))
+    cases = ((plain, [], []), (packed, ["--weight-rounding", "nearest"], []), (packed, [], [gptq.CALIBRATION_SEQUENCES]),
+             (kv4, ["--calibration-sequences", "5"], [5]), (kv4, ["--weight-rounding", "nearest"], []))
     for i, (plan, extra, want_calls) in enumerate(cases):
         out = tmp_path / f"out-{i}.jsonl"
         calls.clear()
         assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out",
                      str(out), "--adapt", "none", "--quiet", *extra]) == 0
-        assert len(calls) == want_calls and len(read_rows(out)) == len(rows)
+        assert calls == want_calls and len(read_rows(out)) == len(rows)
     capsys.readouterr()
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(SystemExit) as e:
+            main(["run", "--plan", str(packed), "--prompts", str(prompts), "--out", str(tmp_path / "x.jsonl"),
+                  "--calibration-sequences", bad])
+        assert e.value.code == 2 and "--calibration-sequences: must be a whole number >= 1" in capsys.readouterr().err

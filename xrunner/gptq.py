@@ -8,12 +8,13 @@ once, then every layer, in order, is quantized (q/k/v, then o, then the MLP's in
 projections, then its down projection, each from the activations of the parts before it
 already quantized) and the hidden states are carried through the quantized layer.
 
-The stored format is the engine's (``engine.WeightLayout``: rotated row groups of 64, ranges
-from the range search); only the codes differ, so nothing downstream changes. It needs text,
-so real models only: random-weight models keep nearest rounding.
+The stored format is the engine's (``engine.WeightLayout``: rotated row groups of 64, each
+range chosen by the range search, here on the column as GPTQ's updates left it), so nothing
+downstream changes. It needs text, so real models only: random-weight models keep nearest
+rounding.
 
 The same pass records each layer's mean K and V on the text, the centers a 4-bit KV cache is
-stored around (``engine.KVCodec``); with weights not quantized it only observes. (All 16
+stored around (``engine.KVCodec``); with weights not quantized it only observes. (All the
 sequences: on SmolLM2, 16 windows of held-out text, the cache's perplexity cost was +1.71% with
 means over 4 sequences, +1.14% over 16, +1.45% over 64, and +2.39% uncentered.)
 
@@ -36,14 +37,13 @@ from xrunner.compression import DEFAULT_GROUP_SIZE, QuantizedTensor
 from xrunner.model import (Weights, attention, attn_in, embed, linear, mlp_hidden, norm, position_ids_from_mask,
                            rope_tables)
 from xsched.errors import UserError
-from xsimulator.costmodel import quantize_scratch_bytes
 
 CALIBRATION_MODULES = ("os", "json", "re", "collections", "functools", "itertools", "pathlib", "subprocess",
                        "threading", "asyncio", "typing", "dataclasses", "argparse", "logging", "unittest", "email",
                        "http.client", "urllib.request", "csv", "sqlite3", "decimal", "fractions", "statistics",
                        "random", "socket", "zipfile", "tarfile", "shutil", "tempfile", "textwrap", "difflib",
                        "heapq", "bisect", "contextlib", "inspect", "pickle", "copy", "enum", "abc")
-CALIBRATION_SEQUENCES = 16
+CALIBRATION_SEQUENCES = 64  # docs/BENCHMARKS.md, stop 28: +4.4% perplexity vs +5.2% with 16
 CALIBRATION_LENGTH = 256
 
 
@@ -70,7 +70,7 @@ def calibration_ids(tokenizer: Any, sequences: int = CALIBRATION_SEQUENCES,
     ids = tokenizer(calibration_text(), add_special_tokens=False)["input_ids"]
     if len(ids) < sequences * length:
         raise UserError(f"the calibration text has only {len(ids)} tokens for this tokenizer, {sequences} x "
-                        f"{length} needed; pass --weight-rounding nearest")
+                        f"{length} needed; pass fewer --calibration-sequences or --weight-rounding nearest")
     return torch.tensor(ids[:sequences * length]).view(sequences, length)
 
 
@@ -92,11 +92,10 @@ def _gram(x: torch.Tensor) -> torch.Tensor:
 def _tensor_bytes(out_rows: int, in_cols: int, group: int) -> int:
     """Bytes ``compression.gptq_quantize`` (behind ``WeightLayout.quantize_tensor``) holds for one
     ``[out, in]`` weight: the caller's float64 Hessian and two more in its Cholesky chain plus the
-    float32 factor; or, before that, the rotated float32 copy, the range search's float32 groups
-    and dequantized candidates with three code arrays, and the transposed + reordered weight."""
+    float32 factor, beside the rotated float32 copy and the transposed + reordered weight with its
+    codes (a column's range search is a few candidates of one column)."""
     n = -(-out_rows // group) * group * in_cols
-    return 3 * in_cols * in_cols * 8 + in_cols * in_cols * 4 + max(quantize_scratch_bytes(out_rows, in_cols, group),
-                                                                    2 * n * 4 + n)
+    return 3 * in_cols * in_cols * 8 + in_cols * in_cols * 4 + 2 * n * 4 + n
 
 
 def scratch_bytes(spec: ModelSpec, sequences: int, length: int, group: int = DEFAULT_GROUP_SIZE, fit: bool = True,

@@ -71,6 +71,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "at load that fits 4-bit weights' codes by GPTQ (about 2-3 s per SmolLM2 layer on one CPU "
                         "thread) and centers a 4-bit KV cache on each layer's mean K/V; nearest skips it (each weight "
                         "rounds to its nearest code, the cache is not centered; random-weight models never calibrate)")
+    p.add_argument("--calibration-sequences", type=_positive_int, default=None, metavar="N",
+                   help="sequences of 256 calibration tokens for --weight-rounding gptq (default 64; fewer load "
+                        "faster and need less memory, and fit the codes less well)")
     from xrunner.cli import add_sampling_args
 
     add_sampling_args(p)
@@ -399,13 +402,24 @@ def _calibration(args: argparse.Namespace, source: Any, tokenizer: Any) -> Calla
         return None
 
     def ids() -> Any:
-        from xrunner.gptq import CALIBRATION_LENGTH, calibration_ids
+        from xrunner.gptq import CALIBRATION_LENGTH, CALIBRATION_SEQUENCES, calibration_ids
 
         # Sequences no longer than the model's positions (learned position tables end there).
         return calibration_ids(tokenizer if tokenizer is not None else source.tokenizer(),
+                               sequences=args.calibration_sequences or CALIBRATION_SEQUENCES,
                                length=min(CALIBRATION_LENGTH, source.spec.max_positions))
 
     return ids
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return n
 
 
 def _tokenizer(source: Any, needed: bool) -> Any:
