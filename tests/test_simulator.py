@@ -224,7 +224,8 @@ def test_compression_shrinks_stored_bytes_and_adds_dequant_buffers():
 def test_a_4bit_cache_on_a_cpu_attends_over_its_codes_without_a_dequant_buffer():
     """On a CPU host the engine attends over the 4-bit codes (xrunner.kvattend): the plan has no
     kv_dequant buffer, and decode attention is priced from the profile's kv_attend probe (per query
-    head) in place of a dequantize pass plus attention; a profile without the probe keeps the old price."""
+    head) as compute, in place of a dequantize pass plus attention; a profile without the probe keeps
+    the old price."""
     spec = get_model_spec("smollm2-135m").with_dtype("float32")  # 9 query heads share 3 kv heads
     pol = Policy(gbs=8, nb=1, compress_cache=True)
     old = cpu_host()
@@ -234,14 +235,22 @@ def test_a_4bit_cache_on_a_cpu_attends_over_its_codes_without_a_dequant_buffer()
     assert mem_old["gpu"].resident["kv_dequant"] == 0 and mem_gpu["gpu"].resident["kv_dequant"] > 0
     kv_ctx = 8 * 100 * spec.kv_bytes_per_token_per_layer
     fused = CostModel.for_policy(spec, new, pol).batch_terms("decode", 8, 100, pol.placement())
-    assert fused.dequant == pytest.approx(kv_ctx * 3 / (16 * GB))
+    kernel_s = kv_ctx * 3 / (16 * GB)
+    assert fused.dequant == 0.0  # a compute kernel, not a dequantization
     before = CostModel.for_policy(spec, old, pol).batch_terms("decode", 8, 100, pol.placement())
     assert before.dequant == pytest.approx(kv_ctx / old.dequant_bytes_per_s)
-    # the fused price replaces the float attention: compute without it is cheaper by exactly that
+    # the fused price replaces the float attention: compute without it is cheaper by that less the kernel
     plain = CostModel.for_policy(spec, new, replace(pol, compress_cache=False))
     _, attn_s = plain._compute_parts("decode", 8, 100)
     assert attn_s > 0
-    assert before.gpu_compute - fused.gpu_compute == pytest.approx(attn_s)
+    assert before.gpu_compute - fused.gpu_compute == pytest.approx(attn_s - kernel_s)
+    # the gpu_compute factor scales the kernel with the rest; the codec's fixed cost is added per call
+    cal = replace(new, calibration={"gpu_compute": 2.0, "kv_codec_overhead_s": 1e-3})
+    scaled = CostModel.for_policy(spec, cal, pol).batch_terms("decode", 8, 100, pol.placement())
+    assert scaled.gpu_compute == pytest.approx(2 * fused.gpu_compute + 1e-3)
+    prefill = CostModel.for_policy(spec, cal, pol).batch_terms("prefill", 8, 100, pol.placement())
+    base_prefill = CostModel.for_policy(spec, new, pol).batch_terms("prefill", 8, 100, pol.placement())
+    assert prefill.gpu_compute == pytest.approx(2 * base_prefill.gpu_compute)  # no codec call in a prefill
 
 
 # --------------------------------------------------------------------------- cost model details

@@ -27,7 +27,9 @@ What is compared (per run; :data:`METRICS`):
   depths separate the per-layer terms from ``step_overhead_s``. ``row_copy_s`` (per copy of a KV
   or hidden-state row between the cpu and gpu tiers) is told apart from the ``ctog``/``gtoc``
   factors by the weights-on-cpu run (a few whole-layer copies) against the runs with KV cache and
-  activations on cpu (many small row copies).
+  activations on cpu (many small row copies). ``kv_codec_overhead_s`` (per layer and GPU batch of
+  a decode step over a 4-bit cache: the codec's work around its attention kernel) is pinned by the
+  compressed-cache run; on a CPU that kernel is priced as compute from the profile's probe.
 
 The predicted ``head`` busy time excludes ``step_overhead_s``, which runs outside the timed
 kernels, so factors and overheads are not fighting over the same seconds: the fit is well
@@ -76,7 +78,7 @@ FACTOR_BOUNDS = (0.05, 20.0)
 # The terms a change of the machine's compute speed moves together (refresh scales them by one
 # factor); the I/O channels keep their fitted values.
 SPEED_TERMS: tuple[str, ...] = ("gpu_compute", "cpu_compute", "dequant", "quant", "head", "layer_overhead_s",
-                                "step_overhead_s", "block_layer_overhead_s", "row_copy_s")
+                                "step_overhead_s", "block_layer_overhead_s", "row_copy_s", "kv_codec_overhead_s")
 OVERHEAD_BOUNDS_S = (0.0, 0.05)
 INTERFERENCE_BOUNDS = (0.0, 1.0)
 
@@ -149,7 +151,8 @@ def design_runs(spec: ModelSpec, gen_len: int = 6, depth: int = 4) -> list[RunDe
         run("kv-act-cpu", d1, 8, 32, 8, g, ("ctog", "gtoc"), gbs=4, nb=2, cg=0.0, cc=1.0, hg=0.0, hc=1.0),
         run("kv-act-disk", d1, 4, 32, 8, g, ("dtoc", "ctod"), gbs=4, nb=1, cg=0.0, cd=1.0, hg=0.5, hd=0.5),
         run("compress-weights", d1, 4, 16, 8, g, ("dequant",), gbs=4, nb=1, compress_weight=True),
-        run("compress-cache", d1, 8, 32, 8, g, ("quant", "dequant"), gbs=8, nb=1, compress_cache=True),
+        run("compress-cache", d1, 8, 32, 8, g, ("quant", "dequant", "kv_codec_overhead_s"), gbs=8, nb=1,
+            compress_cache=True),
         # Many one-row GPU batches per block: the only run where a per-batch cost (layer_overhead_s)
         # and a per-block one (block_layer_overhead_s) differ by more than 2x, so the fit can tell
         # them apart; with nb <= 2 everywhere it put the whole per-layer overhead on the block

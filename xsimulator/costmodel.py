@@ -47,7 +47,12 @@ FACTOR_TERMS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "gpu_compute", 
 # (the engine moves those one row and KV part at a time: on the 2-core VM this was built on, a
 # 3 KiB row cost tens of microseconds of Python and launch, not 3 KiB of bandwidth, and with one
 # factor per channel that cost inflated the factor of whole-layer weight copies two-fold).
-OVERHEAD_TERMS: tuple[str, ...] = ("layer_overhead_s", "step_overhead_s", "block_layer_overhead_s", "row_copy_s")
+# And ``kv_codec_overhead_s``: per layer and GPU batch of a decode step over a 4-bit cache, the
+# codec's fixed work around the attention kernel (the query's rotation, the own position's exact
+# K/V, the output's un-rotation; stop 28: 12% of the layers' time in opt-125m's 8-row calibration
+# run, which a factor on the kernel's bytes could only absorb as 7.9x, over-pricing large batches).
+OVERHEAD_TERMS: tuple[str, ...] = ("layer_overhead_s", "step_overhead_s", "block_layer_overhead_s", "row_copy_s",
+                                   "kv_codec_overhead_s")
 # Compute seconds lost per second of disk reads running beside the compute (a fraction, default
 # 0): on a host without CUDA the reads land in the memory the compute streams from, and on a
 # small VM their interrupts and copies share its cores. Calibration fits it from the compute busy
@@ -512,12 +517,15 @@ class CostModel:
                 gpu_compute = other_s + (0.0 if fused else attn_s)
             gpu_compute = gpu_compute + _times(p["cg"], self._scattered_rows_s(rows, length, kv_ctx_st))
             if self.compress_cache and fused:
-                # measured with one query head per kv head; each further one repeats the work
+                # A kernel on the compute device, like attention and scaled with it by the
+                # gpu_compute factor (the weights' dequant factor prices another kernel): measured
+                # with one query head per kv head; each further one repeats the work.
                 heads = spec.num_heads / spec.num_kv_heads
-                dequant = kv_ctx * (heads * self.factor("dequant") / self.profile.kv_attend_bytes_per_s)
+                gpu_compute = gpu_compute + kv_ctx * (heads / self.profile.kv_attend_bytes_per_s)
             elif self.compress_cache:
                 dequant = kv_ctx * (self.factor("dequant") / self.profile.dequant_bytes_per_s)
-        gpu_compute = (_times(self.factor("gpu_compute"), gpu_compute) + self.overhead_s("layer_overhead_s")
+        codec_s = self.overhead_s("kv_codec_overhead_s") if self.compress_cache and not prefill else 0.0
+        gpu_compute = (_times(self.factor("gpu_compute"), gpu_compute) + self.overhead_s("layer_overhead_s") + codec_s
                        + self._interference(dtoc))
         return StepTerms(ctog=ctog, gtoc=gtoc, dtoc=dtoc, ctod=ctod, gpu_compute=gpu_compute,
                          cpu_compute=cpu_compute, dequant=dequant, quant=quant)
