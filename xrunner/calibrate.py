@@ -28,7 +28,7 @@ What is compared (per run; :data:`METRICS`):
   or hidden-state row between the cpu and gpu tiers) is told apart from the ``ctog``/``gtoc``
   factors by the weights-on-cpu run (a few whole-layer copies) against the runs with KV cache and
   activations on cpu (many small row copies). ``kv_codec_overhead_s`` (per layer and GPU batch of
-  a decode step over a 4-bit cache: the codec's work around its attention kernel) is pinned by the
+  a decode step over a 4-bit cache: the codec's fixed work per call) is pinned by the
   compressed-cache run; on a CPU that kernel is priced as compute from the profile's probe.
 
 The predicted ``head`` busy time excludes ``step_overhead_s``, which runs outside the timed

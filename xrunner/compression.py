@@ -22,11 +22,12 @@ one (:func:`rotate_groups`); the layer's output is rotated back per block (``mod
 64 multiply-adds per output value. KV cache: each head's vector; attention is invariant to it
 (``(qR)(kR)^T = qk^T``, and attending to rotated values gives the output rotated), so the
 engine rotates the query and un-rotates the output instead of un-rotating the cache
-(``KVCodec.attend``). :func:`gptq_quantize` keeps :func:`quantize`'s ranges and chooses the
-codes with GPTQ (``xrunner.gptq`` feeds it calibration text). On SmolLM2-135M, 4-bit weights
-cost +9.9% perplexity rotated (+23.6% not) and +2.8% with GPTQ codes on top; the 4-bit KV cache
-+2.4% rotated (+7.0% not), +0.5% also centered on calibration means (``engine.KVCodec``), all
-on 4 windows of text (benchmarks/compression_ppl.py; a 16-window check is in README).
+(``KVCodec.attend``). :func:`gptq_quantize` chooses the codes with GPTQ, each column's ranges
+searched as here on its updated values (``xrunner.gptq`` feeds it calibration text). On
+SmolLM2-135M, 4-bit weights cost +9.9% perplexity rotated (+23.6% not) and +2.9% with GPTQ on
+top (4 windows; +4.4% on 16, a mean over calibration draws); the 4-bit KV cache +2.4% rotated
+(+7.0% not), +0.5% also centered on calibration means (``engine.KVCodec``)
+(benchmarks/compression_ppl.py; docs/BENCHMARKS.md).
 
 Used by the engine to store and move compressed tensors, and by the profiler to time
 (de)quantization; everything is vectorised torch, on whatever device the tensor lives. On a CPU,

@@ -48,9 +48,10 @@ FACTOR_TERMS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "gpu_compute", 
 # 3 KiB row cost tens of microseconds of Python and launch, not 3 KiB of bandwidth, and with one
 # factor per channel that cost inflated the factor of whole-layer weight copies two-fold).
 # And ``kv_codec_overhead_s``: per layer and GPU batch of a decode step over a 4-bit cache, the
-# codec's fixed work around the attention kernel (the query's rotation, the own position's exact
-# K/V, the output's un-rotation; stop 28: 12% of the layers' time in opt-125m's 8-row calibration
-# run, which a factor on the kernel's bytes could only absorb as 7.9x, over-pricing large batches).
+# codec's fixed work per call (encoding the step's K/V, the query's rotation, the own position's
+# exact K/V, the output's un-rotation), which no per-byte rate sees. Stop 28: fitted 1.27 ms on
+# opt-125m's 8-row calibration run (1 thread); a factor on the kernel's bytes had to absorb it as
+# 7.9x, which over-prices large batches.
 OVERHEAD_TERMS: tuple[str, ...] = ("layer_overhead_s", "step_overhead_s", "block_layer_overhead_s", "row_copy_s",
                                    "kv_codec_overhead_s")
 # Compute seconds lost per second of disk reads running beside the compute (a fraction, default
