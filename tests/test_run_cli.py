@@ -444,8 +444,9 @@ def test_weight_rounding_calibrates_only_when_4bit_weights_or_cache_are_packed(t
     packed = tiny_plan(tiny_dir, tmp_path / "packed.json", Policy(gbs=2, nb=1, wg=0.5, wc=0.5, compress_weight=True))
     plain = tiny_plan(tiny_dir, tmp_path / "plain.json", Policy(gbs=2, nb=1, wg=0.5, wc=0.5))
     kv4 = tiny_plan(tiny_dir, tmp_path / "kv4.json", Policy(gbs=2, nb=1, compress_cache=True))
-    cases = ((plain, [], []), (packed, ["--weight-rounding", "nearest"], []), (packed, [], [gptq.CALIBRATION_SEQUENCES]),
-             (kv4, ["--calibration-sequences", "5"], [5]), (kv4, ["--weight-rounding", "nearest"], []))
+    cases = ((plain, [], []), (packed, ["--weight-rounding", "nearest"], []),
+             (packed, [], [gptq.CALIBRATION_SEQUENCES]), (kv4, ["--calibration-sequences", "5"], [5]),
+             (kv4, ["--weight-rounding", "nearest"], []))
     for i, (plan, extra, want_calls) in enumerate(cases):
         out = tmp_path / f"out-{i}.jsonl"
         calls.clear()

@@ -279,7 +279,8 @@ def _column_ranges(groups: torch.Tensor, real: torch.Tensor, dtype: torch.dtype,
     are batched rather than looped). Returns the kept (mins, scales, codes)."""
     lo, hi = groups.aminmax(dim=-1)
     centre, half = (lo + hi) / 2, (hi - lo) / 2
-    shrink = 1.0 - (1.0 - CLIP_MIN_SHRINK) * torch.arange(1, clip_steps + 1, device=groups.device) / max(clip_steps, 1)
+    steps = torch.arange(1, clip_steps + 1, device=groups.device)
+    shrink = 1.0 - (1.0 - CLIP_MIN_SHRINK) * steps / max(clip_steps, 1)
     c_lo = torch.cat((lo[None], centre - shrink[:, None] * half))  # min/max itself first: ties keep it
     c_hi = torch.cat((hi[None], centre + shrink[:, None] * half))
     mins, scales, codes = _fit(groups, c_lo, c_hi, dtype)
@@ -315,13 +316,13 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = DEFA
     dead = torch.diagonal(H) <= 0
     H[dead, dead] = 1.0  # a never-active input: its rounding error costs nothing
     H.diagonal().add_(damp * float(torch.diagonal(H).mean()))
-    # One float64 [in, in] at a time beside the one being made (the caller's hessian is a third):
-    # scratch_bytes in xrunner.gptq counts this.
     W = w.float().t().contiguous()  # [in, out]: one column of w is one contiguous row here
     if rows > rows_real:  # padded as quantize pads: copies of the last row, not scored
         W = torch.cat((W, W[:, -1:].expand(n, rows - rows_real)), dim=1)
     real = (torch.arange(rows, device=w.device) < rows_real).view(groups, group_size)
     order = torch.argsort(torch.diagonal(H), descending=True)
+    # One float64 [in, in] at a time beside the one being made (the caller's hessian is a third):
+    # scratch_bytes in xrunner.gptq counts this.
     H = H[order]
     H = H[:, order]
     H = torch.linalg.cholesky(H)

@@ -609,7 +609,8 @@ class Engine:
             if caps is not None and "gpu" in caps and loading > caps["gpu"]:
                 raise UserError(f"the calibration pass (GPTQ codes, KV centers) needs {scratch:.0f} bytes on the gpu "
                                 f"tier while the weights load, {loading - caps['gpu']:.0f} more than the plan leaves "
-                                "free; pass fewer --calibration-sequences or skip it (xsched run --weight-rounding nearest)")
+                                "free; pass fewer --calibration-sequences or skip it (xsched run "
+                                "--weight-rounding nearest)")
             peaks["gpu"] = max(peaks["gpu"], loading)
         return peaks
 
