@@ -68,9 +68,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "local keeps it (only placement, batch shape, KV compression and attention change)")
     p.add_argument("--weight-rounding", choices=("gptq", "nearest"), default="gptq",
                    help="4-bit forms of a real model: gptq runs a calibration pass over standard-library docstrings "
-                        "at load that fits 4-bit weights' codes by GPTQ (about 2-3 s per SmolLM2 layer on one CPU "
-                        "thread) and centers a 4-bit KV cache on each layer's mean K/V; nearest skips it (each weight "
-                        "rounds to its nearest code, the cache is not centered; random-weight models never calibrate)")
+                        "at load that fits 4-bit weights' codes by GPTQ (about 2.6 s per SmolLM2 layer on 2 CPU "
+                        "threads with the default 64 sequences) and centers a 4-bit KV cache on each layer's mean "
+                        "K/V; nearest skips it (each weight rounds to its nearest code, the cache is not centered; "
+                        "random-weight models never calibrate)")
     p.add_argument("--calibration-sequences", type=_positive_int, default=None, metavar="N",
                    help="sequences of 256 calibration tokens for --weight-rounding gptq (default 64; fewer load "
                         "faster and need less memory, and fit the codes less well)")

@@ -517,7 +517,7 @@ class CostModel:
                 gtoc = gtoc + rows_move(off_c, "gtoc", kv_new_st, rows * parts)
                 gpu_compute = other_s + (0.0 if fused else attn_s)
             gpu_compute = gpu_compute + _times(p["cg"], self._scattered_rows_s(rows, length, kv_ctx_st))
-            if self.compress_cache and fused:
+            if fused:
                 # A kernel on the compute device, like attention and scaled with it by the
                 # gpu_compute factor (the weights' dequant factor prices another kernel): measured
                 # with one query head per kv head; each further one repeats the work.
