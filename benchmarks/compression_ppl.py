@@ -54,7 +54,7 @@ def quantized_layers(weights, clip_steps: int, rotate: bool, calibration=None):
 
     spec = weights.spec
     layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True, clip_steps=clip_steps,
-                          rotate=rotate)
+                          rotate=rotate, rotate_inputs=calibration is not None)
     gptq = None if calibration is None else GPTQCalibration(spec, weights.head, calibration, layout.quantize_tensor,
                                                             layout.dequantize_tensor)
     out = []

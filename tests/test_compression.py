@@ -205,6 +205,42 @@ def test_rotated_weight_record_gives_the_layers_output_with_bias():
     assert errs[True] < 0.5 * errs[False]
 
 
+def test_mlp_output_projection_rotates_its_inputs_in_the_record_and_in_gptq():
+    """The MLP's output projection is stored with its input channels rotated too (a 512 x 512
+    Hadamard per block): the layer's output equals x W^T + b for W = the reference GPTQ of the weight
+    rotated on both sides, with the Hessian of the rotated inputs, rotated back; the layout
+    reference path (``dequantize_tensor``) gives that same W; other projections keep their inputs."""
+    from quant_reference import reference_gptq
+    from xrunner.engine import WeightLayout
+    from xrunner.model import linear
+
+    g = torch.Generator().manual_seed(5)
+    w = {"fc1.weight": torch.randn(512, 64, generator=g), "fc2.weight": torch.randn(64, 512, generator=g),
+         "fc2.bias": torch.randn(64, generator=g)}
+    X = torch.randn(2048, 512, generator=g) * torch.rand(512, generator=g)
+    X[:, 9] *= 30  # an outlier input channel, as the MLP's hidden activation has
+    H = X.T @ X
+    shapes = {k: tuple(v.shape) for k, v in w.items()}
+    layout = WeightLayout(shapes, torch.float32, compress=True, rotate_inputs=True)
+    assert layout.in_rotated == {"fc2.weight"}
+    assert WeightLayout(shapes, torch.float32, compress=True).in_rotated == set()  # nearest rounding: never
+    assert WeightLayout(shapes, torch.float32, compress=True, rotate=False, rotate_inputs=True).in_rotated == set()
+    q = layout.quantize_tensor("fc2.weight", w["fc2.weight"], H)
+    r_in = hadamard_rotation(512).double()
+    r_out = hadamard_rotation(64).double()
+    rotated = (r_out @ w["fc2.weight"].double() @ r_in).float()
+    want = r_out.T @ reference_gptq(rotated, r_in.T @ H.double() @ r_in, 0.1).double() @ r_in.T
+    got = layout.dequantize_tensor("fc2.weight", q)
+    same_code = (got.double() - want).abs() < 1e-3
+    assert float(same_code.float().mean()) > 0.99
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+    layout.pack(w, flat, {"fc2.weight": q})
+    unpacked = layout.unpack(flat, {n: torch.empty(s) for n, s in layout.dequant_shapes().items()})
+    assert "fc2.in_rotation" in unpacked and "fc1.in_rotation" not in unpacked
+    x = X[:5]
+    assert torch.allclose(linear(x, unpacked, "fc2"), x @ got.T + w["fc2.bias"], atol=1e-3)
+
+
 def test_gptq_matches_an_independent_obq_reference_and_beats_nearest_rounding():
     """GPTQ (Cholesky form, blocks of 16 columns here) equals the optimal-brain-quantizer updates of an
     independent reference column for column, each column's ranges searched on its values as the

@@ -376,28 +376,31 @@ def test_reconfigure_to_a_4bit_cache_centers_it_without_reloading_the_weights(tm
 def test_gptq_weights_reach_the_engine_and_the_calibration_pass_is_the_models_layer(tmp_path):
     """With calibration ids the engine stores GPTQ's codes: its outputs equal the in-memory model with
     those weights, which differ from nearest rounding's. The calibration pass carries its hidden states
-    through each quantized layer exactly as the model computes that layer."""
+    through each quantized layer exactly as the model computes that layer. The MLP's 512 inputs are
+    whole rotation blocks, so its output projection's inputs are rotated too (as with GPTQ they are)."""
     from xrunner.engine import WeightLayout
     from xrunner.gptq import GPTQCalibration
     from xrunner.model import ModelWeights
 
-    src = RandomSource(LLAMA, seed=7)
+    spec = replace(LLAMA, ffn=512)
+    src = RandomSource(spec, seed=7)
     ids = torch.randint(0, LLAMA.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     weights = load_weights(src)
-    layout = WeightLayout(LLAMA.layer_tensor_shapes(), torch.float32, compress=True)
-    cal = GPTQCalibration(LLAMA, weights.head, ids, layout.quantize_tensor, layout.dequantize_tensor)
+    layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True, rotate_inputs=True)
+    assert layout.in_rotated == {"down_proj.weight"}
+    cal = GPTQCalibration(spec, weights.head, ids, layout.quantize_tensor, layout.dequantize_tensor)
     layers = []
     for i, w in enumerate(weights.layers):
         h = cal.hidden
         wq = {**w, **{n: layout.dequantize_tensor(n, q) for n, q in cal.quantize_layer(i, w).items()}}
-        q, k, v = attn_in(LLAMA, wq, h, cal.pos, cal.rope)
-        assert torch.allclose(cal.hidden, attn_out_mlp(LLAMA, wq, attention(LLAMA, q, k, v, None, True), h),
+        q, k, v = attn_in(spec, wq, h, cal.pos, cal.rope)
+        assert torch.allclose(cal.hidden, attn_out_mlp(spec, wq, attention(spec, q, k, v, None, True), h),
                               atol=1e-5)
         layers.append(wq)
     with pytest.raises(RuntimeError, match="in order"):
         cal.quantize_layer(0, weights.layers[0])
     reqs = make_requests(6, seed=4, vocab=LLAMA.vocab_size, min_prompt=2)
-    want = reference(ModelWeights(LLAMA, weights.head, layers), reqs)
+    want = reference(ModelWeights(spec, weights.head, layers), reqs)
     assert want != reference(_quantized_weights(load_weights(src)), reqs)
     policy = Policy(gbs=2, nb=2, wg=0.34, wc=0.33, wd=0.33, compress_weight=True)
     got, _ = run_engine(src, policy, reqs, tmp_path, calibration_ids=lambda: ids)
@@ -591,15 +594,16 @@ def test_smollm2_gptq_weights_follow_held_out_text_closer_than_nearest_rounding(
     held_out = torch.tensor(tok(topics.topics["assert"] + topics.topics["if"])["input_ids"][:128])[None]
     pos = position_ids_from_mask(torch.ones_like(held_out, dtype=torch.bool))
     rope = rope_tables(spec, held_out.shape[1])
-    layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True)
-    cal = GPTQCalibration(spec, head, calibration_ids(tok), layout.quantize_tensor, layout.dequantize_tensor)
+    layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True)  # nearest rounding's
+    glayout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True, rotate_inputs=True)  # GPTQ's
+    cal = GPTQCalibration(spec, head, calibration_ids(tok), glayout.quantize_tensor, glayout.dequantize_tensor)
     hidden = {name: embed(spec, head, held_out, pos) for name in ("fp32", "nearest", "gptq")}
     for i in range(4):
         w = gguf.load_layer(i)
         gptq = cal.quantize_layer(i, w)
         variants = {"fp32": w, "nearest": {**w, **{n: layout.dequantize_tensor(n, layout.quantize_tensor(n, w[n]))
                                                    for n in gptq}},
-                    "gptq": {**w, **{n: layout.dequantize_tensor(n, q) for n, q in gptq.items()}}}
+                    "gptq": {**w, **{n: glayout.dequantize_tensor(n, q) for n, q in gptq.items()}}}
         for name, wv in variants.items():
             q, k, v = attn_in(spec, wv, hidden[name], pos, rope)
             hidden[name] = attn_out_mlp(spec, wv, attention(spec, q, k, v, None, True), hidden[name])
@@ -630,7 +634,7 @@ torch.set_num_threads(1)
 spec = ModelSpec.from_json(sys.argv[1])
 src = RandomSource(spec)
 head = src.load_head()
-layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True)
+layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True, rotate_inputs=True)
 home = torch.empty(layout.nbytes, dtype=torch.uint8)
 layout.pack(src.load_layer(0), home, None)  # warm-up: the first call of a kernel maps library pages
 base = reset_peak()

@@ -377,7 +377,8 @@ def test_cost_model_kv_parts_match_the_engines_stored_form():
 
 def test_cost_model_charges_the_output_rotation_of_the_weights_the_engine_rotates():
     """4-bit weights: the engine rotates whole groups of 64 output rows and rotates each output back
-    (64 multiply-adds per output value); the cost model adds exactly those flops to the matmuls'."""
+    (64 multiply-adds per output value), and rotates the MLP output projection's input per 512
+    channels (8 + 64 per input value); the cost model adds exactly those flops to the matmuls'."""
     torch = pytest.importorskip("torch")
     from xrunner.engine import WeightLayout
     from xsimulator.costmodel import rotation_flop_ratio
@@ -386,8 +387,11 @@ def test_cost_model_charges_the_output_rotation_of_the_weights_the_engine_rotate
     rotated = {}
     for spec in (OPT30, odd):
         shapes = spec.layer_tensor_shapes()
-        rotated[spec.name] = WeightLayout(shapes, torch.float16, compress=True).rotated
-        extra = sum(shapes[n][0] * 64 for n in rotated[spec.name])
+        layout = WeightLayout(shapes, torch.float16, compress=True, rotate_inputs=True)
+        rotated[spec.name] = layout.rotated
+        assert layout.in_rotated == {"fc2.weight"}  # 4096 inputs: 8 blocks of 512
+        extra = sum(shapes[n][0] * 64 for n in rotated[spec.name]) + sum(shapes[n][1] * (8 + 64)
+                                                                          for n in layout.in_rotated)
         assert rotation_flop_ratio(spec) == pytest.approx(extra / spec.matmul_params_per_layer)
     assert rotated["odd"] == {"fc1.weight"}  # 1000-row tensors are not whole groups
     prof, p = t4_like(), dict(wg=1.0, wc=0.0, wd=0.0, cg=1.0, cc=0.0, cd=0.0, hg=1.0, hc=0.0, hd=0.0)

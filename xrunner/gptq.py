@@ -37,6 +37,7 @@ from xrunner.compression import DEFAULT_GROUP_SIZE, QuantizedTensor
 from xrunner.model import (Weights, attention, attn_in, embed, linear, mlp_hidden, norm, position_ids_from_mask,
                            rope_tables)
 from xsched.errors import UserError
+from xsimulator.costmodel import input_rotated
 
 CALIBRATION_MODULES = ("os", "json", "re", "collections", "functools", "itertools", "pathlib", "subprocess",
                        "threading", "asyncio", "typing", "dataclasses", "argparse", "logging", "unittest", "email",
@@ -89,13 +90,15 @@ def _gram(x: torch.Tensor) -> torch.Tensor:
     return g.div_(x.shape[0])
 
 
-def _tensor_bytes(out_rows: int, in_cols: int, group: int) -> int:
+def _tensor_bytes(out_rows: int, in_cols: int, group: int, in_rotated: bool = False) -> int:
     """Bytes ``compression.gptq_quantize`` (behind ``WeightLayout.quantize_tensor``) holds for one
     ``[out, in]`` weight: the caller's float64 Hessian and two more in its Cholesky chain plus the
     float32 factor, beside the rotated float32 copy and the transposed + reordered weight with its
-    codes (a column's range search is a few candidates of one column)."""
+    codes (a column's range search is a few candidates of one column). A weight whose inputs are
+    rotated (``costmodel.input_rotated``) holds one more Hessian (the rotated one) and weight copy."""
     n = -(-out_rows // group) * group * in_cols
-    return 3 * in_cols * in_cols * 8 + in_cols * in_cols * 4 + 2 * n * 4 + n
+    extra = in_cols * in_cols * 8 + n * 4 if in_rotated else 0
+    return 3 * in_cols * in_cols * 8 + in_cols * in_cols * 4 + 2 * n * 4 + n + extra
 
 
 def scratch_bytes(spec: ModelSpec, sequences: int, length: int, group: int = DEFAULT_GROUP_SIZE, fit: bool = True,
@@ -116,8 +119,8 @@ def scratch_bytes(spec: ModelSpec, sequences: int, length: int, group: int = DEF
         layer = numel * f4 if copies_layer else 0
     gram = min(t, GRAM_ROWS) * max(h, q, f) * 8 if fit else 0
 
-    def quant(out_rows: int, in_cols: int) -> int:
-        return _tensor_bytes(out_rows, in_cols, group) if fit else 0
+    def quant(out_rows: int, in_cols: int, rotated: bool = False) -> int:
+        return _tensor_bytes(out_rows, in_cols, group, rotated) if fit else 0
 
     qkv = t * h * f4 + max(quant(q, h), quant(kv, h)) + gram
     # normed input, q/k/v, rotary temporaries (products and the rotated half) or SDPA's output
@@ -125,7 +128,7 @@ def scratch_bytes(spec: ModelSpec, sequences: int, length: int, group: int = DEF
     o_proj = t * q * f4 + quant(h, q) + gram
     mlp_in = t * h * f4 + quant(f, h) + gram
     mlp = t * h * f4 + (3 if spec.gated_mlp else 2) * t * f * f4
-    down = t * f * f4 + quant(h, f) + gram
+    down = t * f * f4 + quant(h, f, bool(input_rotated(spec.layer_tensor_shapes()))) + gram
     return 2 * t * h * f4 + layer + max(qkv, attend, o_proj, mlp_in, mlp, down)
 
 

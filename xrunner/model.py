@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from xprofiler.specs import ModelSpec
+from xrunner.compression import rotate_inputs
 
 Weights = dict[str, torch.Tensor]
 
@@ -81,7 +82,12 @@ def norm(spec: ModelSpec, x: torch.Tensor, w: Weights, name: str) -> torch.Tenso
 def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
     """``x W^T + b``. A weight stored with its rows rotated per block (4-bit weights, key
     ``<name>.out_rotation``: see ``engine.WeightLayout``) gives a rotated output; ``y @ r`` per
-    block of output channels rotates it back, before the bias."""
+    block of output channels rotates it back, before the bias. One stored with its input
+    channels rotated too (``<name>.in_rotation`` and ``.in_rotation_inner``, Kronecker factors)
+    takes its input rotated the same way."""
+    outer = w.get(f"{name}.in_rotation")
+    if outer is not None:
+        x = rotate_inputs(x, outer, w[f"{name}.in_rotation_inner"])
     r = w.get(f"{name}.out_rotation")
     if r is None:
         return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))

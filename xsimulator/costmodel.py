@@ -81,15 +81,38 @@ def compression_ratio(dtype_bytes: int, bits: int = QUANT_BITS, group: int = QUA
     return (bits + 2 * 8 * dtype_bytes / group) / (8 * dtype_bytes)
 
 
-def rotation_flop_ratio(spec: ModelSpec, group: int = QUANT_GROUP) -> float:
+IN_ROTATION_BLOCK = 512  # input channels rotated together: 8 x 64 Sylvester factors
+MLP_OUT_WEIGHTS = ("down_proj.weight", "fc2.weight")
+
+
+def input_rotated(shapes: Mapping[str, tuple[int, ...]], block: int = IN_ROTATION_BLOCK) -> set[str]:
+    """The 4-bit weights ``xrunner`` also stores with input channels rotated, per ``block``: the
+    MLP's output projection, when its input is whole blocks.
+
+    Its input (the MLP's hidden activation) has outlier channels that a Hadamard rotation
+    spreads over ``block`` channels before GPTQ rounds the weight. On SmolLM2-135M (16 windows,
+    64 calibration sequences) 4-bit weights went from +4.71% / +4.21% to +3.77% / +3.49%
+    perplexity on two calibration draws; 64-channel blocks changed nothing (+4.74%), and rotating
+    every projection's input by 64 cost more (+5.69%) (docs/BENCHMARKS.md, stop 29)."""
+    return {n for n in MLP_OUT_WEIGHTS if n in shapes and len(shapes[n]) == 2 and shapes[n][1] % block == 0}
+
+
+def rotation_flop_ratio(spec: ModelSpec, group: int = QUANT_GROUP, block: int = IN_ROTATION_BLOCK) -> float:
     """Extra linear-layer flops of 4-bit weights / the layer's matmul flops.
 
     ``xrunner`` stores each whole group of ``group`` output rows rotated by a Hadamard matrix
     and rotates the output back: ``group`` multiply-adds per output value, against ``in`` per
     output value for the matmul itself (a tensor whose rows are not whole groups is not rotated).
+    The weights of :func:`input_rotated` also rotate their input, per ``block`` channels as two
+    Kronecker factors (``block / group`` and ``group``): that many multiply-adds per input value.
+    The engine does that only for GPTQ codes (a real model with calibration text), which a plan
+    cannot tell; a random-weight model's plan is over-charged by it (OPT-0.5B shape: 2.3% of the
+    layer's matmul flops).
     """
-    shapes = [s for s in spec.layer_tensor_shapes().values() if len(s) == 2]
-    return sum(o * group for o, _ in shapes if o % group == 0) / sum(o * i for o, i in shapes)
+    shapes = {n: s for n, s in spec.layer_tensor_shapes().items() if len(s) == 2}
+    extra = sum(o * group for o, _ in shapes.values() if o % group == 0)
+    extra += sum(shapes[n][1] * (block // group + group) for n in input_rotated(shapes, block))
+    return extra / sum(o * i for o, i in shapes.values())
 
 
 def quantize_scratch_bytes(out_rows: int, in_cols: int, group: int = QUANT_GROUP) -> int:
