@@ -36,7 +36,7 @@ from xprofiler.sweeps import QUICK_GRIDS, Grid, estimate_s, layer_points, point_
 # trimmed prefill rectangle (batch x length <= its max_tokens).
 HELD_OUT = {
     "prefill": Grid((3, 6, 12, 24), (32, 128, 384), max_tokens=3072),
-    "decode": Grid((5, 10, 20, 40), (256, 1024)),
+    "decode": Grid((5, 10, 20, 40, 80, 160), (256, 1024), max_tokens=131072),
 }
 
 

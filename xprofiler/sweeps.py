@@ -63,13 +63,19 @@ class Grid:
 # count, and the layer's time is not monotone in rows (smollm2-135m at 256 positions on the 2-core
 # VM: 8 rows 4.0 ms, 12 rows 5.0 ms, 16 rows 3.8 ms), which interpolating between powers of two
 # missed by 13% at 10-12 rows.
+# Decode rows up to 256: offloading plans decode 128-256 rows at once, and the GEMM rate still
+# rises there (fp32, 2-core VM: 1024 x 4096 at 64 rows 210 GFLOP/s, 192 rows 228, 512 rows 301),
+# so a grid that stopped at 64 rows priced a 192-row plan 11-14% slow (docs/BENCHMARKS.md, stop
+# 28). ``max_tokens`` keeps those rows to the short contexts they are planned with.
 QUICK_GRIDS: dict[str, Grid] = {
     "prefill": Grid((1, 2, 4, 8, 16, 32), (16, 64, 256, 512), max_tokens=4096),
-    "decode": Grid((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), (128, 512, 2048)),
+    "decode": Grid((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256), (128, 512, 2048),
+                   max_tokens=131072),
 }
 FULL_GRIDS: dict[str, Grid] = {
     "prefill": Grid((1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256, 512, 1024), max_tokens=16384),
-    "decode": Grid((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128), (64, 128, 256, 512, 1024, 2048, 4096)),
+    "decode": Grid((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256),
+                   (64, 128, 256, 512, 1024, 2048, 4096), max_tokens=524288),
 }
 
 
