@@ -311,7 +311,8 @@ class KVCodec:
         if self.rotation is None:
             return x
         r = self.rotation.like(x)
-        return x @ (r.T if inverse else r)
+        # One [n, d] x [d, d] product: a batched [.., 1, d] one ran 2.4x slower on [b, 1, H, d] (CPU).
+        return (x.reshape(-1, self.d) @ (r.T if inverse else r)).view(x.shape)
 
     def _centered(self, x: torch.Tensor, layer: int | None, which: int) -> torch.Tensor:
         """``x [b, Hkv, t, d]`` minus the layer's K (0) or V (1) center, rotated."""
