@@ -192,8 +192,7 @@ def quantize(x: torch.Tensor, dim: int = -1, group_size: int = DEFAULT_GROUP_SIZ
         # Padding copies must not count: score only the real values of a partial last group.
         real = (torch.arange(groups.shape[-2] * group_size, device=x.device) < length).view(-1, group_size)
         best_err = _squared_error(groups, mins, scales, codes, x.dtype, real)
-        for i in range(1, clip_steps + 1):
-            shrink = 1.0 - (1.0 - CLIP_MIN_SHRINK) * i / clip_steps
+        for shrink in _shrinks(clip_steps):
             c_mins, c_scales, c_codes = _fit(groups, centre - shrink * half, centre + shrink * half, x.dtype)
             err = _squared_error(groups, c_mins, c_scales, c_codes, x.dtype, real)
             better = err < best_err  # strict: ties keep the wider range
@@ -204,6 +203,12 @@ def quantize(x: torch.Tensor, dim: int = -1, group_size: int = DEFAULT_GROUP_SIZ
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return QuantizedTensor(packed=packed.contiguous(), mins=mins, scales=scales, shape=tuple(x.shape), dim=dim,
                            group_size=group_size)
+
+
+def _shrinks(clip_steps: int) -> list[float]:
+    """The range search's candidates besides min/max: half-widths shrunk from 1 towards
+    :data:`CLIP_MIN_SHRINK` in ``clip_steps`` even steps (none for 0)."""
+    return [1.0 - (1.0 - CLIP_MIN_SHRINK) * i / clip_steps for i in range(1, clip_steps + 1)]
 
 
 def _fit(groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype
@@ -294,8 +299,7 @@ def _column_ranges(groups: torch.Tensor, real: torch.Tensor, dtype: torch.dtype,
     are batched rather than looped). Returns the kept (mins, scales, codes)."""
     lo, hi = groups.aminmax(dim=-1)
     centre, half = (lo + hi) / 2, (hi - lo) / 2
-    steps = torch.arange(1, clip_steps + 1, device=groups.device)
-    shrink = 1.0 - (1.0 - CLIP_MIN_SHRINK) * steps / max(clip_steps, 1)
+    shrink = torch.tensor(_shrinks(clip_steps), device=groups.device)
     c_lo = torch.cat((lo[None], centre - shrink[:, None] * half))  # min/max itself first: ties keep it
     c_hi = torch.cat((hi[None], centre + shrink[:, None] * half))
     mins, scales, codes = _fit(groups, c_lo, c_hi, dtype)

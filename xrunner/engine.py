@@ -178,9 +178,8 @@ class WeightLayout:
         # With GPTQ (``rotate_inputs``), the MLP's output projection also rotates its input channels
         # (costmodel.input_rotated). Not with nearest rounding: on SmolLM2 that took 4-bit weights
         # from +9.9% to +22.9% perplexity (4 windows; the error spreads onto the outlier channels).
-        outer = hadamard(IN_ROTATION_BLOCK // group) if self.rotation is not None and rotate_inputs else None
-        self.in_rotation = outer
-        self.in_rotated = input_rotated(self.shapes) if outer is not None else set()
+        self.in_rotation = hadamard(IN_ROTATION_BLOCK // group) if self.rotation is not None and rotate_inputs else None
+        self.in_rotated = input_rotated(self.shapes) if self.in_rotation is not None else set()
         parts: list[_Part] = []
         off = 0
 
