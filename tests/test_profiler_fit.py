@@ -207,3 +207,42 @@ def test_head_fit_interpolates_in_log_rows_and_round_trips():
     from xprofiler.show import summary
 
     assert "lm head      m (float32), ms per rows (T: transposed layout): 1: 5 T, 2: 10 T, 4: 20, 8: 24" in summary(again)
+
+
+def test_warm_fit_holds_its_last_saving_and_round_trips():
+    """Savings interpolate in log rows like the head fit but stop growing past the last row count
+    (a compute-bound step saves no more with more rows); kept through the profile's JSON."""
+    from xprofiler.profile import WarmFit
+
+    fit = WarmFit(model="m", dtype="float32", rows=(1, 4, 16), saved_s=(0.001, 0.002, 0.0005))
+    assert fit.predict_s(np.array([1, 4, 16])) == pytest.approx([0.001, 0.002, 0.0005])
+    assert fit.predict_s(2) == pytest.approx(0.0015)
+    assert fit.predict_s(256) == pytest.approx(0.0005) and fit.predict_s(0.5) == pytest.approx(0.0005)
+    for bad in (dict(rows=(4, 1, 16)), dict(saved_s=(0.001, -1e-4, 0.0)), dict(rows=(1, 4))):
+        with pytest.raises(ValueError):
+            WarmFit(**{**dataclasses.asdict(fit), **bad})
+    prof = dataclasses.replace(load_preset(preset_names()[0]), warm_fits=(fit,))
+    again = HardwareProfile.from_json(prof.to_json())
+    assert again == prof and again.warm_fit("m", "float32") == fit and again.warm_fit("m", "float16") is None
+    from xprofiler.show import summary
+
+    assert "warm weights m (float32), ms a decode layer saves with its weights cached, per rows: 1: 1, 4: 2, " \
+        "16: 0.5" in summary(again)
+
+
+def test_fit_warm_takes_cold_minus_warm_per_row_count_and_never_below_zero():
+    from xprofiler.samples import sample_meta
+    from xprofiler.sweeps import fit_warm
+
+    spec = get_model_spec("opt-125m")
+
+    def row(tag, b, t, count=2):
+        return {**sample_meta("warm", model=spec.name, phase="decode", dtype="float32", batch=b, length=128,
+                              shape=f"{tag}:{b}x128", count=count), "time_s": t * count}
+
+    rows = [row("cold", 1, 0.002), row("warm", 1, 0.0011), row("cold", 1, 0.0022), row("warm", 1, 0.0013),
+            row("cold", 8, 0.005), row("warm", 8, 0.0051),  # noise: no saving, not a negative one
+            row("cold", 16, 0.006)]  # no warm sample: not fitted
+    fit = fit_warm(spec, rows, "float32")
+    assert fit.rows == (1, 8) and fit.saved_s == pytest.approx((0.0009, 0.0))
+    assert fit_warm(spec, rows, "float16") is None

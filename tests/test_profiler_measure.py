@@ -77,6 +77,10 @@ def test_tiny_profile_measures_every_field(tmp_path):
     assert {"bench", "model", "phase", "batch", "length", "size_bytes", "count", "pass", "time_s"} <= set(df.columns)
     layer = df[df.bench == "layer"]
     assert len(layer) == 9 * layer["pass"].nunique() and layer["pass"].nunique() >= 2
+    # a decode layer's saving with its weights cached, at the decode grid's rows and shortest context
+    (warm,) = prof.warm_fits
+    assert (warm.model, warm.dtype, warm.rows) == ("tiny-llama", "float32", (1, 4)) and min(warm.saved_s) >= 0
+    assert set(df[df.bench == "warm"]["shape"]) == {"cold:1x16", "warm:1x16", "cold:4x16", "warm:4x16"}
     # The prefill grid's corner past max_tokens (4 x 32) is not measured; its correction is the
     # nearest measured node's (2 x 32), so predictions stay continuous there.
     assert not ((layer.phase == "prefill") & (layer.batch == 4) & (layer.length == 32)).any()
@@ -264,6 +268,16 @@ def test_layer_sweep_calls_rotate_through_distinct_layers_and_caches(monkeypatch
     (small,) = layer_points(spec, "decode", [(8, 64)], "cpu", "float32", cache_bytes=0)
     small.fn(), small.fn()
     assert small.meta["copies"] == 1 and seen[0] == seen[1]
+    # WarmFit's points: the same cycle cold, and with one layer's weights over the rotating caches.
+    seen.clear()
+    cold, warm = layer_points(spec, "decode", [(8, 64)], "cpu", "float32", cache_bytes=int(1.2 * call_bytes),
+                              warm=True)
+    assert (cold.meta["bench"], cold.meta["shape"], warm.meta["shape"]) == ("warm", "cold:8x64", "warm:8x64")
+    for p in (cold, warm):
+        for _ in range(3):
+            p.fn()
+    assert len({s[0] for s in seen[:3]}) == 3 and len({s[0] for s in seen[3:]}) == 1
+    assert [s[1:] for s in seen[:3]] == [s[1:] for s in seen[3:]]  # the same KV caches in both
 
 
 def test_head_sweep_rotates_through_copies_of_the_matrix():
@@ -301,3 +315,4 @@ def test_sweeps_time_the_runners_own_layer_forward(monkeypatch):
     # prefill: the whole prompt at cache position 0; decode: one token attending to `length` keys
     assert seen == [((2, 32, 64), (2, 2, 32, 16), (2, 32), 0), ((4, 1, 64), (4, 2, 64, 16), (4, 64), 63)]
     assert pre[0].meta["shape"] == "2x32" and dec[0].meta["phase"] == "decode"
+

@@ -253,6 +253,38 @@ def test_a_4bit_cache_on_a_cpu_attends_over_its_codes_without_a_dequant_buffer()
     assert prefill.gpu_compute == pytest.approx(2 * base_prefill.gpu_compute)  # no codec call in a prefill
 
 
+def test_batches_that_reread_a_cached_layer_save_what_the_warm_fit_measured():
+    """On a CPU a block's later GPU batches reread the layer its first batch just read, and with
+    4-bit weights every batch reads the buffer the layer was just dequantized into: their decode
+    steps save ``WarmFit.saved_s`` (never below half the attention-free time). Prefill, a block
+    of one plain batch and a GPU keep the cold price."""
+    from xprofiler.profile import WarmFit
+
+    spec = get_model_spec("opt-125m").with_dtype("float32")
+    warm = WarmFit(spec.name, "float32", rows=(1, 8), saved_s=(4e-4, 1e-3))
+    plain, with_fit = cpu_host(), cpu_host(warm_fits=(warm,))
+    p = Policy(gbs=8, nb=2).placement()
+
+    def decode_s(prof, **kw):
+        return CostModel.for_policy(spec, prof, Policy(gbs=8, **kw)).batch_terms("decode", 8, 100, p).gpu_compute
+
+    cold = decode_s(plain, nb=2)
+    assert decode_s(with_fit, nb=1) == pytest.approx(cold)
+    assert decode_s(with_fit, nb=2) == pytest.approx(cold - 0.5 * 1e-3)
+    assert decode_s(with_fit, nb=4) == pytest.approx(cold - 0.75 * 1e-3)
+    cold_q = decode_s(plain, nb=1, compress_weight=True)
+    rotation = CostModel.for_policy(spec, plain, Policy(gbs=8, nb=1, compress_weight=True))._rotation_factor
+    assert decode_s(with_fit, nb=1, compress_weight=True) == pytest.approx(cold_q - 1e-3 * rotation)
+    other_s, _ = CostModel.for_policy(spec, plain, Policy(gbs=8, nb=2))._compute_parts("decode", 8, 100)
+    huge = cpu_host(warm_fits=(replace(warm, saved_s=(1.0, 1.0)),))
+    assert decode_s(huge, nb=2) == pytest.approx(cold - 0.5 * other_s)
+    pre = CostModel.for_policy(spec, with_fit, Policy(gbs=8, nb=2)).batch_terms("prefill", 8, 32, p)
+    assert pre.gpu_compute == pytest.approx(CostModel.for_policy(spec, plain, Policy(gbs=8, nb=2))
+                                            .batch_terms("prefill", 8, 32, p).gpu_compute)
+    gpu = replace(t4_like(), warm_fits=(warm,))
+    assert decode_s(gpu, nb=2) == pytest.approx(decode_s(t4_like(), nb=2))
+
+
 # --------------------------------------------------------------------------- cost model details
 def test_disk_kv_and_activation_rows_priced_per_row_transfer():
     """Disk rows move one row and KV part at a time: each read pays the profile's latency, a store one

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from xprofiler.profile import BandwidthCurve, HardwareProfile, HeadFit, LayerFit
+from xprofiler.profile import BandwidthCurve, HardwareProfile, HeadFit, LayerFit, WarmFit
 from xprofiler.sweeps import FULL_GRIDS, PHASES, QUICK_GRIDS, Grid
 from xsched.errors import UserError
 from xsched.fileio import atomic_write_text, describe_os_error
@@ -277,7 +277,7 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
     os.close(fd)
     try:
         disk_method = _run_benchmarks(r, opts, device, dtype, specs, gpu_bytes, Path(tmp_name), disk_test)
-        fits, heads = _run_sweeps(r, opts, device, dtype, specs, gpu_bytes)
+        fits, heads, warms = _run_sweeps(r, opts, device, dtype, specs, gpu_bytes)
     finally:
         r.bar.close()
         try:
@@ -311,7 +311,7 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
         kv_attend_bytes_per_s=r.rate("kv_attend", unit="bytes") if any(x["bench"] == "kv_attend" for x in r.rows)
         else 0.0,
         mem_bytes_per_s=r.rate("mem", unit="bytes"), cpu_mem_bytes_per_s=cpu_mem, layer_fits=tuple(fits),
-        head_fits=tuple(heads),
+        head_fits=tuple(heads), warm_fits=tuple(warms),
         **row_costs(r.rows, st.stat),
         compute_dtype=dtype, compute_threads=torch.get_num_threads(), disk_io=disk_method,  # type: ignore[arg-type]
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -381,9 +381,10 @@ def _run_benchmarks(r: _Run, opts: ProfileOptions, device: Any, dtype: str, spec
 
 
 def _run_sweeps(r: _Run, opts: ProfileOptions, device: Any, dtype: str, specs: list[Any], gpu_bytes: int
-                ) -> tuple[list[LayerFit], list[HeadFit]]:
-    """Per-layer sweeps of each model, sized by the time budget, and their fits; then each model's
-    logits products (``HeadFit``)."""
+                ) -> tuple[list[LayerFit], list[HeadFit], list[WarmFit]]:
+    """Per-layer sweeps of each model, sized by the time budget, and their fits; on a CPU what a
+    decode layer saves with its weights cached (``WarmFit``); then each model's logits products
+    (``HeadFit``)."""
     from xprofiler import sweeps
     from xprofiler.specs import DTYPE_BYTES
 
@@ -392,7 +393,9 @@ def _run_sweeps(r: _Run, opts: ProfileOptions, device: Any, dtype: str, specs: l
     csv_name = samples_csv_path(opts.output).name
     fits: list[LayerFit] = []
     heads: list[HeadFit] = []
+    warms: list[WarmFit] = []
     for spec in specs:
+        planned: dict[str, Any] = {}
         for phase in PHASES:
             if phase not in st.grids:
                 continue
@@ -403,10 +406,20 @@ def _run_sweeps(r: _Run, opts: ProfileOptions, device: Any, dtype: str, specs: l
                 st.sweep_max_passes, st.warmup, kv_limit_bytes=0.25 * gpu_bytes)
             if dropped:
                 r.notes.append(sweeps.describe_dropped(spec.name, phase, dropped))
+            planned[phase] = pts
             if pts:
                 points = sweeps.layer_points(spec, phase, pts, device, dtype)
                 r.run(f"{spec.name} {phase}", points, passes, deadline=deadline)
         fits.extend(sweeps.fit_sweeps(spec, r.rows, dtype, csv_name, st.stat))
+        # The decode sweep's points (their calls per sample) at its shortest context, for WarmFit.
+        decode = planned.get("decode") or {}
+        length = min((n for _, n in decode), default=0)
+        warm_pts = {p: c for p, c in decode.items() if p[1] == length and p[0] in sweeps.WARM_ROWS}
+        if device.type == "cpu" and warm_pts:
+            r.run(f"{spec.name} warm weights", sweeps.layer_points(spec, "decode", warm_pts, device, dtype, warm=True))
+            warm = sweeps.fit_warm(spec, r.rows, dtype, st.stat)
+            if warm is not None:
+                warms.append(warm)
         head_bytes = 2 * spec.vocab_size * spec.hidden * DTYPE_BYTES[dtype]  # both layouts at once
         if head_bytes > HEAD_MEMORY_FRACTION * gpu_bytes:
             r.notes.append(f"{spec.name}: logits product not timed (its two layouts need {head_bytes / GiB:.2f} GiB, "
@@ -416,7 +429,7 @@ def _run_sweeps(r: _Run, opts: ProfileOptions, device: Any, dtype: str, specs: l
         head = sweeps.fit_head(spec, r.rows, dtype, st.stat)
         if head is not None:
             heads.append(head)
-    return fits, heads
+    return fits, heads, warms
 
 
 def _capacities(opts: ProfileOptions, cuda: bool, device: Any, avail: int, notes: list[str]) -> tuple[int, int]:

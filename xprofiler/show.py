@@ -83,6 +83,10 @@ def summary(p: HardwareProfile) -> str:
         cells = ", ".join(f"{r}: {t * 1e3:.3g}" + (" T" if layout == "transposed" else "")
                           for r, t, layout in zip(f.rows, f.seconds, f.layouts or ("",) * len(f.rows)))
         lines.append(f"  lm head      {f.model} ({f.dtype}), ms per rows (T: transposed layout): {cells}")
+    for f in p.warm_fits:
+        cells = ", ".join(f"{r}: {t * 1e3:.3g}" for r, t in zip(f.rows, f.saved_s))
+        lines.append(f"  warm weights {f.model} ({f.dtype}), ms a decode layer saves with its weights cached, "
+                     f"per rows: {cells}")
     if p.calibration:
         lines.append("  calibration  " + ", ".join(f"{k} x{v:.3g}" for k, v in sorted(p.calibration.items())))
     err = p.calibration_error

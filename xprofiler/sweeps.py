@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from xprofiler.samples import Point, Row, sample_meta, summarize_by
-from xprofiler.profile import HeadFit, LayerFit
+from xprofiler.profile import HeadFit, LayerFit, WarmFit
 from xprofiler.specs import ModelSpec
 
 PHASES: tuple[str, ...] = ("prefill", "decode")
@@ -145,13 +145,16 @@ def plan_points(spec: ModelSpec, phase: str, grid: Grid, budget_s: float, flops_
 
 
 def layer_points(spec: ModelSpec, phase: str, points: Sequence[tuple[int, int]] | dict[tuple[int, int], int],
-                 device: Any, dtype: str, seed: int = 0, cache_bytes: int | None = None) -> list[Point]:
+                 device: Any, dtype: str, seed: int = 0, cache_bytes: int | None = None,
+                 warm: bool = False) -> list[Point]:
     """One ``Point`` per (batch, length) calling ``xrunner.model.layer_forward``.
 
     ``points`` may map each (batch, length) to its calls per sample (from ``plan_points``).
     Successive calls of a point use distinct layers' weights and KV caches (``rotation_copies``
     against ``cache_bytes``, by default the device's: ``cache_bytes_of``); the point's
-    ``copies`` column says how many.
+    ``copies`` column says how many. With ``warm`` (bench ``warm``, for ``WarmFit``), each point
+    comes twice, shapes ``cold:BxN`` as above and ``warm:BxN`` with one layer's weights reused
+    by every call (the KV caches still rotate).
     """
     counts = points if isinstance(points, dict) else {p: 1 for p in points}
     import torch
@@ -178,17 +181,21 @@ def layer_points(spec: ModelSpec, phase: str, points: Sequence[tuple[int, int]] 
         pos = torch.arange(start, start + t, device=device).expand(b, t)
         shape = (b, spec.num_kv_heads, n, spec.head_dim)
         half = kv_elems[(b, n)] // 2
-        ops = itertools.cycle([(weights[j], pool[2 * j * half:(2 * j + 1) * half].view(shape),
-                                pool[(2 * j + 1) * half:(2 * j + 2) * half].view(shape))
-                               for j in range(copies[(b, n)])])
+        for tag in ("cold:", "warm:") if warm else ("",):
+            ops = itertools.cycle([(weights[0 if tag == "warm:" else j],
+                                    pool[2 * j * half:(2 * j + 1) * half].view(shape),
+                                    pool[(2 * j + 1) * half:(2 * j + 2) * half].view(shape))
+                                   for j in range(copies[(b, n)])])
 
-        def step(hidden: Any = hidden, pos: Any = pos, mask: Any = mask, start: int = start, ops: Any = ops) -> Any:
-            w, kc, vc = next(ops)
-            with torch.inference_mode():
-                return layer_forward(spec, w, hidden, pos, rope, kc, vc, mask, start)
+            def step(hidden: Any = hidden, pos: Any = pos, mask: Any = mask, start: int = start,
+                     ops: Any = ops) -> Any:
+                w, kc, vc = next(ops)
+                with torch.inference_mode():
+                    return layer_forward(spec, w, hidden, pos, rope, kc, vc, mask, start)
 
-        out.append(Point(sample_meta("layer", model=spec.name, phase=phase, dtype=dtype, batch=b, length=n,
-                                     shape=f"{b}x{n}", count=count, copies=copies[(b, n)]), step))
+            out.append(Point(sample_meta("warm" if warm else "layer", model=spec.name, phase=phase, dtype=dtype,
+                                         batch=b, length=n, shape=f"{tag}{b}x{n}", count=count,
+                                         copies=copies[(b, n)]), step))
     return out
 
 
@@ -263,6 +270,24 @@ def fit_head(spec: ModelSpec, rows: Sequence[Row], dtype: str, stat: str = "medi
     counts = sorted(best)
     return HeadFit(model=spec.name, dtype=dtype, rows=tuple(counts), seconds=tuple(best[r][0] for r in counts),
                    layouts=tuple(best[r][1] for r in counts))
+
+
+# Decode rows at which ``WarmFit`` is timed, at the decode grid's shortest context.
+WARM_ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def fit_warm(spec: ModelSpec, rows: Sequence[Row], dtype: str, stat: str = "median") -> WarmFit | None:
+    """The model's ``WarmFit`` from its ``warm`` samples: per row count, cold minus warm seconds
+    (at least 0: a saving below the noise is none)."""
+    mine = [r for r in rows if r["bench"] == "warm" and r["model"] == spec.name and r["dtype"] == dtype]
+    times = summarize_by(mine, "shape", lambda r: r["time_s"] / r["count"], stat)
+    pairs = {int(r["batch"]): tuple(times.get(f"{t}:{r['batch']}x{r['length']}") for t in ("cold", "warm"))
+             for r in mine}
+    counts = sorted(b for b, (cold, warm) in pairs.items() if cold is not None and warm is not None)
+    if not counts:
+        return None
+    return WarmFit(model=spec.name, dtype=dtype, rows=tuple(counts),
+                   saved_s=tuple(max(0.0, pairs[b][0] - pairs[b][1]) for b in counts))
 
 
 def describe_dropped(model: str, phase: str, dropped: Sequence[tuple[int, int]]) -> str:

@@ -337,7 +337,7 @@ def place(spec: ModelSpec, profile: HardwareProfile, workload: Workload, gbs: in
 
     ``spec`` should already be in the profile's compute dtype (``profile.model_for``).
     """
-    cm = _CachedSizes(spec, profile, compress_weight, compress_cache, cpu_attention, overlap)
+    cm = _CachedSizes(spec, profile, compress_weight, compress_cache, cpu_attention, overlap, nb=nb)
     shape = Shape.of(workload)
     status, frac, lp_s, _ = _solve(cm, profile, gbs, nb, shape)
     if _needs_exact_staging(cm, profile, status, frac, gbs, nb, shape):

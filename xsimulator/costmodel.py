@@ -356,6 +356,7 @@ class CostModel:
     cpu_attention: bool = False
     overlap: bool = True
     slots: int = 0  # rows of a GPU batch (the policy's gbs); 0: unknown, gathers are not priced
+    nb: int = 1  # GPU batches per block: on a CPU all but the first read a layer's weights cached
 
     def __post_init__(self) -> None:
         if self.compress_cache and self.cpu_attention:
@@ -370,7 +371,7 @@ class CostModel:
     @classmethod
     def for_policy(cls, spec: ModelSpec, profile: HardwareProfile, policy: Policy) -> "CostModel":
         return cls(spec, profile, policy.compress_weight, policy.compress_cache, policy.cpu_attention, policy.overlap,
-                   slots=policy.gbs)
+                   slots=policy.gbs, nb=policy.nb)
 
     @cached_property
     def _rotation_factor(self) -> float:
@@ -405,6 +406,15 @@ class CostModel:
         """A float32 4-bit cache on a CPU: decode attends over the codes (``xrunner.kvattend``),
         with no dequantized copy of the cache and no attention over one."""
         return self.compress_cache and self.profile.compute_device != "cuda" and self.spec.dtype == "float32"
+
+    @property
+    def warm_share(self) -> float:
+        """Share of decode GPU batches that read their layer's weights from the CPU's cache
+        (``WarmFit``): with 4-bit weights every one (each reads the buffer the layer was just
+        dequantized into), else all but the block's first. None on a GPU (its cache is no layer's size)."""
+        if self.profile.compute_device != "cpu":
+            return 0.0
+        return 1.0 if self.compress_weight else (self.nb - 1) / self.nb
 
     def factor(self, term: str) -> float:
         return self.profile.calibration_factor(term)
@@ -507,6 +517,11 @@ class CostModel:
         ctod = disk_rows(hd_moved, "ctod", act, rows, 1) + disk_rows(p["cd"], "ctod", kv_new_st, rows, parts)
 
         other_s, attn_s = self._compute_parts(phase, rows, length)
+        warm = self.profile.warm_fit(spec.name, spec.dtype)
+        if not prefill and warm is not None and self.warm_share:
+            # Never below half the cold time: the saving was measured at 128 positions, on a
+            # whole layer, and is taken off the attention-free part alone.
+            other_s = np.maximum(other_s - self.warm_share * warm.predict_s(rows), 0.5 * other_s)
         if self.compress_weight:
             other_s = _times(self._rotation_factor, other_s)
         cpu_compute: Any = 0.0
