@@ -316,3 +316,24 @@ def test_sweeps_time_the_runners_own_layer_forward(monkeypatch):
     assert seen == [((2, 32, 64), (2, 2, 32, 16), (2, 32), 0), ((4, 1, 64), (4, 2, 64, 16), (4, 64), 63)]
     assert pre[0].meta["shape"] == "2x32" and dec[0].meta["phase"] == "decode"
 
+
+def test_quantize_probe_times_the_kv_caches_own_write(monkeypatch):
+    """The only quantization in a run's loop is the KV write, whose rotation costs about as much
+    again as the quantizer: the probe times ``KVCodec.encode`` on K and V of the weight's bytes."""
+    import torch
+
+    import xrunner.engine
+    from xprofiler.bench import quant_points
+
+    calls = []
+    real = xrunner.engine.KVCodec.encode
+
+    def spy(self, k, v, layer=None):
+        calls.append((self.d, self.compress, tuple(k.shape), tuple(v.shape)))
+        return real(self, k, v, layer)
+
+    monkeypatch.setattr(xrunner.engine.KVCodec, "encode", spy)
+    points = {p.meta["bench"]: p for p in quant_points(torch.device("cpu"), torch.float32, [("m:", 64, 128, 64)])}
+    parts = points["quant"].fn()
+    assert calls == [(64, True, (1, 1, 64, 64), (1, 1, 64, 64))] and len(parts) == 6  # codes, mins, scales of K, V
+    assert points["quant"].meta["bytes"] == points["dequant"].meta["bytes"] == 64 * 128 * 4

@@ -208,23 +208,32 @@ def gemv_point(bench: str, device: torch.device, dtype: torch.dtype, weight_byte
                  lambda: torch.nn.functional.linear(x, w))
 
 
-def quant_points(device: torch.device, dtype: torch.dtype, shapes: Sequence[tuple[str, int, int]]) -> list[Point]:
-    """Group-wise 4-bit quantize and dequantize of MLP weights, with the runner's quantizer.
+def quant_points(device: torch.device, dtype: torch.dtype, shapes: Sequence[tuple[str, int, int, int]]
+                 ) -> list[Point]:
+    """Group-wise 4-bit quantize and dequantize, with the runner's code, per ``(label, rows, cols,
+    head_dim)``: an MLP weight's shape and the model's head size.
 
-    Quantize is timed with the KV cache's range rule: the KV write is the only quantization in
-    the steady-state loop (weights are packed once, at load). Dequantize writes into a buffer
+    Quantize is the KV cache's write, ``xrunner.engine.KVCodec.encode`` (each head's vector
+    rotated, then quantized with the cache's range rule), over K and V of the weight's bytes:
+    the KV write is the only quantization in the steady-state loop (weights are packed once, at
+    load), and its rotation costs about as much again as the quantizer (opt-125m shapes, 1
+    thread: encode 1.3-1.6x the bare quantizer). Dequantize writes an MLP weight into a buffer
     allocated once, as the engine does: the allocating form also times a fresh tensor and a
     transposing copy the engine never makes.
     """
     from xrunner.compression import KV_CLIP_STEPS, dequantize, quantize, stored_shape
+    from xrunner.engine import KVCodec
 
     points = []
-    for label, rows, cols in shapes:
+    for label, rows, cols, head_dim in shapes:
         w = (torch.randn(rows, cols, device=device) * 0.02).to(dtype)
-        q = quantize(w, clip_steps=KV_CLIP_STEPS)
         meta = dict(dtype=str(dtype).removeprefix("torch."), shape=f"{label}{rows}x{cols}",
                     bytes=float(w.numel() * w.element_size()))
-        points.append(Point(sample_meta("quant", **meta), lambda w=w: quantize(w, clip_steps=KV_CLIP_STEPS)))
+        codec = KVCodec(head_dim, dtype, compress=True)
+        k, v = w.view(-1)[:w.numel() // head_dim * head_dim].view(1, 1, -1, head_dim).chunk(2, dim=2)
+        points.append(Point(sample_meta("quant", **{**meta, "bytes": float((k.numel() + v.numel()) * k.element_size())}),
+                            lambda k=k, v=v, codec=codec: codec.encode(k, v)))
+        q = quantize(w, clip_steps=KV_CLIP_STEPS)
         buf = torch.empty(stored_shape(q), dtype=dtype, device=device)
         points.append(Point(sample_meta("dequant", **meta), lambda q=q, buf=buf: dequantize(q, out=buf)))
         if device.type == "cpu" and dtype == torch.float32:

@@ -376,7 +376,7 @@ def _run_benchmarks(r: _Run, opts: ProfileOptions, device: Any, dtype: str, spec
     if cuda:
         cpu_points = _compute_points(bench, torch.device("cpu"), torch.float32, shapes, st, prefix="cpu_")
         r.run("cpu compute", cpu_points, timer=wall_clock)
-    r.run("quantization", bench.quant_points(device, tdt, [(label, f, h) for label, h, f, _, _ in shapes]))
+    r.run("quantization", bench.quant_points(device, tdt, [(label, f, h, hd) for label, h, f, _, hd in shapes]))
     return disk.method
 
 
