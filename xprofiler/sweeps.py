@@ -66,9 +66,9 @@ class Grid:
 # Decode rows up to 256: offloading plans decode 128-256 rows at once, and the GEMM rate still
 # rises there (fp32, 2-core VM: 1024 x 4096 at 64 rows 210 GFLOP/s, 192 rows 228, 512 rows 301);
 # ``max_tokens`` keeps those rows to the short contexts they are planned with. A 192-row plan is
-# still priced ~12% slow: the fit's one linear_flops rate over-prices its projections. (A
-# 32-position column pinned them, 11.8% -> 7.9% on that plan, but priced small-batch
-# short-context decode 10-15% slow in sim_vs_run: not kept; docs/BENCHMARKS.md, stop 29.)
+# still priced 7-12% slow (stops 29-30): the fit's one linear_flops rate over-prices its
+# projections. (A 32-position column pinned them, 11.8% -> 7.9% on that plan, but priced
+# small-batch short-context decode 10-15% slow in sim_vs_run: not kept; docs/BENCHMARKS.md.)
 QUICK_GRIDS: dict[str, Grid] = {
     "prefill": Grid((1, 2, 4, 8, 16, 32), (16, 64, 256, 512), max_tokens=4096),
     "decode": Grid((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256), (128, 512, 2048),
