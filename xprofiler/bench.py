@@ -231,7 +231,8 @@ def quant_points(device: torch.device, dtype: torch.dtype, shapes: Sequence[tupl
                     bytes=float(w.numel() * w.element_size()))
         codec = KVCodec(head_dim, dtype, compress=True)
         k, v = w.view(-1)[:w.numel() // head_dim * head_dim].view(1, 1, -1, head_dim).chunk(2, dim=2)
-        points.append(Point(sample_meta("quant", **{**meta, "bytes": float((k.numel() + v.numel()) * k.element_size())}),
+        kv_bytes = float((k.numel() + v.numel()) * k.element_size())
+        points.append(Point(sample_meta("quant", **{**meta, "bytes": kv_bytes}),
                             lambda k=k, v=v, codec=codec: codec.encode(k, v)))
         q = quantize(w, clip_steps=KV_CLIP_STEPS)
         buf = torch.empty(stored_shape(q), dtype=dtype, device=device)
