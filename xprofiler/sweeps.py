@@ -65,13 +65,15 @@ class Grid:
 # missed by 13% at 10-12 rows.
 # Decode rows up to 256: offloading plans decode 128-256 rows at once, and the GEMM rate still
 # rises there (fp32, 2-core VM: 1024 x 4096 at 64 rows 210 GFLOP/s, 192 rows 228, 512 rows 301);
-# ``max_tokens`` keeps those rows to the short contexts they are planned with. A 192-row plan is
-# still priced 7-12% slow (stops 29-30): the fit's one linear_flops rate over-prices its
-# projections. (A 32-position column pinned them, 11.8% -> 7.9% on that plan, but priced
-# small-batch short-context decode 10-15% slow in sim_vs_run: not kept; docs/BENCHMARKS.md.)
+# ``max_tokens`` keeps those rows to the short contexts they are planned with. The 32-position
+# column pins each batch's attention-free part: the fit's one linear_flops rate over-prices a
+# 192-row plan's projections, and at short contexts the fit gave attention too large a share,
+# which CPU-attention plans (priced without it) were predicted fast by (stop 30, sim_vs_run:
+# +7-13% -> +5-11%). At stop 29 the column priced small batches 10-15% slow, because a block's
+# later batches, warm in the cache, were not priced warm yet (``WarmFit``); docs/BENCHMARKS.md.
 QUICK_GRIDS: dict[str, Grid] = {
     "prefill": Grid((1, 2, 4, 8, 16, 32), (16, 64, 256, 512), max_tokens=4096),
-    "decode": Grid((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256), (128, 512, 2048),
+    "decode": Grid((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256), (32, 128, 512, 2048),
                    max_tokens=131072),
 }
 FULL_GRIDS: dict[str, Grid] = {

@@ -519,8 +519,8 @@ class CostModel:
         other_s, attn_s = self._compute_parts(phase, rows, length)
         warm = self.profile.warm_fit(spec.name, spec.dtype)
         if not prefill and warm is not None and self.warm_share:
-            # Never below half the cold time: the saving was measured at 128 positions, on a
-            # whole layer, and is taken off the attention-free part alone.
+            # Never below half the cold time: the saving was measured at one context (the decode
+            # grid's shortest), on a whole layer, and is taken off the attention-free part alone.
             other_s = np.maximum(other_s - self.warm_share * warm.predict_s(rows), 0.5 * other_s)
         if self.compress_weight:
             other_s = _times(self._rotation_factor, other_s)
