@@ -411,10 +411,17 @@ class CostModel:
     def warm_share(self) -> float:
         """Share of decode GPU batches that read their layer's weights from the CPU's cache
         (``WarmFit``): with 4-bit weights every one (each reads the buffer the layer was just
-        dequantized into), else all but the block's first. None on a GPU (its cache is no layer's size)."""
+        dequantized into), else all but the block's first (a block's last steps, with fewer
+        batches left, are priced as full ones). 0 on a GPU (its cache holds no layer)."""
         if self.profile.compute_device != "cpu":
             return 0.0
         return 1.0 if self.compress_weight else (self.nb - 1) / self.nb
+
+    @cached_property
+    def _warm_fit(self) -> Any:
+        """The profile's ``WarmFit`` for this model where some batches read warm, else None
+        (looked up once: ``batch_terms`` runs for every step the simulator prices)."""
+        return self.profile.warm_fit(self.spec.name, self.spec.dtype) if self.warm_share else None
 
     def factor(self, term: str) -> float:
         return self.profile.calibration_factor(term)
@@ -517,8 +524,8 @@ class CostModel:
         ctod = disk_rows(hd_moved, "ctod", act, rows, 1) + disk_rows(p["cd"], "ctod", kv_new_st, rows, parts)
 
         other_s, attn_s = self._compute_parts(phase, rows, length)
-        warm = self.profile.warm_fit(spec.name, spec.dtype)
-        if not prefill and warm is not None and self.warm_share:
+        warm = self._warm_fit
+        if not prefill and warm is not None:
             # Never below half the cold time: the saving was measured at one context (the decode
             # grid's shortest), on a whole layer, and is taken off the attention-free part alone.
             other_s = np.maximum(other_s - self.warm_share * warm.predict_s(rows), 0.5 * other_s)
