@@ -19,7 +19,16 @@ honest. The same block through the in-memory loop (``xrunner.generate``, weights
 timed too: it shows how much of the gap is compute the engine cannot avoid. Goal: measured /
 bound >= 0.8.
 
+On a CUDA device (``--device cuda``, fp16 by default) the layers stream into GPU memory: from
+the pinned cpu tier (``--weights cpu``) or from disk through a pinned relay (``--weights disk``).
+The bound's I/O rate is then the pinned host-to-device copy rate (cpu) or the lower of it and the
+disk's (disk; optimistic: the two legs of different layers overlap at best), and the GEMM rate is
+the device's. ``--ablate-overlap`` also times the engine with ``overlap=False`` (the same tasks
+inline): what the copy streams and I/O threads buy.
+
     OMP_NUM_THREADS=1 python benchmarks/roofline.py [--layers 12 --hidden 1024 ...] [--json]
+    python benchmarks/roofline.py --device cuda --weights cpu --layers 32 --hidden 4096 --ffn 16384 \\
+        --heads 32 --gbs 64 --nb 4 --ablate-overlap          # an OPT-6.7B shape on one GPU
 """
 
 from __future__ import annotations
@@ -28,12 +37,12 @@ import argparse
 import json
 import sys
 import tempfile
+from dataclasses import replace
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-
 
 def measure_disk_read_bytes_per_s(directory: Path, record_bytes: int, records: int = 4) -> tuple[float, str]:
     from xprofiler.diskio import DirectFile, aligned_empty, round_up
@@ -58,16 +67,39 @@ def measure_disk_read_bytes_per_s(directory: Path, record_bytes: int, records: i
         path.unlink(missing_ok=True)
 
 
-def measure_gemm_flops(tokens: int, d_in: int, d_out: int, dtype: torch.dtype) -> float:
-    x = torch.randn(tokens, d_in).to(dtype)
-    w = (torch.randn(d_out, d_in) * 0.02).to(dtype)
+def measure_gemm_flops(tokens: int, d_in: int, d_out: int, dtype: torch.dtype, device: torch.device) -> float:
+    x = torch.randn(tokens, d_in, device=device).to(dtype)
+    w = (torch.randn(d_out, d_in, device=device) * 0.02).to(dtype)
     torch.nn.functional.linear(x, w)
+    reps = 20 if device.type == "cuda" else 1  # one GPU GEMM is too short to time alone
     best = float("inf")
     for _ in range(10):
+        sync(device)
         t0 = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        best = min(best, time.perf_counter() - t0)
+        for _ in range(reps):
+            torch.nn.functional.linear(x, w)
+        sync(device)
+        best = min(best, (time.perf_counter() - t0) / reps)
     return 2.0 * tokens * d_in * d_out / best
+
+
+def measure_ctog_bytes_per_s(nbytes: int, device: torch.device) -> float:
+    """Pinned host -> device copy of one layer's bytes, best of 5 (the engine's cpu tier is pinned)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,8 +114,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each side; the best counts")
     ap.add_argument("--offload-dir", default=None, help="directory on the disk to test (default: a temp dir)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--weights", choices=("disk", "cpu"), default="disk",
+                    help="tier of every layer's weights (cpu only makes sense with --device cuda)")
+    ap.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                    help="weights and compute (default: float16 on cuda, else float32)")
+    ap.add_argument("--ablate-overlap", action="store_true", help="also time the engine with overlap off")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    if args.weights == "cpu" and not cuda:
+        raise SystemExit("--weights cpu: on a CPU host the cpu and gpu tiers are both RAM; use --device cuda")
+    dtype_name = args.dtype or ("float16" if cuda else "float32")
 
     from xprofiler.specs import ModelSpec
     from xrunner.engine import Engine, Request
@@ -93,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = ModelSpec(name="opt-roofline", family="opt", num_layers=args.layers, hidden=args.hidden, ffn=args.ffn,
                      num_heads=args.heads, num_kv_heads=args.heads, head_dim=args.hidden // args.heads,
                      vocab_size=50272, max_positions=2048, norm="layernorm", activation="relu", position="learned",
-                     tied_embeddings=True, bias=True, dtype="float32")
-    policy = Policy(gbs=args.gbs, nb=args.nb, wg=0.0, wc=0.0, wd=1.0)
+                     tied_embeddings=True, bias=True, dtype=dtype_name)
+    on_disk = args.weights == "disk"
+    policy = Policy(gbs=args.gbs, nb=args.nb, wg=0.0, wc=0.0 if on_disk else 1.0, wd=1.0 if on_disk else 0.0)
     rows = args.gbs * args.nb
     rng = np.random.default_rng(0)
     requests = [Request(f"r{i}", tuple(int(t) for t in rng.integers(0, spec.vocab_size, args.prompt)), args.new)
@@ -102,11 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory(dir=args.offload_dir)
     offload = Path(tmp.name)
     layer_bytes = spec.weight_bytes_per_layer
-    dtype = torch.float32
+    dtype = getattr(torch, dtype_name)
 
     # Rates, measured now on this machine.
-    disk_bw, method = measure_disk_read_bytes_per_s(offload, layer_bytes)
-    gemm = {phase: measure_gemm_flops(tokens, spec.hidden, spec.ffn, dtype)
+    disk_bw, method = measure_disk_read_bytes_per_s(offload, layer_bytes) if on_disk else (float("inf"), "-")
+    ctog_bw = measure_ctog_bytes_per_s(layer_bytes, device) if cuda else float("inf")
+    io_bw = min(disk_bw, ctog_bw)
+    gemm = {phase: measure_gemm_flops(tokens, spec.hidden, spec.ffn, dtype, device)
             for phase, tokens in (("prefill", args.gbs * args.prompt), ("decode", args.gbs))}
 
     # The bound for the engine's schedule: one prefill step and new-1 decode steps of the block.
@@ -114,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = rows * (args.prompt if phase == "prefill" else 1)
         context = args.prompt if phase == "prefill" else args.prompt + args.new // 2
         flops = tokens * (spec.linear_flops_per_token() + spec.attention_flops_per_token(context))
-        return max(flops / gemm[phase], layer_bytes / disk_bw)
+        return max(flops / gemm[phase], layer_bytes / io_bw)
 
     def head_s(phase: str) -> float:  # LM head of the last position of every row, also a GEMM
         return rows * spec.lm_head_flops_per_token() / gemm["decode"]
@@ -129,45 +177,71 @@ def main(argv: list[str] | None = None) -> int:
     from xrunner.loaders import load_weights
 
     # Runs alternate and each side keeps its best (fastest) repeat: the machine may be shared.
-    weights = load_weights(RandomSource(spec, seed=0), head_rows=args.gbs)
-    in_memory_s, stats = float("inf"), None
+    weights = load_weights(RandomSource(spec, seed=0), device=device, head_rows=args.gbs)
+    in_memory_s, stats, inline = float("inf"), None, None
     with Engine(RandomSource(spec, seed=0), policy, max_prompt=args.prompt, max_output=args.new,
-                offload_dir=offload) as eng:
+                offload_dir=offload, device=device) as eng:
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             for b in range(args.nb):
                 generate(weights, [r.prompt_ids for r in requests[b * args.gbs:(b + 1) * args.gbs]], args.new)
+            sync(device)
             in_memory_s = min(in_memory_s, time.perf_counter() - t0)
+            if cuda:  # hand the in-memory loop's cached blocks back: the engine's reservation is its own
+                torch.cuda.empty_cache()
             run = eng.run(requests)
             if stats is None or run.wall_s < stats.wall_s:
                 stats = run
+            if args.ablate_overlap:
+                eng.reconfigure(replace(policy, overlap=False))
+                run = eng.run(requests)
+                inline = run if inline is None or run.wall_s < inline.wall_s else inline
+                eng.reconfigure(policy)
+    # The in-memory weights stay allocated on the device during the engine's runs; not the engine's.
+    resident_bytes = sum(t.numel() * t.element_size() for t in [*weights.head.values()]
+                         + [t for layer in weights.layers for t in layer.values()]) if cuda else 0
+    engine_reserved = (stats.device_reserved_peak_bytes - resident_bytes) if stats.device_reserved_peak_bytes else None
     del weights
     tmp.cleanup()
     measured_tps = stats.generated_tokens / stats.wall_s
     bound_tps = generated / bound_s
     ratio = measured_tps / bound_tps
     result = {
-        "model_bytes_on_disk": layer_bytes * spec.num_layers, "disk_io": method,
-        "disk_read_bytes_per_s": disk_bw,
+        "device": str(device), "dtype": dtype_name, "weights_tier": args.weights,
+        "model_bytes": layer_bytes * spec.num_layers, "disk_io": method,
+        "disk_read_bytes_per_s": disk_bw, "ctog_bytes_per_s": ctog_bw,
         "gemm_flops_prefill": gemm["prefill"], "gemm_flops_decode": gemm["decode"],
-        "bound_s": bound_s, "in_memory_s": in_memory_s, "wall_s": stats.wall_s, "generated_tokens": stats.generated_tokens,
+        "bound_s": bound_s, "in_memory_s": in_memory_s, "wall_s": stats.wall_s,
+        "generated_tokens": stats.generated_tokens,
         "measured_tokens_per_s": measured_tps, "bound_tokens_per_s": bound_tps, "ratio": ratio,
         "busy_s": stats.busy_s, "peak_bytes": stats.peak_bytes, "planned_peak_bytes": stats.planned_peak_bytes,
+        "engine_reserved_peak_bytes": engine_reserved,
+        "overlap_off_wall_s": inline.wall_s if inline else None,
     }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"model: {spec.num_layers} layers x {layer_bytes / 2**20:.1f} MiB on disk ({method}); block {rows} rows, "
-          f"prompt {args.prompt}, {args.new} new tokens")
-    print(f"measured rates: disk read {disk_bw / 1e9:.2f} GB/s, "
+    where = f"on disk ({method})" if on_disk else "on the pinned cpu tier"
+    print(f"model: {spec.num_layers} layers x {layer_bytes / 2**20:.1f} MiB {dtype_name} {where}, compute on "
+          f"{device}; block {rows} rows, prompt {args.prompt}, {args.new} new tokens")
+    rates = ([f"disk read {disk_bw / 1e9:.2f} GB/s"] if on_disk else []) + (
+        [f"pinned host->device {ctog_bw / 1e9:.2f} GB/s"] if cuda else [])
+    print(f"measured rates: {', '.join(rates)}, "
           f"GEMM {gemm['prefill'] / 1e9:.1f} GFLOP/s (prefill) / {gemm['decode'] / 1e9:.1f} GFLOP/s (decode)")
     print(f"{'':24}{'wall s':>10}{'tokens/s':>12}")
     print(f"{'bound (same plan)':24}{bound_s:>10.2f}{bound_tps:>12.2f}")
     print(f"{'in-memory loop (RAM)':24}{in_memory_s:>10.2f}{generated / in_memory_s:>12.2f}")
     print(f"{'engine (measured)':24}{stats.wall_s:>10.2f}{measured_tps:>12.2f}")
+    if inline is not None:
+        print(f"{'engine, overlap off':24}{inline.wall_s:>10.2f}{generated / inline.wall_s:>12.2f}")
     print(f"ratio measured / bound: {ratio:.3f} (goal >= 0.8); engine / in-memory loop: "
           f"{in_memory_s / stats.wall_s:.3f}")
     print("busy seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in stats.busy_s.items()))
+    mib = 2**20
+    print("peak / planned bytes: " + ", ".join(f"{t} {stats.peak_bytes[t] / mib:.0f} / "
+                                              f"{stats.planned_peak_bytes[t] / mib:.0f} MiB" for t in stats.peak_bytes)
+          + (f"; CUDA allocator reserved for the engine {engine_reserved / 2**20:.0f} MiB "
+             f"(the process's peak less the in-memory loop's weights)" if engine_reserved else ""))
     return 0
 
 
