@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                     help="weights and compute (default: float16 on cuda, else float32)")
     ap.add_argument("--ablate-overlap", action="store_true", help="also time the engine with overlap off")
+    ap.add_argument("--cuda-sync", choices=("item", "step"), default="item",
+                    help="how the engine waits for a CUDA device (Engine's cuda_sync)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = load_weights(RandomSource(spec, seed=0), device=device, head_rows=args.gbs)
     in_memory_s, stats, inline = float("inf"), None, None
     with Engine(RandomSource(spec, seed=0), policy, max_prompt=args.prompt, max_output=args.new,
-                offload_dir=offload, device=device) as eng:
+                offload_dir=offload, device=device, cuda_sync=args.cuda_sync) as eng:
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             for b in range(args.nb):
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     bound_tps = generated / bound_s
     ratio = measured_tps / bound_tps
     result = {
-        "device": str(device), "dtype": dtype_name, "weights_tier": args.weights,
+        "device": str(device), "dtype": dtype_name, "weights_tier": args.weights, "cuda_sync": args.cuda_sync,
         "model_bytes": layer_bytes * spec.num_layers, "disk_io": method,
         "disk_read_bytes_per_s": disk_bw, "ctog_bytes_per_s": ctog_bw,
         "gemm_flops_prefill": gemm["prefill"], "gemm_flops_decode": gemm["decode"],

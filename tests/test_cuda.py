@@ -32,10 +32,14 @@ def llama_cuda():
     return src, reqs, reference(on_device(load_weights(src), "cuda"), reqs)
 
 
+@pytest.mark.parametrize("sync", ["item", "step"])
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_cuda_engine_outputs_equal_the_reference_on_the_device(llama_cuda, tmp_path, name):
+def test_cuda_engine_outputs_equal_the_reference_on_the_device(llama_cuda, tmp_path, name, sync):
+    """Both ways of waiting for the device: after every item (the default), or once per step with
+    the I/O tasks ordered after the compute by CUDA events."""
     src, reqs, want = llama_cuda
-    got, stats = run_engine(src, Policy(gbs=3, nb=2, **POLICIES[name]), reqs, tmp_path, device="cuda")
+    got, stats = run_engine(src, Policy(gbs=3, nb=2, **POLICIES[name]), reqs, tmp_path, device="cuda",
+                            cuda_sync=sync)
     assert got == want  # run_engine also checks measured <= planned peak on every tier
     assert stats.device_reserved_peak_bytes is not None and stats.device_reserved_peak_bytes > 0
 

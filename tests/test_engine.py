@@ -431,6 +431,11 @@ def test_capacity_refusal_names_tier_and_shortfall(tmp_path):
         Engine(src, policy, max_prompt=8, max_output=4, capacity_bytes={"gpu": 1e12, "cpu": need - 1000})
 
 
+def test_unknown_cuda_sync_mode_is_refused():
+    with pytest.raises(UserError, match="cuda_sync must be 'item' or 'step'"):
+        Engine(RandomSource(LLAMA), Policy(gbs=1, nb=1), max_prompt=4, max_output=2, cuda_sync="never")
+
+
 def test_offload_dir_that_is_a_file_is_a_one_line_error(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")

@@ -279,10 +279,22 @@ class TierStore:
 
     def mark_io_thread(self) -> None:
         """Declare the calling thread an I/O queue's (a pool initializer). Its copies do not wait for
-        the kernels queued on the compute stream: the engine hands it only data whose producer has
-        synchronised and slots whose last reader has, so waiting would only serialise the copy
-        behind compute it should overlap."""
+        everything queued on the compute stream, which would serialise them behind compute they
+        should overlap: only for the point :meth:`after` names (the engine's task: the compute
+        that produced its data or last read its slot)."""
         self._thread.io = True
+
+    @contextmanager
+    def after(self, event: "torch.cuda.Event | None") -> Iterator[None]:
+        """This thread's device copies inside the block first wait, on the device, for ``event`` (a
+        point on the compute stream; None: no wait). The compute thread does not synchronise after
+        each item, so the kernels that produce a row or last read a slot may still be queued."""
+        prev = getattr(self._thread, "after", None)
+        self._thread.after = event
+        try:
+            yield
+        finally:
+            self._thread.after = prev
 
     def _stream(self, channel: str) -> "torch.cuda.Stream":
         """This thread's copy stream for ``channel``: threads never share one, so a compute-thread
@@ -305,6 +317,8 @@ class TierStore:
             stream = self._stream(channel)
             if not getattr(self._thread, "io", False):  # the compute thread: its queued kernels first
                 stream.wait_stream(torch.cuda.current_stream(self.device))
+            elif getattr(self._thread, "after", None) is not None:  # an I/O thread: up to its point only
+                stream.wait_event(self._thread.after)
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
             pending = getattr(self._thread, "copies", None) if defer else None
