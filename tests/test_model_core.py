@@ -9,6 +9,7 @@ Ours runs all prompts as one left-padded batch.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 
@@ -283,6 +284,19 @@ def test_random_weights_are_reproducible_per_layer_across_processes():
     assert _digest(RandomSource(spec, seed=8).load_layer(2)) != here
     assert set(src.load_layer(0)) == set(spec.layer_tensor_shapes())
     assert {n: tuple(t.shape) for n, t in src.load_head().items()} == spec.head_tensor_shapes()
+
+
+def test_random_weights_do_not_depend_on_the_number_of_filling_threads(monkeypatch):
+    """Chunks are seeded by position, not by the thread that fills them: a machine with more
+    cores (a GPU host's 16, this VM's 2) builds the same model."""
+    src = RandomSource(_tiny_spec(), seed=7)
+    src.CHUNK_ELEMS = 1000  # several chunks per projection
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    digests = []
+    for cores in ({0}, {0, 1, 2, 3}):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: cores, raising=False)
+        digests.append(_digest(src.load_layer(1)))
+    assert digests[0] == digests[1]
 
 
 @pytest.mark.parametrize("family,dtype", [("opt", "float16"), ("llama", "bfloat16")])

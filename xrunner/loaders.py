@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -291,44 +292,70 @@ class GGUFSource(ModelSource):
 class RandomSource(ModelSource):
     """Seeded random weights for any spec, e.g. OPT-175B shapes as in FlexGen's benchmarks.
 
-    Each layer has its own generator seeded from ``(seed, layer)``, so any process rebuilds
+    Each layer has its own streams seeded from ``(seed, layer)``, so any process rebuilds
     identical weights for one layer without generating the others. Scales keep activations
     finite over many layers: projections ``U(±sqrt(3/fan_in))`` (unit variance out), residual
     outputs further divided by ``sqrt(2 * layers)``, norm weights near 1, small biases.
+
+    A tensor is filled in chunks of ``CHUNK_ELEMS``, each from its own generator seeded from
+    ``(seed, layer, tensor, chunk)``, on every core this process may use (setup, not a timed
+    run): the values do not depend on the thread count, and a calibration or benchmark that
+    builds many engines (one fresh model each) is not held up by one core's generator.
     """
+
+    CHUNK_ELEMS = 1 << 22
 
     def __init__(self, spec: ModelSpec, seed: int = 0, dtype: str | None = None):
         self.spec = spec.with_dtype(dtype) if dtype else spec
         self.seed = seed
 
-    def _generator(self, stream: int) -> torch.Generator:
-        state = np.random.SeedSequence([self.seed, stream]).generate_state(1, dtype=np.uint64)[0]
+    def _generator(self, *stream: int) -> torch.Generator:
+        state = np.random.SeedSequence([self.seed, *stream]).generate_state(1, dtype=np.uint64)[0]
         return torch.Generator().manual_seed(int(state))
 
-    def _make(self, shapes: dict[str, tuple[int, ...]], gen: torch.Generator) -> Weights:
+    def _make(self, shapes: dict[str, tuple[int, ...]], stream: int) -> Weights:
+        from concurrent.futures import ThreadPoolExecutor
+
         dtype = torch_dtype(self.spec.dtype)
         residual_out = {"o_proj.weight", "down_proj.weight", "fc2.weight"}
         out: Weights = {}
-        for name, shape in shapes.items():
+        chunks: list[tuple[torch.Tensor, tuple[float, float], tuple[int, int, int]]] = []
+        for k, (name, shape) in enumerate(shapes.items()):
             t = torch.empty(shape, dtype=dtype)
             if name.endswith("norm.weight"):
-                t.uniform_(0.9, 1.1, generator=gen)
+                span = 0.9, 1.1
             elif name.endswith(".bias"):
-                t.uniform_(-0.02, 0.02, generator=gen)
+                span = -0.02, 0.02
             else:
                 bound = (3.0 / shape[-1]) ** 0.5
                 if name in residual_out:
                     bound /= (2.0 * self.spec.num_layers) ** 0.5
-                t.uniform_(-bound, bound, generator=gen)
+                span = -bound, bound
+            flat = t.view(-1)
+            for c, start in enumerate(range(0, flat.numel(), self.CHUNK_ELEMS)):
+                chunks.append((flat[start:start + self.CHUNK_ELEMS], span, (stream, k, c)))
             out[name] = t
+
+        def fill(chunk: tuple[torch.Tensor, tuple[float, float], tuple[int, int, int]]) -> None:
+            piece, (a, b), key = chunk
+            piece.uniform_(a, b, generator=self._generator(*key))
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = min(max(cores, torch.get_num_threads()), len(chunks))
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(fill, chunks))
+        else:
+            for chunk in chunks:
+                fill(chunk)
         return out
 
     def load_head(self) -> Weights:
-        return self._make(self.spec.head_tensor_shapes(), self._generator(0))
+        return self._make(self.spec.head_tensor_shapes(), 0)
 
     def load_layer(self, index: int) -> Weights:
         self._check_index(index)
-        return self._make(self.spec.layer_tensor_shapes(), self._generator(index + 1))
+        return self._make(self.spec.layer_tensor_shapes(), index + 1)
 
 
 # --------------------------------------------------------------------------- opening by name
