@@ -337,3 +337,21 @@ def test_quantize_probe_times_the_kv_caches_own_write(monkeypatch):
     parts = points["quant"].fn()
     assert calls == [(64, True, (1, 1, 64, 64), (1, 1, 64, 64))] and len(parts) == 6  # codes, mins, scales of K, V
     assert points["quant"].meta["bytes"] == points["dequant"].meta["bytes"] == 64 * 128 * 4
+
+
+def test_a_gpu_profiles_compute_bound_shapes_and_keeps_the_cpu_probe_small():
+    """On a GPU the CPU grids' layers are launch-bound (stop 31, H100: 0.3-0.6 ms each), which
+    left the fits with no flop rate to speak of; the GPU grids reach compute-bound calls."""
+    from xprofiler.measure import FULL, QUICK
+
+    for st in (QUICK, FULL):
+        assert st.for_device(False) is st
+        gpu = st.for_device(True)
+        for phase in ("prefill", "decode"):
+            cpu_pts, gpu_pts = set(st.grids[phase].points(4096)), set(gpu.grids[phase].points(4096))
+            assert cpu_pts < gpu_pts  # every CPU point, and more
+            tokens = max(b * n if phase == "prefill" else b for b, n in gpu_pts)
+            assert tokens > max(b * n if phase == "prefill" else b for b, n in cpu_pts)
+        assert max(b * n for b, n in gpu.grids["prefill"].points(4096)) >= 65536
+        assert gpu.gemm_tokens >= 4096 > st.gemm_tokens == gpu.cpu_gemm_tokens
+    assert TINY_SETTINGS.for_device(True).grids == TINY_SETTINGS.grids  # no GPU grids given: the same

@@ -19,12 +19,12 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from xprofiler.profile import BandwidthCurve, HardwareProfile, HeadFit, LayerFit, WarmFit
-from xprofiler.sweeps import FULL_GRIDS, PHASES, QUICK_GRIDS, Grid
+from xprofiler.sweeps import CUDA_FULL_GRIDS, CUDA_QUICK_GRIDS, FULL_GRIDS, PHASES, QUICK_GRIDS, Grid
 from xsched.errors import UserError
 from xsched.fileio import atomic_write_text, describe_os_error
 
@@ -65,14 +65,27 @@ class Settings:
     sweep_max_passes: int
     grids: dict[str, Grid] = field(default_factory=dict)
     stat: str = "median"  # how samples of one point are summarised: "median" or "min" (see bench)
+    cuda_grids: dict[str, Grid] = field(default_factory=dict)  # on a GPU instead of ``grids``
+    cuda_gemm_tokens: int = 0  # on a GPU instead of ``gemm_tokens``: a launch-bound probe is no rate
+    cpu_gemm_tokens: int = 0  # the host CPU's probe beside a GPU (0: ``gemm_tokens``)
+
+    def for_device(self, cuda: bool) -> "Settings":
+        """These settings, with the GPU's layer grids and GEMM probe size on a CUDA device (the
+        host CPU's own probe keeps ``gemm_tokens``: ``cpu_gemm_tokens``)."""
+        if not cuda:
+            return self
+        return replace(self, grids=self.cuda_grids or self.grids, cpu_gemm_tokens=self.gemm_tokens,
+                       gemm_tokens=self.cuda_gemm_tokens or self.gemm_tokens)
 
 
 QUICK = Settings(copy_sizes=tuple(2**k for k in range(16, 27, 2)), disk_sizes=tuple(2**k for k in range(16, 27, 2)),
                  disk_file_bytes=256 * MiB, passes=5, warmup=1, gemm_tokens=256, gemv_bytes=64 * MiB,
-                 sweep_budget_s=110.0, sweep_min_passes=5, sweep_max_passes=15, grids=QUICK_GRIDS)
+                 sweep_budget_s=110.0, sweep_min_passes=5, sweep_max_passes=15, grids=QUICK_GRIDS,
+                 cuda_grids=CUDA_QUICK_GRIDS, cuda_gemm_tokens=4096)
 FULL = Settings(copy_sizes=tuple(2**k for k in range(12, 29, 2)), disk_sizes=tuple(2**k for k in range(12, 29, 2)),
                 disk_file_bytes=1 * GiB, passes=9, warmup=2, gemm_tokens=1024, gemv_bytes=256 * MiB,
-                sweep_budget_s=540.0, sweep_min_passes=7, sweep_max_passes=25, grids=FULL_GRIDS)
+                sweep_budget_s=540.0, sweep_min_passes=7, sweep_max_passes=25, grids=FULL_GRIDS,
+                cuda_grids=CUDA_FULL_GRIDS, cuda_gemm_tokens=8192)
 
 
 @dataclass(frozen=True)
@@ -264,6 +277,7 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
+    st = st.for_device(cuda)
     dtype = opts.dtype or ("float16" if cuda else "float32")
     r = _Run(st=st, timer=bench.Timer(device), bar=_Bar(opts.progress))
     gpu_bytes, cpu_bytes = _capacities(opts, cuda, device, available_ram_bytes(), r.notes)
@@ -374,7 +388,8 @@ def _run_benchmarks(r: _Run, opts: ProfileOptions, device: Any, dtype: str, spec
     shapes = _model_shapes(specs)
     r.run("compute", _compute_points(bench, device, tdt, shapes, st))
     if cuda:
-        cpu_points = _compute_points(bench, torch.device("cpu"), torch.float32, shapes, st, prefix="cpu_")
+        cpu_points = _compute_points(bench, torch.device("cpu"), torch.float32, shapes,
+                                     replace(st, gemm_tokens=st.cpu_gemm_tokens or st.gemm_tokens), prefix="cpu_")
         r.run("cpu compute", cpu_points, timer=wall_clock)
     r.run("quantization", bench.quant_points(device, tdt, [(label, f, h, hd) for label, h, f, _, hd in shapes]))
     return disk.method

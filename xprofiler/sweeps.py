@@ -82,6 +82,23 @@ FULL_GRIDS: dict[str, Grid] = {
                    (64, 128, 256, 512, 1024, 2048, 4096), max_tokens=524288),
 }
 
+# A GPU runs the CPU grids' layers in about the time it takes to launch their kernels. On the
+# H100 of stop 31 every quick-grid layer of opt-125m and opt-1.3b took 0.3-0.6 ms, so the fits
+# were a constant with a linear-flops rate of 3.4-4.1 PFLOP/s (four times the chip's peak) and
+# would price a large prefill several times too fast. The GPU grids add the compute-bound
+# shapes GPU plans run: prefill up to 64K tokens a call, decode up to 512 rows.
+CUDA_QUICK_GRIDS: dict[str, Grid] = {
+    "prefill": Grid((1, 2, 4, 8, 16, 32, 64, 128), (16, 64, 256, 512, 1024), max_tokens=65536),
+    "decode": Grid((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512),
+                   (32, 128, 512, 2048), max_tokens=262144),
+}
+CUDA_FULL_GRIDS: dict[str, Grid] = {
+    "prefill": Grid((1, 2, 4, 8, 16, 32, 64, 128, 256), (16, 32, 64, 128, 256, 512, 1024, 2048),
+                    max_tokens=262144),
+    "decode": Grid((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024),
+                   (64, 128, 256, 512, 1024, 2048, 4096), max_tokens=1048576),
+}
+
 
 def cache_bytes_of(device: Any) -> int:
     """The compute device's last-level cache: a CUDA GPU's L2, else the CPU's largest level."""
