@@ -140,6 +140,20 @@ def test_real_speed_check_sees_a_profile_that_is_twice_too_fast(tmp_path):
     assert 0.8 < base < 1.25  # the fit describes the runs it was fitted to
 
 
+def test_a_calibration_times_the_lm_head_layouts_once_per_batch_size(tmp_path, monkeypatch):
+    """Every run builds a fresh engine; only the first of each GPU batch size times the head."""
+    import xrunner.model as model
+
+    timed = []
+    real = model.head_layout_seconds
+    monkeypatch.setattr(model, "head_layout_seconds", lambda layouts, rows: timed.append(rows) or real(layouts, rows))
+    profile = cpu_host(fingerprint=detect_fingerprint(None), compute_threads=1)
+    runs = anchor_designs(TINY, gen_len=2, depth=2)
+    ms = measure_design(TINY, runs, profile=profile, repeats=2, offload_dir=tmp_path)
+    assert len(ms) == len(runs)
+    assert len(timed) == len({r.policy.gbs for r in runs}) < 2 * len(runs) + 1  # engines built: 2 per run + 1
+
+
 def test_cli_refresh_needs_a_calibrated_profile(capsys, here_profile):
     err = _err(capsys, ["calibrate", "--refresh", "--profile", str(here_profile), "--model", "opt-125m"])
     assert "is not calibrated" in err and "xsched calibrate --profile" in err

@@ -431,6 +431,21 @@ def test_capacity_refusal_names_tier_and_shortfall(tmp_path):
         Engine(src, policy, max_prompt=8, max_output=4, capacity_bytes={"gpu": 1e12, "cpu": need - 1000})
 
 
+def test_a_given_head_layout_is_kept_without_timing_and_gives_the_same_tokens(llama, tmp_path, monkeypatch):
+    import xrunner.model as model
+
+    src, reqs, want = llama
+    monkeypatch.setattr(model, "head_layout_seconds", lambda *a: pytest.fail("the head layouts were timed"))
+    for layout in ("rows", "transposed"):
+        with Engine(src, Policy(gbs=3, nb=2), max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT,
+                    head_layout=layout) as eng:
+            assert eng.head_layout == layout
+        got, _ = run_engine(src, Policy(gbs=3, nb=2), reqs, tmp_path, head_layout=layout)
+        assert got == want
+    with pytest.raises(UserError, match="head_layout must be"):
+        Engine(src, Policy(gbs=1, nb=1), max_prompt=4, max_output=2, head_layout="columns")
+
+
 def test_unknown_cuda_sync_mode_is_refused():
     with pytest.raises(UserError, match="cuda_sync must be 'item' or 'step'"):
         Engine(RandomSource(LLAMA), Policy(gbs=1, nb=1), max_prompt=4, max_output=2, cuda_sync="never")

@@ -184,14 +184,18 @@ def request_ids(n: int) -> list[str]:
 
 def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_lens: Sequence[int], *,
                offload_dir: str | Path | None = None, profile: HardwareProfile | None = None, seed: int = 0,
-               max_prompt: int | None = None, max_output: int | None = None, warmup: bool = False) -> Measurement:
+               max_prompt: int | None = None, max_output: int | None = None, warmup: bool = False,
+               head_layouts: dict[int, str] | None = None) -> Measurement:
     """Run ``policy`` once over requests of exactly these lengths (random token ids, EOS ignored).
 
     Returns busy seconds per metric, per-step wall seconds, per-request latencies and peak
     bytes. ``max_prompt``/``max_output`` size the KV cache (default: the longest of the job),
     as a plan's workload would. ``warmup`` first runs one untimed short block on the same engine:
     a calibration run is a few steps long, so the engine's first-step costs (allocator, thread
-    pools, caches) would weigh far more in it than in a real job.
+    pools, caches) would weigh far more in it than in a real job. ``head_layouts`` (GPU batch
+    size -> CPU LM head layout) is shared by the runs of one calibration: the first engine of a
+    batch size times the two layouts, the others reuse its choice (timing them was a fifth of a
+    calibration's wall time on the 2-core VM).
     """
     from xrunner.engine import Engine, Request
 
@@ -209,8 +213,10 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
     latency: dict[str, float] = {}
     stamps: list[float] = []
     kinds: list[bool] = []
+    layouts = {} if head_layouts is None else head_layouts
     with Engine(source, policy, max_prompt=mp, max_output=mo, offload_dir=offload_dir, record_trace=True,
-                profile=profile) as eng:
+                profile=profile, head_layout=layouts.get(policy.gbs)) as eng:
+        layouts.setdefault(policy.gbs, eng.head_layout)
         seen = [0]
 
         def on_step(_n: int) -> None:
@@ -256,15 +262,17 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
 
     make = source_for or (lambda s: RandomSource(s, seed=0))
     warm = runs[0]
+    layouts: dict[int, str] = {}  # one LM head layout per GPU batch size, timed once (run_engine)
     run_engine(make(cut_spec(spec, 1)), warm.policy, warm.prompt_lens[:2], (2, 2), offload_dir=offload_dir,
-               profile=profile)
+               profile=profile, head_layouts=layouts)
     got: list[list[Measurement]] = [[] for _ in runs]
     with tqdm(total=len(runs) * repeats, desc="calibration runs", unit="run", file=sys.stderr,
               disable=not progress, leave=False) as bar:
         for _ in range(max(1, repeats)):
             for i, d in enumerate(runs):
                 got[i].append(run_engine(make(cut_spec(spec, d.num_layers)), d.policy, d.prompt_lens,
-                                         d.output_lens, offload_dir=offload_dir, profile=profile, warmup=True))
+                                         d.output_lens, offload_dir=offload_dir, profile=profile, warmup=True,
+                                         head_layouts=layouts))
                 bar.update(1)
     out = []
     for d, ms in zip(runs, got):

@@ -559,7 +559,8 @@ class Engine:
     """Executes a :class:`Policy` on a model from a :class:`ModelSource` (see module docstring).
 
     ``cuda_sync`` ("item" or "step") picks how the compute thread waits for a CUDA device; see
-    :meth:`_tock`. Ignored on a CPU host."""
+    :meth:`_tock`. Ignored on a CPU host. ``head_layout`` fixes the CPU LM head's layout instead
+    of timing both (:func:`xrunner.model.cpu_head_layout`); :attr:`head_layout` is the one in use."""
 
     def __init__(self, source: ModelSource, policy: Policy, *, max_prompt: int, max_output: int,
                  capacity_bytes: Mapping[str, float] | None = None, offload_dir: str | Path | None = None,
@@ -567,8 +568,11 @@ class Engine:
                  record_trace: bool = False, profile: HardwareProfile | None = None,
                  device: str | torch.device | None = None, progress: bool = False,
                  calibration_ids: torch.Tensor | Callable[[], torch.Tensor] | None = None,
-                 cuda_sync: str = "item"):
+                 cuda_sync: str = "item", head_layout: str | None = None):
         spec = source.spec
+        if head_layout not in (None, "rows", "transposed"):
+            raise UserError(f"head_layout must be 'rows' or 'transposed', got {head_layout!r}")
+        self._head_layout_given = head_layout
         if cuda_sync not in ("item", "step"):
             raise UserError(f"cuda_sync must be 'item' or 'step', got {cuda_sync!r}")
         # CUDA only. "item": the host waits for the device after every (layer, GPU batch) item, as
@@ -676,7 +680,7 @@ class Engine:
 
         # Head weights (always on the gpu tier), then every layer into its home tier.
         self.head = {k: st.adopt("gpu", "head_weights", v.to(self.device)) for k, v in self.source.load_head().items()}
-        self._choose_head_layout(p.gbs)
+        self._choose_head_layout(p.gbs, layout=self._head_layout_given)
         self.w_relays = [self._new_relay() for _ in range(self._relay_count(self.layer_tier))]
         self.w_home: list[torch.Tensor | DiskSlice] = [self._new_home(t) for t in self.layer_tier]
         self._bufs: list[tuple[str, str, Any]] = []
@@ -688,16 +692,21 @@ class Engine:
         self._set_overlap(p.overlap)
         self._reset_fetch_state()
 
-    def _choose_head_layout(self, gbs: int, room_bytes: float | None = None) -> bool:
+    def _choose_head_layout(self, gbs: int, room_bytes: float | None = None, layout: str | None = None) -> bool:
         """On a CPU, put the LM head in the layout its GEMM of ``gbs`` rows runs fastest in, timed
-        with one more copy for a moment (none on CUDA); skipped, returning False, when that copy
-        would take the gpu tier's live bytes over ``room_bytes``."""
+        with one more copy for a moment (none on CUDA), or in ``layout`` when given; skipped,
+        returning False, when that copy would take the gpu tier's live bytes over ``room_bytes``."""
         need = head_layout_bytes(self.spec, self.profile.compute_device, gbs)
         if need == 0 or (room_bytes is not None and self.ledger.live["gpu"] + need > room_bytes):
             return False
         with self.ledger.transient("gpu", "head_layout", need):
-            self.head = cpu_head_layout(self.spec, self.head, gbs)
+            self.head = cpu_head_layout(self.spec, self.head, gbs, layout)
         return True
+
+    @property
+    def head_layout(self) -> str:
+        """The LM head matrix's layout in use ("rows" or "transposed")."""
+        return head_layout_of(self.head[lm_head_name(self.spec)])
 
     def _new_relay(self) -> torch.Tensor:
         return self.store.empty("cpu", "weight_relay", (round_up(self.layout.nbytes),), torch.uint8)

@@ -265,7 +265,7 @@ def head_layout_seconds(layouts: dict[str, torch.Tensor], rows: Sequence[int], r
     return total
 
 
-def cpu_head_layout(spec: ModelSpec, head_w: Weights, rows: int) -> Weights:
+def cpu_head_layout(spec: ModelSpec, head_w: Weights, rows: int, layout: str | None = None) -> Weights:
     """``head_w`` with the LM head matrix in the layout (:func:`head_layouts`) that multiplies a
     batch of ``rows`` slots fastest as it drains (:func:`drain_rows`), measured here, when it
     lives on the CPU; CUDA keeps the stored one.
@@ -274,15 +274,18 @@ def cpu_head_layout(spec: ModelSpec, head_w: Weights, rows: int) -> Weights:
     1.7x faster transposed for most shapes (:func:`head_layout_seconds`). The embedding lookup
     then reads strided rows, 0.3 ms for 32 tokens. Choosing holds a second copy of the matrix for
     a moment (``CostModel.memory``: ``head_layout``). ``head_w`` may hold either layout, so a
-    runner whose batch size changes can choose again.
+    runner whose batch size changes can choose again. ``layout`` ("rows" or "transposed") skips
+    the timing: a caller that builds many runners of one model and batch size chose it before.
     """
     name = lm_head_name(spec)
     w = head_w[name]
     if w.device.type != "cpu" or w.dim() != 2 or not head_layout_of(w):
         return head_w
     layouts = head_layouts(w)
-    seconds = head_layout_seconds(layouts, drain_rows(rows))
-    return {**head_w, name: layouts[min(seconds, key=seconds.get)]}
+    if layout is None:
+        seconds = head_layout_seconds(layouts, drain_rows(rows))
+        layout = min(seconds, key=seconds.get)
+    return {**head_w, name: layouts[layout]}
 
 
 def final_logits(spec: ModelSpec, head_w: Weights, hidden: torch.Tensor) -> torch.Tensor:
