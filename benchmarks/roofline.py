@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from xprofiler.specs import ModelSpec
     from xrunner.engine import Engine, Request
     from xrunner.loaders import RandomSource
+    from xrunner.tiers import nbytes_of
     from xsimulator.policy import Policy
 
     spec = ModelSpec(name="opt-roofline", family="opt", num_layers=args.layers, hidden=args.hidden, ffn=args.ffn,
@@ -153,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, dtype_name)
 
     # Rates, measured now on this machine.
-    disk_bw, method = measure_disk_read_bytes_per_s(offload, layer_bytes) if on_disk else (float("inf"), "-")
-    ctog_bw = measure_ctog_bytes_per_s(layer_bytes, device) if cuda else float("inf")
-    io_bw = min(disk_bw, ctog_bw)
+    disk_bw, method = measure_disk_read_bytes_per_s(offload, layer_bytes) if on_disk else (None, "-")
+    ctog_bw = measure_ctog_bytes_per_s(layer_bytes, device) if cuda else None  # None: not on the path
+    io_bw = min(bw for bw in (disk_bw, ctog_bw) if bw is not None)
     gemm = {phase: measure_gemm_flops(tokens, spec.hidden, spec.ffn, dtype, device)
             for phase, tokens in (("prefill", args.gbs * args.prompt), ("decode", args.gbs))}
 
@@ -200,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 inline = run if inline is None or run.wall_s < inline.wall_s else inline
                 eng.reconfigure(policy)
     # The in-memory weights stay allocated on the device during the engine's runs; not the engine's.
-    resident_bytes = sum(t.numel() * t.element_size() for t in [*weights.head.values()]
-                         + [t for layer in weights.layers for t in layer.values()]) if cuda else 0
+    resident_bytes = nbytes_of(*weights.head.values(), *(t for layer in weights.layers for t in layer.values()))
     engine_reserved = (stats.device_reserved_peak_bytes - resident_bytes) if stats.device_reserved_peak_bytes else None
     del weights
     tmp.cleanup()
@@ -226,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     where = f"on disk ({method})" if on_disk else "on the pinned cpu tier"
     print(f"model: {spec.num_layers} layers x {layer_bytes / 2**20:.1f} MiB {dtype_name} {where}, compute on "
           f"{device}; block {rows} rows, prompt {args.prompt}, {args.new} new tokens")
-    rates = ([f"disk read {disk_bw / 1e9:.2f} GB/s"] if on_disk else []) + (
-        [f"pinned host->device {ctog_bw / 1e9:.2f} GB/s"] if cuda else [])
+    rates = ([f"disk read {disk_bw / 1e9:.2f} GB/s"] if disk_bw else []) + (
+        [f"pinned host->device {ctog_bw / 1e9:.2f} GB/s"] if ctog_bw else [])
     print(f"measured rates: {', '.join(rates)}, "
           f"GEMM {gemm['prefill'] / 1e9:.1f} GFLOP/s (prefill) / {gemm['decode'] / 1e9:.1f} GFLOP/s (decode)")
     print(f"{'':24}{'wall s':>10}{'tokens/s':>12}")
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     mib = 2**20
     print("peak / planned bytes: " + ", ".join(f"{t} {stats.peak_bytes[t] / mib:.0f} / "
                                               f"{stats.planned_peak_bytes[t] / mib:.0f} MiB" for t in stats.peak_bytes)
-          + (f"; CUDA allocator reserved for the engine {engine_reserved / 2**20:.0f} MiB "
+          + (f"; CUDA allocator reserved for the engine {engine_reserved / mib:.0f} MiB "
              f"(the process's peak less the in-memory loop's weights)" if engine_reserved else ""))
     return 0
 

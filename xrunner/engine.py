@@ -1085,10 +1085,13 @@ class Engine:
             if self.record_trace:
                 self.events.append(TraceEvent(channel, channel, start - self._t0, end - start, {"bytes": nbytes}))
 
-    def _busy(self, resource: str, name: str, start: float, args: dict[str, Any]) -> None:
-        end = time.perf_counter()
+    def _busy(self, resource: str, name: str, start: float, args: dict[str, Any], end: float | None = None,
+              minus_s: float = 0.0) -> None:
+        """Book ``start``..``end`` (default: now) as busy ``resource``, less ``minus_s`` (host work
+        inside it, booked elsewhere), and as a trace event."""
+        end = time.perf_counter() if end is None else end
         with self._lock:
-            self.busy_s[resource] += end - start
+            self.busy_s[resource] += end - start - minus_s
             if self.record_trace:
                 self.events.append(TraceEvent(resource, name, start - self._t0, end - start, args))
 
@@ -1470,19 +1473,12 @@ class Engine:
         """
         if start[1] is None:
             self._sync()
-            end = time.perf_counter()
-            self._book(start[0], end, name, args, minus_s)
+            self._busy("compute", name, start[0], args, minus_s=minus_s)
             return
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         self._last_ev = ev
         self._pending.append((start, ev, name, args, minus_s))
-
-    def _book(self, t0: float, t1: float, name: str, args: dict[str, Any], minus_s: float) -> None:
-        with self._lock:
-            self.busy_s["compute"] += t1 - t0 - minus_s
-            if self.record_trace:
-                self.events.append(TraceEvent("compute", name, t0 - self._t0, t1 - t0, args))
 
     def _book_pending(self) -> None:
         """Book the queued CUDA intervals (the stream is idle): device durations, placed on the host
@@ -1490,7 +1486,7 @@ class Engine:
         pending, self._pending, anchor = self._pending, [], self._anchor
         for (h0, e0), e1, name, args, minus_s in pending:
             t0 = anchor[0] + anchor[1].elapsed_time(e0) / 1e3 if anchor is not None else h0
-            self._book(t0, t0 + e0.elapsed_time(e1) / 1e3, name, args, minus_s)
+            self._busy("compute", name, t0, args, end=t0 + e0.elapsed_time(e1) / 1e3, minus_s=minus_s)
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         self._anchor, self._last_ev = (time.perf_counter(), ev), None

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -314,8 +315,6 @@ class RandomSource(ModelSource):
         return torch.Generator().manual_seed(int(state))
 
     def _make(self, shapes: dict[str, tuple[int, ...]], stream: int) -> Weights:
-        from concurrent.futures import ThreadPoolExecutor
-
         dtype = torch_dtype(self.spec.dtype)
         residual_out = {"o_proj.weight", "down_proj.weight", "fc2.weight"}
         out: Weights = {}
