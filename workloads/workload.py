@@ -32,6 +32,8 @@ OUTPUT_KEYS = ("output_tokens", "max_new_tokens")
 # Without a tokenizer, prompt text is sized with the common rule of thumb for BPE tokenizers on
 # English text: about 4 UTF-8 bytes per token. The workload's ``source`` says so when it is used.
 BYTES_PER_TOKEN_ESTIMATE = 4
+ESTIMATE_NOTE = (f"prompt lengths estimated at {BYTES_PER_TOKEN_ESTIMATE} bytes/token (no tokenizer; "
+                 "`xsched workload fit FILE --tokenizer [MODEL]` counts them as `xsched run` will)")
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class Workload(Contract):
             output_dist = output  # type: ignore[assignment]
         note = f"{len(lengths.prompts)} requests from {p.name}"
         if lengths.estimated:
-            note += f"; prompt lengths estimated at {BYTES_PER_TOKEN_ESTIMATE} bytes/token (no tokenizer)"
+            note += f"; {ESTIMATE_NOTE}"
         return cls(name=p.stem, prompt=prompt_dist, output=output_dist, correlation=corr, source=note)
 
 

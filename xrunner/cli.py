@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from xrunner import run_cli
 
@@ -111,6 +112,16 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
                                              tokenize=False)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt)["input_ids"])
+
+
+def prompt_token_counter(model: str | None, chat: bool = True) -> Callable[[str], int]:
+    """Counts a prompt text's tokens as ``xsched run --model MODEL`` will feed them (the default
+    model when None; the chat template unless ``chat`` is False), so that a workload fitted to a
+    file of prompts has the lengths the engine will see."""
+    from xrunner.loaders import open_model
+
+    tokenizer = open_model(model).tokenizer()  # a random model's refuses with a one-line error
+    return lambda text: len(encode_prompt(tokenizer, text, chat))
 
 
 def _generate(args: argparse.Namespace) -> int:

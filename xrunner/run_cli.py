@@ -235,9 +235,12 @@ def _run(args: argparse.Namespace) -> int:
         # Shapes from the whole file, resumed part included, so a resumed job sizes memory the same way.
         max_prompt, max_output = max(len(p) for p in prompt_ids), max(new_tokens)
         if max_prompt > plan.workload.prompt.max_len or max_output > plan.workload.output.max_len:
+            fit = " ".join(["xsched workload fit", args.prompts, "--tokenizer", *([args.model] if args.model else []),
+                            *(["--no-chat-template"] if args.no_chat_template else [])])
             warnings.warn(f"the job has prompts up to {max_prompt} and outputs up to {max_output} tokens, the plan's "
                           f"workload at most {plan.workload.prompt.max_len} and {plan.workload.output.max_len}; "
-                          "memory and predictions are for the job's lengths", UserWarning, stacklevel=1)
+                          f"memory and predictions are for the job's lengths (plan for them with `{fit}` and "
+                          "`xsched plan --workload`)", UserWarning, stacklevel=1)
         if max_prompt + max_output > source.spec.max_positions:
             raise UserError(f"prompt + output of up to {max_prompt + max_output} tokens exceed {source.spec.name}'s "
                             f"{source.spec.max_positions} positions; shorten the prompts or max_new_tokens")

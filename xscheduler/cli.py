@@ -104,6 +104,7 @@ def _replan(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from workloads import get_workload
+    from workloads.workload import ESTIMATE_NOTE
     from xprofiler.presets import load_profile
     from xprofiler.specs import get_model_spec
     from xsched.errors import UserError
@@ -128,6 +129,8 @@ def _plan(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile or DEFAULT_PROFILE)
     spec = profile.model_for(get_model_spec(args.model or DEFAULT_MODEL))
     workload = get_workload(args.workload or DEFAULT_WORKLOAD)
+    if ESTIMATE_NOTE in workload.source:
+        assumed.append(f"workload {workload.source}")
     sla = SLA(args.sla, latency)
     progress = not args.quiet and sys.stderr.isatty()
     plan = plan_search(spec, profile, workload, sla, compress=args.compress, method=args.search,

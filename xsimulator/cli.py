@@ -83,6 +83,7 @@ def _profile_arg(given: str | None, plan: dict[str, Any], plan_path: str | None,
 
 def _simulate(args: argparse.Namespace) -> int:
     from workloads import Workload, get_workload
+    from workloads.workload import ESTIMATE_NOTE
     from xprofiler.presets import load_profile
     from xprofiler.specs import ModelSpec, get_model_spec
     from xsched.errors import UserError
@@ -115,7 +116,7 @@ def _simulate(args: argparse.Namespace) -> int:
         workload = Workload.from_dict(plan["workload"], where="plan workload")
     else:
         raise UserError("give --workload (S, T, G, C1, C2, fixed:PROMPT:OUTPUT, or a file of requests)")
-    if "estimated" in workload.source:
+    if ESTIMATE_NOTE in workload.source:
         notes.append(f"note: {workload.source}")
 
     profile = load_profile(_profile_arg(args.profile, plan, args.plan, notes))
