@@ -133,7 +133,7 @@ def test_run_result_percentiles_match_the_simulator_and_round_trip():
     assert r.latency_p50_s == np.sort(arr)[50] and r.latency_max_s == max(lat)
     assert (r.throughput_tokens_per_s, r.total_throughput_tokens_per_s, r.padded_throughput_tokens_per_s) == (50, 80, 90)
     assert r.fits and RunResult.from_json(r.to_json()) == r
-    assert "measured" in r.describe() and "predicted" in r.describe()
+    assert "measured" in r.describe() and "plan" in r.describe() and "simulated" not in r.describe()
     assert r.device_reserved_peak_bytes is None and "reserved" not in r.describe()
     # A CUDA run also carries the caching allocator's peak, which the tier ledger does not see.
     stats.device_reserved_peak_bytes = 3 * 2**30
@@ -244,6 +244,11 @@ def test_run_matches_the_reference_loop_and_writes_a_trace(tiny_dir, tmp_path, c
     assert result.num_requests == 9 and result.generated_tokens == sum(len(w) for w in ref)
     assert result.latency_max_s == max(g["latency_s"] for g in got.values())
     assert result.predicted is not None and result.fits  # measured peak within the planned peak
+    # The plan's preset profile is at hand, so the run also simulates exactly these requests.
+    sim = result.simulated
+    assert sim is not None and sim.num_requests == 9 and sim.seed is None
+    assert sim.throughput_tokens_per_s * sim.wall_s == pytest.approx(result.generated_tokens)
+    assert RunResult.from_json(result.to_json()) == result and "simulated" in result.describe()
     assert result.peak_bytes["disk"] > 0 and result.throughput_tokens_per_s > 0
     events, _ = read_chrome_trace(trace)
     assert events and {e.track for e in events} <= set(TRACKS) and {"compute", "dtoc"} <= {e.track for e in events}

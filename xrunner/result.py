@@ -77,6 +77,10 @@ class RunResult(Contract):
     max_prompt: int
     max_output: int
     predicted: SimResult | None = None  # the plan's prediction, if the run came from a plan
+    # The simulator on this job's own requests (the prompt and output lengths as run, in the order
+    # run), when the plan's profile was at hand and the policy did not change mid-run: the like-for-
+    # like prediction, where the plan's is for its workload's sample of requests.
+    simulated: SimResult | None = None
     adaptations: tuple[Adaptation, ...] = ()  # policy changes between blocks (xsched run --adapt/--budget-file)
     # CUDA runs: the caching allocator's peak reserved bytes (torch.cuda.max_memory_reserved), which
     # peak_bytes["gpu"] (the engine's own allocations) does not see; None on other devices.
@@ -87,49 +91,56 @@ class RunResult(Contract):
         """Measured peak within the planned peak on every tier (the memory contract)."""
         return all(self.peak_bytes.get(t, 0.0) <= self.planned_peak_bytes.get(t, 0.0) for t in TIERS)
 
-    def predicted_busy_s(self) -> dict[str, float] | None:
-        """The prediction's busy seconds summed onto the measured resources."""
-        if self.predicted is None:
+    def predicted_busy_s(self, which: str = "predicted") -> dict[str, float] | None:
+        """A prediction's (``predicted`` or ``simulated``) busy seconds summed onto the measured resources."""
+        p = getattr(self, which)
+        if p is None:
             return None
-        return {track: sum(self.predicted.busy_s.get(t, 0.0) for t in terms)
-                for track, terms in SIM_TERMS_OF_TRACK.items()}
+        return {track: sum(p.busy_s.get(t, 0.0) for t in terms) for track, terms in SIM_TERMS_OF_TRACK.items()}
 
-    def comparison_rows(self) -> list[tuple[str, str, str]]:
-        """(metric, measured, predicted) rows for the end-of-run table."""
-        p = self.predicted
+    def comparison_rows(self) -> list[tuple[str, ...]]:
+        """(metric, measured, simulated, plan) rows for the end-of-run table; no simulated column
+        without ``simulated``."""
+        preds = [p for p in (self.simulated, self.predicted) if p is not None] or [None]
+        busy = [self.predicted_busy_s(w) for w, p in (("simulated", self.simulated), ("predicted", self.predicted))
+                if p is not None] or [None]
         gib = 2.0**30
 
         def num(v: float | None, fmt: str) -> str:
             return "-" if v is None else format(v, fmt)
 
+        def row(name: str, measured: str, of: Any, fmt: str) -> tuple[str, ...]:
+            return (name, measured, *(num(p and of(p), fmt) for p in preds))
+
         rows = [
-            ("requests", str(self.num_requests), num(p and p.num_requests, "d")),
-            ("wall s", num(self.wall_s, ",.2f"), num(p and p.wall_s, ",.2f")),
-            ("throughput tok/s", num(self.throughput_tokens_per_s, ",.2f"), num(p and p.throughput_tokens_per_s, ",.2f")),
-            ("total tok/s", num(self.total_throughput_tokens_per_s, ",.2f"),
-             num(p and p.total_throughput_tokens_per_s, ",.2f")),
-            ("padded tok/s", num(self.padded_throughput_tokens_per_s, ",.2f"),
-             num(p and p.padded_throughput_tokens_per_s, ",.2f")),
+            row("requests", str(self.num_requests), lambda p: p.num_requests, "d"),
+            row("wall s", num(self.wall_s, ",.2f"), lambda p: p.wall_s, ",.2f"),
+            row("throughput tok/s", num(self.throughput_tokens_per_s, ",.2f"), lambda p: p.throughput_tokens_per_s,
+                ",.2f"),
+            row("total tok/s", num(self.total_throughput_tokens_per_s, ",.2f"),
+                lambda p: p.total_throughput_tokens_per_s, ",.2f"),
+            row("padded tok/s", num(self.padded_throughput_tokens_per_s, ",.2f"),
+                lambda p: p.padded_throughput_tokens_per_s, ",.2f"),
         ]
         for name in ("mean", "p50", "p90", "p99", "max"):
-            rows.append((f"latency {name} s", num(getattr(self, f"latency_{name}_s"), ",.3f"),
-                         num(p and getattr(p, f"latency_{name}_s"), ",.3f")))
+            key = f"latency_{name}_s"
+            rows.append(row(f"latency {name} s", num(getattr(self, key), ",.3f"), lambda p: getattr(p, key), ",.3f"))
         for tier in TIERS:
-            rows.append((f"peak {tier} GiB", num(self.peak_bytes.get(tier, 0.0) / gib, ",.3f"),
-                         num(p and p.peak_bytes.get(tier, 0.0) / gib, ",.3f")))
+            rows.append(row(f"peak {tier} GiB", num(self.peak_bytes.get(tier, 0.0) / gib, ",.3f"),
+                            lambda p: p.peak_bytes.get(tier, 0.0) / gib, ",.3f"))
         if self.device_reserved_peak_bytes is not None:
-            rows.append(("gpu reserved GiB", num(self.device_reserved_peak_bytes / gib, ",.3f"), "-"))
-        pb = self.predicted_busy_s()
+            rows.append(("gpu reserved GiB", num(self.device_reserved_peak_bytes / gib, ",.3f"), *("-" for _ in preds)))
         for track, secs in self.busy_s.items():
-            if secs > 0 or (pb and pb.get(track, 0.0) > 0):
-                rows.append((f"busy {track} s", num(secs, ",.2f"), num(pb and pb.get(track), ",.2f")))
+            if secs > 0 or any(b and b.get(track, 0.0) > 0 for b in busy):
+                rows.append((f"busy {track} s", num(secs, ",.2f"), *(num(b and b.get(track), ",.2f") for b in busy)))
         return rows
 
     def describe(self) -> str:
         gib = 2.0**30
         rows = self.comparison_rows()
-        w0 = max(len(r[0]) for r in rows)
-        w1 = max(max(len(r[1]) for r in rows), len("measured"))
+        names = ["measured", *(["simulated"] if self.simulated is not None else []), "plan"]
+        widths = [max(len(r[0]) for r in rows)] + [max(max(len(r[i]) for r in rows), len(names[i - 1]))
+                                                    for i in range(1, len(names) + 1)]
         head = [
             f"ran {self.num_requests} requests on {self.model} ({self.device}, {self.dtype})"
             + (f"; {self.num_skipped} already done (resumed)" if self.num_skipped else ""),
@@ -137,12 +148,16 @@ class RunResult(Contract):
             "  planned peak: " + ", ".join(f"{t} {self.planned_peak_bytes.get(t, 0.0) / gib:,.3f} GiB" for t in TIERS)
             + ("" if self.fits else "  -- MEASURED PEAK ABOVE PLAN"),
             "",
-            f"  {'':<{w0}}  {'measured':>{w1}}  {'predicted':>10}",
+            "  " + "  ".join(f"{c:>{w}}" if i else " " * w for i, (c, w) in enumerate(zip(["", *names], widths))),
         ]
-        head += [f"  {m:<{w0}}  {a:>{w1}}  {b:>10}" for m, a, b in rows]
+        head += ["  " + "  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(r, widths)))
+                 for r in rows]
         head += [f"  adapted at {a.at_s:,.1f} s (stalled {a.stall_s:.2f} s): {a.reason}" for a in self.adaptations]
+        if self.simulated is not None:
+            head.append(f"  (simulated: {self.simulated.method} simulation of these {self.simulated.num_requests} "
+                        f"requests at their prompt and output lengths, on profile {self.simulated.profile})")
         if self.predicted is not None:
-            head.append(f"  (predicted: {self.predicted.method} simulation of {self.predicted.num_requests} requests "
+            head.append(f"  (plan: {self.predicted.method} simulation of {self.predicted.num_requests} requests "
                         f"of workload {self.predicted.workload} on profile {self.predicted.profile})")
         return "\n".join(head)
 
@@ -161,7 +176,7 @@ def latency_stats(latencies_s: Sequence[float]) -> dict[str, float]:
 def build_run_result(*, model: str, policy: Policy, device: str, dtype: str, stats: Any,
                      latencies_s: Sequence[float], num_stopped_on_eos: int, num_skipped: int,
                      capacity_bytes: Mapping[str, float], max_prompt: int, max_output: int,
-                     predicted: SimResult | None) -> RunResult:
+                     predicted: SimResult | None, simulated: SimResult | None = None) -> RunResult:
     """A RunResult from the engine's ``EngineStats`` and the finished requests' latencies."""
     wall = float(stats.wall_s)
     per_s = (lambda n: n / wall) if wall > 0 else (lambda n: 0.0)
@@ -178,6 +193,6 @@ def build_run_result(*, model: str, policy: Policy, device: str, dtype: str, sta
         capacity_bytes={t: float(capacity_bytes.get(t, 0.0)) for t in TIERS},
         busy_s={k: float(v) for k, v in stats.busy_s.items()},
         num_prefill_steps=int(stats.num_prefill_steps), num_decode_steps=int(stats.num_decode_steps),
-        max_prompt=max_prompt, max_output=max_output, predicted=predicted,
+        max_prompt=max_prompt, max_output=max_output, predicted=predicted, simulated=simulated,
         device_reserved_peak_bytes=None if stats.device_reserved_peak_bytes is None
         else float(stats.device_reserved_peak_bytes))

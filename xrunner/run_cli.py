@@ -14,7 +14,7 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 SHAPE_FIELDS: tuple[str, ...] = ("family", "num_layers", "hidden", "ffn", "num_heads", "num_kv_heads", "head_dim",
                                  "vocab_size")
@@ -262,6 +262,7 @@ def _run(args: argparse.Namespace) -> int:
         requests = (Request(id=records[i].id, prompt_ids=tuple(prompt_ids[i]), max_new_tokens=new_tokens[i])
                     for i in pending_idx)
         latencies: list[float] = []
+        output_len: dict[Any, int] = {}
         eos = [0]
         show = not args.quiet and sys.stderr.isatty()
         total = sum(new_tokens[i] for i in pending_idx)
@@ -275,6 +276,7 @@ def _run(args: argparse.Namespace) -> int:
                     text = tokenizer.decode(list(f.output_ids), skip_special_tokens=True) if tokenizer else None
                     rows.append(result_row(f, text))
                     latencies.append(f.latency_s)
+                    output_len[f.id] = len(f.output_ids)
                     if watcher is not None:  # capped: ended at max_new_tokens without EOS (see xscheduler.replan)
                         capped = not args.ignore_eos and not f.stopped_on_eos and \
                             len(f.output_ids) >= new_tokens_of[f.id]
@@ -287,7 +289,8 @@ def _run(args: argparse.Namespace) -> int:
 
             new_tokens_of = {records[i].id: new_tokens[i] for i in pending_idx}
             order_of = {records[i].id: k for k, i in enumerate(pending_idx)}
-            hook, watcher = _adapt_hook(args, covering(plan, max_prompt, max_output), capacity,
+            profile, no_profile = _plan_profile(plan, args.profile)
+            hook, watcher = _adapt_hook(args, covering(plan, max_prompt, max_output), capacity, profile, no_profile,
                                         horizon=len(pending_idx))
             with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
                         capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
@@ -295,10 +298,14 @@ def _run(args: argparse.Namespace) -> int:
                         progress=show, calibration_ids=_calibration(args, source, tokenizer)) as engine:
                 stats = engine.run(requests, on_finished=on_finished, on_step=bar.update, between_blocks=hook)
 
+    ran = [i for i in pending_idx if records[i].id in output_len]  # in the order the engine took them
+    simulated = None if stats.reconfigurations or profile is None else simulate_job(
+        plan, profile, [len(prompt_ids[i]) for i in ran], [output_len[records[i].id] for i in ran])
     result = build_run_result(model=source.spec.name, policy=plan.policy, device=device, dtype=source.spec.dtype,
                               stats=stats, latencies_s=latencies, num_stopped_on_eos=eos[0],
                               num_skipped=len(records) - len(pending_idx), capacity_bytes=capacity,
-                              max_prompt=max_prompt, max_output=max_output, predicted=plan.predicted)
+                              max_prompt=max_prompt, max_output=max_output, predicted=plan.predicted,
+                              simulated=simulated)
     result = replace(result, adaptations=tuple(
         Adaptation(at_s=r.at_s, stall_s=r.stall_s, reason=r.reason, old_policy=r.old_policy, new_policy=r.new_policy)
         for r in stats.reconfigurations))
@@ -341,23 +348,46 @@ def covering(plan: Any, max_prompt: int, max_output: int) -> Any:
     return plan if wider == w else replace(plan, workload=wider)
 
 
-def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float], horizon: int = 1) -> tuple[Any, Any]:
+def _plan_profile(plan: Any, profile_arg: str | None) -> tuple[Any, Any]:
+    """(the profile the plan was priced on, None) when it is at hand (a preset, or ``--profile``
+    with the plan's fingerprint), else (None, the UserError saying how to give it)."""
+    from xsched.errors import UserError
+    from xscheduler.replan import profile_for
+
+    try:
+        return profile_for(plan, profile_arg), None
+    except UserError as exc:
+        return None, exc
+
+
+def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_lens: Sequence[int]) -> Any:
+    """The simulator's prediction for exactly the requests a job ran (in the order it ran them,
+    output lengths as generated), with the plan's policy on the plan's profile; None for no requests."""
+    import numpy as np
+
+    from xsimulator.discrete_event import simulate
+
+    if not prompt_lens:
+        return None
+    workload = covering(plan, max(prompt_lens), max(output_lens)).workload  # memory for the job's longest
+    return simulate(plan.model, profile, plan.policy, workload,
+                    requests=(np.asarray(prompt_lens, np.int64), np.asarray(output_lens, np.int64)))
+
+
+def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float], profile: Any, no_profile: Any,
+                horizon: int = 1) -> tuple[Any, Any]:
     """The between-blocks hook of ``--adapt``/``--budget-file`` (budget first, then drift) and the
     drift watcher (None when off; its false-alarm rate holds over the ``horizon`` requests of the
-    job). Each event is one line on stderr."""
-    from xsched.errors import UserError
-    from xscheduler.replan import REPLAN_REQUESTS, DriftWatcher, profile_for
+    job). ``profile``: the plan's, or None with ``no_profile`` the error saying why. Each event is
+    one line on stderr."""
+    from xscheduler.replan import REPLAN_REQUESTS, DriftWatcher
 
     requests = max(1, min(REPLAN_REQUESTS, horizon))  # re-plans price the job's size (its block cap), at most this
     watcher = budget = None
-    profile = None
-    if args.adapt == "drift" or args.budget_file:
-        try:
-            profile = profile_for(plan, args.profile)
-        except UserError as exc:
-            if args.budget_file:
-                raise
-            warnings.warn(f"drift re-planning is off: {exc}", UserWarning, stacklevel=1)
+    if profile is None and args.budget_file:
+        raise no_profile
+    if profile is None and args.adapt == "drift":
+        warnings.warn(f"drift re-planning is off: {no_profile}", UserWarning, stacklevel=1)
     if args.adapt == "drift" and profile is not None:
         watcher = DriftWatcher(plan, profile, horizon=max(horizon, 1), compress=args.replan_compress,
                                scope=args.replan_scope, num_requests=requests)
