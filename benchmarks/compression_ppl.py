@@ -5,9 +5,9 @@ with some code), tokenized with the model's own tokenizer and cut into windows. 
 scored the way the engine computes: the first half is a prefill (attention over the fresh K/V,
 which are then stored), the second half is teacher-forced decode, one token per step, attending
 to the stored cache (and to its own position's K/V exactly, as the engine and FlexGen do). The
-compressed path uses the engine's own stored forms: ``xrunner.engine.WeightLayout`` (2-D layer
+compressed path uses the engine's own stored forms: ``xrunner.stored_forms.WeightLayout`` (2-D layer
 weights quantized along the output channels, groups of 64, dequantized before compute; the tied
-embedding / LM head stays fp32, as in the engine) and ``xrunner.engine.KVCodec`` (K/V quantized
+embedding / LM head stays fp32, as in the engine) and ``xrunner.stored_forms.KVCodec`` (K/V quantized
 along the head dimension when written, dequantized for attention). It scores each way of
 choosing a group's 4-bit form: plain min/max (FlexGen's), the least-squared-error range search,
 each with and without the Hadamard rotation; for weights also GPTQ codes, and for the KV cache
@@ -49,7 +49,7 @@ def quantized_layers(weights, clip_steps: int, rotate: bool, calibration=None):
     """Every layer packed into the engine's 4-bit record and unpacked for compute (GPTQ codes when
     ``calibration`` token ids are given, as the engine does with them); and the pass's K/V centers
     (None without calibration)."""
-    from xrunner.engine import WeightLayout
+    from xrunner.stored_forms import WeightLayout
     from xrunner.gptq import GPTQCalibration
 
     spec = weights.spec
@@ -122,7 +122,7 @@ def by_kind(args) -> int:
     from tqdm import tqdm
 
     from xrunner.compression import DEFAULT_CLIP_STEPS
-    from xrunner.engine import KVCodec, WeightLayout
+    from xrunner.stored_forms import KVCodec, WeightLayout
     from xrunner.loaders import default_model_path, load_weights, open_model
 
     src = open_model(default_model_path())
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from xrunner.compression import DEFAULT_CLIP_STEPS, KV_CLIP_STEPS
-    from xrunner.engine import KVCodec
+    from xrunner.stored_forms import KVCodec
     from xrunner.gptq import CALIBRATION_SEQUENCES, calibration_ids
     from xrunner.loaders import default_model_path, load_weights, open_model
 

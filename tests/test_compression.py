@@ -154,7 +154,7 @@ def test_hadamard_rotation_is_orthonormal_and_only_for_powers_of_two():
 def test_rotated_kv_attention_equals_attention_over_the_unrotated_cache():
     """The engine attends in the rotated space (query rotated, output rotated back); that must equal
     plain attention over the dequantized cache rotated back, and beat the unrotated cache on outliers."""
-    from xrunner.engine import KVCodec
+    from xrunner.stored_forms import KVCodec
     from xrunner.model import attention
 
     spec = get_model_spec("smollm2-135m")
@@ -179,7 +179,7 @@ def test_rotated_weight_record_gives_the_layers_output_with_bias():
     """A 4-bit weight stored with its row groups rotated: the linear layer (output rotated back, then the
     bias) equals x W^T + b for W = the reference quantization of the rotated rows, rotated back; and an
     outlier row costs its group less than without the rotation."""
-    from xrunner.engine import WeightLayout
+    from xrunner.stored_forms import WeightLayout
     from xrunner.model import linear
 
     g = torch.Generator().manual_seed(1)
@@ -211,7 +211,7 @@ def test_mlp_output_projection_rotates_its_inputs_in_the_record_and_in_gptq():
     rotated on both sides, with the Hessian of the rotated inputs, rotated back; the layout
     reference path (``dequantize_tensor``) gives that same W; other projections keep their inputs."""
     from quant_reference import reference_gptq
-    from xrunner.engine import WeightLayout
+    from xrunner.stored_forms import WeightLayout
     from xrunner.model import linear
 
     g = torch.Generator().manual_seed(5)

@@ -378,7 +378,7 @@ def test_gptq_weights_reach_the_engine_and_the_calibration_pass_is_the_models_la
     those weights, which differ from nearest rounding's. The calibration pass carries its hidden states
     through each quantized layer exactly as the model computes that layer. The MLP's 512 inputs are
     whole rotation blocks, so its output projection's inputs are rotated too (as with GPTQ they are)."""
-    from xrunner.engine import WeightLayout
+    from xrunner.stored_forms import WeightLayout
     from xrunner.gptq import GPTQCalibration
     from xrunner.model import ModelWeights
 
@@ -603,7 +603,7 @@ def test_smollm2_gptq_weights_follow_held_out_text_closer_than_nearest_rounding(
     states of different text (pydoc_data topics) after 4 layers closer to fp32's than nearest rounding."""
     import pydoc_data.topics as topics
 
-    from xrunner.engine import WeightLayout
+    from xrunner.stored_forms import WeightLayout
     from xrunner.gptq import GPTQCalibration, calibration_ids
     from xrunner.loaders import default_model_path, open_model
     from xrunner.model import embed, position_ids_from_mask, rope_tables
@@ -635,7 +635,7 @@ def test_smollm2_gptq_weights_follow_held_out_text_closer_than_nearest_rounding(
 _LOAD_PROBE = """
 import json, sys, torch
 from xprofiler.specs import ModelSpec
-from xrunner.engine import WeightLayout
+from xrunner.stored_forms import WeightLayout
 from xrunner.gptq import GPTQCalibration, scratch_bytes
 from xrunner.loaders import RandomSource
 from xsimulator.costmodel import layer_load_bytes

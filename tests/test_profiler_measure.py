@@ -326,13 +326,13 @@ def test_quantize_probe_times_the_kv_caches_own_write(monkeypatch):
     from xprofiler.bench import quant_points
 
     calls = []
-    real = xrunner.engine.KVCodec.encode
+    real = xrunner.stored_forms.KVCodec.encode
 
     def spy(self, k, v, layer=None):
         calls.append((self.d, self.compress, tuple(k.shape), tuple(v.shape)))
         return real(self, k, v, layer)
 
-    monkeypatch.setattr(xrunner.engine.KVCodec, "encode", spy)
+    monkeypatch.setattr(xrunner.stored_forms.KVCodec, "encode", spy)
     points = {p.meta["bench"]: p for p in quant_points(torch.device("cpu"), torch.float32, [("m:", 64, 128, 64)])}
     parts = points["quant"].fn()
     assert calls == [(64, True, (1, 1, 64, 64), (1, 1, 64, 64))] and len(parts) == 6  # codes, mins, scales of K, V

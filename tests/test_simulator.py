@@ -400,7 +400,7 @@ def test_decode_prices_the_rows_left_of_a_partly_finished_batch_as_the_engine_at
 
 def test_cost_model_kv_parts_match_the_engines_stored_form():
     torch = pytest.importorskip("torch")
-    from xrunner.engine import KVCodec
+    from xrunner.stored_forms import KVCodec
     from xsimulator.costmodel import KV_PARTS, KV_PARTS_COMPRESSED
 
     assert len(KVCodec(64, torch.float32, compress=False).rests) == KV_PARTS
@@ -412,7 +412,7 @@ def test_cost_model_charges_the_output_rotation_of_the_weights_the_engine_rotate
     (64 multiply-adds per output value), and rotates the MLP output projection's input per 512
     channels (8 + 64 per input value); the cost model adds exactly those flops to the matmuls'."""
     torch = pytest.importorskip("torch")
-    from xrunner.engine import WeightLayout
+    from xrunner.stored_forms import WeightLayout
     from xsimulator.costmodel import rotation_flop_ratio
 
     odd = replace(OPT30, name="odd", hidden=1000, num_heads=8, num_kv_heads=8, head_dim=125, ffn=4096)

@@ -213,7 +213,7 @@ def quant_points(device: torch.device, dtype: torch.dtype, shapes: Sequence[tupl
     """Group-wise 4-bit quantize and dequantize, with the runner's code, per ``(label, rows, cols,
     head_dim)``: an MLP weight's shape and the model's head size.
 
-    Quantize is the KV cache's write, ``xrunner.engine.KVCodec.encode`` (each head's vector
+    Quantize is the KV cache's write, ``xrunner.stored_forms.KVCodec.encode`` (each head's vector
     rotated, then quantized with the cache's range rule), over K and V of the weight's bytes:
     the KV write is the only quantization in the steady-state loop (weights are packed once, at
     load), and its rotation costs about as much again as the quantizer (opt-125m shapes, 1
@@ -222,7 +222,7 @@ def quant_points(device: torch.device, dtype: torch.dtype, shapes: Sequence[tupl
     transposing copy the engine never makes.
     """
     from xrunner.compression import KV_CLIP_STEPS, dequantize, quantize, stored_shape
-    from xrunner.engine import KVCodec
+    from xrunner.stored_forms import KVCodec
 
     points = []
     for label, rows, cols, head_dim in shapes:

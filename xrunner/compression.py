@@ -23,12 +23,12 @@ one (:func:`rotate_groups`); the layer's output is rotated back per block (``mod
 (``(qR)(kR)^T = qk^T``, and attending to rotated values gives the output rotated), so the
 engine rotates the query and un-rotates the output instead of un-rotating the cache
 (``KVCodec.attend``). The MLP's output projection also has its input channels rotated per
-512 (:func:`rotate_inputs`, ``engine.WeightLayout.in_rotated``), since its input activation
+512 (:func:`rotate_inputs`, ``stored_forms.WeightLayout.in_rotated``), since its input activation
 has outlier channels. :func:`gptq_quantize` chooses the codes with GPTQ, each column's ranges
 searched as here on its updated values (``xrunner.gptq`` feeds it calibration text). On
 SmolLM2-135M, 4-bit weights cost +9.9% perplexity rotated (+23.6% not) and +2.9% with GPTQ on
 top (4 windows; +4.4% on 16, a mean over calibration draws); the 4-bit KV cache +2.4% rotated
-(+7.0% not), +0.5% also centered on calibration means (``engine.KVCodec``)
+(+7.0% not), +0.5% also centered on calibration means (``stored_forms.KVCodec``)
 (benchmarks/compression_ppl.py; docs/BENCHMARKS.md).
 
 Used by the engine to store and move compressed tensors, and by the profiler to time

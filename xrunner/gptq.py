@@ -8,13 +8,13 @@ once, then every layer, in order, is quantized (q/k/v, then o, then the MLP's in
 projections, then its down projection, each from the activations of the parts before it
 already quantized) and the hidden states are carried through the quantized layer.
 
-The stored format is the engine's (``engine.WeightLayout``: rotated row groups of 64, each
+The stored format is the engine's (``stored_forms.WeightLayout``: rotated row groups of 64, each
 range chosen by the range search, here on the column as GPTQ's updates left it), so nothing
 downstream changes. It needs text, so real models only: random-weight models keep nearest
 rounding.
 
 The same pass records each layer's mean K and V on the text, the centers a 4-bit KV cache is
-stored around (``engine.KVCodec``); with weights not quantized it only observes. (All the
+stored around (``stored_forms.KVCodec``); with weights not quantized it only observes. (All the
 sequences: on SmolLM2, 16 windows of held-out text, the cache's perplexity cost was +1.71% with
 means over 4 sequences, +1.14% over 16, +1.45% over 64, and +2.39% uncentered.)
 
@@ -136,7 +136,7 @@ class GPTQCalibration:
     """Carries calibration hidden states through a model's layers in order: quantizing each with
     GPTQ (:meth:`quantize_layer`) or as it is (:meth:`observe_layer`), and recording each layer's
     mean K and V over the text (``kv_centers``, ``[Hkv, d]`` each, K after the rotary embedding
-    as the cache holds it), which ``engine.KVCodec`` subtracts before quantizing the cache.
+    as the cache holds it), which ``stored_forms.KVCodec`` subtracts before quantizing the cache.
 
     ``quantize_tensor(name, w, hessian) -> QuantizedTensor`` and ``dequantize_tensor(name, q)``
     are the layout's (``WeightLayout.quantize_tensor`` / ``dequantize_tensor``): rotation and

@@ -12,7 +12,7 @@ x 64 (stop 27, 2 threads) K and V took 3.2 ms this way against 14.6 ms dequantiz
 attended (1 thread: 6.0 vs 26.6 ms).
 
 The step's own position is not read from the cache: its exact K and V come in as ``own_k`` and
-``own_v`` (FlexGen's rule, as ``engine.KVCodec.decode``).
+``own_v`` (FlexGen's rule, as ``stored_forms.KVCodec.decode``).
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def norm(spec: ModelSpec, x: torch.Tensor, w: Weights, name: str) -> torch.Tenso
 
 def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
     """``x W^T + b``. A weight stored with its rows rotated per block (4-bit weights, key
-    ``<name>.out_rotation``: see ``engine.WeightLayout``) gives a rotated output; ``y @ r`` per
+    ``<name>.out_rotation``: see ``stored_forms.WeightLayout``) gives a rotated output; ``y @ r`` per
     block of output channels rotates it back, before the bias. One stored with its input
     channels rotated too (``<name>.in_rotation`` and ``.in_rotation_inner``, Kronecker factors)
     takes its input rotated the same way."""
