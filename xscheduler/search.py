@@ -432,7 +432,9 @@ def polish(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, others: I
     transients), and memory may allow a larger block than the knee. Each step prices the
     neighbours (gbs and nb halved or doubled, alone or trading one for the other at the same
     block size; the same shape with another refill interval or under another of the ``others``
-    variants) and moves to the best one that meets the bound, until none is better.
+    variants) and moves to the best one that meets the bound, until none is better. A neighbour
+    whose LP bound cannot beat the step, or that :meth:`Evaluator.misses` knows to miss the
+    bound, costs no simulation.
     """
     others, refills = list(others), list(refills)
     cap = ev.job_cap
@@ -444,8 +446,9 @@ def polish(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, others: I
         cands += [(v, g, nb, r) for v in others if v != best.variant]
         step = best
         for v, g2, nb2, r2 in cands:
-            if ev.bound(v, g2, nb2) * (1 + 1e-9) < step.throughput:
-                continue  # cannot be better: skip the simulation
+            if ev.bound(v, g2, nb2) * (1 + 1e-9) < step.throughput or (
+                    math.isfinite(bound_s) and ev.misses(v, g2, nb2, r2, kind, bound_s)):
+                continue  # cannot be better, or known to miss the bound: skip the simulation
             e = ev(v, g2, nb2, r2)
             if e.meets(kind, bound_s) and _better(e, step, kind):
                 step = e
@@ -596,7 +599,8 @@ def _jump(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, refills: l
           trades: bool = True) -> Evaluation:
     """One shape step (:func:`_shape_moves`) together with another refill interval: moves that pay only
     together (a ridge the one-knob climb of :func:`polish` cannot cross); climbs on from the
-    best of them. Shapes whose LP bound cannot beat the point cost no simulation. The best
+    best of them. Shapes whose LP bound cannot beat the point, and points known to miss the bound
+    (:meth:`Evaluator.misses`), cost no simulation. The best
     refill interval moves with the shape: opt-175b on t4, workload T, unbounded, polished to nb 4
     without refill, 0.945 of exhaustive search's nb 2 with refill every 16 steps; on a100-80gb,
     G, a trade of gbs for nb with another interval was 4.4% better (the re-planner, which has
@@ -607,10 +611,12 @@ def _jump(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, refills: l
         if ev.bound(best.variant, g2, nb2) * (1 + 1e-9) < jump.throughput:
             continue
         for r in refills:
-            if r != best.refill_every:
-                e = ev(best.variant, g2, nb2, r)
-                if e.meets(kind, bound_s) and _better(e, jump, kind):
-                    jump = e
+            known_miss = math.isfinite(bound_s) and ev.misses(best.variant, g2, nb2, r, kind, bound_s)
+            if r == best.refill_every or known_miss:
+                continue
+            e = ev(best.variant, g2, nb2, r)
+            if e.meets(kind, bound_s) and _better(e, jump, kind):
+                jump = e
     return best if jump is best else polish(ev, jump, kind, bound_s, (), refills)
 
 
