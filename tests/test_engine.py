@@ -350,6 +350,31 @@ def test_kv_cache_centered_on_calibration_means_equals_reference(tmp_path, monke
     assert got == want
 
 
+def test_a_pass_that_only_records_centers_reads_the_first_center_sequences(tmp_path):
+    """Plain weights with a 4-bit cache: the calibration pass only records K/V means, which settle on
+    fewer sequences than GPTQ needs, so it reads the first ``CENTER_SEQUENCES`` of the ids (a quarter
+    of the default's load time) and plans the scratch of those alone."""
+    from xrunner.gptq import CENTER_SEQUENCES, scratch_bytes
+
+    src = RandomSource(LLAMA, seed=5)
+    weights = load_weights(src)
+    ids = torch.randint(0, LLAMA.vocab_size, (CENTER_SEQUENCES + 8, 12), generator=torch.Generator().manual_seed(1))
+    ids[CENTER_SEQUENCES:] = 7  # sequences past the first 16 would move every mean
+    first = _kv_centers(LLAMA, weights, ids[:CENTER_SEQUENCES])
+    every = _kv_centers(LLAMA, weights, ids)
+    with Engine(src, Policy(gbs=2, nb=1, compress_cache=True), max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT,
+                offload_dir=tmp_path, calibration_ids=lambda: ids) as eng:
+        for (k, v), w in zip(eng.kv_centers, weights.layers):
+            assert torch.allclose(k, first[id(w)][0], atol=1e-5) and torch.allclose(v, first[id(w)][1], atol=1e-5)
+            assert not torch.allclose(k, every[id(w)][0], atol=1e-3)
+        planned = eng.planned_peak_bytes
+        assert eng.ledger.peak["gpu"] <= planned["gpu"]
+    with Engine(src, Policy(gbs=2, nb=1, compress_cache=True), max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT,
+                offload_dir=tmp_path, calibration_ids=ids[:CENTER_SEQUENCES]) as eng:
+        assert eng.planned_peak_bytes == planned
+        assert scratch_bytes(LLAMA, len(ids), 12, fit=False) > scratch_bytes(LLAMA, CENTER_SEQUENCES, 12, fit=False)
+
+
 def test_reconfigure_to_a_4bit_cache_centers_it_without_reloading_the_weights(tmp_path, monkeypatch):
     """A plain-cache engine with calibration text that a reconfiguration switches to a 4-bit cache
     makes the centers then (an observing pass over the source): its outputs equal the centered

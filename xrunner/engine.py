@@ -35,7 +35,7 @@ import torch
 
 from xprofiler.diskio import round_up
 from xprofiler.profile import HardwareProfile
-from xrunner.gptq import GPTQCalibration, scratch_bytes as calibration_scratch_bytes
+from xrunner.gptq import CENTER_SEQUENCES, GPTQCalibration, scratch_bytes as calibration_scratch_bytes
 from xrunner.loaders import ModelSource
 from xrunner.model import (attention, attn_in, attn_out_mlp, cpu_head_layout, embed, final_logits, head_layout_of,
                            lm_head_name, rope_tables, torch_dtype)
@@ -401,10 +401,12 @@ class Engine:
             peaks["gpu"] = max(peaks["gpu"], loading)
         return peaks
 
-    def _calibration(self) -> torch.Tensor:
+    def _calibration(self, fit: bool) -> torch.Tensor:
+        """The calibration ids of a pass: all of them for GPTQ (``fit``), the first
+        :data:`~xrunner.gptq.CENTER_SEQUENCES` for one that only records K/V centers."""
         if callable(self.calibration_ids):
             self.calibration_ids = self.calibration_ids()
-        return self.calibration_ids
+        return self.calibration_ids if fit else self.calibration_ids[:CENTER_SEQUENCES]
 
     def _calibration_bytes(self, compress_weight: bool, compress_cache: bool) -> int:
         """Scratch bytes on the gpu tier of the calibration pass a load runs (0: none): GPTQ (and
@@ -412,7 +414,7 @@ class Engine:
         if self.calibration_ids is None or not (compress_weight or compress_cache):
             return 0
         copies = self.device.type != "cpu" or self.dtype != torch.float32  # sources give CPU tensors in spec.dtype
-        return calibration_scratch_bytes(self.spec, *self._calibration().shape, fit=compress_weight,
+        return calibration_scratch_bytes(self.spec, *self._calibration(compress_weight).shape, fit=compress_weight,
                                          copies_layer=copies)
 
     # ----------------------------------------------------------------- setup
@@ -508,8 +510,8 @@ class Engine:
         from tqdm import tqdm
 
         scratch = self._calibration_bytes(self.layout.compress, compress_cache)
-        calib = GPTQCalibration(self.spec, self.head, self._calibration(), self.layout.quantize_tensor,
-                                self.layout.dequantize_tensor) if scratch else None
+        calib = GPTQCalibration(self.spec, self.head, self._calibration(self.layout.compress),
+                                self.layout.quantize_tensor, self.layout.dequantize_tensor) if scratch else None
         nread = 0
         what = "" if calib is None else " (GPTQ)" if self.layout.compress else " (KV centers)"
         with self.ledger.transient("gpu", "calibration", scratch):
@@ -523,7 +525,7 @@ class Engine:
     def _observe_centers(self) -> None:
         """K/V centers for a 4-bit cache switched on by a reconfiguration that keeps the weights:
         an observe-only calibration pass over the source's layers (the stored weights stay put)."""
-        calib = GPTQCalibration(self.spec, self.head, self._calibration())
+        calib = GPTQCalibration(self.spec, self.head, self._calibration(False))
         with self.ledger.transient("gpu", "calibration", self._calibration_bytes(False, True)):
             for i in range(self.spec.num_layers):
                 w = self.source.load_layer(i)

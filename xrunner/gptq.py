@@ -45,6 +45,9 @@ CALIBRATION_MODULES = ("os", "json", "re", "collections", "functools", "itertool
                        "random", "socket", "zipfile", "tarfile", "shutil", "tempfile", "textwrap", "difflib",
                        "heapq", "bisect", "contextlib", "inspect", "pickle", "copy", "enum", "abc")
 CALIBRATION_SEQUENCES = 64  # docs/BENCHMARKS.md, stop 28: +4.4% perplexity vs +5.2% with 16
+# A pass that only records K/V centers (plain weights, 4-bit cache) takes the first 16: means settle
+# there (module docstring) and the pass costs a quarter of 64's (docs/BENCHMARKS.md, stop 32).
+CENTER_SEQUENCES = 16
 CALIBRATION_LENGTH = 256
 
 

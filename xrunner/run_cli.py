@@ -74,7 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "random-weight models never calibrate)")
     p.add_argument("--calibration-sequences", type=_positive_int, default=None, metavar="N",
                    help="sequences of 256 calibration tokens for --weight-rounding gptq (default 64; fewer load "
-                        "faster and need less memory, and fit the codes less well)")
+                        "faster and need less memory, and fit the codes less well); a 4-bit KV cache with plain "
+                        "weights records its centers on the first 16 of them")
     from xrunner.cli import add_sampling_args
 
     add_sampling_args(p)
