@@ -314,6 +314,28 @@ def test_attention_over_the_codes_matches_attention_over_the_dequantized_cache(h
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attention_over_the_codes_of_a_half_precision_cache_computes_in_float32(dtype):
+    """A half-precision model's cache keeps its mins and scales in its dtype: the kernel converts
+    them, the query and the own K/V, and gives float32 attention over exactly those stored values
+    (dequantized in float32), not over a half-precision copy of them."""
+    from xrunner.kvattend import attend_quantized
+
+    g = torch.Generator().manual_seed(5)
+    B, H, Hkv, T, d = 3, 4, 2, 17, 64
+    qk, qv = (quantize((torch.randn(B, Hkv, T, d, generator=g) * 2 + 0.5).to(dtype), dim=-1, clip_steps=0)
+              for _ in range(2))
+    assert qk.mins.dtype == dtype
+    q, own_k, own_v = (torch.randn(*shape, generator=g).to(dtype) for shape in ((B, H, d), (B, Hkv, d), (B, Hkv, d)))
+    as32 = [QuantizedTensor(x.packed, x.mins.float(), x.scales.float(), x.shape, x.dim, x.group_size) for x in (qk, qv)]
+    kk, vv = (torch.cat((dequantize(x), own[:, :, None].float()), dim=2) for x, own in zip(as32, (own_k, own_v)))
+    kk, vv = (x.repeat_interleave(H // Hkv, dim=1) for x in (kk, vv))
+    want = torch.softmax((q.float()[:, :, None] @ kk.transpose(-1, -2)) / d ** 0.5, dim=-1) @ vv
+    got = attend_quantized(q, qk, qv, own_k, own_v, None)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want[:, :, 0], rtol=1e-5, atol=1e-5)
+
+
 def test_attention_over_the_codes_leaves_torch_thread_count_alone():
     """numba's thread pool starts on the first call and resets the OpenMP thread count it shares with
     torch; a profile or run asked for one thread must stay on one. A fresh process: the pool starts once."""

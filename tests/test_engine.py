@@ -811,6 +811,37 @@ def test_cpu_attention_of_a_half_precision_model_runs_in_float32_within_its_plan
     assert got == on_gpu and stats.busy_s["cpu_compute"] > 0
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_4bit_cache_on_a_cpu_is_attended_over_its_codes(tmp_path, dtype, monkeypatch):
+    """A half-precision model's 4-bit cache takes the fused kernel too (in float32), with no
+    dequantized copy of the cache, within its planned memory. In float16 the greedy outputs equal
+    those of dequantizing then attending (on this model and these requests; bfloat16's 8-bit
+    mantissa rounds the dequantized copy too coarsely for that, which is why the kernel computes
+    in float32)."""
+    import xrunner.stored_forms as stored_forms
+
+    spec = replace(LLAMA, dtype=dtype)
+    src = RandomSource(spec, seed=3)
+    reqs = make_requests(8, seed=2, vocab=spec.vocab_size)
+    policy = Policy(gbs=2, nb=2, cg=0.5, cc=0.0, cd=0.5, compress_cache=True, refill_every=2)
+    calls = []
+    real = stored_forms.attend_quantized
+    monkeypatch.setattr(stored_forms, "attend_quantized", lambda *a: calls.append(a[1].mins.dtype) or real(*a))
+    fused, _ = run_engine(src, policy, reqs, tmp_path)  # within the planned peaks
+    assert calls and set(calls) == {getattr(torch, dtype)}
+    kw = dict(max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path)
+    with Engine(src, policy, **kw) as eng:
+        assert eng.codec.fused and eng.kv_dequant is None
+    if dtype == "float16":
+        monkeypatch.setattr(Engine, "_new_codec", lambda self, compress: stored_forms.KVCodec(
+            spec.head_dim, self.dtype, compress, centers=self.kv_centers, fused=False))
+        plain = {}
+        with Engine(src, policy, **kw) as eng:
+            assert not eng.codec.fused
+            eng.run(reqs, on_finished=lambda fs: plain.update({f.id: list(f.output_ids) for f in fs}))
+        assert fused == plain
+
+
 def test_a_new_gbs_times_the_lm_head_layout_again_when_its_copy_fits_the_new_plan(tmp_path, monkeypatch):
     """The LM head's faster layout depends on the rows multiplied (on the project's VM SmolLM2's
     head is faster transposed for 1-3 rows and row-major for more), so a reconfiguration to another

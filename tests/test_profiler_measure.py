@@ -355,3 +355,20 @@ def test_a_gpu_profiles_compute_bound_shapes_and_keeps_the_cpu_probe_small():
         assert max(b * n for b, n in gpu.grids["prefill"].points(4096)) >= 65536
         assert gpu.gemm_tokens >= 4096 > st.gemm_tokens == gpu.cpu_gemm_tokens
     assert TINY_SETTINGS.for_device(True).grids == TINY_SETTINGS.grids  # no GPU grids given: the same
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_kv_probe_counts_context_bytes_in_the_compute_dtype(dtype):
+    """The cost model prices the fused 4-bit attention per byte of context in the model's dtype, so
+    a bfloat16 profile's probe quantizes a bfloat16 cache (mins and scales in it, as the engine's)
+    and counts its K/V at 2 bytes a value: the same kernel then reads as twice as many bytes/s
+    would in float32, never as the float32 rate applied to half the bytes."""
+    import torch
+
+    from xprofiler.bench import KV_PROBE_CONTEXT, KV_PROBE_HEAD_DIM, KV_PROBE_ROWS, kv_attend_point
+
+    point = kv_attend_point("t", 2, getattr(torch, dtype))
+    size = 4 if dtype == "float32" else 2
+    assert point.meta["dtype"] == dtype
+    assert point.meta["bytes"] == 2 * KV_PROBE_ROWS * 2 * KV_PROBE_CONTEXT * KV_PROBE_HEAD_DIM * size
+    assert point.fn().shape == (KV_PROBE_ROWS, 2, KV_PROBE_HEAD_DIM)

@@ -253,6 +253,28 @@ def test_a_4bit_cache_on_a_cpu_attends_over_its_codes_without_a_dequant_buffer()
     assert prefill.gpu_compute == pytest.approx(2 * base_prefill.gpu_compute)  # no codec call in a prefill
 
 
+def test_a_half_precision_4bit_cache_on_a_cpu_is_priced_and_planned_as_the_fused_kernel():
+    """A bfloat16 model's 4-bit cache on a CPU takes the fused kernel too: no kv_dequant buffer,
+    the kernel's price per context byte (the profile's probe counts bytes in the compute dtype), and
+    decode attention's scratch holds the float32 query and outputs plus the cache's mins and scales
+    converted to float32 (4 bytes per group value, two per group, for K and V)."""
+    spec = get_model_spec("smollm2-135m").with_dtype("bfloat16")
+    pol = Policy(gbs=8, nb=1, compress_cache=True)
+    prof = cpu_host(kv_attend_bytes_per_s=16 * GB)
+    cm = CostModel.for_policy(spec, prof, pol)
+    assert cm.fused_kv
+    mem = cm.memory(pol.placement(), 8, 1, 64, 32)
+    assert mem["gpu"].resident["kv_dequant"] == 0
+    ctx, groups = 64 + 32, spec.num_kv_heads * -(-spec.head_dim // 64)
+    want = 8 * (8 * spec.q_dim * 4 + ctx * spec.kv_bytes_per_token_per_layer * cm.kv_stored_ratio + ctx * 2 * groups * 2 * 4)
+    assert mem["gpu"].transient["attention_decode"] == pytest.approx(want)
+    kv_ctx = 8 * 100 * spec.kv_bytes_per_token_per_layer
+    plain = CostModel.for_policy(spec, prof, replace(pol, compress_cache=False))
+    other_s, _ = plain._compute_parts("decode", 8, 100)
+    fused = cm.batch_terms("decode", 8, 100, pol.placement())
+    assert fused.dequant == 0.0 and fused.gpu_compute > other_s + kv_ctx * 3 / (16 * GB) * 0.999
+
+
 def test_batches_that_reread_a_cached_layer_save_what_the_warm_fit_measured():
     """On a CPU a block's later GPU batches reread the layer its first batch just read, and with
     4-bit weights every batch reads the buffer the layer was just dequantized into: their decode

@@ -237,24 +237,27 @@ def quant_points(device: torch.device, dtype: torch.dtype, shapes: Sequence[tupl
         q = quantize(w, clip_steps=KV_CLIP_STEPS)
         buf = torch.empty(stored_shape(q), dtype=dtype, device=device)
         points.append(Point(sample_meta("dequant", **meta), lambda q=q, buf=buf: dequantize(q, out=buf)))
-        if device.type == "cpu" and dtype == torch.float32:
-            points.append(kv_attend_point(label, max(1, cols // KV_PROBE_HEAD_DIM)))
+        if device.type == "cpu":
+            points.append(kv_attend_point(label, max(1, cols // KV_PROBE_HEAD_DIM), dtype))
     return points
 
 
 KV_PROBE_HEAD_DIM, KV_PROBE_ROWS, KV_PROBE_CONTEXT = 64, 32, 128
 
 
-def kv_attend_point(label: str, heads: int) -> Point:
+def kv_attend_point(label: str, heads: int, dtype: torch.dtype = torch.float32) -> Point:
     """A CPU decode step's attention straight over a 4-bit K/V cache (``xrunner.kvattend``), one
-    query head per kv head; ``bytes``: the float32 K and V attended over."""
+    query head per kv head, the cache quantized from ``dtype`` (its mins and scales in it) as the
+    engine's is; ``bytes``: K and V attended over, in ``dtype`` (the cost model's context bytes)."""
     from xrunner.compression import quantize
     from xrunner.kvattend import attend_quantized
 
     g = torch.Generator().manual_seed(0)
     b, t, d = KV_PROBE_ROWS, KV_PROBE_CONTEXT, KV_PROBE_HEAD_DIM
-    k, v = (quantize(torch.randn(b, heads, t, d, generator=g), dim=-1, clip_steps=0) for _ in range(2))
-    q, own = torch.randn(b, heads, d, generator=g), torch.randn(b, heads, d, generator=g)
+    k, v = (quantize(torch.randn(b, heads, t, d, generator=g).to(dtype), dim=-1, clip_steps=0) for _ in range(2))
+    q, own = (torch.randn(b, heads, d, generator=g).to(dtype) for _ in range(2))
     attend_quantized(q, k, v, own, own, None)  # compile (or load the compiled kernel) outside the timing
-    meta = dict(dtype="float32", shape=f"{label}{b}x{heads}x{t}x{d}", bytes=float(2 * b * heads * t * d * 4))
+    size = torch.empty((), dtype=dtype).element_size()
+    meta = dict(dtype=str(dtype).removeprefix("torch."), shape=f"{label}{b}x{heads}x{t}x{d}",
+                bytes=float(2 * b * heads * t * d * size))
     return Point(sample_meta("kv_attend", **meta), lambda: attend_quantized(q, k, v, own, own, None))

@@ -415,8 +415,8 @@ class HardwareProfile(Contract):
     disk_row_read_s: float = 0.0
     disk_sync_s: float = 0.0
     # Decode attention straight over a 4-bit KV cache on a CPU (``xrunner.kvattend``), in bytes of
-    # the float32 K and V attended over per second (0.0 = unknown: priced as a dequantize pass,
-    # then attention over the float copy, as on a GPU).
+    # the K and V attended over per second, counted in the compute dtype (0.0 = unknown: priced
+    # as a dequantize pass, then attention over the float copy, as on a GPU).
     kv_attend_bytes_per_s: float = 0.0
     # Per model, what a decode layer step saves when the layer's weights are in the CPU's cache
     # (``WarmFit``; measured on CPU compute devices only, none: nothing saved).

@@ -1123,8 +1123,11 @@ class Engine:
             else:
                 cpu_s += self._cpu_attention(tier, work, homes, qs, new, pos, rows, attn)
                 continue
-            # the query and output (split into even and odd channels when fused), and a gathered context
-            scratch = (8 if codec.fused else 2) * nbytes_of(qs) + (0 if span else nbytes_of(*ctx))
+            # the query and output (split into even and odd channels, in float32, when fused), a
+            # gathered context, and a half-precision cache's mins and scales in float32 for the kernel
+            scratch = (8 * 4 * qs.numel() if codec.fused else 2 * nbytes_of(qs)) + (0 if span else nbytes_of(*ctx))
+            if codec.fused and self.dtype != torch.float32:
+                scratch += sum(4 * x.numel() for part in (ctx[1:3], ctx[4:6]) for x in part)
             with led.transient("gpu", "attention_decode", scratch):
                 out = codec.attend_stored(spec, qs, ctx, own, None if bool(mask.all()) else mask, self.kv_dequant,
                                           layer)

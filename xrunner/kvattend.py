@@ -105,7 +105,12 @@ def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, ow
     real token; None: all are). Grouped-query attention shares each kv head among ``H / Hkv``
     query heads. Returns ``[B, H, d]`` float32, as ``softmax(q k^T / sqrt(d)) v`` over the
     dequantized cache followed by the own position.
+
+    The kernel computes in float32: a half-precision model's query, own K/V and the cache's
+    mins and scales are converted first (the mins and scales are 1/16 of the codes' values, so
+    the conversion reads 1/8 of the codes' bytes again); the codes are read as they are.
     """
+    q, own_k, own_v = q.float(), own_k.float(), own_v.float()
     B, H, d = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     G, half = k.packed.shape[-2], k.packed.shape[-1]
@@ -119,9 +124,9 @@ def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, ow
     keep = (torch.ones(B, T, dtype=torch.bool) if mask is None else mask).contiguous()
     threads = torch.get_num_threads()
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
-    _attend_kernel(q_e.numpy(), q_o.numpy(), k.packed.numpy(), k.mins.numpy(), k.scales.numpy(), v.packed.numpy(),
-                   v.mins.numpy(), v.scales.numpy(), s_own.numpy(), keep.numpy(), np.float32(scale),
-                   out_e.numpy(), out_o.numpy(), p_own.numpy())
+    mk, sk, mv, sv = (x.float().numpy() for x in (k.mins, k.scales, v.mins, v.scales))
+    _attend_kernel(q_e.numpy(), q_o.numpy(), k.packed.numpy(), mk, sk, v.packed.numpy(), mv, sv, s_own.numpy(),
+                   keep.numpy(), np.float32(scale), out_e.numpy(), out_o.numpy(), p_own.numpy())
     if torch.get_num_threads() != threads:
         # numba's OpenMP pool, started by the first call, sets the OpenMP thread count it shares
         # with torch to every core: a 1-thread profile or run would silently go on with 2.

@@ -172,9 +172,9 @@ class KVCodec:
                  clip_steps: int = KV_CLIP_STEPS, rotate: bool = True,
                  centers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, fused: bool = False):
         self.compress, self.group, self.d, self.dtype = compress, group, head_dim, dtype
-        # A float32 4-bit cache on a CPU attends over its codes (xrunner.kvattend), with no
-        # dequantized copy: :meth:`attend_stored`.
-        self.fused = fused and compress and dtype == torch.float32
+        # A 4-bit cache on a CPU attends over its codes (xrunner.kvattend, in float32 whatever the
+        # model's dtype), with no dequantized copy: :meth:`attend_stored`.
+        self.fused = fused and compress
         self.clip_steps = clip_steps
         self.centers = list(centers) if compress and centers is not None else None
         self.rotation = hadamard(head_dim) if compress and rotate else None
@@ -259,7 +259,7 @@ class KVCodec:
         own_k, own_v = (self._centered(fresh[i], layer, i)[:, :, 0] for i in range(2))
         out = attend_quantized(self._rotate(q)[:, :, 0], k, v, own_k, own_v,
                                None if mask is None else mask[:, :T - 1])
-        return self._unrotated(spec, out[:, None], layer)
+        return self._unrotated(spec, out[:, None], layer).to(q.dtype)
 
     def _unrotated(self, spec: ModelSpec, out: torch.Tensor, layer: int | None) -> torch.Tensor:
         """Attention output ``[b, t, H, d]`` in the rotated, centered space back to ``[b, t, H * d]``."""

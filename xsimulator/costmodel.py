@@ -403,9 +403,9 @@ class CostModel:
 
     @property
     def fused_kv(self) -> bool:
-        """A float32 4-bit cache on a CPU: decode attends over the codes (``xrunner.kvattend``),
-        with no dequantized copy of the cache and no attention over one."""
-        return self.compress_cache and self.profile.compute_device != "cuda" and self.spec.dtype == "float32"
+        """A 4-bit cache on a CPU: decode attends over the codes (``xrunner.kvattend``, in float32
+        whatever the model's dtype), with no dequantized copy of the cache and no attention over one."""
+        return self.compress_cache and self.profile.compute_device != "cuda"
 
     @property
     def warm_share(self) -> float:
@@ -838,8 +838,12 @@ class CostModel:
             return gbs * elem * (2 * q + 2 * ctx * q + 2 * heads * ctx)
 
         decode_attn = decode_attn_bytes(dt)
-        if self.fused_kv:  # the query and output split by channel parity, and the rows' context gathered
-            decode_attn = gbs * (8 * q * dt + ctx * spec.kv_bytes_per_token_per_layer * self.kv_stored_ratio)
+        if self.fused_kv:
+            # The query and output split by channel parity (float32: the kernel's), and the rows'
+            # context gathered; a half-precision cache's per-group mins and scales go to float32 too.
+            groups = spec.num_kv_heads * -(-spec.head_dim // QUANT_GROUP)
+            convert = ctx * 2 * groups * 2 * 4 if dt < 4 else 0.0
+            decode_attn = gbs * (8 * q * 4 + ctx * spec.kv_bytes_per_token_per_layer * self.kv_stored_ratio + convert)
         gpu_tr = {
             "qkv": float(gbs * s * (h + q + 2 * kvd) * dt),
             "attention": float(prefill_attn),
