@@ -24,9 +24,16 @@ speed-up any engine can show here, whatever it does about I/O.
 Both sides use every core by default (``--threads``; stop 27's final code on 2 cores, 1 -> 2
 threads: Accelerate 8.60 -> 10.72 tokens/s, xsched 71.43 -> 133.15).
 
+``--dtype bfloat16`` runs both sides in bfloat16 (weights saved so, half the bytes on disk; on a
+CPU with AVX512-BF16 its GEMMs ran 2.5x the float32 rate at stop 32). Accelerate then needs more
+memory per row, not less: transformers' bfloat16 LM head on the CPU expands the tied weight per
+sequence during the prefill (a ``[batch, prompt, vocab]`` copy, 3.1 GB at batch 32), so batch 16
+is OOM-killed in 2 GiB and its best batch is 12.
+
     python benchmarks/offload_vs_accelerate.py --accelerate-batches 32 --profile cal.json   # as reported
     python benchmarks/offload_vs_accelerate.py                                  # no profile: largest block
     python benchmarks/offload_vs_accelerate.py --accelerate-batches 8 --rows 64  # shorter
+    python benchmarks/offload_vs_accelerate.py --dtype bfloat16 --accelerate-batches 8,12 --profile calbf.json
 """
 
 from __future__ import annotations
@@ -54,16 +61,18 @@ MiB = 2**20
 MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
 MALLOC_MMAP_THRESHOLD_BYTES = 1 * MiB
 REPO = Path(__file__).resolve().parents[1]
+DTYPE_SUFFIX = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 # ----------------------------------------------------------------------------- model on disk
 def bench_spec(args: argparse.Namespace):
     from xprofiler.specs import ModelSpec
 
-    return ModelSpec(name="opt-0.5b-random", family="opt", num_layers=args.layers, hidden=args.hidden,
+    suffix = "" if args.dtype == "float32" else "-" + DTYPE_SUFFIX[args.dtype]
+    return ModelSpec(name="opt-0.5b-random" + suffix, family="opt", num_layers=args.layers, hidden=args.hidden,
                      ffn=4 * args.hidden, num_heads=args.hidden // 64, num_kv_heads=args.hidden // 64, head_dim=64,
                      vocab_size=50272, max_positions=2048, norm="layernorm", activation="relu",
-                     position="learned", tied_embeddings=True, bias=True, dtype="float32", eos_token_id=2)
+                     position="learned", tied_embeddings=True, bias=True, dtype=args.dtype, eos_token_id=2)
 
 
 def make_model_dir(spec, path: Path) -> None:
@@ -91,7 +100,7 @@ def make_model_dir(spec, path: Path) -> None:
     OPTConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden, ffn_dim=spec.ffn,
               num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
               max_position_embeddings=spec.max_positions, word_embed_proj_dim=spec.hidden,
-              tie_word_embeddings=True, eos_token_id=spec.eos_token_id, dtype="float32").save_pretrained(path)
+              tie_word_embeddings=True, eos_token_id=spec.eos_token_id, dtype=spec.dtype).save_pretrained(path)
     _sync_dir(path)
 
 
@@ -243,7 +252,7 @@ def child_accelerate(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     config = transformers.AutoConfig.from_pretrained(args.model_dir)
     with accelerate.init_empty_weights():
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(getattr(torch, args.dtype))
     model.tie_weights()
     accelerate.disk_offload(model, args.offload_dir, execution_device=torch.device("cpu"))
     model.eval()
@@ -292,7 +301,7 @@ def child_gemm(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
-    point = gemm_point("mm", cpu, torch.float32, 1024, args.hidden, 4 * args.hidden)
+    point = gemm_point("mm", cpu, getattr(torch, args.dtype), 1024, args.hidden, 4 * args.hidden)
     rows = run_points([point], Timer(cpu), passes=7, warmup=2)
     per_call_s = statistics.median(r["time_s"] / r["count"] for r in rows)
     print(json.dumps({"gemm_flops_per_s": point.meta["flops"] / per_call_s}))
@@ -365,6 +374,9 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=2.0, help="RAM budget of each side, page cache included")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--dtype", choices=tuple(DTYPE_SUFFIX), default="float32",
+                    help="weights on disk and compute, the same on both sides (bfloat16: half the bytes; on a CPU "
+                         "with AVX512-BF16 or AMX its GEMMs also run faster); --profile must be measured in it")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--accelerate-batches", default="16,48", help="comma-separated batch sizes to try")
@@ -404,12 +416,13 @@ def main() -> None:
     budget = int(args.budget_gib * GiB)
     work = args.workdir
     spec = bench_spec(args)
-    model_dir, acc_dir = work / spec.name, work / "accelerate-offload"
+    model_dir = work / spec.name
+    acc_dir = work / ("accelerate-offload" + ("" if args.dtype == "float32" else "-" + DTYPE_SUFFIX[args.dtype]))
     t = time.perf_counter()
     make_model_dir(spec, model_dir)
     make_accelerate_offload(model_dir, acc_dir)
     print(f"model: {spec.name}, {spec.num_layers} layers, hidden {spec.hidden}, "
-          f"{spec.num_params / 1e9:.3f} B params, {spec.weight_bytes / GiB:.2f} GiB in float32 on disk "
+          f"{spec.num_params / 1e9:.3f} B params, {spec.weight_bytes / GiB:.2f} GiB in {spec.dtype} on disk "
           f"(prepared in {time.perf_counter() - t:.0f} s)", file=sys.stderr)
     me = [sys.executable, str(Path(__file__).resolve())]
     rows: list[dict] = []
@@ -420,7 +433,7 @@ def main() -> None:
             drop_page_cache(acc_dir)
             r = run_limited(me + ["--child", "accelerate", "--model-dir", str(model_dir), "--offload-dir", str(acc_dir),
                                   "--batch", str(b), "--prompt-len", str(args.prompt_len), "--new-tokens",
-                                  str(args.new_tokens), "--threads", str(args.threads)],
+                                  str(args.new_tokens), "--threads", str(args.threads), "--dtype", args.dtype],
                             budget, f"acc{b}", args.threads, args.timeout_s, args.malloc_fix != "none")
             enforced = r["cgroup"]
             res = last_json(r["stdout"]) if r["returncode"] == 0 else None
@@ -439,6 +452,9 @@ def main() -> None:
             raise SystemExit(f"error: {args.profile} was measured with {profile.compute_threads} thread(s), this run "
                              f"uses {args.threads}: pass --threads {profile.compute_threads}, or profile with "
                              f"--threads {args.threads}")
+        if args.profile and profile.compute_dtype not in ("", args.dtype):
+            raise SystemExit(f"error: {args.profile} was measured in {profile.compute_dtype}, this run computes in "
+                             f"{args.dtype}: profile with --dtype {args.dtype}")
         base = run_limited(me + ["--child", "baseline"], budget, "base", args.threads, 300, args.malloc_fix == "both")
         overhead = last_json(base["stdout"])["maxrss_bytes"] if base["returncode"] == 0 else 600 * MiB
         overhead = int(overhead * 1.15) + 256 * MiB  # allocator slack, torch workspaces, the results writer
@@ -487,7 +503,8 @@ def main() -> None:
     ours = [r for r in rows if r["side"] == "xsched run" and r["tokens_per_s"]]
     best_acc = max(acc_ok, key=lambda r: r["tokens_per_s"]) if acc_ok else None
     speedup = ours[0]["tokens_per_s"] / best_acc["tokens_per_s"] if ours and best_acc else None
-    gemm = subprocess.run(me + ["--child", "gemm", "--hidden", str(args.hidden), "--threads", str(args.threads)],
+    gemm = subprocess.run(me + ["--child", "gemm", "--hidden", str(args.hidden), "--threads", str(args.threads),
+                                "--dtype", args.dtype],
                           cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO)),
                           capture_output=True, text=True)
     gemm_rate = (last_json(gemm.stdout) or {}).get("gemm_flops_per_s") if gemm.returncode == 0 else None
