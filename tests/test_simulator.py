@@ -266,7 +266,8 @@ def test_a_half_precision_4bit_cache_on_a_cpu_is_priced_and_planned_as_the_fused
     mem = cm.memory(pol.placement(), 8, 1, 64, 32)
     assert mem["gpu"].resident["kv_dequant"] == 0
     ctx, groups = 64 + 32, spec.num_kv_heads * -(-spec.head_dim // 64)
-    want = 8 * (8 * spec.q_dim * 4 + ctx * spec.kv_bytes_per_token_per_layer * cm.kv_stored_ratio + ctx * 2 * groups * 2 * 4)
+    context = ctx * spec.kv_bytes_per_token_per_layer * cm.kv_stored_ratio
+    want = 8 * (8 * spec.q_dim * 4 + context + ctx * 2 * groups * 2 * 4)
     assert mem["gpu"].transient["attention_decode"] == pytest.approx(want)
     kv_ctx = 8 * 100 * spec.kv_bytes_per_token_per_layer
     plain = CostModel.for_policy(spec, prof, replace(pol, compress_cache=False))

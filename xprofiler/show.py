@@ -64,8 +64,8 @@ def summary(p: HardwareProfile) -> str:
         f"  host cpu     mm {si(p.cpu_mm_flops, 'FLOP/s')}, bmm {si(p.cpu_bmm_flops, 'FLOP/s')}, memory roof "
         + (si(p.cpu_mem_bytes_per_s, "B/s") if p.cpu_mem_bytes_per_s else "unknown"),
         f"  4-bit        quantize {si(p.quant_bytes_per_s, 'B/s')}, dequantize {si(p.dequant_bytes_per_s, 'B/s')}"
-        + (f", decode attention over the codes {si(p.kv_attend_bytes_per_s, 'B/s')} of {p.compute_dtype or 'float32'} K/V"
-           if p.kv_attend_bytes_per_s else ""),
+        + (f", decode attention over the codes {si(p.kv_attend_bytes_per_s, 'B/s')} of "
+           f"{p.compute_dtype or 'float32'} K/V" if p.kv_attend_bytes_per_s else ""),
     ]
     if p.disk_row_write_s or p.disk_row_read_s:
         lines.append(f"  disk rows    4 KiB KV/activation rows: read {p.disk_row_read_s * 1e6:.0f} us each; a store "

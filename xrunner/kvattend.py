@@ -107,8 +107,8 @@ def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, ow
     dequantized cache followed by the own position.
 
     The kernel computes in float32: a half-precision model's query, own K/V and the cache's
-    mins and scales are converted first (the mins and scales are 1/16 of the codes' values, so
-    the conversion reads 1/8 of the codes' bytes again); the codes are read as they are.
+    mins and scales are converted first (a min and a scale per 64 values: the conversion reads
+    1/8 of the codes' bytes); the codes are read as they are.
     """
     q, own_k, own_v = q.float(), own_k.float(), own_v.float()
     B, H, d = q.shape
