@@ -1,7 +1,8 @@
 """Does the calibrated simulator predict the runner? Measured vs predicted throughput and p99 latency.
 
 Plans covering every kind of placement (all on the gpu tier, weights on cpu (9 layers, and 2
-layers that stay in the stage slots), weights on disk, KV cache on cpu with CPU attention, 4-bit
+layers that stay in the stage slots), weights on disk, KV cache on cpu with attention on the
+compute device and with CPU attention, 4-bit
 compression, refill, GPU batches of one row) over two workloads (a fixed one and
 the ExeGPT C1 preset scaled to this machine) run for real with :class:`xrunner.engine.Engine`
 (random weights of the model's shape, EOS ignored) and are simulated by the discrete-event
@@ -48,6 +49,7 @@ PLANS: dict[str, dict] = {
     # 2 of 12 layers off the gpu tier: they stay in the engine's two stage slots (no per-step fetch).
     "weights-cpu-2-layers": dict(gbs=8, nb=2, wg=10 / 12, wc=2 / 12),
     "weights-disk": dict(gbs=8, nb=2, wg=0.25, wc=0.25, wd=0.5),
+    "kv-cpu": dict(gbs=8, nb=2, cg=0.0, cc=1.0),  # the cache copied to the compute device and back
     "kv-cpu-cpu-attention": dict(gbs=8, nb=2, cg=0.0, cc=1.0, cpu_attention=True),
     "compressed": dict(gbs=8, nb=2, compress_weight=True, compress_cache=True),
     "refill": dict(gbs=4, nb=2, refill_every=4),
@@ -78,6 +80,10 @@ def main() -> int:
                     help="re-time the calibration's all-gpu runs before and after each plan (xsched calibrate "
                          "--refresh's speed check) and also predict with the calibrated profile rescaled to it "
                          "(default on)")
+    ap.add_argument("--compare", default=None, metavar="CALIBRATED.json",
+                    help="a second calibrated profile of the same raw one (another fit of the same calibration "
+                         "runs, say): its predictions of the same measured runs, re-anchored the same way, are "
+                         "summarised beside the first's")
     ap.add_argument("--offload-dir", default=None)
     args = ap.parse_args()
 
@@ -100,6 +106,9 @@ def main() -> int:
                         progress=sys.stderr.isatty())
         print(report(fit))
         cal = fit.profile
+    other = load_profile(args.compare) if args.compare else None
+    if other is not None:
+        print(f"compared with {args.compare}: {other.calibration}")
     spec, source_for = resolve_model(args.model, raw)
     if raw.compute_threads:
         torch.set_num_threads(raw.compute_threads)
@@ -115,6 +124,7 @@ def main() -> int:
     # rescaled by the geometric mean of the two checks' measured/predicted ratios.
     runs: list[list] = [[] for _ in jobs]
     speed: list[float] = [1.0 for _ in jobs]
+    speed2: list[float] = [1.0 for _ in jobs]  # the same checks against --compare's profile
 
     def run(j: int, rep: int) -> None:
         w, name, policy, prompt, output = jobs[j]
@@ -122,12 +132,12 @@ def main() -> int:
         runs[j].append(m)
         print(f"  ran {w.name:<14} {name:<22} {m.wall_s:6.1f} s (repeat {rep + 1})", file=sys.stderr)
 
-    def check() -> float:
+    def check() -> tuple[float, float]:
         ms = measure_design(spec, anchors, profile=cal, repeats=1, offload_dir=args.offload_dir,
                             source_for=source_for)
         ratio = speed_ratio(spec, cal, ms)[0]
         print(f"  speed check: {ratio:.3f} x the calibrated step times", file=sys.stderr)
-        return ratio
+        return ratio, (speed_ratio(spec, other, ms)[0] if other is not None else 1.0)
 
     if args.reanchor:
         anchors = anchor_designs(spec)
@@ -136,13 +146,13 @@ def main() -> int:
             for rep in range(args.repeats):
                 run(j, rep)
             checks.append(check())
-            speed[j] = float(np.sqrt(checks[-2] * checks[-1]))
+            speed[j], speed2[j] = (float(np.sqrt(a * b)) for a, b in zip(checks[-2], checks[-1]))
     else:
         for rep in range(args.repeats):
             for j in range(len(jobs)):
                 run(j, rep)
     rows = []
-    for (w, name, policy, prompt, output), ms, ratio in zip(jobs, runs, speed):
+    for (w, name, policy, prompt, output), ms, ratio, ratio2 in zip(jobs, runs, speed, speed2):
         gen = float(np.sum(output))
         tps = [gen / m.wall_s for m in ms]
         p99 = [quantile(list(m.latency_s.values()), 0.99) for m in ms]
@@ -150,6 +160,8 @@ def main() -> int:
         wl = workload_of(prompt, output, name=w.name)
         now = rescaled(cal, ratio)
         profiles = (("raw", raw), ("cal", cal)) + ((("now", now),) if args.reanchor else ())
+        if other is not None:
+            profiles += (("cal2", other),) + ((("now2", rescaled(other, ratio2)),) if args.reanchor else ())
         pred = {k: simulate(spec, p, policy, wl, requests=(prompt, output)) for k, p in profiles}
         row = {"workload": w.name, "plan": name, "measured_tps": float(np.median(tps)),
                "measured_p99_s": float(np.median(p99)), "measured_wall_s": m.wall_s,
@@ -171,6 +183,7 @@ def main() -> int:
 
     best = "now" if args.reanchor else "cal"
     kinds = (("raw", "uncalibrated"), ("cal", "calibrated")) + ((("now", "re-anchored"),) if args.reanchor else ())
+    compared = (("cal2", "--compare calibrated"),) + ((("now2", "--compare re-anchored"),) if args.reanchor else ())
     print()
     speed_note = ", 'speed' = its scale on the calibrated compute terms" if args.reanchor else ""
     print(f"model {spec.name} ({spec.dtype}), {args.requests} requests per run, random weights, EOS ignored; "
@@ -186,16 +199,22 @@ def main() -> int:
               f"{r['speed_ratio']:>6.3f} {str(r['peak_ok']):>10} "
               f"{r['repeat_spread_tps']:>6.1%}/{r['repeat_spread_p99']:.1%}")
     summary = {}
-    for k, _label in kinds:
+    summarised = kinds + (compared if other is not None else ())
+    for k, _label in summarised:
         for what in ("tps", "p99_s"):
             e = np.abs([err(r, k, what) for r in rows])
             summary[f"{k}_{what}"] = (float(np.median(e)), float(np.max(e)))
     print()
-    print(f"{'|error|':<30} {'median':>8} {'max':>8}   goal: median <= 5%, max <= 15%")
-    for k, label in kinds:
+    print(f"{'|error|':<38} {'median':>8} {'max':>8}   goal: median <= 5%, max <= 15%")
+    for k, label in summarised:
         for what, wl in (("tps", "throughput"), ("p99_s", "p99 latency")):
             med, mx = summary[f"{k}_{what}"]
-            print(f"{label + ' ' + wl:<30} {med:>8.1%} {mx:>8.1%}")
+            print(f"{label + ' ' + wl:<38} {med:>8.1%} {mx:>8.1%}")
+    if other is not None:
+        key = "now2" if args.reanchor else "cal2"
+        print(f"per plan, signed throughput error: {best} / {key}")
+        for r in rows:
+            print(f"  {r['workload']:<14} {r['plan']:<22} {err(r, best, 'tps'):>+7.1%} / {err(r, key, 'tps'):>+7.1%}")
     if args.reanchor:
         sp = [r["speed_ratio"] for r in rows]
         print(f"speed checks: {min(sp):.3f} .. {max(sp):.3f} x the calibrated step times")

@@ -343,6 +343,20 @@ def test_disk_reads_slow_the_compute_beside_them_by_the_calibrated_fraction():
         CostModel(OPT30, replace(prof, calibration={"disk_interferense": 0.25}))
 
 
+def test_copies_between_cpu_and_gpu_tiers_slow_the_compute_beside_them_by_the_calibrated_fraction():
+    """On a host without CUDA the cpu <-> gpu tier copies are memcpys on the engine's I/O threads:
+    ``copy_interference`` adds that fraction of their seconds (ctog and gtoc, not disk) to compute."""
+    prof = cpu_host()
+    p = dict(wg=0.5, wc=0.5, wd=0.0, cg=0.0, cc=1.0, cd=0.0, hg=0.0, hc=1.0, hd=0.0)
+    plain = CostModel(OPT30, prof)
+    slowed = CostModel(OPT30, replace(prof, calibration={"copy_interference": 0.3, "disk_interference": 0.9}))
+    w_a, w_b = plain.weight_terms(p), slowed.weight_terms(p)
+    assert w_a.ctog > 0 and w_b.gpu_compute - w_a.gpu_compute == pytest.approx(0.3 * w_a.ctog)
+    b_a, b_b = plain.batch_terms("decode", 8, 300, p), slowed.batch_terms("decode", 8, 300, p)
+    assert b_a.ctog > 0 and b_a.gtoc > 0 and b_a.dtoc == 0
+    assert b_b.gpu_compute - b_a.gpu_compute == pytest.approx(0.3 * (b_a.ctog + b_a.gtoc))
+
+
 def test_layers_on_different_weight_tiers_are_priced_apart():
     """The runner puts whole layers on a tier, so a step lasts the sum over layers of each one's
     max(compute, its own fetch), not L x the max over the average layer's terms (FlexGen's model,

@@ -58,8 +58,11 @@ OVERHEAD_TERMS: tuple[str, ...] = ("layer_overhead_s", "step_overhead_s", "block
 # 0): on a host without CUDA the reads land in the memory the compute streams from, and on a
 # small VM their interrupts and copies share its cores. Calibration fits it from the compute busy
 # time of the runs that read from disk; on the 2-core VM this was built on, compute ran 8-14%
-# longer in weights-on-disk plans than the same plans all in memory.
-INTERFERENCE_TERMS: tuple[str, ...] = ("disk_interference",)
+# longer in weights-on-disk plans than the same plans all in memory. ``copy_interference``, the
+# same per second of copies between the cpu and gpu tiers (ctog, gtoc): on a host without CUDA
+# those are memcpys on the engine's I/O threads, which take cores and memory bandwidth from the
+# compute (stop 32: plans with the KV cache on the cpu tier were predicted 3-14% fast without it).
+INTERFERENCE_TERMS: tuple[str, ...] = ("disk_interference", "copy_interference")
 # The engine attends in place over a span of a GPU batch's slots while it is at most this many
 # times the rows left in it (xrunner.engine.attention_span); the cost model prices the same rule.
 SPAN_MAX_RATIO = 3
@@ -456,7 +459,7 @@ class CostModel:
         if self.compress_weight:
             dequant = self.layer_matmul_bytes / self.profile.dequant_bytes_per_s * self.factor("dequant")
         return StepTerms(ctog=ctog, dtoc=dtoc, dequant=dequant,
-                         gpu_compute=self.overhead_s("block_layer_overhead_s") + self._interference(dtoc))
+                         gpu_compute=self.overhead_s("block_layer_overhead_s") + self._interference(dtoc, ctog))
 
     def weight_tier_terms(self, placement: Mapping[str, Any]) -> list[tuple[Any, StepTerms]]:
         """``(share of the layers, weight_terms of one such layer)`` per weight tier.
@@ -572,7 +575,7 @@ class CostModel:
                 dequant = kv_ctx * (self.factor("dequant") / self.profile.dequant_bytes_per_s)
         codec_s = self.overhead_s("kv_codec_overhead_s") if self.compress_cache and not prefill else 0.0
         gpu_compute = (_times(self.factor("gpu_compute"), gpu_compute) + self.overhead_s("layer_overhead_s") + codec_s
-                       + self._interference(dtoc))
+                       + self._interference(dtoc, ctog + gtoc))
         return StepTerms(ctog=ctog, gtoc=gtoc, dtoc=dtoc, ctod=ctod, gpu_compute=gpu_compute,
                          cpu_compute=cpu_compute, dequant=dequant, quant=quant)
 
@@ -645,10 +648,15 @@ class CostModel:
         seconds = self._copy_s(channel, nbytes, nbytes / np.maximum(ops, 1)) * self.factor(channel)
         return fraction * (seconds + ops * self.overhead_s("row_copy_s"))
 
-    def _interference(self, dtoc: Any) -> Any:
-        """Compute seconds lost to ``dtoc`` seconds of disk reads beside it (:data:`INTERFERENCE_TERMS`)."""
-        k = float(self.profile.calibration.get("disk_interference", 0.0))
-        return 0.0 if _is_zero(dtoc) else _times(k, dtoc)
+    def _interference(self, dtoc: Any, copies: Any = 0.0) -> Any:
+        """Compute seconds lost to ``dtoc`` seconds of disk reads and ``copies`` seconds of
+        cpu <-> gpu tier copies beside it (:data:`INTERFERENCE_TERMS`)."""
+        lost: Any = 0.0
+        for term, busy in (("disk_interference", dtoc), ("copy_interference", copies)):
+            k = float(self.profile.calibration.get(term, 0.0))
+            if not _is_zero(busy) and k:
+                lost = lost + k * busy
+        return lost
 
     def _disk_rows(self, fraction: Any, channel: str, nbytes: Any, rows: Any, per_row: int) -> Any:
         """``fraction`` of moving ``nbytes`` of KV-cache or activation rows to or from disk.
