@@ -6,10 +6,17 @@ to 95 s. Set before torch is imported anywhere, so the environment variable reac
 thread pool here and in every child process.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# What xsched caches (converted tokenizers) goes to one fresh directory per test session, shared by
+# the CLI subprocesses, never to the user's ~/.cache.
+os.environ["XSCHED_CACHE_DIR"] = tempfile.mkdtemp(prefix="xsched-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XSCHED_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 

@@ -263,3 +263,32 @@ def test_smollm2_greedy_tokens_match_transformers(smollm2):
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
         assert got == ref[0, len(prompt):].tolist()
     assert "Paris" in tokenizer.decode(ours[0])
+
+
+def test_a_gguf_tokenizer_is_converted_once_and_then_read_from_the_cache(smollm2, tmp_path, monkeypatch):
+    """The GGUF's tokenizer is converted by transformers once and kept in the cache directory; the
+    next source loads the converted copy (no GGUF parse), which encodes and chat-templates exactly
+    as the converted one. A cache that cannot be written (a file where the directory should be)
+    costs time, not the tokenizer."""
+    source, _, fresh, _ = smollm2
+    monkeypatch.setenv("XSCHED_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: calls.append("gguf" if "gguf_file" in k else "cache") or real(*a, **k))
+    first = source.tokenizer()
+    second = GGUFSource(source.path).tokenizer()
+    assert calls == ["gguf", "cache"]
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1  # no temporary directory left
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    for tok in (first, second):
+        assert tok.apply_chat_template(chat, add_generation_prompt=True) == \
+            fresh.apply_chat_template(chat, add_generation_prompt=True)
+        assert tok("The capital of France is Paris.")["input_ids"] == \
+            fresh("The capital of France is Paris.")["input_ids"]
+        assert (tok.eos_token_id, tok.pad_token_id) == (fresh.eos_token_id, fresh.pad_token_id)
+    (tmp_path / "blocked").write_text("not a directory")
+    monkeypatch.setenv("XSCHED_CACHE_DIR", str(tmp_path / "blocked"))
+    calls.clear()
+    assert source.tokenizer()("hello")["input_ids"] == fresh("hello")["input_ids"]
+    assert calls == ["gguf"]

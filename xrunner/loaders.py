@@ -8,6 +8,7 @@ unpickled: HF checkpoints are read from safetensors only.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -280,13 +281,53 @@ class GGUFSource(ModelSource):
         return out
 
     def tokenizer(self) -> Any:
-        AutoTokenizer = _require("transformers").AutoTokenizer
-
+        """The tokenizer transformers builds from the GGUF metadata, kept converted in the cache
+        (:func:`cache_dir`): building it parses the file again and converts the vocabulary, 4.6 s
+        for SmolLM2 on the project's VM, where loading the converted one takes 0.2 s."""
+        transformers = _require("transformers")
+        st = self.path.stat()
+        ident = hashlib.sha1(f"{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        cached = cache_dir() / "tokenizers" / f"{self.path.stem}-{ident}-transformers-{transformers.__version__}"
+        if cached.is_dir():
+            try:
+                return transformers.AutoTokenizer.from_pretrained(cached)
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # a damaged entry: convert again (and replace it below)
         try:
-            return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+            tok = transformers.AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserError(f"{self.path}: cannot build a tokenizer from the GGUF metadata "
                             f"({str(exc).splitlines()[0]})") from None
+        _keep(cached, tok.save_pretrained)
+        return tok
+
+
+def cache_dir() -> Path:
+    """Where xsched keeps what it can rebuild: ``$XSCHED_CACHE_DIR``, else ``$XDG_CACHE_HOME/xsched``,
+    else ``~/.cache/xsched``."""
+    if os.environ.get("XSCHED_CACHE_DIR"):
+        return Path(os.environ["XSCHED_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "xsched"
+
+
+def _keep(path: Path, write: Any) -> None:
+    """Fill the directory ``path`` with ``write(tmp)`` all at once (a temporary directory renamed
+    into place), or not at all: a cache that cannot be written only costs the next run time."""
+    import shutil
+    import tempfile
+
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
+        write(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    finally:
+        if tmp is not None and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- random
