@@ -14,8 +14,12 @@ infinity). For each bound:
 Timings are from a shared 2-core machine; compare within one run. ``cpu s`` is the process's
 CPU time for the branch-and-bound plan, what its wall time would be with a core to itself.
 
+``--presets`` also takes profile files written by ``xsched profile``: a measured profile's noisy
+fits are where the search's LP bounds are least safe, so check the planner on one too (for
+example ``--models smollm2-135m --presets p.json --workloads S@0.125 --kinds p99 p99-length``).
+
     python benchmarks/plan_quality.py [--quick] [--requests 2000] [--models ...] [--presets ...]
-                                      [--workloads ...]
+                                      [--workloads ...] [--kinds p99 p99-length]
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
 from workloads import get_workload
-from xprofiler.presets import load_profile
+from xprofiler.presets import load_profile, preset_names
 from xprofiler.specs import get_model_spec
 from xsched.errors import UserError
 from xscheduler.placement import lp_solver
@@ -41,8 +46,8 @@ BOUNDS = (1.25, 2.0, 4.0, math.inf)
 QUICK = dict(models=("opt-30b", "opt-175b"), presets=("t4",), workloads=("T", "C2"))
 
 
-def cell(model: str, preset: str, wl: str, requests: int) -> list[dict]:
-    profile = load_profile(preset)
+def cell(model: str, preset: str, wl: str, requests: int, kinds: tuple[str, ...] = ("p99",)) -> list[dict]:
+    profile = load_profile(preset, check_machine=False)
     spec, workload = profile.model_for(get_model_spec(model)), get_workload(wl)
     vs = variants("auto", profile.compute_device)
     t0 = time.perf_counter()
@@ -52,22 +57,21 @@ def cell(model: str, preset: str, wl: str, requests: int) -> list[dict]:
         return [dict(model=model, preset=preset, workload=wl, note="does not fit")]
     exh_all = search(full, spaces, "p99", math.inf, "exhaustive")
     exh_wall = time.perf_counter() - t0
-    lowest = min(e.latency("p99") for e in full.cache.values() if e.fits)
     rows = []
-    for factor in BOUNDS:
-        bound = lowest * factor
-        exh = search(full, spaces, "p99", bound, "exhaustive").best
+    for kind, factor in ((k, f) for k in kinds for f in BOUNDS):
+        bound = min(e.latency(kind) for e in full.cache.values() if e.fits) * factor
+        exh = search(full, spaces, kind, bound, "exhaustive").best
         t1, c1 = time.perf_counter(), time.process_time()
         ev = Evaluator(spec, profile, workload, num_requests=requests)
         bs = [s for s in (ev.space(v, knee=True) for v in vs) if s]
-        out = search(ev, bs, "p99", bound, "bnb")
+        out = search(ev, bs, kind, bound, "bnb")
         bnb_wall, bnb_cpu = time.perf_counter() - t1, time.process_time() - c1
         opt_ev = Evaluator(spec, profile, workload, num_requests=requests)
         opt_ev.placements = full.placements  # LPs are not what Optuna is measured on
-        opt = search(opt_ev, spaces, "p99", bound, "optuna", budget=out.evaluations).best
+        opt = search(opt_ev, spaces, kind, bound, "optuna", budget=out.evaluations).best
         ref = exh.throughput if exh else 0.0
         rows.append(dict(
-            model=model, preset=preset, workload=wl, factor=factor, bound=bound, exh=ref,
+            model=model, preset=preset, workload=wl, kind=kind, factor=factor, bound=bound, exh=ref,
             bnb=(out.best.throughput / ref) if exh and out.best else (1.0 if not exh and not out.best else 0.0),
             optuna=(opt.throughput / ref) if exh and opt else (1.0 if not exh and not opt else 0.0),
             evals=out.evaluations, grid=exh_all.evaluations, lps=ev.lp_solves, bnb_wall=bnb_wall, bnb_cpu=bnb_cpu,
@@ -84,27 +88,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=None)
     ap.add_argument("--presets", nargs="+", default=None)
     ap.add_argument("--workloads", nargs="+", default=None)
+    ap.add_argument("--kinds", nargs="+", default=["p99"], choices=["p99", "p99-length"],
+                    help="latency bounds to search under (default p99)")
     args = ap.parse_args(argv)
     models = args.models or (QUICK["models"] if args.quick else MODELS)
     presets = args.presets or (QUICK["presets"] if args.quick else PRESETS)
     wls = args.workloads or (QUICK["workloads"] if args.quick else WORKLOADS)
     combos = [(m, p, w) for m in models for p in presets for w in wls]
-    header = (f"{'model':<12}{'preset':<10}{'wl':<4}{'bound':>7}{'exh tok/s':>11}{'B&B/exh':>9}{'TPE/exh':>9}"
+    header = (f"{'model':<14}{'preset':<10}{'wl':<9}{'kind':<11}{'bound':>7}{'exh tok/s':>11}{'B&B/exh':>9}{'TPE/exh':>9}"
               f"{'B&B evals':>10}{'grid':>6}{'evals %':>8}{'LPs':>5}{'B&B s':>7}{'cpu s':>7}{'exh s':>7}")
     print(header)
     rows = []
     for m, p, w in tqdm(combos, desc="plan quality", file=sys.stderr):
         try:
-            got = cell(m, p, w, args.requests)
+            got = cell(m, p, w, args.requests, tuple(args.kinds))
         except UserError as exc:
             got = [dict(model=m, preset=p, workload=w, note=str(exc))]
+        name, model = (p if p in preset_names() else Path(p).stem), Path(m).name  # files by their names
         for r in got:
             if "note" in r:
-                print(f"{m:<12}{p:<10}{w:<4}  {r['note'][:90]}", flush=True)
+                print(f"{model:<14}{name:<10}{w:<9}  {r['note'][:90]}", flush=True)
                 continue
             rows.append(r)
             f = "inf" if math.isinf(r["factor"]) else f"{r['factor']:g}x"
-            print(f"{m:<12}{p:<10}{w:<4}{f:>7}{r['exh']:>11.3f}{r['bnb']:>9.3f}{r['optuna']:>9.3f}{r['evals']:>10}"
+            print(f"{model:<14}{name:<10}{w:<9}{r['kind']:<11}{f:>7}{r['exh']:>11.3f}{r['bnb']:>9.3f}{r['optuna']:>9.3f}{r['evals']:>10}"
                   f"{r['grid']:>6}{100 * r['evals'] / r['grid']:>7.1f}%{r['lps']:>5}{r['bnb_wall']:>7.2f}{r['bnb_cpu']:>7.2f}"
                   f"{r['exh_wall']:>7.1f}", flush=True)
     if rows:

@@ -20,7 +20,8 @@ from xprofiler.profile import BandwidthCurve, CalibrationError
 from xprofiler.specs import get_model_spec
 from xsched.errors import UserError
 from xscheduler import SLA, Evaluator, Plan, place, plan_search, variants
-from xscheduler.search import REFILL_LEVELS, Evaluation, Variant, _jump, polish, search
+from xscheduler.search import (LP_BOUND_SLACK, LP_LATENCY_SLACK, REFILL_LEVELS, Evaluation, Variant, _jump, polish,
+                               search)
 from xscheduler.placement import Shape, token_seconds
 from xsimulator.costmodel import TIERS, CostModel
 from xsimulator.policy import Policy
@@ -168,6 +169,33 @@ def test_branch_and_bound_matches_exhaustive_search(case, grid, kind):
         assert out.best.meets(kind, bound)
         assert out.best.throughput >= 0.99 * exh.throughput, (factor, out.best.policy, exh.policy)
         assert out.evaluations < sum(len(s.points()) for s in spaces) / 3  # far fewer than exhaustive
+
+
+def test_lp_bounds_widen_when_a_simulation_beats_them(case):
+    """The LP's throughput bound and latency floor carry slacks measured on the presets' grids; a
+    measured profile can put the simulator beyond them (a noisy SmolLM2 profile: 1.43x the LP's
+    throughput), and a bound a priced point already breaks prunes the answer. After every
+    simulation, every priced point is within its knobs' bounds again (with the slack's margin)."""
+    spec, prof, w = case
+    ev = Evaluator(spec, prof, w, num_requests=REQUESTS)
+    real = ev.simulate
+
+    def faster(policy, *a, **k):  # a simulator 1.6x faster than the LP thinks possible at gbs 2
+        r = real(policy, *a, **k)
+        f = 1.6 if policy.gbs == 2 else 1.0
+        return replace(r, throughput_tokens_per_s=r.throughput_tokens_per_s * f, latency_p99_s=r.latency_p99_s / f,
+                       latency_p99_length_s=r.latency_p99_length_s / f)
+
+    ev.simulate = faster
+    v = variants("off", prof.compute_device)[0]
+    assert ev.bound(v, 2, 1) < ev(v, 2, 1, 0).throughput  # the preset slack would prune this point
+    ev(v, 1, 1, 0)
+    for e in [e for e in ev.cache.values() if e.fits]:
+        assert ev.bound(e.variant, e.gbs, e.nb) >= e.throughput * 1.01
+        assert ev.latency_floor(e.variant, e.gbs, e.nb) <= min(e.latency("p99"), e.latency("p99-length")) * 0.99
+    fresh = Evaluator(spec, prof, w, num_requests=REQUESTS)
+    fresh(v, 2, 1, 0), fresh(v, 1, 1, 0)  # the real simulator here: about as the presets measured
+    assert fresh.bound_slack == pytest.approx(LP_BOUND_SLACK, rel=0.01) and fresh.floor_slack == LP_LATENCY_SLACK
 
 
 def test_plan_meets_its_sla_on_another_request_sample(case, grid):

@@ -43,6 +43,7 @@ EVALUATORS: tuple[str, ...] = ("discrete-event", "analytic")
 # over the whole grids of six benchmark cells (opt-6.7b, opt-30b, opt-175b, llama-2-70b; t4 and
 # a100-80gb; workloads S, T, G, C2). The margin above the largest ratio keeps the bound safe.
 LP_BOUND_SLACK = 1.05
+LP_BOUND_SEEN = 1.03  # that largest ratio: an evaluator keeps the same margin above what it sees
 # Lower bound on a point's simulated latency (p99 or p99-length, any refill), as a multiple of
 # the time the LP's ideal block takes to decode a request of the workload's 99th-percentile output
 # length (seconds per token x block size x that length). Over the whole grids of the 40 model x
@@ -51,6 +52,7 @@ LP_BOUND_SLACK = 1.05
 # finish; the analytic evaluator at 0.425x there). The margin below the smallest ratio keeps the
 # bound safe.
 LP_LATENCY_SLACK = 0.4
+LP_LATENCY_SEEN = 0.42  # that smallest ratio: an evaluator keeps the same margin below what it sees
 # A re-plan's warm search tries shape-and-refill jumps only from variants whose climb ended within
 # this fraction of the best one (opt-30b/t4/T: the best after the jump was 5% behind before it).
 JUMP_WITHIN = 0.9
@@ -183,6 +185,9 @@ class Evaluator:
     lp_solves: int = 0
     results: dict[Policy, SimResult] = field(default_factory=dict)  # by the policy in effect (:func:`in_effect`)
     shared: int = 0  # points priced with another point's simulation (the same policy in effect)
+    # The LP bounds' slacks, widened when a simulation contradicts them (:meth:`_check_bounds`).
+    bound_slack: float = LP_BOUND_SLACK
+    floor_slack: float = LP_LATENCY_SLACK
 
     def __post_init__(self) -> None:
         if self.method not in EVALUATORS:
@@ -226,9 +231,31 @@ class Evaluator:
                 simulated = True
         ev = Evaluation(v, gbs, nb, refill, policy, result)
         self.cache[key] = ev
+        if ev.fits:
+            self._check_bounds(ev, placed)
         if self.on_eval is not None and (simulated or policy is None):
             self.on_eval()
         return ev
+
+    def _check_bounds(self, ev: Evaluation, placed: Placement) -> None:
+        """Widen :meth:`bound` and :meth:`latency_floor` where this simulation is beyond them.
+
+        Their slacks were measured on the preset profiles' grids; a measured profile's fits can put
+        the simulator further from the LP's ideal block (a SmolLM2 profile measured on the 2-core VM
+        under load, where a one-row decode layer and LM head cost a third of two rows', so a batch
+        that empties beats the full block: throughput up to 1.43x the LP's, latency down to 0.34x
+        its floor), and a bound that a priced point already breaks would prune the answer (0.869
+        of exhaustive search's throughput on that profile, workload S at 2x the lowest latency;
+        0.921 with this widening, which only acts once such a point is priced). The same margin
+        is kept beyond the worst point seen, so pruning only ever loosens as the search learns."""
+        if placed.token_s <= 0:
+            return
+        ideal = 1.0 / placed.token_s
+        self.bound_slack = max(self.bound_slack, ev.throughput / ideal * (LP_BOUND_SLACK / LP_BOUND_SEEN))
+        lowest = min(ev.latency(k) for k in ("p99", "p99-length"))
+        raw = self.latency_floor(ev.variant, ev.gbs, ev.nb) / self.floor_slack
+        if raw > 0:
+            self.floor_slack = min(self.floor_slack, lowest / raw * (LP_LATENCY_SLACK / LP_LATENCY_SEEN))
 
     @property
     def evaluations(self) -> int:
@@ -242,16 +269,18 @@ class Evaluator:
 
     def bound(self, v: Variant, gbs: int, nb: int) -> float:
         """Throughput no point with these knobs can beat (any refill), from the LP alone
-        (:data:`LP_BOUND_SLACK`); 0 when nothing fits. Costs an LP solve, not a simulation."""
+        (:data:`LP_BOUND_SLACK`, or wider once a simulation beat it); 0 when nothing fits. Costs an
+        LP solve, not a simulation."""
         placed = self.placement(v, gbs, nb)
-        return LP_BOUND_SLACK / placed.token_s if placed is not None and placed.token_s > 0 else 0.0
+        return self.bound_slack / placed.token_s if placed is not None and placed.token_s > 0 else 0.0
 
     def latency_floor(self, v: Variant, gbs: int, nb: int) -> float:
         """Latency no point with these knobs can beat (any refill), from the LP alone
-        (:data:`LP_LATENCY_SLACK`); 0 when nothing fits. Costs an LP solve, not a simulation."""
+        (:data:`LP_LATENCY_SLACK`, or lower once a simulation beat it); 0 when nothing fits. Costs
+        an LP solve, not a simulation."""
         placed = self.placement(v, gbs, nb)
         n = self.workload.output.percentile(0.99)
-        return LP_LATENCY_SLACK * placed.token_s * gbs * nb * n if placed is not None else 0.0
+        return self.floor_slack * placed.token_s * gbs * nb * n if placed is not None else 0.0
 
     def misses(self, v: Variant, gbs: int, nb: int, refill: int, kind: str, bound_s: float) -> bool:
         """Whether the point is known to miss the bound without pricing it: by its LP latency floor
