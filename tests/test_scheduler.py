@@ -16,7 +16,7 @@ from sim_profiles import t4_like
 
 from workloads import get_workload
 from xprofiler.presets import load_profile
-from xprofiler.profile import BandwidthCurve, CalibrationError
+from xprofiler.profile import BandwidthCurve, CalibrationError, HeadFit
 from xprofiler.specs import get_model_spec
 from xsched.errors import UserError
 from xscheduler import SLA, Evaluator, Plan, place, plan_search, variants
@@ -196,6 +196,37 @@ def test_lp_bounds_widen_when_a_simulation_beats_them(case):
     fresh = Evaluator(spec, prof, w, num_requests=REQUESTS)
     fresh(v, 2, 1, 0), fresh(v, 1, 1, 0)  # the real simulator here: about as the presets measured
     assert fresh.bound_slack == pytest.approx(LP_BOUND_SLACK, rel=0.01) and fresh.floor_slack == LP_LATENCY_SLACK
+
+
+def test_lp_rate_of_a_block_that_empties_takes_each_phase_at_its_cheapest_rows(case):
+    """The LP's ideal block has every row busy; its batches empty as requests finish. Where a fit
+    costs more per row at two rows than at one (a CPU's one-row LM head is a matrix-vector
+    kernel; a profile measured under load), a block that prefills two rows and decodes one beats
+    the full block, and a bound from the full block would prune the best plan. The bound's rate
+    takes each phase at its cheapest row count; with fits that never cost more per row at more
+    rows it is the full block's."""
+    spec, prof, w = case
+    shape = Shape.of(w)
+    for gbs, nb in ((1, 1), (2, 1), (8, 2), (32, 4)):
+        placed = place(spec, prof, w, gbs, nb)
+        assert placed.emptying_token_s == pytest.approx(placed.token_s, rel=1e-9)
+    # One row's LM head 10 ms, two rows' 10 s: a step at one row is far cheaper per token.
+    slow = replace(prof, head_fits=(HeadFit(spec.name, spec.dtype, (1, 2), (0.01, 10.0)),))
+    placed = place(spec, slow, w, 2, 1)
+    cm = CostModel.for_policy(spec, slow, placed.policy)
+    L, n, pl = spec.num_layers, shape.decode_steps, placed.policy.placement()
+
+    def per_row(phase: str, length: int, r: int) -> float:
+        layer = cm.mean_layer_seconds(cm.batch_terms(phase, r, length, pl), pl)
+        return (L * float(layer) + float(cm.head_seconds(phase, r, length))) / r
+
+    expect = (min(per_row("prefill", shape.prompt_len, r) for r in (1, 2)) / n
+              + min(per_row("decode", shape.decode_context, r) for r in (1, 2)))
+    assert per_row("decode", shape.decode_context, 1) < per_row("decode", shape.decode_context, 2)
+    assert placed.emptying_token_s == pytest.approx(expect, rel=1e-9)
+    assert placed.emptying_token_s < 0.8 * placed.token_s
+    ev = Evaluator(spec, slow, w, num_requests=REQUESTS)
+    assert ev.bound(Variant(False, False, False), 2, 1) == pytest.approx(LP_BOUND_SLACK / expect)
 
 
 def test_plan_meets_its_sla_on_another_request_sample(case, grid):

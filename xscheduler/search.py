@@ -241,16 +241,17 @@ class Evaluator:
         """Widen :meth:`bound` and :meth:`latency_floor` where this simulation is beyond them.
 
         Their slacks were measured on the preset profiles' grids; a measured profile's fits can put
-        the simulator further from the LP's ideal block (a SmolLM2 profile measured on the 2-core VM
-        under load, where a one-row decode layer and LM head cost a third of two rows', so a batch
-        that empties beats the full block: throughput up to 1.43x the LP's, latency down to 0.34x
-        its floor), and a bound that a priced point already breaks would prune the answer (0.869
-        of exhaustive search's throughput on that profile, workload S at 2x the lowest latency;
-        0.921 with this widening, which only acts once such a point is priced). The same margin
-        is kept beyond the worst point seen, so pruning only ever loosens as the search learns."""
-        if placed.token_s <= 0:
+        the simulator further from the LP's ideal block, and a bound that a priced point already
+        breaks would prune the answer. (A SmolLM2 profile measured on the 2-core VM under load,
+        whose decode layer costs 2.8 ms at one row and 8.9 ms at two: simulated throughput up to
+        1.43x the full block's LP rate, latency down to 0.34x the floor; 0.869 of exhaustive
+        search's throughput at workload S and 2x the lowest latency, 0.921 with this widening,
+        1.000 once the bound's rate took each phase at its cheapest rows,
+        :attr:`Placement.emptying_token_s`.) The same margin is kept beyond the worst point
+        seen, so pruning only ever loosens as the search learns."""
+        if placed.emptying_token_s <= 0:
             return
-        ideal = 1.0 / placed.token_s
+        ideal = 1.0 / placed.emptying_token_s
         self.bound_slack = max(self.bound_slack, ev.throughput / ideal * (LP_BOUND_SLACK / LP_BOUND_SEEN))
         lowest = min(ev.latency(k) for k in ("p99", "p99-length"))
         raw = self.latency_floor(ev.variant, ev.gbs, ev.nb) / self.floor_slack
@@ -268,11 +269,13 @@ class Evaluator:
         return 1 << max(0, math.ceil(math.log2(max(1, self.num_requests))))
 
     def bound(self, v: Variant, gbs: int, nb: int) -> float:
-        """Throughput no point with these knobs can beat (any refill), from the LP alone
-        (:data:`LP_BOUND_SLACK`, or wider once a simulation beat it); 0 when nothing fits. Costs an
-        LP solve, not a simulation."""
+        """Throughput no point with these knobs can beat (any refill), from the LP alone: its
+        rounded placement's rate with each phase at its cheapest rows (a block empties as requests
+        finish) times :data:`LP_BOUND_SLACK`, or wider once a simulation beat it; 0 when nothing
+        fits. Costs an LP solve, not a simulation."""
         placed = self.placement(v, gbs, nb)
-        return self.bound_slack / placed.token_s if placed is not None and placed.token_s > 0 else 0.0
+        return (self.bound_slack / placed.emptying_token_s
+                if placed is not None and placed.emptying_token_s > 0 else 0.0)
 
     def latency_floor(self, v: Variant, gbs: int, nb: int) -> float:
         """Latency no point with these knobs can beat (any refill), from the LP alone
