@@ -13,7 +13,9 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
+import tempfile
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -313,9 +315,6 @@ def cache_dir() -> Path:
 def _keep(path: Path, write: Any) -> None:
     """Fill the directory ``path`` with ``write(tmp)`` all at once (a temporary directory renamed
     into place), or not at all: a cache that cannot be written only costs the next run time."""
-    import shutil
-    import tempfile
-
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

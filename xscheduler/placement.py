@@ -128,9 +128,7 @@ def token_seconds(cm: CostModel, placement: Mapping[str, Any], gbs: int, nb: int
     ``whole_layers``: as the runner places weights (``CostModel.mean_layer_seconds``); off, the
     LP's relaxation of the same fractions."""
     if phase_time is None:
-        pre, dec = (cm.mean_layer_seconds(cm.batch_terms(phase, gbs, length, placement).scaled(nb), placement,
-                                          whole_layers=whole_layers)
-                    for phase, length in (("prefill", shape.prompt_len), ("decode", shape.decode_context)))
+        pre, dec = (_layer_step_s(cm, placement, phase, gbs, length, nb, whole_layers) for phase, length in _phases(shape))
     else:
         pre, dec = phase_time
     n = shape.decode_steps
@@ -149,15 +147,24 @@ def emptying_token_seconds(cm: CostModel, placement: Mapping[str, Any], gbs: int
     emptied beats :func:`token_seconds` (1.33x). Here each request pays one prefill and the mean
     output's decode steps, each at the cheapest per-row cost over the powers of two up to
     ``gbs``; equal to :func:`token_seconds` when more rows never cost more per row."""
-    L, n = cm.spec.num_layers, shape.decode_steps
-    cost: dict[str, float] = {}
-    for phase, length in (("prefill", shape.prompt_len), ("decode", shape.decode_context)):
-        per_row = []
-        for r in (2 ** k for k in range(gbs.bit_length())):
-            layer = cm.mean_layer_seconds(cm.batch_terms(phase, r, length, placement).scaled(nb), placement)
-            per_row.append((L * float(layer) + nb * float(cm.head_seconds(phase, r, length))) / (r * nb))
-        cost[phase] = min(per_row)
-    return cost["prefill"] / n + cost["decode"]
+    L = cm.spec.num_layers
+    prefill, decode = (min((L * float(_layer_step_s(cm, placement, phase, r, length, nb))
+                            + nb * float(cm.head_seconds(phase, r, length))) / (r * nb)
+                           for r in (2 ** k for k in range(gbs.bit_length())))
+                       for phase, length in _phases(shape))
+    return prefill / shape.decode_steps + decode
+
+
+def _phases(shape: Shape) -> tuple[tuple[str, int], tuple[str, int]]:
+    """The representative block's prefill and decode steps, with the length each is priced at."""
+    return ("prefill", shape.prompt_len), ("decode", shape.decode_context)
+
+
+def _layer_step_s(cm: CostModel, placement: Mapping[str, Any], phase: str, rows: int, length: int, nb: int,
+                  whole_layers: bool = True) -> Any:
+    """One layer step of a block of ``nb`` GPU batches of ``rows`` rows (weights fetched once)."""
+    return cm.mean_layer_seconds(cm.batch_terms(phase, rows, length, placement).scaled(nb), placement,
+                                 whole_layers=whole_layers)
 
 
 def fits(cm: CostModel, profile: HardwareProfile, policy: Policy, shape: Shape) -> dict[str, float]:

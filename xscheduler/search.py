@@ -254,9 +254,9 @@ class Evaluator:
         ideal = 1.0 / placed.emptying_token_s
         self.bound_slack = max(self.bound_slack, ev.throughput / ideal * (LP_BOUND_SLACK / LP_BOUND_SEEN))
         lowest = min(ev.latency(k) for k in ("p99", "p99-length"))
-        raw = self.latency_floor(ev.variant, ev.gbs, ev.nb) / self.floor_slack
-        if raw > 0:
-            self.floor_slack = min(self.floor_slack, lowest / raw * (LP_LATENCY_SLACK / LP_LATENCY_SEEN))
+        ideal_s = self._ideal_latency_s(placed, ev.gbs, ev.nb)
+        if ideal_s > 0:
+            self.floor_slack = min(self.floor_slack, lowest / ideal_s * (LP_LATENCY_SLACK / LP_LATENCY_SEEN))
 
     @property
     def evaluations(self) -> int:
@@ -282,8 +282,11 @@ class Evaluator:
         (:data:`LP_LATENCY_SLACK`, or lower once a simulation beat it); 0 when nothing fits. Costs
         an LP solve, not a simulation."""
         placed = self.placement(v, gbs, nb)
-        n = self.workload.output.percentile(0.99)
-        return self.floor_slack * placed.token_s * gbs * nb * n if placed is not None else 0.0
+        return self.floor_slack * self._ideal_latency_s(placed, gbs, nb) if placed is not None else 0.0
+
+    def _ideal_latency_s(self, placed: Placement, gbs: int, nb: int) -> float:
+        """The LP's ideal block decoding a request of the workload's 99th-percentile output length."""
+        return placed.token_s * gbs * nb * self.workload.output.percentile(0.99)
 
     def misses(self, v: Variant, gbs: int, nb: int, refill: int, kind: str, bound_s: float) -> bool:
         """Whether the point is known to miss the bound without pricing it: by its LP latency floor
