@@ -33,9 +33,10 @@ from xprofiler.measure import LoadMeter
 from xprofiler.sweeps import QUICK_GRIDS, Grid, estimate_s, layer_points, point_times, resolve_spec, sample_counts
 
 # Held-out points: between the quick grid's nodes (see xprofiler.sweeps.QUICK_GRIDS), inside its
-# trimmed prefill rectangle (batch x length <= its max_tokens).
+# trimmed prefill rectangle (batch x length <= its max_tokens). 96 and 192 rows of 32-token
+# prompts are the prefill an offloading plan runs (192 x 32: benchmarks/offload_vs_accelerate.py).
 HELD_OUT = {
-    "prefill": Grid((3, 6, 12, 24), (32, 128, 384), max_tokens=3072),
+    "prefill": Grid((3, 6, 12, 24, 96, 192), (32, 128, 384), max_tokens=6144),
     "decode": Grid((5, 10, 20, 40, 80, 160), (256, 1024), max_tokens=131072),
 }
 
@@ -62,7 +63,7 @@ def machine_rates(device) -> tuple[float, float]:
     return rate(rows, "mm"), rate(rows, "mem", unit="bytes")
 
 
-def accuracy(model: str, passes: int) -> dict:
+def accuracy(model: str, passes: int, compare_prefill_rows: int | None = None) -> dict:
     import torch
 
     spec = resolve_spec(model)
@@ -80,14 +81,20 @@ def accuracy(model: str, passes: int) -> dict:
         train_rows = [r for r in rows if r["shape"] not in is_held]
         held_rows = [r for r in rows if r["shape"] in is_held]
         per_stat = {}
-        for stat in ("median", "min"):
+        stats = [("median", None), ("min", None)]
+        if compare_prefill_rows and phase == "prefill":  # the same samples, the grid of an earlier stop
+            stats.append(("median", compare_prefill_rows))
+        for stat, max_batch in stats:
             b, n, t = point_times(train_rows, spec.name, phase, stat)
+            if max_batch:
+                keep = b <= max_batch
+                b, n, t = b[keep], n[keep], t[keep]
             fit = fit_layer(spec, phase, b, n, t, model=spec.name, dtype="float32")
             hb_, hn_, ht = point_times(held_rows, spec.name, phase, stat)
             pred = fit.predict_s(spec, hb_, hn_)
             err = relative_errors(pred, ht)
             lin_err = relative_errors(fit.linear_s(spec, hb_, hn_), ht)
-            per_stat[stat] = {
+            per_stat[stat if max_batch is None else f"{stat}, to {max_batch} rows"] = {
                 "median_rel_error": float(np.median(err)), "max_rel_error": float(np.max(err)),
                 "linear_only_median": float(np.median(lin_err)), "linear_only_max": float(np.max(lin_err)),
                 "points": [{"batch": int(x), "length": int(y), "measured_s": float(m), "predicted_s": float(p)}
@@ -105,6 +112,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     ap.add_argument("--offload-dir", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--skip-cli", action="store_true", help="skip the timed `xsched profile --quick` run")
+    ap.add_argument("--compare-prefill-rows", type=int, default=None, metavar="N",
+                    help="also fit the prefill on the grid's points of at most N rows (the same samples; "
+                         "32: the quick grid before stop 34) and report it")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -118,7 +128,7 @@ def main() -> int:
         wall, prof = run_cli_quick(args.model, args.offload_dir, args.threads)
         report["quick_profile"] = {"wall_s": wall, "goal_s": 180, "profile_wall_s": prof["wall_s"],
                                    "other_processes_cores": meter.others_cores()}
-    report["accuracy"] = accuracy(args.model, args.passes)
+    report["accuracy"] = accuracy(args.model, args.passes, args.compare_prefill_rows)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -130,16 +140,16 @@ def main() -> int:
     print(f"held-out accuracy, {acc['model']}, {report['threads']} threads, {acc['passes']} interleaved passes; "
           f"other processes kept "
           f"{acc['other_processes_cores']:.2f} cores busy")
-    print(f"{'phase':<8} {'stat':<7} {'median err':>10} {'max err':>8}  {'linear only med/max':>20}  goal 5% / 15%")
+    print(f"{'phase':<8} {'stat':<18} {'median err':>10} {'max err':>8}  {'linear only med/max':>20}  goal 5% / 15%")
     for phase, per_stat in acc["phases"].items():
         for stat, r in per_stat.items():
-            print(f"{phase:<8} {stat:<7} {r['median_rel_error']:>10.1%} {r['max_rel_error']:>8.1%}  "
+            print(f"{phase:<8} {stat:<18} {r['median_rel_error']:>10.1%} {r['max_rel_error']:>8.1%}  "
                   f"{r['linear_only_median']:>9.1%} / {r['linear_only_max']:<8.1%}")
     for phase, per_stat in acc["phases"].items():
-        pts = per_stat["median"]["points"]
-        print(f"{phase} held-out points (median): " + ", ".join(
-            f"{p['batch']}x{p['length']} {p['measured_s'] * 1e3:.2f}ms {p['predicted_s'] / p['measured_s'] - 1:+.0%}"
-            for p in pts))
+        for stat in (s for s in per_stat if s.startswith("median")):
+            print(f"{phase} held-out points ({stat}): " + ", ".join(
+                f"{p['batch']}x{p['length']} {p['measured_s'] * 1e3:.2f}ms "
+                f"{p['predicted_s'] / p['measured_s'] - 1:+.0%}" for p in per_stat[stat]["points"]))
     return 0
 
 

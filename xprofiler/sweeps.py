@@ -71,13 +71,17 @@ class Grid:
 # which CPU-attention plans (priced without it) were predicted fast by (stop 30, sim_vs_run:
 # +7-13% -> +5-11%). At stop 29 the column priced small batches 10-15% slow, because a block's
 # later batches, warm in the cache, were not priced warm yet (``WarmFit``); docs/BENCHMARKS.md.
+# Prefill rows up to 256 (at short prompts; ``max_tokens`` 8192): an offloading plan prefills its
+# whole block at once, 192 x 32 in benchmarks/offload_vs_accelerate.py, and a grid ending at 32
+# rows held the 32-row correction there and priced that layer 8% short (float32 0.51B OPT, 2-core
+# VM, benchmarks/profile_accuracy.py --compare-prefill-rows 32; -0% with these rows).
 QUICK_GRIDS: dict[str, Grid] = {
-    "prefill": Grid((1, 2, 4, 8, 16, 32), (16, 64, 256, 512), max_tokens=4096),
+    "prefill": Grid((1, 2, 4, 8, 16, 32, 64, 128, 256), (16, 64, 256, 512), max_tokens=8192),
     "decode": Grid((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256), (32, 128, 512, 2048),
                    max_tokens=131072),
 }
 FULL_GRIDS: dict[str, Grid] = {
-    "prefill": Grid((1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256, 512, 1024), max_tokens=16384),
+    "prefill": Grid((1, 2, 4, 8, 16, 32, 64, 128, 256), (16, 32, 64, 128, 256, 512, 1024), max_tokens=16384),
     "decode": Grid((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256),
                    (64, 128, 256, 512, 1024, 2048, 4096), max_tokens=524288),
 }
@@ -88,7 +92,7 @@ FULL_GRIDS: dict[str, Grid] = {
 # would price a large prefill several times too fast. The GPU grids add the compute-bound
 # shapes GPU plans run: prefill up to 64K tokens a call, decode up to 512 rows.
 CUDA_QUICK_GRIDS: dict[str, Grid] = {
-    "prefill": Grid((1, 2, 4, 8, 16, 32, 64, 128), (16, 64, 256, 512, 1024), max_tokens=65536),
+    "prefill": Grid((1, 2, 4, 8, 16, 32, 64, 128, 256), (16, 64, 256, 512, 1024), max_tokens=65536),
     "decode": Grid((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512),
                    (32, 128, 512, 2048), max_tokens=262144),
 }
