@@ -171,6 +171,30 @@ def test_branch_and_bound_matches_exhaustive_search(case, grid, kind):
         assert out.evaluations < sum(len(s.points()) for s in spaces) / 3  # far fewer than exhaustive
 
 
+def test_a_block_holding_the_whole_job_is_simulated_once_for_every_refill_interval(case):
+    """With a slot for every request of the job none waits for a freed one, so the refill interval
+    changes nothing: the search prices those points with one simulation (a throughput-bound search
+    on a small job ends there). Each shared result is what the simulator gives that policy."""
+    spec, prof, w = case
+    job = 16
+    v = variants("off", prof.compute_device)[0]
+    for method, whole_job_sims in (("discrete-event", 1), ("analytic", len(REFILL_LEVELS))):
+        ev = Evaluator(spec, prof, w, num_requests=job, method=method)
+        calls = []
+        real = ev.simulate
+        ev.simulate = lambda policy, *a, **k: calls.append(policy) or real(policy, *a, **k)
+        whole = [ev(v, 4, 4, r) for r in REFILL_LEVELS]  # 16 rows: the whole job
+        assert all(e.fits for e in whole) and len(calls) == whole_job_sims, method
+        partial = [ev(v, 4, 2, r) for r in REFILL_LEVELS]  # 8 rows: requests wait for slots
+        assert len(calls) == whole_job_sims + len(REFILL_LEVELS), method
+        assert len({round(e.throughput, 6) for e in partial}) > 1  # there refill does change the run
+        for e in whole:
+            assert e.policy.refill_every == e.refill_every
+            direct = real(e.policy)
+            assert e.throughput == pytest.approx(direct.throughput_tokens_per_s, rel=1e-12)
+            assert e.latency("p99") == pytest.approx(direct.latency_p99_s, rel=1e-12)
+
+
 def test_lp_bounds_widen_when_a_simulation_beats_them(case):
     """The LP's throughput bound and latency floor carry slacks measured on the presets' grids; a
     measured profile can put the simulator beyond them (a noisy SmolLM2 profile: 1.43x the LP's
