@@ -639,6 +639,28 @@ def test_analytic_is_exact_for_fixed_lengths():
     assert ana.latency_p99_s == pytest.approx(des.latency_p99_s, rel=1e-9)
 
 
+@pytest.mark.parametrize("refill", [1, 4, 64])
+def test_a_block_holding_the_whole_job_is_priced_as_one_that_never_refills(refill):
+    """Every request joins at the start and none waits for a freed slot, so the refill interval
+    changes nothing (the discrete-event path runs it so); the analytic path's stream model had
+    priced such a job up to 31% slower at refill 4."""
+    w = get_workload("T")
+    for name, (model, kw) in AGREEMENT_CASES.items():
+        spec = get_model_spec(model)
+        base = Policy(**kw)
+        n = base.block_size  # the whole job in one block
+        for jobs in (n, n - 1):
+            pol = replace(base, refill_every=refill)
+            ana, ana0 = (simulate_analytic(spec, t4_like(), p, w, num_requests=jobs) for p in (pol, base))
+            des, des0 = (simulate(spec, t4_like(), p, w, num_requests=jobs, seed=1) for p in (pol, base))
+            assert des.throughput_tokens_per_s == pytest.approx(des0.throughput_tokens_per_s, rel=1e-12), name
+            assert des.latency_p99_s == pytest.approx(des0.latency_p99_s, rel=1e-12), name
+            assert ana.throughput_tokens_per_s == ana0.throughput_tokens_per_s, name
+            assert ana.latency_p99_s == ana0.latency_p99_s and ana.policy.refill_every == refill, name
+        more = simulate_analytic(spec, t4_like(), replace(base, refill_every=refill), w, num_requests=4 * n)
+        assert more.throughput_tokens_per_s != ana0.throughput_tokens_per_s  # a longer job does refill
+
+
 # --------------------------------------------------------------------------- bad input
 def test_bad_requests_and_policies():
     w = get_workload("T")

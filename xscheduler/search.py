@@ -137,8 +137,8 @@ def in_effect(policy: Policy, job_rows: int | None = None) -> Policy:
     is attention on the device: up to 16% of a grid's points (opt-6.7b on a100-80gb). The
     discrete-event simulator agrees to 1e-12 (one row) and exactly (CPU attention) on all 40
     model x preset x workload grids of ``benchmarks/plan_quality.py``, and to 3e-15 (whole job)
-    over 4048 (point, refill) pairs of 8 of those grids and three measured profiles. The analytic
-    one models an endless stream and does not: pass ``job_rows`` for the discrete-event one only.
+    over 4048 (point, refill) pairs of 8 of those grids and three measured profiles; the analytic
+    one prices a whole-job block without refill whatever its interval.
     """
     if policy.refill_every != 0 and (policy.block_size == 1 or (job_rows and policy.block_size >= job_rows)):
         policy = replace(policy, refill_every=0)
@@ -226,7 +226,7 @@ class Evaluator:
         simulated = False
         if placed is not None:
             policy = replace(placed.policy, refill_every=refill)
-            same = in_effect(policy, self.num_requests if self.method == "discrete-event" else None)
+            same = in_effect(policy, self.num_requests)
             twin = self.results.get(same)
             if twin is not None:
                 result = replace(twin, policy=policy)
