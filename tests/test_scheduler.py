@@ -195,6 +195,25 @@ def test_a_block_holding_the_whole_job_is_simulated_once_for_every_refill_interv
             assert e.latency("p99") == pytest.approx(direct.latency_p99_s, rel=1e-12)
 
 
+def test_refill_intervals_past_the_longest_output_share_the_simulation_without_refill(case):
+    """Every slot is free at every refill when no request outlives one interval: the search prices
+    those refill levels with the no-refill point's simulation (short outputs: workloads at 1/8 of
+    their lengths, as on a CPU host)."""
+    spec, prof, _ = case
+    w = get_workload("T@0.125")  # outputs of at most 40 tokens: refill every 64 steps never refills
+    v = variants("off", prof.compute_device)[0]
+    ev = Evaluator(spec, prof, w, num_requests=REQUESTS)
+    calls = []
+    real = ev.simulate
+    ev.simulate = lambda policy, *a, **k: calls.append(policy) or real(policy, *a, **k)
+    never, long = ev(v, 4, 2, 0), ev(v, 4, 2, 64)
+    assert never.fits and len(calls) == 1 and long.policy.refill_every == 64
+    assert long.throughput == never.throughput
+    assert long.throughput == pytest.approx(real(long.policy).throughput_tokens_per_s, rel=1e-12)
+    ev(v, 4, 2, 16)  # shorter than some outputs: a run of its own
+    assert len(calls) == 2
+
+
 def test_lp_bounds_widen_when_a_simulation_beats_them(case):
     """The LP's throughput bound and latency floor carry slacks measured on the presets' grids; a
     measured profile can put the simulator beyond them (a noisy SmolLM2 profile: 1.43x the LP's

@@ -661,6 +661,27 @@ def test_a_block_holding_the_whole_job_is_priced_as_one_that_never_refills(refil
         assert more.throughput_tokens_per_s != ana0.throughput_tokens_per_s  # a longer job does refill
 
 
+@pytest.mark.parametrize("refill", [16, 64])
+def test_a_refill_interval_past_the_longest_output_is_priced_as_no_refill(refill):
+    """With every request finished within one interval, every slot is free at every refill, as
+    without refill (the discrete-event path runs it so); the analytic path's refill model had
+    priced such an interval up to 3.6x off."""
+    w = get_workload("S@0.125")  # outputs of at most 10 tokens
+    assert refill >= w.output.max_len - 1
+    for name, (model, kw) in AGREEMENT_CASES.items():
+        spec = get_model_spec(model)
+        base = Policy(**kw)
+        pol = replace(base, refill_every=refill)
+        des, des0 = (simulate(spec, t4_like(), p, w, num_requests=600, seed=1) for p in (pol, base))
+        assert des.throughput_tokens_per_s == pytest.approx(des0.throughput_tokens_per_s, rel=1e-12), name
+        assert des.latency_p99_s == pytest.approx(des0.latency_p99_s, rel=1e-12), name
+        ana, ana0 = (simulate_analytic(spec, t4_like(), p, w, num_requests=600) for p in (pol, base))
+        assert ana.throughput_tokens_per_s == ana0.throughput_tokens_per_s, name
+        assert ana.latency_p99_s == ana0.latency_p99_s, name
+        short = simulate_analytic(spec, t4_like(), replace(base, refill_every=4), w, num_requests=600)
+        assert short.throughput_tokens_per_s != ana0.throughput_tokens_per_s  # a shorter one does refill
+
+
 # --------------------------------------------------------------------------- bad input
 def test_bad_requests_and_policies():
     w = get_workload("T")

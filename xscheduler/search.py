@@ -126,21 +126,24 @@ class Evaluation:
         return self.fits and self.latency(kind) <= bound_s
 
 
-def in_effect(policy: Policy, job_rows: int | None = None) -> Policy:
+def in_effect(policy: Policy, job_rows: int | None = None, max_output: int | None = None) -> Policy:
     """The policy that runs the same as ``policy``, so that the two share one simulation.
 
     A one-row block runs the same at every refill interval (its slot frees when its request
     finishes, and a step with no active row costs nothing): 4 simulations fewer per variant. So
     does a block with a slot for each of the job's ``job_rows`` requests (every request joins at
     the start and none waits for a freed slot), which is where a throughput-bound search ends on
-    a small job. Attention on the CPU is only for KV cache rows off the GPU, so with none there it
+    a small job, and a block refilled at intervals no shorter than the longest output less one
+    (``max_output``: every slot is free at every refill, as without refill). Attention on the CPU is only for KV cache rows off the GPU, so with none there it
     is attention on the device: up to 16% of a grid's points (opt-6.7b on a100-80gb). The
     discrete-event simulator agrees to 1e-12 (one row) and exactly (CPU attention) on all 40
-    model x preset x workload grids of ``benchmarks/plan_quality.py``, and to 3e-15 (whole job)
-    over 4048 (point, refill) pairs of 8 of those grids and three measured profiles; the analytic
-    one prices a whole-job block without refill whatever its interval.
+    model x preset x workload grids of ``benchmarks/plan_quality.py``, to 3e-15 (whole job)
+    over 4048 (point, refill) pairs of 8 of those grids and three measured profiles, and to 7e-15
+    (long intervals) over 2238 pairs of 7 grids of short outputs; the analytic one prices both
+    cases as blocks without refill.
     """
-    if policy.refill_every != 0 and (policy.block_size == 1 or (job_rows and policy.block_size >= job_rows)):
+    if policy.refill_every != 0 and (policy.block_size == 1 or (job_rows and policy.block_size >= job_rows)
+                                     or (max_output and policy.refill_every >= max_output - 1)):
         policy = replace(policy, refill_every=0)
     if policy.cpu_attention and policy.cc == 0 and policy.cd == 0:
         policy = replace(policy, cpu_attention=False)
@@ -226,7 +229,7 @@ class Evaluator:
         simulated = False
         if placed is not None:
             policy = replace(placed.policy, refill_every=refill)
-            same = in_effect(policy, self.num_requests)
+            same = in_effect(policy, self.num_requests, self.workload.output.max_len)
             twin = self.results.get(same)
             if twin is not None:
                 result = replace(twin, policy=policy)
