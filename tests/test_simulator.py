@@ -639,47 +639,34 @@ def test_analytic_is_exact_for_fixed_lengths():
     assert ana.latency_p99_s == pytest.approx(des.latency_p99_s, rel=1e-9)
 
 
-@pytest.mark.parametrize("refill", [1, 4, 64])
-def test_a_block_holding_the_whole_job_is_priced_as_one_that_never_refills(refill):
-    """Every request joins at the start and none waits for a freed slot, so the refill interval
-    changes nothing (the discrete-event path runs it so); the analytic path's stream model had
-    priced such a job up to 31% slower at refill 4."""
-    w = get_workload("T")
+@pytest.mark.parametrize("case", ["one row", "whole job", "interval past the longest output"])
+def test_refill_that_cannot_change_the_run_is_priced_as_no_refill(case):
+    """A one-row block's slot frees as its request finishes; with a slot for every request none
+    waits for a freed one; with every request done within one interval every slot is free at
+    every refill. The discrete-event path runs these exactly as without refill, and the analytic
+    path prices them so (its refill model was up to 16% off at one row, 31% for a whole job,
+    3.6x past the longest output)."""
     for name, (model, kw) in AGREEMENT_CASES.items():
         spec = get_model_spec(model)
-        base = Policy(**kw)
-        n = base.block_size  # the whole job in one block
-        for jobs in (n, n - 1):
+        base = Policy(**{**kw, "gbs": 1, "nb": 1}) if case == "one row" else Policy(**kw)
+        w = get_workload("S@0.125" if case.startswith("interval") else "T")  # S@0.125: outputs <= 10 tokens
+        jobs = base.block_size if case == "whole job" else 600
+        for refill in (1, 4, 64) if case != "interval past the longest output" else (16, 64):
             pol = replace(base, refill_every=refill)
-            ana, ana0 = (simulate_analytic(spec, t4_like(), p, w, num_requests=jobs) for p in (pol, base))
+            assert pol.refill_in_effect(jobs, w.output.max_len) == 0
             des, des0 = (simulate(spec, t4_like(), p, w, num_requests=jobs, seed=1) for p in (pol, base))
             assert des.throughput_tokens_per_s == pytest.approx(des0.throughput_tokens_per_s, rel=1e-12), name
             assert des.latency_p99_s == pytest.approx(des0.latency_p99_s, rel=1e-12), name
+            ana, ana0 = (simulate_analytic(spec, t4_like(), p, w, num_requests=jobs) for p in (pol, base))
             assert ana.throughput_tokens_per_s == ana0.throughput_tokens_per_s, name
             assert ana.latency_p99_s == ana0.latency_p99_s and ana.policy.refill_every == refill, name
-        more = simulate_analytic(spec, t4_like(), replace(base, refill_every=refill), w, num_requests=4 * n)
-        assert more.throughput_tokens_per_s != ana0.throughput_tokens_per_s  # a longer job does refill
-
-
-@pytest.mark.parametrize("refill", [16, 64])
-def test_a_refill_interval_past_the_longest_output_is_priced_as_no_refill(refill):
-    """With every request finished within one interval, every slot is free at every refill, as
-    without refill (the discrete-event path runs it so); the analytic path's refill model had
-    priced such an interval up to 3.6x off."""
-    w = get_workload("S@0.125")  # outputs of at most 10 tokens
-    assert refill >= w.output.max_len - 1
-    for name, (model, kw) in AGREEMENT_CASES.items():
-        spec = get_model_spec(model)
-        base = Policy(**kw)
-        pol = replace(base, refill_every=refill)
-        des, des0 = (simulate(spec, t4_like(), p, w, num_requests=600, seed=1) for p in (pol, base))
-        assert des.throughput_tokens_per_s == pytest.approx(des0.throughput_tokens_per_s, rel=1e-12), name
-        assert des.latency_p99_s == pytest.approx(des0.latency_p99_s, rel=1e-12), name
-        ana, ana0 = (simulate_analytic(spec, t4_like(), p, w, num_requests=600) for p in (pol, base))
-        assert ana.throughput_tokens_per_s == ana0.throughput_tokens_per_s, name
-        assert ana.latency_p99_s == ana0.latency_p99_s, name
-        short = simulate_analytic(spec, t4_like(), replace(base, refill_every=4), w, num_requests=600)
-        assert short.throughput_tokens_per_s != ana0.throughput_tokens_per_s  # a shorter one does refill
+    # Where refill does change the run, the analytic path still prices it.
+    spec, kw = get_model_spec(AGREEMENT_CASES["kv-moves"][0]), AGREEMENT_CASES["kv-moves"][1]
+    base, w = Policy(**kw), get_workload("T")
+    assert replace(base, refill_every=4).refill_in_effect(4 * base.block_size, w.output.max_len) == 4
+    more, more0 = (simulate_analytic(spec, t4_like(), p, w, num_requests=4 * base.block_size)
+                   for p in (replace(base, refill_every=4), base))
+    assert more.throughput_tokens_per_s != more0.throughput_tokens_per_s
 
 
 # --------------------------------------------------------------------------- bad input

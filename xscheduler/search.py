@@ -126,25 +126,20 @@ class Evaluation:
         return self.fits and self.latency(kind) <= bound_s
 
 
-def in_effect(policy: Policy, job_rows: int | None = None, max_output: int | None = None) -> Policy:
+def in_effect(policy: Policy, job_rows: int, max_output: int) -> Policy:
     """The policy that runs the same as ``policy``, so that the two share one simulation.
 
-    A one-row block runs the same at every refill interval (its slot frees when its request
-    finishes, and a step with no active row costs nothing): 4 simulations fewer per variant. So
-    does a block with a slot for each of the job's ``job_rows`` requests (every request joins at
-    the start and none waits for a freed slot), which is where a throughput-bound search ends on
-    a small job, and a block refilled at intervals no shorter than the longest output less one
-    (``max_output``: every slot is free at every refill, as without refill). Attention on the CPU is only for KV cache rows off the GPU, so with none there it
-    is attention on the device: up to 16% of a grid's points (opt-6.7b on a100-80gb). The
-    discrete-event simulator agrees to 1e-12 (one row) and exactly (CPU attention) on all 40
-    model x preset x workload grids of ``benchmarks/plan_quality.py``, to 3e-15 (whole job)
-    over 4048 (point, refill) pairs of 8 of those grids and three measured profiles, and to 7e-15
-    (long intervals) over 2238 pairs of 7 grids of short outputs; the analytic one prices both
-    cases as blocks without refill.
+    Refill that cannot change a job of ``job_rows`` requests of at most ``max_output`` tokens
+    (:meth:`Policy.refill_in_effect`: one-row blocks, blocks holding the whole job, intervals past
+    the longest output) is dropped: 4 simulations fewer per variant for one row alone, and the
+    points where a throughput-bound search ends on a small job. Attention on the CPU is only for
+    KV cache rows off the GPU, so with none there it is attention on the device: up to 16% of a
+    grid's points (opt-6.7b on a100-80gb); the discrete-event simulator agrees exactly there, on
+    all 40 model x preset x workload grids of ``benchmarks/plan_quality.py``.
     """
-    if policy.refill_every != 0 and (policy.block_size == 1 or (job_rows and policy.block_size >= job_rows)
-                                     or (max_output and policy.refill_every >= max_output - 1)):
-        policy = replace(policy, refill_every=0)
+    refill = policy.refill_in_effect(job_rows, max_output)
+    if refill != policy.refill_every:
+        policy = replace(policy, refill_every=refill)
     if policy.cpu_attention and policy.cc == 0 and policy.cd == 0:
         policy = replace(policy, cpu_attention=False)
     return policy

@@ -471,16 +471,12 @@ def simulate_analytic(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
              num_requests: int = DEFAULT_REQUESTS) -> SimResult:
     """Expected throughput and latency percentiles of ``num_requests`` requests, no sampling.
 
-    A block with a slot for every request never refills (all join at the start and none waits),
-    and an interval at least as long as the longest output frees every slot at every refill, as
-    a block without refill does: both are priced as blocks without refill, as the discrete-event
-    path runs them. The refill model's stationary stream priced the first up to 31% slower
-    (opt-6.7b on a100-80gb, workload T, 300 requests in 64 x 8 rows, refill every 4 steps) and the
-    second up to 3.6x off.
+    Where refilling cannot change the run (:meth:`Policy.refill_in_effect`) it is priced as a
+    block without refill, as the discrete-event path runs it.
     """
     cm = CostModel.for_policy(spec, profile, policy)
     model = _Analytic(cm, policy, workload, int(num_requests))
-    refills = (0 < policy.refill_every < workload.output.max_len - 1) and policy.block_size < num_requests
+    refills = policy.refill_in_effect(int(num_requests), workload.output.max_len) > 0
     out = model.refill() if refills else model.blocks()
     values, weights = out["latencies"], out["weights"]
     if len(values) > _LATENCY_BINS:
