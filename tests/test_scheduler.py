@@ -171,6 +171,14 @@ def test_branch_and_bound_matches_exhaustive_search(case, grid, kind):
         assert out.evaluations < sum(len(s.points()) for s in spaces) / 3  # far fewer than exhaustive
 
 
+def _count_simulations(ev: Evaluator) -> list:
+    """The policies ``ev`` simulates from now on (shared points are not simulated again)."""
+    calls: list = []
+    real = ev.simulate
+    ev.simulate = lambda policy, *a, **k: calls.append(policy) or real(policy, *a, **k)
+    return calls
+
+
 def test_a_block_holding_the_whole_job_is_simulated_once_for_every_refill_interval(case):
     """With a slot for every request of the job none waits for a freed one, so the refill interval
     changes nothing: the search prices those points with one simulation (a throughput-bound search
@@ -180,9 +188,7 @@ def test_a_block_holding_the_whole_job_is_simulated_once_for_every_refill_interv
     v = variants("off", prof.compute_device)[0]
     for method in ("discrete-event", "analytic"):
         ev = Evaluator(spec, prof, w, num_requests=job, method=method)
-        calls = []
-        real = ev.simulate
-        ev.simulate = lambda policy, *a, **k: calls.append(policy) or real(policy, *a, **k)
+        real, calls = ev.simulate, _count_simulations(ev)
         whole = [ev(v, 4, 4, r) for r in REFILL_LEVELS]  # 16 rows: the whole job
         assert all(e.fits for e in whole) and len(calls) == 1, method
         partial = [ev(v, 4, 2, r) for r in REFILL_LEVELS]  # 8 rows: requests wait for slots
@@ -203,9 +209,7 @@ def test_refill_intervals_past_the_longest_output_share_the_simulation_without_r
     w = get_workload("T@0.125")  # outputs of at most 40 tokens: refill every 64 steps never refills
     v = variants("off", prof.compute_device)[0]
     ev = Evaluator(spec, prof, w, num_requests=REQUESTS)
-    calls = []
-    real = ev.simulate
-    ev.simulate = lambda policy, *a, **k: calls.append(policy) or real(policy, *a, **k)
+    real, calls = ev.simulate, _count_simulations(ev)
     never, long = ev(v, 4, 2, 0), ev(v, 4, 2, 64)
     assert never.fits and len(calls) == 1 and long.policy.refill_every == 64
     assert long.throughput == never.throughput
