@@ -87,10 +87,13 @@ def test_simulate_bad_input_in_process(profile_path, args, message, capsys):
 
 def test_workload_commands_and_malformed_file(tmp_path):
     reqs = tmp_path / "reqs.jsonl"
-    out = run("workload", "sample", "C1@0.5", "-n", "400", "--seed", "1", "-o", str(reqs))
+    out = run("workload", "sample", "C1@0.5", "-n", "400", "--seed", "1", "-o", str(reqs), "--json")
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in reqs.read_text().splitlines()]
     assert len(rows) == 400 and set(rows[0]) == {"id", "prompt_tokens", "max_new_tokens"}
+    summary = json.loads(out.stdout)
+    assert summary["requests"] == 400 and summary["output"] == str(reqs)
+    assert summary["mean_output_tokens"] == pytest.approx(sum(r["max_new_tokens"] for r in rows) / 400)
     fitted = tmp_path / "fit.json"
     out = run("workload", "fit", str(reqs), "-o", str(fitted))
     assert out.returncode == 0, out.stderr

@@ -43,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sample.add_argument("-n", "--requests", type=int, required=True, help="number of requests")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     sample.add_argument("-o", "--output", metavar="REQUESTS.jsonl", required=True, help="output file")
+    sample.add_argument("--json", action="store_true",
+                        help="print a JSON summary (file, workload, seed, request count, mean lengths)")
     sample.set_defaults(handler=_sample)
 
 
@@ -106,5 +108,9 @@ def _sample(args: argparse.Namespace) -> int:
     lines = [json.dumps({"id": i, "prompt_tokens": int(p), "max_new_tokens": int(o)})
              for i, (p, o) in enumerate(zip(prompt, output))]
     atomic_write_text(Path(args.output), "\n".join(lines) + "\n")
+    if args.json:
+        print(json.dumps({"output": str(args.output), "workload": w.name, "seed": args.seed,
+                          "requests": args.requests, "mean_prompt_tokens": float(prompt.mean()),
+                          "mean_output_tokens": float(output.mean())}, indent=2))
     print(f"wrote {args.requests} requests of {w.name} to {args.output}", file=sys.stderr)
     return 0
