@@ -142,6 +142,24 @@ def test_warm_replan_matches_exhaustive_search_on_the_observed_workload(setup, f
     assert exhaustive.best is not None
 
 
+def test_replan_prices_the_plans_own_job_size():
+    """A block near the job's size makes latency grow with the job: a re-plan priced on another
+    job size once passed a 2000-request plan whose real p99 the simulator put 45% over the bound."""
+    prof = load_profile("t4")
+    w = get_workload("T@0.25")
+    plan = plan_search(prof.model_for(get_model_spec("opt-6.7b")), prof, w, SLA("p99", 120.0), num_requests=2000,
+                       confirm_seeds=())
+    assert plan.policy.gbs * plan.policy.nb >= 1000  # the case where the job size matters
+    p, o = shifted(w, 1.4).sample(300, seed=6)
+    r = replan(plan, p, o, profile=prof)
+    assert r.drifted and r.new_plan is not None, r.describe()
+    assert r.old_on_observed.num_requests == r.new_plan.predicted.num_requests == 2000
+    # independent of the re-plan's own pricing: the simulator on the fitted workload at the job's size
+    old = simulate(plan.model, prof, plan.policy, r.observed, 2000, seed=0)
+    new = simulate(plan.model, prof, r.new_plan.policy, r.observed, 2000, seed=0)
+    assert not plan.sla.met_by(old) and plan.sla.met_by(new)
+
+
 def test_offline_replan_without_drift_keeps_the_plan(setup):
     prof, w, plan, _ = setup
     p, o = w.sample(500, seed=3)

@@ -381,9 +381,10 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
     drift watcher (None when off; its false-alarm rate holds over the ``horizon`` requests of the
     job). ``profile``: the plan's, or None with ``no_profile`` the error saying why. Each event is
     one line on stderr."""
-    from xscheduler.replan import REPLAN_REQUESTS, DriftWatcher
+    from xscheduler.replan import DriftWatcher
 
-    requests = max(1, min(REPLAN_REQUESTS, horizon))  # re-plans price the job's size (its block cap), at most this
+    # Re-plans price the whole job's size: with a block near it, latency grows with the job.
+    requests = max(1, horizon)
     watcher = budget = None
     if profile is None and args.budget_file:
         raise no_profile

@@ -78,6 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="full (default): any compression; local: keep the plan's weight compression")
     r.add_argument("--search", choices=("warm", "bnb"), default="warm",
                    help="warm (default): climb from the plan's policy (fast); bnb: the whole branch-and-bound")
+    r.add_argument("--requests", type=int, default=None,
+                   help="job size to price the old and new plans on (default: the plan's own, as planned)")
     r.add_argument("-o", "--output", metavar="NEW_PLAN.json", help="write the new plan here (only when it changed)")
     r.add_argument("--json", action="store_true", help="print the Replan record as JSON")
     r.set_defaults(handler=_replan)
@@ -92,7 +94,7 @@ def _replan(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     prompts, outputs, capped = read_observed(Path(args.observed))
     result = replan(plan, prompts, outputs, capped, profile=args.profile, false_alarm_rate=args.false_alarm_rate,
-                    compress=args.compress, scope=args.scope, method=args.search)
+                    compress=args.compress, scope=args.scope, method=args.search, num_requests=args.requests)
     if args.output and result.new_plan is not None:
         result.new_plan.save(args.output)
     print(result.to_json() if args.json else result.describe())
