@@ -630,30 +630,35 @@ def test_analytic_agrees_with_discrete_event_on_presets(preset, refill):
         assert ana.padded_prompt_tokens == pytest.approx(des.padded_prompt_tokens, rel=0.15), name
 
 
-def test_analytic_is_exact_for_fixed_lengths():
+@pytest.mark.parametrize("lengths", ["fixed:100:20", "fixed:16:1"])  # one-token outputs: no decode step at all
+def test_analytic_is_exact_for_fixed_lengths(lengths):
     pol = offload_policy(gbs=8, nb=2)
-    w = get_workload("fixed:100:20")
+    w = get_workload(lengths)
     des = simulate(OPT30, t4_like(), pol, w, num_requests=16 * 5 + 3)
     ana = simulate_analytic(OPT30, t4_like(), pol, w, num_requests=16 * 5 + 3)
     assert ana.wall_s == pytest.approx(des.wall_s, rel=1e-9)
     assert ana.latency_p99_s == pytest.approx(des.latency_p99_s, rel=1e-9)
 
 
-@pytest.mark.parametrize("case", ["one row", "whole job", "interval past the longest output"])
+@pytest.mark.parametrize("case", ["one row", "whole job", "interval past the longest output", "one output length"])
 def test_refill_that_cannot_change_the_run_is_priced_as_no_refill(case):
     """A one-row block's slot frees as its request finishes; with a slot for every request none
     waits for a freed one; with every request done within one interval every slot is free at
-    every refill. The discrete-event path runs these exactly as without refill, and the analytic
-    path prices them so (its refill model was up to 16% off at one row, 31% for a whole job,
-    3.6x past the longest output)."""
+    every refill; with one output length a block's rows all finish together. The discrete-event
+    path runs these exactly as without refill, and the analytic path prices them so (its refill
+    model was up to 16% off at one row, 31% for a whole job, 3.6x past the longest output, 36%
+    at one output length)."""
+    t = get_workload("T")
     for name, (model, kw) in AGREEMENT_CASES.items():
         spec = get_model_spec(model)
         base = Policy(**{**kw, "gbs": 1, "nb": 1}) if case == "one row" else Policy(**kw)
-        w = get_workload("S@0.125" if case.startswith("interval") else "T")  # S@0.125: outputs <= 10 tokens
+        w = (get_workload("S@0.125") if case.startswith("interval")  # S@0.125: outputs <= 10 tokens
+             else Workload("t16", prompt=t.prompt, output=LengthDistribution.fixed(16)) if case == "one output length"
+             else t)
         jobs = base.block_size if case == "whole job" else 600
-        for refill in (1, 4, 64) if case != "interval past the longest output" else (16, 64):
+        for refill in {"interval past the longest output": (16, 64), "one output length": (1, 4, 14)}.get(case, (1, 4, 64)):
             pol = replace(base, refill_every=refill)
-            assert pol.refill_in_effect(jobs, w.output.max_len) == 0
+            assert pol.refill_in_effect(jobs, w.output.max_len, w.output.min_len) == 0
             des, des0 = (simulate(spec, t4_like(), p, w, num_requests=jobs, seed=1) for p in (pol, base))
             assert des.throughput_tokens_per_s == pytest.approx(des0.throughput_tokens_per_s, rel=1e-12), name
             assert des.latency_p99_s == pytest.approx(des0.latency_p99_s, rel=1e-12), name

@@ -126,18 +126,18 @@ class Evaluation:
         return self.fits and self.latency(kind) <= bound_s
 
 
-def in_effect(policy: Policy, job_rows: int, max_output: int) -> Policy:
+def in_effect(policy: Policy, job_rows: int, max_output: int, min_output: int = 1) -> Policy:
     """The policy that runs the same as ``policy``, so that the two share one simulation.
 
-    Refill that cannot change a job of ``job_rows`` requests of at most ``max_output`` tokens
-    (:meth:`Policy.refill_in_effect`: one-row blocks, blocks holding the whole job, intervals past
-    the longest output) is dropped: 4 simulations fewer per variant for one row alone, and the
+    Refill that cannot change a job of ``job_rows`` requests of ``min_output`` to ``max_output``
+    tokens (:meth:`Policy.refill_in_effect`: one-row blocks, blocks holding the whole job, intervals
+    past the longest output, one output length for all) is dropped: 4 simulations fewer per variant for one row alone, and the
     points where a throughput-bound search ends on a small job. Attention on the CPU is only for
     KV cache rows off the GPU, so with none there it is attention on the device: up to 16% of a
     grid's points (opt-6.7b on a100-80gb); the discrete-event simulator agrees exactly there, on
     all 40 model x preset x workload grids of ``benchmarks/plan_quality.py``.
     """
-    refill = policy.refill_in_effect(job_rows, max_output)
+    refill = policy.refill_in_effect(job_rows, max_output, min_output)
     if refill != policy.refill_every:
         policy = replace(policy, refill_every=refill)
     if policy.cpu_attention and policy.cc == 0 and policy.cd == 0:
@@ -224,7 +224,7 @@ class Evaluator:
         simulated = False
         if placed is not None:
             policy = replace(placed.policy, refill_every=refill)
-            same = in_effect(policy, self.num_requests, self.workload.output.max_len)
+            same = in_effect(policy, self.num_requests, self.workload.output.max_len, self.workload.output.min_len)
             twin = self.results.get(same)
             if twin is not None:
                 result = replace(twin, policy=policy)

@@ -157,6 +157,8 @@ class _Analytic:
 
     def row_step_slope(self, rows: np.ndarray, a: np.ndarray, ctx: np.ndarray, p: np.ndarray) -> float:
         """Seconds one more active row adds to a decode step, at the busiest step's shape."""
+        if a.size == 0:  # every output is one token: no decode step
+            return 0.0
         t = int(np.argmax(np.sum(a, axis=-1)))
         base = np.asarray(a[t], dtype=float)
         if base.sum() <= 0:
@@ -476,7 +478,7 @@ def simulate_analytic(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
     """
     cm = CostModel.for_policy(spec, profile, policy)
     model = _Analytic(cm, policy, workload, int(num_requests))
-    refills = policy.refill_in_effect(int(num_requests), workload.output.max_len) > 0
+    refills = policy.refill_in_effect(int(num_requests), workload.output.max_len, workload.output.min_len) > 0
     out = model.refill() if refills else model.blocks()
     values, weights = out["latencies"], out["weights"]
     if len(values) > _LATENCY_BINS:

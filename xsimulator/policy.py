@@ -76,16 +76,19 @@ class Policy(Contract):
     def block_size(self) -> int:
         return self.gbs * self.nb
 
-    def refill_in_effect(self, job_rows: int, max_output: int) -> int:
+    def refill_in_effect(self, job_rows: int, max_output: int, min_output: int = 1) -> int:
         """``refill_every``, or 0 where refilling cannot change a job of ``job_rows`` requests of
-        at most ``max_output`` tokens: a one-row block (its slot frees as its request finishes), a
-        block with a slot for every request (none waits for a freed one), or an interval no
-        shorter than the longest output less one (every slot is free at every refill). The
-        discrete-event simulator runs these exactly as without refill (to 1e-12, 3e-15 and 7e-15
-        over the grids of ``benchmarks/plan_quality.py`` and measured profiles); the analytic one
-        prices them so, its refill model having been up to 16% (one row, p99), 31% (whole job,
-        throughput) and 3.6x (long interval) off the discrete-event path there."""
-        if self.block_size == 1 or self.block_size >= job_rows or self.refill_every >= max_output - 1:
+        ``min_output`` to ``max_output`` tokens: a one-row block (its slot frees as its request
+        finishes), a block with a slot for every request (none waits for a freed one), an interval
+        no shorter than the longest output less one (every slot is free at every refill), or one
+        output length for all (a block's rows all finish together, and the next block starts). The
+        discrete-event simulator runs these exactly as without refill (to 1e-12, 3e-15, 7e-15 and
+        1e-14 over the grids of ``benchmarks/plan_quality.py``, measured profiles and fixed-output
+        jobs); the analytic one prices them so, its refill model having been up to 16% (one row,
+        p99), 31% (whole job, throughput), 3.6x (long interval) and 36% (fixed output, throughput)
+        off the discrete-event path there."""
+        if (self.block_size == 1 or self.block_size >= job_rows or self.refill_every >= max_output - 1
+                or min_output >= max_output):
             return 0
         return self.refill_every
 
