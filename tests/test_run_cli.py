@@ -86,6 +86,10 @@ def test_prompt_file_errors_name_the_line(tmp_path):
     recs = read_prompts(p)
     assert [(r.id, r.prompt, r.prompt_ids, r.max_new_tokens, r.line) for r in recs] == [
         (7, "hi", None, None, 1), ("7", None, (3, 4), 2, 3)]  # 7 and "7" are different ids
+    # A byte-order mark is dropped; a raw U+2028 / U+0085 inside a prompt does not end its line.
+    p.write_bytes(b"\xef\xbb\xbf" + (json.dumps({"id": "s", "prompt": "a\u2028b\x85c"}, ensure_ascii=False)
+                                     + "\r\n").encode())
+    assert [(r.id, r.prompt, r.line) for r in read_prompts(p)] == [("s", "a\u2028b\x85c", 1)]
 
 
 def test_results_writer_refuses_old_file_and_drops_a_torn_line_on_resume(tmp_path):

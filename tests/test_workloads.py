@@ -136,6 +136,15 @@ def test_from_file_jsonl_and_csv(tmp_path):
     counted = Workload.from_file(csv_path, count_tokens=lambda text: len(text.split()))
     assert counted.prompt.mean == pytest.approx(prompts[:50].mean())
     assert get_workload(str(jl)).name == "req"
+    # A spreadsheet's byte-order mark, and a raw U+2028 inside a JSON string (json.dumps with
+    # ensure_ascii=False writes one; str.splitlines() would break the line there).
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbfprompt_tokens,output_tokens\r\n10,5\r\n12,7\r\n")
+    assert Workload.from_file(bom).prompt.mean == pytest.approx(11)
+    sep = tmp_path / "sep.jsonl"
+    sep.write_text(json.dumps({"prompt": "one\u2028two\x85", "output_tokens": 3}, ensure_ascii=False) + "\n",
+                   encoding="utf-8")
+    assert Workload.from_file(sep).output.mean == 3
 
 
 @pytest.mark.parametrize("text,match", [
@@ -168,6 +177,9 @@ def test_bad_distributions_and_files(tmp_path):
     zero = tmp_path / "zero.jsonl"
     zero.write_text('{"prompt_tokens": 0, "output_tokens": 3}\n')
     with pytest.raises(UserError, match="request 1: prompt_tokens=0"):
+        Workload.from_file(zero)
+    zero.write_text('{"prompt_tokens": true, "output_tokens": 3}\n')
+    with pytest.raises(UserError, match="request 1: prompt_tokens=True"):
         Workload.from_file(zero)
     partial = tmp_path / "partial.jsonl"
     partial.write_text('{"prompt_tokens": 4, "output_tokens": 3}\n{"prompt_tokens": 5}\n')

@@ -13,6 +13,7 @@ the lengths: small enough to run for real on a small machine).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from dataclasses import dataclass, replace
@@ -166,19 +167,20 @@ def spearman_to_copula(a: Any, b: Any) -> float:
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """The request objects of a JSONL file or the rows of a CSV file, as dicts (one-line errors)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (spreadsheet exports) is dropped
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read ({exc.__class__.__name__})") from None
     if path.suffix.lower() == ".csv":
-        reader = csv.DictReader(text.splitlines())
+        reader = csv.DictReader(io.StringIO(text, newline=""))
         if not reader.fieldnames or not set(reader.fieldnames) & set(PROMPT_KEYS):
             raise UserError(f"{path}: CSV needs a header with {' or '.join(PROMPT_KEYS)} "
                             f"and {' or '.join(OUTPUT_KEYS)}")
         return [dict(r) for r in reader]
     rows = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: JSON strings may hold a raw U+2028 or U+0085, where splitlines() breaks.
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -193,6 +195,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def _positive_int(value: Any, where: str, key: str) -> int:
+    if isinstance(value, bool):  # float(True) is 1.0
+        raise UserError(f"{where}: {key}={value!r} must be a whole number of tokens >= 1")
     try:
         f = float(value)
     except (TypeError, ValueError):

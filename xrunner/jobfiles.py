@@ -47,14 +47,15 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is dropped
     except FileNotFoundError:
         raise UserError(f"{p}: no such prompt file") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError, OSError) as exc:
         raise UserError(f"{p}: cannot read the prompt file ({exc.__class__.__name__})") from None
     records: list[PromptRecord] = []
     seen: dict[str, int] = {}
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: a prompt may hold a raw U+2028 or U+0085, where splitlines() breaks.
+    for lineno, raw in enumerate(text.split("\n"), start=1):
         if not raw.strip():
             continue
         where = f"{p}:{lineno}"
