@@ -175,7 +175,10 @@ def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
         (["--prompts", str(text), "--out", str(tmp_path / "o4")], "give \"prompt_ids\""),
         (["--prompts", str(ok), "--out", str(tmp_path / "o5"), "--offload-dir", str(tmp_path / "none")],
          "offload dir"),
-        (["--prompts", str(ok), "--out", str(tmp_path / "nodir" / "o")], "does not exist or is not writable"),
+        (["--prompts", str(ok), "--out", str(tmp_path / "nodir" / "o")], "does not exist; create it or pass another --out"),
+        (["--prompts", str(ok), "--out", str(tmp_path / "o8"), "--trace", str(tmp_path / "nodir" / "t.json")],
+         "pass another --trace"),  # refused before the job runs, not after it
+        (["--prompts", str(ok), "--out", str(tmp_path / "o8"), "--result", str(tmp_path)], "is a directory"),
         (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--offload-dir", str(ok)], "is not a directory"),
     ]
     for extra, message in cases:

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 from xprofiler.profile import BandwidthCurve, HardwareProfile, HeadFit, LayerFit, WarmFit
 from xprofiler.sweeps import CUDA_FULL_GRIDS, CUDA_QUICK_GRIDS, FULL_GRIDS, PHASES, QUICK_GRIDS, Grid
 from xsched.errors import UserError
-from xsched.fileio import atomic_write_text, describe_os_error
+from xsched.fileio import atomic_write_text, check_writable
 
 MiB = 2**20
 GiB = 2**30
@@ -506,18 +506,9 @@ def write_profile(profile: HardwareProfile, rows: Sequence[dict[str, Any]], outp
     return output, csv_path
 
 
-def check_output(output: Path) -> None:
-    """Fail before measuring if the profile cannot be written where asked."""
-    parent = output.expanduser().resolve().parent
-    if not parent.is_dir():
-        raise UserError(f"{output}: directory {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK):
-        raise UserError(describe_os_error(PermissionError(13, "Permission denied"), output))
-
-
 def profile_machine(opts: ProfileOptions) -> tuple[HardwareProfile, Path, Path]:
     """Measure and write; returns the profile and the JSON and CSV paths."""
-    check_output(opts.output)
+    check_writable(opts.output, "-o")
     profile, rows = measure_profile(opts)
     json_path, csv_path = write_profile(profile, rows, opts.output)
     return profile, json_path, csv_path

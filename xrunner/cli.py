@@ -167,14 +167,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    import os
-    from pathlib import Path
-
     from xprofiler.fingerprint import machine_differences
     from xprofiler.presets import load_profile
     from xrunner.calibrate import calibrate, refresh, report
     from xrunner.run_cli import check_offload_dir
     from xsched.errors import UserError
+    from xsched.fileio import check_writable
 
     if args.repeats is None:
         args.repeats = 2 if args.refresh else 3
@@ -185,10 +183,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise UserError(f"--depth must be >= 4, got {args.depth}: the weight-offload runs need 3 offloaded layers "
                         "(the engine keeps up to 2 fetched layers in its stage slots and never fetches them again)")
     if args.output is not None:
-        parent = Path(args.output).resolve().parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise UserError(f"{args.output}: cannot write there (directory {parent} is missing or not writable); "
-                            "pass another -o")
+        check_writable(args.output, "-o")
     if args.offload_dir is not None:
         check_offload_dir(args.offload_dir)
     profile = load_profile(args.profile, check_machine=False)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from xsched.errors import UserError
-from xsched.fileio import describe_os_error
+from xsched.fileio import check_writable, describe_os_error
 
 RequestId = str | int
 
@@ -134,11 +134,9 @@ class ResultsWriter:
             size = p.stat().st_size if p.exists() else 0
         except OSError as exc:
             raise UserError(describe_os_error(exc, p)) from None
-        if p.exists() and not p.is_file():
+        if p.exists() and not p.is_file() and not p.is_dir():
             raise UserError(f"{p}: not a regular file; pass another --out")
-        parent = p.parent if str(p.parent) else Path(".")
-        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise UserError(f"{p}: directory {parent} does not exist or is not writable; create it or pass another --out")
+        check_writable(p, "--out")
         if size and not resume:
             raise UserError(f"{p} already has results; pass --resume to continue that job or another --out path")
         if size:

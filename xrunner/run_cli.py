@@ -207,6 +207,7 @@ def _run(args: argparse.Namespace) -> int:
     from xrunner.result import Adaptation, build_run_result
     from xscheduler.plan import Plan
     from xsched.errors import UserError
+    from xsched.fileio import check_writable
     from xsimulator.costmodel import CostModel
 
     plan = Plan.load(args.plan)
@@ -215,6 +216,9 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.offload_dir is not None:
         check_offload_dir(args.offload_dir)
+    for path, flag in ((args.trace, "--trace"), (args.result, "--result")):
+        if path:  # before the job, not after it: a bad path would lose the trace and the summary
+            check_writable(path, flag)
     offload_root = args.offload_dir or tempfile.gettempdir()
     writer = ResultsWriter.open(args.out, resume=args.resume)  # refuses an old --out early, before loading
     with writer:

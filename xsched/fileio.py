@@ -21,6 +21,19 @@ def describe_os_error(exc: OSError, path: Path | str) -> str:
     return f"{path}: {exc.strerror or exc}"
 
 
+def check_writable(path: Path | str, flag: str) -> None:
+    """Fail before long work if ``path`` (given as ``flag``) cannot be written: its directory is
+    missing or read-only, or it is a directory itself."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise UserError(f"{path}: is a directory; pass a file path to {flag}")
+    parent = p.resolve().parent
+    if not parent.is_dir():
+        raise UserError(f"{path}: directory {parent} does not exist; create it or pass another {flag}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{path}: directory {parent} is not writable; pass another {flag}")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` via a temporary file, fsync and rename."""
     path = Path(path)

@@ -110,6 +110,7 @@ def _plan(args: argparse.Namespace) -> int:
     from xprofiler.presets import load_profile
     from xprofiler.specs import get_model_spec
     from xsched.errors import UserError
+    from xsched.fileio import check_writable
     from xscheduler.plan import SLA
     from xscheduler.planner import plan_search
 
@@ -128,6 +129,9 @@ def _plan(args: argparse.Namespace) -> int:
         raise UserError(f"--latency must be a positive number of seconds (or inf), got {latency:g}")
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
+    for path, flag in ((args.output, "-o"), (args.frontier and f"{args.frontier}.csv", "--frontier")):
+        if path:  # before the search, which can take minutes
+            check_writable(path, flag)
     profile = load_profile(args.profile or DEFAULT_PROFILE)
     spec = profile.model_for(get_model_spec(args.model or DEFAULT_MODEL))
     workload = get_workload(args.workload or DEFAULT_WORKLOAD)

@@ -87,6 +87,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from xprofiler.presets import load_profile
     from xprofiler.specs import ModelSpec, get_model_spec
     from xsched.errors import UserError
+    from xsched.fileio import check_writable
     from xsimulator.policy import Policy
 
     notes = []
@@ -100,6 +101,9 @@ def _simulate(args: argparse.Namespace) -> int:
         policy = Policy.from_dict(_read_json_arg(args.policy, "--policy"), where="--policy")
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
+    for path, flag in ((args.output, "-o"), (args.trace, "--trace")):
+        if path:  # before simulating a large job
+            check_writable(path, flag)
 
     if args.model:
         spec = get_model_spec(args.model)
