@@ -400,7 +400,8 @@ def _wait_for_lines(proc: subprocess.Popen, out: Path, lines: int, timeout_s: fl
 
 def test_sigkill_then_resume_and_ctrl_c(tiny_dir, tmp_path, capsys):
     """A SIGKILL in the middle of a job, then --resume, gives the uninterrupted run's lines (minus
-    latencies); Ctrl-C stops with exit 130, no traceback, results kept and offload files removed."""
+    latencies); Ctrl-C (exit 130) and SIGTERM (exit 143) stop with no traceback, results kept and
+    offload files removed."""
     from xsimulator.policy import Policy
 
     rng = np.random.default_rng(3)
@@ -409,24 +410,27 @@ def test_sigkill_then_resume_and_ctrl_c(tiny_dir, tmp_path, capsys):
              "max_new_tokens": int(rng.integers(1, 10))} for i in range(n)]
     prompts = write_prompts(tmp_path / "p.jsonl", rows)
     plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=2, nb=2, cg=0.5, cc=0.0, cd=0.5, refill_every=1))
-    offload_kill, offload_int = tmp_path / "off-kill", tmp_path / "off-int"
-    offload_kill.mkdir(), offload_int.mkdir()
-    killed, interrupted = tmp_path / "killed.jsonl", tmp_path / "interrupted.jsonl"
+    offload_kill = tmp_path / "off-kill"
+    offload_kill.mkdir()
+    killed = tmp_path / "killed.jsonl"
     common = ["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--quiet"]
     p_kill = _start(common + ["--out", str(killed), "--offload-dir", str(offload_kill)])
     at_kill = _wait_for_lines(p_kill, killed, 3)
     p_kill.send_signal(signal.SIGKILL)
+    p_kill.communicate(timeout=60)
+    assert p_kill.returncode == -signal.SIGKILL and 3 <= at_kill < n, at_kill  # really killed mid-job
     # Started only now: run beside the first one, it could finish its whole job while the first was still
     # starting up, and then the SIGINT met an exiting interpreter (exit -2 instead of 130).
-    p_int = _start(common + ["--out", str(interrupted), "--offload-dir", str(offload_int)])
-    at_int = _wait_for_lines(p_int, interrupted, 3)
-    p_int.send_signal(signal.SIGINT)
-    p_kill.communicate(timeout=60)
-    _, err = p_int.communicate(timeout=60)
-    assert p_kill.returncode == -signal.SIGKILL and 3 <= at_kill < n, at_kill  # really killed mid-job
-    assert p_int.returncode == 130 and 3 <= at_int < n and "Traceback" not in err and "interrupted" in err, err
-    assert list(offload_int.iterdir()) == []  # offload files removed after Ctrl-C
-    assert len(read_rows(interrupted)) >= at_int  # results written before Ctrl-C kept
+    for sig, status, word in ((signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")):
+        offload, stopped = tmp_path / f"off-{word}", tmp_path / f"{word}.jsonl"
+        offload.mkdir()
+        p_stop = _start(common + ["--out", str(stopped), "--offload-dir", str(offload)])
+        at_stop = _wait_for_lines(p_stop, stopped, 3)
+        p_stop.send_signal(sig)
+        _, err = p_stop.communicate(timeout=60)
+        assert p_stop.returncode == status and 3 <= at_stop < n and "Traceback" not in err and word in err, err
+        assert list(offload.iterdir()) == []  # offload files removed after Ctrl-C or kill
+        assert len(read_rows(stopped)) >= at_stop  # results written before the signal kept
 
     # A crash can also tear the line being appended; resume drops it.
     with killed.open("ab") as fh:
@@ -439,8 +443,10 @@ def test_sigkill_then_resume_and_ctrl_c(tiny_dir, tmp_path, capsys):
     fresh = tmp_path / "fresh.jsonl"
     assert main(common + ["--out", str(fresh), "--offload-dir", str(offload_kill)]) == 0
     assert without_timing(resumed) == without_timing(read_rows(fresh))
-    assert main(common + ["--out", str(interrupted), "--offload-dir", str(offload_int), "--resume"]) == 0
-    assert without_timing(read_rows(interrupted)) == without_timing(read_rows(fresh))
+    for word in ("interrupted", "terminated"):
+        stopped = tmp_path / f"{word}.jsonl"
+        assert main(common + ["--out", str(stopped), "--offload-dir", str(tmp_path / f"off-{word}"), "--resume"]) == 0
+        assert without_timing(read_rows(stopped)) == without_timing(read_rows(fresh))
 
 
 @pytest.mark.slow

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 import warnings
 
 from xsched.errors import EXIT_USER_ERROR, UserError
@@ -40,20 +42,37 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:  #
     return f"xsched: warning: {message}\n"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, ``timeout``, a batch scheduler) unwinds like Ctrl-C: results already
+    written stay, offload files are removed, and the exit status is 128 + 15."""
+
+
+def _terminate(signum, frame) -> None:  # noqa: ANN001
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning  # warnings reach the user as one line, like errors
     parser = build_parser()
     args = parser.parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return int(args.handler(args) or 0)
     except UserError as exc:
         print(f"xsched: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except Terminated:
+        print("xsched: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("xsched: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `xsched models | head`
         return 0
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
