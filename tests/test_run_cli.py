@@ -7,6 +7,7 @@ xscheduler/plan.py), so these tests do not depend on the scheduler's search.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -296,6 +297,16 @@ def test_workload_fit_counts_prompt_tokens_as_run_feeds_them(tiny_dir, tmp_path,
     with pytest.warns(UserWarning, match=f"xsched workload fit {prompts} --tokenizer {tiny_dir}`"):
         assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts),
                      "--out", str(tmp_path / "out.jsonl"), "--quiet", "--adapt", "none"]) == 0
+    # Requests without max_new_tokens run with the plan's longest output: the suggested fit says so, and works.
+    partial = write_prompts(tmp_path / "partial.jsonl", [{k: v for k, v in r.items() if k != "max_new_tokens"
+                                                          or r["id"] % 2} for r in rows])
+    with pytest.warns(UserWarning, match=f"--tokenizer {tiny_dir} --max-new-tokens 3`") as caught:
+        assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(partial),
+                     "--out", str(tmp_path / "out2.jsonl"), "--quiet", "--adapt", "none"]) == 0
+    command = re.search(r"`(xsched workload fit [^`]*)`", str(caught[0].message)).group(1)
+    assert main(command.split()[1:] + ["-o", str(tmp_path / "partial.json")]) == 0
+    fitted = Workload.load(tmp_path / "partial.json")
+    assert fitted.output.min_len == fitted.output.max_len == 3 and fitted.prompt.max_len == max(words)
 
 
 def test_default_tokenizer_counts_the_chat_template():

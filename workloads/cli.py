@@ -35,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "feed it; without it text is estimated at 4 bytes per token")
     fit.add_argument("--no-chat-template", action="store_true",
                      help="with --tokenizer: count the prompt text as is (as `xsched run --no-chat-template`)")
+    fit.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                     help="output length of a request that gives none (as `xsched run --max-new-tokens`)")
     fit.set_defaults(handler=_fit)
 
     sample = wsub.add_parser("sample", help="write N requests sampled from a workload as JSONL",
@@ -71,9 +73,12 @@ def _fit(args: argparse.Namespace) -> int:
         count_tokens = prompt_token_counter(args.tokenizer or None, chat=not args.no_chat_template)  # '': default
     elif args.no_chat_template:
         raise UserError("--no-chat-template only applies with --tokenizer")
-    lengths = read_request_lengths(path, count_tokens)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    lengths = read_request_lengths(path, count_tokens, default_output=args.max_new_tokens)
     if lengths.outputs is None:
-        raise UserError(f"{path}: needs {' or '.join(OUTPUT_KEYS)} per request to fit output lengths")
+        raise UserError(f"{path}: needs {' or '.join(OUTPUT_KEYS)} per request to fit output lengths, or "
+                        "--max-new-tokens N for the requests without one")
     prompt_fit = fit_lengths(lengths.prompts)
     output_fit = fit_lengths(lengths.outputs)
     fitted = Workload(name=f"{path.stem}-fit", prompt=prompt_fit.best, output=output_fit.best,

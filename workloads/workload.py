@@ -133,9 +133,12 @@ class RequestLengths:
 
 
 def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None = None,
-                         rows: list[dict[str, Any]] | None = None) -> RequestLengths:
+                         rows: list[dict[str, Any]] | None = None,
+                         default_output: int | None = None) -> RequestLengths:
     """Prompt and output lengths of every request in a JSONL or CSV file (see ``from_file``);
-    ``rows``: the file's rows when the caller already read them with :func:`read_rows`."""
+    ``rows``: the file's rows when the caller already read them with :func:`read_rows`;
+    ``default_output``: the output length of a request that gives none (``xsched run``'s
+    ``--max-new-tokens``, which such a request runs with)."""
     rows = read_rows(path) if rows is None else rows
     if not rows:
         raise UserError(f"{path}: no requests in the file")
@@ -144,7 +147,8 @@ def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None =
         n_prompt, est = _prompt_length(row, count_tokens, f"{path}: request {i}")
         estimated |= est
         prompts.append(n_prompt)
-        outputs.append(_optional_length(row, OUTPUT_KEYS, f"{path}: request {i}"))
+        length = _optional_length(row, OUTPUT_KEYS, f"{path}: request {i}")
+        outputs.append(default_output if length is None else length)
     known = [o for o in outputs if o is not None]
     if known and len(known) != len(outputs):
         first = outputs.index(None) + 1

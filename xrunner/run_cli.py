@@ -241,7 +241,9 @@ def _run(args: argparse.Namespace) -> int:
         max_prompt, max_output = max(len(p) for p in prompt_ids), max(new_tokens)
         if max_prompt > plan.workload.prompt.max_len or max_output > plan.workload.output.max_len:
             fit = " ".join(["xsched workload fit", args.prompts, "--tokenizer", *([args.model] if args.model else []),
-                            *(["--no-chat-template"] if args.no_chat_template else [])])
+                            *(["--no-chat-template"] if args.no_chat_template else []),
+                            *([f"--max-new-tokens {default_new}"] if any(not r.max_new_tokens for r in records)
+                              else [])])
             warnings.warn(f"the job has prompts up to {max_prompt} and outputs up to {max_output} tokens, the plan's "
                           f"workload at most {plan.workload.prompt.max_len} and {plan.workload.output.max_len}; "
                           f"memory and predictions are for the job's lengths (plan for them with `{fit}` and "
