@@ -158,6 +158,26 @@ def random_plan(tmp_path_factory):
     return make_plan(d / "plan.json", random_spec(), Policy(gbs=2, nb=2, refill_every=2), 8, 6)
 
 
+def test_the_simulated_column_prices_the_placement_the_engine_runs(tmp_path):
+    """A hand-written plan may split a batch's rows or the layers in fractions the engine cannot
+    place; the run's like-for-like prediction prices the whole rows and layers it did place (its
+    disk peak was 15x the measured one when it priced the fractions)."""
+    from xprofiler.presets import load_profile
+    from xrunner.engine import rounded_policy
+    from xrunner.run_cli import simulate_job
+    from xscheduler.plan import Plan
+    from xsimulator.discrete_event import simulate
+    from xsimulator.policy import Policy
+
+    policy = Policy(gbs=2, nb=2, wg=0.5, wc=0.3, wd=0.2, cg=0.4, cc=0.3, cd=0.3, hg=0.0, hc=0.5, hd=0.5)
+    plan = Plan.load(make_plan(tmp_path / "plan.json", random_spec(), policy, 8, 6))
+    placed = rounded_policy(policy, plan.model.num_layers)
+    assert placed != policy
+    got = simulate_job(plan, load_profile("t4"), [8, 5, 7], [6, 6, 2])
+    want = simulate(plan.model, load_profile("t4"), placed, plan.workload, requests=([8, 5, 7], [6, 6, 2]))
+    assert got.policy == placed and got.peak_bytes == want.peak_bytes
+
+
 def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
     ok = write_prompts(tmp_path / "ok.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7]}])
     bad_json = tmp_path / "bad.jsonl"

@@ -369,15 +369,17 @@ def _plan_profile(plan: Any, profile_arg: str | None) -> tuple[Any, Any]:
 
 def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_lens: Sequence[int]) -> Any:
     """The simulator's prediction for exactly the requests a job ran (in the order it ran them,
-    output lengths as generated), with the plan's policy on the plan's profile; None for no requests."""
+    output lengths as generated), with the plan's policy as the engine placed it (whole layers and
+    rows) on the plan's profile; None for no requests."""
     import numpy as np
 
+    from xrunner.engine import rounded_policy
     from xsimulator.discrete_event import simulate
 
     if not prompt_lens:
         return None
     workload = covering(plan, max(prompt_lens), max(output_lens)).workload  # memory for the job's longest
-    return simulate(plan.model, profile, plan.policy, workload,
+    return simulate(plan.model, profile, rounded_policy(plan.policy, plan.model.num_layers), workload,
                     requests=(np.asarray(prompt_lens, np.int64), np.asarray(output_lens, np.int64)))
 
 
