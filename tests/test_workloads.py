@@ -155,10 +155,18 @@ def test_from_file_jsonl_and_csv(tmp_path):
     ("T@zero", "not a number"),
     ("T@-1", "scale must be > 0"),
     ("missing.jsonl", "no such file"),
+    ("S@1e6", "beyond any model's context"),  # not a gigabyte-sized pmf table
 ])
 def test_bad_workload_specs(text, match):
     with pytest.raises(UserError, match=match):
         get_workload(text)
+
+
+def test_scaling_keeps_the_mean_inside_the_range():
+    """Rounding min_len after scaling could pass the scaled mean (3 x 0.5 -> 2 > 1.6)."""
+    d = LengthDistribution.truncnorm(3.2, 1.0, 10, min_len=3).scaled(0.5)
+    assert d.min_len <= d.params["mean"] == pytest.approx(1.6) and d.max_len == 5
+    assert d.mean == pytest.approx(float(np.dot(*d.pmf()[::-1])))
 
 
 def test_bad_distributions_and_files(tmp_path):

@@ -34,6 +34,9 @@ _PARAM_NAMES: dict[str, tuple[str, ...]] = {
 }
 # scipy's skew-normal cannot reach |skewness| >= 0.9953 (ExeGPT §7.6 notes the (-1, 1) limit).
 MAX_SKEW = 0.99
+# Longest length a distribution may reach: 8x the longest context of today's models. The pmf is a
+# dense table over min_len..max_len, so `T@1e6` would otherwise allocate gigabytes.
+MAX_LEN_TOKENS = 2**23
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class LengthDistribution(Contract):
             raise UserError(f"{self.family}: lengths must be >= 1 token, got min_len={self.min_len}")
         if self.max_len < self.min_len:
             raise UserError(f"{self.family}: max_len={self.max_len} is below min_len={self.min_len}")
+        if self.max_len > MAX_LEN_TOKENS:
+            raise UserError(f"{self.family}: max_len={self.max_len:,} tokens is beyond any model's context "
+                            f"(at most {MAX_LEN_TOKENS:,}); check the lengths or the @SCALE factor")
         missing = [p for p in _PARAM_NAMES[self.family] if p not in self.params]
         extra = [p for p in self.params if p not in _PARAM_NAMES[self.family]]
         if missing or extra:
@@ -276,7 +282,8 @@ class LengthDistribution(Contract):
             params = {k: (v if k == "skew" else v * factor) for k, v in self.params.items()}
             params["mean"] = max(1.0, params["mean"])
             top = max(sc(self.max_len), int(math.ceil(params["mean"])))
-            return LengthDistribution(self.family, top, sc(self.min_len), params)
+            low = max(1, min(sc(self.min_len), int(math.floor(params["mean"]))))  # rounding can pass the mean
+            return LengthDistribution(self.family, top, low, params)
         if self.family == "fixed":
             return LengthDistribution.fixed(sc(self.params["value"]))
         if self.family == "empirical":
