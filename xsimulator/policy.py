@@ -117,7 +117,8 @@ class Policy(Contract):
             f"weights: {where('w')}" + (" (4-bit)" if self.compress_weight else ""),
             f"KV cache: {where('c')}" + (" (4-bit)" if self.compress_cache else ""),
             f"activations: {where('h')}",
-            "attention on CPU for KV not on the gpu tier" if self.cpu_attention else "attention on the compute device",
+            "attention on CPU for KV not on the gpu tier" if self.cpu_attention and (self.cc or self.cd)
+            else "attention on the compute device",  # with every KV row on the gpu tier, CPU attention has nothing
             f"refill finished slots every {self.refill_every} decode steps" if self.refill_every else "no refill",
         ]
         return "\n".join(lines)
