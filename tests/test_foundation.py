@@ -91,6 +91,20 @@ def test_bad_configs_give_user_errors(tmp_path):
         ModelSpec.from_hf_config(tmp_path)
     with pytest.raises(UserError, match="known models: opt-125m"):
         get_model_spec("gpt-5")
+    opt = {"model_type": "opt", "hidden_size": 64, "ffn_dim": 256, "num_attention_heads": 4,
+           "num_hidden_layers": 2, "vocab_size": 100, "max_position_embeddings": 64}
+    for change, message in [({"num_hidden_layers": 2.5}, "num_hidden_layers=2.5 must be whole"),
+                            ({"hidden_size": "64"}, "hidden_size='64' must be whole"),
+                            ({"vocab_size": True}, "vocab_size=True must be whole"),
+                            ({"num_hidden_layers": -1}, "no valid model .num_layers must be positive"),
+                            ({"model_type": "llama", "intermediate_size": 256, "num_key_value_heads": 3},
+                             "not a multiple of num_kv_heads")]:
+        (tmp_path / "config.json").write_text(json.dumps({**opt, **change}))
+        with pytest.raises(UserError, match=message):
+            ModelSpec.from_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(UserError, match="must be a JSON object"):
+        ModelSpec.from_hf_config(tmp_path)
 
 
 def test_contract_rejects_malformed_json():

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from xsched.cli import seed_arg
+
 SPEC_HELP = ("preset S, T, G, C1, C2 (ExeGPT Table 3); fixed:PROMPT:OUTPUT; or a JSONL/CSV of requests or a "
              "Workload JSON; append @SCALE to scale all lengths (e.g. T@0.25)")
 
@@ -43,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                              description="Writes {\"id\", \"prompt_tokens\", \"max_new_tokens\"} per line.")
     sample.add_argument("workload", help=SPEC_HELP)
     sample.add_argument("-n", "--requests", type=int, required=True, help="number of requests")
-    sample.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    sample.add_argument("--seed", type=seed_arg, default=0, help="sampling seed (default 0)")
     sample.add_argument("-o", "--output", metavar="REQUESTS.jsonl", required=True, help="output file")
     sample.add_argument("--json", action="store_true",
                         help="print a JSON summary (file, workload, seed, request count, mean lengths)")

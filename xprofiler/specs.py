@@ -230,8 +230,19 @@ def _hf_dtype(cfg: dict) -> str:
     return raw if raw in DTYPE_BYTES else "float16"
 
 
+# config.json sizes that must be whole numbers (a string or 2.5 would fail deep inside the loaders)
+_HF_COUNTS = ("num_hidden_layers", "hidden_size", "ffn_dim", "intermediate_size", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "word_embed_proj_dim")
+
+
 def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSpec:
     """Build a ModelSpec from a parsed HF config dict of the OPT or Llama family."""
+    if not isinstance(cfg, dict):
+        raise UserError(f"{name}: config.json must be a JSON object, not {type(cfg).__name__}")
+    bad = [k for k in _HF_COUNTS if k in cfg and cfg[k] is not None
+           and (isinstance(cfg[k], bool) or not isinstance(cfg[k], int))]
+    if bad:
+        raise UserError(f"{name}: config.json's {', '.join(f'{k}={cfg[k]!r}' for k in bad)} must be whole numbers")
     model_type = cfg.get("model_type")
     try:
         if model_type == "opt":
@@ -276,6 +287,8 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
             )
     except KeyError as exc:
         raise UserError(f"{name}: config.json lacks {exc.args[0]!r}") from None
+    except ValueError as exc:  # ModelSpec's own checks: sizes > 0, heads a multiple of kv heads
+        raise UserError(f"{name}: config.json describes no valid model ({exc})") from None
     raise UserError(f"{name}: model_type {model_type!r} is not supported; xsched runs 'opt' and 'llama' models")
 
 

@@ -26,8 +26,23 @@ STAGE_CLIS: tuple[str, ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake is one line, like every other error (argparse prints the usage block)."""
+
+    def error(self, message: str):  # noqa: ANN201
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
+def seed_arg(text: str) -> int:
+    """``--seed``: numpy's generators take only seeds >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="xsched",
         description="Plan and run offline LLM batch generation under a latency SLA on limited hardware.",
     )

@@ -6,6 +6,8 @@ import argparse
 import math
 import sys
 
+from xsched.cli import seed_arg
+
 DEFAULT_PROFILE = "t4"
 DEFAULT_MODEL = "opt-30b"
 DEFAULT_WORKLOAD = "T"
@@ -45,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "as many evaluations as branch-and-bound uses")
     p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
                    help=f"requests in the job the plan is priced on (default {DEFAULT_REQUESTS})")
-    p.add_argument("--seed", type=int, default=0, help="seed of the simulated request sample (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the simulated request sample (default 0)")
     p.add_argument("--evaluator", choices=("discrete-event", "analytic"), default="discrete-event",
                    help="simulator path the search prices points with (the plan is always confirmed with the "
                         "discrete-event path)")

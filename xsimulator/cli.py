@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from xsched.cli import seed_arg
+
 DEFAULT_PROFILE = "t4"
 DEFAULT_REQUESTS = 2000  # xsimulator.discrete_event.DEFAULT_REQUESTS; not imported here to keep start-up light
 
@@ -31,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--plan", help="plan JSON from `xsched plan`: its policy, and its model and workload unless given")
     p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
                    help=f"requests to sample from the workload (default {DEFAULT_REQUESTS})")
-    p.add_argument("--seed", type=int, default=0, help="seed of the request sample (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the request sample (default 0)")
     p.add_argument("--method", choices=("discrete-event", "analytic"), default="discrete-event",
                    help="discrete-event (default) samples requests and simulates every step; analytic uses "
                         "expected batch shapes from the length distributions (faster, approximate)")
