@@ -219,6 +219,7 @@ def _run(args: argparse.Namespace) -> int:
     for path, flag in ((args.trace, "--trace"), (args.result, "--result")):
         if path:  # before the job, not after it: a bad path would lose the trace and the summary
             check_writable(path, flag)
+    check_distinct_paths(args)
     offload_root = args.offload_dir or tempfile.gettempdir()
     writer = ResultsWriter.open(args.out, resume=args.resume)  # refuses an old --out early, before loading
     with writer:
@@ -334,6 +335,22 @@ def _run(args: argparse.Namespace) -> int:
         for note in notes + [f"{len(writer.done)} of {len(records)} requests are in {args.out}"]:
             print(note, file=sys.stderr)
     return 0
+
+
+def check_distinct_paths(args: argparse.Namespace) -> None:
+    """Refuse an output that is another output or an input: ``--result`` on ``--out`` replaced
+    every result line with the summary, and ``--out`` on ``--prompts`` resumed as all done."""
+    from xsched.errors import UserError
+
+    seen: dict[Path, str] = {}
+    for flag, path in (("--plan", args.plan), ("--prompts", args.prompts), ("--out", args.out),
+                       ("--trace", args.trace), ("--result", args.result)):
+        if not path:
+            continue
+        key = Path(path).expanduser().resolve()
+        if key in seen:
+            raise UserError(f"{flag} and {seen[key]} are the same file ({path}); give {flag} its own path")
+        seen[key] = flag
 
 
 def covering(plan: Any, max_prompt: int, max_output: int) -> Any:
