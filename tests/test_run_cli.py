@@ -118,6 +118,46 @@ def test_results_writer_refuses_old_file_and_drops_a_torn_line_on_resume(tmp_pat
         ResultsWriter.open(out, resume=True)
 
 
+def test_a_full_disk_leaves_the_results_file_at_its_last_complete_line(tmp_path, monkeypatch):
+    """An append cut short by ENOSPC is cut back: the file stays valid JSONL for --resume, `workload
+    fit` and `replan`, and a file the failed append created is removed."""
+    import errno
+
+    import xrunner.jobfiles as jobfiles
+
+    real_write = os.write
+    room = [10**9]
+
+    def write(fd, data):  # a disk with `room` bytes left
+        if room[0] <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = real_write(fd, bytes(data[:room[0]]))
+        room[0] -= n
+        return n
+
+    monkeypatch.setattr(jobfiles.os, "write", write)
+    out = tmp_path / "r.jsonl"
+    w = jobfiles.ResultsWriter.open(out, resume=False)
+    room[0] = 5
+    with pytest.raises(UserError, match="no space left"):
+        w.write([{"id": "a", "text": "first"}])
+    assert not out.exists()  # the failed first append created it: removed
+    room[0] = 10**9
+    w = jobfiles.ResultsWriter.open(out, resume=False)
+    w.write([{"id": "a", "text": "first"}])
+    good = out.read_bytes()
+    room[0] = 30
+    with pytest.raises(UserError, match="no space left"):
+        w.write([{"id": "b", "text": "second"}, {"id": "c", "text": "third"}])
+    w.close()
+    assert out.read_bytes() == good and not w.is_done("b")
+    room[0] = 10**9
+    w = jobfiles.ResultsWriter.open(out, resume=True)
+    w.write([{"id": "b", "text": "second"}])
+    w.close()
+    assert [r["id"] for r in read_rows(out)] == ["a", "b"]
+
+
 def test_run_result_percentiles_match_the_simulator_and_round_trip():
     from types import SimpleNamespace
 

@@ -120,9 +120,9 @@ def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str], li
 class ResultsWriter:
     """Append-only JSONL of finished requests, fsynced per batch; see the module docstring."""
 
-    def __init__(self, path: Path, fh: Any | None, done: dict[str, dict[str, Any]]):
+    def __init__(self, path: Path, done: dict[str, dict[str, Any]]):
         self.path = path
-        self._fh = fh
+        self._fd: int | None = None  # opened by the first write
         self.done = done  # id key -> the row already in the file
 
     @classmethod
@@ -146,39 +146,59 @@ class ResultsWriter:
                     os.truncate(p, keep)
                 except OSError as exc:
                     raise UserError(describe_os_error(exc, p)) from None
-        return cls(p, None, done)  # the file is created by the first write, not by a job that fails early
+        return cls(p, done)  # the file is created by the first write, not by a job that fails early
 
     def is_done(self, rid: RequestId) -> bool:
         return _id_key(rid) in self.done
 
     def write(self, rows: Iterable[dict[str, Any]]) -> None:
-        """Append rows (each with an ``id``), then flush and fsync: they survive a crash."""
+        """Append rows (each with an ``id``), then fsync: they survive a crash. A failed append
+        (a full disk) is cut back to the last complete line, so the file stays valid JSONL."""
+        new: dict[str, dict[str, Any]] = {}
         lines = []
         for row in rows:
             key = _id_key(row["id"])
-            if key in self.done:
+            if key in self.done or key in new:
                 raise RuntimeError(f"request {row['id']!r} finished twice")  # an engine bug, not the user's
-            self.done[key] = row
+            new[key] = row
             lines.append(json.dumps(row, ensure_ascii=False) + "\n")
         if not lines:
             return
+        data = "".join(lines).encode("utf-8")
+        created = self._fd is None and not self.path.exists()
+        start = None
         try:
-            if self._fh is None:
-                self._fh = open(self.path, "a", encoding="utf-8")
-            self._fh.write("".join(lines))
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            start = os.fstat(self._fd).st_size
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            os.fsync(self._fd)
         except OSError as exc:
+            self._undo(start, created)
             raise UserError(describe_os_error(exc, self.path)) from None
+        self.done.update(new)
 
-    def close(self) -> None:
-        if self._fh is None:
-            return
+    def _undo(self, start: int | None, created: bool) -> None:
+        """Cut a failed append back to ``start`` bytes; remove a file this append created."""
         try:
-            self._fh.close()
+            if self._fd is not None and start is not None:
+                os.ftruncate(self._fd, start)
+            if created and self._fd is not None:
+                self.close()
+                os.unlink(self.path)
         except OSError:
             pass
-        self._fh = None
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+        self._fd = None
 
     def __enter__(self) -> "ResultsWriter":
         return self
