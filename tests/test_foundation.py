@@ -165,3 +165,23 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert len(test_cmds) == 1, test_cmds
     ci_lines = (root / ".ci" / "run").read_text().splitlines()
     assert test_cmds[0] in ci_lines
+
+
+def test_outputs_are_written_all_or_none(tmp_path):
+    """Several outputs of one command: a failure on the last leaves the earlier ones as they were
+    and no temporary files; a new file gets the mode a plain open() gives, not mkstemp's 0600."""
+    import os
+
+    from xsched.fileio import atomic_write_all
+
+    first = tmp_path / "plan.json"
+    first.write_text("old")
+    with pytest.raises(UserError, match="front.csv: directory does not exist"):
+        atomic_write_all([(first, b"new"), (tmp_path / "missing" / "front.csv", b"x")])
+    assert first.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    umask = os.umask(0o022)
+    try:
+        atomic_write_all([(first, b"new"), (tmp_path / "front.csv", b"x")])
+    finally:
+        os.umask(umask)
+    assert first.read_text() == "new" and (tmp_path / "front.csv").stat().st_mode & 0o777 == 0o644

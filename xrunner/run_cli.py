@@ -207,7 +207,7 @@ def _run(args: argparse.Namespace) -> int:
     from xrunner.result import Adaptation, build_run_result
     from xscheduler.plan import Plan
     from xsched.errors import UserError
-    from xsched.fileio import check_writable
+    from xsched.fileio import atomic_write_all, check_writable
     from xsimulator.costmodel import CostModel
 
     plan = Plan.load(args.plan)
@@ -317,16 +317,17 @@ def _run(args: argparse.Namespace) -> int:
     result = replace(result, adaptations=tuple(
         Adaptation(at_s=r.at_s, stall_s=r.stall_s, reason=r.reason, old_policy=r.old_policy, new_policy=r.new_policy)
         for r in stats.reconfigurations))
-    notes = []
+    notes, outputs = [], []
     if args.trace:
-        from xsimulator.trace import write_chrome_trace
+        from xsimulator.trace import chrome_trace_text
 
-        write_chrome_trace(args.trace, stats.events, stats.markers, process=f"xsched run {source.spec.name}",
-                           metadata={"policy": plan.policy.to_dict(), "model": source.spec.name,
-                                     "source": "measured"})
+        outputs.append((args.trace, chrome_trace_text(
+            stats.events, stats.markers, process=f"xsched run {source.spec.name}",
+            metadata={"policy": plan.policy.to_dict(), "model": source.spec.name, "source": "measured"}).encode()))
         notes.append(f"wrote {len(stats.events)} trace events to {args.trace}")
     if args.result:
-        result.save(args.result)
+        outputs.append((args.result, (result.to_json() + "\n").encode()))
+    atomic_write_all(outputs)  # all or none
     if args.json:
         print(result.to_json())
     elif not args.quiet:

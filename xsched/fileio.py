@@ -6,6 +6,7 @@ import errno
 import os
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 from xsched.errors import UserError
 
@@ -34,27 +35,41 @@ def check_writable(path: Path | str, flag: str) -> None:
         raise UserError(f"{path}: directory {parent} is not writable; pass another {flag}")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` via a temporary file, fsync and rename."""
-    path = Path(path)
-    tmp_name = None
+def atomic_write_all(files: Sequence[tuple[Path | str, bytes]]) -> None:
+    """Write several files all or none: each goes to a temporary file beside it (fsynced) and
+    only when every one is staged are they renamed into place, so a full disk while writing the
+    last one leaves every earlier output as it was."""
+    staged: list[str] = []
+    path: Path | str = ""
+    umask = os.umask(0)
+    os.umask(umask)
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, path)
-        tmp_name = None
+        for path, data in files:
+            fd, tmp = tempfile.mkstemp(prefix=f".{Path(path).name}.", suffix=".tmp", dir=Path(path).parent or ".")
+            staged.append(tmp)
+            # mkstemp makes the file private (0600); give it the mode a plain open() would
+            os.fchmod(fd, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o666 & ~umask)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        for tmp, (path, _) in zip(staged, files):
+            os.replace(tmp, path)
+        staged = []
     except OSError as exc:
         raise UserError(describe_os_error(exc, path)) from None
     finally:
-        if tmp_name is not None:
+        for tmp in staged:
             try:
-                os.unlink(tmp_name)
+                os.unlink(tmp)
             except OSError:
                 pass
-    return path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` via a temporary file, fsync and rename."""
+    atomic_write_all([(path, data)])
+    return Path(path)
 
 
 def atomic_write_text(path: Path, text: str) -> Path:

@@ -112,7 +112,7 @@ def _plan(args: argparse.Namespace) -> int:
     from xprofiler.presets import load_profile
     from xprofiler.specs import get_model_spec
     from xsched.errors import UserError
-    from xsched.fileio import check_writable
+    from xsched.fileio import atomic_write_all, check_writable
     from xscheduler.plan import SLA
     from xscheduler.planner import plan_search
 
@@ -144,18 +144,17 @@ def _plan(args: argparse.Namespace) -> int:
     plan = plan_search(spec, profile, workload, sla, compress=args.compress, method=args.search,
                        num_requests=args.requests, seed=args.seed, evaluator=args.evaluator, progress=progress,
                        margin=args.margin)
-    if args.output:
-        plan.save(args.output)
-    written = []
+    outputs = [(args.output, (plan.to_json() + "\n").encode())] if args.output else []
     if args.frontier:
-        written = _write_frontier(args.frontier, spec, profile, workload, sla, args, progress)
+        outputs += _frontier_files(args.frontier, spec, profile, workload, sla, args, progress)
+    atomic_write_all(outputs)  # all or none: a full disk on the last leaves the earlier ones as they were
     if args.json:
         print(plan.to_json())
     else:
         print(describe(plan))
     for line in assumed:
         print(f"note: {line}", file=sys.stderr if args.json else sys.stdout)
-    for path in ([args.output] if args.output else []) + written:
+    for path, _ in outputs:
         print(f"wrote {path}", file=sys.stderr)
     return 0
 
@@ -193,11 +192,12 @@ def describe(plan) -> str:  # noqa: ANN001
     return "\n".join(lines)
 
 
-def _write_frontier(prefix: str, spec, profile, workload, sla, args, progress: bool) -> list[str]:  # noqa: ANN001
+def _frontier_files(prefix: str, spec, profile, workload, sla, args,  # noqa: ANN001
+                    progress: bool) -> list[tuple[str, bytes]]:
+    """The frontier's CSV and PNG (paths and contents)."""
     import csv
     import io
 
-    from xsched.fileio import atomic_write_bytes, atomic_write_text
     from xscheduler.planner import frontier
 
     points = frontier(spec, profile, workload, sla.kind, compress=args.compress, num_requests=args.requests,
@@ -212,7 +212,6 @@ def _write_frontier(prefix: str, spec, profile, workload, sla, args, progress: b
                     int(pol.compress_weight), int(pol.compress_cache), int(pol.cpu_attention),
                     *(f"{v:.6g}" for v in pol.placement().values())])
     csv_path, png_path = f"{prefix}.csv", f"{prefix}.png"
-    atomic_write_text(csv_path, buf.getvalue())
 
     import matplotlib
 
@@ -233,5 +232,4 @@ def _write_frontier(prefix: str, spec, profile, workload, sla, args, progress: b
     fig.tight_layout()
     fig.savefig(out, format="png")
     plt.close(fig)
-    atomic_write_bytes(png_path, out.getvalue())
-    return [csv_path, png_path]
+    return [(csv_path, buf.getvalue().encode()), (png_path, out.getvalue())]

@@ -89,10 +89,11 @@ def _simulate(args: argparse.Namespace) -> int:
     from xprofiler.presets import load_profile
     from xprofiler.specs import ModelSpec, get_model_spec
     from xsched.errors import UserError
-    from xsched.fileio import check_writable
+    from xsched.fileio import atomic_write_all, check_writable
     from xsimulator.policy import Policy
 
-    notes = []
+    notes: list[str] = []
+    outputs: list[tuple[str, bytes]] = []  # written together at the end
     plan: dict[str, Any] = {}
     if args.plan:
         plan = _read_json_arg(args.plan, "plan")
@@ -142,17 +143,19 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         from xsimulator.costmodel import CostModel
         from xsimulator.discrete_event import simulate_timeline, trace_events
-        from xsimulator.trace import write_chrome_trace
+        from xsimulator.trace import chrome_trace_text
 
         result, timeline = simulate_timeline(spec, profile, policy, workload, args.requests, args.seed)
         if args.trace:
             events = trace_events(CostModel.for_policy(spec, profile, policy), timeline)
-            write_chrome_trace(args.trace, events, process=f"xsched simulate {spec.name}",
-                               metadata={"policy": policy.to_dict(), "workload": workload.name,
-                                         "profile": profile.name, "source": "simulated"})
+            outputs.append((args.trace, chrome_trace_text(
+                events, process=f"xsched simulate {spec.name}", metadata={
+                    "policy": policy.to_dict(), "workload": workload.name, "profile": profile.name,
+                    "source": "simulated"}).encode()))
             notes.append(f"wrote {len(events)} trace events to {args.trace}")
     if args.output:
-        result.save(args.output)
+        outputs.append((args.output, (result.to_json() + "\n").encode()))
+    atomic_write_all(outputs)  # all or none: a full disk on the second leaves the first as it was
     if args.json:
         print(result.to_json())
     else:

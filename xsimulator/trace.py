@@ -62,11 +62,16 @@ def chrome_trace(events: Iterable[TraceEvent], markers: Iterable[TraceMarker] = 
     return trace
 
 
+def chrome_trace_text(events: Iterable[TraceEvent], markers: Iterable[TraceMarker] = (), process: str = "xsched",
+                      metadata: dict[str, Any] | None = None) -> str:
+    """The trace file's text (to write it together with other outputs)."""
+    return json.dumps(chrome_trace(events, markers, process, metadata), separators=(",", ":")) + "\n"
+
+
 def write_chrome_trace(path: str | Path, events: Iterable[TraceEvent], markers: Iterable[TraceMarker] = (),
                        process: str = "xsched", metadata: dict[str, Any] | None = None) -> Path:
     """Write the trace atomically (a crash never leaves half a file)."""
-    trace = chrome_trace(events, markers, process, metadata)
-    return atomic_write_text(Path(path), json.dumps(trace, separators=(",", ":")) + "\n")
+    return atomic_write_text(Path(path), chrome_trace_text(events, markers, process, metadata))
 
 
 def read_chrome_trace(path: str | Path) -> tuple[list[TraceEvent], list[TraceMarker]]:
