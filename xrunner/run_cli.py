@@ -211,6 +211,9 @@ def _run(args: argparse.Namespace) -> int:
     from xsimulator.costmodel import CostModel
 
     plan = Plan.load(args.plan)
+    profile, no_profile = _plan_profile(plan, args.profile)
+    if no_profile is not None and args.profile is not None:
+        raise no_profile  # a --profile given but unusable: say so now, not as a warning after the job
     records = read_prompts(args.prompts)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -297,7 +300,6 @@ def _run(args: argparse.Namespace) -> int:
 
             new_tokens_of = {records[i].id: new_tokens[i] for i in pending_idx}
             order_of = {records[i].id: k for k, i in enumerate(pending_idx)}
-            profile, no_profile = _plan_profile(plan, args.profile)
             hook, watcher = _adapt_hook(args, covering(plan, max_prompt, max_output), capacity, profile, no_profile,
                                         horizon=len(pending_idx))
             with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
