@@ -64,6 +64,8 @@ def test_sampling_options_and_seed(tiny_dir, capsys):
     assert len({tuple(run(str(s))) for s in range(2, 6)}) > 1
     assert main(["generate", "--model", str(tiny_dir), "--prompt", "w5", "--top-p", "5", "--quiet"]) == 2
     assert "top-p is a fraction" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_dir), "--prompt", "w5", "--temperature", "nan", "--quiet"]) == 2
+    assert "temperature must be a finite number" in capsys.readouterr().err  # NaN used to reach torch.multinomial
 
 
 def test_errors_are_one_line_with_exit_status_2(tiny_dir, tmp_path):

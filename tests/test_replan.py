@@ -218,10 +218,13 @@ def test_replan_cli_errors_are_one_line(setup, tmp_path):
                  ["--plan", str(plan_path), "--observed", str(bad)],
                  ["--plan", str(plan_path), "--observed", str(few)],
                  ["--plan", str(plan_path), "--observed", str(noout)],
-                 ["--plan", str(plan_path), "--observed", str(tmp_path / "none.csv")]):
+                 ["--plan", str(plan_path), "--observed", str(tmp_path / "none.csv")],
+                 ["--plan", str(plan_path), "--observed", str(few), "--false-alarm-rate", "1.3"],
+                 ["--plan", str(plan_path), "--observed", str(few), "--false-alarm-rate", "1e-300"]):
         r = run_cli("replan", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "--false-alarm-rate" not in args or "got 1.3" in r.stderr or "got 1e-300" in r.stderr, r.stderr
 
 
 @pytest.mark.slow  # two engine runs of 80 requests plus a re-plan: minutes on 2 shared cores

@@ -349,6 +349,7 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
     """
     if scope not in SCOPES:
         raise UserError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+    check_false_alarm_rate(false_alarm_rate)
     t0 = time.perf_counter()
     prof = profile_for(plan, profile)
     p, o, c = _check_lengths(prompt_lens, output_lens, censored)
@@ -366,6 +367,13 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
         raise UserError(f"num_requests must be >= 1, got {num_requests}")
     return _respond(plan, prof, p, o, c, report, plan.workload, t0, num_requests=num_requests, evaluator=evaluator,
                     compress=compress, min_samples=min_samples, scope=scope, method=method)
+
+
+def check_false_alarm_rate(rate: float) -> None:
+    """The rate as the user gave it (the tests get shares of it, which once showed in the error);
+    below 1e-9 the CUSUM threshold's root search fails."""
+    if not 1e-9 <= rate < 1.0:
+        raise UserError(f"the false-alarm rate must be a fraction in [1e-9, 1), got {rate:g}")
 
 
 @dataclass
@@ -394,6 +402,7 @@ class DriftWatcher:
     looks: int = 0
 
     def __post_init__(self) -> None:
+        check_false_alarm_rate(self.false_alarm_rate)
         if self.look_every < 1:
             raise UserError(f"look_every must be >= 1, got {self.look_every}")
         self._reset(self.plan.workload, self.horizon)
