@@ -132,6 +132,8 @@ def test_policy_validates_fractions():
     bad["wc"] = 0.9
     with pytest.raises(UserError, match="sum to"):
         Policy.from_dict(bad)
+    with pytest.raises(UserError, match="at most 1048576 and 4096, got gbs=8 nb=100000000"):
+        Policy.from_dict({"gbs": 8, "nb": 10**8})  # the simulator's arrays once took 24 GiB of RAM
 
 
 def test_light_stages_import_without_torch():

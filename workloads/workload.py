@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar
 import numpy as np
 from scipy import special, stats
 
-from workloads.distributions import LengthDistribution
+from workloads.distributions import MAX_LEN_TOKENS, LengthDistribution
 from xsched.contract import Contract
 from xsched.errors import UserError
 
@@ -207,6 +207,8 @@ def _positive_int(value: Any, where: str, key: str) -> int:
         raise UserError(f"{where}: {key}={value!r} is not a number") from None
     if not math.isfinite(f) or f != int(f) or f < 1:
         raise UserError(f"{where}: {key}={value!r} must be a whole number of tokens >= 1")
+    if f > MAX_LEN_TOKENS:  # before numpy's int64 arrays, which overflow at 2^63
+        raise UserError(f"{where}: {key}={value!r} is beyond any model's context (at most {MAX_LEN_TOKENS:,} tokens)")
     return int(f)
 
 

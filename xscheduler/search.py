@@ -31,7 +31,7 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xscheduler.placement import Placement, place
-from xsimulator.policy import Policy
+from xsimulator.policy import MAX_GBS, MAX_NB, Policy
 from xsimulator.result import SimResult
 
 # Refill intervals in the order throughput and latency grow: never, then ever more often.
@@ -196,6 +196,8 @@ class Evaluator:
             raise ValueError(f"unknown evaluator {self.method!r}; choose from {', '.join(EVALUATORS)}")
 
     def placement(self, v: Variant, gbs: int, nb: int) -> Placement | None:
+        if gbs > MAX_GBS or nb > MAX_NB:  # past what a Policy may ask for (a huge job's climb can get there)
+            return None
         key = (v, gbs, nb)
         if key not in self.placements:
             self.lp_solves += 1

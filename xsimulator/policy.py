@@ -33,6 +33,13 @@ def split_counts(fractions: tuple[float, float, float], n: int) -> tuple[int, in
     return counts[0], counts[1], counts[2]
 
 
+# Largest GPU batch and GPU batches per block a policy may ask for: far past any machine's memory
+# (FlexGen's largest OPT-175B block is 32 x 8), and they bound the simulators' per-batch arrays
+# (nb = 10^8 exhausted 24 GiB of RAM).
+MAX_GBS = 2**20
+MAX_NB = 2**12
+
+
 @dataclass(frozen=True)
 class Policy(Contract):
     """GPU batch size, batches per block, placement, compression, delegation and refill."""
@@ -60,6 +67,8 @@ class Policy(Contract):
     def __post_init__(self) -> None:
         if self.gbs < 1 or self.nb < 1:
             raise ValueError(f"gbs and nb must be >= 1, got gbs={self.gbs} nb={self.nb}")
+        if self.gbs > MAX_GBS or self.nb > MAX_NB:  # the simulators' arrays grow with both
+            raise ValueError(f"gbs and nb must be at most {MAX_GBS} and {MAX_NB}, got gbs={self.gbs} nb={self.nb}")
         if self.refill_every < 0:
             raise ValueError(f"refill_every must be >= 0, got {self.refill_every}")
         for var in PLACEMENT_VARS:
