@@ -66,6 +66,9 @@ def test_sampling_options_and_seed(tiny_dir, capsys):
     assert "top-p is a fraction" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny_dir), "--prompt", "w5", "--temperature", "nan", "--quiet"]) == 2
     assert "temperature must be a finite number" in capsys.readouterr().err  # NaN used to reach torch.multinomial
+    for device in ("meta", "foo"):  # meta parsed, then failed deep in the model core
+        assert main(["generate", "--model", str(tiny_dir), "--prompt", "w5", "--device", device, "--quiet"]) == 2
+        assert "is not supported; use cpu, cuda or cuda:N" in capsys.readouterr().err
 
 
 def test_errors_are_one_line_with_exit_status_2(tiny_dir, tmp_path):

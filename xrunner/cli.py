@@ -99,6 +99,12 @@ def resolve_device(name: str | None) -> str:
 
     device = name or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind not in ("cpu", "cuda"):  # meta, mps, ...: the engine and model core run on these two
+        raise UserError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
+    try:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as exc:
         raise UserError(f"device {device!r} is not usable here ({str(exc).splitlines()[0]})") from None
