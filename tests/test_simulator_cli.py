@@ -106,6 +106,15 @@ def test_workload_commands_and_malformed_file(tmp_path):
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "bad.jsonl:2: not valid JSON" in out.stderr
 
 
+def test_a_workload_past_the_models_context_is_noted(profile_path):
+    out = run("simulate", "--profile", profile_path, "--model", "opt-1.3b", "--workload", "fixed:4000:100",
+              "--policy", '{"gbs": 1, "nb": 1}', "--requests", "4")
+    assert out.returncode == 0 and "4100 tokens, beyond opt-1.3b's 2048 positions" in out.stderr, out.stderr
+    out = run("simulate", "--profile", profile_path, "--model", "opt-1.3b", "--workload", "fixed:1000:100",
+              "--policy", '{"gbs": 1, "nb": 1}', "--requests", "4")
+    assert out.returncode == 0 and "positions" not in out.stderr, out.stderr
+
+
 def test_trace_writer_round_trip_and_markers(tmp_path):
     events = [TraceEvent("compute", "layers", 0.0, 0.5, {"block": 0}), TraceEvent("ctog", "ctog", 0.1, 0.2)]
     path = write_chrome_trace(tmp_path / "t.json", events, [TraceMarker("replan", 0.4, {"reason": "drift"})])

@@ -84,6 +84,15 @@ class Workload(Contract):
         return {"name": self.name, "prompt": self.prompt.summary(), "output": self.output.summary(),
                 "correlation": self.correlation, "source": self.source}
 
+    def context_note(self, model: str, max_positions: int) -> str | None:
+        """A line when the longest prompt plus output passes the model's positions (the plan is
+        then for requests that `xsched run` refuses), else None."""
+        longest = self.prompt.max_len + self.output.max_len
+        if longest <= max_positions:
+            return None
+        return (f"the workload's longest prompt + output is {longest} tokens, beyond {model}'s {max_positions} "
+                "positions; `xsched run` refuses such requests (scale the workload, e.g. NAME@0.5)")
+
     def describe(self) -> str:
         lines = [f"workload {self.name}" + (f" ({self.source})" if self.source else "")]
         for label, dist in (("prompt", self.prompt), ("output", self.output)):

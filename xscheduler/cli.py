@@ -139,6 +139,8 @@ def _plan(args: argparse.Namespace) -> int:
     workload = get_workload(args.workload or DEFAULT_WORKLOAD)
     if ESTIMATE_NOTE in workload.source:
         assumed.append(f"workload {workload.source}")
+    if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:
+        assumed.append(beyond)
     sla = SLA(args.sla, latency)
     progress = not args.quiet and sys.stderr.isatty()
     plan = plan_search(spec, profile, workload, sla, compress=args.compress, method=args.search,

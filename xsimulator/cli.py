@@ -125,6 +125,8 @@ def _simulate(args: argparse.Namespace) -> int:
         raise UserError("give --workload (S, T, G, C1, C2, fixed:PROMPT:OUTPUT, or a file of requests)")
     if ESTIMATE_NOTE in workload.source:
         notes.append(f"note: {workload.source}")
+    if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:
+        notes.append(f"note: {beyond}")
 
     profile = load_profile(_profile_arg(args.profile, plan, args.plan, notes))
     planned_on = plan.get("profile_name")
