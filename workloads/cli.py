@@ -66,7 +66,10 @@ def _fit(args: argparse.Namespace) -> int:
     from workloads import Workload, fit_lengths
     from workloads.workload import ESTIMATE_NOTE, OUTPUT_KEYS, read_request_lengths, spearman_to_copula
     from xsched.errors import UserError
+    from xsched.fileio import check_writable
 
+    if args.output is not None:
+        check_writable(args.output, "-o")
     path = Path(args.file)
     count_tokens = None
     if args.tokenizer is not None:
@@ -106,10 +109,11 @@ def _sample(args: argparse.Namespace) -> int:
 
     from workloads import get_workload
     from xsched.errors import UserError
-    from xsched.fileio import atomic_write_text
+    from xsched.fileio import atomic_write_text, check_writable
 
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
+    check_writable(args.output, "-o")
     w = get_workload(args.workload)
     prompt, output = w.sample(args.requests, args.seed)
     lines = [json.dumps({"id": i, "prompt_tokens": int(p), "max_new_tokens": int(o)})

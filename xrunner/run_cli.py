@@ -220,7 +220,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.offload_dir is not None:
         check_offload_dir(args.offload_dir)
     for path, flag in ((args.trace, "--trace"), (args.result, "--result")):
-        if path:  # before the job, not after it: a bad path would lose the trace and the summary
+        if path is not None:  # before the job, not after it: a bad path would lose the trace and the summary
             check_writable(path, flag)
     check_distinct_paths(args)
     offload_root = args.offload_dir or tempfile.gettempdir()

@@ -30,7 +30,7 @@ class _Parser(argparse.ArgumentParser):
     """A usage mistake is one line, like every other error (argparse prints the usage block)."""
 
     def error(self, message: str):  # noqa: ANN201
-        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+        self.exit(EXIT_USER_ERROR, f"xsched: error: {message}; see `{self.prog} --help`\n")
 
 
 def seed_arg(text: str) -> int:

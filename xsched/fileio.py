@@ -25,6 +25,8 @@ def describe_os_error(exc: OSError, path: Path | str) -> str:
 def check_writable(path: Path | str, flag: str) -> None:
     """Fail before long work if ``path`` (given as ``flag``) cannot be written: its directory is
     missing or read-only, or it is a directory itself."""
+    if not str(path):
+        raise UserError(f"{flag} needs a file path, got an empty string")
     p = Path(path).expanduser()
     if p.is_dir():
         raise UserError(f"{path}: is a directory; pass a file path to {flag}")

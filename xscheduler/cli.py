@@ -107,6 +107,8 @@ def _replan(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from workloads import get_workload
     from workloads.workload import ESTIMATE_NOTE
     from xprofiler.presets import load_profile
@@ -131,8 +133,11 @@ def _plan(args: argparse.Namespace) -> int:
         raise UserError(f"--latency must be a positive number of seconds (or inf), got {latency:g}")
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
+    if args.frontier is not None and (not Path(args.frontier).name or Path(args.frontier).is_dir()):
+        raise UserError(f"--frontier takes a file prefix (PREFIX.csv and PREFIX.png are written), not a directory: "
+                        f"{args.frontier!r}")
     for path, flag in ((args.output, "-o"), (args.frontier and f"{args.frontier}.csv", "--frontier")):
-        if path:  # before the search, which can take minutes
+        if path is not None:  # before the search, which can take minutes
             check_writable(path, flag)
     profile = load_profile(args.profile or DEFAULT_PROFILE)
     spec = profile.model_for(get_model_spec(args.model or DEFAULT_MODEL))

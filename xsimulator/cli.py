@@ -105,7 +105,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
     for path, flag in ((args.output, "-o"), (args.trace, "--trace")):
-        if path:  # before simulating a large job
+        if path is not None:  # before simulating a large job
             check_writable(path, flag)
 
     if args.model:
