@@ -66,7 +66,7 @@ def machine_rates(device) -> tuple[float, float]:
 def accuracy(model: str, passes: int, compare_prefill_rows: int | None = None) -> dict:
     import torch
 
-    spec = resolve_spec(model)
+    spec = resolve_spec(model).with_dtype("float32")  # the dtype it times in: byte features count in it
     device = torch.device("cpu")
     results: dict = {"model": spec.name, "passes": passes, "phases": {}}
     meter = LoadMeter()

@@ -15,7 +15,7 @@ from xprofiler.profile import LAYER_FEATURES, BandwidthCurve, layer_features
 from xprofiler.specs import get_model_spec
 from xsched.errors import UserError
 
-SPEC = get_model_spec("opt-1.3b")
+SPEC = get_model_spec("opt-1.3b").with_dtype("float32")  # the dtype the fits below are timed in
 PB, PN = (np.array(g, dtype=float).ravel() for g in np.meshgrid([1, 2, 4, 8, 16], [16, 64, 128, 256, 512]))
 DB, DN = (np.array(g, dtype=float).ravel() for g in np.meshgrid([1, 2, 4, 16, 64], [128, 256, 512, 1024, 2048]))
 
@@ -30,6 +30,15 @@ def decode_truth(b, n):
     """1.5 ms (weights read), per-row work at 20 GFLOP/s, KV read at 8 GB/s."""
     f = layer_features(SPEC, "decode", b, n)
     return 1.5e-3 + f["linear_flops"] / 20e9 + f["kv_bytes"] / 8e9
+
+
+def test_byte_features_are_counted_in_the_dtype_the_samples_were_timed_in():
+    """A registry spec (float16) with samples timed in float32, as a CPU profile measures: the fit
+    must predict its own samples for the float32 spec that plans and simulations use."""
+    half = SPEC.with_dtype("float16")
+    fit = fit_layer(half, "decode", DB, DN, decode_truth(DB, DN), model="m", dtype="float32", correct=False)
+    assert fit.coef == pytest.approx((1.5e-3, 1 / 20e9, 1 / 8e9), rel=1e-6)
+    assert np.allclose(fit.predict_s(SPEC, DB, DN), decode_truth(DB, DN), rtol=1e-9)
 
 
 def test_nnls_recovers_known_coefficients_exactly():

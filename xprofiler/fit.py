@@ -104,7 +104,13 @@ def fit_layer(spec: Any, phase: str, batch: Any, length: Any, time_s: Any, *, mo
 
     With ``correct`` the fit also stores the measured/linear ratio on the grid (see
     ``LayerFit``). The stored errors are in-sample relative errors of the linear part.
+
+    Byte features are counted in ``dtype``, the precision the samples were timed in, as every
+    reader's spec (``HardwareProfile.model_for``) counts them: a registry spec in float16 once
+    fitted a CPU's float32 decode on half its KV bytes, and the cost model priced long-context
+    decode up to 1.8x slow.
     """
+    spec = spec.with_dtype(dtype) if spec.dtype != dtype else spec
     b = np.asarray(batch, dtype=float).ravel()
     n = np.asarray(length, dtype=float).ravel()
     y = np.asarray(time_s, dtype=float).ravel()
