@@ -26,7 +26,7 @@ from typing import Any, Sequence
 from xprofiler.profile import BandwidthCurve, HardwareProfile, HeadFit, LayerFit, WarmFit
 from xprofiler.sweeps import CUDA_FULL_GRIDS, CUDA_QUICK_GRIDS, FULL_GRIDS, PHASES, QUICK_GRIDS, Grid
 from xsched.errors import UserError
-from xsched.fileio import atomic_write_text, check_writable
+from xsched.fileio import atomic_write_all, check_writable
 
 MiB = 2**20
 GiB = 2**30
@@ -497,18 +497,20 @@ def samples_csv_path(output: Path) -> Path:
 
 
 def write_profile(profile: HardwareProfile, rows: Sequence[dict[str, Any]], output: Path) -> tuple[Path, Path]:
-    """Write the samples CSV, then the profile JSON, each atomically."""
+    """Write the samples CSV and the profile JSON, both or neither (a new CSV beside an old JSON
+    would not be the samples that JSON was fitted from)."""
     import pandas as pd
 
     csv_path = samples_csv_path(output)
-    atomic_write_text(csv_path, pd.DataFrame(list(rows)).to_csv(index=False))
-    profile.save(output)
+    atomic_write_all([(csv_path, pd.DataFrame(list(rows)).to_csv(index=False).encode()),
+                      (output, (profile.to_json() + "\n").encode())])
     return output, csv_path
 
 
 def profile_machine(opts: ProfileOptions) -> tuple[HardwareProfile, Path, Path]:
     """Measure and write; returns the profile and the JSON and CSV paths."""
     check_writable(opts.output, "-o")
+    check_writable(samples_csv_path(opts.output), "-o")  # written beside it: fail now, not after measuring
     profile, rows = measure_profile(opts)
     json_path, csv_path = write_profile(profile, rows, opts.output)
     return profile, json_path, csv_path

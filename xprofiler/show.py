@@ -88,7 +88,9 @@ def summary(p: HardwareProfile) -> str:
         lines.append(f"  warm weights {f.model} ({f.dtype}), ms a decode layer saves with its weights cached, "
                      f"per rows: {cells}")
     if p.calibration:
-        lines.append("  calibration  " + ", ".join(f"{k} x{v:.3g}" for k, v in sorted(p.calibration.items())))
+        # factors read "x1.2"; terms in seconds (names ending _s) read "1.09 ms"
+        lines.append("  calibration  " + ", ".join(f"{k} {v * 1e3:.3g} ms" if k.endswith("_s") else f"{k} x{v:.3g}"
+                                                   for k, v in sorted(p.calibration.items())))
     err = p.calibration_error
     if err is not None:
         spread = "unknown" if err.repeat_rel_spread is None else f"{err.repeat_rel_spread:.1%}"

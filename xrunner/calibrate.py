@@ -602,12 +602,13 @@ def refresh(profile: HardwareProfile, model: "str | ModelSpec", *, profile_arg: 
 
 def report(fit: Fit) -> str:
     """The fit error per term, before and after, as a table."""
-    lines = [f"{'term':<17} {'before':>10} {'after':>10} {'residuals':>9} {'err before':>10} {'err after':>10}"]
+    w = max([len("term")] + [len(t.term) for t in fit.terms])  # block_layer_overhead_s is 22
+    lines = [f"{'term':<{w}} {'before':>10} {'after':>10} {'residuals':>9} {'err before':>10} {'err after':>10}"]
     for t in fit.terms:
         if not t.fitted:
-            lines.append(f"{t.term:<17} {t.before:>10.4g} {'(kept)':>10} {0:>9}")
+            lines.append(f"{t.term:<{w}} {t.before:>10.4g} {'(kept)':>10} {0:>9}")
             continue
-        lines.append(f"{t.term:<17} {t.before:>10.4g} {t.after:>10.4g} {t.residuals:>9} "
+        lines.append(f"{t.term:<{w}} {t.before:>10.4g} {t.after:>10.4g} {t.residuals:>9} "
                      f"{t.error_before:>10.1%} {t.error_after:>10.1%}")
     lines.append(f"median |relative error|: all {fit.error_before:.1%} -> {fit.error_after:.1%}; "
                  f"step wall times {fit.wall_error_before:.1%} -> {fit.wall_error_after:.1%}")
