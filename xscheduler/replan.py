@@ -391,7 +391,7 @@ class DriftWatcher:
     min_samples: int = 30
     look_every: int = DEFAULT_LOOK_EVERY
     windows: tuple[int, ...] = DEFAULT_WINDOWS
-    num_requests: int = 1000  # the job size each re-plan prices its candidates on
+    num_requests: int | None = None  # job size each re-plan prices its candidates on (None: the plan's)
     evaluator: str = "discrete-event"
     compress: str = "auto"
     scope: str = "full"  # "local" keeps the running plan's weight compression (no weight reload mid-job)
@@ -403,6 +403,8 @@ class DriftWatcher:
 
     def __post_init__(self) -> None:
         check_false_alarm_rate(self.false_alarm_rate)
+        if self.num_requests is None:
+            self.num_requests = self.plan.predicted.num_requests
         if self.look_every < 1:
             raise UserError(f"look_every must be >= 1, got {self.look_every}")
         self._reset(self.plan.workload, self.horizon)
