@@ -16,8 +16,8 @@ from tests.sim_profiles import cpu_host
 from xprofiler.fingerprint import detect_fingerprint
 from xprofiler.specs import ModelSpec, get_model_spec
 from xrunner.calibrate import (FACTOR_TERMS, METRICS, SPEED_TERMS, Measurement, anchor_designs, cut_spec,
-                               design_runs, fit_calibration, measure_design, predict, rescaled, speed_ratio,
-                               workload_of)
+                               design_runs, fit_calibration, measure_design, predict, report, rescaled,
+                               speed_ratio, workload_of)
 from xsched.cli import main
 from xsimulator.discrete_event import simulate_timeline
 
@@ -103,6 +103,10 @@ def test_fit_with_noise_and_unexcited_terms_kept():
     for term in ("gpu_compute", "head", "ctog", "dequant"):
         assert fit.profile.calibration[term] == pytest.approx(true[term], rel=0.1), term
     assert fit.error_after < fit.error_before
+    rows = [ln.split() for ln in report(fit).splitlines() if ln.split() and ln.split()[0] in by_term]
+    lines = [ln for ln in report(fit).splitlines() if ln.split() and ln.split()[0] in by_term]
+    ends = {ln.index(cols[1], len(cols[0])) + len(cols[1]) for ln, cols in zip(lines, rows)}
+    assert len(rows) == len(by_term) and len(ends) == 1  # "before" right-aligned in one column, long names too
 
 
 # ----------------------------------------------------------------------------- re-anchoring the speed

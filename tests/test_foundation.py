@@ -132,6 +132,9 @@ def test_policy_validates_fractions():
     bad["wc"] = 0.9
     with pytest.raises(UserError, match="sum to"):
         Policy.from_dict(bad)
+    # the CPU-attention flag with every KV row on the gpu tier runs attention on the device
+    assert "attention on the compute device" in Policy(gbs=8, nb=1, cpu_attention=True).describe()
+    assert "attention on CPU" in Policy(gbs=8, nb=1, cg=0.5, cc=0.5, cpu_attention=True).describe()
     with pytest.raises(UserError, match="at most 1048576 and 4096, got gbs=8 nb=100000000"):
         Policy.from_dict({"gbs": 8, "nb": 10**8})  # the simulator's arrays once took 24 GiB of RAM
 

@@ -197,6 +197,11 @@ def test_cli_show_list_and_mismatch_warning(tmp_path):
     assert r.returncode == 0 and HardwareProfile.from_json(r.stdout) == other
     assert r.stderr.startswith("xsched: warning:") and "cpu_cores" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    # calibration terms in seconds read as ms, factors as "x" (an overhead once read "x0.00109")
+    cal = dataclasses.replace(load_preset("t4"), calibration={"layer_overhead_s": 0.00109, "gpu_compute": 1.3})
+    cal.save(tmp_path / "cal.json")
+    r = _xsched("profile", "show", str(tmp_path / "cal.json"))
+    assert "gpu_compute x1.3" in r.stdout and "layer_overhead_s 1.09 ms" in r.stdout, r.stdout
 
 
 def test_ctrl_c_removes_the_test_file(tmp_path):

@@ -158,6 +158,7 @@ def test_replan_prices_the_plans_own_job_size():
     old = simulate(plan.model, prof, plan.policy, r.observed, 2000, seed=0)
     new = simulate(plan.model, prof, r.new_plan.policy, r.observed, 2000, seed=0)
     assert not plan.sla.met_by(old) and plan.sla.met_by(new)
+    assert DriftWatcher(plan, prof).num_requests == 2000  # the online watcher prices the same job size
 
 
 def test_offline_replan_without_drift_keeps_the_plan(setup):

@@ -369,6 +369,9 @@ def test_plan_cli_frontier(profile_path, tmp_path):
     pts = [tuple(map(float, r.split(",")[:2])) for r in rows[1:]]
     assert all(a[0] <= b[0] and a[1] < b[1] for a, b in zip(pts, pts[1:]))  # a Pareto frontier
     assert (tmp_path / "front.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = run("plan", "--profile", profile_path, *SMALL, "--frontier", f"{tmp_path}/", "--quiet")
+    assert out.returncode == 2 and "takes a file prefix" in out.stderr  # it wrote hidden .csv/.png files there
+    assert not (tmp_path / ".csv").exists()
 
 
 def test_exhaustive_and_optuna_through_plan_search(case, grid):
