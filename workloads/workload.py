@@ -27,6 +27,7 @@ from scipy import special, stats
 from workloads.distributions import MAX_LEN_TOKENS, LengthDistribution
 from xsched.contract import Contract
 from xsched.errors import UserError
+from xsched.fileio import jsonl_lines
 
 PROMPT_KEYS = ("prompt_tokens", "prompt")
 OUTPUT_KEYS = ("output_tokens", "max_new_tokens")
@@ -192,10 +193,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
                             f"and {' or '.join(OUTPUT_KEYS)}")
         return [dict(r) for r in reader]
     rows = []
-    # Lines end at "\n" only: JSON strings may hold a raw U+2028 or U+0085, where splitlines() breaks.
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
+    for lineno, line in jsonl_lines(text):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:

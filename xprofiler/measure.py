@@ -503,7 +503,7 @@ def write_profile(profile: HardwareProfile, rows: Sequence[dict[str, Any]], outp
 
     csv_path = samples_csv_path(output)
     atomic_write_all([(csv_path, pd.DataFrame(list(rows)).to_csv(index=False).encode()),
-                      (output, (profile.to_json() + "\n").encode())])
+                      (output, profile.file_bytes())])
     return output, csv_path
 
 

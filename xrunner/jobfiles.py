@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from xsched.errors import UserError
-from xsched.fileio import check_writable, describe_os_error
+from xsched.fileio import check_writable, describe_os_error, jsonl_lines
 
 RequestId = str | int
 
@@ -54,10 +54,7 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         raise UserError(f"{p}: cannot read the prompt file ({exc.__class__.__name__})") from None
     records: list[PromptRecord] = []
     seen: dict[str, int] = {}
-    # Lines end at "\n" only: a prompt may hold a raw U+2028 or U+0085, where splitlines() breaks.
-    for lineno, raw in enumerate(text.split("\n"), start=1):
-        if not raw.strip():
-            continue
+    for lineno, raw in jsonl_lines(text):
         where = f"{p}:{lineno}"
         try:
             obj = json.loads(raw)
@@ -169,7 +166,7 @@ class ResultsWriter:
         start = None
         try:
             if self._fd is None:
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
             start = os.fstat(self._fd).st_size
             view = memoryview(data)
             while view:

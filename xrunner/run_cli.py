@@ -328,7 +328,7 @@ def _run(args: argparse.Namespace) -> int:
             metadata={"policy": plan.policy.to_dict(), "model": source.spec.name, "source": "measured"}).encode()))
         notes.append(f"wrote {len(stats.events)} trace events to {args.trace}")
     if args.result:
-        outputs.append((args.result, (result.to_json() + "\n").encode()))
+        outputs.append((args.result, result.file_bytes()))
     atomic_write_all(outputs)  # all or none
     if args.json:
         print(result.to_json())

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from xsched.errors import UserError
-from xsched.fileio import atomic_write_text
+from xsched.fileio import atomic_write_bytes
 
 T = TypeVar("T", bound="Contract")
 
@@ -164,9 +164,13 @@ class Contract:
             raise UserError(f"{where or cls.__name__}: not valid JSON ({exc})") from None
         return cls.from_dict(data, where)
 
+    def file_bytes(self) -> bytes:
+        """What :meth:`save` writes (to write it together with other files: ``atomic_write_all``)."""
+        return (self.to_json() + "\n").encode()
+
     def save(self, path: str | Path) -> Path:
         """Write atomically: a crash or full disk never leaves a half-written file."""
-        return atomic_write_text(Path(path), self.to_json() + "\n")
+        return atomic_write_bytes(Path(path), self.file_bytes())
 
     @classmethod
     def load(cls: type[T], path: str | Path) -> T:

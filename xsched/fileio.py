@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
-import tempfile
+import secrets
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from xsched.errors import UserError
 
@@ -41,16 +41,16 @@ def atomic_write_all(files: Sequence[tuple[Path | str, bytes]]) -> None:
     """Write several files all or none: each goes to a temporary file beside it (fsynced) and
     only when every one is staged are they renamed into place, so a full disk while writing the
     last one leaves every earlier output as it was."""
-    staged: list[str] = []
+    staged: list[Path] = []
     path: Path | str = ""
-    umask = os.umask(0)
-    os.umask(umask)
     try:
         for path, data in files:
-            fd, tmp = tempfile.mkstemp(prefix=f".{Path(path).name}.", suffix=".tmp", dir=Path(path).parent or ".")
+            target = Path(path)
+            tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+            # The mode open() would give, or the replaced file's (both less the umask); mkstemp's is 0o600.
+            mode = target.stat().st_mode & 0o777 if target.exists() else 0o666
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
             staged.append(tmp)
-            # mkstemp makes the file private (0600); give it the mode a plain open() would
-            os.fchmod(fd, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o666 & ~umask)
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()
@@ -66,6 +66,15 @@ def atomic_write_all(files: Sequence[tuple[Path | str, bytes]]) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def jsonl_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(line number from 1, line) of each non-blank line. Lines end at "\\n" only: a JSON string
+    may hold a raw U+2028 or U+0085 (``json.dumps(ensure_ascii=False)`` writes them), where
+    ``str.splitlines()`` would break it."""
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            yield lineno, line
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> Path:

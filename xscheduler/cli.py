@@ -151,7 +151,7 @@ def _plan(args: argparse.Namespace) -> int:
     plan = plan_search(spec, profile, workload, sla, compress=args.compress, method=args.search,
                        num_requests=args.requests, seed=args.seed, evaluator=args.evaluator, progress=progress,
                        margin=args.margin)
-    outputs = [(args.output, (plan.to_json() + "\n").encode())] if args.output else []
+    outputs = [(args.output, plan.file_bytes())] if args.output else []
     if args.frontier:
         outputs += _frontier_files(args.frontier, spec, profile, workload, sla, args, progress)
     atomic_write_all(outputs)  # all or none: a full disk on the last leaves the earlier ones as they were

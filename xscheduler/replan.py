@@ -350,6 +350,9 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
     if scope not in SCOPES:
         raise UserError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     check_false_alarm_rate(false_alarm_rate)
+    num_requests = plan.predicted.num_requests if num_requests is None else num_requests
+    if num_requests < 1:
+        raise UserError(f"num_requests must be >= 1, got {num_requests}")
     t0 = time.perf_counter()
     prof = profile_for(plan, profile)
     p, o, c = _check_lengths(prompt_lens, output_lens, censored)
@@ -362,9 +365,6 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
     stats = cusum.stats()
     report = replace(report, stats=report.stats + stats,
                      drifted=report.drifted or any(s.fired_at(cusum.level) for s in stats))
-    num_requests = plan.predicted.num_requests if num_requests is None else num_requests
-    if num_requests < 1:
-        raise UserError(f"num_requests must be >= 1, got {num_requests}")
     return _respond(plan, prof, p, o, c, report, plan.workload, t0, num_requests=num_requests, evaluator=evaluator,
                     compress=compress, min_samples=min_samples, scope=scope, method=method)
 

@@ -131,11 +131,12 @@ def in_effect(policy: Policy, job_rows: int, max_output: int, min_output: int = 
 
     Refill that cannot change a job of ``job_rows`` requests of ``min_output`` to ``max_output``
     tokens (:meth:`Policy.refill_in_effect`: one-row blocks, blocks holding the whole job, intervals
-    past the longest output, one output length for all) is dropped: 4 simulations fewer per variant for one row alone, and the
-    points where a throughput-bound search ends on a small job. Attention on the CPU is only for
-    KV cache rows off the GPU, so with none there it is attention on the device: up to 16% of a
-    grid's points (opt-6.7b on a100-80gb); the discrete-event simulator agrees exactly there, on
-    all 40 model x preset x workload grids of ``benchmarks/plan_quality.py``.
+    past the longest output, one output length for all) is dropped: 4 simulations fewer per
+    variant for one row alone, and the points where a throughput-bound search ends on a small job.
+    Attention on the CPU is only for KV cache rows off the GPU, so with none there it is attention
+    on the device: up to 16% of a grid's points (opt-6.7b on a100-80gb); the discrete-event
+    simulator agrees exactly there, on all 40 model x preset x workload grids of
+    ``benchmarks/plan_quality.py``.
     """
     refill = policy.refill_in_effect(job_rows, max_output, min_output)
     if refill != policy.refill_every:

@@ -156,7 +156,7 @@ def _simulate(args: argparse.Namespace) -> int:
                     "source": "simulated"}).encode()))
             notes.append(f"wrote {len(events)} trace events to {args.trace}")
     if args.output:
-        outputs.append((args.output, (result.to_json() + "\n").encode()))
+        outputs.append((args.output, result.file_bytes()))
     atomic_write_all(outputs)  # all or none: a full disk on the second leaves the first as it was
     if args.json:
         print(result.to_json())
