@@ -103,10 +103,9 @@ def test_fit_with_noise_and_unexcited_terms_kept():
     for term in ("gpu_compute", "head", "ctog", "dequant"):
         assert fit.profile.calibration[term] == pytest.approx(true[term], rel=0.1), term
     assert fit.error_after < fit.error_before
-    rows = [ln.split() for ln in report(fit).splitlines() if ln.split() and ln.split()[0] in by_term]
     lines = [ln for ln in report(fit).splitlines() if ln.split() and ln.split()[0] in by_term]
-    ends = {ln.index(cols[1], len(cols[0])) + len(cols[1]) for ln, cols in zip(lines, rows)}
-    assert len(rows) == len(by_term) and len(ends) == 1  # "before" right-aligned in one column, long names too
+    ends = {ln.index(cols[1], len(cols[0])) + len(cols[1]) for ln, cols in zip(lines, map(str.split, lines))}
+    assert len(lines) == len(by_term) and len(ends) == 1  # "before" right-aligned in one column, long names too
 
 
 # ----------------------------------------------------------------------------- re-anchoring the speed
