@@ -24,7 +24,7 @@ from xsimulator.discrete_event import simulate_timeline
 TRUE = {"ctog": 1.7, "gtoc": 0.6, "dtoc": 2.0, "ctod": 1.3, "gpu_compute": 1.4, "cpu_compute": 2.5,
         "dequant": 0.8, "quant": 1.9, "head": 3.0, "layer_overhead_s": 2e-4, "step_overhead_s": 4e-3,
         "block_layer_overhead_s": 1.5e-3, "row_copy_s": 3e-5, "disk_interference": 0.2,
-        "copy_interference": 0.15, "kv_codec_overhead_s": 4e-4}
+        "copy_interference": 0.15, "kv_codec_overhead_s": 4e-4, "dtoc_rows": 0.7}
 
 TINY = ModelSpec(name="tiny-opt", family="opt", num_layers=4, hidden=128, ffn=512, num_heads=2, num_kv_heads=2,
                  head_dim=64, vocab_size=512, max_positions=256, norm="layernorm", activation="relu",

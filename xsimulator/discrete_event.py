@@ -26,7 +26,7 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import FACTOR_TERMS, BlockStep, CostModel, StepTerms, channel_groups, fits_in
+from xsimulator.costmodel import BlockStep, CostModel, StepTerms, channel_groups, fits_in
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 from xsimulator.trace import TraceEvent
@@ -247,11 +247,9 @@ def summarize(cm: CostModel, policy: Policy, workload: Workload, *, method: str,
     """Turn priced steps and request latencies into a SimResult (shared by both paths)."""
     L = cm.spec.num_layers
     busy: dict[str, float] = {}
-    for name in FACTOR_TERMS:
-        if name == "head":
-            busy[name] = float(np.sum(prefill.head_s) + np.sum(decode.head_s))
-        else:
-            busy[name] = float(L * (np.sum(getattr(prefill.terms, name)) + np.sum(getattr(decode.terms, name))))
+    for name in StepTerms().as_dict():
+        busy[name] = float(L * (np.sum(getattr(prefill.terms, name)) + np.sum(getattr(decode.terms, name))))
+    busy["head"] = float(np.sum(prefill.head_s) + np.sum(decode.head_s))
     compute_busy = busy["gpu_compute"] + busy["cpu_compute"] + busy["dequant"] + busy["quant"] + busy["head"]
     peaks = cm.peak_bytes(policy, workload.prompt.max_len, workload.output.max_len)
     caps = {t: float(profile.capacity_bytes(t)) for t in peaks}
