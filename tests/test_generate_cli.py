@@ -66,6 +66,11 @@ def test_sampling_options_and_seed(tiny_dir, capsys):
     assert "top-p is a fraction" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny_dir), "--prompt", "w5", "--temperature", "nan", "--quiet"]) == 2
     assert "temperature must be a finite number" in capsys.readouterr().err  # NaN used to reach torch.multinomial
+    # torch.Generator.manual_seed's range; 2**64 used to be a traceback after the model loaded
+    with pytest.raises(SystemExit) as exc:  # an argparse error: the parser exits itself
+        main(["generate", "--model", str(tiny_dir), "--prompt", "w5", "--temperature", "1", "--seed", str(2**64),
+              "--quiet"])
+    assert exc.value.code == 2 and "--seed: must be in [0, 2**64)" in capsys.readouterr().err
     for device in ("meta", "foo"):  # meta parsed, then failed deep in the model core
         assert main(["generate", "--model", str(tiny_dir), "--prompt", "w5", "--device", device, "--quiet"]) == 2
         assert "is not supported; use cpu, cuda or cuda:N" in capsys.readouterr().err

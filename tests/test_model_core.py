@@ -369,6 +369,19 @@ def test_seed_reproduces_generation():
 
 
 def test_sampling_params_reject_nonsense():
-    for bad in (dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)):
+    for bad in (dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5),
+                dict(temperature=1e-300), dict(temperature=1.0, seed=2**64), dict(seed=-1)):
         with pytest.raises(UserError):
             SamplingParams(**bad)
+
+
+def test_a_tiny_temperature_samples_the_largest_logit():
+    """Divided by 2e-38, a logit of 20 overflowed float32 to +inf and torch.multinomial refused the
+    NaN probabilities (stop 36); each row is now shifted to a largest logit of 0 first."""
+    logits = torch.tensor([[20.0, 1.0, 0.0, -3.0], [-5.0, 7.5, 7.0, 2.0]])
+    params = SamplingParams(temperature=2e-38, seed=0)
+    drawn = [sample(logits, params, params.generator()).tolist() for _ in range(20)]
+    assert drawn == [[0, 1]] * 20
+    # the shift leaves the distribution as it was at an ordinary temperature
+    p1 = SamplingParams(temperature=0.7)
+    assert torch.allclose(filter_logits(logits, p1).softmax(-1), (logits / 0.7).softmax(-1), atol=1e-6)

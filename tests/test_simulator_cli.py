@@ -56,7 +56,7 @@ def test_simulate_json_trace_and_plan(profile_path, tmp_path):
 
 
 BAD_INPUT = [
-    (["--workload", "T", "--policy", POLICY, "--seed", "-1"], "--seed: must be >= 0"),  # argparse: exits itself
+    (["--workload", "T", "--policy", POLICY, "--seed", "-1"], "--seed: must be in [0, 2**64), got -1"),  # argparse: exits itself
     (["--workload", "T", "--policy", '{"gbs": 8, "nb": 2, "wg": 0.5, "wc": 0.4, "wd": 0}'], "sum to 0.9"),
     (["--workload", "Q", "--policy", POLICY], "unknown workload preset 'Q'"),
     (["--workload", "fixed:0:8", "--policy", POLICY], ">= 1"),

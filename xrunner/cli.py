@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from xrunner import run_cli
+from xsched.cli import seed_arg
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -76,7 +77,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, a fraction (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the sampler (default 0)")
 
 
 def sampling_from_args(args: argparse.Namespace):  # noqa: ANN201 (SamplingParams; torch is imported lazily)

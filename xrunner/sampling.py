@@ -12,6 +12,10 @@ import torch
 
 from xsched.errors import UserError
 
+# The smallest positive temperature: float32's smallest normal number. Below it the temperature
+# rounds to 0 (or loses its precision) in the float32 division.
+MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +29,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < float("inf"):  # NaN too: it would poison the probabilities
             raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # 0 in float32: every scaled logit would be NaN
+            raise UserError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:.3g}, got "
+                            f"{self.temperature}")
+        if not 0 <= self.seed < 2**64:  # torch.Generator.manual_seed's range
+            raise UserError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.top_k < 0:
             raise UserError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:  # NaN fails here as well
@@ -39,8 +48,14 @@ class SamplingParams:
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits ``[b, V]`` with tokens outside top-k / top-p set to -inf."""
-    logits = logits.float() / params.temperature
+    """Temperature-scaled logits ``[b, V]`` with tokens outside top-k / top-p set to -inf.
+
+    Each row is shifted so that its largest logit is 0 before scaling (the softmax is the same):
+    divided by a temperature of 2e-38 an unshifted logit of 20 overflowed to +inf, and sampling
+    from the NaN probabilities crashed.
+    """
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

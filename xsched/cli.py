@@ -34,10 +34,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def seed_arg(text: str) -> int:
-    """``--seed``: numpy's generators take only seeds >= 0."""
+    """``--seed``: numpy's generators take only seeds >= 0, torch's only seeds below 2**64."""
     value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
     return value
 
 
