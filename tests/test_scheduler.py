@@ -513,3 +513,18 @@ def test_search_polishes_from_each_variants_best_point_near_the_answer():
     out = search(ev, [s for s in (ev.space(v, knee=True) for v in vs) if s], "p99", math.inf, "bnb")
     known = Evaluator(spec, prof, w, num_requests=2000)(Variant(True, True, False), 256, 8, 0)
     assert known.fits and out.best.throughput >= 0.99 * known.throughput
+
+
+@pytest.mark.parametrize("kind,bound", [("p99", 1.9), ("p99-length", 1.513)])
+def test_a_bound_missed_at_one_refill_interval_does_not_rule_out_another(kind, bound):
+    """Latency is not monotone along the refill intervals: on llama-3-8b / rtx3090 / S, refilling
+    every 16 steps is slower than every 4 or every step. Branch-and-bound pruned refill 4 and 1
+    once 16 had missed the bound, and planned 0.707 (p99) and 0.848 (p99-length) of exhaustive
+    search's throughput (stop 36)."""
+    prof = load_profile("rtx3090", check_machine=False)
+    spec, w = prof.model_for(get_model_spec("llama-3-8b")), get_workload("S")
+    plans = {m: plan_search(spec, prof, w, SLA(kind, bound), compress="off", method=m, num_requests=300,
+                            confirm_seeds=()) for m in ("bnb", "exhaustive")}
+    assert plans["bnb"].predicted.latency_s(kind) <= bound
+    assert (plans["bnb"].predicted.throughput_tokens_per_s
+            >= 0.99 * plans["exhaustive"].predicted.throughput_tokens_per_s), plans["bnb"].policy

@@ -34,7 +34,8 @@ from xscheduler.placement import Placement, place
 from xsimulator.policy import MAX_GBS, MAX_NB, Policy
 from xsimulator.result import SimResult
 
-# Refill intervals in the order throughput and latency grow: never, then ever more often.
+# Refill intervals, never, then ever more often: throughput grows along them on most workloads,
+# latency not monotonically (Evaluator.misses).
 REFILL_LEVELS: tuple[int, ...] = (0, 64, 16, 4, 1)
 EVALUATORS: tuple[str, ...] = ("discrete-event", "analytic")
 # Upper bound on a point's simulated throughput, as a multiple of the LP's tokens/s for its
@@ -296,29 +297,24 @@ class Evaluator:
 
     def misses(self, v: Variant, gbs: int, nb: int, refill: int, kind: str, bound_s: float) -> bool:
         """Whether the point is known to miss the bound without pricing it: by its LP latency floor
-        (:meth:`latency_floor`), or by a point already priced, one of the same variant with no
-        larger gbs and nb, at the same or an earlier level of :data:`REFILL_LEVELS`, whose
-        latency is over it.
+        (:meth:`latency_floor`), or by a point already priced, one of the same variant and refill
+        interval with no larger gbs and nb, whose latency is over it.
 
-        Latency grows along those levels about as reliably as along gbs and nb: over the whole
-        grids of four benchmark cells (opt-30b/t4/T, llama-2-70b/t4/C2, opt-175b/t4/T,
-        opt-6.7b/t4/G), a point above another in gbs, nb and a later refill level had at least
-        0.70x its latency, where at the same level it had as little as 0.57x (and along the refill
-        levels alone at least 0.98x). Trusting the refill order for bottom corners too (stop 32) took
-        ``benchmarks/plan_quality.py`` from 4.6% to 3.4% of exhaustive search's evaluations
-        (cells within 5%: 92 -> 132 of 160) with every cell still at 1.000 of its throughput.
-        An earlier search without the final polish and jump lost 40% on llama-2-70b/t4/C2 at
-        1.25x from a looser form of this rule (whole spaces dropped). The LP floor costs no
-        simulation either; without it plan_quality's evaluations are 2.24% of exhaustive
-        search's, not 1.98% (156, not 160, of 160 cells within 5%)."""
+        Only points at the same refill interval count. Latency is not monotone along the refill
+        levels. Stop 36's counterexample: llama-3-8b / rtx3090 / S, gbs 16, nb 1. Refilling every
+        16 steps gave p99 5.40 s, every 4 steps 4.93 s and every step 4.38 s (0.81x), so a bound
+        missed at 16 said nothing about 4 or 1. Trusting the levels' order (stop 32 to 35) cut
+        plan_quality's evaluations from 4.6% to 3.4% of exhaustive search's, but on that workload
+        `xsched plan --latency 1.9 --requests 300` returned 0.707 of exhaustive search's throughput.
+        Dropping it took ``plan_quality.py --quick`` from 2.1% to 3.2% of exhaustive search's
+        evaluations and, the search's path having changed, one cell to 0.874 of its throughput;
+        the cross-variant jump (:func:`_jump`) brought that cell back (3.5%, all 16 at 1.000).
+        The LP floor costs no simulation either; without it plan_quality's evaluations were 2.24%
+        of exhaustive search's, not 1.98% (stop 32)."""
         if self.latency_floor(v, gbs, nb) > bound_s:
             return True
-        if refill not in REFILL_LEVELS:
-            return False
-        rank = REFILL_LEVELS.index(refill)
-        return any(e.variant == v and e.fits and e.gbs <= gbs and e.nb <= nb and e.latency(kind) > bound_s
-                   and e.refill_every in REFILL_LEVELS and REFILL_LEVELS.index(e.refill_every) <= rank
-                   for e in self.cache.values())
+        return any(e.variant == v and e.fits and e.refill_every == refill and e.gbs <= gbs and e.nb <= nb
+                   and e.latency(kind) > bound_s for e in self.cache.values())
 
     def box_bound(self, space: "Space", lo: tuple[int, ...], hi: tuple[int, ...], kind: str = "p99",
                   bound_s: float = math.inf) -> float:
@@ -645,8 +641,8 @@ class SearchOutcome:
 
 def repair(ev: Evaluator, start: Evaluation, kind: str, bound_s: float, max_steps: int = 16) -> Evaluation | None:
     """From a point that misses the bound or does not fit (a running policy after its workload
-    grew), the nearest smaller batch shapes that meet it: each step halves nb or gbs, or refills
-    less often, moving to the best neighbour that meets the bound, else to the fitting one with
+    grew), the nearest smaller batch shapes that meet it: each step halves nb or gbs, or tries
+    another refill interval, moving to the best neighbour that meets the bound, else to the fitting one with
     the lowest latency (else the smaller shape that still does not fit), until one meets the bound.
     None when none does within ``max_steps`` (the caller then searches without a start)."""
     cur = start
@@ -654,8 +650,8 @@ def repair(ev: Evaluator, start: Evaluation, kind: str, bound_s: float, max_step
         if cur.meets(kind, bound_s):
             return cur
         g, nb, r = cur.gbs, cur.nb, cur.refill_every
-        rank = REFILL_LEVELS.index(r) if r in REFILL_LEVELS else 0
-        cands = [(g, nb // 2, r), (g // 2, nb, r)] + [(g, nb, r2) for r2 in REFILL_LEVELS[:rank]]
+        # every other refill interval: latency is not monotone along them (Evaluator.misses)
+        cands = [(g, nb // 2, r), (g // 2, nb, r)] + [(g, nb, r2) for r2 in REFILL_LEVELS if r2 != r]
         tried = [ev(cur.variant, *k) for k in cands if k[0] >= 1 and k[1] >= 1]
         evals = [e for e in tried if e.fits]
         if not evals:
@@ -690,7 +686,7 @@ def _shape_moves(g: int, nb: int, cap: int, trades: bool = True) -> list[tuple[i
 
 
 def _jump(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, refills: list[int],
-          trades: bool = True) -> Evaluation:
+          trades: bool = True, others: Iterable[Variant] = ()) -> Evaluation:
     """One shape step (:func:`_shape_moves`) together with another refill interval: moves that pay only
     together (a ridge the one-knob climb of :func:`polish` cannot cross); climbs on from the
     best of them. Shapes whose LP bound cannot beat the point, and points known to miss the bound
@@ -698,20 +694,27 @@ def _jump(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, refills: l
     refill interval moves with the shape: opt-175b on t4, workload T, unbounded, polished to nb 4
     without refill, 0.945 of exhaustive search's nb 2 with refill every 16 steps; on a100-80gb,
     G, a trade of gbs for nb with another interval was 4.4% better (the re-planner, which has
-    a second's budget, leaves trades out: 12% longer re-plans)."""
+    a second's budget, leaves trades out: 12% longer re-plans). With ``others``, the same and the
+    neighbouring shapes under another variant too: opt-175b on t4, workload T, 1.25x the lowest
+    latency, once branch-and-bound no longer trusted the refill order, ended on a 4-bit cache
+    at 32 x 2 (0.874) where the 4-bit-weights, CPU-attention variant at 32 x 1 refilling every 16
+    steps was best; the variant, the shape and the interval had to change together."""
     cap = ev.job_cap
     jump = best
-    for g2, nb2 in _shape_moves(best.gbs, best.nb, cap, trades):
-        if ev.bound(best.variant, g2, nb2) * (1 + 1e-9) < jump.throughput:
+    moves = [(best.variant, g2, nb2) for g2, nb2 in _shape_moves(best.gbs, best.nb, cap, trades)]
+    moves += [(v, g2, nb2) for v in others if v != best.variant
+              for g2, nb2 in [(best.gbs, best.nb)] + _shape_moves(best.gbs, best.nb, cap, trades)]
+    for v, g2, nb2 in moves:
+        if ev.bound(v, g2, nb2) * (1 + 1e-9) < jump.throughput:
             continue
         for r in refills:
-            known_miss = math.isfinite(bound_s) and ev.misses(best.variant, g2, nb2, r, kind, bound_s)
-            if r == best.refill_every or known_miss:
+            known_miss = math.isfinite(bound_s) and ev.misses(v, g2, nb2, r, kind, bound_s)
+            if (v, r) == (best.variant, best.refill_every) or known_miss:
                 continue
-            e = ev(best.variant, g2, nb2, r)
+            e = ev(v, g2, nb2, r)
             if e.meets(kind, bound_s) and _better(e, jump, kind):
                 jump = e
-    return best if jump is best else polish(ev, jump, kind, bound_s, (), refills)
+    return best if jump is best else polish(ev, jump, kind, bound_s, others, refills)
 
 
 def warm_search(ev: Evaluator, variants_: Iterable[Variant], start: tuple[int, int, int], kind: str,
@@ -787,7 +790,7 @@ def search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, method
             if _better(cand, best, kind) or best is None:
                 best = cand
         if best is not None:
-            best = _jump(ev, best, kind, bound_s, refills)
+            best = _jump(ev, best, kind, bound_s, refills, others=variants_)
     elif method == "exhaustive":
         best = exhaustive(ev, spaces, kind, bound_s)
     elif method == "optuna":
