@@ -332,3 +332,41 @@ def test_cusum_scores_are_standard_normal_under_the_plan_and_extreme_outside_it(
     assert siegmund_arl(h, 0.15) == pytest.approx(3000 / -np.log1p(-0.001), rel=1e-6)
     with pytest.raises(UserError, match="fraction"):
         CusumMonitor(w, 2.0)
+
+
+def test_short_lengths_with_a_mode_at_one_fit_without_overflow():
+    """Nelder-Mead drove lognorm's std to 1e200 on data like this, and squaring it overflowed: a
+    traceback from ``xsched workload fit`` (stop 36). 150 small geometric samples all fit now."""
+    rng = np.random.default_rng(0)
+    for n in range(2, 32):
+        for _ in range(5):
+            report = fit_lengths(rng.geometric(0.3, n))
+            assert report.best.min_len >= 1
+    assert fit_lengths([1, 1, 1, 2, 5]).best.mean == pytest.approx(2.0)
+
+
+def test_distributions_refuse_weights_and_stds_that_break_the_pmf():
+    for weights in ((math.inf, 1.0), (1e308, 1e308), (math.nan, 1.0)):  # NaN pmf / a sum that overflows
+        with pytest.raises(UserError, match="finite"):
+            LengthDistribution("empirical", 10, 1, {}, (1, 2), weights)
+    with pytest.raises(UserError, match="std"):
+        LengthDistribution("lognorm", 100, 1, {"mean": 5.0, "std": 1e200})
+
+
+def test_scaling_keeps_a_declared_max_len():
+    """A re-plan's fitted empirical distribution declares a max_len past its sample (memory is
+    sized by it); scaling rebuilt it from the values alone and dropped it (100 x 2 gave 60)."""
+    emp = LengthDistribution.empirical([10, 20, 30], max_len=100)
+    assert emp.scaled(2).max_len == 200 and emp.scaled(2).mean == pytest.approx(40.0)
+    mix = LengthDistribution.mixture([emp, LengthDistribution.fixed(5)], [1.0, 1.0])
+    assert mix.scaled(2).max_len == 200
+
+
+def test_a_cusum_whose_every_threshold_is_too_strict_fires_at_zero():
+    """With a narrow reference (k ~ 3.5), a short horizon and a high false-alarm rate even a zero
+    threshold fires by mistake less often than asked; brentq had no bracket and raised (stop 36)."""
+    from workloads.drift import CusumMonitor, cusum_threshold, siegmund_arl
+
+    assert cusum_threshold(3.5, 1, 0.2) == 0.0
+    assert siegmund_arl(0.0, 3.5) > 1 / -math.log1p(-0.2)  # the premise
+    CusumMonitor(get_workload("fixed:512:32"), 0.2, 1)  # constructs

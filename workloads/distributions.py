@@ -11,7 +11,7 @@ can never disagree with each other.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, ClassVar, Literal
 
@@ -34,6 +34,8 @@ _PARAM_NAMES: dict[str, tuple[str, ...]] = {
 }
 # scipy's skew-normal cannot reach |skewness| >= 0.9953 (ExeGPT §7.6 notes the (-1, 1) limit).
 MAX_SKEW = 0.99
+# A std beyond this many times max_len makes the truncated pmf flat to float precision.
+MAX_STD_RATIO = 1e6
 # Longest length a distribution may reach: 8x the longest context of today's models. The pmf is a
 # dense table over min_len..max_len, so `T@1e6` would otherwise allocate gigabytes.
 MAX_LEN_TOKENS = 2**23
@@ -80,6 +82,9 @@ class LengthDistribution(Contract):
             mean, std = self.params["mean"], self.params["std"]
             if std <= 0:
                 raise UserError(f"{self.family}: std must be > 0, got {std:g}; use 'fixed' for a constant length")
+            if std > MAX_STD_RATIO * self.max_len:  # lognorm squares std / mean: 1e200 overflowed
+                raise UserError(f"{self.family}: std {std:g} is more than {MAX_STD_RATIO:g}x max_len "
+                                f"{self.max_len}; the truncated distribution would be flat: use a smaller std")
             if not self.min_len <= mean <= self.max_len:
                 raise UserError(f"{self.family}: mean {mean:g} is outside {self.min_len}..{self.max_len}; "
                                 f"max must be >= mean (and mean >= 1)")
@@ -94,13 +99,13 @@ class LengthDistribution(Contract):
                 raise UserError("empirical: needs matching non-empty values and weights")
             if min(self.values) < self.min_len or max(self.values) > self.max_len:
                 raise UserError(f"empirical: values must lie in {self.min_len}..{self.max_len}")
-            if min(self.weights) < 0 or sum(self.weights) <= 0:
-                raise UserError("empirical: weights must be >= 0 with a positive sum")
+            if min(self.weights) < 0 or not 0 < sum(self.weights) < math.inf:  # NaN and inf too
+                raise UserError("empirical: weights must be finite and >= 0 with a positive, finite sum")
         elif self.family == "mixture":
             if not self.components or len(self.components) != len(self.weights):
                 raise UserError("mixture: needs matching non-empty components and weights")
-            if min(self.weights) < 0 or sum(self.weights) <= 0:
-                raise UserError("mixture: weights must be >= 0 with a positive sum")
+            if min(self.weights) < 0 or not 0 < sum(self.weights) < math.inf:  # NaN and inf too
+                raise UserError("mixture: weights must be finite and >= 0 with a positive, finite sum")
             if min(c.min_len for c in self.components) < self.min_len or \
                     max(c.max_len for c in self.components) > self.max_len:
                 raise UserError("mixture: components must lie inside the mixture's min_len..max_len")
@@ -286,9 +291,11 @@ class LengthDistribution(Contract):
             return LengthDistribution(self.family, top, low, params)
         if self.family == "fixed":
             return LengthDistribution.fixed(sc(self.params["value"]))
-        if self.family == "empirical":
-            return weighted_empirical(np.array([sc(v) for v in self.values]), np.asarray(self.weights))
-        return LengthDistribution.mixture([c.scaled(factor) for c in self.components], list(self.weights))
+        if self.family == "empirical":  # keeps its declared max_len (a re-plan's fit sets one past the sample)
+            return weighted_empirical(np.array([sc(v) for v in self.values]), np.asarray(self.weights),
+                                      max(sc(self.max_len), sc(max(self.values))))
+        mix = LengthDistribution.mixture([c.scaled(factor) for c in self.components], list(self.weights))
+        return replace(mix, max_len=max(mix.max_len, sc(self.max_len)))
 
     def summary(self) -> dict[str, float]:
         """Realised statistics of the integer distribution (after rounding and truncation)."""

@@ -170,6 +170,8 @@ def cusum_threshold(k: float, horizon: int, alpha: float) -> float:
     ``alpha``: the in-control run length is close to exponential, so P(alarm <= n) = 1 -
     exp(-n / ARL0) (conservative from a fresh start, whose first alarms come later)."""
     arl = horizon / -math.log1p(-alpha)
+    if siegmund_arl(0.0, k) >= arl:  # even h = 0 fires by mistake less often than asked: no bracket
+        return 0.0
     top = 600.0 / (2.0 * k) if k > 0 else 1e4  # exp() stays finite
     return float(optimize.brentq(lambda h: math.log(siegmund_arl(h, k)) - math.log(arl), 0.0, top))
 

@@ -101,7 +101,7 @@ def _fit_parametric(family: str, values: np.ndarray, counts: np.ndarray, max_len
     def neg_ll(x: np.ndarray) -> float:
         try:
             ll = _log_likelihood(build(x), values, counts)
-        except UserError:
+        except (UserError, OverflowError):  # Nelder-Mead can push std to 1e200, whose square overflows
             return 1e300
         return -ll if math.isfinite(ll) else 1e300
 
