@@ -324,7 +324,7 @@ def test_simulate_plan_uses_the_plans_own_profile(profile_path, tmp_path):
     out = run("plan", "--profile", "a100-80gb", *SMALL, "--latency", "inf", "-o", str(path), "--quiet")
     assert out.returncode == 0, out.stderr
     plan = Plan.load(path)
-    sim = run("simulate", "--plan", str(path), "--requests", "100", "--json")
+    sim = run("simulate", "--plan", str(path), "--json")  # the plan's own job: 100 requests, seed 0
     assert sim.returncode == 0, sim.stderr
     assert "using the plan's profile, the a100-80gb preset" in sim.stderr
     got = json.loads(sim.stdout)
@@ -334,6 +334,13 @@ def test_simulate_plan_uses_the_plans_own_profile(profile_path, tmp_path):
     assert t4.returncode == 0, t4.stderr
     assert "the plan was made for profile 'a100-80gb'; simulating it on 't4'" in t4.stderr
     assert json.loads(t4.stdout)["latency_p99_s"] != pytest.approx(plan.predicted.latency_p99_s, rel=0.01)
+    # the plan's request sample too: it used to be re-drawn with seed 0 and 1000 requests
+    seeded = tmp_path / "seeded.json"
+    assert run("plan", "--profile", "a100-80gb", *SMALL, "--seed", "3", "--latency", "inf", "-o", str(seeded),
+               "--quiet").returncode == 0
+    got = json.loads(run("simulate", "--plan", str(seeded), "--json").stdout)
+    assert (got["num_requests"], got["seed"]) == (100, 3)
+    assert got["throughput_tokens_per_s"] == pytest.approx(Plan.load(seeded).predicted.throughput_tokens_per_s)
     # A profile that is neither in the plan nor a preset: say what to pass instead of guessing.
     tight = tmp_path / "tight.json"
     assert run("plan", "--profile", profile_path, *SMALL, "--latency", "inf", "-o", str(tight),
@@ -358,6 +365,9 @@ def test_plan_cli_errors_are_one_line(profile_path, tmp_path):
     out = run("plan", "--profile", str(small), "--model", "opt-175b", "--workload", "T@0.25")
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "does not fit" in out.stderr and "tier is short by" in out.stderr and "Traceback" not in out.stderr
+    # a margin rounds a subnormal bound to 0 s: the SLA's check was a ValueError traceback
+    out = run("plan", "--profile", profile_path, *SMALL, "--latency", "5e-324", "--margin", "0.5")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "latency bound must be > 0" in out.stderr
 
 
 def test_plan_cli_frontier(profile_path, tmp_path):

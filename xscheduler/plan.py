@@ -15,6 +15,7 @@ from workloads.workload import Workload
 from xprofiler.profile import Fingerprint
 from xprofiler.specs import ModelSpec
 from xsched.contract import Contract
+from xsched.errors import UserError
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 
@@ -36,8 +37,8 @@ class SLA(Contract):
     latency_s: float
 
     def __post_init__(self) -> None:
-        if not self.latency_s > 0 or math.isnan(self.latency_s):
-            raise ValueError(f"latency bound must be > 0 seconds, got {self.latency_s}")
+        if not self.latency_s > 0 or math.isnan(self.latency_s):  # also a margin rounding a 5e-324 s bound to 0
+            raise UserError(f"latency bound must be > 0 seconds, got {self.latency_s:g}; give a positive --latency")
 
     def met_by(self, result: SimResult, tolerance: float = 0.0) -> bool:
         """Whether the predicted latency is within the bound, allowing ``tolerance`` (fraction)."""

@@ -31,9 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--policy", help="policy as JSON text or a JSON file, e.g. '{\"gbs\": 8, \"nb\": 4, \"wg\": 0.5, "
                                       "\"wc\": 0.5, \"wd\": 0}' (fractions 0..1; omitted ones keep defaults)")
     src.add_argument("--plan", help="plan JSON from `xsched plan`: its policy, and its model and workload unless given")
-    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
-                   help=f"requests to sample from the workload (default {DEFAULT_REQUESTS})")
-    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the request sample (default 0)")
+    p.add_argument("--requests", type=int, default=None,
+                   help=f"requests to sample from the workload (default: a --plan's own, else {DEFAULT_REQUESTS})")
+    p.add_argument("--seed", type=seed_arg, default=None,
+                   help="seed of the request sample (default: a --plan's own, else 0)")
     p.add_argument("--method", choices=("discrete-event", "analytic"), default="discrete-event",
                    help="discrete-event (default) samples requests and simulates every step; analytic uses "
                         "expected batch shapes from the length distributions (faster, approximate)")
@@ -102,6 +103,14 @@ def _simulate(args: argparse.Namespace) -> int:
         policy = Policy.from_dict(plan["policy"], where=f"{args.plan}: policy")
     else:
         policy = Policy.from_dict(_read_json_arg(args.policy, "--policy"), where="--policy")
+    # A plan is priced on its own job (size and request sample): simulate that unless told otherwise.
+    predicted = plan.get("predicted") if isinstance(plan.get("predicted"), dict) else {}
+    if args.requests is None:
+        n = predicted.get("num_requests")
+        args.requests = n if isinstance(n, int) and not isinstance(n, bool) else DEFAULT_REQUESTS
+    if args.seed is None:
+        seed = predicted.get("seed")
+        args.seed = seed if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64 else 0
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
     for path, flag in ((args.output, "-o"), (args.trace, "--trace")):
