@@ -103,7 +103,11 @@ class DriftMonitor:
     """Repeated drift tests on a growing stream with a bounded overall false-alarm rate."""
 
     def __init__(self, planned: Workload, false_alarm_rate: float = 0.01, min_samples: int = 30,
-                 tests: Sequence[str] = ("ks", "mean")):
+                 tests: Sequence[str] = ("ks", "mean"), reference_samples: dict[str, Any] | None = None):
+        """``reference_samples`` (stream name -> lengths): ``planned`` was estimated from these, so
+        each test compares two samples (two-sample KS, Welch's z) instead of treating it as exact;
+        against a fit of 80 lengths, one-sample KS on 1000-2400 later lengths of the same
+        workload fired at p ~ 1e-7 (stop 36)."""
         if not 0.0 < false_alarm_rate < 1.0:
             raise UserError(f"false-alarm rate must be a fraction in (0, 1), got {false_alarm_rate}")
         if not tests or any(t not in ("ks", "mean") for t in tests):
@@ -115,6 +119,7 @@ class DriftMonitor:
         self.false_alarm_rate = false_alarm_rate
         self.min_samples = min_samples
         self.looks = 0
+        self.reference_samples = {k: np.asarray(v, np.int64) for k, v in (reference_samples or {}).items()}
 
     def check(self, prompt_lens: Any, output_lens: Any = None, windows: Sequence[int] = ()) -> DriftReport:
         """One look at all lengths observed so far (and at the most recent ``w`` of them for each
@@ -142,11 +147,21 @@ class DriftMonitor:
         results = []
         for name, dist, arr in samples:
             mean = float(arr.mean())
+            ref = self.reference_samples.get(name)
             if "ks" in self.tests:
-                d, p_ks = ks_pvalue(dist, arr)
+                if ref is None:
+                    d, p_ks = ks_pvalue(dist, arr)
+                else:
+                    two = stats.ks_2samp(arr, ref)
+                    d, p_ks = float(two.statistic), float(two.pvalue)
                 results.append(DriftStat(name, "ks", d, p_ks, mean, dist.mean, len(arr)))
             if "mean" in self.tests:
-                z, p_mean = mean_shift_pvalue(dist, arr)
+                if ref is None:
+                    z, p_mean = mean_shift_pvalue(dist, arr)
+                else:
+                    se = math.sqrt(arr.var(ddof=1) / len(arr) + ref.var(ddof=1) / max(len(ref), 1)) or 1e-12
+                    z = (mean - float(ref.mean())) / se
+                    p_mean = float(2 * stats.norm.sf(abs(z)))
                 results.append(DriftStat(name, "mean", z, p_mean, mean, dist.mean, len(arr)))
         drifted = any(s.pvalue < level for s in results)
         return DriftReport(k, n_prompt, n_output, level, drifted, tuple(results))
@@ -154,6 +169,9 @@ class DriftMonitor:
 
 DEFAULT_HORIZON = 10_000  # requests a job is assumed to hold when the caller does not say
 DEFAULT_MIN_SHIFT = 0.15  # relative change of every length the CUSUM is tuned to catch fastest
+# A reference estimated from n lengths is off by about 1 / sqrt(n) in mean normal score; a CUSUM
+# against it (CusumMonitor's reference_n) allows REFERENCE_Z times that per score.
+REFERENCE_Z = 2.5
 
 
 def siegmund_arl(h: float, k: float) -> float:
@@ -214,7 +232,7 @@ class CusumMonitor:
     """Two one-sided CUSUMs (longer, shorter) per length stream, fed every settled request."""
 
     def __init__(self, planned: Workload, false_alarm_rate: float = 0.01, horizon: int = DEFAULT_HORIZON,
-                 min_shift: float = DEFAULT_MIN_SHIFT, seed: int = 0):
+                 min_shift: float = DEFAULT_MIN_SHIFT, seed: int = 0, reference_n: int | None = None):
         if not 0.0 < false_alarm_rate < 1.0:
             raise UserError(f"false-alarm rate must be a fraction in (0, 1), got {false_alarm_rate}")
         if horizon < 1:
@@ -228,6 +246,8 @@ class CusumMonitor:
         for name, dist in (("prompt", planned.prompt), ("output", planned.output)):
             sc = _Scores(dist, rng)
             ks = (max(sc.shift(dist, 1 + min_shift), 1e-3) / 2, max(-sc.shift(dist, 1 - min_shift), 1e-3) / 2)
+            if reference_n:  # the reference's own error in mean score must not drive the sums
+                ks = tuple(max(k, REFERENCE_Z / math.sqrt(reference_n)) for k in ks)
             self._streams[name] = dict(dist=dist, scores=sc, k=ks, h=tuple(cusum_threshold(k, self.horizon, self.level)
                                                                           for k in ks),
                                        s=[0.0, 0.0], since=[0, 0], total=[0.0, 0.0])
