@@ -159,7 +159,8 @@ class DriftMonitor:
                 if ref is None:
                     z, p_mean = mean_shift_pvalue(dist, arr)
                 else:
-                    se = math.sqrt(arr.var(ddof=1) / len(arr) + ref.var(ddof=1) / max(len(ref), 1)) or 1e-12
+                    var_ref = float(ref.var(ddof=1)) if len(ref) > 1 else 0.0
+                    se = math.sqrt(arr.var(ddof=1) / len(arr) + var_ref / max(len(ref), 1)) or 1e-12
                     z = (mean - float(ref.mean())) / se
                     p_mean = float(2 * stats.norm.sf(abs(z)))
                 results.append(DriftStat(name, "mean", z, p_mean, mean, dist.mean, len(arr)))
