@@ -291,11 +291,12 @@ class LengthDistribution(Contract):
             return LengthDistribution(self.family, top, low, params)
         if self.family == "fixed":
             return LengthDistribution.fixed(sc(self.params["value"]))
-        if self.family == "empirical":  # keeps its declared max_len (a re-plan's fit sets one past the sample)
+        # Both keep their declared max_len (a re-plan's fit sets one past its sample; memory is sized by it).
+        if self.family == "empirical":
             return weighted_empirical(np.array([sc(v) for v in self.values]), np.asarray(self.weights),
-                                      max(sc(self.max_len), sc(max(self.values))))
+                                      sc(self.max_len))
         mix = LengthDistribution.mixture([c.scaled(factor) for c in self.components], list(self.weights))
-        return replace(mix, max_len=max(mix.max_len, sc(self.max_len)))
+        return replace(mix, max_len=sc(self.max_len))
 
     def summary(self) -> dict[str, float]:
         """Realised statistics of the integer distribution (after rounding and truncation)."""

@@ -99,6 +99,14 @@ def mean_shift_pvalue(dist: LengthDistribution, lengths: np.ndarray) -> tuple[fl
     return z, float(2 * stats.norm.sf(abs(z)))
 
 
+def mean_difference_pvalue(reference: np.ndarray, lengths: np.ndarray) -> tuple[float, float]:
+    """(z, two-sided p) of the sample mean against another sample's (Welch's z)."""
+    var_ref = float(reference.var(ddof=1)) if len(reference) > 1 else 0.0
+    se = math.sqrt(float(lengths.var(ddof=1)) / len(lengths) + var_ref / len(reference)) or 1e-12
+    z = (float(lengths.mean()) - float(reference.mean())) / se
+    return z, float(2 * stats.norm.sf(abs(z)))
+
+
 class DriftMonitor:
     """Repeated drift tests on a growing stream with a bounded overall false-alarm rate."""
 
@@ -149,20 +157,11 @@ class DriftMonitor:
             mean = float(arr.mean())
             ref = self.reference_samples.get(name)
             if "ks" in self.tests:
-                if ref is None:
-                    d, p_ks = ks_pvalue(dist, arr)
-                else:
-                    two = stats.ks_2samp(arr, ref)
-                    d, p_ks = float(two.statistic), float(two.pvalue)
+                two = None if ref is None else stats.ks_2samp(arr, ref)
+                d, p_ks = ks_pvalue(dist, arr) if two is None else (float(two.statistic), float(two.pvalue))
                 results.append(DriftStat(name, "ks", d, p_ks, mean, dist.mean, len(arr)))
             if "mean" in self.tests:
-                if ref is None:
-                    z, p_mean = mean_shift_pvalue(dist, arr)
-                else:
-                    var_ref = float(ref.var(ddof=1)) if len(ref) > 1 else 0.0
-                    se = math.sqrt(arr.var(ddof=1) / len(arr) + var_ref / max(len(ref), 1)) or 1e-12
-                    z = (mean - float(ref.mean())) / se
-                    p_mean = float(2 * stats.norm.sf(abs(z)))
+                z, p_mean = mean_shift_pvalue(dist, arr) if ref is None else mean_difference_pvalue(ref, arr)
                 results.append(DriftStat(name, "mean", z, p_mean, mean, dist.mean, len(arr)))
         drifted = any(s.pvalue < level for s in results)
         return DriftReport(k, n_prompt, n_output, level, drifted, tuple(results))

@@ -105,12 +105,10 @@ def _simulate(args: argparse.Namespace) -> int:
         policy = Policy.from_dict(_read_json_arg(args.policy, "--policy"), where="--policy")
     # A plan is priced on its own job (size and request sample): simulate that unless told otherwise.
     predicted = plan.get("predicted") if isinstance(plan.get("predicted"), dict) else {}
-    if args.requests is None:
-        n = predicted.get("num_requests")
-        args.requests = n if isinstance(n, int) and not isinstance(n, bool) else DEFAULT_REQUESTS
-    if args.seed is None:
-        seed = predicted.get("seed")
-        args.seed = seed if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64 else 0
+    own = {k: v for k in ("num_requests", "seed")
+           if isinstance(v := predicted.get(k), int) and not isinstance(v, bool) and 0 <= v < 2**64}
+    args.requests = own.get("num_requests", DEFAULT_REQUESTS) if args.requests is None else args.requests
+    args.seed = own.get("seed", 0) if args.seed is None else args.seed
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
     for path, flag in ((args.output, "-o"), (args.trace, "--trace")):
