@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -108,6 +109,13 @@ def test_fit_rejects_bad_samples():
     with pytest.raises(ValueError, match="grid_ratio"):
         LayerFit(model="m", phase="decode", dtype="float32", features=("const",), coef=(1.0,), n_samples=1,
                  median_rel_error=0, max_rel_error=0, grid_batches=(1, 2), grid_lengths=(8,), grid_ratio=((1.0,),))
+    # a hand-edited profile: an unknown feature was a KeyError in `xsched plan`, a negative
+    # coefficient a plan priced at negative seconds per layer
+    for features, coef, match in ((("const", "bogus"), (1.0, 1.0), "unknown decode feature"),
+                                  (("const",), (-1.0,), "finite and >= 0"), (("const",), (math.nan,), "finite")):
+        with pytest.raises(ValueError, match=match):
+            LayerFit(model="m", phase="decode", dtype="float32", features=features, coef=coef, n_samples=1,
+                     median_rel_error=0, max_rel_error=0)
 
 
 def _measured_profile() -> HardwareProfile:

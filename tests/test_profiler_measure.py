@@ -137,7 +137,7 @@ def test_offload_dir_problems_are_one_line_user_errors(tmp_path):
 def test_parse_bytes():
     assert parse_bytes("8GiB") == 8 * 2**30 and parse_bytes("512MiB") == 512 * MiB
     assert parse_bytes("16GB") == 16 * 10**9 and parse_bytes("8e9") == 8 * 10**9 and parse_bytes("4096") == 4096
-    for bad in ("lots", "-1GiB", "0"):
+    for bad in ("lots", "-1GiB", "0", "0.5", "nan"):  # 0.5 once truncated to 0, which read as "not given"
         with pytest.raises(UserError):
             parse_bytes(bad)
 
@@ -164,6 +164,8 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
         (["profile", "--offload-dir", str(tmp_path), "--disk-test-bytes", "1000TiB", "-o", str(tmp_path / "p.json")],
          "MiB free but the disk test needs"),
         (["profile", "--model", "gpt-9", "-o", str(tmp_path / "p.json")], "unknown model"),
+        # more threads than cores: torch segfaulted at 100000, and 3 of 2 cores measured oversubscribed
+        (["profile", "--quick", "--threads", "100000", "-o", str(tmp_path / "p.json")], "pass at most"),
         (["profile"], "-o profile.json"),
         (["profile", "show", str(tmp_path / "missing.json")], "neither a profile file nor a preset"),
     ]

@@ -106,6 +106,8 @@ def test_workload_commands_and_malformed_file(tmp_path):
     bad.write_text('{"prompt_tokens": 3, "output_tokens": 2}\nnot json\n')
     out = run("workload", "show", str(bad))
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "bad.jsonl:2: not valid JSON" in out.stderr
+    out = run("workload", "sample", "G", "-n", "1000000000000", "-o", str(tmp_path / "big.jsonl"))  # was 7 TiB
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "at most" in out.stderr, out.stderr
 
 
 def test_a_workload_past_the_models_context_is_noted(profile_path):

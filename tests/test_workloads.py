@@ -192,6 +192,12 @@ def test_bad_distributions_and_files(tmp_path):
     zero.write_text('{"prompt_tokens": 10000000000000000000, "output_tokens": 3}\n')  # past int64
     with pytest.raises(UserError, match="beyond any model's context"):
         Workload.from_file(zero)
+    zero.write_text('{"prompt_tokens": 1' + '0' * 400 + ', "output_tokens": 3}\n')  # past float: OverflowError
+    with pytest.raises(UserError, match="beyond any model's context"):
+        Workload.from_file(zero)
+    zero.write_text('{"prompt_tokens": 1' + '0' * 5000 + ', "output_tokens": 3}\n')  # past json's digit limit
+    with pytest.raises(UserError, match="zero.jsonl:1: not a usable request"):
+        Workload.from_file(zero)
     partial = tmp_path / "partial.jsonl"
     partial.write_text('{"prompt_tokens": 4, "output_tokens": 3}\n{"prompt_tokens": 5}\n')
     with pytest.raises(UserError, match="request 2 has no output length"):

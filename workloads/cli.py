@@ -113,6 +113,8 @@ def _sample(args: argparse.Namespace) -> int:
 
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
+    if args.requests > 10**8:  # ~5 GB of JSONL and several times that in memory while building it
+        raise UserError(f"--requests {args.requests:,} is too many to write; pass at most 100,000,000")
     check_writable(args.output, "-o")
     w = get_workload(args.workload)
     prompt, output = w.sample(args.requests, args.seed)

@@ -199,6 +199,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg}); expected one request object per line") \
                 from None
+        except ValueError as exc:  # an integer literal past Python's digit limit
+            raise UserError(f"{path}:{lineno}: not a usable request ({str(exc).split(':')[0]})") from None
         if not isinstance(row, dict):
             raise UserError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
         rows.append(row)
@@ -210,6 +212,8 @@ def _positive_int(value: Any, where: str, key: str) -> int:
         raise UserError(f"{where}: {key}={value!r} must be a whole number of tokens >= 1")
     try:
         f = float(value)
+    except OverflowError:  # a JSON integer too large for a float
+        raise UserError(f"{where}: {key} is beyond any model's context (at most {MAX_LEN_TOKENS:,} tokens)") from None
     except (TypeError, ValueError):
         raise UserError(f"{where}: {key}={value!r} is not a number") from None
     if not math.isfinite(f) or f != int(f) or f < 1:

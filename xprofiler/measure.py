@@ -146,8 +146,8 @@ def parse_bytes(text: str) -> int:
         value = float(num) * mult
     except ValueError:
         raise UserError(f"{text!r} is not a size; write e.g. 8GiB, 512MiB, 16GB or 8000000000") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise UserError(f"{text!r}: a size must be positive")
+    if not value >= 1 or value == float("inf"):  # NaN fails too; 0.5 would truncate to 0 = "unset"
+        raise UserError(f"{text!r}: a size must be at least 1 byte")
     return int(value)
 
 
@@ -217,6 +217,9 @@ def measure_profile(opts: ProfileOptions) -> tuple[HardwareProfile, list[dict[st
     st = opts.settings or (QUICK if opts.quick else FULL)
     if opts.threads is not None and opts.threads < 1:
         raise UserError(f"--threads {opts.threads}: give a positive number of threads")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if opts.threads is not None and opts.threads > cores:
+        raise UserError(f"--threads {opts.threads}: this machine gives the process {cores} cores; pass at most {cores}")
     disk_test = round_up(max(opts.disk_test_bytes or st.disk_file_bytes, max(st.disk_sizes)))
     offload = Path(opts.offload_dir or tempfile.gettempdir()).expanduser().resolve()
     check_offload_dir(offload, disk_test)

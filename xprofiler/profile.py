@@ -160,6 +160,11 @@ class LayerFit:
     def __post_init__(self) -> None:
         if len(self.features) != len(self.coef):
             raise ValueError("features and coef differ in length")
+        unknown = [f for f in self.features if f not in LAYER_FEATURES.get(self.phase, ())]
+        if unknown:
+            raise ValueError(f"unknown {self.phase} feature(s) {', '.join(unknown)}")
+        if any(not 0 <= c < math.inf for c in self.coef):  # NaN too
+            raise ValueError("coefficients must be finite and >= 0 (seconds per unit)")
         if self.grid_ratio:
             if len(self.grid_ratio) != len(self.grid_batches) or any(
                     len(row) != len(self.grid_lengths) for row in self.grid_ratio):

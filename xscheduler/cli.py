@@ -91,8 +91,11 @@ def _replan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from xscheduler.plan import Plan
+    from xsched.fileio import check_writable
     from xscheduler.replan import read_observed, replan
 
+    if args.output is not None:
+        check_writable(args.output, "-o")  # before the search, not after it
     plan = Plan.load(args.plan)
     prompts, outputs, capped = read_observed(Path(args.observed))
     result = replan(plan, prompts, outputs, capped, profile=args.profile, false_alarm_rate=args.false_alarm_rate,
