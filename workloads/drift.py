@@ -230,7 +230,10 @@ class CusumMonitor:
     """Two one-sided CUSUMs (longer, shorter) per length stream, fed every settled request."""
 
     def __init__(self, planned: Workload, false_alarm_rate: float = 0.01, horizon: int = DEFAULT_HORIZON,
-                 min_shift: float = DEFAULT_MIN_SHIFT, seed: int = 0, reference_n: int | None = None):
+                 min_shift: float = DEFAULT_MIN_SHIFT, seed: int = 0,
+                 reference_n: int | dict[str, int] | None = None):
+        """``reference_n`` (for all streams, or per stream name): ``planned`` was estimated from
+        that many lengths, which the sums then allow for (:meth:`reference_margin`)."""
         if not 0.0 < false_alarm_rate < 1.0:
             raise UserError(f"false-alarm rate must be a fraction in (0, 1), got {false_alarm_rate}")
         if horizon < 1:
@@ -242,11 +245,12 @@ class CusumMonitor:
         self.level = false_alarm_rate / 4  # per CUSUM: two streams x two directions
         self._streams = {}
         for name, dist in (("prompt", planned.prompt), ("output", planned.output)):
-            sc = _Scores(dist, rng, 1e-12 if not reference_n else 0.5 / (reference_n + 1))
+            n = reference_n.get(name) if isinstance(reference_n, dict) else reference_n
+            sc = _Scores(dist, rng, 1e-12 if not n else 0.5 / (n + 1))
             ks = (max(sc.shift(dist, 1 + min_shift), 1e-3) / 2, max(-sc.shift(dist, 1 - min_shift), 1e-3) / 2)
             hs = tuple(cusum_threshold(k, self.horizon, self.level) for k in ks)
-            if reference_n:  # the reference's own error in mean score must not drive the sums
-                ks = tuple(k + self.reference_margin(reference_n) for k in ks)
+            if n:  # the reference's own error in mean score must not drive the sums
+                ks = tuple(k + self.reference_margin(n) for k in ks)
             self._streams[name] = dict(dist=dist, scores=sc, k=ks, h=hs, s=[0.0, 0.0], since=[0, 0], total=[0.0, 0.0])
         self.count = 0
 
