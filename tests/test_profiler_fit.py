@@ -263,3 +263,22 @@ def test_fit_warm_takes_cold_minus_warm_per_row_count_and_never_below_zero():
     fit = fit_warm(spec, rows, "float32")
     assert fit.rows == (1, 8) and fit.saved_s == pytest.approx((0.0009, 0.0))
     assert fit_warm(spec, rows, "float16") is None
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d["ctog"].update(large_bytes_per_s="nan"),  # was a PuLP traceback in `xsched plan`
+    lambda d: d.update(disk_row_read_s="nan"),
+    lambda d: d.update(mem_bytes_per_s="nan"),  # was a silent 1 x 1 plan
+    lambda d: d.update(calibration={"ctog": -1.0}),  # was negative transfer times
+    lambda d: d.update(calibration={"layer_overhead_s": "nan"}),
+])
+def test_a_profile_with_a_nan_or_negative_number_is_refused(tmp_path, edit):
+    from xprofiler.presets import load_profile
+    from xsched.errors import UserError
+
+    d = json.loads(dataclasses.replace(load_preset("t4"), source="measured").to_json())
+    edit(d)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(UserError, match="invalid (HardwareProfile|BandwidthCurve): .*finite"):
+        load_profile(str(path), check_machine=False)

@@ -75,8 +75,8 @@ class BandwidthCurve:
             raise ValueError("sizes_bytes and bytes_per_s differ in length")
         if list(self.sizes_bytes) != sorted(self.sizes_bytes):
             raise ValueError("sizes_bytes must be increasing")
-        if self.large_bytes_per_s <= 0 or any(b <= 0 for b in self.bytes_per_s):
-            raise ValueError("bandwidths must be positive")
+        if any(not (0 < b < math.inf) for b in (self.large_bytes_per_s, *self.bytes_per_s)):
+            raise ValueError("bandwidths must be positive and finite")
 
     @classmethod
     def flat(cls, bytes_per_s: float) -> "BandwidthCurve":
@@ -435,12 +435,15 @@ class HardwareProfile(Contract):
                 raise ValueError(f"{key} must be >= 0")
         for key in ("mm_flops", "bmm_flops", "cpu_mm_flops", "cpu_bmm_flops", "quant_bytes_per_s",
                     "dequant_bytes_per_s"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"{key} must be > 0")
+            if not 0 < getattr(self, key) < math.inf:
+                raise ValueError(f"{key} must be > 0 and finite")
         for key in ("mem_bytes_per_s", "cpu_mem_bytes_per_s", "wall_s", "disk_row_write_s", "disk_row_read_s",
                     "disk_sync_s", "kv_attend_bytes_per_s"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{key} must be >= 0")
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ValueError(f"{key} must be >= 0 and finite")
+        for term, value in self.calibration.items():
+            if not 0 <= value < math.inf:
+                raise ValueError(f"calibration term {term}={value} must be a finite number >= 0")
 
     def model_for(self, spec: "ModelSpec") -> "ModelSpec":
         """``spec`` in the dtype this machine computes in (float32 on a CPU host).
