@@ -39,6 +39,12 @@ from xsimulator.costmodel import TIERS, CostModel, MemoryTerms
 from xsimulator.policy import PLACEMENT_VARS, Policy, split_counts
 
 TRIOS: tuple[tuple[str, str, str], ...] = (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd"))
+# Among placements the LP prices alike, offloading weights is the last resort: the relaxation
+# prices a layer split over tiers as the mean of its parts, but the runner moves whole layers, each
+# bound by its own tier, while KV-cache and activation rows split within every layer. rtx3090 /
+# opt-30b / G at gbs 16: half the weights on cpu or most of the cache on cpu, 0.0216 s per token
+# either way in the LP; rounded, the weights' half cost 0.0320 s and the cache's 0.0216 s.
+WEIGHT_TIE = 8.0
 TIE_BREAK = 1e-6  # objective weight of slow-tier fractions, against ~1 for the normalised time
 
 
@@ -292,7 +298,8 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
         # second term breaks ties towards faster tiers (less traffic, and one answer whatever
         # the solver or the units), at a relative cost below TIE_BREAK in the objective.
         prob += (token_seconds(cm, x, gbs, nb, shape, (t_pre, t_dec)) * (1.0 / ref)
-                 + TIE_BREAK * pulp.lpSum(x[c] + 2 * x[d] for _, c, d in TRIOS))
+                 + TIE_BREAK * pulp.lpSum((WEIGHT_TIE if g == "wg" else 1.0) * (x[c] + 2 * x[d])
+                                          for g, c, d in TRIOS))
     prob.solve(lp_solver())
     status = pulp.LpStatus[prob.status]
     if status != "Optimal":

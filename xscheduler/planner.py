@@ -25,8 +25,8 @@ from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
 from xscheduler.placement import shortfall_bytes
 from xscheduler.plan import SLA, Confirmation, Plan, SearchStats
-from xscheduler.search import (Evaluation, Evaluator, Space, Variant, lowest_latency, pareto, search, variants,
-                               warm_search)
+from xscheduler.search import (LATENCY_TOLERANCE, Evaluation, Evaluator, Space, Variant, lowest_latency, pareto,
+                               search, variants, warm_search)
 from xsimulator.policy import Policy
 
 DEFAULT_REQUESTS = 2000  # matches xsimulator.discrete_event.DEFAULT_REQUESTS
@@ -94,7 +94,7 @@ def resolve_margin(profile: HardwareProfile, margin: float | str = "auto") -> tu
 
 def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, sla: SLA, *, compress: str = "auto",
                 method: str = "bnb", num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
-                evaluator: str = "discrete-event", eps_t: float = 0.01, eps_l: float = 0.0,
+                evaluator: str = "discrete-event", eps_t: float = 0.01, eps_l: float = LATENCY_TOLERANCE,
                 confirm_seeds: tuple[int, ...] = CONFIRM_SEEDS, progress: bool = False,
                 budget: int | None = None, only: Sequence[Variant] | None = None,
                 margin: float | str = "auto", start: Policy | None = None) -> Plan:
