@@ -18,6 +18,12 @@ reference. Every timing is printed beside the 1-minute load average: the machine
 
     OMP_NUM_THREADS=1 python benchmarks/drift.py [--seeds 100] [--requests 4000] [--shift-seeds 10]
                                                  [--replan-samples 3] [--exhaustive]
+                                                 [--event-seeds 20] [--reference-runs 200]
+
+``--event-seeds`` adds a table of the events the online watcher raises per job of 3000 requests
+when it keeps watching after its re-plans (one shift of +30%; that and x1.8 later), and
+``--reference-runs`` one of the CUSUMs against a reference fitted on 30-200 lengths (what they
+compare with after a re-plan): false alarms on unchanged lengths, and delay on a +30% shift.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from xprofiler.presets import load_profile
 from xprofiler.specs import get_model_spec
 from xscheduler.plan import SLA
 from xscheduler.planner import plan_search
-from xscheduler.replan import DriftWatcher, replan
+from workloads.drift import CusumMonitor
+from xscheduler.replan import CUSUM_SHARE, DriftWatcher, fit_workload, monitored, replan
 from xscheduler.search import Evaluator, search, variants
 from xsimulator.discrete_event import simulate_timeline
 
@@ -78,6 +85,10 @@ def main() -> None:
     ap.add_argument("--replan-samples", type=int, default=3, help="shifted samples per shift size timed alone")
     ap.add_argument("--exhaustive", action="store_true", help="compare re-plans with exhaustive search (slow)")
     ap.add_argument("--exhaustive-requests", type=int, default=1000)
+    ap.add_argument("--event-seeds", type=int, default=0,
+                    help="jobs per scenario for the events-per-job table (one shift, two shifts; 0: skip)")
+    ap.add_argument("--reference-runs", type=int, default=0,
+                    help="runs per reference size for the fitted-reference CUSUM table (0: skip)")
     args = ap.parse_args()
 
     prof = load_profile(args.profile)
@@ -88,6 +99,10 @@ def main() -> None:
     plan = plan_search(spec, prof, w, sla, num_requests=1000, confirm_seeds=())
     print(f"plan: {args.model} on {args.profile}, workload {w.name}, {sla.describe()} ({time.perf_counter() - t:.1f} s "
           f"to plan); policy gbs {plan.policy.gbs} x nb {plan.policy.nb}, refill {plan.policy.refill_every}")
+    if args.reference_runs:
+        reference_table(w, args.false_alarm_rate * CUSUM_SHARE, args.reference_runs)
+    if args.event_seeds:
+        events_table(plan, prof, w, args.event_seeds)
     half = args.requests // 2
     rows = []
     replan_rows = replan_table(args, plan, prof, w) if args.replan_samples else []
@@ -168,6 +183,57 @@ def main() -> None:
           f"(goal < 0.01; configured {args.false_alarm_rate}; {np.mean(looks) if looks else 0:.0f} looks per stream)")
     print("goals: detection delay <= 500 requests, re-plan <= 1 s; 'viol' = fraction of requests over the "
           f"{sla.latency_s:g} s bound (whole job / after the shift), tok/s over the whole job")
+
+
+def reference_table(w, rate: float, runs: int) -> None:  # noqa: ANN001
+    """After a re-plan the CUSUMs compare with a fit of the m lengths after the change point: how
+    often they fire on 2000 more unchanged lengths, and how soon after a +30% output shift."""
+    print(f"\nCUSUMs against a reference fitted on m lengths of {w.name} ({runs} runs per m; budget {rate:g}):")
+    print(f"{'m':>5} {'false alarms':>13} {'+30% found after (median)':>26} {'not within 2000':>16}  (delays: "
+          f"{max(1, runs // 4)} runs; the median is of those found)")
+    for m in (30, 60, 200):
+        fired, delays = 0, []
+        for s in tqdm(range(runs), desc=f"reference of {m}", leave=False):
+            p, o = w.sample(m + 2000, seed=1000 + s)
+            ref, samples = monitored(fit_workload(p[:m], o[:m], w))
+            n = {k: len(v) for k, v in samples.items()}
+            mon = CusumMonitor(ref, rate, 2000, reference_n=n)
+            mon.update(p[m:], o[m:])
+            fired += mon.drifted()
+            if s < max(1, runs // 4):
+                mon, longer = CusumMonitor(ref, rate, 2000, reference_n=n), np.minimum(np.round(o * 1.3), w.output.max_len)
+                delays.append(None)
+                for a in range(m, m + 2000, 10):
+                    mon.update(p[a:a + 10], longer[a:a + 10])
+                    if mon.drifted():
+                        delays[-1] = a + 10 - m
+                        break
+        got = [d for d in delays if d is not None]
+        print(f"{m:>5} {fired:>6} of {runs:<5} {np.median(got) if got else float('nan'):>26.0f} "
+              f"{len(delays) - len(got):>9} of {len(delays)}")
+
+
+def events_table(plan, prof, w, seeds: int) -> None:  # noqa: ANN001
+    """Events the online watcher raises per job of 3000 requests: one shift of every length by +30%
+    at request 300 (goal: one event), or that and x1.8 from request 1500 (goal: two, the second
+    after 1500)."""
+    scenarios = {"one shift": [(300, 1.0), (2700, 1.3)], "two shifts": [(300, 1.0), (1200, 1.3), (1500, 1.8)]}
+    print(f"\nevents per job of 3000 requests ({seeds} seeds; the watcher looks every 64 requests):")
+    for name, parts in scenarios.items():
+        counts, at_all = [], []
+        for seed in tqdm(range(1, seeds + 1), desc=name, leave=False):
+            drawn = [(w if f == 1.0 else get_workload(f"{w.name}@{f}")).sample(n, seed=seed + 50 * i)
+                     for i, (n, f) in enumerate(parts)]
+            p, o = np.concatenate([d[0] for d in drawn]), np.concatenate([d[1] for d in drawn])
+            watcher, at = DriftWatcher(plan, prof, horizon=3000, num_requests=500), []
+            for i in range(len(p)):
+                watcher.observe(int(p[i]), int(o[i]))
+                if (i + 1) % 64 == 0 and watcher.check() is not None:
+                    at.append(i + 1)
+            counts.append(len(at))
+            at_all.append(at)
+        hist = ", ".join(f"{k} event(s): {counts.count(k)}" for k in sorted(set(counts)))
+        print(f"  {name}: {hist}; events at request {at_all}")
 
 
 def replan_table(args, plan, prof, w) -> list[dict]:  # noqa: ANN001
