@@ -397,6 +397,25 @@ def test_a_cusum_against_an_estimated_reference_allows_for_its_error():
         assert fired <= 1, (m, fired)
 
 
+def test_a_cusum_against_a_narrow_sample_still_fires_on_a_shift():
+    """Prompts of 37-38 tokens in a file of 32 requests, then prompts of 60-90: the allowance came
+    from scores with a 1e-12 tail (4.07), past the largest score the sample's clipped tail allows
+    (2.17), so the prompt CUSUM stayed at 0 whatever came."""
+    from workloads.distributions import LengthDistribution
+    from workloads.drift import CusumMonitor
+    from workloads.workload import Workload
+    from xscheduler.replan import monitored
+
+    rng = np.random.default_rng(0)
+    job = Workload("job", LengthDistribution.empirical(rng.integers(37, 39, 32)),
+                   LengthDistribution.empirical(rng.integers(20, 200, 32)), 0.0)
+    ref, samples = monitored(job)
+    mon = CusumMonitor(ref, 0.00375, 200, reference_n={k: len(v) for k, v in samples.items()})
+    mon.update(rng.integers(60, 91, 60), rng.integers(20, 200, 60))
+    fired = {(s.stream, s.test) for s in mon.stats() if s.fired_at(mon.level)}
+    assert ("prompt", "cusum+") in fired and ("output", "cusum+") not in fired, mon.stats()
+
+
 def test_a_second_shift_after_a_replan_is_the_second_event(setup):
     """+30% at request 300, then x1.8 of the plan's lengths at 1500: two events (stop 36: 4)."""
     prof, w, plan, _ = setup
