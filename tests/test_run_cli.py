@@ -598,3 +598,27 @@ def test_weight_rounding_calibrates_only_when_4bit_weights_or_cache_are_packed(t
             main(["run", "--plan", str(packed), "--prompts", str(prompts), "--out", str(tmp_path / "x.jsonl"),
                   "--calibration-sequences", bad])
         assert e.value.code == 2 and "--calibration-sequences: must be a whole number >= 1" in capsys.readouterr().err
+
+
+def test_the_run_computes_with_the_profiles_thread_count():
+    """A profile measured with 1 thread priced the plan for 1 thread; torch's default of 2 beside
+    another job ran 15x slower than predicted."""
+    import dataclasses
+    import warnings
+
+    import torch
+
+    from xprofiler.presets import load_preset
+    from xrunner.run_cli import match_profile_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            match_profile_threads(dataclasses.replace(load_preset("t4"), compute_threads=1))
+            assert torch.get_num_threads() == 1 and "1 torch thread" in str(caught[-1].message)
+            match_profile_threads(load_preset("t4"))  # a preset records no count: left alone
+            assert torch.get_num_threads() == 1 and len(caught) == 1
+    finally:
+        torch.set_num_threads(before)

@@ -202,6 +202,11 @@ def test_bad_distributions_and_files(tmp_path):
     partial.write_text('{"prompt_tokens": 4, "output_tokens": 3}\n{"prompt_tokens": 5}\n')
     with pytest.raises(UserError, match="request 2 has no output length"):
         Workload.from_file(partial)
+    ids = tmp_path / "ids.jsonl"  # `xsched run`'s pre-tokenized form counts its ids
+    ids.write_text('{"id": "a", "prompt_ids": [5, 6, 7], "max_new_tokens": 4}\n{"id": "b", "prompt_ids": [1], '
+                   '"max_new_tokens": 2}\n')
+    w_ids = Workload.from_file(ids)
+    assert (w_ids.prompt.min_len, w_ids.prompt.max_len, w_ids.output.max_len) == (1, 3, 4)
     none = tmp_path / "none.jsonl"
     none.write_text('{"prompt": "hello there"}\n')
     with pytest.raises(UserError, match="no output length"):

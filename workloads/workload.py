@@ -234,9 +234,12 @@ def _prompt_length(row: dict[str, Any], count_tokens: Callable[[str], int] | Non
     """(token count, whether it was estimated without a tokenizer)."""
     if row.get("prompt_tokens") not in (None, ""):
         return _positive_int(row["prompt_tokens"], where, "prompt_tokens"), False
+    ids = row.get("prompt_ids")
+    if isinstance(ids, list) and ids and row.get("prompt") in (None, ""):  # `xsched run`'s pre-tokenized form
+        return len(ids), False
     text = row.get("prompt")
     if not isinstance(text, str) or not text:
-        raise UserError(f"{where}: needs prompt_tokens (a count) or prompt (non-empty text)")
+        raise UserError(f"{where}: needs prompt_tokens (a count), prompt (non-empty text) or prompt_ids (token ids)")
     if count_tokens is not None:
         return max(1, int(count_tokens(text))), False
     return max(1, math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_ESTIMATE)), True

@@ -214,6 +214,7 @@ def _run(args: argparse.Namespace) -> int:
     profile, no_profile = _plan_profile(plan, args.profile)
     if no_profile is not None and args.profile is not None:
         raise no_profile  # a --profile given but unusable: say so now, not as a warning after the job
+    match_profile_threads(profile)
     records = read_prompts(args.prompts)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -244,7 +245,9 @@ def _run(args: argparse.Namespace) -> int:
         # Shapes from the whole file, resumed part included, so a resumed job sizes memory the same way.
         max_prompt, max_output = max(len(p) for p in prompt_ids), max(new_tokens)
         if max_prompt > plan.workload.prompt.max_len or max_output > plan.workload.output.max_len:
-            fit = " ".join(["xsched workload fit", args.prompts, "--tokenizer", *([args.model] if args.model else []),
+            texts = any(r.prompt is not None for r in records)  # token ids need no tokenizer to be counted
+            fit = " ".join(["xsched workload fit", args.prompts, *(["--tokenizer"] if texts else []),
+                            *([args.model] if args.model and texts else []),
                             *(["--no-chat-template"] if args.no_chat_template else []),
                             *([f"--max-new-tokens {default_new}"] if any(not r.max_new_tokens for r in records)
                               else [])])
@@ -373,6 +376,20 @@ def covering(plan: Any, max_prompt: int, max_output: int) -> Any:
     w = plan.workload
     wider = replace(w, prompt=cover(w.prompt, max_prompt), output=cover(w.output, max_output))
     return plan if wider == w else replace(plan, workload=wider)
+
+
+def match_profile_threads(profile: Any) -> None:
+    """Compute with the torch threads the plan's profile was measured with, as ``xsched calibrate``
+    does: its rates, and so the plan's predictions, hold for that count. A run profiled with
+    ``--threads 1`` beside another job took 94.8 s with torch's default of 2 threads against 6.06 s
+    predicted, and 6.64 s with 1."""
+    import torch
+
+    threads = getattr(profile, "compute_threads", 0)
+    if threads and threads != torch.get_num_threads():
+        warnings.warn(f"computing with {threads} torch thread(s), as profile {profile.name!r} was measured "
+                      f"(not {torch.get_num_threads()})", UserWarning, stacklevel=1)
+        torch.set_num_threads(threads)
 
 
 def _plan_profile(plan: Any, profile_arg: str | None) -> tuple[Any, Any]:

@@ -189,7 +189,7 @@ def describe(plan) -> str:  # noqa: ANN001
         + f"; p50 {r.latency_p50_s:,.4g} s, max {r.latency_max_s:,.4g} s",
         f"planning margin: {plan.margin:.1%} ({margin}); searched against {sla.kind} <= "
         + ("unbounded" if math.isinf(sla.latency_s) else f"{plan.planning_latency_s:,.6g} s"),
-        "peak memory: " + ", ".join(f"{t} {r.peak_bytes[t] / gib:,.2f} of {r.capacity_bytes[t] / gib:,.1f} GiB"
+        "peak memory: " + ", ".join(f"{t} {r.peak_bytes[t] / gib:,.2f} of {r.capacity_bytes[t] / gib:,.2f} GiB"
                                     for t in ("gpu", "cpu", "disk")),
     ]
     if plan.confirmations:

@@ -73,7 +73,7 @@ class SimResult(Contract):
             f"p99 {self.latency_p99_s:,.2f} s, max {self.latency_max_s:,.2f} s; "
             f"a {self.p99_output_len}-token (p99-length) request {self.latency_p99_length_s:,.2f} s",
             "  peak memory: " + ", ".join(
-                f"{t} {self.peak_bytes[t] / gib:,.2f} of {self.capacity_bytes[t] / gib:,.1f} GiB"
+                f"{t} {self.peak_bytes[t] / gib:,.2f} of {self.capacity_bytes[t] / gib:,.2f} GiB"
                 for t in ("gpu", "cpu", "disk")) + ("" if self.fits else "  -- DOES NOT FIT"),
             "  busy: " + ", ".join(f"{k} {v:,.1f} s" for k, v in self.busy_s.items() if v > 0)
             + f"; compute stalled {self.stall_s:,.1f} s",
