@@ -6,9 +6,11 @@ Three layers (the product's main job):
   searched separately; the incumbent carries over, so later variants prune against it.
 - **Monotone integer knobs** (``Space``): GPU batch size ``gbs`` and batches per block ``nb``
   (powers of two up to what memory allows) and the refill interval ``refill_every`` ordered from
-  "never" to "every step". Throughput and latency both grow (within tolerance) along each knob,
-  which is what ExeGPT's branch-and-bound (§5.1, Algorithm 1) exploits: a box of knob points is
-  bounded above in throughput by its top corner and below in latency by its bottom corner.
+  "never" to "every step". Latency grows (within tolerance) along gbs and nb, which is what
+  ExeGPT's branch-and-bound (§5.1, Algorithm 1) exploits: a box of knob points is bounded below
+  in latency by its bottom corner. Throughput grows too until the simulator's knee, so a top
+  corner that meets the bound is its box's best point; one that misses bounds nothing, and the
+  LP bounds the box instead (:func:`branch_and_bound`).
 - **Placement** for each ``(variant, gbs, nb)``: the LP of :mod:`xscheduler.placement`, rounded.
   Its seconds per token of an ideal block also bound the simulated throughput from above
   (:meth:`Evaluator.bound`), so whole variants, boxes and candidate moves are pruned with LP
@@ -413,19 +415,22 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
     """ExeGPT Algorithm 1 generalised to d monotone knobs; returns the best point meeting the bound.
 
     A box ``[lo, hi]`` of knob indices is kept only while its bottom corner may meet the bound
-    (latency(lo) <= L * (1 + eps_l)) and its top corner may beat the incumbent
-    (throughput(hi) * (1 + eps_t) >= best). The LP bound over the box's (gbs, nb) pairs
-    (:meth:`Evaluator.box_bound`) is checked first, so a box it prunes costs no simulation. Under
+    (latency(lo) <= L * (1 + eps_l)) and the LP bound over the box's (gbs, nb) pairs
+    (:meth:`Evaluator.box_bound`) may beat the incumbent (bound * (1 + eps_t) >= best); that bound
+    is checked first, so a box it prunes costs no simulation. ExeGPT bounds a box by its top
+    corner's throughput instead, but a top corner that misses the latency bound may lie past the
+    simulator's knee, where more rows lower throughput: llama-2-70b / a100-80gb / G at 2x the
+    lowest latency, 4-bit weights refilling every 16 steps, gave 270 tokens/s at 128 x 4 and 382
+    (the answer) at 128 x 2, and that bound left 0.954 of exhaustive search (stop 37). Under
     a finite bound the bottom corner is priced first, and a corner that an already priced point
     with no larger knobs and refill level shows to miss the bound (:meth:`Evaluator.misses`;
     latency grows along every knob) is not priced: a bottom corner so known ends the box, a top
-    corner so known leaves only the LP bound for it. If the top corner meets the bound it is the
-    box's best point. Otherwise the box splits in half along its longest knob. With ``corners`` the
+    corner so known is not priced. If the top corner meets the bound it is the box's best point.
+    Otherwise the box splits in half along its longest knob. With ``corners`` the
     corners that raise one knob alone are priced first (they may be new incumbents) and the split
     goes along the longest other knob than the one whose corner did best (in 2-D: the paper's
     vertical/horizontal rule); on our grids that cost about 25% more evaluations for no better
-    plan, so it is off by default. A top corner that does not fit in memory gives no bound
-    (throughput unknown), so such boxes split.
+    plan, so it is off by default.
     """
     best = incumbent
     d = len(space.shape)
@@ -437,9 +442,6 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
         nonlocal best
         if e.meets(kind, bound_s) and _better(e, best, kind):
             best = e
-
-    def upper(e: Evaluation) -> float:
-        return e.throughput if e.fits else math.inf
 
     def viable(lo_e: Evaluation) -> bool:
         return lo_e.fits and lo_e.latency(kind) <= bound_s * (1 + eps_l)
@@ -468,16 +470,14 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
     bottom_first = math.isfinite(bound_s)
     if bottom_first and (hopeless(lo0) or not bottom_ok(lo0, hi0)):
         return best
-    up = lp_up
-    if not (bottom_first and hopeless(hi0)):  # a top corner known to miss only bounds throughput
+    if not (bottom_first and hopeless(hi0)):  # a top corner known to miss the bound is not priced
         top = perf(hi0)
         offer(top)
         if top.meets(kind, bound_s):
-            return best
-        up = min(upper(top), lp_up)
-    if (not bottom_first and not bottom_ok(lo0, hi0)) or not promising(up):
+            return best  # the box's best point
+    if (not bottom_first and not bottom_ok(lo0, hi0)) or not promising(lp_up):
         return best
-    queue: list[tuple[float, int, tuple[int, ...], tuple[int, ...]]] = [(-up, 0, lo0, hi0)]
+    queue: list[tuple[float, int, tuple[int, ...], tuple[int, ...]]] = [(-lp_up, 0, lo0, hi0)]
     counter = 1
     while queue:
         neg_up, _, lo, hi = heapq.heappop(queue)
@@ -505,19 +505,15 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
                 continue  # pruned without simulating its corners
             if bottom_first and not bottom_ok(c_lo, c_hi):
                 continue
-            if bottom_first and hopeless(c_hi):
-                up = lp_up  # its top corner misses the bound: only the LP bounds the box
-            else:
+            if not (bottom_first and hopeless(c_hi)):
                 up_e = perf(c_hi)
                 offer(up_e)
                 if up_e.meets(kind, bound_s):
                     continue  # its top corner is the best it holds
-                up = min(upper(up_e), lp_up)
             if not bottom_first and not bottom_ok(c_lo, c_hi):
                 continue
-            if promising(up):
-                heapq.heappush(queue, (-up, counter, c_lo, c_hi))
-                counter += 1
+            heapq.heappush(queue, (-lp_up, counter, c_lo, c_hi))  # promising(lp_up): checked above
+            counter += 1
     return best
 
 
