@@ -620,5 +620,7 @@ def test_the_run_computes_with_the_profiles_thread_count():
             assert torch.get_num_threads() == 1 and "1 torch thread" in str(caught[-1].message)
             match_profile_threads(load_preset("t4"))  # a preset records no count: left alone
             assert torch.get_num_threads() == 1 and len(caught) == 1
+            match_profile_threads(dataclasses.replace(load_preset("t4"), compute_threads=10**5))
+            assert torch.get_num_threads() == len(os.sched_getaffinity(0))  # no more than this machine has
     finally:
         torch.set_num_threads(before)
