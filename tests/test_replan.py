@@ -244,6 +244,40 @@ def test_a_plan_made_from_a_file_of_requests_is_compared_as_a_sample(setup):
     assert r.drifted
 
 
+def test_a_file_whose_outputs_hit_the_cap_does_not_drift_against_itself(setup, tmp_path):
+    """A results file where max_new_tokens binds (about 31% of outputs at 320, which is also the
+    file's max_len): the smoothed reference cut the kernel off at max_len and under-weighted that
+    spike, so lengths drawn from the file itself read as drift in 5 of 5 seeds (stop 37 review)."""
+    prof, _, plan, _ = setup
+    p, o = get_workload("T@2").sample(300, seed=0)
+    path = tmp_path / "capped.jsonl"
+    path.write_text("".join(json.dumps({"prompt_tokens": int(a), "output_tokens": int(min(b, 320))}) + "\n"
+                            for a, b in zip(p, o)))
+    from workloads.workload import Workload
+
+    from_file = replace(plan, workload=Workload.from_file(path))
+    assert from_file.workload.output.max_len == 320
+    for seed in (100, 101):
+        r = replan(from_file, *from_file.workload.sample(2000, seed=seed), profile=prof)
+        assert not r.drifted, r.describe()
+
+
+def test_a_cusum_against_a_few_lengths_can_still_fire():
+    """A reference of 5 lengths: the margin for its error (isf(level)/sqrt(5)) took the allowance
+    past the largest score its clipped tail allows, 1.38, so the CUSUM could never fire."""
+    from scipy import special
+
+    from workloads.drift import CusumMonitor
+    from xscheduler.replan import monitored
+
+    w = get_workload("T")
+    for seed in range(10):
+        ref, samples = monitored(fit_workload(*w.sample(5, seed=seed), w))
+        mon = CusumMonitor(ref, 0.00375, 400, reference_n={k: len(v) for k, v in samples.items()})
+        top = special.ndtri(1 - 0.5 / 6)
+        assert all(k < top for st in mon._streams.values() for k in st["k"]), seed
+
+
 @pytest.mark.slow  # two engine runs of 80 requests plus a re-plan: minutes on 2 shared cores
 def test_run_replans_when_prompt_lengths_shift_and_outputs_match_a_run_without(tmp_path):
     from tests.sim_profiles import cpu_host

@@ -257,8 +257,11 @@ class CusumMonitor:
             sc = _Scores(dist, rng, 1e-12 if not n else 0.5 / (n + 1))
             ks = (max(sc.shift(dist, 1 + min_shift), 1e-3) / 2, max(-sc.shift(dist, 1 - min_shift), 1e-3) / 2)
             hs = tuple(cusum_threshold(k, self.horizon, self.level) for k in ks)
-            if n:  # the reference's own error in mean score must not drive the sums
-                ks = tuple(k + self.reference_margin(n) for k in ks)
+            if n:  # the reference's own error in mean score must not drive the sums, but the
+                # allowance stays below the largest score the clipped tail allows, or a reference
+                # of a few lengths (7 or fewer of T) leaves a CUSUM that can never fire
+                edge = float(special.ndtri(1 - sc.tail))
+                ks = tuple(min(k + self.reference_margin(n), (k + edge) / 2) for k in ks)
             self._streams[name] = dict(dist=dist, scores=sc, k=ks, h=hs, s=[0.0, 0.0], since=[0, 0], total=[0.0, 0.0])
         self.count = 0
 

@@ -441,6 +441,8 @@ class HardwareProfile(Contract):
                     "disk_sync_s", "kv_attend_bytes_per_s"):
             if not 0 <= getattr(self, key) < math.inf:
                 raise ValueError(f"{key} must be >= 0 and finite")
+        if not isinstance(self.compute_threads, int) or self.compute_threads < 0:
+            raise ValueError(f"compute_threads must be a whole number >= 0 (0: unknown), got {self.compute_threads!r}")
         for term, value in self.calibration.items():
             if not 0 <= value < math.inf:
                 raise ValueError(f"calibration term {term}={value} must be a finite number >= 0")
