@@ -284,13 +284,13 @@ class CusumMonitor:
         |---|---|---|---|
         | stop 36: at least 2.5 / sqrt(n), threshold set for it | 9 / 11 / 11 | 80 / 80 / 80 | |
         | plus this margin, threshold of the tuned allowance | 1 / 0 / 0 | 120 / 110 / 80 | 1 / 0 / 0 |
-        | and the tails clipped (shipped) | 1 / 0 / 0 | 465 / 240 / 100 | 16 / 3 / 0 of 50 |
+        | and the tails clipped (shipped) | 1 / 0 / 0 | 205 / 200 / 100 | 14 / 5 / 0 of 50 |
 
         The price is the last column: after a re-plan on 30 lengths a second, smaller shift is
         often left to the windowed tests. In the watcher (one +30% shift of T at request 300 of
         3000, 20 seeds) the margin alone left 4 seeds with a second event (one changed the
         policy); with the tails clipped every seed had one, and a second, x1.8 shift at request
-        1500 was the second event in 19 of 20 seeds (stop 36: 2-4 events in 4 seeds)."""
+        1500 was the second event in 18 of 20 seeds (stop 36: 2-4 events in 4 seeds)."""
         return float(stats.norm.isf(self.level)) / math.sqrt(reference_n)
 
     def update(self, prompt_lens: Any, output_lens: Any) -> None:
