@@ -196,12 +196,11 @@ def reference_table(w, rate: float, runs: int) -> None:  # noqa: ANN001
         for s in tqdm(range(runs), desc=f"reference of {m}", leave=False):
             p, o = w.sample(m + 2000, seed=1000 + s)
             ref, samples = monitored(fit_workload(p[:m], o[:m], w))
-            n = {k: len(v) for k, v in samples.items()}
-            mon = CusumMonitor(ref, rate, 2000, reference_n=n)
+            mon = CusumMonitor(ref, rate, 2000, reference_samples=samples)
             mon.update(p[m:], o[m:])
             fired += mon.drifted()
             if s < max(1, runs // 4):
-                mon, longer = CusumMonitor(ref, rate, 2000, reference_n=n), np.minimum(np.round(o * 1.3), w.output.max_len)
+                mon, longer = CusumMonitor(ref, rate, 2000, reference_samples=samples), np.minimum(np.round(o * 1.3), w.output.max_len)
                 delays.append(None)
                 for a in range(m, m + 2000, 10):
                     mon.update(p[a:a + 10], longer[a:a + 10])

@@ -273,7 +273,7 @@ def test_a_cusum_against_a_few_lengths_can_still_fire():
     w = get_workload("T")
     for seed in range(10):
         ref, samples = monitored(fit_workload(*w.sample(5, seed=seed), w))
-        mon = CusumMonitor(ref, 0.00375, 400, reference_n={k: len(v) for k, v in samples.items()})
+        mon = CusumMonitor(ref, 0.00375, 400, reference_samples=samples)
         top = special.ndtri(1 - 0.5 / 6)
         assert all(k < top for st in mon._streams.values() for k in st["k"]), seed
 
@@ -424,8 +424,8 @@ def test_a_cusum_against_an_estimated_reference_allows_for_its_error():
         fired = 0
         for seed in range(runs):
             p, o = w.sample(m + 2000, seed=2000 + seed)
-            ref = monitored(fit_workload(p[:m], o[:m], w))[0]
-            mon = CusumMonitor(ref, 0.00375, 2000, reference_n=m)
+            ref, samples = monitored(fit_workload(p[:m], o[:m], w))
+            mon = CusumMonitor(ref, 0.00375, 2000, reference_samples=samples)
             mon.update(p[m:], o[m:])
             fired += mon.drifted()
         assert fired <= 1, (m, fired)
@@ -444,7 +444,7 @@ def test_a_cusum_against_a_narrow_sample_still_fires_on_a_shift():
     job = Workload("job", LengthDistribution.empirical(rng.integers(37, 39, 32)),
                    LengthDistribution.empirical(rng.integers(20, 200, 32)), 0.0)
     ref, samples = monitored(job)
-    mon = CusumMonitor(ref, 0.00375, 200, reference_n={k: len(v) for k, v in samples.items()})
+    mon = CusumMonitor(ref, 0.00375, 200, reference_samples=samples)
     mon.update(rng.integers(60, 91, 60), rng.integers(20, 200, 60))
     fired = {(s.stream, s.test) for s in mon.stats() if s.fired_at(mon.level)}
     assert ("prompt", "cusum+") in fired and ("output", "cusum+") not in fired, mon.stats()

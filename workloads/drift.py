@@ -239,9 +239,9 @@ class CusumMonitor:
 
     def __init__(self, planned: Workload, false_alarm_rate: float = 0.01, horizon: int = DEFAULT_HORIZON,
                  min_shift: float = DEFAULT_MIN_SHIFT, seed: int = 0,
-                 reference_n: int | dict[str, int] | None = None):
-        """``reference_n`` (for all streams, or per stream name): ``planned`` was estimated from
-        that many lengths, which the sums then allow for (:meth:`reference_margin`)."""
+                 reference_samples: dict[str, Any] | None = None):
+        """``reference_samples`` (stream name -> lengths), as for :class:`DriftMonitor`: ``planned``
+        was estimated from these, which the sums then allow for (:meth:`reference_margin`)."""
         if not 0.0 < false_alarm_rate < 1.0:
             raise UserError(f"false-alarm rate must be a fraction in (0, 1), got {false_alarm_rate}")
         if horizon < 1:
@@ -253,7 +253,7 @@ class CusumMonitor:
         self.level = false_alarm_rate / 4  # per CUSUM: two streams x two directions
         self._streams = {}
         for name, dist in (("prompt", planned.prompt), ("output", planned.output)):
-            n = reference_n.get(name) if isinstance(reference_n, dict) else reference_n
+            n = len((reference_samples or {}).get(name, ()))
             sc = _Scores(dist, rng, 1e-12 if not n else 0.5 / (n + 1))
             ks = (max(sc.shift(dist, 1 + min_shift), 1e-3) / 2, max(-sc.shift(dist, 1 - min_shift), 1e-3) / 2)
             hs = tuple(cusum_threshold(k, self.horizon, self.level) for k in ks)

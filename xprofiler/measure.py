@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from xprofiler.fingerprint import cpu_cores
 from xprofiler.profile import BandwidthCurve, HardwareProfile, HeadFit, LayerFit, WarmFit
 from xprofiler.sweeps import CUDA_FULL_GRIDS, CUDA_QUICK_GRIDS, FULL_GRIDS, PHASES, QUICK_GRIDS, Grid
 from xsched.errors import UserError
@@ -217,7 +218,7 @@ def measure_profile(opts: ProfileOptions) -> tuple[HardwareProfile, list[dict[st
     st = opts.settings or (QUICK if opts.quick else FULL)
     if opts.threads is not None and opts.threads < 1:
         raise UserError(f"--threads {opts.threads}: give a positive number of threads")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpu_cores()
     if opts.threads is not None and opts.threads > cores:
         raise UserError(f"--threads {opts.threads}: this machine gives the process {cores} cores; pass at most {cores}")
     disk_test = round_up(max(opts.disk_test_bytes or st.disk_file_bytes, max(st.disk_sizes)))

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from xprofiler.fingerprint import cpu_cores
 from xprofiler.specs import ModelSpec, get_model_spec, model_names, read_gguf, spec_from_gguf_reader
 from xrunner.model import ModelWeights, Weights, cpu_head_layout, torch_dtype
 from xsched.errors import UserError
@@ -379,7 +380,7 @@ class RandomSource(ModelSource):
             piece, (a, b), key = chunk
             piece.uniform_(a, b, generator=self._generator(*key))
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = cpu_cores()
         workers = min(max(cores, torch.get_num_threads()), len(chunks))
         if workers > 1:
             with ThreadPoolExecutor(workers) as pool:

@@ -385,7 +385,9 @@ def match_profile_threads(profile: Any) -> None:
     predicted, and 6.64 s with 1."""
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from xprofiler.fingerprint import cpu_cores
+
+    cores = cpu_cores()
     threads = min(getattr(profile, "compute_threads", 0), cores)  # a profile from a larger machine
     if threads and threads != torch.get_num_threads():
         warnings.warn(f"computing with {threads} torch thread(s), as profile {profile.name!r} was measured "

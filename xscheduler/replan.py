@@ -301,6 +301,15 @@ def monitored(workload: Workload) -> tuple[Workload, dict[str, np.ndarray]]:
     return replace(workload, **dists, source=f"{workload.source}, kernel-smoothed"), samples
 
 
+def _monitors(reference: Workload, false_alarm_rate: float, min_samples: int, horizon: int,
+              min_shift: float) -> tuple[DriftMonitor, CusumMonitor]:
+    """The windowed tests and the CUSUMs against ``reference`` (as :func:`monitored` has it),
+    sharing the false-alarm budget: CUSUM_SHARE to the CUSUMs, the rest to the windowed looks."""
+    ref, samples = monitored(reference)
+    return (DriftMonitor(ref, false_alarm_rate * (1 - CUSUM_SHARE), min_samples, WINDOW_TESTS, samples),
+            CusumMonitor(ref, false_alarm_rate * CUSUM_SHARE, horizon, min_shift, reference_samples=samples))
+
+
 def read_observed(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prompt lengths, output lengths, capped flags) from a results JSONL or a lengths JSONL/CSV.
 
@@ -413,11 +422,8 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
     p, o, c = _check_lengths(prompt_lens, output_lens, censored)
     if len(p) < min_samples:
         raise UserError(f"only {len(p)} observed request(s); the drift test needs at least {min_samples}")
-    ref, samples = monitored(plan.workload)
-    report = DriftMonitor(ref, false_alarm_rate * (1 - CUSUM_SHARE), min_samples,
-                          WINDOW_TESTS, samples).check(p, o, windows)
-    cusum = CusumMonitor(ref, false_alarm_rate * CUSUM_SHARE, len(p), min_shift,
-                         reference_n={k: len(v) for k, v in samples.items()})
+    monitor, cusum = _monitors(plan.workload, false_alarm_rate, min_samples, len(p), min_shift)
+    report = monitor.check(p, o, windows)
     cusum.update(p, o)
     stats = cusum.stats()
     report = replace(report, stats=report.stats + stats,
@@ -474,15 +480,10 @@ class DriftWatcher:
         self._looked_at = 0
 
     def _reset(self, reference: Workload, horizon: int) -> None:
-        """Compare what settles from now on with ``reference`` (as :func:`monitored` has it):
-        CUSUM_SHARE of the false-alarm budget to the CUSUMs (every request), the rest to the
-        windowed KS looks."""
+        """Compare what settles from now on with ``reference`` (:func:`_monitors`)."""
         self.reference = reference
-        a = self.false_alarm_rate
-        ref, samples = monitored(reference)
-        self._monitor = DriftMonitor(ref, a * (1 - CUSUM_SHARE), self.min_samples, WINDOW_TESTS, samples)
-        self._cusum = CusumMonitor(ref, a * CUSUM_SHARE, max(int(horizon), 1), self.min_shift,
-                                   reference_n={k: len(v) for k, v in samples.items()})
+        self._monitor, self._cusum = _monitors(reference, self.false_alarm_rate, self.min_samples,
+                                               max(int(horizon), 1), self.min_shift)
 
     @property
     def settled(self) -> int:
