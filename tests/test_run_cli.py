@@ -418,6 +418,24 @@ def test_plan_larger_than_capacity_is_refused(tiny_dir, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_cuda_run_keeps_the_allocators_slack_free(tmp_path, monkeypatch):
+    """The CUDA allocator reserved 191-332 MiB more than the planned gpu tier on two GPUs: a plan
+    that fills the device's free memory to the byte would run out mid-job, so it is refused first."""
+    import torch
+
+    from xrunner.run_cli import CUDA_ALLOCATOR_SLACK_BYTES, check_machine_room, machine_capacity_bytes
+
+    free = 2 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
+    machine = machine_capacity_bytes("cuda:0", tmp_path)
+    assert machine["gpu"] == free - CUDA_ALLOCATOR_SLACK_BYTES
+    check_machine_room("cuda:0", {"gpu": free - CUDA_ALLOCATOR_SLACK_BYTES, "cpu": 1e15}, machine)  # cpu: not shared
+    with pytest.raises(UserError, match=r"gpu tier but cuda:0 has 2\.00 GiB free, of which 384 MiB stay free"):
+        check_machine_room("cuda:0", {"gpu": free - 2**20, "cpu": 0.0}, machine)
+    with pytest.raises(UserError, match="RAM for its gpu and cpu tiers"):  # without CUDA the tiers share RAM
+        check_machine_room("cpu", {"gpu": 2**30, "cpu": 2**30}, {"gpu": 1.5 * 2**30, "cpu": 1.5 * 2**30})
+
+
 def test_full_disk_stops_with_one_line_and_keeps_written_results(tiny_dir, tmp_path, monkeypatch, capsys):
     """KV rows on disk; the disk fills up after some results were written."""
     import errno
