@@ -322,6 +322,36 @@ def test_random_deep_models_stay_finite_in_16_bit(family, dtype):
 
 
 # ----------------------------------------------------------------------------- sampling
+def keys(n: int) -> list[tuple[str, int]]:
+    """A distinct (request id, token index) per row."""
+    return [(f"r{i}", 0) for i in range(n)]
+
+
+def test_a_request_draws_the_same_token_in_any_row_or_batch():
+    """Each row's number comes from (seed, request id, token index): reordering or splitting the
+    batch must not change any request's token (with one shared generator it did)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(64, 300, generator=g) * 3
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=9)
+    k = [(f"req-{i}", i % 7) for i in range(64)]
+    whole = sample(logits, params, k)
+    perm = torch.randperm(64, generator=g)
+    assert torch.equal(sample(logits[perm], params, [k[i] for i in perm.tolist()]), whole[perm])
+    assert torch.equal(torch.cat([sample(logits[i:i + 5], params, k[i:i + 5]) for i in range(0, 64, 5)]), whole)
+    assert not torch.equal(sample(logits, SamplingParams(temperature=1.0, top_p=0.95, seed=10), k), whole)
+
+
+def test_a_uniform_next_to_one_never_picks_a_filtered_token(monkeypatch):
+    """u x total can round up to the total; the draw then takes the last token still allowed,
+    not one that top-k removed."""
+    import xrunner.sampling as sampling
+
+    monkeypatch.setattr(sampling, "uniforms", lambda seed, ks: [1.0] * len(ks))  # as if u x total rounded up
+    logits = torch.tensor([[0.0, 5.0, 4.0, -1.0, 3.0, -2.0]])
+    params = SamplingParams(temperature=1.0, top_k=3, seed=0)
+    assert sample(logits, params, keys(1)).tolist() == [4]  # tokens 1, 2, 4 remain; 4 is the last
+
+
 def test_greedy_is_argmax():
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
     assert torch.equal(sample(logits, SamplingParams()), logits.argmax(-1))
@@ -330,7 +360,7 @@ def test_greedy_is_argmax():
 def test_top_k_restricts_support_to_the_k_largest():
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1)).expand(4000, 50)
     params = SamplingParams(temperature=1.0, top_k=5, seed=3)
-    drawn = sample(logits, params, params.generator())
+    drawn = sample(logits, params, keys(len(logits)))
     assert set(drawn.tolist()) == set(logits[0].topk(5).indices.tolist())
 
 
@@ -344,7 +374,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert support(0.85) == {0, 1, 2}
     assert support(1.0) == {0, 1, 2, 3, 4}
     params = SamplingParams(temperature=1.0, top_p=0.85, seed=0)
-    drawn = sample(logits.expand(3000, 5), params, params.generator())
+    drawn = sample(logits.expand(3000, 5), params, keys(3000))
     assert set(drawn.tolist()) == {0, 1, 2}
 
 
@@ -352,7 +382,7 @@ def test_temperature_sampling_follows_the_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     temperature = 0.7
     params = SamplingParams(temperature=temperature, seed=11)
-    drawn = sample(logits.expand(20000, 5), params, params.generator())
+    drawn = sample(logits.expand(20000, 5), params, keys(20000))
     observed = torch.bincount(drawn, minlength=5).numpy()
     expected = (logits[0].double() / temperature).softmax(-1).numpy() * len(drawn)
     assert stats.chisquare(observed, expected).pvalue > 1e-4
@@ -380,7 +410,7 @@ def test_a_tiny_temperature_samples_the_largest_logit():
     NaN probabilities (stop 36); each row is now shifted to a largest logit of 0 first."""
     logits = torch.tensor([[20.0, 1.0, 0.0, -3.0], [-5.0, 7.5, 7.0, 2.0]])
     params = SamplingParams(temperature=2e-38, seed=0)
-    drawn = [sample(logits, params, params.generator()).tolist() for _ in range(20)]
+    drawn = [sample(logits, params, [("a", i), ("b", i)]).tolist() for i in range(20)]
     assert drawn == [[0, 1]] * 20
     # the shift leaves the distribution as it was at an ordinary temperature
     p1 = SamplingParams(temperature=0.7)

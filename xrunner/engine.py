@@ -435,7 +435,6 @@ class Engine:
 
         self._load_weights(p.compress_cache, progress)
         self.rope = rope_tables(spec, self.cap, self.device, self.dtype)
-        self.generator = self.sampling.generator(self.device) if not self.sampling.greedy else None
         self._set_overlap(p.overlap)
         self._reset_fetch_state()
 
@@ -1489,8 +1488,10 @@ class Engine:
         now = self._clock()
         produced = 0
         for work, lg in zip(works, logits):
-            tokens = sample(lg, self.sampling, self.generator).tolist()
             batch = batches[work.batch]
+            keys = () if self.sampling.greedy else [(batch.rows[slot].req.id, len(batch.rows[slot].out))  # type: ignore[union-attr]
+                                                    for slot in work.slots]
+            tokens = sample(lg, self.sampling, keys).tolist()
             for slot, tok in zip(work.slots, tokens):
                 row = batch.rows[slot]
                 assert row is not None

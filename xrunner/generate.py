@@ -50,15 +50,21 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,
 @torch.inference_mode()
 def generate(model: ModelWeights, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), stop_token_ids: Sequence[int] = (),
-             return_logits: bool = False, on_step: Callable[[int], None] | None = None) -> GenerationResult:
+             return_logits: bool = False, on_step: Callable[[int], None] | None = None,
+             request_ids: Sequence[object] | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` for each prompt; a row stops at a stop token.
 
     The batch keeps running until every row stopped or the budget is spent (rows that stopped
     are still computed, their outputs discarded). ``on_step(n)`` is called after each token.
+    ``request_ids`` key each row's sampling draws (default: the row numbers); the engine keys a
+    request by its id, so the same ids sample the same tokens here and there.
     """
     spec = model.spec
     if max_new_tokens < 1:
         raise UserError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+    ids_of_rows = list(range(len(prompts))) if request_ids is None else list(request_ids)
+    if len(ids_of_rows) != len(prompts):
+        raise ValueError(f"{len(ids_of_rows)} request ids for {len(prompts)} prompts")
     device = model.head["embed_tokens.weight"].device
     dtype = model.head["embed_tokens.weight"].dtype
     ids, mask = left_pad(prompts, device=device)
@@ -75,7 +81,6 @@ def generate(model: ModelWeights, prompts: Sequence[Sequence[int]], max_new_toke
     full_mask[:, :width] = mask
     padded = not bool(mask.all())  # without padding, attention needs no mask (faster kernels)
     positions = position_ids_from_mask(mask)
-    generator = sampling.generator(device) if not sampling.greedy else None
     stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     out = torch.empty((b, max_new_tokens), dtype=torch.long, device=device)
@@ -93,7 +98,7 @@ def generate(model: ModelWeights, prompts: Sequence[Sequence[int]], max_new_toke
         logits = final_logits(spec, model.head, hidden[:, -1])
         if return_logits:
             step_logits.append(logits.float().cpu())
-        token = sample(logits, sampling, generator)
+        token = sample(logits, sampling, [(rid, step) for rid in ids_of_rows] if not sampling.greedy else ())
         out[:, step] = token
         steps = step + 1
         if step == 0:

@@ -1,12 +1,17 @@
 """Next-token choice: greedy, temperature, top-k and top-p (nucleus), reproducible by seed.
 
-All randomness comes from one ``torch.Generator`` owned by the caller, so a seed reproduces a
-run exactly (on the same device and dtype).
+A request's random numbers depend only on the seed, its id and the token's index in its output
+(:func:`uniforms`): not on which batch, GPU batch size, refill order, re-plan or resume it ran
+in. A seed therefore reproduces each request's tokens under any plan (given the same logits),
+and a resumed job samples what an uninterrupted one would have. One shared generator drawn in
+batch order could not: a different batch shape handed a request another draw.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -43,8 +48,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        return torch.Generator(device=device).manual_seed(self.seed)
+
+def uniforms(seed: int, keys: Sequence[tuple[object, int]]) -> list[float]:
+    """One number in [0, 1) per ``(request id, token index)``: 53 bits of a BLAKE2b hash of the
+    seed and the key (a keyed hash, so the same everywhere, unlike Python's salted ``hash``)."""
+    out = []
+    for rid, index in keys:
+        digest = hashlib.blake2b(f"{seed}\x1f{rid}\x1f{index}".encode(), digest_size=8).digest()
+        out.append((int.from_bytes(digest, "little") >> 11) * 2.0**-53)
+    return out
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -69,9 +81,20 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id per row of ``logits [b, V]``."""
+def sample(logits: torch.Tensor, params: SamplingParams, keys: Sequence[tuple[object, int]] = ()) -> torch.Tensor:
+    """One token id per row of ``logits [b, V]``; ``keys[i]`` = (request id, token index) of row i.
+
+    Inverse-CDF sampling with each row's own uniform: the first token whose cumulative
+    probability (float64) exceeds u x the row's total. That token has a positive probability,
+    since the cumulative sum rises there; a u that rounds to the total takes the last such token.
+    """
     if params.greedy:
         return logits.argmax(dim=-1)
-    probs = filter_logits(logits, params).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if len(keys) != logits.shape[0]:
+        raise ValueError(f"sampling needs one (request id, token index) per row: {len(keys)} for {logits.shape[0]}")
+    probs = filter_logits(logits, params).softmax(dim=-1).double()
+    cdf = probs.cumsum(dim=-1)
+    u = torch.tensor(uniforms(params.seed, keys), dtype=torch.float64, device=logits.device)[:, None]
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    return torch.minimum(token, last)
