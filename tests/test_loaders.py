@@ -292,3 +292,32 @@ def test_a_gguf_tokenizer_is_converted_once_and_then_read_from_the_cache(smollm2
     calls.clear()
     assert source.tokenizer()("hello")["input_ids"] == fresh("hello")["input_ids"]
     assert calls == ["gguf"]
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_every_eos_id_of_config_and_generation_config_stops_a_sequence(tmp_path, family):
+    """config.json may list several EOS ids, and generation_config.json may add more
+    (Llama-3.1-Instruct's three): HF's generate stops at each, so xsched must too. Only the first
+    was kept for Llama, and an OPT list crashed the stop set (unhashable list) or made a plan file
+    that `xsched run` refused."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from xrunner.cli import stop_token_ids
+
+    base = dict(llama=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=64),
+                opt=dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=300, max_position_embeddings=64, do_layer_norm_before=True))[family]
+    (tmp_path / "config.json").write_text(json.dumps({**base, "eos_token_id": [5, 7]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9], "bos_token_id": 1}))
+    spec = ModelSpec.from_hf_config(tmp_path)
+    assert spec.eos_token_ids == (5, 7, 9)
+    hf = transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id
+    hf_stops = set(hf) | {5, 7}  # generate() stops at the model config's and the generation config's ids
+    assert set(stop_token_ids(SimpleNamespace(spec=spec), None)) == hf_stops == {5, 7, 9}
+    assert ModelSpec.from_json(spec.to_json()) == spec  # a plan keeps them
+    (tmp_path / "config.json").write_text(json.dumps({**base, "eos_token_id": ["</s>"]}))
+    with pytest.raises(UserError, match="eos_token_id must be a token id or a list of them"):
+        ModelSpec.from_hf_config(tmp_path)

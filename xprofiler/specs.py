@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from xsched.contract import Contract
 from xsched.errors import UserError
@@ -48,6 +48,15 @@ class ModelSpec(Contract):
     rope_theta: float = 10000.0
     bias: bool = False  # biases on the q/k/v/o and MLP projections (OPT)
     eos_token_id: int | None = None
+    # More end-of-sequence ids (a config's list after its first, generation_config.json's):
+    # Llama-3.1-Instruct ends turns with any of three, and HF's generate stops at each.
+    extra_eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence, the main one first."""
+        first = () if self.eos_token_id is None else (self.eos_token_id,)
+        return first + tuple(t for t in self.extra_eos_token_ids if t != self.eos_token_id)
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden", "ffn", "num_heads", "num_kv_heads", "head_dim",
@@ -205,7 +214,17 @@ class ModelSpec(Contract):
             raise UserError(f"{cfg_path}: missing config.json; a model directory needs config.json and *.safetensors") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise UserError(f"{cfg_path}: not a valid JSON config ({exc})") from None
-        return spec_from_hf_dict(cfg, name=name or (p.name if p.is_dir() else p.parent.name), dtype=dtype)
+        spec = spec_from_hf_dict(cfg, name=name or (p.name if p.is_dir() else p.parent.name), dtype=dtype)
+        gen_path = cfg_path.parent / "generation_config.json"
+        if not gen_path.is_file():
+            return spec
+        try:
+            gen = json.loads(gen_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{gen_path}: not valid JSON ({exc})") from None
+        more = _eos_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None, gen_path)
+        extra = tuple(dict.fromkeys(spec.extra_eos_token_ids + more))
+        return spec if extra == spec.extra_eos_token_ids else replace(spec, extra_eos_token_ids=extra)
 
     @classmethod
     def from_gguf(cls, path: str | Path, name: str | None = None, dtype: str = "float32") -> "ModelSpec":
@@ -235,6 +254,14 @@ _HF_COUNTS = ("num_hidden_layers", "hidden_size", "ffn_dim", "intermediate_size"
               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "word_embed_proj_dim")
 
 
+def _eos_ids(value: Any, where: object) -> tuple[int, ...]:
+    """A config's ``eos_token_id``: absent, one id or a list of ids."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise UserError(f"{where}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return tuple(ids)
+
+
 def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSpec:
     """Build a ModelSpec from a parsed HF config dict of the OPT or Llama family."""
     if not isinstance(cfg, dict):
@@ -244,6 +271,8 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
     if bad:
         raise UserError(f"{name}: config.json's {', '.join(f'{k}={cfg[k]!r}' for k in bad)} must be whole numbers")
     model_type = cfg.get("model_type")
+    eos = _eos_ids(cfg.get("eos_token_id"), f"{name}: config.json")
+    eos_fields = dict(eos_token_id=eos[0] if eos else None, extra_eos_token_ids=eos[1:])
     try:
         if model_type == "opt":
             if not cfg.get("do_layer_norm_before", True):
@@ -260,7 +289,7 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 norm="layernorm", activation="relu", position="learned",
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
                 dtype=dtype or _hf_dtype(cfg), norm_eps=1e-5, bias=bool(cfg.get("enable_bias", True)),
-                eos_token_id=cfg.get("eos_token_id"),
+                **eos_fields,
             )
         if model_type == "llama":
             if cfg.get("hidden_act", "silu") != "silu":
@@ -272,7 +301,6 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
             rope_scaling = cfg.get("rope_scaling")
             if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
                 raise UserError(f"{name}: rope scaling {rope_scaling!r} is not supported")
-            eos = cfg.get("eos_token_id")
             return ModelSpec(
                 name=name, family="llama", num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
                 ffn=cfg["intermediate_size"], num_heads=heads,
@@ -283,7 +311,7 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 dtype=dtype or _hf_dtype(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-                bias=False, eos_token_id=eos[0] if isinstance(eos, list) else eos,
+                bias=False, **eos_fields,
             )
     except KeyError as exc:
         raise UserError(f"{name}: config.json lacks {exc.args[0]!r}") from None

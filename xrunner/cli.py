@@ -87,8 +87,11 @@ def sampling_from_args(args: argparse.Namespace):  # noqa: ANN201 (SamplingParam
 
 
 def stop_token_ids(source, tokenizer) -> list[int]:  # noqa: ANN001
-    """EOS of the model spec and of the tokenizer (either may be missing)."""
-    stops = {t for t in (source.spec.eos_token_id, getattr(tokenizer, "eos_token_id", None)) if t is not None}
+    """Every EOS id of the model spec (config.json's list, generation_config.json's) and the
+    tokenizer's (any may be missing)."""
+    stops = set(source.spec.eos_token_ids)
+    if isinstance(getattr(tokenizer, "eos_token_id", None), int):
+        stops.add(tokenizer.eos_token_id)
     return sorted(stops)
 
 
