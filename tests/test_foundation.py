@@ -190,3 +190,51 @@ def test_outputs_are_written_all_or_none(tmp_path):
     finally:
         os.umask(umask)
     assert first.read_text() == "new" and (tmp_path / "front.csv").stat().st_mode & 0o777 == 0o644
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    """Exit code and stderr of ``xsched ARGV`` in a fresh process (no traceback must leak)."""
+    done = subprocess.run([sys.executable, "-m", "xsched.cli", *argv], capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stderr
+
+
+def test_outputs_write_through_symlinks_and_refuse_devices_and_collisions(tmp_path):
+    """A review found every writer renaming its temporary file over the path: `-o /dev/full`
+    replaced the device with a plain file, a symlink was replaced instead of its target written,
+    and `plan -o x.csv --frontier x` or `simulate -o f --trace f` lost one output silently."""
+    import os
+
+    target = tmp_path / "real.jsonl"
+    target.write_text("old\n")
+    (tmp_path / "link.jsonl").symlink_to(target)
+    code, err = run_cli("workload", "sample", "fixed:8:4", "-n", "3", "-o", str(tmp_path / "link.jsonl"))
+    assert code == 0, err
+    assert (tmp_path / "link.jsonl").is_symlink() and len(target.read_text().splitlines()) == 3
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    code, err = run_cli("workload", "sample", "fixed:8:4", "-n", "3", "-o", str(fifo))
+    assert code == 2 and "is not a regular file" in err and err.count("\n") == 1, err
+    assert fifo.exists() and not fifo.is_file()
+    code, err = run_cli("plan", "--profile", "t4", "--model", "opt-1.3b", "--workload", "fixed:32:8", "--requests",
+                        "20", "-o", str(tmp_path / "x.csv"), "--frontier", str(tmp_path / "x"), "--quiet")
+    assert code == 2 and "both write" in err and err.count("\n") == 1, err
+    code, err = run_cli("simulate", "--profile", "t4", "--model", "opt-1.3b", "--workload", "fixed:32:8",
+                        "--policy", '{"gbs": 4, "nb": 1}', "-o", str(tmp_path / "s.json"), "--trace", str(tmp_path / "s.json"))
+    assert code == 2 and "both write" in err, err
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_unreadable_or_absurd_inputs_are_one_line_errors(tmp_path):
+    """Names too long for the file system, a file used as a directory, JSON nested past the
+    parser's recursion limit and a huge model dimension each gave a traceback."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    for argv in (("profile", "show", "p" * 300), ("workload", "show", "w" * 300 + ".jsonl"),
+                 ("simulate", "--profile", "t4", "--model", "m" * 300, "--workload", "T", "--policy", '{"gbs": 1, "nb": 1}'),
+                 ("workload", "show", str(plan / "x.jsonl")), ("profile", "show", str(deep)), ("workload", "fit", str(deep))):
+        code, err = run_cli(*argv)
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+    with pytest.raises(UserError, match="below 2\\*\\*31"):
+        ModelSpec.from_dict({**get_model_spec("opt-125m").to_dict(), "vocab_size": 10**20})

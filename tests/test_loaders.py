@@ -100,6 +100,13 @@ def test_hf_directory_errors_name_the_problem(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match=r"lacks tensor model\.layers\.3\."):
         HFDirectorySource(tmp_path)
+    # a malformed shard index (review: AttributeError, TypeError, UnicodeDecodeError tracebacks)
+    for index, what in (('{"weight_map": []}', "weight_map must map"), ('{"weight_map": {"a": 5}}', "weight_map must map"),
+                        (b"\xff\xfe{", "not UTF-8")):
+        path = tmp_path / "model.safetensors.index.json"
+        path.write_bytes(index if isinstance(index, bytes) else index.encode())
+        with pytest.raises(UserError, match=what):
+            HFDirectorySource(tmp_path)
 
 
 def test_missing_or_corrupt_shard_is_reported(tmp_path):

@@ -146,3 +146,25 @@ def test_profiler_imports_without_torch_except_the_benchmarks():
         "assert not bad, bad[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_profiles_refuse_values_that_price_steps_at_nan(tmp_path):
+    """A review's hand-edited profiles: an infinite fit error gave a NaN planning margin and a
+    traceback in `plan`, an infinite head time NaN throughputs (exit 0), a rate of 1e-300 or a
+    transfer curve with a size of 0 NaN or log warnings. Each is now refused when read."""
+    t4 = load_preset("t4").to_dict()
+    cases = [
+        ({"calibration_error": {"quantile": 0.9, "repeats": 3, "pairs": 20, "repeat_rel_spread": 0.1,
+                                "fit_rel_error": "inf"}}, "fit_rel_error"),
+        ({"calibration_error": {"quantile": 0.9, "repeats": -3, "pairs": 20, "repeat_rel_spread": None,
+                                "fit_rel_error": 0.1}}, "repeats"),
+        ({"mm_flops": 1e-300}, "mm_flops"),
+        ({"mem_bytes_per_s": 1e-300}, "mem_bytes_per_s"),
+        ({"ctog": {**t4["ctog"], "sizes_bytes": [0, 100], "bytes_per_s": [1e9, 2e9]}}, "sizes_bytes"),
+        ({"ctog": {**t4["ctog"], "sizes_bytes": [100, 100], "bytes_per_s": [1e9, 2e9]}}, "sizes_bytes"),
+    ]
+    for change, what in cases:
+        path = tmp_path / "p.json"
+        path.write_text(__import__("json").dumps({**t4, **change}).replace('"inf"', "Infinity"))
+        with pytest.raises(UserError, match=what):
+            load_profile(path)

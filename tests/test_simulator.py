@@ -807,3 +807,14 @@ def test_the_head_relayout_on_a_cpu_host_is_planned_alone_not_on_top_of_the_rest
     for expr in CostModel(spec, cpu_host()).memory(x, 1, 1, 8, 8)["gpu"].constraints():
         lp += expr <= spec.head_weight_bytes + head_matrix - 1
     assert lp.solve(pulp.PULP_CBC_CMD(msg=False)) == pulp.LpStatusInfeasible
+
+
+def test_a_refill_interval_or_block_far_past_the_job_simulates_as_the_job_needs():
+    """refill_every=1e9 built a 52 GiB step grid and gbs x nb = 2**32 a list of 4e9 slots (a
+    review); past the longest output a refill changes nothing, and slots past the job stay empty."""
+    w = get_workload("T@0.25")
+    base = simulate(OPT30, t4_like(), Policy(gbs=8, nb=1), w, num_requests=50, seed=1)
+    far = simulate(OPT30, t4_like(), Policy(gbs=8, nb=1, refill_every=10**9), w, num_requests=50, seed=1)
+    assert far.wall_s == pytest.approx(base.wall_s, rel=1e-12) and far.latency_p99_s == pytest.approx(base.latency_p99_s)
+    wide = simulate(OPT30, t4_like(), Policy(gbs=2**20, nb=2**12), w, num_requests=50, seed=1)
+    assert wide.generated_tokens == far.generated_tokens

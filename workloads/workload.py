@@ -27,7 +27,7 @@ from scipy import special, stats
 from workloads.distributions import MAX_LEN_TOKENS, LengthDistribution
 from xsched.contract import Contract
 from xsched.errors import UserError
-from xsched.fileio import jsonl_lines
+from xsched.fileio import jsonl_lines, path_exists, read_text
 
 PROMPT_KEYS = ("prompt_tokens", "prompt")
 OUTPUT_KEYS = ("output_tokens", "max_new_tokens")
@@ -180,12 +180,7 @@ def spearman_to_copula(a: Any, b: Any) -> float:
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """The request objects of a JSONL file or the rows of a CSV file, as dicts (one-line errors)."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (spreadsheet exports) is dropped
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read ({exc.__class__.__name__})") from None
+    text = read_text(path, encoding="utf-8-sig")  # a byte-order mark (spreadsheet exports) is dropped
     if path.suffix.lower() == ".csv":
         reader = csv.DictReader(io.StringIO(text, newline=""))
         if not reader.fieldnames or not set(reader.fieldnames) & set(PROMPT_KEYS):
@@ -199,6 +194,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg}); expected one request object per line") \
                 from None
+        except RecursionError:
+            raise UserError(f"{path}:{lineno}: nested too deeply; expected one request object per line") from None
         except ValueError as exc:  # an integer literal past Python's digit limit
             raise UserError(f"{path}:{lineno}: not a usable request ({str(exc).split(':')[0]})") from None
         if not isinstance(row, dict):
@@ -283,7 +280,7 @@ def fixed_workload(prompt_len: int, output_len: int) -> Workload:
 def get_workload(text: str) -> Workload:
     """Resolve a preset name, ``fixed:P:N``, or a file path, each optionally with ``@SCALE``."""
     spec, scale = text, 1.0
-    if "@" in text and not Path(text).exists():
+    if "@" in text and not path_exists(text):
         spec, _, raw = text.rpartition("@")
         try:
             scale = float(raw)
@@ -300,14 +297,14 @@ def get_workload(text: str) -> Workload:
         w = fixed_workload(p_len, o_len)
         return w.scaled(scale) if scale != 1.0 else w
     path = Path(spec)
-    if path.exists() or path.suffix.lower() in (".json", ".jsonl", ".csv"):
+    if path_exists(path) or path.suffix.lower() in (".json", ".jsonl", ".csv"):
         w = _workload_from_path(path)
         return w.scaled(scale) if scale != 1.0 else w
     return preset_workload(spec, scale)
 
 
 def _workload_from_path(path: Path) -> Workload:
-    if not path.exists():
+    if not path_exists(path):
         raise UserError(f"{path}: no such file")
     if path.suffix.lower() == ".json":
         return Workload.load(path)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from xprofiler.profile import HardwareProfile
 from xsched.errors import UserError
+from xsched.fileio import path_exists
 
 
 class ProfileMismatchWarning(UserWarning):
@@ -56,7 +57,7 @@ def load_profile(name_or_path: str | Path, check_machine: bool = True) -> Hardwa
     if text in preset_names():
         return load_preset(text)
     path = Path(text)
-    if path.exists():
+    if path_exists(path):
         profile = HardwareProfile.load(path)
         if check_machine:
             warn_if_other_machine(profile, str(path))

@@ -73,10 +73,11 @@ class BandwidthCurve:
     def __post_init__(self) -> None:
         if len(self.sizes_bytes) != len(self.bytes_per_s):
             raise ValueError("sizes_bytes and bytes_per_s differ in length")
-        if list(self.sizes_bytes) != sorted(self.sizes_bytes):
-            raise ValueError("sizes_bytes must be increasing")
-        if any(not (0 < b < math.inf) for b in (self.large_bytes_per_s, *self.bytes_per_s)):
-            raise ValueError("bandwidths must be positive and finite")
+        if any(b <= 0 for b in self.sizes_bytes) or list(self.sizes_bytes) != sorted(set(self.sizes_bytes)):
+            raise ValueError("sizes_bytes must be positive and strictly increasing")
+        # Below 1 byte/s is no measurement (1e-300 turned every transfer time into inf, then NaN).
+        if any(not (1 <= b < math.inf) for b in (self.large_bytes_per_s, *self.bytes_per_s)):
+            raise ValueError("bandwidths must be finite numbers of at least 1 byte/s")
 
     @classmethod
     def flat(cls, bytes_per_s: float) -> "BandwidthCurve":
@@ -169,8 +170,8 @@ class LayerFit:
             if len(self.grid_ratio) != len(self.grid_batches) or any(
                     len(row) != len(self.grid_lengths) for row in self.grid_ratio):
                 raise ValueError("grid_ratio must be len(grid_batches) x len(grid_lengths)")
-            if any(not r > 0 for row in self.grid_ratio for r in row):
-                raise ValueError("grid_ratio values must be positive")
+            if any(not 0 < r < math.inf for row in self.grid_ratio for r in row):
+                raise ValueError("grid_ratio values must be positive and finite")
             for axis in (self.grid_batches, self.grid_lengths):
                 if any(a <= 0 for a in axis) or list(axis) != sorted(set(axis)):
                     raise ValueError("grid axes must be positive and strictly increasing")
@@ -242,8 +243,8 @@ class HeadFit:
             raise ValueError("a head fit needs one time per row count")
         if any(r < 1 for r in self.rows) or list(self.rows) != sorted(set(self.rows)):
             raise ValueError("head fit rows must be >= 1 and strictly increasing")
-        if any(not s > 0 for s in self.seconds):
-            raise ValueError("head fit seconds must be positive")
+        if any(not 0 < s < math.inf for s in self.seconds):
+            raise ValueError("head fit seconds must be positive and finite")
         if self.layouts and (len(self.layouts) != len(self.rows)
                              or not set(self.layouts) <= {"rows", "transposed"}):
             raise ValueError("head fit layouts must name one layout, rows or transposed, per row count")
@@ -278,8 +279,8 @@ class WarmFit:
             raise ValueError("a warm fit needs one saving per row count")
         if any(r < 1 for r in self.rows) or list(self.rows) != sorted(set(self.rows)):
             raise ValueError("warm fit rows must be >= 1 and strictly increasing")
-        if any(not s >= 0 for s in self.saved_s):
-            raise ValueError("warm fit savings must be >= 0")
+        if any(not 0 <= s < math.inf for s in self.saved_s):
+            raise ValueError("warm fit savings must be finite and >= 0")
 
     def predict_s(self, rows: Any) -> Any:
         """Seconds saved at ``rows`` rows (floats or numpy arrays)."""
@@ -347,10 +348,12 @@ class CalibrationError:
     def __post_init__(self) -> None:
         if not 0.0 < self.quantile <= 1.0:
             raise ValueError(f"quantile must be in (0, 1], got {self.quantile}")
+        if self.repeats < 1 or self.pairs < 1:
+            raise ValueError(f"repeats and pairs must be >= 1, got {self.repeats} and {self.pairs}")
         for name in ("repeat_rel_spread", "fit_rel_error"):
             v = getattr(self, name)
-            if v is not None and not v >= 0.0:
-                raise ValueError(f"{name} must be >= 0, got {v}")
+            if v is not None and not 0.0 <= v < math.inf:  # inf made the margin inf / inf = NaN
+                raise ValueError(f"{name} must be finite and >= 0, got {v}")
 
     def planning_margin(self) -> float:
         """Fraction of the bound to keep free: ``e / (1 + e)``, ``e = hypot(spread, fit error)``.
@@ -435,12 +438,14 @@ class HardwareProfile(Contract):
                 raise ValueError(f"{key} must be >= 0")
         for key in ("mm_flops", "bmm_flops", "cpu_mm_flops", "cpu_bmm_flops", "quant_bytes_per_s",
                     "dequant_bytes_per_s"):
-            if not 0 < getattr(self, key) < math.inf:
-                raise ValueError(f"{key} must be > 0 and finite")
+            if not 1 <= getattr(self, key) < math.inf:  # 1e-300 priced a step at inf seconds, then NaN
+                raise ValueError(f"{key} must be a finite rate of at least 1 per second")
         for key in ("mem_bytes_per_s", "cpu_mem_bytes_per_s", "wall_s", "disk_row_write_s", "disk_row_read_s",
                     "disk_sync_s", "kv_attend_bytes_per_s"):
-            if not 0 <= getattr(self, key) < math.inf:
-                raise ValueError(f"{key} must be >= 0 and finite")
+            v = getattr(self, key)
+            if not 0 <= v < math.inf or (key.endswith("_per_s") and 0 < v < 1):
+                raise ValueError(f"{key} must be finite and >= 0" + (" (0, or a rate of at least 1 per second)"
+                                                                    if key.endswith("_per_s") else ""))
         if not isinstance(self.compute_threads, int) or self.compute_threads < 0:
             raise ValueError(f"compute_threads must be a whole number >= 0 (0: unknown), got {self.compute_threads!r}")
         for term, value in self.calibration.items():

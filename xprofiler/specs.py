@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from xsched.contract import Contract
 from xsched.errors import UserError
+from xsched.fileio import path_exists, read_text
 
 Family = Literal["opt", "llama"]
 DType = Literal["float16", "bfloat16", "float32"]
@@ -61,8 +62,8 @@ class ModelSpec(Contract):
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden", "ffn", "num_heads", "num_kv_heads", "head_dim",
                     "vocab_size", "max_positions"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+            if not 0 < getattr(self, key) < 2**31:  # 1e20 overflowed numpy; no model is near 2**31
+                raise ValueError(f"{key} must be positive and below 2**31, got {getattr(self, key)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.family == "opt" and (self.norm, self.activation, self.position) != ("layernorm", "relu", "learned"):
@@ -208,22 +209,22 @@ class ModelSpec(Contract):
         """Read a Hugging Face ``config.json`` (a file or the directory holding it)."""
         p = Path(path)
         cfg_path = p / "config.json" if p.is_dir() else p
+        if not path_exists(cfg_path):
+            raise UserError(f"{cfg_path}: missing config.json; a model directory needs config.json and *.safetensors")
         try:
-            cfg = json.loads(cfg_path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"{cfg_path}: missing config.json; a model directory needs config.json and *.safetensors") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            cfg = json.loads(read_text(cfg_path))
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise UserError(f"{cfg_path}: not a valid JSON config ({exc})") from None
         spec = spec_from_hf_dict(cfg, name=name or (p.name if p.is_dir() else p.parent.name), dtype=dtype)
         gen_path = cfg_path.parent / "generation_config.json"
         if not gen_path.is_file():
             return spec
         try:
-            gen = json.loads(gen_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            gen = json.loads(read_text(gen_path))
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise UserError(f"{gen_path}: not valid JSON ({exc})") from None
         more = _eos_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None, gen_path)
-        extra = tuple(dict.fromkeys(spec.extra_eos_token_ids + more))
+        extra = tuple(t for t in dict.fromkeys(spec.extra_eos_token_ids + more) if t != spec.eos_token_id)
         return spec if extra == spec.extra_eos_token_ids else replace(spec, extra_eos_token_ids=extra)
 
     @classmethod
@@ -272,7 +273,8 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
         raise UserError(f"{name}: config.json's {', '.join(f'{k}={cfg[k]!r}' for k in bad)} must be whole numbers")
     model_type = cfg.get("model_type")
     eos = _eos_ids(cfg.get("eos_token_id"), f"{name}: config.json")
-    eos_fields = dict(eos_token_id=eos[0] if eos else None, extra_eos_token_ids=eos[1:])
+    eos_fields = dict(eos_token_id=eos[0] if eos else None,
+                      extra_eos_token_ids=tuple(t for t in dict.fromkeys(eos[1:]) if t != eos[0]))
     try:
         if model_type == "opt":
             if not cfg.get("do_layer_norm_before", True):
@@ -363,7 +365,7 @@ def get_model_spec(name: str) -> ModelSpec:
     if name in registry:
         return registry[name]
     p = Path(name)
-    if p.exists():
+    if path_exists(p):
         return ModelSpec.from_hf_config(p)
     if p.suffix == ".json" and p.name != "config.json":
         raise UserError(f"{name}: no such file")

@@ -88,7 +88,7 @@ class FileBudget:
         except FileNotFoundError:
             self._warn("not found")
             return None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             self._warn(f"cannot be read as JSON ({str(exc).splitlines()[0]})")
             return None
         if not isinstance(data, dict):

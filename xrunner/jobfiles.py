@@ -60,6 +60,8 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
             obj = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise UserError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise UserError(f"{where}: nested too deeply; each line must be a JSON object") from None
         if not isinstance(obj, dict):
             raise UserError(f"{where}: each line must be a JSON object with \"id\" and \"prompt\"")
         rid = obj.get("id")
@@ -226,7 +228,7 @@ def _read_done(p: Path) -> tuple[dict[str, dict[str, Any]], int]:
         if not last:
             try:
                 row = json.loads(chunk.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
                 row = None
         if row is None or not isinstance(row, dict) or "id" not in row:
             if last or not data[end + 1:].strip():

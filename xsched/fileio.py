@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -28,8 +29,16 @@ def check_writable(path: Path | str, flag: str) -> None:
     if not str(path):
         raise UserError(f"{flag} needs a file path, got an empty string")
     p = Path(path).expanduser()
-    if p.is_dir():
+    try:
+        mode = p.stat().st_mode  # follows a symlink: the output goes to its target
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:  # a name too long, a symlink loop, a file used as a directory
+        raise UserError(f"{path}: cannot be written ({exc.strerror or exc}); pass another {flag}") from None
+    if mode is not None and stat.S_ISDIR(mode):
         raise UserError(f"{path}: is a directory; pass a file path to {flag}")
+    if mode is not None and not stat.S_ISREG(mode):  # a device or FIFO would be replaced by a plain file
+        raise UserError(f"{path}: is not a regular file; pass a file path to {flag}")
     parent = p.resolve().parent
     if not parent.is_dir():
         raise UserError(f"{path}: directory {parent} does not exist; create it or pass another {flag}")
@@ -43,6 +52,8 @@ def atomic_write_all(files: Sequence[tuple[Path | str, bytes]]) -> None:
     last one leaves every earlier output as it was."""
     staged: list[Path] = []
     path: Path | str = ""
+    # A symlink is written through (its target replaced), never replaced by a plain file.
+    files = [(Path(os.path.realpath(p)), data) for p, data in files]
     try:
         for path, data in files:
             target = Path(path)
@@ -66,6 +77,38 @@ def atomic_write_all(files: Sequence[tuple[Path | str, bytes]]) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def read_text(path: Path | str, encoding: str = "utf-8") -> str:
+    """A text file's contents, or a one-line UserError for any reason it cannot be read."""
+    try:
+        return Path(path).read_text(encoding=encoding)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    except OSError as exc:  # a directory, no permission, a name too long, a symlink loop, ...
+        raise UserError(f"{path}: cannot read ({exc.strerror or exc.__class__.__name__})") from None
+
+
+def path_exists(path: Path | str) -> bool:
+    """``Path.exists`` that answers False, not OSError, for a name too long to be a file."""
+    try:
+        return Path(path).exists()
+    except OSError:
+        return False
+
+
+def distinct_outputs(*named: tuple[str, Path | str | None]) -> None:
+    """Refuse two outputs of one command that name the same file (one would overwrite the other)."""
+    seen: dict[str, str] = {}
+    for flag, path in named:
+        if path is None:
+            continue
+        key = os.path.realpath(Path(path).expanduser())
+        if key in seen:
+            raise UserError(f"{seen[key]} and {flag} both write {path}; give them different files")
+        seen[key] = flag
 
 
 def jsonl_lines(text: str) -> Iterator[tuple[int, str]]:

@@ -117,7 +117,7 @@ def _plan(args: argparse.Namespace) -> int:
     from xprofiler.presets import load_profile
     from xprofiler.specs import get_model_spec
     from xsched.errors import UserError
-    from xsched.fileio import atomic_write_all, check_writable
+    from xsched.fileio import atomic_write_all, check_writable, distinct_outputs
     from xscheduler.plan import SLA
     from xscheduler.planner import plan_search
 
@@ -139,7 +139,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.frontier is not None and (not Path(args.frontier).name or Path(args.frontier).is_dir()):
         raise UserError(f"--frontier takes a file prefix (PREFIX.csv and PREFIX.png are written), not a directory: "
                         f"{args.frontier!r}")
-    for path, flag in ((args.output, "-o"), (args.frontier and f"{args.frontier}.csv", "--frontier")):
+    frontier = (None, None) if args.frontier is None else (f"{args.frontier}.csv", f"{args.frontier}.png")
+    distinct_outputs(("-o", args.output), ("--frontier (.csv)", frontier[0]), ("--frontier (.png)", frontier[1]))
+    for path, flag in ((args.output, "-o"), (frontier[0], "--frontier"), (frontier[1], "--frontier")):
         if path is not None:  # before the search, which can take minutes
             check_writable(path, flag)
     profile = load_profile(args.profile or DEFAULT_PROFILE)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from xsched.cli import seed_arg
+from xsched.fileio import path_exists
 
 DEFAULT_PROFILE = "t4"
 DEFAULT_REQUESTS = 2000  # xsimulator.discrete_event.DEFAULT_REQUESTS; not imported here to keep start-up light
@@ -49,7 +50,7 @@ def _read_json_arg(text: str, what: str) -> Any:
     from xsched.errors import UserError
 
     path = Path(text)
-    if not text.lstrip().startswith("{") and path.exists():
+    if not text.lstrip().startswith("{") and path_exists(path):
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:
@@ -60,6 +61,8 @@ def _read_json_arg(text: str, what: str) -> Any:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"{what} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise UserError(f"{what} is nested too deeply to be a JSON object of settings") from None
     if not isinstance(data, dict):
         raise UserError(f"{what} must be a JSON object")
     return data
@@ -90,7 +93,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from xprofiler.presets import load_profile
     from xprofiler.specs import ModelSpec, get_model_spec
     from xsched.errors import UserError
-    from xsched.fileio import atomic_write_all, check_writable
+    from xsched.fileio import atomic_write_all, check_writable, distinct_outputs
     from xsimulator.policy import Policy
 
     notes: list[str] = []
@@ -106,11 +109,13 @@ def _simulate(args: argparse.Namespace) -> int:
     # A plan is priced on its own job (size and request sample): simulate that unless told otherwise.
     predicted = plan.get("predicted") if isinstance(plan.get("predicted"), dict) else {}
     own = {k: v for k in ("num_requests", "seed")
-           if isinstance(v := predicted.get(k), int) and not isinstance(v, bool) and 0 <= v < 2**64}
+           if isinstance(v := predicted.get(k), int) and not isinstance(v, bool)
+           and (1 if k == "num_requests" else 0) <= v < 2**64}  # else the defaults, as for a policy
     args.requests = own.get("num_requests", DEFAULT_REQUESTS) if args.requests is None else args.requests
     args.seed = own.get("seed", 0) if args.seed is None else args.seed
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
+    distinct_outputs(("-o", args.output), ("--trace", args.trace))
     for path, flag in ((args.output, "-o"), (args.trace, "--trace")):
         if path is not None:  # before simulating a large job
             check_writable(path, flag)

@@ -82,7 +82,7 @@ def read_chrome_trace(path: str | Path) -> tuple[list[TraceEvent], list[TraceMar
         raw = data["traceEvents"]
     except FileNotFoundError:
         raise UserError(f"{p}: no such trace file") from None
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
         raise UserError(f"{p}: not a Chrome trace JSON with traceEvents") from None
     events = [TraceEvent(e["tid"], e["name"], e["ts"] / 1e6, e["dur"] / 1e6, e.get("args", {}))
               for e in raw if e.get("ph") == "X"]
