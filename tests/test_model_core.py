@@ -341,6 +341,18 @@ def test_a_request_draws_the_same_token_in_any_row_or_batch():
     assert not torch.equal(sample(logits, SamplingParams(temperature=1.0, top_p=0.95, seed=10), k), whole)
 
 
+def test_ids_that_differ_only_in_json_type_draw_apart_and_broken_logits_are_an_error():
+    """A job may hold ids 1 and "1" (two requests): their draws must differ. NaN or inf logits
+    have no distribution; the draw used to return the last token id silently (review)."""
+    from xrunner.sampling import uniforms
+
+    assert len(set(uniforms(0, [(1, 0), ("1", 0), (2, 0), ("2", 0)]))) == 4
+    params = SamplingParams(temperature=1.0)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(UserError, match="NaN or inf"):
+            sample(torch.tensor([[0.0, bad, 1.0, 2.0]]), params, keys(1))
+
+
 def test_a_uniform_next_to_one_never_picks_a_filtered_token(monkeypatch):
     """u x total can round up to the total; the draw then takes the last token still allowed,
     not one that top-k removed."""

@@ -430,7 +430,7 @@ def test_a_cuda_run_keeps_the_allocators_slack_free(tmp_path, monkeypatch):
     machine = machine_capacity_bytes("cuda:0", tmp_path)
     assert machine["gpu"] == free - CUDA_ALLOCATOR_SLACK_BYTES
     check_machine_room("cuda:0", {"gpu": free - CUDA_ALLOCATOR_SLACK_BYTES, "cpu": 1e15}, machine)  # cpu: not shared
-    with pytest.raises(UserError, match=r"gpu tier but cuda:0 has 2\.00 GiB free, of which 384 MiB stay free"):
+    with pytest.raises(UserError, match=r"gpu tier but cuda:0 leaves 1\.62 GiB once 384 MiB of its free memory are kept"):
         check_machine_room("cuda:0", {"gpu": free - 2**20, "cpu": 0.0}, machine)
     with pytest.raises(UserError, match="RAM for its gpu and cpu tiers"):  # without CUDA the tiers share RAM
         check_machine_room("cpu", {"gpu": 2**30, "cpu": 2**30}, {"gpu": 1.5 * 2**30, "cpu": 1.5 * 2**30})

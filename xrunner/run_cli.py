@@ -180,10 +180,10 @@ def check_machine_room(device: str, planned: dict[str, float], machine: dict[str
     if device.startswith("cuda"):
         need, room = planned.get("gpu", 0.0), machine["gpu"]
         if need > room:
-            raise UserError(f"the plan needs {need / 2**30:.2f} GiB on the gpu tier but {device} has "
-                            f"{(room + CUDA_ALLOCATOR_SLACK_BYTES) / 2**30:.2f} GiB free, of which "
-                            f"{CUDA_ALLOCATOR_SLACK_BYTES / 2**20:.0f} MiB stay free for the CUDA allocator's "
-                            f"workspaces (short by {need - room:,.0f} bytes); free the device, or plan "
+            raise UserError(f"the plan needs {need / 2**30:.2f} GiB on the gpu tier but {device} leaves "
+                            f"{room / 2**30:.2f} GiB once {CUDA_ALLOCATOR_SLACK_BYTES / 2**20:.0f} MiB of its free "
+                            f"memory are kept for the CUDA allocator's workspaces (short by {need - room:,.0f} "
+                            "bytes); free the device, or plan "
                             "again on a profile with a smaller gpu tier (xsched profile --gpu-mem)")
         return
     ram_bytes = machine["cpu"]

@@ -10,6 +10,7 @@ batch order could not: a different batch shape handed a request another draw.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -53,8 +54,8 @@ def uniforms(seed: int, keys: Sequence[tuple[object, int]]) -> list[float]:
     """One number in [0, 1) per ``(request id, token index)``: 53 bits of a BLAKE2b hash of the
     seed and the key (a keyed hash, so the same everywhere, unlike Python's salted ``hash``)."""
     out = []
-    for rid, index in keys:
-        digest = hashlib.blake2b(f"{seed}\x1f{rid}\x1f{index}".encode(), digest_size=8).digest()
+    for rid, index in keys:  # the id as JSON: 1 and "1" are two requests (xrunner.jobfiles) and draw apart
+        digest = hashlib.blake2b(f"{seed}\x1f{json.dumps(rid)}\x1f{index}".encode(), digest_size=8).digest()
         out.append((int.from_bytes(digest, "little") >> 11) * 2.0**-53)
     return out
 
@@ -94,6 +95,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: Sequence[tuple[ob
         raise ValueError(f"sampling needs one (request id, token index) per row: {len(keys)} for {logits.shape[0]}")
     probs = filter_logits(logits, params).softmax(dim=-1).double()
     cdf = probs.cumsum(dim=-1)
+    if not bool(torch.isfinite(cdf[:, -1]).all()):  # a NaN or inf logit: no distribution to draw from
+        raise UserError("the model's logits hold NaN or inf (an overflow in float16?); run it in float32 or "
+                        "bfloat16")
     u = torch.tensor(uniforms(params.seed, keys), dtype=torch.float64, device=logits.device)[:, None]
     token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     last = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
