@@ -231,9 +231,12 @@ def test_unreadable_or_absurd_inputs_are_one_line_errors(tmp_path):
     deep.write_text("[" * 100000 + "]" * 100000)
     plan = tmp_path / "plan.json"
     plan.write_text("{}")
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"id": 1, "prompt_ids": [1, "a"], "max_new_tokens": 3}\n')  # was counted as 2 tokens
     for argv in (("profile", "show", "p" * 300), ("workload", "show", "w" * 300 + ".jsonl"),
                  ("simulate", "--profile", "t4", "--model", "m" * 300, "--workload", "T", "--policy", '{"gbs": 1, "nb": 1}'),
-                 ("workload", "show", str(plan / "x.jsonl")), ("profile", "show", str(deep)), ("workload", "fit", str(deep))):
+                 ("workload", "show", str(plan / "x.jsonl")), ("profile", "show", str(deep)), ("workload", "fit", str(deep)),
+                 ("workload", "show", str(ids))):
         code, err = run_cli(*argv)
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
     with pytest.raises(UserError, match="below 2\\*\\*31"):

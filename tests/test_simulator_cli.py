@@ -57,19 +57,21 @@ def test_simulate_json_trace_and_plan(profile_path, tmp_path):
 
 BAD_INPUT = [
     (["--workload", "T", "--policy", POLICY, "--seed", "-1"], "--seed: must be in [0, 2**64), got -1"),  # argparse: exits itself
+    (["--workload", "T", "--policy", POLICY, "--requests", "0"], "--requests: must be from 1 to 10,000,000, got 0"),
+    # 3e7 requests was a MemoryError traceback under a 4 GB limit (review)
+    (["--workload", "T", "--policy", POLICY, "--requests", "30000000"], "--requests: must be from 1 to 10,000,000"),
     (["--workload", "T", "--policy", '{"gbs": 8, "nb": 2, "wg": 0.5, "wc": 0.4, "wd": 0}'], "sum to 0.9"),
     (["--workload", "Q", "--policy", POLICY], "unknown workload preset 'Q'"),
     (["--workload", "fixed:0:8", "--policy", POLICY], ">= 1"),
     (["--workload", "T", "--policy", '{"gbs": 8,'], "not valid JSON"),
     (["--workload", "T", "--policy", '{"gbs": 0, "nb": 1}'], "gbs and nb must be >= 1"),
-    (["--workload", "T", "--policy", POLICY, "--requests", "0"], "--requests must be >= 1"),
     (["--workload", "T", "--policy", POLICY, "--method", "analytic", "--trace", "x.json"], "discrete-event"),
     (["--workload", "T", "--policy", POLICY, "--output", "/nonexistent-dir/r.json"], "does not exist"),
     (["--workload", "T", "--policy", POLICY, "--output", ""], "-o needs a file path"),  # wrote nothing, exit 0
 ]
 
 
-@pytest.mark.parametrize("args,message", BAD_INPUT[:3])
+@pytest.mark.parametrize("args,message", BAD_INPUT[:5])
 def test_simulate_bad_input_exits_2_with_one_line(profile_path, args, message):
     out = run("simulate", "--profile", profile_path, "--model", "opt-1.3b", *args)
     assert out.returncode == 2
@@ -77,7 +79,7 @@ def test_simulate_bad_input_exits_2_with_one_line(profile_path, args, message):
     assert len(lines) == 1 and lines[0].startswith("xsched: error:") and message in lines[0], out.stderr
 
 
-@pytest.mark.parametrize("args,message", BAD_INPUT[3:])
+@pytest.mark.parametrize("args,message", BAD_INPUT[5:])
 def test_simulate_bad_input_in_process(profile_path, args, message, capsys):
     """The same CLI entry point in-process (the subprocess cases above check the interpreter exit)."""
     from xsched.cli import main

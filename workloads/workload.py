@@ -233,6 +233,8 @@ def _prompt_length(row: dict[str, Any], count_tokens: Callable[[str], int] | Non
         return _positive_int(row["prompt_tokens"], where, "prompt_tokens"), False
     ids = row.get("prompt_ids")
     if isinstance(ids, list) and ids and row.get("prompt") in (None, ""):  # `xsched run`'s pre-tokenized form
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):  # as xsched run refuses them
+            raise UserError(f"{where}: prompt_ids must be token ids (whole numbers >= 0)")
         return len(ids), False
     text = row.get("prompt")
     if not isinstance(text, str) or not text:

@@ -6,7 +6,7 @@ import argparse
 import math
 import sys
 
-from xsched.cli import seed_arg
+from xsched.cli import requests_arg, seed_arg
 
 DEFAULT_PROFILE = "t4"
 DEFAULT_MODEL = "opt-30b"
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--search", choices=("bnb", "exhaustive", "optuna"), default="bnb",
                    help="bnb: branch-and-bound (default); exhaustive: every point of the grid; optuna: TPE with "
                         "as many evaluations as branch-and-bound uses")
-    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
+    p.add_argument("--requests", type=requests_arg, default=DEFAULT_REQUESTS,
                    help=f"requests in the job the plan is priced on (default {DEFAULT_REQUESTS})")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the simulated request sample (default 0)")
     p.add_argument("--evaluator", choices=("discrete-event", "analytic"), default="discrete-event",
@@ -80,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="full (default): any compression; local: keep the plan's weight compression")
     r.add_argument("--search", choices=("warm", "bnb"), default="warm",
                    help="warm (default): climb from the plan's policy (fast); bnb: the whole branch-and-bound")
-    r.add_argument("--requests", type=int, default=None,
+    r.add_argument("--requests", type=requests_arg, default=None,
                    help="job size to price the old and new plans on (default: the plan's own, as planned)")
     r.add_argument("-o", "--output", metavar="NEW_PLAN.json", help="write the new plan here (only when it changed)")
     r.add_argument("--json", action="store_true", help="print the Replan record as JSON")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from xsched.cli import seed_arg
+from xsched.cli import requests_arg, seed_arg
 from xsched.fileio import path_exists
 
 DEFAULT_PROFILE = "t4"
@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--policy", help="policy as JSON text or a JSON file, e.g. '{\"gbs\": 8, \"nb\": 4, \"wg\": 0.5, "
                                       "\"wc\": 0.5, \"wd\": 0}' (fractions 0..1; omitted ones keep defaults)")
     src.add_argument("--plan", help="plan JSON from `xsched plan`: its policy, and its model and workload unless given")
-    p.add_argument("--requests", type=int, default=None,
+    p.add_argument("--requests", type=requests_arg, default=None,
                    help=f"requests to sample from the workload (default: a --plan's own, else {DEFAULT_REQUESTS})")
     p.add_argument("--seed", type=seed_arg, default=None,
                    help="seed of the request sample (default: a --plan's own, else 0)")
