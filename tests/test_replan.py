@@ -463,3 +463,20 @@ def test_a_second_shift_after_a_replan_is_the_second_event(setup):
             at.append(i + 1)
     assert len(at) == 2, (at, [e.reason() for e in watcher.events])
     assert 300 < at[0] <= 450 and 1500 < at[1] <= 1900, at
+
+
+def test_replan_says_when_the_observed_requests_pass_the_models_context(tmp_path, capsys):
+    """`plan` and `simulate` note a workload longer than the model's positions; `replan` planned
+    for such observations silently (review)."""
+    from xsched.cli import main
+
+    plan = tmp_path / "p.json"
+    assert main(["plan", "--profile", "t4", "--model", "opt-125m", "--workload", "fixed:16:8", "--requests", "16",
+                 "-o", str(plan), "--quiet"]) == 0
+    rng = np.random.default_rng(0)
+    obs = tmp_path / "obs.jsonl"
+    obs.write_text("".join(json.dumps({"prompt_tokens": int(p), "output_tokens": int(o)}) + "\n"
+                           for p, o in zip(rng.integers(1500, 2100, 60), rng.integers(50, 100, 60))))
+    capsys.readouterr()
+    assert main(["replan", "--plan", str(plan), "--observed", str(obs)]) == 0
+    assert "beyond opt-125m's 2048 positions" in capsys.readouterr().err

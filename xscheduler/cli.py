@@ -98,6 +98,11 @@ def _replan(args: argparse.Namespace) -> int:
         check_writable(args.output, "-o")  # before the search, not after it
     plan = Plan.load(args.plan)
     prompts, outputs, capped = read_observed(Path(args.observed))
+    longest = int(max(prompts) + max(outputs)) if len(prompts) else 0
+    if longest > plan.model.max_positions:  # as `plan` and `simulate` say of a workload
+        print(f"xsched: note: the observed requests reach {longest} tokens (longest prompt + output), beyond "
+              f"{plan.model.name}'s {plan.model.max_positions} positions; `xsched run` refuses such requests",
+              file=sys.stderr)
     result = replan(plan, prompts, outputs, capped, profile=args.profile, false_alarm_rate=args.false_alarm_rate,
                     compress=args.compress, scope=args.scope, method=args.search, num_requests=args.requests)
     if args.output and result.new_plan is not None:
