@@ -286,6 +286,13 @@ def test_file_budget_reports_only_changes(tmp_path):
     path.write_text(json.dumps({"gpu_bytes": -3}))
     with pytest.warns(BudgetWarning, match="positive"):
         assert fb.poll() is None
+    # integers past float's range or past json's 4300 digits ended the job with a traceback (review)
+    path.write_text('{"gpu_bytes": 1' + "0" * 400 + "}")
+    with pytest.warns(BudgetWarning, match="positive, finite number of bytes, got 1000.*401 digits"):
+        assert fb.poll() is None
+    path.write_text('{"gpu_bytes": 1' + "0" * 5000 + "}")
+    with pytest.warns(BudgetWarning, match="cannot be read as JSON"):
+        assert fb.poll() is None
 
 
 def _info(policy, peak):

@@ -58,9 +58,16 @@ class _Changes:
 
 
 def _valid(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{key} must be a positive number of bytes, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)  # an int past float's range raised OverflowError, ending the job (review)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number <= 0:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(repr(value))} digits)"
+        raise ValueError(f"{key} must be a positive, finite number of bytes, got {shown}")
+    return number
 
 
 class FileBudget:
@@ -88,7 +95,7 @@ class FileBudget:
         except FileNotFoundError:
             self._warn("not found")
             return None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, bad UTF-8, an int past 4300 digits
             self._warn(f"cannot be read as JSON ({str(exc).splitlines()[0]})")
             return None
         if not isinstance(data, dict):

@@ -51,7 +51,8 @@ def _raise_does_not_fit(ev: Evaluator, compress: str) -> None:
                             compress_cache=frugal.compress_cache, cpu_attention=frugal.cpu_attention)
     what = "; ".join(f"the {tier} tier is short by {b:,.0f} bytes ({b / 2**30:,.2f} GiB; it has "
                      f"{ev.profile.capacity_bytes(tier):,} bytes)" for tier, b in short.items())
-    hint = "" if frugal.compress_weight else " (try --compress auto or on)"
+    hint = "" if frugal.compress_weight else (" (allow 4-bit compression: --compress auto or on; in xsched run, "
+                                              "--replan-compress)")
     raise UserError(f"{ev.spec.name} ({ev.spec.dtype}) does not fit profile {ev.profile.name} even one sequence "
                     f"at a time with {frugal.describe()}: {what or 'no placement satisfies every tier'}{hint}")
 
