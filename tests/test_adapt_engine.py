@@ -315,3 +315,15 @@ def test_no_policy_fits_the_new_budget():
     stop = budget_hook(CallbackBudget(lambda: {"gpu": 50.0}), nothing_fits)
     with pytest.raises(UserError, match="30 bytes more on the gpu tier"):
         stop(_info(policy, {"gpu": 80.0, "cpu": 0.0, "disk": 0.0}))
+
+
+def test_a_budget_above_the_machine_is_capped_at_what_it_had():
+    """A budget file raised to 1e300 bytes mid-run was planned for as is (review): a new budget
+    now stops at what the machine had when the job started, with a warning."""
+    policy = Policy(gbs=1, nb=1)
+    seen = []
+    hook = budget_hook(CallbackBudget(lambda: {"gpu": 1e300, "cpu": 50.0}), lambda caps: seen.append(caps) or policy,
+                       capacity_bytes={"gpu": 100.0, "cpu": 100.0}, machine_bytes={"gpu": 400.0, "cpu": 800.0})
+    with pytest.warns(BudgetWarning, match="above what this machine had"):
+        answer = hook(_info(policy, {"gpu": 80.0, "cpu": 0.0, "disk": 0.0}))
+    assert seen == [{"gpu": 400.0, "cpu": 50.0}] and answer[2] == {"gpu": 400.0, "cpu": 50.0}

@@ -138,15 +138,22 @@ class BudgetHook:
     """The between-blocks hook of :func:`budget_hook`; ``capacity_bytes`` is the budget in force."""
 
     def __init__(self, source: BudgetSource, plan_fn: Callable[[dict[str, float]], "Policy"],
-                 capacity_bytes: Mapping[str, float] | None = None):
+                 capacity_bytes: Mapping[str, float] | None = None, machine_bytes: Mapping[str, float] | None = None):
         self.source, self.plan_fn = source, plan_fn
         self.capacity_bytes: dict[str, float] | None = dict(capacity_bytes) if capacity_bytes is not None else None
+        self.machine_bytes = dict(machine_bytes or {})  # the ceiling: what the machine had at the start
         self.events: list[str] = []  # one line per budget change it acted on
 
     def __call__(self, info: "BlockInfo") -> "tuple[Policy, str, dict[str, float]] | None":
         polled = self.source.poll()
         if polled is None:
             return None
+        over = {t: b for t, b in polled.items() if b > self.machine_bytes.get(t, math.inf)}
+        if over:  # a budget of 1e300 bytes was taken as is (review): plans for it would not fit the machine
+            warnings.warn("budget above what this machine had at the start (" + ", ".join(
+                f"{t} {_bytes(b)} > {_bytes(self.machine_bytes[t])}" for t, b in over.items())
+                + "); using the machine's", BudgetWarning, stacklevel=2)
+            polled = {**polled, **{t: self.machine_bytes[t] for t in over}}
         current = self.capacity_bytes if self.capacity_bytes is not None else (info.capacity_bytes or {})
         caps = {**current, **polled}
         if caps == current:
@@ -174,12 +181,14 @@ class BudgetHook:
 
 
 def budget_hook(source: BudgetSource, plan_fn: Callable[[dict[str, float]], "Policy"],
-                capacity_bytes: Mapping[str, float] | None = None) -> BudgetHook:
+                capacity_bytes: Mapping[str, float] | None = None,
+                machine_bytes: Mapping[str, float] | None = None) -> BudgetHook:
     """A ``between_blocks`` hook: poll ``source``; on a change, ``plan_fn(new capacities)`` gives the policy.
 
-    ``capacity_bytes`` is the budget the job started with (default: what the engine enforces).
+    ``capacity_bytes`` is the budget the job started with (default: what the engine enforces);
+    ``machine_bytes`` caps a new budget per tier (a warning says so).
     """
-    return BudgetHook(source, plan_fn, capacity_bytes)
+    return BudgetHook(source, plan_fn, capacity_bytes, machine_bytes)
 
 
 def plan_fn_for(plan: "Plan", profile: "HardwareProfile", **search: Any) -> Callable[[dict[str, float]], "Policy"]:

@@ -325,7 +325,7 @@ def _run(args: argparse.Namespace) -> int:
             new_tokens_of = {records[i].id: new_tokens[i] for i in pending_idx}
             order_of = {records[i].id: k for k, i in enumerate(pending_idx)}
             hook, watcher = _adapt_hook(args, covering(plan, max_prompt, max_output), capacity, profile, no_profile,
-                                        horizon=len(pending_idx))
+                                        horizon=len(pending_idx), machine=machine)
             with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
                         capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
                         stop_token_ids=stops, record_trace=bool(args.trace), device=device,
@@ -445,7 +445,7 @@ def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_len
 
 
 def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float], profile: Any, no_profile: Any,
-                horizon: int = 1) -> tuple[Any, Any]:
+                horizon: int = 1, machine: dict[str, float] | None = None) -> tuple[Any, Any]:
     """The between-blocks hook of ``--adapt``/``--budget-file`` (budget first, then drift) and the
     drift watcher (None when off; its false-alarm rate holds over the ``horizon`` requests of the
     job). ``profile``: the plan's, or None with ``no_profile`` the error saying why. Each event is
@@ -467,7 +467,8 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
 
         plan_fn = plan_fn_for(plan, profile, confirm_seeds=(), compress=args.replan_compress, num_requests=requests)
         budget = budget_hook(FileBudget(args.budget_file), plan_fn,
-                             capacity_bytes={t: capacity[t] for t in ("gpu", "cpu")})
+                             capacity_bytes={t: capacity[t] for t in ("gpu", "cpu")},
+                             machine_bytes={t: machine[t] for t in ("gpu", "cpu")} if machine else None)
     if watcher is None and budget is None:
         return None, None
 
