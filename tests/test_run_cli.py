@@ -642,3 +642,21 @@ def test_the_run_computes_with_the_profiles_thread_count():
             assert torch.get_num_threads() == len(os.sched_getaffinity(0))  # no more than this machine has
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_offload_dir_that_takes_no_files_is_refused_up_front(tmp_path, monkeypatch):
+    """As root, os.access passes /proc and read-only mounts; `calibrate --offload-dir /proc` then
+    failed later with "directory does not exist" (review). A file is now created to find out."""
+    import errno
+    import tempfile
+
+    from xrunner.run_cli import check_offload_dir
+
+    check_offload_dir(str(tmp_path))  # a writable directory passes
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    with pytest.raises(UserError, match="cannot create files there \\(Read-only file system\\)"):
+        check_offload_dir(str(tmp_path))

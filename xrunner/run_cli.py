@@ -205,6 +205,13 @@ def check_offload_dir(path: str) -> None:
         raise UserError(f"offload dir {p} is not a directory; pass a directory to --offload-dir")
     if not os.access(p, os.R_OK | os.W_OK | os.X_OK):
         raise UserError(f"offload dir {p} is not readable and writable; pass another --offload-dir")
+    import tempfile
+
+    try:  # root passes os.access on /proc or a read-only mount; creating a file tells
+        tempfile.TemporaryFile(dir=p).close()
+    except OSError as exc:
+        raise UserError(f"offload dir {p}: cannot create files there ({exc.strerror or exc}); pass another "
+                        "--offload-dir") from None
 
 
 def result_row(f: Any, text: str | None) -> dict[str, Any]:
