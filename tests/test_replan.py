@@ -479,4 +479,5 @@ def test_replan_says_when_the_observed_requests_pass_the_models_context(tmp_path
                            for p, o in zip(rng.integers(1500, 2100, 60), rng.integers(50, 100, 60))))
     capsys.readouterr()
     assert main(["replan", "--plan", str(plan), "--observed", str(obs)]) == 0
-    assert "beyond opt-125m's 2048 positions" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the observed requests' longest prompt + output is" in err and "beyond opt-125m's 2048 positions" in err

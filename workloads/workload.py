@@ -88,11 +88,8 @@ class Workload(Contract):
     def context_note(self, model: str, max_positions: int) -> str | None:
         """A line when the longest prompt plus output passes the model's positions (the plan is
         then for requests that `xsched run` refuses), else None."""
-        longest = self.prompt.max_len + self.output.max_len
-        if longest <= max_positions:
-            return None
-        return (f"the workload's longest prompt + output is {longest} tokens, beyond {model}'s {max_positions} "
-                "positions; `xsched run` refuses such requests (scale the workload, e.g. NAME@0.5)")
+        return context_note("the workload's", self.prompt.max_len + self.output.max_len, model, max_positions,
+                            " (scale the workload, e.g. NAME@0.5)")
 
     def describe(self) -> str:
         lines = [f"workload {self.name}" + (f" ({self.source})" if self.source else "")]
@@ -176,6 +173,14 @@ def spearman_to_copula(a: Any, b: Any) -> float:
         return 0.0
     rho = 2 * math.sin(math.pi * rho_s / 6)
     return float(np.clip(rho, -0.999, 0.999))
+
+
+def context_note(whose: str, longest: int, model: str, max_positions: int, advice: str = "") -> str | None:
+    """A line when ``whose`` longest prompt + output passes the model's positions, else None."""
+    if longest <= max_positions:
+        return None
+    return (f"{whose} longest prompt + output is {longest} tokens, beyond {model}'s {max_positions} positions; "
+            f"`xsched run` refuses such requests{advice}")
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

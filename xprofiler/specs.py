@@ -224,8 +224,7 @@ class ModelSpec(Contract):
         except (json.JSONDecodeError, RecursionError) as exc:
             raise UserError(f"{gen_path}: not valid JSON ({exc})") from None
         more = _eos_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None, gen_path)
-        extra = tuple(t for t in dict.fromkeys(spec.extra_eos_token_ids + more) if t != spec.eos_token_id)
-        return spec if extra == spec.extra_eos_token_ids else replace(spec, extra_eos_token_ids=extra)
+        return replace(spec, **_eos_fields(spec.eos_token_ids + more))
 
     @classmethod
     def from_gguf(cls, path: str | Path, name: str | None = None, dtype: str = "float32") -> "ModelSpec":
@@ -263,6 +262,12 @@ def _eos_ids(value: Any, where: object) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _eos_fields(ids: tuple[int, ...]) -> dict[str, Any]:
+    """ModelSpec's eos fields for ``ids`` in order: the first is the main one, repeats dropped."""
+    unique = tuple(dict.fromkeys(ids))
+    return dict(eos_token_id=unique[0] if unique else None, extra_eos_token_ids=unique[1:])
+
+
 def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSpec:
     """Build a ModelSpec from a parsed HF config dict of the OPT or Llama family."""
     if not isinstance(cfg, dict):
@@ -272,9 +277,7 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
     if bad:
         raise UserError(f"{name}: config.json's {', '.join(f'{k}={cfg[k]!r}' for k in bad)} must be whole numbers")
     model_type = cfg.get("model_type")
-    eos = _eos_ids(cfg.get("eos_token_id"), f"{name}: config.json")
-    eos_fields = dict(eos_token_id=eos[0] if eos else None,
-                      extra_eos_token_ids=tuple(t for t in dict.fromkeys(eos[1:]) if t != eos[0]))
+    eos_fields = _eos_fields(_eos_ids(cfg.get("eos_token_id"), f"{name}: config.json"))
     try:
         if model_type == "opt":
             if not cfg.get("do_layer_norm_before", True):

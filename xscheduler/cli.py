@@ -90,6 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _replan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from workloads.workload import context_note
     from xscheduler.plan import Plan
     from xsched.fileio import check_writable
     from xscheduler.replan import read_observed, replan
@@ -99,10 +100,8 @@ def _replan(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     prompts, outputs, capped = read_observed(Path(args.observed))
     longest = int(max(prompts) + max(outputs)) if len(prompts) else 0
-    if longest > plan.model.max_positions:  # as `plan` and `simulate` say of a workload
-        print(f"xsched: note: the observed requests reach {longest} tokens (longest prompt + output), beyond "
-              f"{plan.model.name}'s {plan.model.max_positions} positions; `xsched run` refuses such requests",
-              file=sys.stderr)
+    if (beyond := context_note("the observed requests'", longest, plan.model.name, plan.model.max_positions)):
+        print(f"xsched: note: {beyond}", file=sys.stderr)  # as `plan` and `simulate` say of a workload
     result = replan(plan, prompts, outputs, capped, profile=args.profile, false_alarm_rate=args.false_alarm_rate,
                     compress=args.compress, scope=args.scope, method=args.search, num_requests=args.requests)
     if args.output and result.new_plan is not None:
