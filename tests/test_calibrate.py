@@ -281,10 +281,11 @@ def test_weight_fetches_per_step_match_the_engine_copy_counts(tmp_path, offloade
     ("kv-act-disk", {"cg": 0.5, "cd": 0.5, "hg": 0.5, "hd": 0.5}),
 ])
 def test_row_copies_priced_per_copy_match_the_engine_copy_counts(tmp_path, name, placement):
-    """The engine moves KV rows between the cpu and gpu tiers one row and stored part at a time,
-    hidden-state rows one at a time between layers (not into the first nor out of the last), and
-    CPU attention's q, new K/V and output one tensor each; disk rows pass through a cpu relay, one
-    copy each way. The cost model charges ``row_copy_s`` once per such copy. With ``row_copy_s`` at 1 s, every other part of the
+    """The engine moves KV rows between the cpu and gpu tiers one run of consecutive slots and
+    stored part at a time (one run here: no row finishes early), hidden-state rows likewise
+    between layers (not into the first nor out of the last), and CPU attention's q, new K/V and
+    output one tensor each; disk rows pass through a cpu relay, one copy each way. The cost model
+    charges ``row_copy_s`` once per such copy. With ``row_copy_s`` at 1 s, every other part of the
     predicted ctog/gtoc time is negligible, so the busy seconds count the copies it charges."""
     from xrunner.engine import Engine, Request
     from xrunner.loaders import RandomSource

@@ -173,6 +173,45 @@ def test_partly_finished_batches_attend_in_place_over_the_span_of_their_rows(lla
     assert any(sp is not None for sp in spans)
 
 
+def test_offloaded_rows_move_a_run_of_consecutive_slots_per_copy(llama, tmp_path, monkeypatch):
+    """KV-cache and hidden-state rows on the cpu tier move one copy per run of consecutive slots
+    (split at ``COPY_RUN_BYTES`` of a part), not one per row: the same tokens as the reference,
+    with fewer copies than a one-row cap makes, and as many as the runs of the rows left."""
+    import xrunner.engine as engine_module
+    from xrunner.engine import _runs
+
+    assert _runs([0, 1, 2, 5, 6, 9], row_bytes=1) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
+    assert _runs([3, 4, 5, 6, 7], row_bytes=engine_module.COPY_RUN_BYTES // 2) == [(0, 3, 2), (2, 5, 2), (4, 7, 1)]
+    assert _runs([2, 3], row_bytes=engine_module.COPY_RUN_BYTES * 4) == [(0, 2, 1), (1, 3, 1)]
+    assert _runs([], row_bytes=1) == []
+    src, reqs, _ = llama
+    alternating = [replace(r, max_new_tokens=2 if i % 2 else MAX_OUTPUT) for i, r in enumerate(reqs[:6])]
+    want = reference(load_weights(src), alternating)
+    policy = Policy(gbs=6, nb=1, cg=0.0, cc=1.0, hg=0.0, hc=1.0)
+    seen: list[list[int]] = []
+    real_runs = engine_module._runs
+
+    def spy(rows, row_bytes):
+        seen.append(list(rows))
+        return real_runs(rows, row_bytes)
+
+    monkeypatch.setattr(engine_module, "_runs", spy)
+    got, by_runs = run_engine(src, policy, alternating, tmp_path, record_trace=True)
+    assert got == want
+    assert [1, 3, 5] in seen  # the rows left after the short ones finished (bucketed): three runs
+    calls, seen[:] = list(seen), []
+    runs = sum(len(real_runs(rows, 1)) for rows in calls)
+    monkeypatch.setattr(engine_module, "COPY_RUN_BYTES", 1)
+    got, by_rows = run_engine(src, policy, alternating, tmp_path, record_trace=True)
+    assert got == want and seen == calls
+
+    def copies(stats):
+        return sum(1 for e in stats.events if e.track in ("ctog", "gtoc"))
+
+    assert copies(by_runs) == runs < copies(by_rows)
+    assert copies(by_rows) == sum(len(rows) for rows in calls)
+
+
 def test_stop_at_eos_frees_the_row(llama, tmp_path):
     src, reqs, want = llama
     # A token some reference outputs produce mid-way becomes the stop token.

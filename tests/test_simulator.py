@@ -818,3 +818,29 @@ def test_a_refill_interval_or_block_far_past_the_job_simulates_as_the_job_needs(
     assert far.wall_s == pytest.approx(base.wall_s, rel=1e-12) and far.latency_p99_s == pytest.approx(base.latency_p99_s)
     wide = simulate(OPT30, t4_like(), Policy(gbs=2**20, nb=2**12), w, num_requests=50, seed=1)
     assert wide.generated_tokens == far.generated_tokens
+
+
+def test_row_copies_priced_as_the_runs_of_rows_left_spread_at_random():
+    """The engine copies cpu-tier KV and hidden-state rows a run of consecutive slots at a time, and
+    disk rows one at a time. The cost model's copy count is the mean over random spreads of the
+    active rows (the draws here are the reference), and splits runs past ``COPY_RUN_BYTES``."""
+    from xscheduler.placement import _var
+    from xsimulator.costmodel import COPY_RUN_BYTES
+
+    rng = np.random.default_rng(0)
+    n, cpu = 16, 0.5  # slots 8..15 live on the cpu tier
+    for rows in (1, 3, 8, 13, 16):
+        cm = CostModel.for_policy(OPT30, cpu_host(), Policy(gbs=n, nb=1, cg=0.5, cc=cpu))
+        draws = []
+        for _ in range(4000):
+            active = np.zeros(n, dtype=bool)
+            active[rng.choice(n, rows, replace=False)] = True
+            tier = active[8:]
+            draws.append(int(tier[0]) + int(np.sum(tier[1:] & ~tier[:-1])))
+        per_unit = cm._row_copies(cpu, rows, 2, nbytes=2 * rows * 1024)
+        assert cpu * per_unit == pytest.approx(2 * np.mean(draws), rel=0.04, abs=0.02), rows
+        assert cm._row_copies(cpu, rows, 2, 2 * rows * COPY_RUN_BYTES) == pytest.approx(2 * rows)  # a row each
+        # an LP variable share scales the whole batch's runs (a linear term)
+        share = _var(pulp.LpProblem("p"), "cc", 0, 1)
+        assert cm._row_copies(share, rows, 2, 2048) == pytest.approx(cm._row_copies(1.0, rows, 2, 2048))
+    assert CostModel(OPT30, cpu_host())._row_copies(cpu, 5, 2, 1024) == pytest.approx(10)  # no slot count: per row

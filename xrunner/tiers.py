@@ -380,7 +380,8 @@ class TierStore:
     def deferred_sync(self) -> Iterator[None]:
         """Row copies of this thread inside the block share one synchronisation, at its end.
 
-        The engine moves KV-cache and activation rows one row at a time. An fdatasync after each
+        The engine moves disk-tier KV-cache and activation rows one row at a time (cpu-tier rows
+        a run of consecutive slots at a time). An fdatasync after each
         disk write (about 0.25 ms on the VM this was built on) made disk-tier rows latency-bound,
         so a block's writes share one fdatasync per file; on CUDA its copies between homes and
         stage slots share one stream synchronisation per channel instead of one per row. Every

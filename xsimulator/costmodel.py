@@ -49,9 +49,10 @@ FACTOR_TERMS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "gpu_compute", 
 # (the first GPU batch of a block reads the layer's weights from memory, the others find them in
 # the cache: the block schedule's weight reuse one level down; the profile's layer fits are timed
 # with warm weights). And per copy of a KV-cache or activation row between the cpu and gpu tiers
-# (the engine moves those one row and KV part at a time: on the 2-core VM this was built on, a
-# 3 KiB row cost tens of microseconds of Python and launch, not 3 KiB of bandwidth, and with one
-# factor per channel that cost inflated the factor of whole-layer weight copies two-fold).
+# (the engine moves those a run of consecutive slots and KV part at a time, disk rows one row at a
+# time: on the 2-core VM this was built on, a 3 KiB row cost tens of microseconds of Python and
+# launch, not 3 KiB of bandwidth, and with one factor per channel that cost inflated the factor of
+# whole-layer weight copies two-fold).
 # And ``kv_codec_overhead_s``: per layer and GPU batch of a decode step over a 4-bit cache, the
 # codec's fixed work per call (encoding the step's K/V, the query's rotation, the own position's
 # exact K/V, the output's un-rotation), which no per-byte rate sees. Stop 28: fitted 1.27 ms on
@@ -71,6 +72,9 @@ INTERFERENCE_TERMS: tuple[str, ...] = ("disk_interference", "copy_interference")
 # The engine attends in place over a span of a GPU batch's slots while it is at most this many
 # times the rows left in it (xrunner.engine.attention_span); the cost model prices the same rule.
 SPAN_MAX_RATIO = 3
+# The most bytes of one KV-cache part or hidden state that one copy of a run of rows moves between
+# the cpu and gpu tiers (``xrunner.engine._runs``).
+COPY_RUN_BYTES = 8 << 20
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 # Stored KV parts per layer and row (the engine's KVCodec): K and V; 4-bit: codes, mins, scales of each.
 KV_PARTS = 2
@@ -518,18 +522,23 @@ class CostModel:
         kv_new = rows * tok * spec.kv_bytes_per_token_per_layer  # K and V this step appends
         kv_new_st = kv_new * self.kv_stored_ratio if self.compress_cache else kv_new
         off_c = p["cc"] + p["cd"]  # KV rows not resident on the device
-        off_h = p["hc"] + p["hd"]
 
         parts = KV_PARTS_COMPRESSED if self.compress_cache else KV_PARTS
         rows_move, disk_rows = self._move_rows, self._disk_rows
         # Hidden states cross a tier boundary between layers only: the first layer's input is the
         # embedding and the last layer's output goes to the LM head, so L - 1 of L layers move them.
         between = (spec.num_layers - 1) / spec.num_layers
-        off_h_moved, hd_moved = _times(between, off_h), _times(between, p["hd"])
-        ctog = rows_move(off_h_moved, "ctog", act, rows)
-        gtoc = rows_move(off_h_moved, "gtoc", act, rows)
+        hc_moved, hd_moved = _times(between, p["hc"]), _times(between, p["hd"])
+        act_ops = self._row_copies(p["hc"], rows, 1, act)
+        ctog = rows_move(hc_moved, "ctog", act, act_ops) + rows_move(hd_moved, "ctog", act, rows)
+        gtoc = rows_move(hc_moved, "gtoc", act, act_ops) + rows_move(hd_moved, "gtoc", act, rows)
         dtoc = disk_rows(hd_moved, "dtoc", act, rows, 1)
         ctod = disk_rows(hd_moved, "ctod", act, rows, 1) + disk_rows(p["cd"], "ctod", kv_new_st, rows, parts)
+
+        def kv_moves(channel: str, nbytes: Any) -> Any:
+            """Offloaded KV rows to or from the device: cpu-tier rows by runs, disk rows by rows."""
+            return (rows_move(p["cc"], channel, nbytes, self._row_copies(p["cc"], rows, parts, nbytes))
+                    + rows_move(p["cd"], channel, nbytes, rows * parts))
 
         other_s, attn_s = self._compute_parts(phase, rows, length)
         warm = self._warm_fit
@@ -544,7 +553,7 @@ class CostModel:
         quant = kv_new * (self.factor("quant") / self.profile.quant_bytes_per_s) if self.compress_cache else 0.0
         if prefill:
             # The device computes the prompt's KV; offloaded rows are written back (and on to disk).
-            gtoc = gtoc + rows_move(off_c, "gtoc", kv_new_st, rows * parts)
+            gtoc = gtoc + kv_moves("gtoc", kv_new_st)
             gpu_compute = other_s + attn_s
         else:
             kv_ctx = rows * length * spec.kv_bytes_per_token_per_layer  # cache the new token attends to
@@ -566,8 +575,8 @@ class CostModel:
                 gpu_compute = other_s + _times(p["cg"], attn_s)
             else:
                 # Offloaded rows' cache comes to the device for attention; the new entries go back.
-                ctog = ctog + rows_move(off_c, "ctog", kv_ctx_st, rows * parts)
-                gtoc = gtoc + rows_move(off_c, "gtoc", kv_new_st, rows * parts)
+                ctog = ctog + kv_moves("ctog", kv_ctx_st)
+                gtoc = gtoc + kv_moves("gtoc", kv_new_st)
                 gpu_compute = other_s + (0.0 if fused else attn_s)
             gpu_compute = gpu_compute + _times(p["cg"], self._scattered_rows_s(rows, length, kv_ctx_st))
             if fused:
@@ -641,6 +650,33 @@ class CostModel:
         if _is_zero(fraction):
             return 0.0
         return fraction * (self._copy_s(channel, nbytes, nbytes) * self.factor(channel))
+
+    def _row_copies(self, cpu: Any, rows: Any, parts: int, nbytes: Any) -> Any:
+        """Copies that move the ``cpu`` share of ``rows`` active rows' ``nbytes`` (``parts``
+        tensors per row) between the cpu and gpu tiers, per unit of that share (the ``ops`` of
+        :meth:`_move_rows`; rows on disk pass through the relay one row and part at a time).
+
+        Rows on the cpu tier are copied a run of consecutive slots at a time
+        (``xrunner.engine._runs``), in pieces of at most ``COPY_RUN_BYTES`` of a part. With
+        ``rows`` of the batch's ``n`` slots active, spread at random (as :meth:`_scattered`
+        assumes), the ``s = cpu * n`` slots of the cpu tier hold ``s r / n`` active rows and
+        ``(s - 1) r (r - 1) / (n (n - 1))`` adjacent active pairs on average; each pair joins two
+        rows into one run. The LP's share is a variable, and a count that does not scale with it
+        is no linear term: there the whole batch's runs (``cpu`` = 1) are scaled instead, which
+        charges a share of a tier with every row active a share of its one copy. Without the
+        slot count, one copy per row (the bound).
+        """
+        r = np.asarray(rows, dtype=float)
+        n = self.slots
+        per_unit = r if n <= 1 else r * (n - r + 1.0) / n
+        if n > 1 and isinstance(cpu, (int, float, np.ndarray, np.number)):
+            c = np.maximum(np.asarray(cpu, dtype=float), 1e-12)
+            runs = c * r - (c * n - 1.0) * r * (r - 1.0) / (n * (n - 1.0))
+            per_unit = np.minimum(runs, c * r) / c
+        row_bytes = np.asarray(nbytes, dtype=float) / np.maximum(r * parts, 1.0)
+        per_copy = np.maximum(np.floor(COPY_RUN_BYTES / np.maximum(row_bytes, 1.0)), 1.0)
+        out = parts * np.maximum(per_unit, r / per_copy)
+        return float(out) if np.ndim(out) == 0 else out
 
     def _move_rows(self, fraction: Any, channel: str, nbytes: Any, ops: Any) -> Any:
         """``fraction`` of moving ``nbytes`` of rows between the cpu and gpu tiers as ``ops`` copies.
