@@ -521,6 +521,8 @@ def test_a_given_head_layout_is_kept_without_timing_and_gives_the_same_tokens(ll
         with Engine(src, Policy(gbs=3, nb=2), max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT,
                     head_layout=layout) as eng:
             assert eng.head_layout == layout
+            eng.reconfigure(Policy(gbs=8, nb=1))  # a new gbs keeps it too (it was timed anew: review)
+            assert eng.head_layout == layout
         got, _ = run_engine(src, Policy(gbs=3, nb=2), reqs, tmp_path, head_layout=layout)
         assert got == want
     with pytest.raises(UserError, match="head_layout must be"):
@@ -842,6 +844,7 @@ def test_cpu_attention_of_a_half_precision_model_runs_in_float32_within_its_plan
     of random weights (seen on an AVX512-BF16 host), so only the same arithmetic gives equal tokens.
     """
     import xrunner.engine as engine_module
+    import xrunner.model as model_module
 
     spec = replace(LLAMA, dtype=dtype)
     src = RandomSource(spec, seed=3)
@@ -862,9 +865,39 @@ def test_cpu_attention_of_a_half_precision_model_runs_in_float32_within_its_plan
         return attention(spec_, q, k, v, mask, causal=causal)
 
     monkeypatch.setattr(engine_module, "attention", recording)
+    monkeypatch.setattr(model_module, "attention", recording)  # CPU attention's own calls
     got, stats = run_engine(src, Policy(gbs=2, nb=2, cg=0.0, cc=1.0, cpu_attention=True), reqs, tmp_path)
     assert delegated and set(delegated) == {(torch.float32,) * 3}
     assert got == on_gpu and stats.busy_s["cpu_compute"] > 0
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_cpu_attention_in_chunks_of_rows_gives_the_reference_tokens(llama, tmp_path, monkeypatch, tier):
+    """CPU attention gathers scattered rows (too sparse for the in-place span) and converts half
+    precision through a float32 chunk of a few rows: with chunks of one row, and with rows left
+    at both ends of a GPU batch (too far apart to attend in place), the tokens are the reference's; the chunks are counted as
+    planned (``run_engine`` checks the peaks)."""
+    import xrunner.engine as engine_module
+
+    src, reqs, _ = llama
+    ends = [replace(r, max_new_tokens=MAX_OUTPUT if i in (0, 7) else 1) for i, r in enumerate(reqs[:8])]
+    want = reference(load_weights(src), ends)
+    chunks = []
+    real = engine_module.attend_rows_on_cpu
+
+    def spy(spec, q, ctx, idx, mask, chunk_bytes):
+        chunks.append((len(idx), engine_module.cpu_attention_chunk_rows(q, ctx, idx, chunk_bytes)))
+        return real(spec, q, ctx, idx, mask, chunk_bytes)
+
+    monkeypatch.setattr(engine_module, "CPU_ATTENTION_CHUNK_BYTES", 1)
+    monkeypatch.setattr(engine_module, "attend_rows_on_cpu", spy)
+    where = dict(cg=0.0, cc=1.0) if tier == "cpu" else dict(cg=0.0, cd=1.0)
+    got, _ = run_engine(src, Policy(gbs=8, nb=1, cpu_attention=True, bucket=False, **where), ends, tmp_path)
+    assert got == want
+    if tier == "cpu":  # rows 0 and 7 of 8 left: gathered a row at a time
+        assert set(chunks) == {(2, 1)}
+    else:  # the relay holds the rows as a range: float32 attends in place
+        assert set(chunks) == {(2, 0)}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -57,6 +57,11 @@ def test_tiny_profile_measures_every_field(tmp_path):
         assert 1e8 < getattr(prof, key) < 1e14, key
     assert 1e6 < prof.quant_bytes_per_s and 1e6 < prof.dequant_bytes_per_s  # tiny tensors, loaded 2-core VM
     assert 1e6 < prof.kv_attend_bytes_per_s  # CPU host: the fused 4-bit decode attention is timed
+    # the engine's CPU attention, on the model's kv heads: the rate of its samples' stored K/V bytes
+    cpu_att = pd.read_csv(csv_path).query("bench == 'cpu_attend'")
+    assert set(cpu_att["shape"]) == {f"tiny-llama:32x{TINY.num_kv_heads}x256x{TINY.head_dim}"}
+    per_call = cpu_att["time_s"] / cpu_att["count"]
+    assert prof.cpu_attend_bytes_per_s == pytest.approx(cpu_att["bytes"].iloc[0] / per_call.median())
     assert 1e8 < prof.mem_bytes_per_s and prof.cpu_mem_bytes_per_s == prof.mem_bytes_per_s
     assert prof.fingerprint.cpu_cores >= 1 and prof.fingerprint.offload_fs
     assert {(f.model, f.phase) for f in prof.layer_fits} == {("tiny-llama", "prefill"), ("tiny-llama", "decode")}
@@ -89,7 +94,7 @@ def test_tiny_profile_measures_every_field(tmp_path):
     assert pre.grid_ratio[2][1] == pre.grid_ratio[1][1] and pre.grid_ratio[2][0] != pre.grid_ratio[1][0]
     assert (df.time_s > 0).all()
     assert set(df.bench) >= {"ctog", "gtoc", "dtoc", "ctod", "mm", "bmm", "mem", "quant", "dequant", "layer",
-                             "row_store", "row_dtoc", "kv_attend"}
+                             "row_store", "row_dtoc", "kv_attend", "cpu_attend"}
     # KV/activation rows: a read's latency; a store's flush + per-row cost, a line through its two sizes
     per = df[df.bench == "row_dtoc"].eval("time_s / count")
     assert prof.disk_row_read_s == pytest.approx(per.median()) and 0 < per.median() < 0.1

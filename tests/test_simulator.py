@@ -276,6 +276,23 @@ def test_a_half_precision_4bit_cache_on_a_cpu_is_priced_and_planned_as_the_fused
     assert fused.dequant == 0.0 and fused.gpu_compute > other_s + kv_ctx * 3 / (16 * GB) * 0.999
 
 
+def test_cpu_attention_is_priced_from_the_profiles_probe_of_it_when_it_has_one():
+    """Delegated decode attention costs the cache's stored bytes at the profile's measured rate
+    (one query head per kv head; a grouped-query model repeats it per query head of a group);
+    a profile without the probe keeps the host's float32 roofline."""
+    spec = get_model_spec("smollm2-135m").with_dtype("bfloat16")  # 9 query heads per 3 kv heads
+    pol = Policy(gbs=8, nb=1, cg=0.0, cc=1.0, cpu_attention=True)
+    rows, length = 8, 100
+    kv_ctx = rows * length * spec.kv_bytes_per_token_per_layer
+    probed = CostModel.for_policy(spec, cpu_host(cpu_attend_bytes_per_s=2 * GB), pol)
+    roof = CostModel.for_policy(spec, cpu_host(cpu_mem_bytes_per_s=10 * GB), pol)
+    got = probed.batch_terms("decode", rows, length, pol.placement()).cpu_compute
+    assert got == pytest.approx(kv_ctx * 3 / (2 * GB))
+    flops = rows * spec.attention_flops_per_token(length)
+    want = max(flops / roof.profile.cpu_bmm_flops, kv_ctx / roof.profile.cpu_mem_bytes_per_s)
+    assert roof.batch_terms("decode", rows, length, pol.placement()).cpu_compute == pytest.approx(want)
+
+
 def test_batches_that_reread_a_cached_layer_save_what_the_warm_fit_measured():
     """On a CPU a block's later GPU batches reread the layer its first batch just read, and with
     4-bit weights every batch reads the buffer the layer was just dequantized into: their decode

@@ -243,6 +243,41 @@ def quant_points(device: torch.device, dtype: torch.dtype, shapes: Sequence[tupl
 
 
 KV_PROBE_HEAD_DIM, KV_PROBE_ROWS, KV_PROBE_CONTEXT = 64, 32, 128
+CPU_ATTEND_ROWS, CPU_ATTEND_CONTEXT, CPU_ATTEND_MAX_BYTES, CPU_ATTEND_COPIES = 32, 256, 64 << 20, 8
+
+
+def cpu_attend_point(label: str, spec: Any, dtype: torch.dtype) -> Point:
+    """Decode attention on the host CPU as the engine delegates it (``xrunner.model.
+    attend_rows_on_cpu``) over a ``dtype`` K/V cache in the cpu tier's layout, one query head per
+    kv head of ``spec``; ``bytes``: K and V attended over, in ``dtype``. At most 32 rows of 256
+    positions, fewer where that passes 64 MiB of cache. Successive calls cycle through copies of
+    the cache that together are twice the CPU's last-level cache, so each reads its K/V from
+    memory, as the engine's do (one copy, 25 MB for opt-125m's heads in bfloat16, stayed in a
+    32 MiB cache and measured 10.9 GB/s; the engine's items, 50 MB each, ran at about 7)."""
+    from dataclasses import replace
+    from itertools import cycle
+
+    from xprofiler.fingerprint import last_level_cache_bytes
+    from xprofiler.sweeps import FALLBACK_CACHE_BYTES, rotation_copies
+    from xrunner.model import attend_rows_on_cpu
+    from xsimulator.costmodel import CPU_ATTENTION_CHUNK_BYTES
+
+    one = replace(spec, num_heads=spec.num_kv_heads)
+    size = torch.empty((), dtype=dtype).element_size()
+    per_row = 2 * CPU_ATTEND_CONTEXT * spec.num_kv_heads * spec.head_dim * size
+    rows = max(1, min(CPU_ATTEND_ROWS, CPU_ATTEND_MAX_BYTES // per_row))
+    g = torch.Generator().manual_seed(0)
+    copies = rotation_copies(rows * per_row, last_level_cache_bytes() or FALLBACK_CACHE_BYTES, CPU_ATTEND_COPIES)
+    caches = cycle([[torch.randn(rows, CPU_ATTEND_CONTEXT, spec.num_kv_heads, spec.head_dim, generator=g).to(dtype)
+                     for _ in range(2)] for _ in range(copies)])
+    q = torch.randn(rows, spec.num_kv_heads, 1, spec.head_dim, generator=g).to(dtype)
+    mask = torch.ones(rows, CPU_ATTEND_CONTEXT, dtype=torch.bool)
+    idx = list(range(rows))
+    meta = dict(dtype=str(dtype).removeprefix("torch."),
+                shape=f"{label}{rows}x{spec.num_kv_heads}x{CPU_ATTEND_CONTEXT}x{spec.head_dim}",
+                bytes=float(rows * per_row))
+    return Point(sample_meta("cpu_attend", **meta),
+                 lambda: attend_rows_on_cpu(one, q, next(caches), idx, mask, CPU_ATTENTION_CHUNK_BYTES))
 
 
 def kv_attend_point(label: str, heads: int, dtype: torch.dtype = torch.float32) -> Point:

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from xprofiler.fingerprint import cpu_cores
 from xprofiler.profile import BandwidthCurve, HardwareProfile, HeadFit, LayerFit, WarmFit
+from xprofiler.specs import get_model_spec
 from xprofiler.sweeps import CUDA_FULL_GRIDS, CUDA_QUICK_GRIDS, FULL_GRIDS, PHASES, QUICK_GRIDS, Grid
 from xsched.errors import UserError
 from xsched.fileio import atomic_write_all, check_writable
@@ -41,6 +42,7 @@ DISK_FREE_FRACTION = 0.9  # of the offload filesystem's free space at profile ti
 BUSY_WARN_CORES = 0.25  # warn when other processes used more CPU than this while we measured
 CUDA_MEM_FRACTION = 0.9  # of the device's total memory (the CUDA context and allocator need the rest)
 HEAD_MEMORY_FRACTION = 0.5  # of the gpu tier the logits-product benchmark may hold (both layouts)
+CPU_ATTEND_DEFAULT_MODEL = "opt-1.3b"  # the CPU attention probe's heads when no model is given
 # One KV-cache / activation row transfer: a 4 KiB piece (opt-125m's K or V column is 3 KiB), 32
 # per timed call, on a reserved file large enough that every write lands on fresh space.
 ROW_BYTES = 4096
@@ -328,6 +330,7 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
         quant_bytes_per_s=r.rate("quant", unit="bytes"), dequant_bytes_per_s=r.rate("dequant", unit="bytes"),
         kv_attend_bytes_per_s=r.rate("kv_attend", unit="bytes") if any(x["bench"] == "kv_attend" for x in r.rows)
         else 0.0,
+        cpu_attend_bytes_per_s=r.rate("cpu_attend", unit="bytes"),
         mem_bytes_per_s=r.rate("mem", unit="bytes"), cpu_mem_bytes_per_s=cpu_mem, layer_fits=tuple(fits),
         head_fits=tuple(heads), warm_fits=tuple(warms),
         **row_costs(r.rows, st.stat),
@@ -396,6 +399,10 @@ def _run_benchmarks(r: _Run, opts: ProfileOptions, device: Any, dtype: str, spec
                                      replace(st, gemm_tokens=st.cpu_gemm_tokens or st.gemm_tokens), prefix="cpu_")
         r.run("cpu compute", cpu_points, timer=wall_clock)
     r.run("quantization", bench.quant_points(device, tdt, [(label, f, h, hd) for label, h, f, _, hd in shapes]))
+    # CPU attention runs on the host in the model's dtype, beside its cache: one probe (a rate of
+    # bytes), on the first model's heads, or a mid-size model's without models.
+    probe = specs[0] if specs else get_model_spec(CPU_ATTEND_DEFAULT_MODEL)
+    r.run("cpu attention", [bench.cpu_attend_point(f"{probe.name}:", probe, tdt)], timer=wall_clock)
     return disk.method
 
 

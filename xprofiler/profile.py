@@ -426,6 +426,12 @@ class HardwareProfile(Contract):
     # the K and V attended over per second, counted in the compute dtype (0.0 = unknown: priced
     # as a dequantize pass, then attention over the float copy, as on a GPU).
     kv_attend_bytes_per_s: float = 0.0
+    # Decode attention that the engine delegates to the host CPU (``xrunner.model.
+    # attend_rows_on_cpu``: a half-precision cache converted to float32 a few rows at a time), in
+    # bytes of the stored K and V attended over per second, one query head per kv head (0.0 =
+    # unknown: priced by the host's float32 roofline, which misses the conversion; stop 39: a
+    # bfloat16 cache took 2.5x the roofline's time on the 2-core VM).
+    cpu_attend_bytes_per_s: float = 0.0
     # Per model, what a decode layer step saves when the layer's weights are in the CPU's cache
     # (``WarmFit``; measured on CPU compute devices only, none: nothing saved).
     warm_fits: tuple[WarmFit, ...] = ()
@@ -441,7 +447,7 @@ class HardwareProfile(Contract):
             if not 1 <= getattr(self, key) < math.inf:  # 1e-300 priced a step at inf seconds, then NaN
                 raise ValueError(f"{key} must be a finite rate of at least 1 per second")
         for key in ("mem_bytes_per_s", "cpu_mem_bytes_per_s", "wall_s", "disk_row_write_s", "disk_row_read_s",
-                    "disk_sync_s", "kv_attend_bytes_per_s"):
+                    "disk_sync_s", "kv_attend_bytes_per_s", "cpu_attend_bytes_per_s"):
             v = getattr(self, key)
             if not 0 <= v < math.inf or (key.endswith("_per_s") and 0 < v < 1):
                 raise ValueError(f"{key} must be finite and >= 0" + (" (0, or a rate of at least 1 per second)"

@@ -62,7 +62,9 @@ def summary(p: HardwareProfile) -> str:
         f"  device       mm {si(p.mm_flops, 'FLOP/s')}, bmm {si(p.bmm_flops, 'FLOP/s')}, memory roof "
         + (si(p.mem_bytes_per_s, "B/s") if p.mem_bytes_per_s else "unknown"),
         f"  host cpu     mm {si(p.cpu_mm_flops, 'FLOP/s')}, bmm {si(p.cpu_bmm_flops, 'FLOP/s')}, memory roof "
-        + (si(p.cpu_mem_bytes_per_s, "B/s") if p.cpu_mem_bytes_per_s else "unknown"),
+        + (si(p.cpu_mem_bytes_per_s, "B/s") if p.cpu_mem_bytes_per_s else "unknown")
+        + (f", decode attention {si(p.cpu_attend_bytes_per_s, 'B/s')} of {p.compute_dtype or 'float32'} K/V"
+           if p.cpu_attend_bytes_per_s else ""),
         f"  4-bit        quantize {si(p.quant_bytes_per_s, 'B/s')}, dequantize {si(p.dequant_bytes_per_s, 'B/s')}"
         + (f", decode attention over the codes {si(p.kv_attend_bytes_per_s, 'B/s')} of "
            f"{p.compute_dtype or 'float32'} K/V" if p.kv_attend_bytes_per_s else ""),

@@ -37,13 +37,14 @@ from xprofiler.diskio import round_up
 from xprofiler.profile import HardwareProfile
 from xrunner.gptq import CENTER_SEQUENCES, GPTQCalibration, scratch_bytes as calibration_scratch_bytes
 from xrunner.loaders import ModelSource
-from xrunner.model import (attention, attn_in, attn_out_mlp, cpu_head_layout, embed, final_logits, head_layout_of,
-                           lm_head_name, rope_tables, torch_dtype)
+from xrunner.model import (attend_rows_on_cpu, attention, attn_in, attn_out_mlp, cpu_attention_chunk_rows,
+                           cpu_head_layout, embed, final_logits, head_layout_of, lm_head_name, rope_tables,
+                           torch_dtype)
 from xrunner.sampling import SamplingParams, sample
 from xrunner.stored_forms import KVCodec, WeightLayout
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
 from xsched.errors import UserError
-from xsimulator.costmodel import COPY_RUN_BYTES, SPAN_MAX_RATIO, CostModel, head_layout_bytes, pack_scratch_bytes
+from xsimulator.costmodel import COPY_RUN_BYTES, CPU_ATTENTION_CHUNK_BYTES, SPAN_MAX_RATIO, CostModel, head_layout_bytes, pack_scratch_bytes
 from xsimulator.policy import Policy
 from xsimulator.trace import TraceEvent, TraceMarker
 
@@ -811,8 +812,10 @@ class Engine:
         if observe:
             self._observe_centers()
         # The head's faster layout depends on the rows it multiplies: time it again at a new gbs
-        # while the buffers are freed, if its second copy fits the new plan (else keep the old one).
-        retimed = policy.gbs != old.gbs and self._choose_head_layout(policy.gbs, planned["gpu"])
+        # while the buffers are freed, if its second copy fits the new plan (else keep the old one);
+        # a layout the caller gave stays.
+        retimed = (policy.gbs != old.gbs and self._head_layout_given is None
+                   and self._choose_head_layout(policy.gbs, planned["gpu"]))
         self.policy, self.rounded, self.planned_peak_bytes, self.capacity_bytes = policy, rounded, planned, caps
         self._alloc_buffers()
         self._set_overlap(policy.overlap)
@@ -1186,7 +1189,7 @@ class Engine:
     def _cpu_attention(self, tier: str, work: _Work, homes: dict[str, list[Any]], q: torch.Tensor,
                        new: list[torch.Tensor], pos: list[int], rows: list[int], attn: torch.Tensor) -> float:
         """FlexGen §4.2: rows whose cache is not on the gpu tier attend on the CPU, next to their cache."""
-        st, led, spec = self.store, self.ledger, self.spec
+        st, led = self.store, self.ledger
         b, c = work.begin, work.col
         T1 = c + 1 - b
         cpu = torch.device("cpu")
@@ -1201,10 +1204,11 @@ class Engine:
         if tier == "cpu":
             self._put_cols(homes["cpu"], rows, c, newc, tier="cpu")
             span = attention_span(rows)
-            if span is None:
-                kk, vv = [_take(part[:, b:c + 1].transpose(1, 2), rows) for part in homes["cpu"]]
-            else:  # in place over the span, as on the gpu tier (same cache layout, strided view)
-                kk, vv = [part[span[0]:span[1], b:c + 1].transpose(1, 2) for part in homes["cpu"]]
+            ctx = [part[:, b:c + 1] for part in homes["cpu"]]
+            idx = rows
+            if span is not None:  # in place over the span, as on the gpu tier (same cache layout)
+                ctx = [x[span[0]:span[1]] for x in ctx]
+                idx = list(range(span[1] - span[0]))
                 qc, mask, at = _spread(span, rows, qc, mask)
         else:  # disk rows: the load queue read their context into the load relay
             if self._item >= 1:
@@ -1214,16 +1218,11 @@ class Engine:
                 relay = self.kv_relay[0][part][:len(rows)]
                 relay[:, T1 - 1] = src[:, :, 0]
                 self.kv_relay[1][part][:len(rows), :1] = src.transpose(1, 2)  # the store queue writes it
-                ctx.append(relay[:, :T1].transpose(1, 2))
-            kk, vv = ctx
-        # Half precision attends in float32 on the CPU (as FlexGen does): CPU half kernels are slow,
-        # and the profile's CPU rates are float32 ones.
-        up = qc.dtype in (torch.float16, torch.bfloat16)
-        with led.transient("cpu", "cpu_attention", 2 * nbytes_of(qc) + nbytes_of(*newc) + (
-                nbytes_of(kk, vv) if not kk.is_contiguous() or tier == "disk" else 0)
-                + (4 * (qc.numel() + kk.numel() + vv.numel()) if up else 0)):
-            args = [x.float() for x in (qc, kk, vv)] if up else [qc, kk, vv]
-            out = attention(spec, *args, None if bool(mask.all()) else mask, causal=False).to(qc.dtype)
+                ctx.append(relay[:, :T1])
+            idx = list(range(len(rows)))
+        with led.transient("cpu", "cpu_attention", 2 * nbytes_of(qc) + nbytes_of(*newc)
+                           + self._cpu_attention_scratch(qc, ctx, idx)):
+            out = attend_rows_on_cpu(self.spec, qc, ctx, idx, mask, CPU_ATTENTION_CHUNK_BYTES)
         if span:
             out = out.index_select(0, at)
         cpu_s = time.perf_counter() - t0
@@ -1232,6 +1231,16 @@ class Engine:
         st.copy(Ref("gpu", res), Ref("cpu", out))
         self._put_rows(attn, pos, res)
         return cpu_s
+
+    @staticmethod
+    def _cpu_attention_scratch(qc: torch.Tensor, ctx: list[torch.Tensor], idx: list[int]) -> int:
+        """Bytes :func:`attend_rows_on_cpu` may allocate: in place, a contiguous copy of the
+        strided K/V views that the kernel may make; in chunks, the float32 chunk, such a copy of
+        it, a gathered chunk, the query in float32 and the output."""
+        m = cpu_attention_chunk_rows(qc, ctx, idx, CPU_ATTENTION_CHUNK_BYTES)
+        if m == 0:
+            return len(idx) * sum(nbytes_of(x[0]) for x in ctx)
+        return m * sum(8 * x[0].numel() + nbytes_of(x[0]) for x in ctx) + 4 * qc.numel() + 2 * nbytes_of(qc)
 
     def _sync(self) -> None:
         """Wait for the compute stream's kernels (not the copy streams': their own tasks wait for

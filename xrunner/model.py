@@ -157,6 +157,50 @@ def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out.transpose(1, 2).reshape(b, t, n_heads * d)
 
 
+def cpu_attention_chunk_rows(q: torch.Tensor, ctx: Sequence[torch.Tensor], idx: Sequence[int], chunk_bytes: int
+                             ) -> int:
+    """Rows per float32 chunk of :func:`attend_rows_on_cpu`; 0: none (float32 rows that are a
+    range attend over the cache in place)."""
+    if q.dtype == torch.float32 and list(idx) == list(range(idx[0], idx[0] + len(idx))):
+        return 0
+    per_row = sum(4 * x[0].numel() for x in ctx)
+    return max(1, min(len(idx), chunk_bytes // max(1, per_row)))
+
+
+def attend_rows_on_cpu(spec: ModelSpec, q: torch.Tensor, ctx: Sequence[torch.Tensor], idx: Sequence[int],
+                       mask: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+    """Decode attention of ``q [n, H, 1, d]`` over rows ``idx`` of the K/V context ``ctx`` (each
+    ``[rows, T, Hkv, d]``, positions-major as the engine's cpu tier and relay keep it), on the CPU.
+
+    Half precision attends in float32 (as FlexGen does: CPU half kernels are slow, and the
+    profile's CPU rates are float32 ones), and rows that are no range must be gathered. Both go
+    through a float32 buffer of about ``chunk_bytes``, a few rows at a time, so each chunk is
+    attended while it is still in the cache. Converting the whole context at once wrote a fresh
+    float32 copy that the kernel read back from memory, and every such copy was a new mapping
+    that page-faulted in: 64 rows x 256 positions of opt-1.3b in bfloat16 took 181-262 ms that
+    way and 23-44 ms in 4-8 MiB chunks (2 threads, the 2-core VM of stop 39).
+    """
+    m = cpu_attention_chunk_rows(q, ctx, idx, chunk_bytes)
+    if m == 0:
+        views = [x.narrow(0, idx[0], len(idx)).transpose(1, 2) for x in ctx]
+        return attention(spec, q, *views, None if bool(mask.all()) else mask, causal=False)
+    n = len(idx)
+    bufs = [torch.empty((m,) + tuple(x.shape[1:]), dtype=torch.float32) for x in ctx]
+    out = torch.empty((n, 1, q.shape[1] * q.shape[3]), dtype=q.dtype)
+    for i in range(0, n, m):
+        sel = list(idx[i:i + m])
+        j = len(sel)
+        for buf, x in zip(bufs, ctx):
+            if sel == list(range(sel[0], sel[0] + j)):
+                buf[:j].copy_(x[sel[0]:sel[0] + j])
+            else:
+                buf[:j].copy_(x.index_select(0, torch.tensor(sel, dtype=torch.long)))
+        mk = mask[i:i + j]
+        out[i:i + j] = attention(spec, q[i:i + j].float(), *(buf[:j].transpose(1, 2) for buf in bufs),
+                                 None if bool(mk.all()) else mk, causal=False)
+    return out
+
+
 def mlp_hidden(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     """The MLP's inner activation (the input of its down projection) for normed input ``x``."""
     if spec.gated_mlp:

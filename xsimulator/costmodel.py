@@ -75,6 +75,9 @@ SPAN_MAX_RATIO = 3
 # The most bytes of one KV-cache part or hidden state that one copy of a run of rows moves between
 # the cpu and gpu tiers (``xrunner.engine._runs``).
 COPY_RUN_BYTES = 8 << 20
+# The float32 K/V chunk through which CPU attention converts a half-precision cache or gathers
+# rows that are no range (``xrunner.engine.Engine._attend_on_cpu``).
+CPU_ATTENTION_CHUNK_BYTES = 8 << 20
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 # Stored KV parts per layer and row (the engine's KVCodec): K and V; 4-bit: codes, mins, scales of each.
 KV_PARTS = 2
@@ -568,8 +571,7 @@ class CostModel:
                 gtoc = gtoc + rows_move(off_c, "gtoc", rows * ((spec.q_dim + 2 * spec.kv_dim) * dt), 3)
                 ctog = ctog + rows_move(off_c, "ctog", rows * (spec.q_dim * dt), 1)
                 if not _is_zero(off_c):
-                    cpu_attn = _op_seconds(self.profile, "cpu_bmm", rows * spec.attention_flops_per_token(length),
-                                           kv_ctx) * self.factor("cpu_compute")
+                    cpu_attn = self._cpu_attention_s(rows, length, kv_ctx) * self.factor("cpu_compute")
                     cpu_compute = off_c * cpu_attn + _times(p["cc"], self._scattered_rows_s(
                         rows, length, kv_ctx, cpu_attn_s=cpu_attn))
                 gpu_compute = other_s + _times(p["cg"], attn_s)
@@ -626,6 +628,18 @@ class CostModel:
             idle = self._compute_parts("decode", span, length)[1] - self._compute_parts("decode", r, length)[1]
         out = np.where(scattered, np.where(span <= SPAN_MAX_RATIO * r, idle, gather), 0.0)
         return float(out) if np.ndim(out) == 0 else out
+
+    def _cpu_attention_s(self, rows: Any, length: Any, kv_ctx: Any) -> Any:
+        """Seconds of decode attention of ``rows`` over ``kv_ctx`` bytes of cache on the host CPU.
+
+        From the profile's probe of the engine's own CPU attention where it has one (one query
+        head per kv head: each further one repeats the work, as on the 4-bit kernel), else the
+        host's float32 roofline, which misses a half-precision cache's conversion to float32.
+        """
+        rate = self.profile.cpu_attend_bytes_per_s
+        if rate > 0:
+            return kv_ctx * ((self.spec.num_heads / self.spec.num_kv_heads) / rate)
+        return _op_seconds(self.profile, "cpu_bmm", rows * self.spec.attention_flops_per_token(length), kv_ctx)
 
     def _gather_s(self, rows: Any, nbytes: Any, cpu: bool) -> Any:
         """Seconds to gather ``nbytes`` of decode KV context of ``rows`` active rows into one tensor.
