@@ -481,3 +481,21 @@ def test_replan_says_when_the_observed_requests_pass_the_models_context(tmp_path
     assert main(["replan", "--plan", str(plan), "--observed", str(obs)]) == 0
     err = capsys.readouterr().err
     assert "the observed requests' longest prompt + output is" in err and "beyond opt-125m's 2048 positions" in err
+
+
+def test_an_old_plan_that_no_longer_fits_does_not_meet_the_sla(setup):
+    """Priced on the observed lengths, an old policy whose peak passes a tier's capacity cannot
+    run: the report says it does not fit and does not meet the bound, whatever its latency (it
+    used to print "meets ...: yes" beside a prediction that did not fit; review)."""
+    prof, w, plan, _ = setup
+    p, o = w.sample(600, seed=3)
+    small = replace(prof, gpu_bytes=int(0.9 * plan.predicted.peak_bytes["gpu"]))
+    r = replan(plan, p, o, profile=small)
+    assert not r.old_on_observed.fits and plan.sla.met_by(r.old_on_observed)  # fast, but cannot run
+    table = r.describe()
+    fits_row = next(ln for ln in table.splitlines() if ln.strip().startswith("fits in memory"))
+    meets_row = next(ln for ln in table.splitlines() if ln.strip().startswith("meets p99"))
+    # columns: the old plan on its workload, on the observed one (and a new plan's, if any)
+    assert fits_row.split()[3:5] == ["yes", "NO"] and meets_row.split()[5:7] == ["yes", "NO"]
+    assert any("does not fit in memory on the observed lengths (gpu" in n for n in r.notes)
+    assert "does not fit in memory" in r.reason()

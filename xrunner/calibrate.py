@@ -41,7 +41,7 @@ posed. Terms that no run excites (e.g. ``dtoc`` without a disk) keep their old v
 A shared or virtual machine does not keep one speed: on the 2-core VM this was built on, four
 calibrations within two hours fitted ``gpu_compute`` between 0.83 and 1.13, and within ten
 minutes the same short runs went from 1.09 to 1.69 x their calibrated time. ``xsched calibrate --refresh``
-(:func:`refresh`) re-times only the all-gpu runs of the design (about 10 s) and rescales the
+(:func:`refresh`) re-times only the all-gpu runs of the design (about 12 s for opt-125m) and rescales the
 compute terms by one factor, so a profile can be brought back to the machine's current speed
 right before planning, without refitting the I/O terms.
 
@@ -472,7 +472,7 @@ def calibration_error(measurements: Sequence[Measurement], wall_residuals: np.nd
 def check_profile_for(profile: HardwareProfile, spec: ModelSpec, model_arg: str, profile_arg: str) -> None:
     """Calibration needs this machine's measured profile with per-layer fits of this model."""
     hint = (f"measure one first: xsched profile --quick --model {model_arg} --threads 1 -o profile.json "
-            "(about a minute), then calibrate that file")
+            "(about 2 minutes), then calibrate that file")
     if profile.source != "measured":
         raise UserError(f"{profile_arg} is a preset; calibration fits a profile measured on this machine: {hint}")
     for phase in ("prefill", "decode"):

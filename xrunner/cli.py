@@ -53,7 +53,7 @@ def register_calibrate(sub: argparse._SubParsersAction) -> None:
                    help="profile measured on this machine (with --refresh: a calibrated one)")
     c.add_argument("--refresh", action="store_true",
                    help="only re-anchor a calibrated profile to this machine's current speed: re-time the all-gpu "
-                        "runs (about 10 s) and scale the compute terms by one factor, keeping the I/O terms; run it "
+                        "runs (about 12 s) and scale the compute terms by one factor, keeping the I/O terms; run it "
                         "right before planning on a machine whose speed drifts")
     c.add_argument("--model", required=True, metavar="NAME|PATH",
                    help="registry name (or random:NAME), local HF directory or .gguf file; runs use random weights "

@@ -102,7 +102,8 @@ class Replan(Contract):
         parts = [f"drift: {what}"]
         if self.old_on_observed is not None:
             parts.append(f"old policy on observed: {_tps(self.old_on_observed)} tok/s, {kind} "
-                         f"{self.old_on_observed.latency_s(kind):,.4g} s (bound {bound:g})")
+                         f"{self.old_on_observed.latency_s(kind):,.4g} s (bound {bound:g})"
+                         + ("" if self.old_on_observed.fits else ", does not fit in memory"))
         if self.new_plan is not None:
             p = self.new_plan.predicted
             parts.append(f"new: {_short(self.new_plan.policy)}, {_tps(p)} tok/s, {kind} {p.latency_s(kind):,.4g} s")
@@ -134,11 +135,13 @@ class Replan(Contract):
                 ("throughput tok/s", lambda p: f"{p.throughput_tokens_per_s:,.3f}"),
                 (f"{kind} latency s", lambda p: f"{p.latency_s(kind):,.5g}"),
                 ("p50 latency s", lambda p: f"{p.latency_p50_s:,.5g}"),
-                (f"meets {kind} <= {bound:g} s", lambda p: "yes" if self.old_plan.sla.met_by(p) else "NO")]
+                ("fits in memory", lambda p: "yes" if p.fits else "NO"),
+                # a plan that does not fit cannot run, whatever its latency would be
+                (f"meets {kind} <= {bound:g} s", lambda p: "yes" if p.fits and self.old_plan.sla.met_by(p) else "NO")]
         if self.old_plan.margin > 0:
             planning = self.old_plan.planning_sla
             rows.append((f"within {planning.latency_s:g} s ({self.old_plan.margin:.0%} margin)",
-                         lambda p: "yes" if planning.met_by(p) else "NO"))
+                         lambda p: "yes" if p.fits and planning.met_by(p) else "NO"))
         for label, fmt in rows:
             lines.append(f"  {label:<22}" + "".join(f"  {(fmt(p) if p is not None else '-'):>{w}}" for _, p in cols))
         lines.append("")
@@ -367,6 +370,10 @@ def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray,
                      f"EOS, more than the {q:.1%} the plan expects: the cap binds; the model would write more")
     pol = plan.policy if running is None else running  # the policy in force (a budget change may have moved it)
     old_on = simulate(plan.model, profile, pol, observed, num_requests, seed=0)
+    if not old_on.fits:
+        over = ", ".join(f"{t} {old_on.peak_bytes[t] / 2**30:,.2f} of {old_on.capacity_bytes[t] / 2**30:,.2f} GiB"
+                         for t in ("gpu", "cpu", "disk") if old_on.peak_bytes[t] > old_on.capacity_bytes[t])
+        notes.append(f"the old policy does not fit in memory on the observed lengths ({over}): it cannot run them")
     new_plan = None
     if report.drifted:
         try:

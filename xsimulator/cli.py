@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "Workload JSON; append @SCALE to scale all lengths (e.g. T@0.25)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--policy", help="policy as JSON text or a JSON file, e.g. '{\"gbs\": 8, \"nb\": 4, \"wg\": 0.5, "
-                                      "\"wc\": 0.5, \"wd\": 0}' (fractions 0..1; omitted ones keep defaults)")
+                                      "\"wc\": 0.5, \"wd\": 0}' (fractions 0..1; gbs and nb are required, the "
+                                      "others default to all on the gpu tier, no compression, no refill)")
     src.add_argument("--plan", help="plan JSON from `xsched plan`: its policy, and its model and workload unless given")
     p.add_argument("--requests", type=requests_arg, default=None,
                    help=f"requests to sample from the workload (default: a --plan's own, else {DEFAULT_REQUESTS})")
