@@ -561,3 +561,16 @@ def test_branch_and_bound_survives_small_bumps_in_latency_along_gbs(preset, mode
     assert plans["bnb"].predicted.latency_p99_s <= bound
     assert (plans["bnb"].predicted.throughput_tokens_per_s
             >= 0.99 * plans["exhaustive"].predicted.throughput_tokens_per_s), plans["bnb"].policy
+
+
+def test_the_placement_lp_prices_row_copies_as_the_simulator_does():
+    """The LP's cost model counts the engine's copies of cpu-tier KV rows per run of consecutive
+    slots of the GPU batch, as the simulator's does for the policy it returns (without the batch's
+    slot count it charged one copy per row, up to gbs times more; review)."""
+    prof = replace(load_profile("t4"), calibration={"row_copy_s": 1e-4})
+    spec = prof.model_for(get_model_spec("opt-30b"))
+    w = get_workload("T")
+    got = place(spec, prof, w, 32, 4)
+    assert got is not None and got.policy.cc > 0  # the cache does not fit the gpu tier
+    sim = CostModel.for_policy(spec, prof, got.policy)
+    assert got.token_s == pytest.approx(float(token_seconds(sim, got.policy.placement(), 32, 4, Shape.of(w))))

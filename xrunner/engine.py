@@ -44,7 +44,8 @@ from xrunner.sampling import SamplingParams, sample
 from xrunner.stored_forms import KVCodec, WeightLayout
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
 from xsched.errors import UserError
-from xsimulator.costmodel import COPY_RUN_BYTES, CPU_ATTENTION_CHUNK_BYTES, SPAN_MAX_RATIO, CostModel, head_layout_bytes, pack_scratch_bytes
+from xsimulator.costmodel import (COPY_RUN_BYTES, CPU_ATTENTION_CHUNK_BYTES, SPAN_MAX_RATIO, CostModel,
+                                  cpu_attention_scratch_bytes, head_layout_bytes, pack_scratch_bytes)
 from xsimulator.policy import Policy
 from xsimulator.trace import TraceEvent, TraceMarker
 
@@ -1233,14 +1234,12 @@ class Engine:
         return cpu_s
 
     @staticmethod
-    def _cpu_attention_scratch(qc: torch.Tensor, ctx: list[torch.Tensor], idx: list[int]) -> int:
-        """Bytes :func:`attend_rows_on_cpu` may allocate: in place, a contiguous copy of the
-        strided K/V views that the kernel may make; in chunks, the float32 chunk, such a copy of
-        it, a gathered chunk, the query in float32 and the output."""
+    def _cpu_attention_scratch(qc: torch.Tensor, ctx: list[torch.Tensor], idx: list[int]) -> float:
+        """Bytes :func:`attend_rows_on_cpu` allocates for this call (``cpu_attention_scratch_bytes``)."""
         m = cpu_attention_chunk_rows(qc, ctx, idx, CPU_ATTENTION_CHUNK_BYTES)
-        if m == 0:
-            return len(idx) * sum(nbytes_of(x[0]) for x in ctx)
-        return m * sum(8 * x[0].numel() + nbytes_of(x[0]) for x in ctx) + 4 * qc.numel() + 2 * nbytes_of(qc)
+        _rows, T, hkv, d = ctx[0].shape
+        return cpu_attention_scratch_bytes(len(idx), T, hkv * d, qc.shape[1] * qc.shape[3], qc.shape[1],
+                                           qc.element_size(), in_place=m == 0)
 
     def _sync(self) -> None:
         """Wait for the compute stream's kernels (not the copy streams': their own tasks wait for

@@ -372,7 +372,9 @@ def place(spec: ModelSpec, profile: HardwareProfile, workload: Workload, gbs: in
 
     ``spec`` should already be in the profile's compute dtype (``profile.model_for``).
     """
-    cm = _CachedSizes(spec, profile, compress_weight, compress_cache, cpu_attention, overlap, nb=nb)
+    # slots: the engine copies runs of consecutive cpu-tier rows, which the cost model counts per
+    # batch of gbs slots (without it, one copy per row: up to gbs times the simulator's count)
+    cm = _CachedSizes(spec, profile, compress_weight, compress_cache, cpu_attention, overlap, nb=nb, slots=gbs)
     shape = Shape.of(workload)
     status, frac, lp_s, _ = _solve(cm, profile, gbs, nb, shape)
     if _needs_exact_staging(cm, profile, status, frac, gbs, nb, shape):

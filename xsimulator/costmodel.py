@@ -76,7 +76,7 @@ SPAN_MAX_RATIO = 3
 # the cpu and gpu tiers (``xrunner.engine._runs``).
 COPY_RUN_BYTES = 8 << 20
 # The float32 K/V chunk through which CPU attention converts a half-precision cache or gathers
-# rows that are no range (``xrunner.engine.Engine._attend_on_cpu``).
+# rows that are no range (``xrunner.model.attend_rows_on_cpu``).
 CPU_ATTENTION_CHUNK_BYTES = 8 << 20
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 # Stored KV parts per layer and row (the engine's KVCodec): K and V; 4-bit: codes, mins, scales of each.
@@ -293,6 +293,28 @@ def bandwidth_at(curve: BandwidthCurve, size_bytes: Any) -> Any:
     x = np.log(np.maximum(np.asarray(size_bytes, dtype=float), 1.0))
     bw = np.interp(x, sizes, np.asarray(curve.bytes_per_s, dtype=float))
     return np.where(x >= sizes[-1], curve.large_bytes_per_s, bw)
+
+
+def cpu_attention_scratch_bytes(rows: int, context: int, kv_dim: int, q_dim: int, heads: int, dtype_bytes: float,
+                                in_place: bool) -> float:
+    """Bytes that CPU attention of ``rows`` rows over ``context`` positions allocates beside its
+    inputs (``xrunner.model.attend_rows_on_cpu``): the engine books this, and the planner plans a
+    bound of it (:meth:`CostModel.memory`).
+
+    In place (float32 rows that are a range): a contiguous or head-expanded copy of the strided
+    K/V views that the kernel may make, and float32 scores and probabilities. In chunks: a float32
+    chunk of K/V of ``CPU_ATTENTION_CHUNK_BYTES`` (at least one row), the chunk gathered in the
+    cache's dtype, its K/V expanded to the query heads (grouped-query models), its query and
+    output in float32, its scores and probabilities. Both: the rows' output.
+    """
+    scores = 2 * heads * context * 4
+    out = rows * q_dim * dtype_bytes
+    if in_place:
+        return rows * (2 * context * max(q_dim, kv_dim) * dtype_bytes + scores) + out
+    kv_row = 2 * context * kv_dim
+    m = max(1, min(rows, CPU_ATTENTION_CHUNK_BYTES // max(1, 4 * kv_row)))
+    expand = 2 * context * q_dim * 4 if q_dim != kv_dim else 0
+    return m * (kv_row * (4 + dtype_bytes) + expand + 2 * q_dim * 4 + scores) + out
 
 
 def _op_seconds(profile: HardwareProfile, kind: str, flops: Any, read_bytes: Any) -> Any:
@@ -861,8 +883,9 @@ class CostModel:
                              min(2, disk layers) slots of a 4 KiB-rounded layer (O_DIRECT)
           ``kv_relay``       disk-resident KV rows of one batch in each direction
           ``act_relay``      disk-resident hidden states of one batch in each direction
-          transient ``cpu_attention``: scores and expanded K/V of the offloaded rows
-                             (float32 for a half-precision model)
+          transient ``cpu_attention``: the offloaded rows' query, output and new K/V, in place a
+                             copy of their context, and a float32 chunk of rows
+                             (``cpu_attention_scratch_bytes``)
           transient ``layer_load``: while the weights are loaded, one layer as the source gives it
                              and its packing scratch (:func:`layer_load_bytes`)
         disk tier
@@ -926,9 +949,21 @@ class CostModel:
             "kv_relay": p["cd"] * (2 * gbs * kv_row),
             "act_relay": p["hd"] * (2 * gbs * act_row),
         }
-        # CPU attention of a half-precision model runs in float32, beside its half inputs.
-        cpu_attn = decode_attn if dt >= 4 else decode_attn_bytes(4) + gbs * dt * (q + 2 * ctx * kvd)
-        cpu_tr = {"cpu_attention": (p["cc"] + p["cd"]) * float(cpu_attn if self.cpu_attention else 0),
+        # CPU attention (``cpu_attention_scratch_bytes``): per offloaded row its query, output and
+        # new K/V on the host, and in place (float32) a copy of its context; and one float32 chunk
+        # of rows for the rest. A chunk's m rows x T positions stay within gbs x ctx and within
+        # CPU_ATTENTION_CHUNK_BYTES of float32 K/V, or one row of ctx (rows per chunk are floored,
+        # so a shorter context can fill the chunk more than the longest one does).
+        cpu_attn: Any = 0.0
+        if self.cpu_attention:
+            off = p["cc"] + p["cd"]
+            per_row = gbs * (2 * q + 2 * kvd + q) * dt
+            if dt >= 4:
+                per_row = per_row + cpu_attention_scratch_bytes(gbs, ctx, kvd, q, heads, dt, in_place=True)
+            positions = min(gbs * ctx, max(CPU_ATTENTION_CHUNK_BYTES / (8 * kvd), ctx))
+            per_position = 2 * kvd * (4 + dt) + (2 * q * 4 if q != kvd else 0) + 2 * heads * 4
+            cpu_attn = off * float(per_row) + float(positions * per_position + gbs * 2 * q * 4)
+        cpu_tr = {"cpu_attention": cpu_attn,
                   "layer_load": layer_load_bytes(spec, self.compress_weight, self.profile.compute_device == "cuda",
                                                  w_layer)}
         disk_res = {
