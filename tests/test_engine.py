@@ -185,6 +185,9 @@ def test_offloaded_rows_move_a_run_of_consecutive_slots_per_copy(llama, tmp_path
     assert _runs([3, 4, 5, 6, 7], row_bytes=engine_module.COPY_RUN_BYTES // 2) == [(0, 3, 2), (2, 5, 2), (4, 7, 1)]
     assert _runs([2, 3], row_bytes=engine_module.COPY_RUN_BYTES * 4) == [(0, 2, 1), (1, 3, 1)]
     assert _runs([], row_bytes=1) == []
+    big = engine_module.CUDA_RUN_ROW_BYTES
+    assert _runs([0, 1, 2], big, cuda=True) == [(0, 0, 1), (1, 1, 1), (2, 2, 1)]  # one DMA each
+    assert _runs([0, 1, 2], big - 1, cuda=True) == _runs([0, 1, 2], big) == [(0, 0, 3)]
     src, reqs, _ = llama
     alternating = [replace(r, max_new_tokens=2 if i % 2 else MAX_OUTPUT) for i, r in enumerate(reqs[:6])]
     want = reference(load_weights(src), alternating)
@@ -192,9 +195,9 @@ def test_offloaded_rows_move_a_run_of_consecutive_slots_per_copy(llama, tmp_path
     seen: list[list[int]] = []
     real_runs = engine_module._runs
 
-    def spy(rows, row_bytes):
+    def spy(rows, row_bytes, cuda=False):
         seen.append(list(rows))
-        return real_runs(rows, row_bytes)
+        return real_runs(rows, row_bytes, cuda)
 
     monkeypatch.setattr(engine_module, "_runs", spy)
     got, by_runs = run_engine(src, policy, alternating, tmp_path, record_trace=True)

@@ -842,7 +842,7 @@ def test_row_copies_priced_as_the_runs_of_rows_left_spread_at_random():
     disk rows one at a time. The cost model's copy count is the mean over random spreads of the
     active rows (the draws here are the reference), and splits runs past ``COPY_RUN_BYTES``."""
     from xscheduler.placement import _var
-    from xsimulator.costmodel import COPY_RUN_BYTES
+    from xsimulator.costmodel import COPY_RUN_BYTES, CUDA_RUN_ROW_BYTES
 
     rng = np.random.default_rng(0)
     n, cpu = 16, 0.5  # slots 8..15 live on the cpu tier
@@ -858,6 +858,10 @@ def test_row_copies_priced_as_the_runs_of_rows_left_spread_at_random():
         assert cpu * per_unit == pytest.approx(2 * np.mean(draws), rel=0.04, abs=0.02), rows
         assert cm._row_copies(cpu, rows, 2, 2 * rows * COPY_RUN_BYTES) == pytest.approx(2 * rows)  # a row each
         # an LP variable share scales the whole batch's runs (a linear term)
+        on_cuda = CostModel.for_policy(OPT30, t4_like(), Policy(gbs=n, nb=1, cg=0.5, cc=cpu))
+        big = 2 * rows * CUDA_RUN_ROW_BYTES  # rows that large move alone on CUDA, as the engine's do
+        assert on_cuda._row_copies(cpu, rows, 2, big) == pytest.approx(2 * rows)
+        assert on_cuda._row_copies(cpu, rows, 2, 2 * rows * 1024) == pytest.approx(per_unit)
         share = _var(pulp.LpProblem("p"), "cc", 0, 1)
         assert cm._row_copies(share, rows, 2, 2048) == pytest.approx(cm._row_copies(1.0, rows, 2, 2048))
     assert CostModel(OPT30, cpu_host())._row_copies(cpu, 5, 2, 1024) == pytest.approx(10)  # no slot count: per row

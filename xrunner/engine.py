@@ -44,8 +44,8 @@ from xrunner.sampling import SamplingParams, sample
 from xrunner.stored_forms import KVCodec, WeightLayout
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
 from xsched.errors import UserError
-from xsimulator.costmodel import (COPY_RUN_BYTES, CPU_ATTENTION_CHUNK_BYTES, SPAN_MAX_RATIO, CostModel,
-                                  cpu_attention_scratch_bytes, head_layout_bytes, pack_scratch_bytes)
+from xsimulator.costmodel import (COPY_RUN_BYTES, CPU_ATTENTION_CHUNK_BYTES, CUDA_RUN_ROW_BYTES, SPAN_MAX_RATIO,
+                                  CostModel, cpu_attention_scratch_bytes, head_layout_bytes, pack_scratch_bytes)
 from xsimulator.policy import Policy
 from xsimulator.trace import TraceEvent, TraceMarker
 
@@ -163,9 +163,11 @@ def _take(t: torch.Tensor, idx: Sequence[int], dim: int = 0) -> torch.Tensor:
     return t.index_select(dim, _index(idx, t.device))
 
 
-def _runs(rows: Sequence[int], row_bytes: int) -> list[tuple[int, int, int]]:
+def _runs(rows: Sequence[int], row_bytes: int, cuda: bool = False) -> list[tuple[int, int, int]]:
     """``(k, r, m)``: ``rows[k:k + m]`` are the consecutive rows ``r .. r + m - 1``, with at most
-    ``COPY_RUN_BYTES`` (or one row) in a run.
+    ``COPY_RUN_BYTES`` (or one row) in a run; with ``cuda``, rows of ``CUDA_RUN_ROW_BYTES`` or
+    more one at a time (each is one DMA from pinned memory; a run over part of its rows'
+    positions is strided, and torch gathers it through pageable memory).
 
     The engine moves offloaded KV-cache and activation rows between a tier's home and the stage
     slots. One copy per row cost 0.25-0.3 ms each on an H200 host (stop 38: 186 copies per decode
@@ -173,7 +175,7 @@ def _runs(rows: Sequence[int], row_bytes: int) -> list[tuple[int, int, int]]:
     rows is one strided copy. The cap bounds the contiguous temporaries that a CUDA copy between
     differently laid-out tensors makes on each side.
     """
-    cap = max(1, COPY_RUN_BYTES // max(1, row_bytes))
+    cap = 1 if cuda and row_bytes >= CUDA_RUN_ROW_BYTES else max(1, COPY_RUN_BYTES // max(1, row_bytes))
     out: list[tuple[int, int, int]] = []
     for k, r in enumerate(rows):
         if out and out[-1][1] + out[-1][2] == r and out[-1][2] < cap:
@@ -984,12 +986,12 @@ class Engine:
     # ----------------------------------------------------------------- I/O tasks
     def _load(self, layer: int, work: _Work, slot: int, decode: bool) -> None:
         """Bring a GPU batch's offloaded hidden states (layer > 0) and KV context (decode) in."""
-        st, t = self.store, work.t
+        st, t, cuda = self.store, work.t, self.device.type == "cuda"
         acts = self.act_home[work.batch]
         if layer > 0:
             for tier, k0, rows in self._offloaded(self.act_split, work.slots):
                 if tier == "cpu":
-                    for k, r, m in _runs(rows, nbytes_of(acts["cpu"][0, :t])):
+                    for k, r, m in _runs(rows, nbytes_of(acts["cpu"][0, :t]), cuda):
                         st.copy(Ref("gpu", self.act_stage[slot][k0 + k:k0 + k + m, :t]),
                                 Ref("cpu", acts["cpu"][r:r + m, :t]))
                     continue
@@ -1005,7 +1007,7 @@ class Engine:
                                                       [None] * len(homes[tier]))):
                 if tier == "cpu":
                     if not self.policy.cpu_attention:  # (CPU attention reads the cpu tier in place)
-                        for k, r, m in _runs(rows, nbytes_of(home[0, b:c])):
+                        for k, r, m in _runs(rows, nbytes_of(home[0, b:c]), cuda):
                             st.copy(Ref("gpu", stage[k0 + k:k0 + k + m, :, :c - b].transpose(1, 2)),
                                     Ref("cpu", home[r:r + m, b:c]))
                     continue
@@ -1018,12 +1020,12 @@ class Engine:
 
     def _store(self, layer: int, work: _Work, slot: int, decode: bool, store_act: bool) -> None:
         """Write a GPU batch's new KV entries and (for the next layer) hidden states out."""
-        st, t = self.store, work.t
+        st, t, cuda = self.store, work.t, self.device.type == "cuda"
         if store_act:
             acts = self.act_home[work.batch]
             for tier, k0, rows in self._offloaded(self.act_split, work.slots):
                 if tier == "cpu":
-                    for k, r, m in _runs(rows, nbytes_of(acts["cpu"][0, :t])):
+                    for k, r, m in _runs(rows, nbytes_of(acts["cpu"][0, :t]), cuda):
                         st.copy(Ref("cpu", acts["cpu"][r:r + m, :t]),
                                 Ref("gpu", self.act_stage[slot][k0 + k:k0 + k + m, :t]))
                     continue
@@ -1043,7 +1045,7 @@ class Engine:
                     continue
                 src = self.kv_stage[slot][part][:, :, src_col:src_col + width]
                 if tier == "cpu":
-                    for k, r, m in _runs(rows, nbytes_of(home[0, c0:c0 + width])):
+                    for k, r, m in _runs(rows, nbytes_of(home[0, c0:c0 + width]), cuda):
                         st.copy(Ref("cpu", home[r:r + m, c0:c0 + width]),
                                 Ref("gpu", src[k0 + k:k0 + k + m].transpose(1, 2)))
                     continue

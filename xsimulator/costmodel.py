@@ -75,6 +75,11 @@ SPAN_MAX_RATIO = 3
 # The most bytes of one KV-cache part or hidden state that one copy of a run of rows moves between
 # the cpu and gpu tiers (``xrunner.engine._runs``).
 COPY_RUN_BYTES = 8 << 20
+# On CUDA a run of rows over part of their positions is strided in pinned memory, which torch
+# gathers through pageable memory; a row of at least this many bytes moves alone, as one DMA
+# from pinned memory (stop 38: per-row calls cost 0.25-0.3 ms each, which only rows this large
+# amortise).
+CUDA_RUN_ROW_BYTES = 128 << 10
 # The float32 K/V chunk through which CPU attention converts a half-precision cache or gathers
 # rows that are no range (``xrunner.model.attend_rows_on_cpu``).
 CPU_ATTENTION_CHUNK_BYTES = 8 << 20
@@ -693,7 +698,8 @@ class CostModel:
         :meth:`_move_rows`; rows on disk pass through the relay one row and part at a time).
 
         Rows on the cpu tier are copied a run of consecutive slots at a time
-        (``xrunner.engine._runs``), in pieces of at most ``COPY_RUN_BYTES`` of a part. With
+        (``xrunner.engine._runs``), in pieces of at most ``COPY_RUN_BYTES`` of a part; on CUDA,
+        rows of ``CUDA_RUN_ROW_BYTES`` or more one at a time. With
         ``rows`` of the batch's ``n`` slots active, spread at random (as :meth:`_scattered`
         assumes), the ``s = cpu * n`` slots of the cpu tier hold ``s r / n`` active rows and
         ``(s - 1) r (r - 1) / (n (n - 1))`` adjacent active pairs on average; each pair joins two
@@ -711,6 +717,8 @@ class CostModel:
             per_unit = np.minimum(runs, c * r) / c
         row_bytes = np.asarray(nbytes, dtype=float) / np.maximum(r * parts, 1.0)
         per_copy = np.maximum(np.floor(COPY_RUN_BYTES / np.maximum(row_bytes, 1.0)), 1.0)
+        if self.profile.compute_device == "cuda":  # large rows move alone (CUDA_RUN_ROW_BYTES)
+            per_copy = np.where(row_bytes >= CUDA_RUN_ROW_BYTES, 1.0, per_copy)
         out = parts * np.maximum(per_unit, r / per_copy)
         return float(out) if np.ndim(out) == 0 else out
 
