@@ -849,6 +849,7 @@ def test_cpu_attention_of_a_half_precision_model_runs_in_float32_within_its_plan
     """
     import xrunner.engine as engine_module
     import xrunner.model as model_module
+    import xrunner.stored_forms as stored_forms
 
     spec = replace(LLAMA, dtype=dtype)
     src = RandomSource(spec, seed=3)
@@ -859,8 +860,17 @@ def test_cpu_attention_of_a_half_precision_model_runs_in_float32_within_its_plan
             return attention(spec_, q, k, v, mask, causal=True)
         return attention(spec_, q.float(), k.float(), v.float(), mask, causal=False).to(q.dtype)
 
-    monkeypatch.setattr(engine_module, "attention", upcast)
+    upcast_calls = []
+
+    def counted(spec_, q, k, v, mask, causal):
+        upcast_calls.append(causal)
+        return upcast(spec_, q, k, v, mask, causal)
+
+    # gpu-tier decode attention runs in the KV codec (``KVCodec.attend``), prefill in the engine
+    monkeypatch.setattr(engine_module, "attention", counted)
+    monkeypatch.setattr(stored_forms, "attention", counted)
     on_gpu, _ = run_engine(src, Policy(gbs=2, nb=2), reqs, tmp_path)
+    assert False in upcast_calls  # decode attention did go through the upcast (it did not: review)
     delegated = []
 
     def recording(spec_, q, k, v, mask, causal):
