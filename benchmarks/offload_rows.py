@@ -12,7 +12,9 @@ half-precision cache in float32 chunks (``xrunner.model.attend_rows_on_cpu``). T
 2. Milliseconds per call of ``attend_rows_on_cpu`` at a few float32 chunk sizes, against
    converting the whole context at once (the engine's way before stop 39).
 
-On a CPU host table 1's copies are memcpys; the counts are what a GPU host makes too.
+On a CPU host table 1's copies are memcpys. A GPU host makes the same counts while each part's
+rows stay under 128 KiB (``CUDA_RUN_ROW_BYTES``; the defaults' rows are about 60 KiB), and
+moves larger ones one at a time. Each placement first runs once untimed (start-up costs).
 
     OMP_NUM_THREADS=1 python benchmarks/offload_rows.py [--model opt-125m] [--rows 32]
 """
@@ -84,6 +86,7 @@ def copies_table(args: argparse.Namespace) -> None:
     try:
         for name, kw in PLACEMENTS.items():
             policy = Policy(gbs=args.rows, nb=1, **kw)
+            run(policy, default)  # warm-up: allocator, thread pools, first-use kernels
             n_runs, wall_runs, out_runs, items = run(policy, default)
             n_rows, wall_rows, out_rows, _ = run(policy, 1)  # a one-byte cap: one copy per row and part
             print(f"{name:36s} {n_runs / items:11.1f} {n_rows / items:8.1f} {wall_runs:7.2f} {wall_rows:9.2f}  "

@@ -715,11 +715,16 @@ class CostModel:
             c = np.maximum(np.asarray(cpu, dtype=float), 1e-12)
             runs = c * r - (c * n - 1.0) * r * (r - 1.0) / (n * (n - 1.0))
             per_unit = np.minimum(runs, c * r) / c
-        row_bytes = np.asarray(nbytes, dtype=float) / np.maximum(r * parts, 1.0)
-        per_copy = np.maximum(np.floor(COPY_RUN_BYTES / np.maximum(row_bytes, 1.0)), 1.0)
-        if self.profile.compute_device == "cuda":  # large rows move alone (CUDA_RUN_ROW_BYTES)
-            per_copy = np.where(row_bytes >= CUDA_RUN_ROW_BYTES, 1.0, per_copy)
-        out = parts * np.maximum(per_unit, r / per_copy)
+        # each part's own row size: a 4-bit cache's codes are about 16x its mins and scales
+        units = ([0.5, self.dtype_bytes / QUANT_GROUP, self.dtype_bytes / QUANT_GROUP] * 2
+                 if parts == KV_PARTS_COMPRESSED and self.compress_cache else [1.0] * parts)
+        out: Any = 0.0
+        for unit in units:
+            row_bytes = np.asarray(nbytes, dtype=float) * (unit / sum(units)) / np.maximum(r, 1.0)
+            per_copy = np.maximum(np.floor(COPY_RUN_BYTES / np.maximum(row_bytes, 1.0)), 1.0)
+            if self.profile.compute_device == "cuda":  # large rows move alone (CUDA_RUN_ROW_BYTES)
+                per_copy = np.where(row_bytes >= CUDA_RUN_ROW_BYTES, 1.0, per_copy)
+            out = out + np.maximum(per_unit, r / per_copy)
         return float(out) if np.ndim(out) == 0 else out
 
     def _move_rows(self, fraction: Any, channel: str, nbytes: Any, ops: Any) -> Any:
