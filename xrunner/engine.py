@@ -38,8 +38,8 @@ from xprofiler.profile import HardwareProfile
 from xrunner.gptq import CENTER_SEQUENCES, GPTQCalibration, scratch_bytes as calibration_scratch_bytes
 from xrunner.loaders import ModelSource
 from xrunner.model import (attend_rows_on_cpu, attention, attn_in, attn_out_mlp, cpu_attention_chunk_rows,
-                           cpu_head_layout, embed, final_logits, head_layout_of, lm_head_name, rope_tables,
-                           torch_dtype)
+                           cpu_head_layout, embed, final_logits, head_layout_of, is_range, lm_head_name,
+                           rope_tables, torch_dtype)
 from xrunner.sampling import SamplingParams, sample
 from xrunner.stored_forms import KVCodec, WeightLayout
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
@@ -158,7 +158,7 @@ def _index(idx: Sequence[int], device: torch.device) -> torch.Tensor:
 
 def _take(t: torch.Tensor, idx: Sequence[int], dim: int = 0) -> torch.Tensor:
     """Rows ``idx`` of ``t``: a view when they are a contiguous range, else a gather (a copy)."""
-    if len(idx) and list(idx) == list(range(idx[0], idx[0] + len(idx))):
+    if is_range(idx):
         return t.narrow(dim, idx[0], len(idx))
     return t.index_select(dim, _index(idx, t.device))
 
@@ -1075,7 +1075,7 @@ class Engine:
         for tier, pos, rows in self._groups(self.act_split, work.slots):
             src = _take(hidden, pos)
             if tier == "gpu":
-                if rows == list(range(rows[0], rows[0] + len(rows))):
+                if is_range(rows):
                     acts["gpu"][rows[0]:rows[0] + len(rows), :t] = src
                 else:
                     acts["gpu"][_index(rows, self.device), :t] = src
@@ -1091,7 +1091,7 @@ class Engine:
             if tier != "gpu":
                 src = src.transpose(1, 2)
             view = dst.narrow(_kv_time_dim(tier), c0, src.shape[_kv_time_dim(tier)])
-            if rows == list(range(rows[0], rows[0] + len(rows))):
+            if is_range(rows):
                 view[rows[0]:rows[0] + len(rows)] = src
             else:
                 view.index_copy_(0, _index(rows, dst.device), src.to(dst.device))
@@ -1184,7 +1184,7 @@ class Engine:
         return cpu_s
 
     def _put_rows(self, dst: torch.Tensor, pos: list[int], src: torch.Tensor) -> None:
-        if pos == list(range(pos[0], pos[0] + len(pos))):
+        if is_range(pos):
             dst[pos[0]:pos[0] + len(pos)] = src
         else:
             dst.index_copy_(0, _index(pos, dst.device), src)
@@ -1241,7 +1241,7 @@ class Engine:
         m = cpu_attention_chunk_rows(qc, ctx, idx, CPU_ATTENTION_CHUNK_BYTES)
         _rows, T, hkv, d = ctx[0].shape
         return cpu_attention_scratch_bytes(len(idx), T, hkv * d, qc.shape[1] * qc.shape[3], qc.shape[1],
-                                           qc.element_size(), in_place=m == 0)
+                                           qc.element_size(), in_place=m == 0, chunk_bytes=CPU_ATTENTION_CHUNK_BYTES)
 
     def _sync(self) -> None:
         """Wait for the compute stream's kernels (not the copy streams': their own tasks wait for

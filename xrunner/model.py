@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from xprofiler.specs import ModelSpec
 from xrunner.compression import rotate_inputs
+from xsimulator.costmodel import cpu_attention_chunk
 
 Weights = dict[str, torch.Tensor]
 
@@ -157,14 +158,18 @@ def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out.transpose(1, 2).reshape(b, t, n_heads * d)
 
 
+def is_range(idx: Sequence[int]) -> bool:
+    """Whether ``idx`` is a non-empty run of consecutive indices (a slice, not a gather)."""
+    return len(idx) > 0 and list(idx) == list(range(idx[0], idx[0] + len(idx)))
+
+
 def cpu_attention_chunk_rows(q: torch.Tensor, ctx: Sequence[torch.Tensor], idx: Sequence[int], chunk_bytes: int
                              ) -> int:
     """Rows per float32 chunk of :func:`attend_rows_on_cpu`; 0: none (float32 rows that are a
     range attend over the cache in place)."""
-    if q.dtype == torch.float32 and list(idx) == list(range(idx[0], idx[0] + len(idx))):
+    if q.dtype == torch.float32 and is_range(idx):
         return 0
-    per_row = sum(4 * x[0].numel() for x in ctx)
-    return max(1, min(len(idx), chunk_bytes // max(1, per_row)))
+    return cpu_attention_chunk(len(idx), sum(4 * x[0].numel() for x in ctx), chunk_bytes)
 
 
 def attend_rows_on_cpu(spec: ModelSpec, q: torch.Tensor, ctx: Sequence[torch.Tensor], idx: Sequence[int],
@@ -191,7 +196,7 @@ def attend_rows_on_cpu(spec: ModelSpec, q: torch.Tensor, ctx: Sequence[torch.Ten
         sel = list(idx[i:i + m])
         j = len(sel)
         for buf, x in zip(bufs, ctx):
-            if sel == list(range(sel[0], sel[0] + j)):
+            if is_range(sel):
                 buf[:j].copy_(x[sel[0]:sel[0] + j])
             else:
                 buf[:j].copy_(x.index_select(0, torch.tensor(sel, dtype=torch.long)))

@@ -300,8 +300,14 @@ def bandwidth_at(curve: BandwidthCurve, size_bytes: Any) -> Any:
     return np.where(x >= sizes[-1], curve.large_bytes_per_s, bw)
 
 
+def cpu_attention_chunk(rows: int, f32_row_bytes: float, chunk_bytes: int = CPU_ATTENTION_CHUNK_BYTES) -> int:
+    """Rows per float32 chunk of CPU attention (``xrunner.model.attend_rows_on_cpu``): as many as
+    ``chunk_bytes`` holds of rows of ``f32_row_bytes`` K/V, at least one, at most ``rows``."""
+    return int(max(1, min(rows, chunk_bytes // max(1, int(f32_row_bytes)))))
+
+
 def cpu_attention_scratch_bytes(rows: int, context: int, kv_dim: int, q_dim: int, heads: int, dtype_bytes: float,
-                                in_place: bool) -> float:
+                                in_place: bool, chunk_bytes: int = CPU_ATTENTION_CHUNK_BYTES) -> float:
     """Bytes that CPU attention of ``rows`` rows over ``context`` positions allocates beside its
     inputs (``xrunner.model.attend_rows_on_cpu``): the engine books this, and the planner plans a
     bound of it (:meth:`CostModel.memory`).
@@ -317,7 +323,7 @@ def cpu_attention_scratch_bytes(rows: int, context: int, kv_dim: int, q_dim: int
     if in_place:
         return rows * (2 * context * max(q_dim, kv_dim) * dtype_bytes + scores) + out
     kv_row = 2 * context * kv_dim
-    m = max(1, min(rows, CPU_ATTENTION_CHUNK_BYTES // max(1, 4 * kv_row)))
+    m = cpu_attention_chunk(rows, 4 * kv_row, chunk_bytes)
     expand = 2 * context * q_dim * 4 if q_dim != kv_dim else 0
     return m * (kv_row * (4 + dtype_bytes) + expand + 2 * q_dim * 4 + scores) + out
 
@@ -716,7 +722,7 @@ class CostModel:
             runs = c * r - (c * n - 1.0) * r * (r - 1.0) / (n * (n - 1.0))
             per_unit = np.minimum(runs, c * r) / c
         # each part's own row size: a 4-bit cache's codes are about 16x its mins and scales
-        units = ([0.5, self.dtype_bytes / QUANT_GROUP, self.dtype_bytes / QUANT_GROUP] * 2
+        units = ([QUANT_BITS / 8, self.dtype_bytes / QUANT_GROUP, self.dtype_bytes / QUANT_GROUP] * 2
                  if parts == KV_PARTS_COMPRESSED and self.compress_cache else [1.0] * parts)
         out: Any = 0.0
         for unit in units:
