@@ -508,7 +508,8 @@ class Engine:
 
         On CUDA the cpu relay. On a CPU host a gpu-tier record, which O_DIRECT reads and writes
         directly: a stage slot while the buffers exist (they are empty while weights load), else
-        a temporary one (during a reconfiguration, after the old buffers are freed).
+        a temporary one (a reload during a reconfiguration, after the old buffers are freed; a layer
+        that only changes tier goes between its aligned homes and the file in place).
         """
         if self.w_relays:
             yield "cpu", self.w_relays[0]
@@ -799,11 +800,12 @@ class Engine:
                 self.w_relays.append(self._new_relay())
             for i, a, b in moves:
                 home = self._new_home(b)
-                if "disk" in (a, b):
+                dst, src = Ref(b, home), Ref(a, self.w_home[i])
+                if self.store.needs_relay(dst, src):  # a CUDA device's record: through a cpu relay
                     with self._record_buffer() as (_tier, buf):
-                        self.store.copy(Ref(b, home), Ref(a, self.w_home[i]), relay=buf)
-                else:
-                    self.store.copy(Ref(b, home), Ref(a, self.w_home[i]))
+                        self.store.copy(dst, src, relay=buf)
+                else:  # host memory (a CPU host's gpu tier too) reads and writes its aligned home in place
+                    self.store.copy(dst, src)
                 self._free_home(self.w_home[i], a)
                 self.w_home[i] = home
                 self.layer_tier[i] = b

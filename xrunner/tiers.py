@@ -256,8 +256,9 @@ class TierStore:
         if isinstance(src.data, DiskSlice):
             if isinstance(dst.data, DiskSlice):
                 raise ValueError("disk to disk copies are not needed")
-            if self._host_side(dst.tier, src.data) and self._direct_ok(dst.data, src.data):
-                self._read(src.data, dst.data)
+            direct = self._direct_buffer(dst, src.data)
+            if direct is not None:
+                self._read(src.data, direct)
                 return
             if relay is None:
                 raise ValueError("disk -> gpu needs a cpu relay buffer")
@@ -266,8 +267,9 @@ class TierStore:
             self._copy_tensor(dst.data, dst.tier, typed, "cpu")
             return
         if isinstance(dst.data, DiskSlice):
-            if self._host_side(src.tier, dst.data) and self._direct_ok(src.data, dst.data):
-                self._write(dst.data, src.data)
+            direct = self._direct_buffer(src, dst.data)
+            if direct is not None:
+                self._write(dst.data, direct)
                 return
             if relay is None:
                 raise ValueError("gpu -> disk needs a cpu relay buffer")
@@ -342,14 +344,32 @@ class TierStore:
         """
         return tier == "cpu" or (not self.cuda and tier == "gpu" and ds.file is self.files.get("weights"))
 
-    @staticmethod
-    def _direct_ok(t: torch.Tensor, ds: DiskSlice) -> bool:
-        """Whether a cpu tensor can take part in the disk transfer itself (no relay needed)."""
-        if not t.is_contiguous() or t.device.type != "cpu":
-            return False
+    def needs_relay(self, dst: Ref, src: Ref) -> bool:
+        """Whether :meth:`copy` of ``src`` into ``dst`` needs a relay (a disk leg it cannot do in place)."""
+        for host, ds in ((dst, src.data), (src, dst.data)):
+            if isinstance(ds, DiskSlice):
+                return self._direct_buffer(host, ds) is None
+        return False
+
+    def _direct_buffer(self, ref: Ref, ds: DiskSlice) -> torch.Tensor | None:
+        """The buffer a disk transfer of ``ds`` can use in place of a relay: ``ref``'s tensor itself, or,
+        under O_DIRECT, the whole 4 KiB-rounded allocation that :meth:`empty` made for it (the
+        tail past the tensor is that allocation's own padding, so reading into it clobbers
+        nothing); None when it needs a relay."""
+        t = ref.data
+        if not self._host_side(ref.tier, ds) or not t.is_contiguous() or t.device.type != "cpu":
+            return None
         if ds.file.method != "o_direct":
-            return True
-        return t.data_ptr() % 4096 == 0 and ds.offset % 4096 == 0 and nbytes_of(t) % 4096 == 0
+            return t
+        if t.data_ptr() % 4096 or ds.offset % 4096:
+            return None
+        if nbytes_of(t) % 4096 == 0:
+            return t
+        owner = self._keep.get(t.data_ptr())
+        n = round_up(ds.nbytes)
+        if owner is None or nbytes_of(t) != ds.nbytes or owner.nbytes < n:
+            return None
+        return torch.from_numpy(owner[:n])
 
     @staticmethod
     def _relay_views(relay: torch.Tensor, ds: DiskSlice) -> tuple[torch.Tensor, torch.Tensor]:
