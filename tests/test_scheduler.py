@@ -20,8 +20,8 @@ from xprofiler.profile import BandwidthCurve, CalibrationError, HeadFit
 from xprofiler.specs import get_model_spec
 from xsched.errors import UserError
 from xscheduler import SLA, Evaluator, Plan, place, plan_search, variants
-from xscheduler.search import (LP_BOUND_SLACK, LP_LATENCY_SLACK, REFILL_LEVELS, Evaluation, Variant, _jump, polish,
-                               search)
+from xscheduler.search import (LP_BOUND_SLACK, LP_LATENCY_SLACK, REFILL_LATENCY_SLACK, REFILL_LEVELS, Evaluation, Variant, _jump, polish,
+                               refills_more_often, search)
 from xscheduler.placement import Shape, token_seconds
 from xsimulator.costmodel import TIERS, CostModel
 from xsimulator.policy import Policy
@@ -243,6 +243,43 @@ def test_lp_bounds_widen_when_a_simulation_beats_them(case):
     fresh = Evaluator(spec, prof, w, num_requests=REQUESTS)
     fresh(v, 2, 1, 0), fresh(v, 1, 1, 0)  # the real simulator here: about as the presets measured
     assert fresh.bound_slack == pytest.approx(LP_BOUND_SLACK, rel=0.01) and fresh.floor_slack == LP_LATENCY_SLACK
+
+
+def test_a_wide_miss_rules_out_more_frequent_refills_and_narrows_when_contradicted(case):
+    """A point that misses the bound by more than 1 / refill_slack rules out the same and larger
+    shapes at every more frequent refill interval, not at a less frequent one, and a closer miss
+    rules out only its own interval. A simulation where refilling more often cuts latency by
+    more than the slack allows narrows it, so that every priced pair obeys it again."""
+    spec, prof, w = case
+    ev = Evaluator(spec, prof, w, num_requests=REQUESTS)
+    v = variants("off", prof.compute_device)[0]
+    e = ev(v, 2, 2, 64)
+    lat = e.latency("p99")
+    assert e.fits and ev.refill_slack == REFILL_LATENCY_SLACK
+    wide, close = lat * REFILL_LATENCY_SLACK * 0.99, lat * 0.99
+    floor = max(ev.latency_floor(v, g, nb) for g, nb in ((2, 2), (4, 2), (2, 4)))
+    assert floor < wide  # the LP floor alone rules out none of these
+    for g, nb in ((2, 2), (4, 2), (2, 4)):
+        assert ev.misses(v, g, nb, 16, "p99", wide) and ev.misses(v, g, nb, 1, "p99", wide)
+        assert not ev.misses(v, g, nb, 0, "p99", wide)  # never refilling: not bounded by this
+        assert ev.misses(v, g, nb, 64, "p99", close) and not ev.misses(v, g, nb, 16, "p99", close)
+    assert not ev.misses(v, 1, 2, 16, "p99", wide)  # a smaller shape: nothing known
+
+    real = ev.simulate
+
+    def refill_cuts_latency(policy, *a, **k):  # every 4 steps: 0.4x the latency of every 64
+        r = real(policy, *a, **k)
+        return replace(r, latency_p99_s=0.4 * lat, latency_p99_length_s=0.4 * lat) if policy.refill_every == 4 else r
+
+    ev.simulate = refill_cuts_latency
+    ev(v, 2, 2, 4)
+    assert ev.refill_slack < REFILL_LATENCY_SLACK
+    pairs = [(a, b) for a in ev.cache.values() for b in ev.cache.values()
+             if (a.variant, a.gbs, a.nb) == (b.variant, b.gbs, b.nb) and refills_more_often(b.refill_every, a.refill_every)]
+    assert pairs
+    for rarely, often in pairs:
+        assert often.latency("p99") >= rarely.latency("p99") * ev.refill_slack * 1.01
+    assert not ev.misses(v, 2, 2, 4, "p99", wide)
 
 
 def test_lp_rate_of_a_block_that_empties_takes_each_phase_at_its_cheapest_rows(case):

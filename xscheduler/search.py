@@ -56,6 +56,17 @@ LP_BOUND_SEEN = 1.03  # that largest ratio: an evaluator keeps the same margin a
 # bound safe.
 LP_LATENCY_SLACK = 0.4
 LP_LATENCY_SEEN = 0.42  # that smallest ratio: an evaluator keeps the same margin below what it sees
+# Refilling more often can lower latency (``Evaluator.misses``), but not by much: a (variant, gbs,
+# nb)'s p99 or p99-length at a more frequent refill interval was at least 0.81 of its value at a
+# less frequent one over the whole grids of the 40 model x preset x workload combinations of
+# ``benchmarks/plan_quality.py`` (and in stop 36's counterexample, llama-3-8b / rtx3090 / S), and
+# at least REFILL_SEEN over seven workloads on a profile measured on the 2-core VM (opt-125m, 300
+# and 2000 requests; least at S, 2000 requests, gbs 16 refilling every step against every 16).
+# So a point that misses the bound by more than 1 / REFILL_LATENCY_SLACK shows that the same and
+# larger shapes miss it at every more frequent interval too. (Less often is not bounded usefully:
+# there the ratio fell to 0.23, refilling every step stalling every row for each new prompt.)
+REFILL_LATENCY_SLACK = 0.7
+REFILL_SEEN = 0.77  # that smallest ratio: an evaluator keeps the same margin below what it sees
 # Latency may fall a little along gbs or nb where the placement moves with the batch: on
 # h100-80gb / opt-175b / T (4-bit weights and cache, no refill) p99 was 266.5 s at gbs 2, 271.5 s
 # at 4 and 269.5 s at 8, and with no tolerance `xsched plan --latency 269.6 --requests 400`
@@ -108,6 +119,11 @@ def variants(compress: str, compute_device: str) -> list[Variant]:
                     continue
                 out.append(Variant(cw, cc, ca))
     return out
+
+
+def refills_more_often(a: int, b: int) -> bool:
+    """Whether refill interval ``a`` refills more often than ``b`` (0 is never)."""
+    return a > 0 and (b == 0 or a < b)
 
 
 @dataclass(frozen=True)
@@ -201,6 +217,8 @@ class Evaluator:
     # The LP bounds' slacks, widened when a simulation contradicts them (:meth:`_check_bounds`).
     bound_slack: float = LP_BOUND_SLACK
     floor_slack: float = LP_LATENCY_SLACK
+    refill_slack: float = REFILL_LATENCY_SLACK  # narrowed when a simulation contradicts it (:meth:`_check_refill`)
+    by_shape: dict[tuple, list[Evaluation]] = field(default_factory=dict)  # fitting points by (variant, gbs, nb)
 
     def __post_init__(self) -> None:
         if self.method not in EVALUATORS:
@@ -249,6 +267,7 @@ class Evaluator:
         self.cache[key] = ev
         if ev.fits:
             self._check_bounds(ev, placed)
+            self._check_refill(ev)
         if self.on_eval is not None and (simulated or policy is None):
             self.on_eval()
         return ev
@@ -273,6 +292,22 @@ class Evaluator:
         ideal_s = self._ideal_latency_s(placed, ev.gbs, ev.nb)
         if ideal_s > 0:
             self.floor_slack = min(self.floor_slack, lowest / ideal_s * (LP_LATENCY_SLACK / LP_LATENCY_SEEN))
+
+    def _check_refill(self, ev: Evaluation) -> None:
+        """Narrow :attr:`refill_slack` where this point and one of the same shape at another refill
+        interval are closer than :data:`REFILL_SEEN` (the more frequent one's latency over the
+        other's), keeping the same margin, as :meth:`_check_bounds` does for the LP bounds."""
+        same = self.by_shape.setdefault((ev.variant, ev.gbs, ev.nb), [])
+        for other in same:
+            if refills_more_often(ev.refill_every, other.refill_every):
+                often, rarely = ev, other
+            elif refills_more_often(other.refill_every, ev.refill_every):
+                often, rarely = other, ev
+            else:
+                continue
+            ratio = min(often.latency(k) / rarely.latency(k) for k in ("p99", "p99-length"))
+            self.refill_slack = min(self.refill_slack, ratio * (REFILL_LATENCY_SLACK / REFILL_SEEN))
+        same.append(ev)
 
     @property
     def evaluations(self) -> int:
@@ -306,12 +341,14 @@ class Evaluator:
 
     def misses(self, v: Variant, gbs: int, nb: int, refill: int, kind: str, bound_s: float) -> bool:
         """Whether the point is known to miss the bound without pricing it: by its LP latency floor
-        (:meth:`latency_floor`), or by a point already priced, one of the same variant and refill
-        interval with no larger gbs and nb, whose latency is over it.
+        (:meth:`latency_floor`), or by a point already priced, one of the same variant with no
+        larger gbs and nb, whose latency is over it: at the same refill interval, or at a less
+        frequent one by more than 1 / :attr:`refill_slack` (:data:`REFILL_LATENCY_SLACK`; stop 40:
+        ``plan_quality.py --quick`` from 3.8% to 3.4% of exhaustive search's evaluations, max 7.6%
+        to 5.9%, every cell still at 1.000 of its throughput).
 
-        Only points at the same refill interval count. Latency is not monotone along the refill
-        levels. Stop 36's counterexample: llama-3-8b / rtx3090 / S, gbs 16, nb 1. Refilling every
-        16 steps gave p99 5.40 s, every 4 steps 4.93 s and every step 4.38 s (0.81x), so a bound
+        Latency is not monotone along the refill levels. Stop 36's counterexample: llama-3-8b /
+        rtx3090 / S, gbs 16, nb 1. Refilling every 16 steps gave p99 5.40 s, every 4 steps 4.93 s and every step 4.38 s (0.81x), so a bound
         missed at 16 said nothing about 4 or 1. Trusting the levels' order (stop 32 to 35) cut
         plan_quality's evaluations from 4.6% to 3.4% of exhaustive search's, but on that workload
         `xsched plan --latency 1.9 --requests 300` returned 0.707 of exhaustive search's throughput.
@@ -322,8 +359,11 @@ class Evaluator:
         of exhaustive search's, not 1.98% (stop 32)."""
         if self.latency_floor(v, gbs, nb) > bound_s:
             return True
-        return any(e.variant == v and e.fits and e.refill_every == refill and e.gbs <= gbs and e.nb <= nb
-                   and e.latency(kind) > bound_s for e in self.cache.values())
+        often = bound_s / self.refill_slack
+        return any(e.variant == v and e.fits and e.gbs <= gbs and e.nb <= nb and e.latency(kind) > bound_s
+                   and (e.refill_every == refill or (refills_more_often(refill, e.refill_every)
+                                                     and e.latency(kind) > often))
+                   for e in self.cache.values())
 
     def box_bound(self, space: "Space", lo: tuple[int, ...], hi: tuple[int, ...], kind: str = "p99",
                   bound_s: float = math.inf) -> float:
