@@ -836,6 +836,35 @@ def test_cpu_host_moves_weight_records_without_a_cpu_relay(tmp_path, llama):
     assert got == want == again
 
 
+def test_a_record_goes_to_and_from_disk_in_place_only_through_its_whole_buffer(tmp_path):
+    """An O_DIRECT record whose size is not a multiple of 4 KiB is read into its buffer's padded
+    allocation in place (what a reconfiguration's disk moves rely on), but a view of part of a
+    larger buffer needs a relay: reading in place would overwrite the bytes after the view."""
+    from xprofiler.diskio import round_up
+    from xrunner.tiers import MemoryLedger, Ref, TierStore
+
+    st = TierStore(torch.device("cpu"), tmp_path, MemoryLedger())
+    try:
+        n = 5000
+        ds = st.disk_region("weights", "weights_home", (n,), torch.uint8, align=True)
+        rec = st.empty("cpu", "weights_home", (n,), torch.uint8)
+        rec.copy_(torch.arange(n) % 251)
+        assert not st.needs_relay(Ref("disk", ds), Ref("cpu", rec))
+        st.copy(Ref("disk", ds), Ref("cpu", rec))
+        back = st.empty("gpu", "weights_home", (n,), torch.uint8)
+        st.copy(Ref("gpu", back), Ref("disk", ds))
+        assert torch.equal(back, rec)
+        big = st.empty("gpu", "weight_stage", (3 * 4096,), torch.uint8)
+        big.fill_(7)
+        view = big[:n]
+        assert st.needs_relay(Ref("gpu", view), Ref("disk", ds))
+        relay = st.empty("cpu", "weight_relay", (round_up(n),), torch.uint8)
+        st.copy(Ref("gpu", view), Ref("disk", ds), relay=relay)
+        assert torch.equal(view, rec) and bool((big[n:] == 7).all())
+    finally:
+        st.close()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_cpu_attention_of_a_half_precision_model_runs_in_float32_within_its_plan(tmp_path, dtype, monkeypatch):
     """A half-precision model's CPU attention upcasts to float32 (CPU half kernels are slow and

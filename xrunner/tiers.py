@@ -142,7 +142,8 @@ class TierStore:
         self.files: dict[str, DirectFile] = {}
         self._ends: dict[str, int] = {}
         self._registered: list[int] = []
-        self._keep: dict[int, np.ndarray] = {}  # data pointer -> numpy owner of an aligned cpu buffer
+        # data pointer -> (numpy owner of an aligned cpu buffer, the bytes the tensor made of it holds)
+        self._keep: dict[int, tuple[np.ndarray, int]] = {}
         self._free: dict[str, list[tuple[int, int]]] = {}  # per offload file: free (offset, size), sorted
         self._allocated: dict[str, int] = {}  # bytes fallocated per offload file
         # Per thread: writes awaiting one fdatasync (deferred_sync), its CUDA copy streams, and
@@ -166,7 +167,7 @@ class TierStore:
                 ptr = buf.ctypes.data
                 torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, buf.nbytes, 0))
                 self._registered.append(ptr)
-            self._keep[buf.ctypes.data] = buf
+            self._keep[buf.ctypes.data] = buf, nbytes
             t = torch.from_numpy(buf[:nbytes]).view(dtype).view(shape)
         else:
             raise ValueError(f"use disk_region for the disk tier, not {tier!r}")
@@ -185,7 +186,7 @@ class TierStore:
         caller's references are gone (a reconfiguration)."""
         self.ledger.sub(tier, name, nbytes_of(t))
         if t.device.type == "cpu":
-            buf = self._keep.pop(t.data_ptr(), None)
+            buf, _ = self._keep.pop(t.data_ptr(), (None, 0))
             if buf is not None and self.cuda and buf.ctypes.data in self._registered:
                 torch.cuda.cudart().cudaHostUnregister(buf.ctypes.data)
                 self._registered.remove(buf.ctypes.data)
@@ -365,9 +366,9 @@ class TierStore:
             return None
         if nbytes_of(t) % 4096 == 0:
             return t
-        owner = self._keep.get(t.data_ptr())
-        n = round_up(ds.nbytes)
-        if owner is None or nbytes_of(t) != ds.nbytes or owner.nbytes < n:
+        owner, whole = self._keep.get(t.data_ptr(), (None, 0))
+        n = round_up(ds.nbytes)  # only the whole tensor: past a view's end lie the rest of its buffer's bytes
+        if owner is None or nbytes_of(t) != whole or whole != ds.nbytes or owner.nbytes < n:
             return None
         return torch.from_numpy(owner[:n])
 
