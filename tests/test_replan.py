@@ -450,19 +450,43 @@ def test_a_cusum_against_a_narrow_sample_still_fires_on_a_shift():
     assert ("prompt", "cusum+") in fired and ("output", "cusum+") not in fired, mon.stats()
 
 
+def _events_at(watcher, parts):
+    """Feed the (prompts, outputs) parts in order, checking every 64 requests; the counts at events."""
+    at = []
+    for i, (p, o) in enumerate(zip(np.concatenate([x[0] for x in parts]), np.concatenate([x[1] for x in parts]))):
+        watcher.observe(int(p), int(o))
+        if (i + 1) % 64 == 0 and watcher.check() is not None:
+            at.append(i + 1)
+    return at
+
+
 def test_a_second_shift_after_a_replan_is_the_second_event(setup):
     """+30% at request 300, then x1.8 of the plan's lengths at 1500: two events (stop 36: 4)."""
     prof, w, plan, _ = setup
     parts = [w.sample(300, seed=1), get_workload("T@1.3").sample(1200, seed=51),
              get_workload("T@1.8").sample(1500, seed=91)]
     watcher = DriftWatcher(plan, prof, horizon=3000, num_requests=500)
-    at = []
-    for i, (p, o) in enumerate(zip(np.concatenate([x[0] for x in parts]), np.concatenate([x[1] for x in parts]))):
-        watcher.observe(int(p), int(o))
-        if (i + 1) % 64 == 0 and watcher.check() is not None:
-            at.append(i + 1)
+    at = _events_at(watcher, parts)
     assert len(at) == 2, (at, [e.reason() for e in watcher.events])
     assert 300 < at[0] <= 450 and 1500 < at[1] <= 1900, at
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_smaller_second_shift_is_found_once_the_reference_is_refitted(setup, seed):
+    """+30% at request 300, then +15% more at 1500. The re-plan's reference is a fit of the ~60
+    lengths after the first change point, and the CUSUMs' margin for its error hid the second
+    shift: with these seeds no second event came within the job (11 of 20 seeds found it, the
+    median 356 requests after it). Refitting the reference on the quiet lengths since the change
+    point (four times as many) finds it within 512 requests, and still only once."""
+    prof, w, plan, _ = setup
+    parts = [w.sample(300, seed=seed), get_workload("T@1.3").sample(1200, seed=seed + 50),
+             get_workload("T@1.495").sample(1500, seed=seed + 100)]
+    watcher = DriftWatcher(plan, prof, horizon=3000, num_requests=500)
+    at = _events_at(watcher, parts)
+    assert len(at) == 2, (at, [e.reason() for e in watcher.events])
+    assert 300 < at[0] <= 450 and 1500 < at[1] <= 2012, at
+    assert any(at[0] < r < 1500 for r in watcher.refits), watcher.refits  # refitted before the second shift
+    assert watcher.events[1].old_plan.policy == watcher.events[0].new_plan.policy
 
 
 def test_replan_says_when_the_observed_requests_pass_the_models_context(tmp_path, capsys):

@@ -494,13 +494,16 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
                 log(info, answer)
                 return answer
         if watcher is not None:
-            seen = len(watcher.events)
+            seen, refits = len(watcher.events), len(watcher.refits)
             answer = watcher(info)
             if answer is not None:
                 log(info, answer)
             elif len(watcher.events) > seen:
                 print(f"xsched: adapt at block {info.block} ({info.clock_s:,.1f} s): {watcher.events[-1].reason()}",
                       file=sys.stderr)
+            if len(watcher.refits) > refits:
+                print(f"xsched: drift watch at block {info.block}: no change since the re-plan; the reference is now "
+                      f"the {watcher.reference.source.split(', ')[-1]}", file=sys.stderr)
             return answer
         return None
 

@@ -68,6 +68,11 @@ FALSE_ALARM_RATE = 0.005
 # Its threshold is conservative at large budgets (6% of null streams fired at a 20% budget in
 # tests/test_workloads.py) and about exact at the small ones used here (see FALSE_ALARM_RATE).
 CUSUM_SHARE = 0.75
+# A re-plan's reference is a fit of the few lengths after the change point (30-60), and the CUSUMs
+# allow for its error (``CusumMonitor.reference_margin``), which leaves a second, smaller shift
+# slow to find. Once REFIT_GROWTH times as many lengths have settled quietly (every CUSUM under
+# half its threshold, no test firing), the watcher refits the reference on all of them.
+REFIT_GROWTH = 4
 WINDOW_TESTS = ("ks",)  # the windowed tests beside the CUSUMs: shape changes (the CUSUMs test the mean)
 
 
@@ -484,6 +489,8 @@ class DriftWatcher:
         self._pending: dict[int, tuple[int, int, bool]] = {}
         self._next = 0
         self._start = 0  # first settled request compared with the current reference
+        self._fit_from: int | None = None  # first length of a re-plan's fitted reference (None: the plan's)
+        self.refits: list[int] = []  # settled counts at which the reference was refitted (REFIT_GROWTH)
         self._looked_at = 0
 
     def _reset(self, reference: Workload, horizon: int) -> None:
@@ -539,9 +546,11 @@ class DriftWatcher:
             p, o, c = np.array(self._p[sl]), np.array(self._o[sl]), np.array(self._c[sl], bool)
             report = self._monitor.check(p, o, self.windows)
             if not report.drifted:
+                self._refit()
                 return None
             report = replace(report, stats=report.stats + cusum)
         else:
+            self._refit()
             return None
         event = _respond(self.plan, self.profile, p, o, c, report, self.reference, t0,
                          num_requests=self.num_requests, evaluator=self.evaluator, compress=self.compress,
@@ -550,8 +559,27 @@ class DriftWatcher:
         if event.new_plan is not None:
             self.plan = event.new_plan
         self._reset(event.observed, self.horizon - self.settled)  # a fit of the lengths after the change point
+        self._fit_from = self._start + event.fit_from
         self._start = self.settled
         return event
+
+    def _refit(self) -> None:
+        """Refit a re-plan's reference on every length since its change point once REFIT_GROWTH
+        times as many have settled and the CUSUMs are quiet (a change that has begun would be
+        half-absorbed into the new reference). The new CUSUMs' margin for the reference's error
+        shrinks with the square root of its lengths."""
+        if self._fit_from is None or not self._cusum.quiet():
+            return
+        fitted = self._start - self._fit_from
+        if self.settled - self._fit_from < REFIT_GROWTH * fitted:
+            return
+        sl = slice(self._fit_from, None)
+        observed = fit_workload(np.array(self._p[sl]), np.array(self._o[sl]), self.reference)
+        looks = self._monitor.looks
+        self._reset(observed, self.horizon - self.settled)
+        self._monitor.looks = looks  # the windowed tests go on spending the re-plan's budget, not a fresh one
+        self._start = self.settled
+        self.refits.append(self.settled)
 
     def __call__(self, info: "BlockInfo") -> tuple[Policy, str] | None:
         """``between_blocks`` hook: the new policy and a one-line reason when a re-plan changed it."""
