@@ -334,4 +334,4 @@ class CusumMonitor:
 
     def quiet(self, fraction: float = 0.5) -> bool:
         """Whether every CUSUM is below ``fraction`` of its threshold: no change is building up."""
-        return all(st["s"][d] < fraction * st["h"][d] for st in self._streams.values() for d in (0, 1))
+        return all(st["s"][d] <= fraction * st["h"][d] for st in self._streams.values() for d in (0, 1))
