@@ -346,9 +346,10 @@ class Evaluator:
         (:meth:`latency_floor`), or by a point already priced, one of the same variant with no
         larger gbs and nb, whose latency is over it: at the same refill interval, or at a less
         frequent one by more than 1 / :attr:`refill_slack` (:data:`REFILL_LATENCY_SLACK`; stop 40:
-        ``plan_quality.py --quick`` from 3.8% to 3.1% of exhaustive search's evaluations, max 7.6%
-        to 5.4%, every cell still at 1.000 of its throughput; all 160 cells: mean 3.2%, max 11.3%,
-        126 within 5%, 160 at 1.000).
+        ``plan_quality.py --quick`` from 3.8% to 3.5% of exhaustive search's evaluations, max 7.6%
+        to 7.0%, every cell still at 1.000 of its throughput; all 160 cells: mean 3.7%, max 12.3%,
+        114 within 5%, 160 at 1.000; a slack of 0.7 saved three times as much but pruned a
+        perturbed profile's best plan).
 
         Latency is not monotone along the refill levels. Stop 36's counterexample: llama-3-8b /
         rtx3090 / S, gbs 16, nb 1. Refilling every 16 steps gave p99 5.40 s, every 4 steps 4.93 s and every step 4.38 s (0.81x), so a bound
