@@ -918,8 +918,8 @@ def test_cpu_attention_of_a_half_precision_model_runs_in_float32_within_its_plan
 def test_cpu_attention_in_chunks_of_rows_gives_the_reference_tokens(llama, tmp_path, monkeypatch, tier):
     """CPU attention gathers scattered rows (too sparse for the in-place span) and converts half
     precision through a float32 chunk of a few rows: with chunks of one row, and with rows left
-    at both ends of a GPU batch (too far apart to attend in place), the tokens are the reference's; the chunks are counted as
-    planned (``run_engine`` checks the peaks)."""
+    at both ends of a GPU batch (too far apart to attend in place), the tokens are the reference's;
+    the chunks are counted as planned (``run_engine`` checks the peaks)."""
     import xrunner.engine as engine_module
 
     src, reqs, _ = llama

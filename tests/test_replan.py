@@ -485,7 +485,8 @@ def test_a_smaller_second_shift_is_found_once_the_reference_is_refitted(setup, s
     at = _events_at(watcher, parts)
     assert len(at) == 2, (at, [e.reason() for e in watcher.events])
     assert 300 < at[0] <= 450 and 1500 < at[1] <= 2012, at
-    assert any(at[0] < r < 1500 for r in watcher.refits), watcher.refits  # refitted before the second shift
+    assert any(at[0] < r < 1500 for r, _ in watcher.refits), watcher.refits  # refitted before the second shift
+    assert all(n >= 4 * 30 for _, n in watcher.refits)  # on at least REFIT_GROWTH x min_samples lengths
     assert watcher.events[1].old_plan.policy == watcher.events[0].new_plan.policy
 
 

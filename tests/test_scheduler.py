@@ -20,8 +20,8 @@ from xprofiler.profile import BandwidthCurve, CalibrationError, HeadFit
 from xprofiler.specs import get_model_spec
 from xsched.errors import UserError
 from xscheduler import SLA, Evaluator, Plan, place, plan_search, variants
-from xscheduler.search import (LP_BOUND_SLACK, LP_LATENCY_SLACK, REFILL_LATENCY_SLACK, REFILL_LEVELS, Evaluation, Variant, _jump, polish,
-                               refills_more_often, search)
+from xscheduler.search import (LP_BOUND_SLACK, LP_LATENCY_SLACK, REFILL_LATENCY_SLACK, REFILL_LEVELS, Evaluation,
+                               Variant, _jump, polish, refills_more_often, search)
 from xscheduler.placement import Shape, token_seconds
 from xsimulator.costmodel import TIERS, CostModel
 from xsimulator.policy import Policy
@@ -275,7 +275,8 @@ def test_a_wide_miss_rules_out_more_frequent_refills_and_narrows_when_contradict
     ev(v, 2, 2, 4)
     assert ev.refill_slack < REFILL_LATENCY_SLACK
     pairs = [(a, b) for a in ev.cache.values() for b in ev.cache.values()
-             if (a.variant, a.gbs, a.nb) == (b.variant, b.gbs, b.nb) and refills_more_often(b.refill_every, a.refill_every)]
+             if (a.variant, a.gbs, a.nb) == (b.variant, b.gbs, b.nb)
+             and refills_more_often(b.refill_every, a.refill_every)]
     assert pairs
     for rarely, often in pairs:
         assert often.latency("p99") >= rarely.latency("p99") * ev.refill_slack * 1.01

@@ -502,8 +502,9 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
                 print(f"xsched: adapt at block {info.block} ({info.clock_s:,.1f} s): {watcher.events[-1].reason()}",
                       file=sys.stderr)
             if len(watcher.refits) > refits:
-                print(f"xsched: drift watch at block {info.block}: no change since the last drift event; its reference refitted "
-                      f"on the {watcher.reference.source.split(', ')[-1]} since the change point", file=sys.stderr)
+                print(f"xsched: drift watch at block {info.block}: no change since the last drift event; its "
+                      f"reference refitted on the {watcher.refits[-1][1]} requests since the change point",
+                      file=sys.stderr)
             return answer
         return None
 

@@ -490,7 +490,8 @@ class DriftWatcher:
         self._next = 0
         self._start = 0  # first settled request compared with the current reference
         self._fit_from: int | None = None  # first length of a re-plan's fitted reference (None: the plan's)
-        self.refits: list[int] = []  # settled counts at which the reference was refitted (REFIT_GROWTH)
+        # (settled count, lengths fitted) at each refit of a re-plan's reference (REFIT_GROWTH)
+        self.refits: list[tuple[int, int]] = []
         self._looked_at = 0
 
     def _reset(self, reference: Workload, horizon: int) -> None:
@@ -579,7 +580,7 @@ class DriftWatcher:
         self._reset(observed, self.horizon - self.settled)
         self._monitor.looks = looks  # the windowed tests go on spending the re-plan's budget, not a fresh one
         self._start = self.settled
-        self.refits.append(self.settled)
+        self.refits.append((self.settled, self.settled - self._fit_from))
 
     def __call__(self, info: "BlockInfo") -> tuple[Policy, str] | None:
         """``between_blocks`` hook: the new policy and a one-line reason when a re-plan changed it."""

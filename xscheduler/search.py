@@ -352,8 +352,8 @@ class Evaluator:
         perturbed profile's best plan).
 
         Latency is not monotone along the refill levels. Stop 36's counterexample: llama-3-8b /
-        rtx3090 / S, gbs 16, nb 1. Refilling every 16 steps gave p99 5.40 s, every 4 steps 4.93 s and every step 4.38 s (0.81x), so a bound
-        missed at 16 said nothing about 4 or 1. Trusting the levels' order (stop 32 to 35) cut
+        rtx3090 / S, gbs 16, nb 1. Refilling every 16 steps gave p99 5.40 s, every 4 steps 4.93 s
+        and every step 4.38 s (0.81x), so a bound missed at 16 said nothing about 4 or 1. Trusting the levels' order (stop 32 to 35) cut
         plan_quality's evaluations from 4.6% to 3.4% of exhaustive search's, but on that workload
         `xsched plan --latency 1.9 --requests 300` returned 0.707 of exhaustive search's throughput.
         Dropping it took ``plan_quality.py --quick`` from 2.1% to 3.2% of exhaustive search's
