@@ -304,6 +304,47 @@ def test_refill_pruning_keeps_the_best_plan_on_a_profile_where_refilling_halves_
     assert got.throughput >= 0.99 * best.throughput, (got.variant, got.gbs, got.nb, got.refill_every)
 
 
+def test_placement_keeps_every_weight_resident_where_offloading_the_cache_instead_is_faster():
+    """The relaxation prices offloaded weights as a sliver of every layer; the runner fetches whole
+    layers. On t4 / opt-6.7b / G at 32 x 1 with CPU attention it kept the KV cache on the gpu by
+    offloading three layers, each then fetched whole every step: 1.9x slower than keeping every
+    layer resident and most of the cache on the cpu, a policy that fits (checked here with the
+    cost model alone, no LP)."""
+    prof = load_profile("t4", check_machine=False)
+    spec, w = prof.model_for(get_model_spec("opt-6.7b")), get_workload("G")
+    shape = Shape.of(w)
+    placed = place(spec, prof, w, 32, 1, cpu_attention=True)
+    hand = Policy(gbs=32, nb=1, cpu_attention=True, cg=4 / 32, cc=28 / 32)
+    cm = CostModel.for_policy(spec, prof, hand)
+    peaks = cm.peak_bytes(hand, shape.max_prompt, shape.max_output)
+    assert all(peaks[t] <= prof.capacity_bytes(t) for t in TIERS)
+    assert placed.token_s <= float(token_seconds(cm, hand.placement(), 32, 1, shape)) * (1 + 1e-9)
+    got = CostModel.for_policy(spec, prof, placed.policy).peak_bytes(placed.policy, shape.max_prompt, shape.max_output)
+    assert all(got[t] <= prof.capacity_bytes(t) for t in TIERS)
+    assert placed.token_s == pytest.approx(float(token_seconds(cm, placed.policy.placement(), 32, 1, shape)), rel=1e-9)
+
+
+@pytest.mark.parametrize("profile_file, model, requests, bound_s, answer", [
+    # A 4-bit cache at 32 x 1 was placed with five layers offloaded, so its latency (83 s) was over
+    # that of 64 x 1 (59 s), and the miss ruled out the answer: 0.697 of it.
+    ("perturbed_a100_profile.json", "opt-30b", 1577, 60.5, ("4-bit KV cache", 64, 1, 0)),
+])
+def test_branch_and_bound_finds_the_best_plan_on_fuzzed_profiles(profile_file, model, requests, bound_s, answer):
+    """A planner fuzz's randomly perturbed preset profile (stop 40) where branch-and-bound
+    planned 0.697 of exhaustive search's throughput at workload G; ``answer`` is
+    exhaustive search's best point at ``bound_s``, 1.5x the grid's lowest p99 latency."""
+    from pathlib import Path
+
+    prof = load_profile(str(Path(__file__).parent / "data" / profile_file), check_machine=False)
+    spec, w = prof.model_for(get_model_spec(model)), get_workload("G")
+    vs = variants("auto", prof.compute_device)
+    ref = Evaluator(spec, prof, w, num_requests=requests)(next(v for v in vs if v.describe() == answer[0]), *answer[1:])
+    assert ref.meets("p99", bound_s)
+    ev = Evaluator(spec, prof, w, num_requests=requests)  # its own: the answer must not be priced for it
+    got = search(ev, [s for s in (ev.space(v, knee=True) for v in vs) if s], "p99", bound_s, "bnb").best
+    assert got.throughput >= 0.99 * ref.throughput, (got.variant, got.gbs, got.nb, got.refill_every)
+
+
 def test_lp_rate_of_a_block_that_empties_takes_each_phase_at_its_cheapest_rows(case):
     """The LP's ideal block has every row busy; its batches empty as requests finish. Where a fit
     costs more per row at two rows than at one (a CPU's one-row LM head is a matrix-vector
