@@ -304,24 +304,31 @@ def test_refill_pruning_keeps_the_best_plan_on_a_profile_where_refilling_halves_
     assert got.throughput >= 0.99 * best.throughput, (got.variant, got.gbs, got.nb, got.refill_every)
 
 
-def test_placement_keeps_every_weight_resident_where_offloading_the_cache_instead_is_faster():
+@pytest.mark.parametrize("workload, gbs, nb, witness", [
+    # The relaxation kept the KV cache on the gpu by offloading three layers, each then fetched
+    # whole every step: 1.9x slower than every layer resident and most of the cache on the cpu.
+    ("G", 32, 1, dict(cg=4 / 32, cc=28 / 32)),
+    # All weights on the cpu (the relaxation's answer); its rounding then walked every candidate
+    # with fewer than 17 gpu layers back to that split (moving a weight layer was free with CPU
+    # attention the bottleneck): 1.9x slower than 20 layers resident.
+    ("C2", 16, 16, dict(wg=20 / 32, wc=12 / 32, cg=0.0, cc=15 / 16, cd=1 / 16, hg=0.0, hd=1.0)),
+])
+def test_placement_prices_whole_layer_weight_splits_the_relaxation_misses(workload, gbs, nb, witness):
     """The relaxation prices offloaded weights as a sliver of every layer; the runner fetches whole
-    layers. On t4 / opt-6.7b / G at 32 x 1 with CPU attention it kept the KV cache on the gpu by
-    offloading three layers, each then fetched whole every step: 1.9x slower than keeping every
-    layer resident and most of the cache on the cpu, a policy that fits (checked here with the
-    cost model alone, no LP)."""
+    layers (none with at most two off the gpu). On t4 / opt-6.7b with CPU attention the placement
+    must cost no more than ``witness``, a policy that fits, priced by the cost model alone."""
     prof = load_profile("t4", check_machine=False)
-    spec, w = prof.model_for(get_model_spec("opt-6.7b")), get_workload("G")
+    spec, w = prof.model_for(get_model_spec("opt-6.7b")), get_workload(workload)
     shape = Shape.of(w)
-    placed = place(spec, prof, w, 32, 1, cpu_attention=True)
-    hand = Policy(gbs=32, nb=1, cpu_attention=True, cg=4 / 32, cc=28 / 32)
+    placed = place(spec, prof, w, gbs, nb, cpu_attention=True)
+    hand = Policy(gbs=gbs, nb=nb, cpu_attention=True, **witness)
     cm = CostModel.for_policy(spec, prof, hand)
-    peaks = cm.peak_bytes(hand, shape.max_prompt, shape.max_output)
-    assert all(peaks[t] <= prof.capacity_bytes(t) for t in TIERS)
-    assert placed.token_s <= float(token_seconds(cm, hand.placement(), 32, 1, shape)) * (1 + 1e-9)
-    got = CostModel.for_policy(spec, prof, placed.policy).peak_bytes(placed.policy, shape.max_prompt, shape.max_output)
-    assert all(got[t] <= prof.capacity_bytes(t) for t in TIERS)
-    assert placed.token_s == pytest.approx(float(token_seconds(cm, placed.policy.placement(), 32, 1, shape)), rel=1e-9)
+    for pol in (hand, placed.policy):
+        peaks = cm.peak_bytes(pol, shape.max_prompt, shape.max_output)
+        assert all(peaks[t] <= prof.capacity_bytes(t) for t in TIERS), pol
+    assert placed.token_s <= float(token_seconds(cm, hand.placement(), gbs, nb, shape)) * (1 + 1e-9)
+    assert placed.token_s == pytest.approx(float(token_seconds(cm, placed.policy.placement(), gbs, nb, shape)),
+                                           rel=1e-9)
 
 
 @pytest.mark.parametrize("profile_file, model, requests, bound_s, answer", [

@@ -767,7 +767,8 @@ def _jump(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, refills: l
                 continue
             for r in refills:
                 known_miss = math.isfinite(bound_s) and ev.misses(v, g2, nb2, r, kind, bound_s)
-                if (v, r) == (best.variant, best.refill_every) or known_miss:
+                climbed = (v, r) == (best.variant, best.refill_every) and (g2, nb2) != (2 * best.gbs, 2 * best.nb)
+                if climbed or known_miss:  # polish priced the one-knob steps; not the doubled pair
                     continue
                 e = ev(v, g2, nb2, r)
                 if e.meets(kind, bound_s) and _better(e, jump, kind):
