@@ -52,8 +52,9 @@ TIE_BREAK = 1e-6  # objective weight of slow-tier fractions, against ~1 for the 
 # A rounded placement priced over this many times the relaxation's optimum is worth a descent over
 # whole-layer weight splits (:func:`_whole_layer_search`). On opt-6.7b / t4 / G's grid, of the
 # 36 points where some gpu/cpu split beat the rounded relaxation by over 2%, the search got within
-# 2% of the best split at 29 (the worst 0.951); 1.05 gained nothing on plan_quality's best plans
-# for 30% more LP solves on opt-175b / t4 (1803 against 1389 per 480 placements; 643 without it).
+# 2% of the best split at 28 (the worst 0.910). Of six plan_quality cells, the descent at 1.05 raised
+# exhaustive search's best plan in one (opt-30b / t4 / C2 at 1.25x, 1.044x), which 1.1 keeps, for
+# 30% fewer LP solves on opt-175b / t4 (1389 against 1803 per 480 placements; 643 without it).
 WHOLE_LAYER_GAP = 1.1
 
 
