@@ -54,7 +54,8 @@ TIE_BREAK = 1e-6  # objective weight of slow-tier fractions, against ~1 for the 
 # 36 points where some gpu/cpu split beat the rounded relaxation by over 2%, the search got within
 # 2% of the best split at 28 (the worst 0.910). Of six plan_quality cells, the descent at 1.05 raised
 # exhaustive search's best plan in one (opt-30b / t4 / C2 at 1.25x, 1.044x), which 1.1 keeps, for
-# 30% fewer LP solves on opt-175b / t4 (1389 against 1803 per 480 placements; 643 without it).
+# 30% fewer LP solves on opt-175b / t4 (1389 against 1803 per 480 placements, before splits whose
+# resident layers alone overflow the gpu were skipped: 868 now; 643 without the search).
 WHOLE_LAYER_GAP = 1.1
 
 
@@ -284,18 +285,16 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
 
     all_gpu = {v: (1.0 if v.endswith("g") else 0.0) for v in PLACEMENT_VARS}
     ref = float(token_seconds(cm, all_gpu, gbs, nb, shape)) or 1.0
-    if weights is None:  # the relaxation: every layer split by the weight fractions
-        classes = [(1.0, None)]
-    else:  # whole layers, each weight tier's layers priced apart (exact for these fractions)
-        classes = cm.weight_tier_terms({**{v: 0.0 for v in PLACEMENT_VARS}, **weights})
+    # The relaxation: one class, every layer split by the weight fractions. Fixed weights: whole
+    # layers, each weight tier's layers priced apart (exact for these fractions).
+    classes = ([(1.0, cm.weight_terms(x))] if weights is None
+               else cm.weight_tier_terms({**{v: 0.0 for v in PLACEMENT_VARS}, **weights}))
     phase_time = []
     for name, phase, length in (("pre", "prefill", shape.prompt_len), ("dec", "decode", shape.decode_context)):
         total: Any = 0.0
         for j, (share, wterms) in enumerate(classes):
             var = _var(prob, f"t_{name}{j}", 0)
-            terms = (cm.layer_terms(phase, gbs, length, x, nb) if wterms is None
-                     else cm.batch_terms(phase, gbs, length, x).scaled(nb) + wterms)
-            for i, group in enumerate(cm.groups(terms)):
+            for i, group in enumerate(cm.groups(cm.batch_terms(phase, gbs, length, x).scaled(nb) + wterms)):
                 prob += var * (1.0 / ref) >= group * (1.0 / ref), f"{name}{j}_group{i}"
             total = total + share * var
         phase_time.append(total)
@@ -439,23 +438,23 @@ def _whole_layer_search(cm: CostModel, profile: HardwareProfile, gbs: int, nb: i
     in halving steps from a quarter of the layers.
     """
     L = cm.spec.num_layers
-
-    def counts_of(policy: Policy) -> tuple[int, int, int]:
-        return split_counts((policy.wg, policy.wc, policy.wd), L)
+    resident_max = int(float(profile.capacity_bytes("gpu")) // cm.layer_stored_bytes)  # weights alone
 
     def better(counts: tuple[int, int, int]) -> bool:
         nonlocal best
+        if counts[0] > resident_max:
+            return False  # cannot fit: spare the LP
         cand = _place_whole_layers(cm, profile, gbs, nb, shape, counts, relaxed)
         if cand is not None and cand[2] < best[2] * (1 - 1e-9):
             best = cand
             return True
         return False
 
-    if counts_of(best[0])[0] < L:
+    if best[0].layer_counts(L)[0] < L:
         better((L, 0, 0))
     if best[2] <= lp_s * WHOLE_LAYER_GAP:
         return best
-    cur, step = counts_of(best[0]), max(1, L // 4)
+    cur, step = best[0].layer_counts(L), max(1, L // 4)
     while step >= 1:
         moves = [(cur[0] + d, cur[1] - d, cur[2]) for d in (step, -step)]
         moved = next((c for c in moves if min(c) >= 0 and better(c)), None)
