@@ -98,6 +98,12 @@ class _CachedSizes(CostModel):
     layer_matmul_bytes = functools.cached_property(CostModel.layer_matmul_bytes.fget)  # type: ignore[assignment]
     layer_stored_bytes = functools.cached_property(CostModel.layer_stored_bytes.fget)  # type: ignore[assignment]
 
+    @functools.cached_property
+    def step_memo(self) -> dict[tuple, float]:
+        """Priced layer steps of numeric placements: a third of one ``place`` call's are repeats
+        (the rounded relaxation, each candidate's base, the reference step of every LP)."""
+        return {}
+
 
 def _var(prob: "pulp.LpProblem", name: str, low: float | None = None, up: float | None = None,
          cat: str = "Continuous") -> "pulp.LpVariable":
@@ -181,8 +187,17 @@ def _phases(shape: Shape) -> tuple[tuple[str, int], tuple[str, int]]:
 def _layer_step_s(cm: CostModel, placement: Mapping[str, Any], phase: str, rows: int, length: int, nb: int,
                   whole_layers: bool = True) -> Any:
     """One layer step of a block of ``nb`` GPU batches of ``rows`` rows (weights fetched once)."""
-    return cm.mean_layer_seconds(cm.batch_terms(phase, rows, length, placement).scaled(nb), placement,
+    memo = getattr(cm, "step_memo", None)
+    key = None
+    if memo is not None and all(isinstance(v, (int, float)) for v in placement.values()):
+        key = (tuple(sorted(placement.items())), phase, rows, length, nb, whole_layers)
+        if key in memo:
+            return memo[key]
+    step = cm.mean_layer_seconds(cm.batch_terms(phase, rows, length, placement).scaled(nb), placement,
                                  whole_layers=whole_layers)
+    if key is not None:
+        memo[key] = step
+    return step
 
 
 def fits(cm: CostModel, profile: HardwareProfile, policy: Policy, shape: Shape) -> dict[str, float]:
