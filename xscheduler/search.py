@@ -76,6 +76,13 @@ REFILL_SEEN = 0.635  # that smallest ratio: an evaluator keeps the same margin b
 # only past the bound times (1 + this); a point is still offered only if it meets the bound itself.
 # It cost plan_quality --quick 12 more evaluations in 1209 (0.01: 12 in 1209 too, over two cells).
 LATENCY_TOLERANCE = 0.02
+# Latency's monotonicity along gbs and nb is trusted only where the LP agrees: a miss at a point
+# rules out a larger one only if the larger one's LP latency floor (``Evaluator.ideal_latency_s``)
+# is no lower than this fraction of the smaller one's. A profile measured under noise can price
+# 4 rows cheaper than 2 (the SmolLM2 VM profile rescaled, C2@0.5: 4-bit weights and cache at
+# gbs 4 had p99 77.9 s, at gbs 1 96.5 s and at 2 127.1 s; LP floors 82.5, 91.4 and 125.0 s), and
+# there a miss at gbs 1 pruned every larger gbs: 0.27 of exhaustive search's throughput.
+MONOTONE_TOL = 0.05
 # A re-plan's warm search tries shape-and-refill jumps only from variants whose climb ended within
 # this fraction of the best one (opt-30b/t4/T: the best after the jump was 5% behind before it).
 JUMP_WITHIN = 0.9
@@ -342,6 +349,20 @@ class Evaluator:
         """The LP's ideal block decoding a request of the workload's 99th-percentile output length."""
         return placed.token_s * gbs * nb * self.workload.output.percentile(0.99)
 
+    def ideal_latency_s(self, v: Variant, gbs: int, nb: int) -> float | None:
+        """:meth:`_ideal_latency_s` at these knobs, or None when nothing fits (an LP, cached)."""
+        placed = self.placement(v, gbs, nb)
+        return None if placed is None else self._ideal_latency_s(placed, gbs, nb)
+
+    def grows_from(self, v: Variant, small: tuple[int, int], large: Iterable[tuple[int, int]]) -> bool:
+        """Whether the LP's latency floor does not fall from the (gbs, nb) ``small`` to any of
+        ``large`` (beyond :data:`MONOTONE_TOL`): only then does a miss at ``small`` say they miss."""
+        base = self.ideal_latency_s(v, *small)
+        if base is None:
+            return True
+        floors = (self.ideal_latency_s(v, g, nb) for g, nb in large)
+        return all(f is None or f >= base * (1 - MONOTONE_TOL) for f in floors)
+
     def misses(self, v: Variant, gbs: int, nb: int, refill: int, kind: str, bound_s: float) -> bool:
         """Whether the point is known to miss the bound without pricing it: by its LP latency floor
         (:meth:`latency_floor`), or by a point already priced, one of the same variant with no
@@ -368,6 +389,7 @@ class Evaluator:
         return any(e.variant == v and e.fits and e.gbs <= gbs and e.nb <= nb and e.latency(kind) > bound_s
                    and (e.refill_every == refill or (refills_more_often(refill, e.refill_every)
                                                      and e.latency(kind) > often))
+                   and self.grows_from(v, (e.gbs, e.nb), [(gbs, nb)])
                    for e in self.cache.values())
 
     def box_bound(self, space: "Space", lo: tuple[int, ...], hi: tuple[int, ...], kind: str = "p99",
@@ -470,8 +492,10 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
     a finite bound the bottom corner is priced first, and a corner that an already priced point
     with no larger knobs and refill level shows to miss the bound (:meth:`Evaluator.misses`;
     latency grows along every knob) is not priced: a bottom corner so known ends the box, a top
-    corner so known is not priced. If the top corner meets the bound it is the box's best point.
-    Otherwise the box splits in half along its longest knob. With ``corners`` the
+    corner so known is not priced. A missing bottom corner ends the box only where no point of it
+    has a lower LP latency floor (:data:`MONOTONE_TOL`); otherwise the box is searched on. If the
+    top corner meets the bound it is the box's best point. Otherwise the box splits in half along
+    its longest knob. With ``corners`` the
     corners that raise one knob alone are priced first (they may be new incumbents) and the split
     goes along the longest other knob than the one whose corner did best (in 2-D: the paper's
     vertical/horizontal rule); on our grids that cost about 25% more evaluations for no better
@@ -505,25 +529,39 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
         offer(low_e)
         return viable(low_e) and lo != hi
 
-    lo0 = (0,) * d
-    hi0 = tuple(s - 1 for s in space.shape)
-    lp_up = ev.box_bound(space, lo0, hi0, kind, bound_s * (1 + eps_l))
-    if not promising(lp_up):
-        return best  # no point of this space can beat the incumbent: no simulation needed
-    # Under a finite bound many spaces hold no point that meets it: the bottom corner (the
-    # lowest latency) says so in one simulation, before the top corner is priced.
+    def monotone(lo: tuple[int, ...], hi: tuple[int, ...]) -> bool:
+        """Whether a miss at the bottom corner rules out the whole box (:data:`MONOTONE_TOL`).
+        Points whose nb the block cap clips below the corner's are left out: each is also an
+        unclipped point of the grid (the same knobs in effect), searched in its own boxes."""
+        small = space.knobs(lo)[:2]
+        points = {space.knobs((i, j, lo[2]))[:2] for i in range(lo[0], hi[0] + 1) for j in range(lo[1], hi[1] + 1)}
+        return ev.grows_from(space.variant, small, [p for p in points if p[1] >= small[1]])
+
+    def admit(lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
+        """Price a box's corners as needed and queue it if it may hold a better point."""
+        nonlocal counter
+        lp_up = ev.box_bound(space, lo, hi, kind, bound_s * (1 + eps_l))
+        if not promising(lp_up):
+            return  # pruned without simulating its corners
+        # Under a finite bound many boxes hold no point that meets it: the bottom corner (the
+        # lowest latency) says so in one simulation, before the top corner is priced.
+        if (hopeless(lo) or (bottom_first and not bottom_ok(lo, hi))) and (lo == hi or monotone(lo, hi)):
+            return
+        if not (bottom_first and hopeless(hi)):  # a top corner known to miss the bound is not priced
+            up_e = perf(hi)
+            offer(up_e)
+            if up_e.meets(kind, bound_s):
+                return  # its top corner is the best it holds
+        if not bottom_first and not bottom_ok(lo, hi):
+            return
+        if promising(lp_up) and lo != hi:
+            heapq.heappush(queue, (-lp_up, counter, lo, hi))
+            counter += 1
+
     bottom_first = math.isfinite(bound_s)
-    if bottom_first and (hopeless(lo0) or not bottom_ok(lo0, hi0)):
-        return best
-    if not (bottom_first and hopeless(hi0)):  # a top corner known to miss the bound is not priced
-        top = perf(hi0)
-        offer(top)
-        if top.meets(kind, bound_s):
-            return best  # the box's best point
-    if (not bottom_first and not bottom_ok(lo0, hi0)) or not promising(lp_up):
-        return best
-    queue: list[tuple[float, int, tuple[int, ...], tuple[int, ...]]] = [(-lp_up, 0, lo0, hi0)]
-    counter = 1
+    queue: list[tuple[float, int, tuple[int, ...], tuple[int, ...]]] = []
+    counter = 0
+    admit((0,) * d, tuple(s - 1 for s in space.shape))
     while queue:
         neg_up, _, lo, hi = heapq.heappop(queue)
         if not promising(-neg_up):
@@ -542,23 +580,8 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
         others = [k for k in dims if k != best_k] or dims
         k = max(others, key=lambda i: (hi[i] - lo[i], -i))
         mid = (lo[k] + hi[k]) // 2
-        halves = ((lo, tuple(mid if i == k else hi[i] for i in range(d))),
-                  (tuple(mid + 1 if i == k else lo[i] for i in range(d)), hi))
-        for c_lo, c_hi in halves:
-            lp_up = ev.box_bound(space, c_lo, c_hi, kind, bound_s * (1 + eps_l))
-            if not promising(lp_up) or hopeless(c_lo):
-                continue  # pruned without simulating its corners
-            if bottom_first and not bottom_ok(c_lo, c_hi):
-                continue
-            if not (bottom_first and hopeless(c_hi)):
-                up_e = perf(c_hi)
-                offer(up_e)
-                if up_e.meets(kind, bound_s):
-                    continue  # its top corner is the best it holds
-            if not bottom_first and not bottom_ok(c_lo, c_hi):
-                continue
-            heapq.heappush(queue, (-lp_up, counter, c_lo, c_hi))  # promising(lp_up): checked above
-            counter += 1
+        admit(lo, tuple(mid if i == k else hi[i] for i in range(d)))
+        admit(tuple(mid + 1 if i == k else lo[i] for i in range(d)), hi)
     return best
 
 
