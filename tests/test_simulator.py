@@ -865,3 +865,21 @@ def test_row_copies_priced_as_the_runs_of_rows_left_spread_at_random():
         share = _var(pulp.LpProblem("p"), "cc", 0, 1)
         assert cm._row_copies(share, rows, 2, 2048) == pytest.approx(cm._row_copies(1.0, rows, 2, 2048))
     assert CostModel(OPT30, cpu_host())._row_copies(cpu, 5, 2, 1024) == pytest.approx(10)  # no slot count: per row
+
+
+def test_row_copies_of_plain_numbers_equal_the_array_path():
+    """The planner prices plain floats through math's path (numpy on scalars was a fifth of a
+    plan's time); it must give the simulator's array answer exactly, on both hosts and codecs."""
+    rng = np.random.default_rng(1)
+    for prof in (cpu_host(), t4_like()):
+        for slots in (0, 2, 16, 64):
+            for compress in (False, True):
+                pol = Policy(gbs=max(slots, 1), nb=1, cg=0.5, cc=0.5, compress_cache=compress)
+                cm = CostModel.for_policy(OPT30, prof, pol) if slots else CostModel(OPT30, prof, compress_cache=compress)
+                for _ in range(100):
+                    rows = float(rng.integers(1, max(slots, 2) + 1))
+                    cpu = float(rng.choice([0.0, rng.random(), 1.0]))
+                    nbytes, parts = float(10 ** rng.uniform(2, 9)), int(rng.choice([1, 2, 6]))
+                    plain = cm._row_copies(cpu, rows, parts, nbytes)
+                    assert isinstance(plain, float)
+                    assert plain == cm._row_copies(np.array(cpu), np.array([rows]), parts, np.array([nbytes]))[0]
