@@ -348,8 +348,8 @@ class Evaluator:
         """Latency no point with these knobs can beat (any refill), from the LP alone
         (:data:`LP_LATENCY_SLACK`, or lower once a simulation beat it); 0 when nothing fits. Costs
         an LP solve, not a simulation."""
-        placed = self.placement(v, gbs, nb)
-        return self.floor_slack * self._ideal_latency_s(placed, gbs, nb) if placed is not None else 0.0
+        ideal = self.ideal_latency_s(v, gbs, nb)
+        return 0.0 if ideal is None else self.floor_slack * ideal
 
     def _ideal_latency_s(self, placed: Placement, gbs: int, nb: int) -> float:
         """The LP's ideal block decoding a request of the workload's 99th-percentile output length."""
@@ -367,7 +367,7 @@ class Evaluator:
         measured = self.profile.layer_fit(self.spec.name, "decode", self.spec.dtype) is not None
         return MEASURED_MONOTONE_SLACK if measured else 1.0
 
-    def floor_grows(self, v: Variant, small: tuple[int, int], large: tuple[int, int], over: float) -> bool:
+    def miss_carries(self, v: Variant, small: tuple[int, int], large: tuple[int, int], over: float) -> bool:
         """Whether a point at ``small`` that misses the bound ``over`` times says ``large`` misses
         it too: its latency scaled by the LP floors' ratio and :attr:`monotone_slack` is still
         over the bound."""
@@ -400,7 +400,7 @@ class Evaluator:
         return any(e.variant == v and e.fits and e.gbs <= gbs and e.nb <= nb and e.latency(kind) > bound_s
                    and (e.refill_every == refill or (refills_more_often(refill, e.refill_every)
                                                      and e.latency(kind) > often))
-                   and self.floor_grows(v, (e.gbs, e.nb), (gbs, nb), e.latency(kind) / bound_s)
+                   and self.miss_carries(v, (e.gbs, e.nb), (gbs, nb), e.latency(kind) / bound_s)
                    for e in self.cache.values())
 
     def box_bound(self, space: "Space", lo: tuple[int, ...], hi: tuple[int, ...], kind: str = "p99",
@@ -533,6 +533,19 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
     def promising(up: float) -> bool:
         return best is None or up * (1 + eps_t) >= best.throughput
 
+    def bottom_ends(lo: tuple[int, ...], hi: tuple[int, ...]) -> bool:
+        """Under a finite bound: price the bottom corner, unless known to miss, and say whether
+        the box holds nothing more to search (that corner was all of it or does not fit, or it
+        misses and so, by the LP floors, does every point)."""
+        if not hopeless(lo):
+            low_e = perf(lo)
+            offer(low_e)
+            if lo == hi or not low_e.fits:
+                return True
+            if low_e.latency(kind) <= bound_s * (1 + eps_l):
+                return False
+        return lo == hi or all_miss(lo, hi)
+
     def bottom_ok(lo: tuple[int, ...], hi: tuple[int, ...]) -> bool:
         """Price the bottom corner: whether the box may hold a point meeting the bound, and
         more than one point."""
@@ -540,7 +553,7 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
         offer(low_e)
         return viable(low_e) and lo != hi
 
-    def monotone(lo: tuple[int, ...], hi: tuple[int, ...]) -> bool:
+    def all_miss(lo: tuple[int, ...], hi: tuple[int, ...]) -> bool:
         """Whether every point of the box is known to miss the bound (:meth:`Evaluator.misses`).
         Points whose nb the block cap clips below the corner's are left out: each is also an
         unclipped point of the grid (the same knobs in effect), searched in its own boxes."""
@@ -556,7 +569,7 @@ def branch_and_bound(ev: Evaluator, space: Space, kind: str, bound_s: float, eps
             return  # pruned without simulating its corners
         # Under a finite bound many boxes hold no point that meets it: the bottom corner (the
         # lowest latency) says so in one simulation, before the top corner is priced.
-        if (hopeless(lo) or (bottom_first and not bottom_ok(lo, hi))) and (lo == hi or monotone(lo, hi)):
+        if bottom_first and bottom_ends(lo, hi):
             return
         if not (bottom_first and hopeless(hi)):  # a top corner known to miss the bound is not priced
             up_e = perf(hi)

@@ -718,8 +718,12 @@ class CostModel:
         # prices thousands of placements per plan (same IEEE arithmetic, same results).
         scalar = (isinstance(rows, (int, float)) and isinstance(nbytes, (int, float))
                   and not isinstance(cpu, np.ndarray))
-        mx, mn = (max, min) if scalar else (np.maximum, np.minimum)
-        r = float(rows) if scalar else np.asarray(rows, dtype=float)
+        if scalar:
+            mx, mn, floor, where = max, min, math.floor, (lambda c, a, b: a if c else b)
+            r, total = float(rows), float(nbytes)
+        else:
+            mx, mn, floor, where = np.maximum, np.minimum, np.floor, np.where
+            r, total = np.asarray(rows, dtype=float), np.asarray(nbytes, dtype=float)
         n = self.slots
         per_unit = r if n <= 1 else r * (n - r + 1.0) / n
         if n > 1 and isinstance(cpu, (int, float, np.ndarray, np.number)):
@@ -729,19 +733,12 @@ class CostModel:
         # each part's own row size: a 4-bit cache's codes are about 16x its mins and scales
         units = ([QUANT_BITS / 8, self.dtype_bytes / QUANT_GROUP, self.dtype_bytes / QUANT_GROUP] * 2
                  if parts == KV_PARTS_COMPRESSED and self.compress_cache else [1.0] * parts)
-        cuda = self.profile.compute_device == "cuda"
         out: Any = 0.0
         for unit in units:
-            if scalar:
-                row_bytes = float(nbytes) * (unit / sum(units)) / max(r, 1.0)
-                # large rows move alone on CUDA (CUDA_RUN_ROW_BYTES)
-                per_copy = (1.0 if cuda and row_bytes >= CUDA_RUN_ROW_BYTES
-                            else max(float(math.floor(COPY_RUN_BYTES / max(row_bytes, 1.0))), 1.0))
-            else:
-                row_bytes = np.asarray(nbytes, dtype=float) * (unit / sum(units)) / np.maximum(r, 1.0)
-                per_copy = np.maximum(np.floor(COPY_RUN_BYTES / np.maximum(row_bytes, 1.0)), 1.0)
-                if cuda:
-                    per_copy = np.where(row_bytes >= CUDA_RUN_ROW_BYTES, 1.0, per_copy)
+            row_bytes = total * (unit / sum(units)) / mx(r, 1.0)
+            per_copy = mx(floor(COPY_RUN_BYTES / mx(row_bytes, 1.0)), 1.0)
+            if self.profile.compute_device == "cuda":  # large rows move alone (CUDA_RUN_ROW_BYTES)
+                per_copy = where(row_bytes >= CUDA_RUN_ROW_BYTES, 1.0, per_copy)
             out = out + mx(per_unit, r / per_copy)
         return float(out) if np.ndim(out) == 0 else out
 
