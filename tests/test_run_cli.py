@@ -93,6 +93,21 @@ def test_prompt_file_errors_name_the_line(tmp_path):
     assert [(r.id, r.prompt, r.line) for r in read_prompts(p)] == [("s", "a\u2028b\x85c", 1)]
 
 
+def test_a_lone_surrogate_in_the_prompt_file_is_refused_up_front(random_plan, tmp_path, capsys):
+    """"\\ud800" is valid JSON but no text: as an id it ended the job with a UnicodeEncodeError
+    traceback when its results line was written (after a block had run); as a prompt, with a
+    TypeError from the tokenizer (review)."""
+    rows = {"id": '{"id": "q\\ud800", "prompt_ids": [5, 6]}', "prompt": '{"id": "a", "prompt": "hi \\udc00 there"}'}
+    for i, (field, row) in enumerate(rows.items()):
+        prompts, out = tmp_path / f"p{i}.jsonl", tmp_path / f"o{i}.jsonl"
+        prompts.write_text('{"id": "ok", "prompt_ids": [5]}\n' + row + "\n")
+        assert main(["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--prompts", str(prompts),
+                     "--out", str(out), "--quiet", "--adapt", "none"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f':2: "{field}" holds a lone surrogate' in err, err
+        assert not out.exists()
+
+
 def test_results_writer_refuses_old_file_and_drops_a_torn_line_on_resume(tmp_path):
     from xrunner.jobfiles import ResultsWriter
 

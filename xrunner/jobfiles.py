@@ -39,6 +39,16 @@ def _id_key(value: RequestId) -> str:
     return json.dumps(value)
 
 
+def _encodable(text: str) -> bool:
+    """False for a lone surrogate (a JSON escape such as ``"\\ud800"``): valid JSON, but no text;
+    the tokenizer rejects it and the results line cannot be written as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def read_prompts(path: str | Path) -> list[PromptRecord]:
     """Parse a prompts JSONL file: ``{"id", "prompt" | "prompt_ids", optional "max_new_tokens"}``.
 
@@ -67,6 +77,10 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         rid = obj.get("id")
         if isinstance(rid, bool) or not isinstance(rid, (str, int)):
             raise UserError(f"{where}: \"id\" must be a string or an integer, got {rid!r}")
+        for name, value in (("id", rid), ("prompt", obj.get("prompt"))):
+            if isinstance(value, str) and not _encodable(value):
+                raise UserError(f"{where}: \"{name}\" holds a lone surrogate escape (\\ud800-\\udfff alone), which "
+                                "is not text; fix or remove it")
         key = _id_key(rid)
         if key in seen:
             raise UserError(f"{where}: duplicate id {rid!r} (first on line {seen[key]}); ids must be unique")
