@@ -133,6 +133,26 @@ def test_results_writer_refuses_old_file_and_drops_a_torn_line_on_resume(tmp_pat
         ResultsWriter.open(out, resume=True)
 
 
+def test_resume_refuses_a_file_that_is_not_results_and_keeps_it(tmp_path):
+    """A torn tail is the start of a row without its newline; any other line that is not a results
+    row says the file is not ours. A one-line notes file given as --out --resume was truncated to
+    nothing as if torn (review); two such lines were refused."""
+    from xrunner.jobfiles import ResultsWriter
+
+    row = b'{"id": "a", "text": "x"}\n'
+    for i, text in enumerate((b"important notes\n", b"important notes", row + b"not json\n",
+                              row + b'{"no_id": 1}\n', row + b"not json\n\n")):
+        out = tmp_path / f"r{i}.jsonl"
+        out.write_bytes(text)
+        with pytest.raises(UserError, match="not a results line"):
+            ResultsWriter.open(out, resume=True)
+        assert out.read_bytes() == text
+    for i, tail in enumerate((b'{"id": "b", "te', b"   ")):  # a torn append and a blank end are dropped
+        out = tmp_path / f"t{i}.jsonl"
+        out.write_bytes(row + tail)
+        assert list(ResultsWriter.open(out, resume=True).done) == ['"a"'] and out.read_bytes() == row
+
+
 def test_a_full_disk_leaves_the_results_file_at_its_last_complete_line(tmp_path, monkeypatch):
     """An append cut short by ENOSPC is cut back: the file stays valid JSONL for --resume, `workload
     fit` and `replan`, and a file the failed append created is removed."""

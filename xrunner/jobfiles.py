@@ -223,8 +223,9 @@ class ResultsWriter:
 def _read_done(p: Path) -> tuple[dict[str, dict[str, Any]], int]:
     """Rows already in a results file and the byte length of its complete lines.
 
-    Only the last line may be torn (no newline, or not JSON): that is what a crash in the
-    middle of an append leaves. A bad line before it means the file is not ours.
+    Only the last line may be torn: a crash in the middle of an append leaves the start of a
+    row (``{...``) without its newline. Any other line that is not a results row means the file
+    is not ours (a one-line notes file passed as ``--out --resume`` was truncated to nothing).
     """
     try:
         data = p.read_bytes()
@@ -245,7 +246,7 @@ def _read_done(p: Path) -> tuple[dict[str, dict[str, Any]], int]:
             except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
                 row = None
         if row is None or not isinstance(row, dict) or "id" not in row:
-            if last or not data[end + 1:].strip():
+            if last and (not chunk.strip() or chunk.lstrip().startswith(b"{")):
                 break  # a torn tail: truncate to the lines before it
             if not chunk.strip():
                 pos, keep = end + 1, end + 1
