@@ -297,6 +297,22 @@ def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 9))  # failed jobs leave no results file
 
 
+def test_outputs_under_a_tilde_go_to_the_home_directory(random_plan, tmp_path, monkeypatch, capsys):
+    """`--out=~/r.jsonl` (no shell expands a "~" after "=") passed the up-front check, which took
+    "~" as the home directory, then the job failed after its first block with "directory does not
+    exist" writing ./~/r.jsonl; --trace and --result the same at the end (review)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt_ids": [5, 6], "max_new_tokens": 2}])
+    assert main(["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--quiet",
+                 "--adapt", "none", "--out=~/r.jsonl", "--trace=~/t.json", "--result=~/run.json"]) == 0, \
+        capsys.readouterr().err
+    assert [r["id"] for r in read_rows(home / "r.jsonl")] == ["a"]
+    assert (home / "t.json").is_file() and (home / "run.json").is_file() and not (tmp_path / "~").exists()
+
+
 # ----------------------------------------------------------------------------- end to end
 def reference_outputs(model: str, dtype: str, prompts: list[list[int]], new_tokens: list[int],
                       stops: list[int]) -> list[list[int]]:

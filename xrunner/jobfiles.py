@@ -141,7 +141,7 @@ class ResultsWriter:
     @classmethod
     def open(cls, path: str | Path, resume: bool) -> "ResultsWriter":
         """Open ``path`` for appending; refuse a non-empty file unless ``resume``."""
-        p = Path(path)
+        p = Path(path).expanduser()  # as check_writable takes it
         done: dict[str, dict[str, Any]] = {}
         try:
             size = p.stat().st_size if p.exists() else 0

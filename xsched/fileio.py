@@ -52,8 +52,9 @@ def atomic_write_all(files: Sequence[tuple[Path | str, bytes]]) -> None:
     last one leaves every earlier output as it was."""
     staged: list[Path] = []
     path: Path | str = ""
-    # A symlink is written through (its target replaced), never replaced by a plain file.
-    files = [(Path(os.path.realpath(p)), data) for p, data in files]
+    # A symlink is written through (its target replaced), never replaced by a plain file; "~" is
+    # the home directory, as check_writable took it.
+    files = [(Path(os.path.realpath(os.path.expanduser(p))), data) for p, data in files]
     try:
         for path, data in files:
             target = Path(path)
