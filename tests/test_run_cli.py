@@ -593,6 +593,33 @@ def test_sigkill_then_resume_and_ctrl_c(tiny_dir, tmp_path, capsys):
         assert without_timing(read_rows(stopped)) == without_timing(read_rows(fresh))
 
 
+def test_a_second_ctrl_c_during_cleanup_still_removes_the_offload_files(tiny_dir, tmp_path):
+    """Ctrl-C pressed twice (or SIGTERM then Ctrl-C) within ~50 ms interrupted the first one's
+    cleanup and left the offload files behind (review): the cleanup now finishes, then the
+    second signal is delivered."""
+    from xrunner.engine import Engine
+    from xrunner.loaders import open_model
+    from xsimulator.policy import Policy
+
+    on_disk = Policy(gbs=2, nb=1, wg=0.0, wc=0.0, wd=1.0, cg=0.0, cc=0.0, cd=1.0)
+    offload = None
+    with pytest.raises(KeyboardInterrupt):
+        with Engine(open_model(tiny_dir, dtype="float32"), on_disk, max_prompt=8, max_output=4,
+                    offload_dir=tmp_path) as eng:
+            offload, pool = eng.offload_path, eng._pools[0]
+            assert offload is not None and any(offload.iterdir())
+            real = pool.shutdown
+
+            def shutdown(*args, **kwargs):
+                signal.raise_signal(signal.SIGINT)  # the second Ctrl-C, while the first one's cleanup runs
+                real(*args, **kwargs)
+
+            pool.shutdown = shutdown
+            raise KeyboardInterrupt  # the first Ctrl-C
+    assert not offload.exists() and list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
 @pytest.mark.slow
 def test_default_model_on_real_prompts_matches_generate(tmp_path, capsys):
     """SmolLM2-135M-Instruct (the default), chat template, greedy: the same text as the reference loop."""

@@ -23,6 +23,7 @@ steps, latency from the start of the prefill step to the end of the last token's
 from __future__ import annotations
 
 import itertools
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -236,6 +237,26 @@ def _settle(fut: Future, error: BaseException | None) -> None:
             fut.set_exception(error)
     except InvalidStateError:
         pass
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM until the block ends, then deliver them: a second Ctrl-C while the
+    first one's cleanup ran left the offload files behind (review). Only the main thread can
+    change handlers, and only Python's can be put back; otherwise the block runs as is."""
+    held = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or None in map(signal.getsignal, held):
+        yield
+        return
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(caught):
+            signal.raise_signal(s)
 
 
 def _refuse_unsupported(policy: Policy) -> None:
@@ -1592,10 +1613,11 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        for pool in self._pools:
-            pool.shutdown(wait=True, cancel_futures=True)
-        self._pools = []
-        self.store.close()
+        with _signals_held():
+            for pool in self._pools:
+                pool.shutdown(wait=True, cancel_futures=True)
+            self._pools = []
+            self.store.close()
 
     def __enter__(self) -> "Engine":
         return self
