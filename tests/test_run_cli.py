@@ -313,6 +313,30 @@ def test_outputs_under_a_tilde_go_to_the_home_directory(random_plan, tmp_path, m
     assert (home / "t.json").is_file() and (home / "run.json").is_file() and not (tmp_path / "~").exists()
 
 
+def test_outputs_may_not_replace_the_profile_or_the_budget_file(random_plan, tmp_path, capsys, monkeypatch):
+    """`--result prof.json --profile prof.json` replaced a measured profile with the RunResult at the
+    end of the job (review); `--out` on the budget file appended results to it."""
+    from xprofiler.presets import load_preset
+
+    profile = load_preset("t4").save(tmp_path / "prof.json")
+    before = profile.read_bytes()
+    budget = tmp_path / "budget.json"
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt_ids": [5, 6], "max_new_tokens": 2}])
+    base = ["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--quiet",
+            "--profile", str(profile)]
+    for extra, message in ((["--out", str(tmp_path / "o.jsonl"), "--result", str(profile)],
+                            "--result and --profile are the same file"),
+                           (["--out", str(budget), "--budget-file", str(budget)],
+                            "--out and --budget-file are the same file")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert profile.read_bytes() == before and not budget.exists() and not (tmp_path / "o.jsonl").exists()
+    # A preset name is not a file: an output that happens to be called "t4" is fine.
+    monkeypatch.chdir(tmp_path)
+    assert main(base[:-1] + ["t4", "--out", "t4", "--adapt", "none"]) == 0
+
+
 # ----------------------------------------------------------------------------- end to end
 def reference_outputs(model: str, dtype: str, prompts: list[list[int]], new_tokens: list[int],
                       stops: list[int]) -> list[list[int]]:

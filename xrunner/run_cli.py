@@ -373,12 +373,16 @@ def _run(args: argparse.Namespace) -> int:
 
 def check_distinct_paths(args: argparse.Namespace) -> None:
     """Refuse an output that is another output or an input: ``--result`` on ``--out`` replaced
-    every result line with the summary, and ``--out`` on ``--prompts`` resumed as all done."""
+    every result line with the summary, ``--out`` on ``--prompts`` resumed as all done, and
+    ``--result`` on ``--profile`` replaced the measured profile (a preset name is no file)."""
     from xsched.errors import UserError
+    from xsched.fileio import path_exists
 
+    profile = args.profile if args.profile and path_exists(args.profile) else None
     seen: dict[Path, str] = {}
-    for flag, path in (("--plan", args.plan), ("--prompts", args.prompts), ("--out", args.out),
-                       ("--trace", args.trace), ("--result", args.result)):
+    for flag, path in (("--plan", args.plan), ("--prompts", args.prompts), ("--profile", profile),
+                       ("--budget-file", args.budget_file), ("--out", args.out), ("--trace", args.trace),
+                       ("--result", args.result)):
         if not path:
             continue
         key = Path(path).expanduser().resolve()
