@@ -107,6 +107,22 @@ def test_bad_configs_give_user_errors(tmp_path):
         ModelSpec.from_hf_config(tmp_path)
 
 
+def test_config_values_of_the_wrong_kind_give_user_errors(tmp_path):
+    """Review: zero attention heads divided by zero, a rope_scaling or rope_parameters that is not
+    an object and a list for rms_norm_eps each gave a traceback (xsched plan --model DIR)."""
+    llama = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4,
+             "num_hidden_layers": 2, "vocab_size": 100, "max_position_embeddings": 64}
+    for change, message in [({"num_attention_heads": 0}, "num_attention_heads=0 must be >= 1"),
+                            ({"model_type": "opt", "ffn_dim": 256, "num_attention_heads": 0},
+                             "num_attention_heads=0 must be >= 1"),
+                            ({"rope_scaling": "linear"}, "rope_scaling='linear' must be a JSON object"),
+                            ({"rope_parameters": [1]}, "rope_parameters=.1. must be a JSON object"),
+                            ({"rms_norm_eps": [1e-6]}, "describes no valid model")]:
+        (tmp_path / "config.json").write_text(json.dumps({**llama, **change}))
+        with pytest.raises(UserError, match=message):
+            ModelSpec.from_hf_config(tmp_path)
+
+
 def test_contract_rejects_malformed_json():
     with pytest.raises(UserError, match="not valid JSON"):
         ModelSpec.from_json("{")

@@ -276,6 +276,11 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
            and (isinstance(cfg[k], bool) or not isinstance(cfg[k], int))]
     if bad:
         raise UserError(f"{name}: config.json's {', '.join(f'{k}={cfg[k]!r}' for k in bad)} must be whole numbers")
+    if (heads := cfg.get("num_attention_heads")) is not None and heads < 1:  # hidden_size is divided by it
+        raise UserError(f"{name}: config.json's num_attention_heads={heads} must be >= 1")
+    for key in ("rope_scaling", "rope_parameters"):  # read with .get() below
+        if cfg.get(key) and not isinstance(cfg[key], dict):
+            raise UserError(f"{name}: config.json's {key}={cfg[key]!r} must be a JSON object")
     model_type = cfg.get("model_type")
     eos_fields = _eos_fields(_eos_ids(cfg.get("eos_token_id"), f"{name}: config.json"))
     try:
@@ -320,7 +325,7 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
             )
     except KeyError as exc:
         raise UserError(f"{name}: config.json lacks {exc.args[0]!r}") from None
-    except ValueError as exc:  # ModelSpec's own checks: sizes > 0, heads a multiple of kv heads
+    except (ValueError, TypeError) as exc:  # ModelSpec's own checks (sizes > 0, ...); float() of a list
         raise UserError(f"{name}: config.json describes no valid model ({exc})") from None
     raise UserError(f"{name}: model_type {model_type!r} is not supported; xsched runs 'opt' and 'llama' models")
 
