@@ -257,3 +257,18 @@ def test_unreadable_or_absurd_inputs_are_one_line_errors(tmp_path):
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
     with pytest.raises(UserError, match="below 2\\*\\*31"):
         ModelSpec.from_dict({**get_model_spec("opt-125m").to_dict(), "vocab_size": 10**20})
+
+
+def test_contract_nested_past_the_decoders_recursion_is_a_user_error():
+    """Review: a mixture nested 200 deep is valid JSON (json.loads took it) but its decoding ran out
+    of recursion: `xsched workload show deep.json` printed a RecursionError traceback."""
+    from workloads import Workload
+
+    dist = {"family": "fixed", "max_len": 3, "min_len": 3, "params": {"value": 3}}
+    for _ in range(200):
+        dist = {"family": "mixture", "max_len": 3, "min_len": 3, "weights": [1], "components": [dist]}
+    text = json.dumps({"name": "deep", "prompt": dist, "output": dist})
+    with pytest.raises(UserError, match="nested too deeply"):
+        Workload.from_json(text)
+    with pytest.raises(UserError, match="nested too deeply"):
+        Workload.from_dict(json.loads(text))

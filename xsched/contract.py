@@ -89,7 +89,7 @@ def from_jsonable(tp: Any, value: Any, where: str = "value") -> Any:
         return [from_jsonable(arg, v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(tp, type) and issubclass(tp, Contract):
-            return tp.from_dict(value, where)
+            return tp._decode(value, where)
         return _build_dataclass(tp, value, where)
     if tp is float:
         if isinstance(value, str) and value in ("inf", "-inf", "nan"):
@@ -146,6 +146,14 @@ class Contract:
     @classmethod
     def from_dict(cls: type[T], data: Any, where: str | None = None) -> T:
         where = where or cls.__name__
+        try:
+            return cls._decode(data, where)
+        except RecursionError:  # JSON the parser took, nested deeper than decoding it can recurse
+            raise UserError(f"{where}: nested too deeply to be a {cls.__name__}") from None
+
+    @classmethod
+    def _decode(cls: type[T], data: Any, where: str) -> T:
+        """``from_dict`` less the recursion guard: nested contracts, so that the outermost reports."""
         if isinstance(data, dict) and _SCHEMA_KEY in data and data[_SCHEMA_KEY] != cls.SCHEMA:
             raise UserError(
                 f"{where}: schema {data[_SCHEMA_KEY]!r} is not {cls.SCHEMA!r}; "
