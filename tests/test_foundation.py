@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -272,3 +273,21 @@ def test_contract_nested_past_the_decoders_recursion_is_a_user_error():
         Workload.from_json(text)
     with pytest.raises(UserError, match="nested too deeply"):
         Workload.from_dict(json.loads(text))
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_stdout_on_a_full_disk_is_a_one_line_error(unbuffered):
+    """Review: `xsched workload show T > /dev/full` printed an OSError traceback (exit 1), or with
+    buffered stdout "Exception ignored ... No space left on device" at exit (exit 120)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = unbuffered
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "xsched.cli", "workload", "show", "T"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "xsched: error: standard output: no space left on the device; free some space or write " \
+                          "elsewhere\n", done.stderr

@@ -8,13 +8,16 @@ status; :class:`UserError` becomes a one-line message and exit status 2.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import signal
 import sys
 import threading
 import warnings
 
 from xsched.errors import EXIT_USER_ERROR, UserError
+from xsched.fileio import describe_os_error
 
 # Stage CLI modules, in pipeline order; each adds its subcommands.
 STAGE_CLIS: tuple[str, ...] = (
@@ -79,6 +82,17 @@ def _terminate(signum, frame) -> None:  # noqa: ANN001
     raise Terminated()
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit does not fail on the same
+    full disk again ("Exception ignored ...", exit 120)."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError):  # no file descriptor behind stdout (a test's capture)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning  # warnings reach the user as one line, like errors
     parser = build_parser()
@@ -86,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
-        return int(args.handler(args) or 0)
+        status = int(args.handler(args) or 0)
+        sys.stdout.flush()  # buffered output meets a full disk here, not at exit
+        return status
     except UserError as exc:
         print(f"xsched: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -98,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # e.g. `xsched models | head`
         return 0
+    except OSError as exc:  # the disk behind stdout is full (`xsched plan --json > plan.json`)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        _discard_stdout()
+        print(f"xsched: error: {describe_os_error(exc, exc.filename or 'standard output')}", file=sys.stderr)
+        return EXIT_USER_ERROR
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
