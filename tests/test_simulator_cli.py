@@ -89,6 +89,26 @@ def test_simulate_bad_input_in_process(profile_path, args, message, capsys):
     assert len(err) == 1 and err[0].startswith("xsched: error:") and message in err[0], err
 
 
+@pytest.mark.parametrize("schema", ["xsched.Plan/0", "xsched.Plan/2"])
+def test_simulate_refuses_a_plan_of_another_schema(profile_path, tmp_path, schema, capsys):
+    """Review: `simulate --plan` read the plan as a dict and never looked at its schema, so a plan
+    of an older or newer format was simulated silently (`replan` and `run` refuse it). A plan
+    written without a schema key (by hand) is still taken."""
+    from xscheduler.plan import Plan
+    from xsched.cli import main
+    from xsimulator.cli import PLAN_SCHEMA
+
+    assert PLAN_SCHEMA == Plan.SCHEMA  # a copy: the simulator must not import the scheduler
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"schema": schema, "policy": json.loads(POLICY)}))
+    argv = ["simulate", "--profile", profile_path, "--model", "opt-1.3b", "--workload", "T", "--requests", "50"]
+    assert main([*argv, "--plan", str(plan)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"schema '{schema}' is not 'xsched.Plan/1'" in err[0], err
+    plan.write_text(json.dumps({"policy": json.loads(POLICY)}))
+    assert main([*argv, "--plan", str(plan)]) == 0
+
+
 def test_workload_commands_and_malformed_file(tmp_path):
     reqs = tmp_path / "reqs.jsonl"
     out = run("workload", "sample", "C1@0.5", "-n", "400", "--seed", "1", "-o", str(reqs), "--json")

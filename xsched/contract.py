@@ -134,6 +134,14 @@ def _build_dataclass(cls: type, data: Any, where: str) -> Any:
         raise UserError(f"{where}: invalid {cls.__name__}: {exc}") from None
 
 
+def check_schema(data: Any, schema: str, where: str) -> None:
+    """Refuse a JSON object whose ``schema`` key is not ``schema`` (one without the key, written by
+    hand, passes): for readers that take such an object apart without decoding all of it."""
+    if isinstance(data, dict) and _SCHEMA_KEY in data and data[_SCHEMA_KEY] != schema:
+        raise UserError(f"{where}: schema {data[_SCHEMA_KEY]!r} is not {schema!r}; "
+                        "regenerate the file with this version of xsched")
+
+
 class Contract:
     """Mixin for frozen dataclasses passed between stages; subclasses set ``SCHEMA``."""
 
@@ -154,11 +162,7 @@ class Contract:
     @classmethod
     def _decode(cls: type[T], data: Any, where: str) -> T:
         """``from_dict`` less the recursion guard: nested contracts, so that the outermost reports."""
-        if isinstance(data, dict) and _SCHEMA_KEY in data and data[_SCHEMA_KEY] != cls.SCHEMA:
-            raise UserError(
-                f"{where}: schema {data[_SCHEMA_KEY]!r} is not {cls.SCHEMA!r}; "
-                "regenerate the file with this version of xsched"
-            )
+        check_schema(data, cls.SCHEMA, where)
         return _build_dataclass(cls, data, where)
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -14,6 +14,7 @@ from xsched.fileio import path_exists
 
 DEFAULT_PROFILE = "t4"
 DEFAULT_REQUESTS = 2000  # xsimulator.discrete_event.DEFAULT_REQUESTS; not imported here to keep start-up light
+PLAN_SCHEMA = "xsched.Plan/1"  # xscheduler.plan.Plan.SCHEMA; not imported: the simulator comes before the scheduler
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -93,6 +94,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from workloads.workload import ESTIMATE_NOTE
     from xprofiler.presets import load_profile
     from xprofiler.specs import ModelSpec, get_model_spec
+    from xsched.contract import check_schema
     from xsched.errors import UserError
     from xsched.fileio import atomic_write_all, check_writable, distinct_outputs
     from xsimulator.policy import Policy
@@ -102,6 +104,7 @@ def _simulate(args: argparse.Namespace) -> int:
     plan: dict[str, Any] = {}
     if args.plan:
         plan = _read_json_arg(args.plan, "plan")
+        check_schema(plan, PLAN_SCHEMA, args.plan)  # read in parts below, so Plan.from_dict's check is not made
         if "policy" not in plan:
             raise UserError(f"{args.plan}: a plan needs a 'policy' object; write one with `xsched plan -o`")
         policy = Policy.from_dict(plan["policy"], where=f"{args.plan}: policy")
