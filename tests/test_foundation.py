@@ -135,6 +135,10 @@ def test_contract_rejects_malformed_json():
     data["schema"] = "xsched.ModelSpec/999"
     with pytest.raises(UserError, match="schema"):
         ModelSpec.from_dict(data)
+    # Review: another kind of file (a plan given as a profile or a policy) was told to be regenerated
+    data["schema"] = "xsched.Plan/1"
+    with pytest.raises(UserError, match=r"holds a Plan \(schema 'xsched.Plan/1'\), not a ModelSpec; pass a ModelSpec"):
+        ModelSpec.from_dict(data)
 
 
 def test_policy_validates_fractions():

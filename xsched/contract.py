@@ -137,9 +137,13 @@ def _build_dataclass(cls: type, data: Any, where: str) -> Any:
 def check_schema(data: Any, schema: str, where: str) -> None:
     """Refuse a JSON object whose ``schema`` key is not ``schema`` (one without the key, written by
     hand, passes): for readers that take such an object apart without decoding all of it."""
-    if isinstance(data, dict) and _SCHEMA_KEY in data and data[_SCHEMA_KEY] != schema:
-        raise UserError(f"{where}: schema {data[_SCHEMA_KEY]!r} is not {schema!r}; "
-                        "regenerate the file with this version of xsched")
+    if not isinstance(data, dict) or _SCHEMA_KEY not in data or data[_SCHEMA_KEY] == schema:
+        return
+    got, want = data[_SCHEMA_KEY], schema.partition("/")[0].removeprefix("xsched.")
+    if isinstance(got, str) and got.startswith("xsched.") and got.partition("/")[0] != f"xsched.{want}":
+        kind = got.partition("/")[0].removeprefix("xsched.")  # another contract: a new version would not help
+        raise UserError(f"{where}: holds a {kind} (schema {got!r}), not a {want}; pass a {want} file")
+    raise UserError(f"{where}: schema {got!r} is not {schema!r}; regenerate the file with this version of xsched")
 
 
 class Contract:
