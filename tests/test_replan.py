@@ -524,3 +524,26 @@ def test_an_old_plan_that_no_longer_fits_does_not_meet_the_sla(setup):
     assert fits_row.split()[3:5] == ["yes", "NO"] and meets_row.split()[5:7] == ["yes", "NO"]
     assert any("does not fit in memory on the observed lengths (gpu" in n for n in r.notes)
     assert "does not fit in memory" in r.reason()
+
+
+def test_a_plan_whose_own_job_is_past_the_simulators_limit_asks_for_requests(setup, tmp_path, capsys):
+    """Review: a plan edited to a job of 10^9 requests was priced on it (`replan` and `simulate
+    --plan` default to the plan's own job size): a MemoryError traceback where `--requests 10^9`
+    is a one-line error. `--requests` still overrides the plan's size."""
+    from xsched.cli import MAX_REQUESTS, main
+
+    _, w, plan, _ = setup
+    data = plan.to_dict()
+    data["predicted"]["num_requests"] = 10**9
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps(data))
+    p, o = w.sample(60, seed=3)
+    obs = tmp_path / "obs.jsonl"
+    obs.write_text("".join(json.dumps({"prompt_tokens": int(a), "output_tokens": int(b)}) + "\n" for a, b in zip(p, o)))
+    capsys.readouterr()
+    for argv in (["replan", "--plan", str(big), "--observed", str(obs)], ["simulate", "--plan", str(big)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"a job of 1,000,000,000 requests, outside the 1 to {MAX_REQUESTS:,}" in err[0] \
+            and "pass --requests N" in err[0], err
+    assert main(["simulate", "--plan", str(big), "--requests", "50"]) == 0

@@ -57,6 +57,15 @@ def requests_arg(text: str) -> int:
     return value
 
 
+def plan_requests(value: int, where: str) -> int:
+    """A plan's own job size, which ``replan`` and ``simulate --plan`` price without ``--requests``:
+    held to what ``--requests`` takes (a plan edited to 10^9 requests raised MemoryError)."""
+    if not 1 <= value <= MAX_REQUESTS:
+        raise UserError(f"{where}: the plan prices a job of {value:,} requests, outside the 1 to {MAX_REQUESTS:,} "
+                        "the simulator takes; pass --requests N")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="xsched",

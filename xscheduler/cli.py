@@ -6,7 +6,7 @@ import argparse
 import math
 import sys
 
-from xsched.cli import requests_arg, seed_arg
+from xsched.cli import plan_requests, requests_arg, seed_arg
 
 DEFAULT_PROFILE = "t4"
 DEFAULT_MODEL = "opt-30b"
@@ -98,6 +98,8 @@ def _replan(args: argparse.Namespace) -> int:
     if args.output is not None:
         check_writable(args.output, "-o")  # before the search, not after it
     plan = Plan.load(args.plan)
+    if args.requests is None:  # the old and new plans are priced on the plan's own job
+        plan_requests(plan.predicted.num_requests, args.plan)
     prompts, outputs, capped = read_observed(Path(args.observed))
     longest = int(max(prompts) + max(outputs)) if len(prompts) else 0
     if (beyond := context_note("the observed requests'", longest, plan.model.name, plan.model.max_positions)):

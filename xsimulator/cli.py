@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from xsched.cli import requests_arg, seed_arg
+from xsched.cli import plan_requests, requests_arg, seed_arg
 from xsched.fileio import path_exists
 
 DEFAULT_PROFILE = "t4"
@@ -115,7 +115,8 @@ def _simulate(args: argparse.Namespace) -> int:
     own = {k: v for k in ("num_requests", "seed")
            if isinstance(v := predicted.get(k), int) and not isinstance(v, bool)
            and (1 if k == "num_requests" else 0) <= v < 2**64}  # else the defaults, as for a policy
-    args.requests = own.get("num_requests", DEFAULT_REQUESTS) if args.requests is None else args.requests
+    if args.requests is None:
+        args.requests = plan_requests(own["num_requests"], args.plan) if "num_requests" in own else DEFAULT_REQUESTS
     args.seed = own.get("seed", 0) if args.seed is None else args.seed
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
