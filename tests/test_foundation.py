@@ -295,3 +295,31 @@ def test_stdout_on_a_full_disk_is_a_one_line_error(unbuffered):
     assert done.returncode == 2, done.stderr
     assert done.stderr == "xsched: error: standard output: no space left on the device; free some space or write " \
                           "elsewhere\n", done.stderr
+
+
+def test_an_integer_too_large_for_a_float_field_is_a_user_error():
+    """Review: JSON parses a 400-digit integer literal as an int, and float() of it raised
+    OverflowError: `simulate --policy '{"gbs": 1, "nb": 1, "wg": 1000...0}'` and `profile show` of
+    a profile with such an mm_flops printed tracebacks."""
+    with pytest.raises(UserError, match=r"--policy.wg: an integer of 401 digits is too large for a number"):
+        Policy.from_dict({"gbs": 1, "nb": 1, "wg": 10**400}, where="--policy")
+    # an int field: a profile's gpu_bytes or a fingerprint's ram_bytes overflowed later arithmetic
+    with pytest.raises(UserError, match=r"spec.vocab_size: an integer of 401 digits is too large"):
+        ModelSpec.from_dict({**get_model_spec("opt-125m").to_dict(), "vocab_size": 10**400}, where="spec")
+    # past Python's 4300-digit limit json.loads itself raises ValueError, not JSONDecodeError
+    huge = '{"gbs": ' + "1" * 5000 + ', "nb": 1}'
+    with pytest.raises(UserError, match="Exceeds the limit"):
+        Policy.from_json(huge)
+
+
+def test_integer_literals_past_pythons_digit_limit_are_one_line_errors(tmp_path, capsys):
+    """The same 5000-digit literal in --policy text and in a model's config.json."""
+    from xsched.cli import main
+
+    huge = '{"gbs": ' + "1" * 5000 + ', "nb": 1}'
+    assert main(["simulate", "--profile", "t4", "--model", "opt-125m", "--workload", "T", "--policy", huge]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--policy is not valid JSON (Exceeds the limit" in err[0], err
+    (tmp_path / "config.json").write_text(huge)
+    with pytest.raises(UserError, match="not a valid JSON config .Exceeds the limit"):
+        ModelSpec.from_hf_config(tmp_path)

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from xsched.contract import Contract
 from xsched.errors import UserError
-from xsched.fileio import path_exists, read_text
+from xsched.fileio import json_error_text, path_exists, read_text
 
 Family = Literal["opt", "llama"]
 DType = Literal["float16", "bfloat16", "float32"]
@@ -213,16 +213,16 @@ class ModelSpec(Contract):
             raise UserError(f"{cfg_path}: missing config.json; a model directory needs config.json and *.safetensors")
         try:
             cfg = json.loads(read_text(cfg_path))
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise UserError(f"{cfg_path}: not a valid JSON config ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # ValueError: also a 5000-digit integer
+            raise UserError(f"{cfg_path}: not a valid JSON config ({json_error_text(exc)})") from None
         spec = spec_from_hf_dict(cfg, name=name or (p.name if p.is_dir() else p.parent.name), dtype=dtype)
         gen_path = cfg_path.parent / "generation_config.json"
         if not gen_path.is_file():
             return spec
         try:
             gen = json.loads(read_text(gen_path))
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise UserError(f"{gen_path}: not valid JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            raise UserError(f"{gen_path}: not valid JSON ({json_error_text(exc)})") from None
         more = _eos_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None, gen_path)
         return replace(spec, **_eos_fields(spec.eos_token_ids + more))
 

@@ -12,17 +12,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from xsched.errors import UserError
-from xsched.fileio import atomic_write_bytes, read_text
+from xsched.fileio import atomic_write_bytes, json_error_text, read_text
 
 T = TypeVar("T", bound="Contract")
 
 _SCHEMA_KEY = "schema"
+_FLOAT_MAX = sys.float_info.max
 
 
 def to_jsonable(value: Any) -> Any:
@@ -43,6 +45,10 @@ def to_jsonable(value: Any) -> Any:
 def _fail(where: str, expected: Any, got: Any) -> UserError:
     name = getattr(expected, "__name__", str(expected))
     return UserError(f"{where}: expected {name}, got {got!r}")
+
+
+def _too_large(where: str, value: int) -> UserError:
+    return UserError(f"{where}: an integer of {len(str(abs(value)))} digits is too large for a number")
 
 
 def from_jsonable(tp: Any, value: Any, where: str = "value") -> Any:
@@ -96,12 +102,17 @@ def from_jsonable(tp: Any, value: Any, where: str = "value") -> Any:
             return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _fail(where, float, value)
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # JSON reads a long integer literal as an int
+            raise _too_large(where, value) from None
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
             raise _fail(where, int, value)
+        if abs(value) > _FLOAT_MAX:  # the byte counts and sizes meet floats in the arithmetic: OverflowError
+            raise _too_large(where, value)
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -176,8 +187,8 @@ class Contract:
     def from_json(cls: type[T], text: str, where: str | None = None) -> T:
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as exc:  # nesting too deep for the parser
-            raise UserError(f"{where or cls.__name__}: not valid JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # nesting too deep for the parser; a 5000-digit integer
+            raise UserError(f"{where or cls.__name__}: not valid JSON ({json_error_text(exc)})") from None
         return cls.from_dict(data, where)
 
     def file_bytes(self) -> bytes:

@@ -92,6 +92,13 @@ def read_text(path: Path | str, encoding: str = "utf-8") -> str:
         raise UserError(f"{path}: cannot read ({exc.strerror or exc.__class__.__name__})") from None
 
 
+def json_error_text(exc: ValueError | RecursionError) -> str:
+    """What ``json.loads`` refused, for a one-line error: its message, less the advice to raise the
+    interpreter's limit when an integer literal passes Python's 4300 digits (a ValueError, where
+    malformed text is a JSONDecodeError)."""
+    return str(exc).split(";")[0]
+
+
 def path_exists(path: Path | str) -> bool:
     """``Path.exists`` that answers False, not OSError, for a name too long to be a file."""
     try:

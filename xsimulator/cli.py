@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from xsched.cli import plan_requests, requests_arg, seed_arg
-from xsched.fileio import path_exists
+from xsched.fileio import json_error_text, path_exists
 
 DEFAULT_PROFILE = "t4"
 DEFAULT_REQUESTS = 2000  # xsimulator.discrete_event.DEFAULT_REQUESTS; not imported here to keep start-up light
@@ -65,6 +65,8 @@ def _read_json_arg(text: str, what: str) -> Any:
         raise UserError(f"{what} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except RecursionError:
         raise UserError(f"{what} is nested too deeply to be a JSON object of settings") from None
+    except ValueError as exc:  # an integer literal past Python's 4300 digits
+        raise UserError(f"{what} is not valid JSON ({json_error_text(exc)})") from None
     if not isinstance(data, dict):
         raise UserError(f"{what} must be a JSON object")
     return data
