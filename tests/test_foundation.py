@@ -323,3 +323,14 @@ def test_integer_literals_past_pythons_digit_limit_are_one_line_errors(tmp_path,
     (tmp_path / "config.json").write_text(huge)
     with pytest.raises(UserError, match="not a valid JSON config .Exceeds the limit"):
         ModelSpec.from_hf_config(tmp_path)
+
+
+def test_a_wrong_type_error_quotes_only_the_start_of_the_value():
+    """Review: a JSON array of 100,000 requests saved as w.json and given as a workload made
+    `xsched workload show w.json` print a 4.3 MB 'one-line' error quoting the whole array."""
+    from workloads import Workload
+
+    text = json.dumps([{"prompt_tokens": 10, "output_tokens": 5}] * 100_000)
+    with pytest.raises(UserError, match=r"w.json: expected Workload, got \[\{'prompt_tokens': 10") as info:
+        Workload.from_json(text, where="w.json")
+    assert len(str(info.value)) < 200

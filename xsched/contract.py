@@ -42,9 +42,17 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
+_QUOTED_CHARS = 80  # of a wrong value in an error: a whole file's array made a 4 MB line
+
+
+def _quoted(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _QUOTED_CHARS else text[:_QUOTED_CHARS] + "..."
+
+
 def _fail(where: str, expected: Any, got: Any) -> UserError:
     name = getattr(expected, "__name__", str(expected))
-    return UserError(f"{where}: expected {name}, got {got!r}")
+    return UserError(f"{where}: expected {name}, got {_quoted(got)}")
 
 
 def _too_large(where: str, value: int) -> UserError:
@@ -68,11 +76,11 @@ def from_jsonable(tp: Any, value: Any, where: str = "value") -> Any:
                 return from_jsonable(arg, value, where)
             except UserError as exc:
                 errors.append(str(exc))
-        raise UserError(errors[0] if errors else f"{where}: unexpected {value!r}")
+        raise UserError(errors[0] if errors else f"{where}: unexpected {_quoted(value)}")
     if origin is typing.Literal:
         if value not in get_args(tp):
             allowed = ", ".join(repr(a) for a in get_args(tp))
-            raise UserError(f"{where}: {value!r} is not one of {allowed}")
+            raise UserError(f"{where}: {_quoted(value)} is not one of {allowed}")
         return value
     if origin in (tuple,):
         if not isinstance(value, (list, tuple)):
