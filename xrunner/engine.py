@@ -83,7 +83,9 @@ class EngineStats:
     padded_prompt_tokens: int  # prefill positions computed incl. left padding
     num_prefill_steps: int
     num_decode_steps: int
-    peak_bytes: dict[str, int]  # measured, per tier
+    # Measured, per tier: during the run and since the policy in force at its start took effect (setup, or
+    # the last reconfiguration before it), so it compares with planned_peak_bytes.
+    peak_bytes: dict[str, int]
     planned_peak_bytes: dict[str, float]  # CostModel peak for the rounded policy / max lengths
     busy_s: dict[str, float]  # measured seconds per resource
     events: list[TraceEvent] = field(default_factory=list)
@@ -1431,7 +1433,9 @@ class Engine:
             self.busy_s = {r: 0.0 for r in RESOURCES}
             self.events = []
             self.markers = []
-        self.ledger.reset_window()
+        # The peak since the policy in force took effect (the engine's setup, or the last change) counts
+        # for this run: its plan is that policy's. The ledger's lifetime peak would carry older policies'.
+        peak = self.ledger.reset_window()
         first_change = len(self.reconfigurations)
         self.stats = EngineStats(0.0, 0, 0, 0, 0, 0, {}, dict(self.planned_peak_bytes), {}, [], [])
         boundary = 0
@@ -1476,8 +1480,11 @@ class Engine:
                     self.reconfigure(change[0], change[1], change[2])
         s = self.stats
         s.wall_s = self._clock()
-        s.peak_bytes = dict(self.ledger.peak)
         s.peak_bytes_since_change = dict(self.ledger.window_peak)
+        for window in [s.peak_bytes_since_change] + [w for rec in self.reconfigurations[first_change:]
+                                                     for w in (rec.peak_before_bytes, rec.transition_peak_bytes)]:
+            peak = {t: max(peak[t], window[t]) for t in TIERS}
+        s.peak_bytes = peak
         if self.device.type == "cuda":
             s.device_reserved_peak_bytes = int(torch.cuda.max_memory_reserved(self.device))
         s.busy_s = dict(self.busy_s)
