@@ -101,6 +101,14 @@ def compression_ratio(dtype_bytes: int, bits: int = QUANT_BITS, group: int = QUA
     return (bits + 2 * 8 * dtype_bytes / group) / (8 * dtype_bytes)
 
 
+def quantized_bytes(length: int, vectors: int, dtype_bytes: int, bits: int = QUANT_BITS,
+                    group: int = QUANT_GROUP) -> int:
+    """Stored bytes of ``vectors`` vectors of ``length`` values quantised in groups along their length,
+    the last group padded to a whole one as ``xrunner.compression.quantize`` stores it (a head of 32
+    or 100 values takes one or two whole groups; :func:`compression_ratio` is the unpadded rate)."""
+    return vectors * -(-length // group) * (group * bits // 8 + 2 * dtype_bytes)
+
+
 IN_ROTATION_BLOCK = 512  # input channels rotated together: 8 x 64 Sylvester factors
 MLP_OUT_WEIGHTS = ("down_proj.weight", "fc2.weight")
 
@@ -441,13 +449,19 @@ class CostModel:
 
     @property
     def layer_stored_bytes(self) -> float:
-        """Bytes of one layer as stored and moved: 2-D weights compressed if asked, 1-D kept."""
+        """Bytes of one layer as stored and moved: 2-D weights compressed if asked (groups along the
+        output channels, the last one padded), 1-D kept."""
         other = self.spec.weight_bytes_per_layer - self.layer_matmul_bytes
-        return self.layer_matmul_bytes * (self.ratio if self.compress_weight else 1.0) + other
+        if not self.compress_weight:
+            return float(self.layer_matmul_bytes + other)
+        return float(sum(quantized_bytes(s[0], s[1], self.dtype_bytes)
+                         for s in self.spec.layer_tensor_shapes().values() if len(s) == 2) + other)
 
     @property
     def kv_stored_ratio(self) -> float:
-        return self.ratio if self.compress_cache else 1.0
+        """Stored / plain bytes of the KV cache: 4-bit head vectors take whole groups (KVCodec)."""
+        d = self.spec.head_dim
+        return quantized_bytes(d, 1, self.dtype_bytes) / (d * self.dtype_bytes) if self.compress_cache else 1.0
 
     @property
     def fused_kv(self) -> bool:
