@@ -19,7 +19,7 @@ from test_engine import LLAMA, MAX_OUTPUT, MAX_PROMPT, _quantized_weights, make_
 
 from workloads.workload import fixed_workload
 from xrunner.budget import BudgetWarning, CallbackBudget, FileBudget, budget_hook, plan_fn_for
-from xrunner.engine import Engine
+from xrunner.engine import Engine, Request
 from xrunner.loaders import RandomSource, load_weights
 from xscheduler.plan import SLA
 from xsched.errors import UserError
@@ -153,6 +153,23 @@ def test_a_run_after_a_reconfiguration_measures_its_own_peak(job, tmp_path):
         assert first.peak_bytes[tier] <= first.planned_peak_bytes[tier], tier
         assert second.peak_bytes[tier] <= second.planned_peak_bytes[tier], tier
         assert second.peak_bytes[tier] == second.peak_bytes_since_change[tier], tier  # no change during the run
+
+
+def test_a_run_ended_by_an_error_leaves_nothing_in_flight(job, tmp_path):
+    """A request refused while a refill block still has rows running ends run() with a UserError;
+    those rows went with it, so the engine can be reconfigured and run again at once (reconfigure
+    refused with "rows are in flight" until another run had reset the flag; found by a
+    differential fuzz)."""
+    src, reqs, want = job
+    too_long = Request("too-long", (1,) * (MAX_PROMPT + 1), 1)
+    with Engine(src, Policy(gbs=2, nb=1, wg=0.34, wd=0.66, cg=0.5, cd=0.5, refill_every=1), max_prompt=MAX_PROMPT,
+                max_output=MAX_OUTPUT, offload_dir=tmp_path, profile=PROFILE) as eng:
+        with pytest.raises(UserError, match="longer than the plan's max prompt"):
+            eng.run(reqs[:3] + [too_long] + reqs[3:])
+        eng.reconfigure(Policy(gbs=3, nb=1, wg=0.0, wc=0.34, wd=0.66, cg=0.34, cd=0.66), "after the error")
+        got = {}
+        eng.run(reqs, on_finished=lambda fs: got.update({f.id: list(f.output_ids) for f in fs}))
+    assert got == want
 
 
 @pytest.mark.parametrize("start, policy", [

@@ -1439,45 +1439,53 @@ class Engine:
         first_change = len(self.reconfigurations)
         self.stats = EngineStats(0.0, 0, 0, 0, 0, 0, {}, dict(self.planned_peak_bytes), {}, [], [])
         boundary = 0
-        with torch.inference_mode():
-            while True:
-                p = self.policy
-                gbs, nb, R = p.gbs, p.nb, p.refill_every
-                batches = [_Batch([None] * gbs, torch.zeros((gbs, self.cap), dtype=torch.bool)) for _ in range(nb)]
-                first, change = True, None
+        try:
+            with torch.inference_mode():
                 while True:
-                    joining: list[tuple[int, Request]] = []
-                    if change is None and (first or R > 0):
-                        free = [s for s in range(gbs * nb) if batches[s // gbs].rows[s % gbs] is None]
-                        reqs = [self._check(r) for r in queue.take(len(free))]
-                        if p.bucket:
-                            reqs.sort(key=lambda r: len(r.prompt_ids))
-                        joining = list(zip(free, reqs))
-                    first = False
-                    if not joining and not any(b.active() for b in batches):
+                    p = self.policy
+                    gbs, nb, R = p.gbs, p.nb, p.refill_every
+                    batches = [_Batch([None] * gbs, torch.zeros((gbs, self.cap), dtype=torch.bool)) for _ in range(nb)]
+                    first, change = True, None
+                    while True:
+                        joining: list[tuple[int, Request]] = []
+                        if change is None and (first or R > 0):
+                            free = [s for s in range(gbs * nb) if batches[s // gbs].rows[s % gbs] is None]
+                            reqs = [self._check(r) for r in queue.take(len(free))]
+                            if p.bucket:
+                                reqs.sort(key=lambda r: len(r.prompt_ids))
+                            joining = list(zip(free, reqs))
+                        first = False
+                        if not joining and not any(b.active() for b in batches):
+                            break
+                        self._in_flight = True
+                        finished: list[Finished] = []
+                        if joining:
+                            self._prefill(batches, joining, finished, on_step)
+                        steps = 0
+                        while (R == 0 or steps < R) and any(b.active() for b in batches):
+                            self._decode(batches, finished, on_step)
+                            steps += 1
+                        self._in_flight = any(b.active() for b in batches)
+                        if on_finished is not None:  # every interval, so a caller can flush per block
+                            on_finished(finished)
+                        if R > 0 and change is None and between_blocks is not None and not queue.empty():
+                            change = self._ask(between_blocks, boundary)
+                            boundary += 1
+                    self._in_flight = False
+                    if queue.empty():
                         break
-                    self._in_flight = True
-                    finished: list[Finished] = []
-                    if joining:
-                        self._prefill(batches, joining, finished, on_step)
-                    steps = 0
-                    while (R == 0 or steps < R) and any(b.active() for b in batches):
-                        self._decode(batches, finished, on_step)
-                        steps += 1
-                    self._in_flight = any(b.active() for b in batches)
-                    if on_finished is not None:  # every interval, so a caller can flush per block
-                        on_finished(finished)
-                    if R > 0 and change is None and between_blocks is not None and not queue.empty():
+                    if R == 0 and between_blocks is not None:
                         change = self._ask(between_blocks, boundary)
                         boundary += 1
-                self._in_flight = False
-                if queue.empty():
-                    break
-                if R == 0 and between_blocks is not None:
-                    change = self._ask(between_blocks, boundary)
-                    boundary += 1
-                if change is not None:
-                    self.reconfigure(change[0], change[1], change[2])
+                    if change is not None:
+                        self.reconfigure(change[0], change[1], change[2])
+        except BaseException:
+            # The run's rows end with it. Once the I/O queues have done the tasks it queued (nothing
+            # writes its buffers afterwards), the engine may be reconfigured or run again.
+            for pool in self._pools:
+                pool.submit(lambda: None).result()
+            self._in_flight = False
+            raise
         s = self.stats
         s.wall_s = self._clock()
         s.peak_bytes_since_change = dict(self.ledger.window_peak)
