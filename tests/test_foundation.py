@@ -149,6 +149,12 @@ def test_policy_validates_fractions():
         Policy(gbs=8, nb=1, wg=0.5, wc=0.0, wd=0.0)
     with pytest.raises(ValueError, match="not percents"):
         Policy(gbs=8, nb=1, wg=50, wc=50, wd=0)
+    # a fraction computed as 1 - a - b carries float error; it is held to 0..1, not refused
+    wg, wc = 0.8, 0.2
+    assert 1 - wg - wc < 0
+    computed = Policy(gbs=8, nb=1, wg=wg, wc=wc, wd=1 - wg - wc)
+    assert computed.wd == 0.0 and computed.layer_counts(10) == (8, 2, 0)
+    assert Policy.from_json(computed.to_json()) == computed
     bad = p.to_dict()
     bad["wc"] = 0.9
     with pytest.raises(UserError, match="sum to"):

@@ -73,8 +73,10 @@ class Policy(Contract):
             raise ValueError(f"refill_every must be >= 0, got {self.refill_every}")
         for var in PLACEMENT_VARS:
             v = getattr(self, var)
-            if not 0.0 <= v <= 1.0:
+            if not -_SUM_TOLERANCE <= v <= 1.0 + _SUM_TOLERANCE:
                 raise ValueError(f"{var}={v} is outside 0..1 (fractions, not percents)")
+            if not 0.0 <= v <= 1.0:  # computed as 1 - a - b, it may come out at -5.6e-17: held to 0..1
+                object.__setattr__(self, var, min(max(float(v), 0.0), 1.0))
         for kind, trio in (("weights", ("wg", "wc", "wd")), ("KV cache", ("cg", "cc", "cd")),
                            ("activations", ("hg", "hc", "hd"))):
             total = sum(getattr(self, v) for v in trio)
