@@ -507,7 +507,7 @@ def test_plan_cli_errors_are_one_line(profile_path, tmp_path):
     assert "does not fit" in out.stderr and "tier is short by" in out.stderr and "Traceback" not in out.stderr
     # a margin rounds a subnormal bound to 0 s: the SLA's check was a ValueError traceback
     out = run("plan", "--profile", profile_path, *SMALL, "--latency", "5e-324", "--margin", "0.5")
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "latency bound must be > 0" in out.stderr
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "less the margin 0.5 leaves no time" in out.stderr
 
 
 def test_plan_cli_frontier(profile_path, tmp_path):
@@ -586,6 +586,11 @@ def test_plan_written_before_margins_loads_with_no_margin(case, grid, tmp_path):
     bad = dict(json.loads(plan.to_json()), planning_latency_s=1.0)
     with pytest.raises(UserError, match="planning_latency_s"):
         Plan.from_dict(bad)
+    # a bad bound names the file (it said "give a positive --latency", which replan has not)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(dict(data, sla={"kind": "p99", "latency_s": -1})))
+    with pytest.raises(UserError, match=r"bad.json.sla: invalid SLA: latency bound must be > 0 seconds, got -1$"):
+        Plan.load(path)
 
 
 def test_plan_cli_margin_flag_auto_and_impossible(profile_path, case, tmp_path):

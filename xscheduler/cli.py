@@ -157,7 +157,10 @@ def _plan(args: argparse.Namespace) -> int:
         assumed.append(f"workload {workload.source}")
     if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:
         assumed.append(beyond)
-    sla = SLA(args.sla, latency)
+    try:
+        sla = SLA(args.sla, latency)
+    except ValueError as exc:
+        raise UserError(f"{exc}; give a positive --latency") from None
     progress = not args.quiet and sys.stderr.isatty()
     plan = plan_search(spec, profile, workload, sla, compress=args.compress, method=args.search,
                        num_requests=args.requests, seed=args.seed, evaluator=args.evaluator, progress=progress,

@@ -37,8 +37,8 @@ class SLA(Contract):
     latency_s: float
 
     def __post_init__(self) -> None:
-        if not self.latency_s > 0 or math.isnan(self.latency_s):  # also a margin rounding a 5e-324 s bound to 0
-            raise UserError(f"latency bound must be > 0 seconds, got {self.latency_s:g}; give a positive --latency")
+        if not self.latency_s > 0 or math.isnan(self.latency_s):
+            raise ValueError(f"latency bound must be > 0 seconds, got {self.latency_s:g}")
 
     def met_by(self, result: SimResult, tolerance: float = 0.0) -> bool:
         """Whether the predicted latency is within the bound, allowing ``tolerance`` (fraction)."""
@@ -48,6 +48,9 @@ class SLA(Contract):
         """The bound a plan is searched against: ``latency_s * (1 - margin)`` (``margin`` in 0..1)."""
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"margin must be a fraction in [0, 1), got {margin}")
+        if not self.latency_s * (1.0 - margin) > 0:  # a 5e-324 s bound less a margin rounds to 0
+            raise UserError(f"a latency bound of {self.latency_s:g} s less the margin {margin:g} leaves no time; "
+                            "give a larger --latency")
         return SLA(self.kind, self.latency_s * (1.0 - margin))
 
     def describe(self) -> str:
