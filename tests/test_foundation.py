@@ -162,6 +162,10 @@ def test_policy_validates_fractions():
     # the CPU-attention flag with every KV row on the gpu tier runs attention on the device
     assert "attention on the compute device" in Policy(gbs=8, nb=1, cpu_attention=True).describe()
     assert "attention on CPU" in Policy(gbs=8, nb=1, cg=0.5, cc=0.5, cpu_attention=True).describe()
+    # a share that is neither none nor all never reads 0% or 100% (one row of 256 read "0% gpu, 100% cpu")
+    assert "KV cache: 0.4% gpu, 99.6% cpu" in Policy(gbs=256, nb=1, cg=1 / 256, cc=255 / 256).describe()
+    assert "KV cache: <0.1% gpu, >99.9% cpu" in Policy(gbs=4096, nb=1, cg=1 / 4096, cc=4095 / 4096).describe()
+    assert "weights: 25% gpu, 75% cpu" in p.describe()
     with pytest.raises(UserError, match="at most 1048576 and 4096, got gbs=8 nb=100000000"):
         Policy.from_dict({"gbs": 8, "nb": 10**8})  # the simulator's arrays once took 24 GiB of RAM
 

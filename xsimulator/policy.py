@@ -118,8 +118,16 @@ class Policy(Contract):
     def describe(self) -> str:
         """The policy in words: batch shape, what sits where, and the switches."""
 
+        def percent(v: float) -> str:
+            """Whole percents, but never 0% or 100% for a share that is neither (one row of 256 on the gpu
+            read "0% gpu, 100% cpu")."""
+            for text in (f"{v:.0%}", f"{v:.1%}"):
+                if v in (0.0, 1.0) or text not in ("0%", "100%", "0.0%", "100.0%"):
+                    return text
+            return "<0.1%" if v < 0.5 else ">99.9%"
+
         def where(prefix: str) -> str:
-            parts = [f"{getattr(self, prefix + t):.0%} {name}" for t, name in (("g", "gpu"), ("c", "cpu"), ("d", "disk"))
+            parts = [f"{percent(getattr(self, prefix + t))} {name}" for t, name in (("g", "gpu"), ("c", "cpu"), ("d", "disk"))
                      if getattr(self, prefix + t) > 0]
             return ", ".join(parts)
 
