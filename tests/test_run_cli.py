@@ -112,8 +112,9 @@ def test_results_writer_refuses_old_file_and_drops_a_torn_line_on_resume(tmp_pat
     from xrunner.jobfiles import ResultsWriter
 
     out = tmp_path / "r.jsonl"
+    ResultsWriter.open(out, resume=False).close()
+    assert not out.exists()  # created (and locked) at open, removed by a job that ends before its first write
     w = ResultsWriter.open(out, resume=False)
-    assert not out.exists()  # created by the first write, not by a job that fails early
     w.write([{"id": "a", "text": "x"}, {"id": 2, "text": "y"}])
     w.write([])
     w.close()
@@ -126,8 +127,8 @@ def test_results_writer_refuses_old_file_and_drops_a_torn_line_on_resume(tmp_pat
     w.write([{"id": "c", "text": "z"}])
     w.close()
     assert [r["id"] for r in read_rows(out)] == ["a", 2, "c"]
-    with pytest.raises(RuntimeError, match="finished twice"):
-        ResultsWriter.open(out, resume=True).write([{"id": "a"}])
+    with pytest.raises(RuntimeError, match="finished twice"), ResultsWriter.open(out, resume=True) as w:
+        w.write([{"id": "a"}])
     out.write_bytes(good + b"garbage\n" + good)
     with pytest.raises(UserError, match=r":3: not a results line|:2: not a results line"):
         ResultsWriter.open(out, resume=True)
@@ -191,6 +192,36 @@ def test_a_full_disk_leaves_the_results_file_at_its_last_complete_line(tmp_path,
     w.write([{"id": "b", "text": "second"}])
     w.close()
     assert [r["id"] for r in read_rows(out)] == ["a", "b"]
+
+
+def test_a_second_job_on_the_same_results_file_is_refused_until_the_first_ends(random_plan, tmp_path, capsys):
+    """Two `xsched run` on one --out both appended every id, and --resume then refused the file
+    ("appears twice"); the job holding the file's lock refuses the second up front, and a killed
+    holder's lock goes with it (the kernel drops it), so --resume after SIGKILL still opens it."""
+    from xrunner.jobfiles import ResultsWriter
+
+    out = tmp_path / "r.jsonl"
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7]}])
+    with ResultsWriter.open(out, resume=False) as first:
+        for resume in ([], ["--resume"]):
+            assert main(["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--prompts", str(prompts),
+                         "--out", str(out), "--quiet", *resume]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "another xsched run is writing this file" in err, err
+        first.write([{"id": "a", "text": "x"}])
+    ResultsWriter.open(out, resume=True).close()  # released at the end of the job
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom xrunner.jobfiles import ResultsWriter\n"
+                               f"w = ResultsWriter.open({str(out)!r}, resume=True)\nprint('locked', flush=True)\n"
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+    assert holder.stdout.readline() == "locked\n"
+    with pytest.raises(UserError, match="another xsched run is writing this file"):
+        ResultsWriter.open(out, resume=True)
+    holder.kill()
+    holder.communicate(timeout=60)
+    with ResultsWriter.open(out, resume=True) as w:
+        assert w.is_done("a")
 
 
 def test_run_result_percentiles_match_the_simulator_and_round_trip():

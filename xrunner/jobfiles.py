@@ -6,11 +6,18 @@ also leave half a line at the end; :meth:`ResultsWriter.open` with ``resume`` dr
 tail and truncates the file to its last complete line, then reports the ids already done, so a
 resumed job writes each request exactly once: no duplicates, no gaps.
 
+A job holds an advisory lock (``flock``) on the results file from :meth:`ResultsWriter.open` to
+its end, so a second job on the same ``--out`` is refused up front instead of appending beside it
+(two jobs at once wrote every id twice, and ``--resume`` then refused the file). The kernel drops
+the lock of a killed process, so ``--resume`` after SIGKILL still opens it.
+
 No torch here (the tokenizer is passed in).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 from dataclasses import dataclass
@@ -133,33 +140,37 @@ def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str], li
 class ResultsWriter:
     """Append-only JSONL of finished requests, fsynced per batch; see the module docstring."""
 
-    def __init__(self, path: Path, done: dict[str, dict[str, Any]]):
+    def __init__(self, path: Path, done: dict[str, dict[str, Any]], fd: int, created: bool):
         self.path = path
-        self._fd: int | None = None  # opened by the first write
+        self._fd: int | None = fd  # locked for the writer's life
+        self._created = created  # this writer created the file and has written nothing yet
         self.done = done  # id key -> the row already in the file
 
     @classmethod
     def open(cls, path: str | Path, resume: bool) -> "ResultsWriter":
-        """Open ``path`` for appending; refuse a non-empty file unless ``resume``."""
+        """Open and lock ``path`` for appending; refuse a non-empty file unless ``resume``, and a
+        file another job holds."""
         p = Path(path).expanduser()  # as check_writable takes it
-        done: dict[str, dict[str, Any]] = {}
-        try:
-            size = p.stat().st_size if p.exists() else 0
-        except OSError as exc:
-            raise UserError(describe_os_error(exc, p)) from None
         if p.exists() and not p.is_file() and not p.is_dir():
             raise UserError(f"{p}: not a regular file; pass another --out")
         check_writable(p, "--out")
-        if size and not resume:
-            raise UserError(f"{p} already has results; pass --resume to continue that job or another --out path")
-        if size:
-            done, keep = _read_done(p)
-            if keep < size:  # a torn last line from a crash: drop it
-                try:
-                    os.truncate(p, keep)
-                except OSError as exc:
-                    raise UserError(describe_os_error(exc, p)) from None
-        return cls(p, done)  # the file is created by the first write, not by a job that fails early
+        fd, created = _open_locked(p)
+        try:
+            size = os.fstat(fd).st_size
+            if size and not resume:
+                raise UserError(f"{p} already has results; pass --resume to continue that job or another --out path")
+            done: dict[str, dict[str, Any]] = {}
+            if size:
+                done, keep = _read_done(p)
+                if keep < size:  # a torn last line from a crash: drop it
+                    try:
+                        os.ftruncate(fd, keep)
+                    except OSError as exc:
+                        raise UserError(describe_os_error(exc, p)) from None
+        except BaseException:
+            _release(fd, p if created else None)
+            raise
+        return cls(p, done, fd, created)  # a job that ends before its first write removes the file it created
 
     def is_done(self, rid: RequestId) -> bool:
         return _id_key(rid) in self.done
@@ -178,39 +189,36 @@ class ResultsWriter:
         if not lines:
             return
         data = "".join(lines).encode("utf-8")
-        created = self._fd is None and not self.path.exists()
+        if self._fd is None:
+            raise RuntimeError(f"{self.path}: written after close")  # a caller's bug
         start = None
         try:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
             start = os.fstat(self._fd).st_size
             view = memoryview(data)
             while view:
                 view = view[os.write(self._fd, view):]
             os.fsync(self._fd)
         except OSError as exc:
-            self._undo(start, created)
+            self._undo(start)
             raise UserError(describe_os_error(exc, self.path)) from None
         self.done.update(new)
+        self._created = False
 
-    def _undo(self, start: int | None, created: bool) -> None:
-        """Cut a failed append back to ``start`` bytes; remove a file this append created."""
+    def _undo(self, start: int | None) -> None:
+        """Cut a failed append back to ``start`` bytes; remove a file this writer created."""
         try:
             if self._fd is not None and start is not None:
                 os.ftruncate(self._fd, start)
-            if created and self._fd is not None:
-                self.close()
-                os.unlink(self.path)
         except OSError:
             pass
+        if self._created:
+            self.close()
 
     def close(self) -> None:
+        """Release the lock; a file this writer created and never wrote to is removed first."""
         if self._fd is None:
             return
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        _release(self._fd, self.path if self._created else None)
         self._fd = None
 
     def __enter__(self) -> "ResultsWriter":
@@ -218,6 +226,57 @@ class ResultsWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _open_locked(p: Path) -> tuple[int, bool]:
+    """An append descriptor of ``p`` holding its exclusive lock, and whether this call created the
+    file. Another job's lock is a one-line ``UserError``; a file unlinked between our open and our
+    lock (a job that ended before writing removes its file) is opened again."""
+    target = Path(os.path.realpath(p))  # a symlink is written through; the file removed is its target
+    for _ in range(8):
+        try:
+            fd, created = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o666), True
+        except FileExistsError:
+            try:
+                fd, created = os.open(target, os.O_WRONLY | os.O_APPEND), False
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise UserError(describe_os_error(exc, p)) from None
+        except OSError as exc:
+            raise UserError(describe_os_error(exc, p)) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # a filesystem without locks: go on unlocked
+                return fd, created
+            os.close(fd)
+            raise UserError(f"{p}: another xsched run is writing this file (it holds its lock); wait for that job "
+                            "to end, then --resume, or pass another --out") from None
+        if _same_file(fd, target):
+            return fd, created
+        os.close(fd)
+    raise UserError(f"{p}: the file keeps being removed and created by another process; pass another --out")
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _release(fd: int, remove: Path | None) -> None:
+    """Close ``fd`` (dropping its lock), unlinking ``remove`` first while the lock still guards it."""
+    try:
+        target = Path(os.path.realpath(remove)) if remove is not None else None
+        if target is not None and _same_file(fd, target):
+            os.unlink(target)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _read_done(p: Path) -> tuple[dict[str, dict[str, Any]], int]:
