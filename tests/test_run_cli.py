@@ -255,6 +255,44 @@ def test_run_result_percentiles_match_the_simulator_and_round_trip():
     assert "gpu reserved GiB" in g.describe() and "3.000" in g.describe()
 
 
+def test_the_summary_of_a_run_whose_policy_changed_names_the_policy_at_start_and_at_end():
+    """After a drift re-plan the summary's "policy:" line showed the plan's policy, which ran only
+    until the change, and the plan column read as a prediction of the job: both are labelled."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from xrunner.result import Adaptation, build_run_result
+    from xsimulator.policy import Policy
+
+    start, end = Policy(gbs=4, nb=1), Policy(gbs=1, nb=2, compress_cache=True)
+    stats = SimpleNamespace(wall_s=10.0, generated_tokens=500, prompt_tokens=300, padded_prompt_tokens=400,
+                            num_prefill_steps=3, num_decode_steps=40, peak_bytes={"gpu": 10, "cpu": 5, "disk": 0},
+                            planned_peak_bytes={"gpu": 12.0, "cpu": 5.0, "disk": 0.0}, busy_s={"compute": 8.0},
+                            device_reserved_peak_bytes=None)
+    plain = build_run_result(model="m", policy=start, device="cpu", dtype="float32", stats=stats, latencies_s=[1.0],
+                             num_stopped_on_eos=0, num_skipped=0, capacity_bytes={"gpu": 1e9}, max_prompt=8,
+                             max_output=9, predicted=simulate_small(start))
+    text = plain.describe()
+    assert "  policy: block of 1 GPU batch(es) x 4" in text and "at start" not in text and "at end" not in text
+    adapted = replace(plain, adaptations=(Adaptation(at_s=4.0, stall_s=0.5, reason="drift: prompt mean 8.0 -> 24.0",
+                                                     old_policy=start, new_policy=end),))
+    lines = adapted.describe().splitlines()
+    assert not any(line.startswith("  policy:") for line in lines)
+    assert any(line.startswith("  policy at start (the plan's): block of 1 GPU batch(es) x 4") for line in lines)
+    at_end = [line for line in lines if line.startswith("  policy at end (after 1 change(s)")]
+    assert len(at_end) == 1 and "block of 2 GPU batch(es) x 1" in at_end[0] and "KV cache: 100% gpu (4-bit)" in at_end[0]
+    assert any(line.startswith("  (plan: ") and line.endswith(", for the policy at start)") for line in lines)
+    assert any("no simulated column: the policy changed mid-run" in line for line in lines)
+
+
+def simulate_small(policy):
+    from workloads.workload import fixed_workload
+    from xprofiler.presets import load_profile
+    from xsimulator.discrete_event import simulate
+
+    return simulate(random_spec(), load_profile("t4"), policy, fixed_workload(8, 6), num_requests=4)
+
+
 # ----------------------------------------------------------------------------- CLI errors
 @pytest.fixture(scope="module")
 def random_plan(tmp_path_factory):

@@ -50,7 +50,7 @@ class RunResult(Contract):
     SCHEMA: ClassVar[str] = "xsched.RunResult/1"
 
     model: str
-    policy: Policy
+    policy: Policy  # the plan's, in force at the start (after changes: adaptations[-1].new_policy)
     device: str
     dtype: str
     num_requests: int  # requests run by this invocation
@@ -141,11 +141,17 @@ class RunResult(Contract):
         names = ["measured", *(["simulated"] if self.simulated is not None else []), "plan"]
         widths = [max(len(r[0]) for r in rows)] + [max(max(len(r[i]) for r in rows), len(names[i - 1]))
                                                     for i in range(1, len(names) + 1)]
+        changed = len(self.adaptations)
+        # After a change mid-run the plan's policy is only where the job started: name both.
+        policies = [("policy", self.policy)] if not changed else [
+            ("policy at start (the plan's)", self.policy),
+            (f"policy at end (after {changed} change(s), listed below)", self.adaptations[-1].new_policy)]
         head = [
             f"ran {self.num_requests} requests on {self.model} ({self.device}, {self.dtype})"
             + (f"; {self.num_skipped} already done (resumed)" if self.num_skipped else ""),
-            "  policy: " + self.policy.describe().replace("\n", "; "),
-            "  planned peak: " + ", ".join(f"{t} {self.planned_peak_bytes.get(t, 0.0) / gib:,.3f} GiB" for t in TIERS)
+            *(f"  {label}: " + p.describe().replace("\n", "; ") for label, p in policies),
+            "  planned peak" + (" (the highest of the policies run)" if changed else "") + ": "
+            + ", ".join(f"{t} {self.planned_peak_bytes.get(t, 0.0) / gib:,.3f} GiB" for t in TIERS)
             + ("" if self.fits else "  -- MEASURED PEAK ABOVE PLAN"),
             "",
             "  " + "  ".join(f"{c:>{w}}" if i else " " * w for i, (c, w) in enumerate(zip(["", *names], widths))),
@@ -158,7 +164,10 @@ class RunResult(Contract):
                         f"requests at their prompt and output lengths, on profile {self.simulated.profile})")
         if self.predicted is not None:
             head.append(f"  (plan: {self.predicted.method} simulation of {self.predicted.num_requests} requests "
-                        f"of workload {self.predicted.workload} on profile {self.predicted.profile})")
+                        f"of workload {self.predicted.workload} on profile {self.predicted.profile}"
+                        + (", for the policy at start" if changed else "") + ")")
+        if changed and self.simulated is None:
+            head.append("  (no simulated column: the policy changed mid-run, and a simulation prices one policy)")
         return "\n".join(head)
 
 
