@@ -481,6 +481,57 @@ def test_reconfigure_to_a_4bit_cache_centers_it_without_reloading_the_weights(tm
     assert got == want
 
 
+def test_a_4bit_cache_switched_on_again_reuses_the_centers_a_pass_over_these_weights_made(tmp_path, monkeypatch):
+    """Switching a 4-bit cache on without a reload ran an observing pass through every layer (20 s
+    for SmolLM2 on 2 busy cores); the centers it (or the load's GPTQ pass) made were dropped with
+    the cache and made again at the next switch. They are kept for the weights stored now: a
+    switch back costs no pass, and the GPTQ load's centers serve a later switch (as a fresh engine
+    with both 4-bit would have them)."""
+    from xrunner.gptq import GPTQCalibration
+
+    src, ids, reqs, _weights, want = _centered_case(LLAMA, monkeypatch)
+    passes = []
+    real_init = GPTQCalibration.__init__
+
+    def counted(self, *args, **kwargs):
+        passes.append(1)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPTQCalibration, "__init__", counted)
+    plain = Policy(gbs=2, nb=2, cg=0.5, cc=0.0, cd=0.5, refill_every=2)
+    cached = replace(plain, compress_cache=True)
+    got = {}
+    with Engine(src, plain, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
+                calibration_ids=ids) as eng:
+        assert passes == [] and eng.kv_centers is None
+        eng.reconfigure(cached, reason="test")
+        assert passes == [1]
+        made = [tuple(t.clone() for t in pair) for pair in eng.kv_centers]
+        eng.reconfigure(plain, reason="test")
+        assert eng.kv_centers is None and eng.ledger.by_name.get(("gpu", "kv_centers"), 0) == 0  # not in force
+        rec = eng.reconfigure(cached, reason="test")
+        assert passes == [1]  # no second pass
+        assert all(torch.equal(a, b) for pair, again in zip(made, eng.kv_centers) for a, b in zip(pair, again))
+        assert eng.ledger.by_name["gpu", "kv_centers"] > 0 and rec.stall_s < 5
+        eng.run(reqs, on_finished=lambda fs: got.update({f.id: list(f.output_ids) for f in fs}))
+    assert got == want
+
+    gptq = Policy(gbs=2, nb=2, compress_weight=True)
+    both = replace(gptq, compress_cache=True)
+    with Engine(src, both, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
+                calibration_ids=ids) as fresh:
+        fresh_centers = fresh.kv_centers
+    passes.clear()
+    with Engine(src, gptq, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
+                calibration_ids=ids) as eng:
+        assert passes == [1] and eng.kv_centers is None  # the load's GPTQ pass; a plain cache holds no centers
+        eng.reconfigure(both, reason="test")
+        assert passes == [1]
+        assert all(torch.equal(a, b) for pair, other in zip(eng.kv_centers, fresh_centers) for a, b in zip(pair, other))
+        eng.reconfigure(replace(both, compress_weight=False), reason="test")  # plain weights: read again, with a pass
+        assert passes == [1, 1]
+
+
 def test_gptq_weights_reach_the_engine_and_the_calibration_pass_is_the_models_layer(tmp_path):
     """With calibration ids the engine stores GPTQ's codes: its outputs equal the in-memory model with
     those weights, which differ from nearest rounding's. The calibration pass carries its hidden states

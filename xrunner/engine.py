@@ -398,7 +398,11 @@ class Engine:
         # (xrunner.gptq) instead of nearest rounding, and a 4-bit KV cache is stored around each
         # layer's mean K/V on the text (KVCodec centers). None: nearest rounding, no centers.
         self.calibration_ids = calibration_ids
-        self.kv_centers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.kv_centers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # in force (4-bit cache)
+        # The centers of the last calibration pass over the weights stored now, kept while the cache
+        # is plain (off the ledger, like the rope tables: L x 2 x kv_dim values, 46 KB for SmolLM2),
+        # so switching a 4-bit cache on again adopts them instead of a pass (20 s for SmolLM2).
+        self._pass_centers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.record_trace = record_trace
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
@@ -577,8 +581,7 @@ class Engine:
             for i in tqdm(range(self.spec.num_layers), desc=f"loading {self.spec.name}{what}", unit="layer",
                           file=sys.stderr, disable=not progress, leave=False):
                 nread += self._load_layer(i, calib)
-        if calib is not None:
-            self._adopt_centers(calib if compress_cache else None)
+        self._adopt_centers(calib, compress_cache)  # no pass: any centers kept were of other weights
         return nread
 
     def _observe_centers(self) -> None:
@@ -591,16 +594,20 @@ class Engine:
                 with self.ledger.transient("cpu", "layer_load", nbytes_of(*w.values())):
                     calib.observe_layer(i, w)
                 del w
-        self._adopt_centers(calib)
+        self._adopt_centers(calib, True)
 
-    def _adopt_centers(self, calib: GPTQCalibration | None) -> None:
-        """Keep a pass's K/V centers (None: a plain cache, which has no use for them)."""
-        self._set_kv_centers(None if calib is None else
-                             [(k.to(self.dtype), v.to(self.dtype)) for k, v in calib.kv_centers])
+    def _adopt_centers(self, calib: GPTQCalibration | None, compress_cache: bool) -> None:
+        """Keep a pass's K/V centers (None: no pass ran over the weights now stored), in force
+        only with a 4-bit cache (a plain cache has no use for them)."""
+        self._pass_centers = None if calib is None else [(k.to(self.dtype), v.to(self.dtype))
+                                                         for k, v in calib.kv_centers]
+        self._set_kv_centers(self._pass_centers if compress_cache else None)
         self.codec = self._new_codec(self.codec.compress)
 
     def _set_kv_centers(self, centers: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """Keep (or drop: None) the K/V centers, accounted as ``kv_centers`` on the gpu tier."""
+        if centers is self.kv_centers:
+            return
         for pairs, account in ((self.kv_centers, self.ledger.sub), (centers, self.ledger.add)):
             if pairs is not None:
                 account("gpu", "kv_centers", nbytes_of(*[t for pair in pairs for t in pair]))
@@ -659,8 +666,7 @@ class Engine:
         L, gbs, nb = spec.num_layers, p.gbs, p.nb
         self.cache_split = _split(p.row_counts("cache", gbs))
         self.act_split = _split(p.row_counts("act", gbs))
-        if not p.compress_cache:  # a plain cache has no use for centers
-            self._set_kv_centers(None)
+        self._set_kv_centers(self._pass_centers if p.compress_cache else None)  # a plain cache has no use for them
         self.codec = self._new_codec(p.compress_cache)
         hkv, cap, h, wbytes = spec.num_kv_heads, self.cap, spec.hidden, self.layout.nbytes
         self.kv_home: list[list[dict[str, list[Any]]]] = []  # [batch][layer][tier] -> parts
@@ -785,8 +791,9 @@ class Engine:
         caps = dict(capacity_bytes) if capacity_bytes is not None else self.capacity_bytes
         rounded = rounded_policy(policy, L)
         reload = policy.compress_weight != self.layout.compress
-        # A 4-bit cache switched on without a reload still needs centers: an observing pass makes them.
-        observe = (not reload and policy.compress_cache and self.kv_centers is None
+        # A 4-bit cache switched on without a reload still needs centers: an observing pass makes
+        # them, unless a pass over these weights made them before (the load's GPTQ, or an earlier switch).
+        observe = (not reload and policy.compress_cache and self._pass_centers is None
                    and self.calibration_ids is not None)
         scratch = (self._calibration_bytes(policy.compress_weight, policy.compress_cache) if reload
                    else self._calibration_bytes(False, True) if observe else 0)
