@@ -532,6 +532,29 @@ def test_a_4bit_cache_switched_on_again_reuses_the_centers_a_pass_over_these_wei
         assert passes == [1, 1]
 
 
+def test_notice_says_what_a_reconfiguration_makes_the_job_wait_for(tmp_path):
+    """A drift re-plan that switched a 4-bit cache on paused a SmolLM2 job for 20 s with nothing
+    said past the policy's batch shape: ``notice`` gets one line before a change reads the weights
+    again, runs a calibration pass or moves layers, and none for a change of the empty buffers."""
+    src = RandomSource(LLAMA, seed=5)
+    ids = torch.randint(0, LLAMA.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
+    plain = Policy(gbs=2, nb=1)
+    notices: list[str] = []
+    with Engine(src, plain, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
+                calibration_ids=ids, notice=notices.append) as eng:
+        eng.reconfigure(replace(plain, gbs=3, nb=2, refill_every=2), reason="test")
+        assert notices == []
+        eng.reconfigure(replace(plain, compress_cache=True), reason="test")
+        eng.reconfigure(replace(plain, wg=0.34, wc=0.66, compress_cache=True), reason="test")
+        eng.reconfigure(replace(plain, compress_weight=True), reason="test")
+    assert notices == [
+        "recording each layer's K/V centers for the 4-bit KV cache: a pass of 4 calibration sequences through the "
+        "3 layers",
+        "moving 2 weight layer(s) to other tiers",
+        "reading the 3 layers of tiny-llama again to store them 4-bit, their 4-bit codes fitted by GPTQ on 4 "
+        "calibration sequences"]
+
+
 def test_gptq_weights_reach_the_engine_and_the_calibration_pass_is_the_models_layer(tmp_path):
     """With calibration ids the engine stores GPTQ's codes: its outputs equal the in-memory model with
     those weights, which differ from nearest rounding's. The calibration pass carries its hidden states

@@ -293,6 +293,30 @@ def simulate_small(policy):
     return simulate(random_spec(), load_profile("t4"), policy, fixed_workload(8, 6), num_requests=4)
 
 
+def test_the_adapt_line_names_every_knob_a_replan_changes(random_plan, monkeypatch, capsys):
+    """The stderr line of a re-plan gave only gbs, nb and refill, so a switch to a 4-bit cache (and
+    the calibration pass the job then waits for) went unsaid."""
+    from argparse import Namespace
+    from dataclasses import replace
+
+    from xprofiler.presets import load_profile
+    from xrunner.engine import BlockInfo
+    from xrunner.run_cli import _adapt_hook
+    from xscheduler.plan import Plan
+    from xscheduler.replan import DriftWatcher
+
+    plan = Plan.load(random_plan)
+    new = replace(plan.policy, gbs=1, compress_cache=True)
+    monkeypatch.setattr(DriftWatcher, "__call__", lambda self, info: (new, "drift: test"))
+    args = Namespace(adapt="drift", budget_file=None, replan_compress="auto", replan_scope="full")
+    hook, _watcher = _adapt_hook(args, plan, {"gpu": 1e12, "cpu": 1e12, "disk": 1e12}, load_profile("t4"), None,
+                                 horizon=16)
+    assert hook(BlockInfo(3, 1.5, plan.policy)) == (new, "drift: test")
+    err = capsys.readouterr().err
+    assert err == ("xsched: adapt at block 3 (1.5 s): drift: test; policy change: GPU batch size: 2 -> 1, "
+                   "4-bit KV cache: False -> True\n"), err
+
+
 # ----------------------------------------------------------------------------- CLI errors
 @pytest.fixture(scope="module")
 def random_plan(tmp_path_factory):

@@ -364,7 +364,10 @@ class Engine:
 
     ``cuda_sync`` ("item" or "step") picks how the compute thread waits for a CUDA device; see
     :meth:`_tock`. Ignored on a CPU host. ``head_layout`` fixes the CPU LM head's layout instead
-    of timing both (:func:`xrunner.model.cpu_head_layout`); :attr:`head_layout` is the one in use."""
+    of timing both (:func:`xrunner.model.cpu_head_layout`); :attr:`head_layout` is the one in use.
+    ``notice`` gets one line before a reconfiguration does more than re-make its empty buffers
+    (reads the weights again, runs a calibration pass, moves layers), so a caller can say why the
+    job pauses."""
 
     def __init__(self, source: ModelSource, policy: Policy, *, max_prompt: int, max_output: int,
                  capacity_bytes: Mapping[str, float] | None = None, offload_dir: str | Path | None = None,
@@ -372,7 +375,8 @@ class Engine:
                  record_trace: bool = False, profile: HardwareProfile | None = None,
                  device: str | torch.device | None = None, progress: bool = False,
                  calibration_ids: torch.Tensor | Callable[[], torch.Tensor] | None = None,
-                 cuda_sync: str = "item", head_layout: str | None = None):
+                 cuda_sync: str = "item", head_layout: str | None = None,
+                 notice: Callable[[str], None] | None = None):
         spec = source.spec
         if head_layout not in (None, "rows", "transposed"):
             raise UserError(f"head_layout must be 'rows' or 'transposed', got {head_layout!r}")
@@ -403,6 +407,7 @@ class Engine:
         # is plain (off the ledger, like the rope tables: L x 2 x kv_dim values, 46 KB for SmolLM2),
         # so switching a 4-bit cache on again adopts them instead of a pass (20 s for SmolLM2).
         self._pass_centers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.notice = notice
         self.record_trace = record_trace
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
@@ -798,6 +803,11 @@ class Engine:
         scratch = (self._calibration_bytes(policy.compress_weight, policy.compress_cache) if reload
                    else self._calibration_bytes(False, True) if observe else 0)
         planned = self._planned_peak(rounded, caps, scratch)
+        new_tiers = _layer_tiers(policy, L)
+        moves = [] if reload else sorted(((i, a, b) for i, (a, b) in enumerate(zip(self.layer_tier, new_tiers))
+                                          if a != b), key=_move_order)
+        if self.notice is not None and (reload or observe or moves):
+            self.notice(self._slow_work(policy, reload, observe, len(moves)))
 
         for fut in self._wfutures.values():  # a prefetch of the next step's first layer may be pending
             fut.result()
@@ -807,7 +817,6 @@ class Engine:
         self._free_buffers()
         moved: dict[str, int] = {}
         reloaded = 0
-        new_tiers = _layer_tiers(policy, L)
         if reload:  # the stored form changes: read from the source
             for relay in self.w_relays:
                 self.store.release("cpu", "weight_relay", relay)
@@ -820,8 +829,6 @@ class Engine:
             self.w_home = [self._new_home(tier) for tier in new_tiers]
             reloaded = self._load_weights(policy.compress_cache)
         else:
-            moves = sorted(((i, a, b) for i, (a, b) in enumerate(zip(self.layer_tier, new_tiers)) if a != b),
-                           key=_move_order)
             want = self._relay_count(new_tiers)
             keep = self._relay_count(new_tiers, moves_via_disk=any("disk" in (a, b) for _i, a, b in moves))
             while len(self.w_relays) > keep:
@@ -875,6 +882,26 @@ class Engine:
                 self.events.append(TraceEvent("compute", "reconfigure", t_start - self._t0, rec.stall_s,
                                               {"reason": reason}))
         return rec
+
+    def _slow_work(self, policy: Policy, reload: bool, observe: bool, moves: int) -> str:
+        """What a change to ``policy`` does beyond re-making the empty buffers, in words, for
+        ``notice``: the job waits for it (on 2 busy cores a pass of 16 calibration sequences
+        through SmolLM2's 30 layers took 20 s, reading them again with GPTQ on 8 sequences 117 s)."""
+        L, name = self.spec.num_layers, self.spec.name
+        if reload:
+            fit = policy.compress_weight
+            passing = self._calibration_bytes(fit, policy.compress_cache) > 0
+            n = len(self._calibration(fit)) if passing else 0
+            form = "4-bit" if fit else "plain"
+            return (f"reading the {L} layers of {name} again to store them {form}"
+                    + (f", their 4-bit codes fitted by GPTQ on {n} calibration sequences" if passing and fit else
+                       f", recording the 4-bit KV cache's K/V centers on {n} calibration sequences" if passing
+                       else ""))
+        parts = [f"moving {moves} weight layer(s) to other tiers"] if moves else []
+        if observe:
+            parts.append(f"recording each layer's K/V centers for the 4-bit KV cache: a pass of "
+                         f"{len(self._calibration(False))} calibration sequences through the {L} layers")
+        return "; ".join(parts)
 
     def _ask(self, hook: Callable[[BlockInfo], HookAnswer], block: int) -> tuple[Policy, str, Any] | None:
         """Call a between-blocks hook; a change of what the runner places comes back, else None."""

@@ -336,7 +336,9 @@ def _run(args: argparse.Namespace) -> int:
             with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
                         capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
                         stop_token_ids=stops, record_trace=bool(args.trace), device=device,
-                        progress=show, calibration_ids=_calibration(args, source, tokenizer)) as engine:
+                        progress=show, calibration_ids=_calibration(args, source, tokenizer),
+                        notice=lambda work: print(f"xsched: reconfiguring: {work}; the job waits for it",
+                                                  file=sys.stderr)) as engine:
                 stats = engine.run(requests, on_finished=on_finished, on_step=bar.update, between_blocks=hook)
 
     ran = [i for i in pending_idx if records[i].id in output_len]  # in the order the engine took them
@@ -461,7 +463,7 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
     drift watcher (None when off; its false-alarm rate holds over the ``horizon`` requests of the
     job). ``profile``: the plan's, or None with ``no_profile`` the error saying why. Each event is
     one line on stderr."""
-    from xscheduler.replan import DriftWatcher
+    from xscheduler.replan import DriftWatcher, policy_changes
 
     # Re-plans price the whole job's size: with a block near it, latency grows with the job.
     requests = max(1, horizon)
@@ -483,11 +485,9 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
     if watcher is None and budget is None:
         return None, None
 
-    def log(info: Any, answer: Any) -> None:
-        old, new, reason = info.policy, answer[0], answer[1]
-        print(f"xsched: adapt at block {info.block} ({info.clock_s:,.1f} s): {reason}; policy "
-              f"gbs {old.gbs} x nb {old.nb} refill {old.refill_every} -> gbs {new.gbs} x nb {new.nb} refill "
-              f"{new.refill_every}", file=sys.stderr)
+    def log(info: Any, answer: Any) -> None:  # every knob that changes: a 4-bit switch is what the job may wait for
+        print(f"xsched: adapt at block {info.block} ({info.clock_s:,.1f} s): {answer[1]}; policy change: "
+              f"{', '.join(policy_changes(info.policy, answer[0]))}", file=sys.stderr)
 
     def hook(info: Any) -> Any:
         if budget is not None:
