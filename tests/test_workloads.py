@@ -147,6 +147,28 @@ def test_from_file_jsonl_and_csv(tmp_path):
     assert Workload.from_file(sep).output.mean == 3
 
 
+def test_a_lone_surrogate_in_a_prompt_is_a_one_line_error(tmp_path, capsys):
+    """"\\ud800" is valid JSON but no text: `workload fit` raised UnicodeEncodeError from the
+    4-bytes-per-token estimate, and TypeError from the tokenizer with --tokenizer (review)."""
+    from xsched.cli import main
+
+    req = tmp_path / "sur.jsonl"
+    req.write_text('{"prompt": "hello", "output_tokens": 6}\n{"prompt": "hi \\ud800 there", "output_tokens": 5}\n')
+    out = tmp_path / "w.json"
+    assert main(["workload", "fit", str(req), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'request 2: "prompt" holds a lone surrogate' in err, err
+    assert not out.exists()
+
+    def tokenizer(text: str) -> int:  # refuses such a string, as the HF tokenizer does (with a TypeError)
+        if "\ud800" in text:
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
+        return len(text.split())
+
+    with pytest.raises(UserError, match="lone surrogate"):
+        Workload.from_file(req, count_tokens=tokenizer)
+
+
 @pytest.mark.parametrize("text,match", [
     ("fixed:0:5", ">= 1"),
     ("fixed:10:-3", ">= 1"),
