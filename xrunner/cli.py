@@ -144,6 +144,12 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for i, prompt in enumerate(args.prompt, start=1):
+        try:  # bytes that are not UTF-8 reach argv as lone surrogates, which the tokenizer refused with a TypeError
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"--prompt {i}: not UTF-8 text (the terminal or script passed another encoding); "
+                            "pass the prompt as UTF-8") from None
     device = resolve_device(args.device)
     show = not args.quiet and sys.stderr.isatty()
     source = open_model(args.model, dtype=args.dtype)
