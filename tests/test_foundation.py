@@ -255,6 +255,38 @@ def test_outputs_write_through_symlinks_and_refuse_devices_and_collisions(tmp_pa
     assert not (tmp_path / "s.json").exists()
 
 
+def test_an_output_on_an_input_file_is_refused(tmp_path, capsys):
+    """`plan -o` on its --profile replaced a measured profile with the plan, `simulate -o` or --trace
+    on its --plan replaced the plan, `workload fit -o` on its file replaced the requests with the
+    fitted Workload JSON (review); `xsched run` refused the same already."""
+    from xsched.cli import main
+    from xprofiler.presets import load_preset
+
+    profile, plan, reqs = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "reqs.jsonl"
+    load_preset("t4").save(profile)
+    reqs.write_text("".join(f'{{"prompt_tokens": {8 + i}, "output_tokens": {4 + i % 3}}}\n' for i in range(40)))
+    assert main(["plan", "--profile", str(profile), "--model", "opt-1.3b", "--workload", "fixed:32:8",
+                 "--requests", "20", "-o", str(plan), "--quiet"]) == 0
+    capsys.readouterr()
+    before = {f: f.read_bytes() for f in (profile, plan, reqs)}
+    cases = [
+        ["plan", "--profile", str(profile), "--model", "opt-1.3b", "--workload", "fixed:32:8", "--requests", "20",
+         "-o", str(profile), "--quiet"],
+        ["plan", "--profile", "t4", "--model", "opt-1.3b", "--workload", f"{reqs}@0.5", "--requests", "20",
+         "--frontier", str(tmp_path / "reqs"), "-o", str(reqs), "--quiet"],
+        ["simulate", "--plan", str(plan), "-o", str(plan)],
+        ["simulate", "--plan", str(plan), "--profile", str(profile), "--trace", str(profile)],
+        ["replan", "--plan", str(plan), "--observed", str(reqs), "-o", str(reqs)],
+        ["workload", "fit", str(reqs), "-o", str(reqs)],
+        ["workload", "sample", f"{reqs}@2", "-n", "5", "-o", str(reqs)],
+    ]
+    for argv in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "are the same file" in err, (argv, err)
+    assert {f: f.read_bytes() for f in before} == before
+
+
 def test_unreadable_or_absurd_inputs_are_one_line_errors(tmp_path):
     """Names too long for the file system, a file used as a directory, JSON nested past the
     parser's recursion limit and a huge model dimension each gave a traceback."""

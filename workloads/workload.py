@@ -315,6 +315,14 @@ def get_workload(text: str) -> Workload:
     return preset_workload(spec, scale)
 
 
+def workload_file(text: str) -> str | None:
+    """The file a workload argument reads (``reqs.jsonl@0.5`` reads ``reqs.jsonl``), else None."""
+    if path_exists(text):
+        return text
+    spec = text.rpartition("@")[0]
+    return spec if spec and path_exists(spec) else None
+
+
 def _workload_from_path(path: Path) -> Workload:
     if not path_exists(path):
         raise UserError(f"{path}: no such file")

@@ -119,6 +119,20 @@ def distinct_outputs(*named: tuple[str, Path | str | None]) -> None:
         seen[key] = flag
 
 
+def outputs_apart_from_inputs(inputs: Sequence[tuple[str, Path | str | None]],
+                              outputs: Sequence[tuple[str, Path | str | None]]) -> None:
+    """Refuse an output that names one of the command's input files, which it would replace with
+    another kind of file (`plan -o` on its `--profile` replaced a measured profile with the plan).
+    An input that is no file (a preset name, JSON text) is skipped."""
+    files: dict[str, str] = {}
+    for flag, path in inputs:
+        if path and path_exists(path) and Path(path).expanduser().is_file():
+            files.setdefault(os.path.realpath(Path(path).expanduser()), flag)
+    for flag, path in outputs:
+        if path is not None and (key := os.path.realpath(Path(path).expanduser())) in files:
+            raise UserError(f"{flag} and {files[key]} are the same file ({path}); give {flag} its own path")
+
+
 def jsonl_lines(text: str) -> Iterator[tuple[int, str]]:
     """(line number from 1, line) of each non-blank line. Lines end at "\\n" only: a JSON string
     may hold a raw U+2028 or U+0085 (``json.dumps(ensure_ascii=False)`` writes them), where

@@ -93,12 +93,12 @@ def _profile_arg(given: str | None, plan: dict[str, Any], plan_path: str | None,
 
 def _simulate(args: argparse.Namespace) -> int:
     from workloads import Workload, get_workload
-    from workloads.workload import ESTIMATE_NOTE
+    from workloads.workload import ESTIMATE_NOTE, workload_file
     from xprofiler.presets import load_profile
     from xprofiler.specs import ModelSpec, get_model_spec
     from xsched.contract import check_schema
     from xsched.errors import UserError
-    from xsched.fileio import atomic_write_all, check_writable, distinct_outputs
+    from xsched.fileio import atomic_write_all, check_writable, distinct_outputs, outputs_apart_from_inputs
     from xsimulator.policy import Policy
 
     notes: list[str] = []
@@ -123,6 +123,9 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
     distinct_outputs(("-o", args.output), ("--trace", args.trace))
+    outputs_apart_from_inputs([("--plan", args.plan), ("--policy", args.policy), ("--profile", args.profile),
+                               ("--workload", workload_file(args.workload or ""))],
+                              [("-o", args.output), ("--trace", args.trace)])
     for path, flag in ((args.output, "-o"), (args.trace, "--trace")):
         if path is not None:  # before simulating a large job
             check_writable(path, flag)
