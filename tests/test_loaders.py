@@ -194,6 +194,21 @@ def test_tiny_gguf_unpermutes_and_matches_transformers(tmp_path, tied):
     assert_matches_hf(load_weights(source), hf)
 
 
+def test_plan_and_simulate_take_the_gguf_file_that_profile_and_calibrate_take(tmp_path, capsys):
+    """`xsched profile --model X.gguf` names its fits after the file, but `plan --model X.gguf` read
+    the file as a config.json ("not UTF-8 text"), so those fits could not be planned with (review)."""
+    from xsched.cli import main
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tiny_hf("llama", tied=True, seed=3))
+    assert get_model_spec(str(path)) == ModelSpec.from_gguf(path)
+    assert main(["plan", "--profile", "t4", "--model", str(path), "--workload", "fixed:8:4", "--requests", "20",
+                 "--quiet", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["name"] == "tiny"
+    assert main(["simulate", "--profile", "t4", "--model", str(path), "--workload", "fixed:8:4", "--requests", "20",
+                 "--policy", '{"gbs": 4, "nb": 1}']) == 0
+
+
 def test_unpermute_inverts_the_llamacpp_layout():
     w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(48, 5)
     back = unpermute_rope_rows(torch.from_numpy(llamacpp_permute(w, 6)), 6)

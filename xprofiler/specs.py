@@ -368,11 +368,14 @@ def model_names() -> list[str]:
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    """The registry entry ``name``, or the spec read from a config.json / model directory path."""
+    """The registry entry ``name``, or the spec read from a config.json / model directory path or a
+    .gguf file (as `xsched profile --model` names its fits; it was read as a config.json: "not UTF-8")."""
     registry = _registry()
     if name in registry:
         return registry[name]
     p = Path(name)
+    if p.suffix == ".gguf" and path_exists(p) and p.is_file():
+        return ModelSpec.from_gguf(p)
     if path_exists(p):
         return ModelSpec.from_hf_config(p)
     if p.suffix == ".json" and p.name != "config.json":

@@ -24,8 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "per batch shape; the batch knobs from branch-and-bound over the simulator.")
     p.add_argument("--profile", default=None,
                    help=f"profile JSON from `xsched profile`, or a preset name (default: the {DEFAULT_PROFILE} preset)")
-    p.add_argument("--model", default=None, help=f"model name (see `xsched models`) or a model directory with "
-                                                 f"config.json (default {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None, help=f"model name (see `xsched models`), a model directory with "
+                                                 f"config.json or a .gguf file (default {DEFAULT_MODEL})")
     p.add_argument("--workload", default=None,
                    help=f"preset S, T, G, C1, C2; fixed:PROMPT:OUTPUT; a JSONL/CSV of requests or a Workload JSON; "
                         f"@SCALE scales lengths (default {DEFAULT_WORKLOAD})")

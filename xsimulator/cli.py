@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", default=None,
                    help=f"profile JSON from `xsched profile`, or a preset name (default: a --plan's own preset "
                         f"profile, else the {DEFAULT_PROFILE} preset)")
-    p.add_argument("--model", help="model name (see `xsched models`) or a model directory with config.json")
+    p.add_argument("--model", help="model name (see `xsched models`), a model directory with config.json or a "
+                                   ".gguf file")
     p.add_argument("--workload", help="preset S, T, G, C1, C2; fixed:PROMPT:OUTPUT; or a JSONL/CSV of requests or a "
                                       "Workload JSON; append @SCALE to scale all lengths (e.g. T@0.25)")
     src = p.add_mutually_exclusive_group(required=True)
