@@ -50,6 +50,22 @@ def synthetic(spec, profile, runs, noise: float = 0.0, seed: int = 0) -> list[Me
     return out
 
 
+def test_a_gen_len_past_the_models_positions_names_the_flag_and_its_limit():
+    """The engine's own refusal ("max prompt 16 + max output 100000002 exceed ...; lower them") named
+    neither --gen-len nor a value; the prompts are the design's (review)."""
+    from xsched.errors import UserError
+
+    def longest(gen_len: int) -> int:
+        return max(max(d.prompt_lens) + max(d.output_lens) for d in design_runs(TINY, gen_len=gen_len))
+
+    most = TINY.max_positions - (longest(100) - 100)  # the longest run grows with gen_len past a few tokens
+    assert longest(most) == TINY.max_positions
+    with pytest.raises(UserError, match=rf"^--gen-len {most + 1}: .* beyond tiny-opt's 256; pass at most {most}$"):
+        design_runs(TINY, gen_len=most + 1)
+    with pytest.raises(UserError, match="pass at most"):
+        anchor_designs(TINY, gen_len=10**8)
+
+
 def test_fit_recovers_known_terms_from_synthetic_measurements():
     """Every term, with the fused 4-bit cache attention (float32 on a CPU host with the kernel's
     probe) priced as compute and the codec's fixed cost per decode step as its own overhead."""

@@ -142,7 +142,7 @@ def design_runs(spec: ModelSpec, gen_len: int = 6, depth: int = 4) -> list[RunDe
     # (and the cost model charges nothing per step); three or more are fetched every step, which
     # is what excites ctog/dtoc here.
     frac = (d1 - 1) / d1 if d1 >= 4 else 1.0
-    return [
+    designs = [
         run("gpu-prefill", d2, 8, 48, 16, 2, ("gpu_compute", "head", "layer_overhead_s"), gbs=4, nb=2),
         run("gpu-decode", d2, 4, 16, 8, g + 2, ("gpu_compute", "head", "step_overhead_s"), gbs=4, nb=1),
         run("gpu-decode-cut", d1, 8, 24, 8, g, ("gpu_compute", "layer_overhead_s", "step_overhead_s"), gbs=4,
@@ -163,6 +163,13 @@ def design_runs(spec: ModelSpec, gen_len: int = 6, depth: int = 4) -> list[RunDe
         run("one-row-batches", d1, 8, 16, 8, g, ("layer_overhead_s", "block_layer_overhead_s", "head"), gbs=1,
             nb=4),
     ]
+    # The engine refused such a run with "max prompt ... exceed ... positions; lower them", which
+    # named neither the flag nor a value: the prompts are the design's, only gen_len is the user's.
+    longest = max(max(d.prompt_lens) + max(d.output_lens) for d in designs)
+    if longest > spec.max_positions:
+        raise UserError(f"--gen-len {gen_len}: the calibration runs would reach {longest} positions, beyond "
+                        f"{spec.name}'s {spec.max_positions}; pass at most {gen_len - (longest - spec.max_positions)}")
+    return designs
 
 
 # --------------------------------------------------------------------------- measuring
