@@ -255,6 +255,29 @@ def test_outputs_write_through_symlinks_and_refuse_devices_and_collisions(tmp_pa
     assert not (tmp_path / "s.json").exists()
 
 
+def test_a_lone_surrogate_in_a_contract_string_is_a_one_line_error(tmp_path, capsys):
+    """A hand-edited "\\ud800" in a profile's or workload's name was decoded, then `profile show` and
+    `workload show` printed it: a UnicodeEncodeError traceback (review). The bytes of a non-UTF-8
+    file name or argument (\\udc80-\\udcff, which xsched writes into a workload's name) still load."""
+    from xsched.cli import main
+    from workloads import get_workload
+    from xprofiler.presets import load_preset
+
+    profile, workload = tmp_path / "p.json", tmp_path / "w.json"
+    data = load_preset("t4").to_dict()
+    profile.write_text(json.dumps({**data, "name": "vm\ud800"}))
+    get_workload("fixed:8:4").save(workload)
+    workload.write_text(workload.read_text().replace('"fixed:8:4"', '"fixed\\udfff"'))
+    for argv, field in ((["profile", "show", str(profile)], "p.json.name"),
+                        (["workload", "show", str(workload)], "w.json.name")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{field}: holds a lone surrogate" in err, err
+    profile.write_text(json.dumps({**data, "name": "caf\udce9"}))
+    assert main(["profile", "show", str(profile), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == "caf\udce9"
+
+
 def test_an_output_on_an_input_file_is_refused(tmp_path, capsys):
     """`plan -o` on its --profile replaced a measured profile with the plan, `simulate -o` or --trace
     on its --plan replaced the plan, `workload fit -o` on its file replaced the requests with the

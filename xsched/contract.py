@@ -129,6 +129,11 @@ def from_jsonable(tp: Any, value: Any, where: str = "value") -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise _fail(where, str, value)
+        try:  # a "\ud800" escape is valid JSON but no text: printing the name was a UnicodeEncodeError traceback
+            value.encode("utf-8", "surrogateescape")  # bytes of a non-UTF-8 file name or argv (\udc80-\udcff) pass
+        except UnicodeEncodeError:
+            raise UserError(f"{where}: holds a lone surrogate escape (\\ud800-\\udfff alone), which is not text; "
+                            "fix or remove it") from None
         return value
     return value
 
