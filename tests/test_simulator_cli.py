@@ -167,3 +167,22 @@ def test_simulated_trace_lays_channels_inside_steps():
         start = min(e.start_s for e in evs)
         assert all(e.start_s == start for e in evs if e.name in ("layers", "ctog"))  # overlapped (CUDA)
     assert sum(e.dur_s for e in events if e.track == "ctog") == pytest.approx(result.busy_s["ctog"])
+
+
+def test_a_measured_profile_without_the_models_layer_fits_says_so(tmp_path):
+    """A plan priced from the roofs where the user profiled another model was silent about it (3x off
+    for SmolLM2 under an opt-125m calibration); presets never hold fits, so they stay quiet."""
+    from pathlib import Path
+
+    from xprofiler.profile import HardwareProfile
+
+    data = Path(__file__).parent / "data" / "perturbed_cpu_profile.json"  # measured, fits for smollm2-135m only
+    profile = HardwareProfile.load(data)
+    spec = profile.model_for(get_model_spec("opt-125m"))
+    assert "has no layer fits for opt-125m (float32; it has: smollm2-135m (float32))" in profile.unfitted_note(spec)
+    assert profile.unfitted_note(profile.model_for(get_model_spec("smollm2-135m"))) is None
+    assert t4_like().unfitted_note(spec) is None
+    out = run("simulate", "--profile", str(data), "--model", "opt-125m", "--workload", "S@0.125",
+              "--policy", '{"gbs": 4, "nb": 1}', "--requests", "20")
+    assert out.returncode == 0, out.stderr
+    assert "xsched profile --model opt-125m" in out.stderr

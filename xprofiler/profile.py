@@ -482,6 +482,18 @@ class HardwareProfile(Contract):
                 return fit
         return None
 
+    def unfitted_note(self, spec: "ModelSpec") -> str | None:
+        """What a plan on this measured profile assumes when it has no layer fits for ``spec``
+        (None where it has them, or for a preset, which never has any): its layers are then priced
+        from the GEMM rates and memory roofs, and calibration factors fitted to another model's
+        runs scale those (3x off for SmolLM2 under an opt-125m calibration)."""
+        if self.source != "measured" or all(self.layer_fit(spec.name, phase, spec.dtype) for phase in ("prefill", "decode")):
+            return None
+        have = sorted({f"{f.model} ({f.dtype})" for f in self.layer_fits}) or ["none"]
+        return (f"profile {self.name!r} has no layer fits for {spec.name} ({spec.dtype}; it has: {', '.join(have)}), so "
+                f"its layers are priced from the GEMM rates and memory roofs; measure them with `xsched profile "
+                f"--model {spec.name}`")
+
     def head_fit(self, model: str, dtype: str | None = None) -> HeadFit | None:
         return _of_model(self.head_fits, model, dtype)
 

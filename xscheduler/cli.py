@@ -161,6 +161,8 @@ def _plan(args: argparse.Namespace) -> int:
         assumed.append(f"workload {workload.source}")
     if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:
         assumed.append(beyond)
+    if (unfitted := profile.unfitted_note(spec)) is not None:
+        assumed.append(unfitted)
     try:
         sla = SLA(args.sla, latency)
     except ValueError as exc:

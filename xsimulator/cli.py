@@ -158,6 +158,8 @@ def _simulate(args: argparse.Namespace) -> int:
         notes.append(f"note: the plan was made for profile {planned_on!r}; simulating it on {profile.name!r}")
     if args.model:  # a plan's model already carries the dtype it was planned in
         spec = profile.model_for(spec)
+    if (unfitted := profile.unfitted_note(spec)) is not None:
+        notes.append(f"note: {unfitted}")
 
     if args.method == "analytic":
         if args.trace:
