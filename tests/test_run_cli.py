@@ -369,7 +369,7 @@ def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
          "pass another --trace"),  # refused before the job runs, not after it
         (["--prompts", str(ok), "--out", str(tmp_path / "o8"), "--result", str(tmp_path)], "is a directory"),
         (["--prompts", str(ok), "--out", str(tmp_path / "o8"), "--result", str(tmp_path / "o8")],
-         "--result and --out are the same file"),  # the summary would replace every result line
+         "--out and --result both write"),  # the summary would replace every result line
         (["--prompts", str(ok), "--out", str(ok), "--resume"], "--out and --prompts are the same file"),
         (["--prompts", str(ok), "--out", str(tmp_path / "o8"), "--profile", "nope"], "neither a profile file nor"),
         (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--offload-dir", str(ok)], "is not a directory"),

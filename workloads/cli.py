@@ -66,11 +66,11 @@ def _fit(args: argparse.Namespace) -> int:
     from workloads import Workload, fit_lengths
     from workloads.workload import ESTIMATE_NOTE, OUTPUT_KEYS, read_request_lengths, spearman_to_copula
     from xsched.errors import UserError
-    from xsched.fileio import check_writable, outputs_apart_from_inputs
+    from xsched.fileio import check_writable, separate_files
 
     if args.output is not None:
         check_writable(args.output, "-o")
-    outputs_apart_from_inputs([("the requests file", args.file)], [("-o", args.output)])
+    separate_files([("-o", args.output)], [("the requests file", args.file)])
     path = Path(args.file)
     count_tokens = None
     if args.tokenizer is not None:
@@ -111,14 +111,14 @@ def _sample(args: argparse.Namespace) -> int:
     from workloads import get_workload
     from workloads.workload import workload_file
     from xsched.errors import UserError
-    from xsched.fileio import atomic_write_text, check_writable, outputs_apart_from_inputs
+    from xsched.fileio import atomic_write_text, check_writable, separate_files
 
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
     if args.requests > 10**8:  # ~5 GB of JSONL and several times that in memory while building it
         raise UserError(f"--requests {args.requests:,} is too many to write; pass at most 100,000,000")
     check_writable(args.output, "-o")
-    outputs_apart_from_inputs([("the workload", workload_file(args.workload))], [("-o", args.output)])
+    separate_files([("-o", args.output)], [("the workload", workload_file(args.workload))])
     w = get_workload(args.workload)
     prompt, output = w.sample(args.requests, args.seed)
     lines = [json.dumps({"id": i, "prompt_tokens": int(p), "max_new_tokens": int(o)})

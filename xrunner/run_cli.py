@@ -235,7 +235,7 @@ def _run(args: argparse.Namespace) -> int:
     from xrunner.result import Adaptation, build_run_result
     from xscheduler.plan import Plan
     from xsched.errors import UserError
-    from xsched.fileio import atomic_write_all, check_writable
+    from xsched.fileio import atomic_write_all, check_writable, file_or_none, separate_files
     from xsimulator.costmodel import CostModel
 
     plan = Plan.load(args.plan)
@@ -251,7 +251,11 @@ def _run(args: argparse.Namespace) -> int:
     for path, flag in ((args.trace, "--trace"), (args.result, "--result")):
         if path is not None:  # before the job, not after it: a bad path would lose the trace and the summary
             check_writable(path, flag)
-    check_distinct_paths(args)
+    # before the job, not after it: --out on --prompts resumed as all done, --result on --profile
+    # replaced a measured profile with the summary
+    separate_files([("--out", args.out), ("--trace", args.trace), ("--result", args.result)],
+                   [("--plan", args.plan), ("--prompts", args.prompts), ("--profile", file_or_none(args.profile)),
+                    ("--budget-file", args.budget_file)])
     offload_root = args.offload_dir or tempfile.gettempdir()
     writer = ResultsWriter.open(args.out, resume=args.resume)  # refuses an old --out early, before loading
     with writer:
@@ -371,26 +375,6 @@ def _run(args: argparse.Namespace) -> int:
         for note in notes + [f"{len(writer.done)} of {len(records)} requests are in {args.out}"]:
             print(note, file=sys.stderr)
     return 0
-
-
-def check_distinct_paths(args: argparse.Namespace) -> None:
-    """Refuse an output that is another output or an input: ``--result`` on ``--out`` replaced
-    every result line with the summary, ``--out`` on ``--prompts`` resumed as all done, and
-    ``--result`` on ``--profile`` replaced the measured profile (a preset name is no file)."""
-    from xsched.errors import UserError
-    from xsched.fileio import path_exists
-
-    profile = args.profile if args.profile and path_exists(args.profile) else None
-    seen: dict[Path, str] = {}
-    for flag, path in (("--plan", args.plan), ("--prompts", args.prompts), ("--profile", profile),
-                       ("--budget-file", args.budget_file), ("--out", args.out), ("--trace", args.trace),
-                       ("--result", args.result)):
-        if not path:
-            continue
-        key = Path(path).expanduser().resolve()
-        if key in seen:
-            raise UserError(f"{flag} and {seen[key]} are the same file ({path}); give {flag} its own path")
-        seen[key] = flag
 
 
 def covering(plan: Any, max_prompt: int, max_output: int) -> Any:

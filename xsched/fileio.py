@@ -107,30 +107,32 @@ def path_exists(path: Path | str) -> bool:
         return False
 
 
-def distinct_outputs(*named: tuple[str, Path | str | None]) -> None:
-    """Refuse two outputs of one command that name the same file (one would overwrite the other)."""
-    seen: dict[str, str] = {}
-    for flag, path in named:
-        if path is None:
-            continue
-        key = os.path.realpath(Path(path).expanduser())
-        if key in seen:
-            raise UserError(f"{seen[key]} and {flag} both write {path}; give them different files")
-        seen[key] = flag
+def file_or_none(arg: str | None) -> str | None:
+    """``arg`` where it names a regular file, else None (a preset name, JSON text, a directory)."""
+    return arg if arg and path_exists(arg) and Path(arg).expanduser().is_file() else None
 
 
-def outputs_apart_from_inputs(inputs: Sequence[tuple[str, Path | str | None]],
-                              outputs: Sequence[tuple[str, Path | str | None]]) -> None:
-    """Refuse an output that names one of the command's input files, which it would replace with
-    another kind of file (`plan -o` on its `--profile` replaced a measured profile with the plan).
-    An input that is no file (a preset name, JSON text) is skipped."""
+def separate_files(outputs: Sequence[tuple[str, Path | str | None]],
+                   inputs: Sequence[tuple[str, Path | str | None]] = ()) -> None:
+    """Refuse an output that names another output (one would overwrite the other) or one of the
+    command's input files, which it would replace with another kind of file (`plan -o` on its
+    `--profile` replaced a measured profile with the plan; `run --result` on `--out` every result
+    line with the summary). Inputs are paths: pass an argument that may be a preset name or JSON
+    text through :func:`file_or_none`."""
     files: dict[str, str] = {}
     for flag, path in inputs:
-        if path and path_exists(path) and Path(path).expanduser().is_file():
+        if path:
             files.setdefault(os.path.realpath(Path(path).expanduser()), flag)
+    written: dict[str, str] = {}
     for flag, path in outputs:
-        if path is not None and (key := os.path.realpath(Path(path).expanduser())) in files:
+        if not path:
+            continue
+        key = os.path.realpath(Path(path).expanduser())
+        if key in written:
+            raise UserError(f"{written[key]} and {flag} both write {path}; give them different files")
+        if key in files:
             raise UserError(f"{flag} and {files[key]} are the same file ({path}); give {flag} its own path")
+        written[key] = flag
 
 
 def jsonl_lines(text: str) -> Iterator[tuple[int, str]]:

@@ -92,13 +92,13 @@ def _replan(args: argparse.Namespace) -> int:
 
     from workloads.workload import context_note
     from xscheduler.plan import Plan
-    from xsched.fileio import check_writable, outputs_apart_from_inputs
+    from xsched.fileio import check_writable, file_or_none, separate_files
     from xscheduler.replan import read_observed, replan
 
     if args.output is not None:
         check_writable(args.output, "-o")  # before the search, not after it
     # -o on --plan is allowed: the new plan replaces the old one
-    outputs_apart_from_inputs([("--observed", args.observed), ("--profile", args.profile)], [("-o", args.output)])
+    separate_files([("-o", args.output)], [("--observed", args.observed), ("--profile", file_or_none(args.profile))])
     plan = Plan.load(args.plan)
     if args.requests is None:  # the old and new plans are priced on the plan's own job
         plan_requests(plan.predicted.num_requests, args.plan)
@@ -125,7 +125,7 @@ def _plan(args: argparse.Namespace) -> int:
     from xprofiler.presets import load_profile
     from xprofiler.specs import get_model_spec
     from xsched.errors import UserError
-    from xsched.fileio import atomic_write_all, check_writable, distinct_outputs, outputs_apart_from_inputs
+    from xsched.fileio import atomic_write_all, check_writable, file_or_none, separate_files
     from xscheduler.plan import SLA
     from xscheduler.planner import plan_search
 
@@ -148,9 +148,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise UserError(f"--frontier takes a file prefix (PREFIX.csv and PREFIX.png are written), not a directory: "
                         f"{args.frontier!r}")
     frontier = (None, None) if args.frontier is None else (f"{args.frontier}.csv", f"{args.frontier}.png")
-    distinct_outputs(("-o", args.output), ("--frontier (.csv)", frontier[0]), ("--frontier (.png)", frontier[1]))
-    outputs_apart_from_inputs([("--profile", args.profile), ("--workload", workload_file(args.workload or ""))],
-                              [("-o", args.output), ("--frontier", frontier[0]), ("--frontier", frontier[1])])
+    separate_files([("-o", args.output), ("--frontier (.csv)", frontier[0]), ("--frontier (.png)", frontier[1])],
+                   [("--profile", file_or_none(args.profile)), ("--workload", workload_file(args.workload or ""))])
     for path, flag in ((args.output, "-o"), (frontier[0], "--frontier"), (frontier[1], "--frontier")):
         if path is not None:  # before the search, which can take minutes
             check_writable(path, flag)

@@ -99,7 +99,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from xprofiler.specs import ModelSpec, get_model_spec
     from xsched.contract import check_schema
     from xsched.errors import UserError
-    from xsched.fileio import atomic_write_all, check_writable, distinct_outputs, outputs_apart_from_inputs
+    from xsched.fileio import atomic_write_all, check_writable, file_or_none, separate_files
     from xsimulator.policy import Policy
 
     notes: list[str] = []
@@ -123,10 +123,10 @@ def _simulate(args: argparse.Namespace) -> int:
     args.seed = own.get("seed", 0) if args.seed is None else args.seed
     if args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
-    distinct_outputs(("-o", args.output), ("--trace", args.trace))
-    outputs_apart_from_inputs([("--plan", args.plan), ("--policy", args.policy), ("--profile", args.profile),
-                               ("--workload", workload_file(args.workload or ""))],
-                              [("-o", args.output), ("--trace", args.trace)])
+    separate_files([("-o", args.output), ("--trace", args.trace)],
+                   [("--plan", file_or_none(args.plan)), ("--policy", file_or_none(args.policy)),
+                    ("--profile", file_or_none(args.profile)),
+                    ("--workload", workload_file(args.workload or ""))])
     for path, flag in ((args.output, "-o"), (args.trace, "--trace")):
         if path is not None:  # before simulating a large job
             check_writable(path, flag)
