@@ -397,9 +397,17 @@ def test_scaling_keeps_a_declared_max_len():
 
 def test_a_cusum_whose_every_threshold_is_too_strict_fires_at_zero():
     """With a narrow reference (k ~ 3.5), a short horizon and a high false-alarm rate even a zero
-    threshold fires by mistake less often than asked; brentq had no bracket and raised (stop 36)."""
+    threshold fires by mistake less often than asked; brentq had no bracket and raised (stop 36).
+    The first positive sum fires, and a sum at 0 does not."""
     from workloads.drift import CusumMonitor, cusum_threshold, siegmund_arl
 
     assert cusum_threshold(3.5, 1, 0.2) == 0.0
     assert siegmund_arl(0.0, 3.5) > 1 / -math.log1p(-0.2)  # the premise
-    CusumMonitor(get_workload("fixed:512:32"), 0.2, 1)  # constructs
+    mon = CusumMonitor(get_workload("fixed:512:32"), 0.2, 1)
+    # A sum at 0 has seen nothing that departs: at h = 0 it still reported drift, with no data at all
+    # and after lengths the plan holds.
+    assert not mon.drifted()
+    mon.update([512] * 5, [32] * 5)
+    assert not mon.drifted() and all(s.statistic == 0 for s in mon.stats())
+    mon.update([600], [32])  # past the plan's one length: the first positive sum fires
+    assert {(s.stream, s.test) for s in mon.stats() if s.fired_at(mon.level)} == {("prompt", "cusum+")}

@@ -336,7 +336,7 @@ class CusumMonitor:
                 n = st["since"][d]
                 mean = st["total"][d] / n if n else float(st["dist"].mean)
                 p = cusum_pvalue(st["s"][d], st["tuned"][d], self.horizon) if st["s"][d] > 0 else 1.0
-                if st["s"][d] >= st["h"][d]:
+                if st["s"][d] > 0 and st["s"][d] >= st["h"][d]:  # a sum at 0 has seen nothing, even at h = 0
                     p = min(p, self.level * (1 - 1e-9))  # the threshold is the rule; keep p consistent with it
                 out.append(DriftStat(name, label, st["s"][d], p, mean, st["dist"].mean, n, self.level))
         return tuple(out)
