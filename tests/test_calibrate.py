@@ -106,6 +106,21 @@ def test_one_row_batches_tell_the_per_batch_overhead_from_the_per_block_one(seed
     assert got["gpu_compute"] == pytest.approx(truth["gpu_compute"], rel=0.05)
 
 
+def test_a_recalibration_keeps_the_terms_its_runs_cannot_see():
+    """A calibrated profile fitted again on runs that never touch the disk: its disk terms stay as
+    they were, as the report says ("(kept)"); they came back at 1 and 0."""
+    spec = get_model_spec("opt-125m")
+    disk = {"dtoc": 1.5, "ctod": 0.7, "dtoc_rows": 1.2, "disk_interference": 0.2}
+    old = cpu_host(calibration=disk)
+    runs = [d for d in design_runs(spec) if "disk" not in d.name]
+    fit = fit_calibration(spec, old, synthetic(spec, replace(old, calibration=dict(TRUE, **disk)), runs))
+    by_term = {t.term: t for t in fit.terms}
+    for term, value in disk.items():
+        assert not by_term[term].fitted and fit.profile.calibration[term] == value, term
+        assert by_term[term].before == by_term[term].after == value, term
+    assert fit.profile.calibration["gpu_compute"] == pytest.approx(TRUE["gpu_compute"], rel=0.02)
+
+
 def test_fit_with_noise_and_unexcited_terms_kept():
     spec = get_model_spec("opt-125m")
     raw = cpu_host(calibration={"dtoc": 1.5})

@@ -418,6 +418,10 @@ def fit_calibration(spec: ModelSpec, profile: HardwareProfile, measurements: Seq
                         f"{MIN_MEASURED_S * 1e3:.0f} ms); use a larger model")
     deps = _dependence(spec, p0, measurements, keys)
     free = [t for t in TERMS if deps[t]]
+    # Runs that cannot see a term say nothing of it: a calibrated profile's value stays (it was
+    # reset to the start value, and the report called it kept).
+    init.update({t: profile.calibration[t] for t in TERMS if not deps[t] and t in profile.calibration})
+    p0 = with_terms(profile, init)
     lo = [_bounds(t)[0] for t in free]
     hi = [_bounds(t)[1] for t in free]
     scale = [1.0 if t in FACTOR_TERMS else 0.1 if t in INTERFERENCE_TERMS else 1e-4 for t in free]
