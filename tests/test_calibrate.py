@@ -121,6 +121,22 @@ def test_a_recalibration_keeps_the_terms_its_runs_cannot_see():
     assert fit.profile.calibration["gpu_compute"] == pytest.approx(TRUE["gpu_compute"], rel=0.02)
 
 
+def test_a_term_fitted_to_the_end_of_its_range_is_named_in_the_report():
+    """An LM head 30 times slower than profiled (past the factor's bound of 20): the fit stops at
+    20, pushes cpu_compute to 20 and quant to 0.05 to make up for it, and said nothing; an exact
+    fit names no term."""
+    spec = get_model_spec("opt-125m")
+    raw = cpu_host()
+    runs = design_runs(spec)
+    fit = fit_calibration(spec, raw, synthetic(spec, replace(raw, calibration=dict(TRUE, head=30.0)), runs))
+    named = {n.split(": ")[1].split(" = ")[0]: n for n in fit.notes}
+    assert fit.profile.calibration["head"] == pytest.approx(20.0) and "range 0.05..20" in named["head"]
+    assert all(fit.profile.calibration[t] == pytest.approx(20.0) or fit.profile.calibration[t] == pytest.approx(0.05)
+               for t in named)
+    assert set(fit.notes) <= set(report(fit).splitlines())
+    assert not fit_calibration(spec, raw, synthetic(spec, replace(raw, calibration=TRUE), runs)).notes
+
+
 def test_fit_with_noise_and_unexcited_terms_kept():
     spec = get_model_spec("opt-125m")
     raw = cpu_host(calibration={"dtoc": 1.5})
