@@ -33,6 +33,24 @@ def decode_truth(b, n):
     return 1.5e-3 + f["linear_flops"] / 20e9 + f["kv_bytes"] / 8e9
 
 
+def test_a_sweep_cut_to_its_budget_keeps_two_lengths_so_the_fit_extrapolates_in_length():
+    """Two 30-70B models under --quick on a 2-core CPU: the budget left opt-30b's prefill grid only
+    prompts of 16 tokens; from one length the fit cannot tell attention from the rest, kept
+    attn_flops alone, and priced a prefill of 512 tokens 29x slow."""
+    from xprofiler.sweeps import QUICK_GRIDS, plan_points
+
+    spec = get_model_spec("opt-30b").with_dtype("float32")
+    pts, _passes, dropped = plan_points(spec, "prefill", QUICK_GRIDS["prefill"], 110.0 / 4, 60e9, 10e9, 4, 5, 15, 1,
+                                        kv_limit_bytes=1.5e9)
+    assert {n for _, n in pts} == {16, 64} and dropped
+    b, n = (np.array(x, dtype=float) for x in zip(*pts))
+    truth = lambda b, n: 4e-4 + sum(layer_features(spec, "prefill", b, n)[k] / r  # noqa: E731
+                                    for k, r in (("linear_flops", 200e9), ("attn_flops", 50e9)))
+    fit = fit_layer(spec, "prefill", b, n, truth(b, n), model=spec.name, dtype="float32")
+    assert "linear_flops" in fit.features
+    assert fit.predict_s(spec, 1, 512) == pytest.approx(truth(1.0, 512.0), rel=0.05)
+
+
 def test_byte_features_are_counted_in_the_dtype_the_samples_were_timed_in():
     """A registry spec (float16) with samples timed in float32, as a CPU profile measures: the fit
     must predict its own samples for the float32 spec that plans and simulations use."""

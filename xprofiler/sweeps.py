@@ -150,7 +150,8 @@ def plan_points(spec: ModelSpec, phase: str, grid: Grid, budget_s: float, flops_
     """Grid points to time (each with its calls per sample), passes, and the points dropped.
 
     A point is dropped when its KV cache exceeds ``kv_limit_bytes`` or when the grid would not
-    fit the budget with ``min_passes`` (the most expensive points go first).
+    fit the budget with ``min_passes`` (the most expensive points go first, never the cheapest of
+    the two shortest lengths).
     """
     pts = grid.points(spec.max_positions)
     kv_per_token = 2 * spec.kv_dim * dtype_bytes
@@ -160,8 +161,16 @@ def plan_points(spec: ModelSpec, phase: str, grid: Grid, budget_s: float, flops_
     counts = sample_counts(est, min_sample_s)
     cost = {p: est[p] * counts[p] for p in pts}
     pts.sort(key=lambda p: cost[p])
-    while pts and sum(cost[p] for p in pts) * (min_passes + warmup) > budget_s:
-        dropped.append(pts.pop())
+    # A fit tells attention from the rest of a layer only across lengths: from one length its
+    # linear_flops and attn_flops columns are proportional, it keeps attn_flops, and priced a
+    # prefill of 512 tokens 29x slow from a grid of 16 (two models of 30-70B on a 2-core CPU
+    # under --quick). The cheapest point of each of the two shortest lengths stays.
+    shortest = sorted({n for _, n in pts})[:2]
+    keep = {min((p for p in pts if p[1] == n), key=cost.__getitem__) for n in shortest} if len(shortest) > 1 else set()
+    while len(pts) > len(keep) and sum(cost[p] for p in pts) * (min_passes + warmup) > budget_s:
+        drop = next(p for p in reversed(pts) if p not in keep)
+        pts.remove(drop)
+        dropped.append(drop)
     total = sum(cost[p] for p in pts)
     passes = int(np.clip(budget_s / total - warmup, min_passes, max_passes)) if total > 0 else min_passes
     return {p: counts[p] for p in sorted(pts)}, passes, sorted(dropped)
