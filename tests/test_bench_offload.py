@@ -1,0 +1,44 @@
+"""benchmarks/offload_vs_accelerate.py: the pieces that decide what its figures mean."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    path = REPO / "benchmarks" / "offload_vs_accelerate.py"
+    spec = importlib.util.spec_from_file_location("offload_vs_accelerate", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass looks its module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _acc(batch, tps=None, status="ok", timed_out=False):
+    return {"side": "accelerate", "batch": batch, "tokens_per_s": tps, "status": status, "timed_out": timed_out}
+
+
+def test_accelerate_best_batch_is_flagged_unless_a_larger_batch_brackets_it():
+    best = _bench().best_accelerate
+    xs = {"side": "xsched run", "batch": "192x1", "tokens_per_s": 90.0, "status": "ok"}
+    # One batch (the reported command of stops 26-34): the fastest tried, not known to be the best.
+    row, why = best([_acc(32, 9.8), xs], 64, 900)
+    assert row["batch"] == 32 and why and "upper bound" in why
+    # The largest tried is the fastest: still open.
+    assert best([_acc(16, 5.0), _acc(48, 14.0)], 64, 900)[1]
+    # A larger batch OOM-killed, or slower: bracketed.
+    row, why = best([_acc(32, 9.8), _acc(48, 14.0), _acc(64, status="OOM-killed")], 64, 900)
+    assert row["batch"] == 48 and why is None
+    assert best([_acc(32, 9.8), _acc(48, 9.0)], 64, 900) == (_acc(32, 9.8), None)
+    # A smaller batch that failed does not bracket the best from above.
+    assert best([_acc(16, status="OOM-killed"), _acc(32, 9.8)], 64, 900)[1]
+    # A timeout brackets only when finishing at the timeout would have been slower than the best.
+    assert best([_acc(32, 9.8), _acc(48, status="failed: timed out", timed_out=True)], 64, 900)[1] is None
+    assert best([_acc(32, 9.8), _acc(48, status="failed: timed out", timed_out=True)], 64, 60)[1]
+    # Another failure (a crash) says nothing about memory or speed.
+    assert best([_acc(32, 9.8), _acc(48, status="failed: Traceback")], 64, 900)[1]
+    assert best([xs], 64, 900) == (None, None)
