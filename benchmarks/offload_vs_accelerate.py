@@ -89,7 +89,11 @@ def make_model_dir(spec, path: Path) -> None:
 
     from xrunner.loaders import RandomSource, hf_state_dict, load_weights
 
-    if (path / "config.json").exists():
+    if (path / "config.json").exists():  # made by an earlier run: only if it is this shape
+        differs = model_dir_mismatch(spec, json.loads((path / "config.json").read_text()))
+        if differs:
+            raise SystemExit(f"{path} holds another model ({differs}); pass another --workdir, or remove "
+                             f"{path.parent} (its Accelerate offload folder too)")
         return
     path.mkdir(parents=True, exist_ok=True)
     state = hf_state_dict(load_weights(RandomSource(spec, seed=0)))
@@ -110,6 +114,28 @@ def make_model_dir(spec, path: Path) -> None:
     _sync_dir(path)
 
 
+def model_dir_mismatch(spec, config: dict) -> str | None:
+    """How a model folder's config.json differs from ``spec`` ("field found vs wanted", None if not).
+
+    The work folder is reused between runs under one name whatever --layers / --hidden say."""
+    want = {"num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden, "ffn_dim": spec.ffn,
+            "num_attention_heads": spec.num_heads, "vocab_size": spec.vocab_size,
+            "max_position_embeddings": spec.max_positions, "dtype": spec.dtype}
+    got = {**config, "dtype": config.get("dtype", config.get("torch_dtype"))}
+    return ", ".join(f"{k} {got.get(k)} vs {v}" for k, v in want.items() if got.get(k) != v) or None
+
+
+def offload_index_mismatch(shapes: dict[str, tuple[int, ...]], index: dict) -> str | None:
+    """How an Accelerate offload index differs from the model's tensor shapes (None: it matches)."""
+    missing = sorted(set(shapes) - set(index))
+    extra = sorted(set(index) - set(shapes))
+    wrong = [k for k in shapes if k in index and tuple(index[k]["shape"]) != tuple(shapes[k])]
+    parts = ([f"missing {missing[0]} (+{len(missing) - 1})"] if missing else []) + (
+        [f"extra {extra[0]} (+{len(extra) - 1})"] if extra else []) + (
+        [f"{wrong[0]} {tuple(index[wrong[0]]['shape'])} vs {tuple(shapes[wrong[0]])}"] if wrong else [])
+    return "; ".join(parts) or None
+
+
 def make_accelerate_offload(model_dir: Path, out: Path) -> None:
     """Accelerate's own offload folder (one .dat memmap per tensor + index.json), from the same files."""
     import accelerate
@@ -117,13 +143,17 @@ def make_accelerate_offload(model_dir: Path, out: Path) -> None:
     from accelerate.utils import offload_weight, save_offload_index
     from safetensors import safe_open
 
-    if (out / "index.json").exists():
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
     with accelerate.init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir))
     model.tie_weights()
+    if (out / "index.json").exists():  # made by an earlier run: only if it holds this model's tensors
+        differs = offload_index_mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()},
+                                         json.loads((out / "index.json").read_text()))
+        if differs:
+            raise SystemExit(f"{out} was made for another model ({differs}); remove it")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
     index: dict = {}
     for key in model.state_dict():
         name = key if key in weight_map else "model.decoder.embed_tokens.weight"  # the tied LM head

@@ -42,3 +42,26 @@ def test_accelerate_best_batch_is_flagged_unless_a_larger_batch_brackets_it():
     # Another failure (a crash) says nothing about memory or speed.
     assert best([_acc(32, 9.8), _acc(48, status="failed: Traceback")], 64, 900)[1]
     assert best([xs], 64, 900) == (None, None)
+
+
+def test_a_work_folder_left_by_another_shape_is_refused_not_reused():
+    """The model and Accelerate folders are reused by name: a run with other --layers or --hidden
+    must not time Accelerate on the old model while printing the new shape."""
+    from types import SimpleNamespace
+
+    b = _bench()
+    spec = b.bench_spec(SimpleNamespace(dtype="float32", layers=3, hidden=256))
+    config = {"num_hidden_layers": 3, "hidden_size": 256, "ffn_dim": 1024, "num_attention_heads": 4,
+              "vocab_size": 50272, "max_position_embeddings": 2048, "dtype": "float32"}
+    assert b.model_dir_mismatch(spec, config) is None
+    assert b.model_dir_mismatch(spec, {**config, "num_hidden_layers": 2}) == "num_hidden_layers 2 vs 3"
+    older = {k: v for k, v in config.items() if k != "dtype"} | {"torch_dtype": "float32"}
+    assert b.model_dir_mismatch(spec, older) is None
+    assert "dtype bfloat16 vs float32" in b.model_dir_mismatch(spec, {**config, "dtype": "bfloat16"})
+
+    shapes = {"a.weight": (4, 8), "b.weight": (8,)}
+    index = {"a.weight": {"dtype": "float32", "shape": [4, 8]}, "b.weight": {"dtype": "float32", "shape": [8]}}
+    assert b.offload_index_mismatch(shapes, index) is None
+    assert "missing c.weight" in b.offload_index_mismatch({**shapes, "c.weight": (1,)}, index)
+    assert "extra b.weight" in b.offload_index_mismatch({"a.weight": (4, 8)}, index)
+    assert "a.weight (4, 8) vs (4, 16)" in b.offload_index_mismatch({**shapes, "a.weight": (4, 16)}, index)
