@@ -209,6 +209,11 @@ class MemoryCgroup:
             path = v1 / name
             path.mkdir()
             (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            # v1's limit counts RAM only: on a host with swap the group would page out past it.
+            if (path / "memory.memsw.limit_in_bytes").exists():
+                (path / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+            elif Path("/proc/swaps").read_text().count("\n") > 1:
+                (path / "memory.swappiness").write_text("0")
             return cls("v1", path, limit_bytes)
         for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
             if (root / "cgroup.controllers").exists() and "memory" in (root / "cgroup.controllers").read_text():
