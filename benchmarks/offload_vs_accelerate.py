@@ -319,6 +319,11 @@ def child_baseline(args: argparse.Namespace) -> None:
     print(json.dumps({"maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 
 
+def stored_forms(policy, dtype: str) -> str:
+    """The forms a policy stores weights and KV cache in: ``"<weights> / <KV cache>"``."""
+    return f"{'4-bit' if policy.compress_weight else dtype} / {'4-bit' if policy.compress_cache else dtype}"
+
+
 def best_accelerate(rows: list[dict], new_tokens: int, timeout_s: float) -> tuple[dict | None, str | None]:
     """Accelerate's fastest row, and why it may not be its best batch size (None when a larger
     batch tried brackets it: ran slower, was OOM-killed, or timed out where even finishing at the
@@ -504,7 +509,8 @@ def main() -> None:
                             budget, f"acc{b}", args.threads, args.timeout_s, args.malloc_fix != "none")
             enforced = r["cgroup"]
             res = last_json(r["stdout"]) if r["returncode"] == 0 else None
-            row = {"side": "accelerate", "batch": b, "tokens_per_s": res["tokens_per_s"] if res else None,
+            row = {"side": "accelerate", "batch": b, "stored": f"{args.dtype} / {args.dtype}",
+                   "tokens_per_s": res["tokens_per_s"] if res else None,
                    "wall_s": res["wall_s"] if res else None, "peak_bytes": r["cgroup_peak_bytes"],
                    "timed_out": r["returncode"] is None,
                    "status": "ok" if res else ("OOM-killed" if r["oom_kills"] else
@@ -559,6 +565,7 @@ def main() -> None:
         ok = r["returncode"] == 0 and result.exists()
         res = json.loads(result.read_text()) if ok else None
         rows.append({"side": "xsched run", "batch": f"{policy.gbs}x{policy.nb}",
+                     "stored": stored_forms(policy, args.dtype),
                      "tokens_per_s": res["throughput_tokens_per_s"] if res else None,
                      "wall_s": res["wall_s"] if res else None, "peak_bytes": r["cgroup_peak_bytes"],
                      "status": "ok" if ok else ("OOM-killed" if r["oom_kills"] else
@@ -590,10 +597,11 @@ def main() -> None:
     print(f"\nRAM budget enforced on each side: {enforced}; torch threads {args.threads}; "
           f"{MALLOC_ENV}={MALLOC_MMAP_THRESHOLD_BYTES} for {args.malloc_fix}; "
           f"workload {args.prompt_len} prompt + {args.new_tokens} new tokens, greedy, EOS ignored")
-    print(f"{'side':<12} {'batch':>8} {'tokens/s':>10} {'predicted':>10} {'wall s':>9} {'cgroup peak GiB':>16}  status")
+    print(f"{'side':<12} {'batch':>8} {'weights / KV':>19} {'tokens/s':>10} {'predicted':>10} {'wall s':>9} "
+          f"{'cgroup peak GiB':>16}  status")
     for r in rows:
         pred = f"{r['predicted_tokens_per_s']:.2f}" if r.get("predicted_tokens_per_s") else "-"
-        print(f"{r['side']:<12} {str(r['batch']):>8} {r['tokens_per_s'] or 0:>10.2f} {pred:>10} "
+        print(f"{r['side']:<12} {str(r['batch']):>8} {r['stored']:>19} {r['tokens_per_s'] or 0:>10.2f} {pred:>10} "
               f"{r['wall_s'] or 0:>9.1f} {(r['peak_bytes'] or 0) / GiB:>16.2f}  {r['status']}")
     if speedup is not None:
         tried = ",".join(str(r["batch"]) for r in rows if r["side"] == "accelerate")
@@ -601,6 +609,9 @@ def main() -> None:
               f"{speedup:.1f}x (goal >= 20x)")
         if not_bracketed:
             print(f"WARNING: Accelerate's best batch size is not known: {not_bracketed}")
+        if "4-bit" in ours[0]["stored"]:
+            print(f"xsched stores {ours[0]['stored']} (weights / KV cache), Accelerate {args.dtype}: the sides differ "
+                  "in the lossy 4-bit form, not only in scheduling (--kv-compression off compares like with like)")
     if ceiling is not None:
         line = (f"compute ceiling: {flops / 1e9:.1f} GFLOP per request at the best GEMM rate "
                 f"({gemm_rate / 1e9:.1f} GFLOP/s, {args.threads} thread(s)) = {ceiling:.1f} tokens/s for any engine")

@@ -65,3 +65,11 @@ def test_a_work_folder_left_by_another_shape_is_refused_not_reused():
     assert "missing c.weight" in b.offload_index_mismatch({**shapes, "c.weight": (1,)}, index)
     assert "extra b.weight" in b.offload_index_mismatch({"a.weight": (4, 8)}, index)
     assert "a.weight (4, 8) vs (4, 16)" in b.offload_index_mismatch({**shapes, "a.weight": (4, 16)}, index)
+
+
+def test_the_table_names_the_stored_forms_of_each_side():
+    from xsimulator.policy import Policy
+
+    forms = _bench().stored_forms
+    assert forms(Policy(gbs=192, nb=1, wg=0.0, wc=0.0, wd=1.0, compress_cache=True), "float32") == "float32 / 4-bit"
+    assert forms(Policy(gbs=64, nb=1), "bfloat16") == "bfloat16 / bfloat16"
