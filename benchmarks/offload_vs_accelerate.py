@@ -399,7 +399,8 @@ def choose_policy(spec, profile, budget: int, overhead: int, max_prompt: int, ma
     workload = fixed_workload(max_prompt, max_output)
     best = None
     for compress in compress_options:
-        for gbs in (16, 32, 48, 64, 96, 128, 192, 256):  # smaller GPU batches re-read weights more often
+        # smaller GPU batches re-read weights more often; --rows under 16: one batch of them all
+        for gbs in [g for g in (16, 32, 48, 64, 96, 128, 192, 256) if g <= max_rows] or [max_rows]:
             for nb in (1, 2, 4, 8, 16):
                 if gbs * nb > max_rows:
                     continue

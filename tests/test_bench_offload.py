@@ -73,3 +73,17 @@ def test_the_table_names_the_stored_forms_of_each_side():
     forms = _bench().stored_forms
     assert forms(Policy(gbs=192, nb=1, wg=0.0, wc=0.0, wd=1.0, compress_cache=True), "float32") == "float32 / 4-bit"
     assert forms(Policy(gbs=64, nb=1), "bfloat16") == "bfloat16 / bfloat16"
+
+
+def test_fewer_rows_than_the_smallest_gpu_batch_still_get_a_policy():
+    """--rows 8 was refused as 'no policy fits 1.43 GiB of RAM': every GPU batch tried was 16 or more."""
+    from types import SimpleNamespace
+
+    from xprofiler.presets import load_profile
+
+    b = _bench()
+    spec = b.bench_spec(SimpleNamespace(dtype="float32", layers=2, hidden=256))
+    policy, _ = b.choose_policy(spec, load_profile("t4"), 2 * b.GiB, b.GiB // 2, 8, 8, 8, (False,))
+    assert (policy.gbs, policy.nb) == (8, 1)
+    policy, _ = b.choose_policy(spec, load_profile("t4"), 2 * b.GiB, b.GiB // 2, 8, 8, 64, (False,))
+    assert policy.gbs * policy.nb == 64
