@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, dtype_name)
 
     # Rates, measured now on this machine.
-    disk_bw, method = measure_disk_read_bytes_per_s(offload, layer_bytes, max(4, spec.num_layers)) if on_disk else (None, "-")
+    disk_bw, method = (measure_disk_read_bytes_per_s(offload, layer_bytes, max(4, spec.num_layers)) if on_disk
+                       else (None, "-"))
     ctog_bw = measure_ctog_bytes_per_s(layer_bytes, device) if cuda else None  # None: not on the path
     io_bw = min(bw for bw in (disk_bw, ctog_bw) if bw is not None)
     gemm = {phase: measure_gemm_flops(tokens, spec.hidden, spec.ffn, dtype, device)
