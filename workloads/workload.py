@@ -27,7 +27,7 @@ from scipy import special, stats
 from workloads.distributions import MAX_LEN_TOKENS, LengthDistribution
 from xsched.contract import Contract
 from xsched.errors import UserError
-from xsched.fileio import jsonl_lines, path_exists, read_text
+from xsched.fileio import check_text, jsonl_lines, path_exists, read_text
 
 PROMPT_KEYS = ("prompt_tokens", "prompt")
 OUTPUT_KEYS = ("output_tokens", "max_new_tokens")
@@ -244,14 +244,10 @@ def _prompt_length(row: dict[str, Any], count_tokens: Callable[[str], int] | Non
     text = row.get("prompt")
     if not isinstance(text, str) or not text:
         raise UserError(f"{where}: needs prompt_tokens (a count), prompt (non-empty text) or prompt_ids (token ids)")
-    try:  # "\ud800" is valid JSON but no text: the byte estimate and the tokenizer raised tracebacks on it
-        n_bytes = len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise UserError(f"{where}: \"prompt\" holds a lone surrogate escape (\\ud800-\\udfff alone), which is not "
-                        "text; fix or remove it") from None
+    check_text(text, f"{where}: \"prompt\"")  # the byte estimate and the tokenizer raised tracebacks on it
     if count_tokens is not None:
         return max(1, int(count_tokens(text))), False
-    return max(1, math.ceil(n_bytes / BYTES_PER_TOKEN_ESTIMATE)), True
+    return max(1, math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_ESTIMATE)), True
 
 
 # ---------------------------------------------------------------------- presets and specs

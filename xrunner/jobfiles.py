@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from xsched.errors import UserError
-from xsched.fileio import check_writable, describe_os_error, jsonl_lines
+from xsched.fileio import check_text, check_writable, describe_os_error, jsonl_lines
 
 RequestId = str | int
 
@@ -44,16 +44,6 @@ class PromptRecord:
 def _id_key(value: RequestId) -> str:
     """Ids compare by their JSON text, so 7 and "7" stay distinct and match what was written."""
     return json.dumps(value)
-
-
-def _encodable(text: str) -> bool:
-    """False for a lone surrogate (a JSON escape such as ``"\\ud800"``): valid JSON, but no text;
-    the tokenizer rejects it and the results line cannot be written as UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def read_prompts(path: str | Path) -> list[PromptRecord]:
@@ -85,9 +75,8 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         if isinstance(rid, bool) or not isinstance(rid, (str, int)):
             raise UserError(f"{where}: \"id\" must be a string or an integer, got {rid!r}")
         for name, value in (("id", rid), ("prompt", obj.get("prompt"))):
-            if isinstance(value, str) and not _encodable(value):
-                raise UserError(f"{where}: \"{name}\" holds a lone surrogate escape (\\ud800-\\udfff alone), which "
-                                "is not text; fix or remove it")
+            if isinstance(value, str):  # else the results line cannot be written, after a block has run
+                check_text(value, f"{where}: \"{name}\"")
         key = _id_key(rid)
         if key in seen:
             raise UserError(f"{where}: duplicate id {rid!r} (first on line {seen[key]}); ids must be unique")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from xsched.errors import UserError
-from xsched.fileio import atomic_write_bytes, json_error_text, read_text
+from xsched.fileio import atomic_write_bytes, check_text, json_error_text, read_text
 
 T = TypeVar("T", bound="Contract")
 
@@ -129,12 +129,7 @@ def from_jsonable(tp: Any, value: Any, where: str = "value") -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise _fail(where, str, value)
-        try:  # a "\ud800" escape is valid JSON but no text: printing the name was a UnicodeEncodeError traceback
-            value.encode("utf-8", "surrogateescape")  # bytes of a non-UTF-8 file name or argv (\udc80-\udcff) pass
-        except UnicodeEncodeError:
-            raise UserError(f"{where}: holds a lone surrogate escape (\\ud800-\\udfff alone), which is not text; "
-                            "fix or remove it") from None
-        return value
+        return check_text(value, f"{where}:", "surrogateescape")  # a hand-edited name printed as a traceback
     return value
 
 

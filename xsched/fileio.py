@@ -107,6 +107,19 @@ def path_exists(path: Path | str) -> bool:
         return False
 
 
+def check_text(value: str, where: str, errors: str = "strict") -> str:
+    """``value``, refused with one line if it holds a lone surrogate: a ``"\\ud800"`` escape is
+    valid JSON but no text, and printing, writing or tokenizing it raised a traceback.
+    ``errors="surrogateescape"`` lets through the escapes Python makes of bytes that are not UTF-8
+    (file names, argv), which write back as the bytes they were."""
+    try:
+        value.encode("utf-8", errors)
+    except UnicodeEncodeError:
+        raise UserError(f"{where} holds a lone surrogate escape (\\ud800-\\udfff alone), which is not text; "
+                        "fix or remove it") from None
+    return value
+
+
 def file_or_none(arg: str | None) -> str | None:
     """``arg`` where it names a regular file, else None (a preset name, JSON text, a directory)."""
     return arg if arg and path_exists(arg) and Path(arg).expanduser().is_file() else None
