@@ -169,31 +169,87 @@ class DriftMonitor:
 
 DEFAULT_HORIZON = 10_000  # requests a job is assumed to hold when the caller does not say
 DEFAULT_MIN_SHIFT = 0.15  # relative change of every length the CUSUM is tuned to catch fastest
+DETECTION_DELAY = 500  # requests within which a CUSUM against an estimated reference should find a shift
 
 
-def siegmund_arl(h: float, k: float) -> float:
+def siegmund_arl(h: Any, k: Any) -> Any:
     """In-control average run length of a one-sided CUSUM of N(0, 1) scores with reference
-    ``k`` and threshold ``h`` (Siegmund 1985, with the 1.166 overshoot correction)."""
-    b = 2.0 * k * (h + 1.166)
-    if k <= 0:
-        return (h + 1.166) ** 2
-    return math.inf if b > 700 else max(math.expm1(b) - b, 1e-300) / (2.0 * k * k)
+    ``k`` and threshold ``h`` (Siegmund 1985, with the 1.166 overshoot correction). A ``k`` at or
+    below 0 is a stream drifting up at least as fast as the allowance: the run length then grows
+    only linearly in ``h``. Scalars or numpy arrays."""
+    b = 2.0 * np.asarray(k, float) * (np.asarray(h, float) + 1.166)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        arl = np.where(np.abs(b) < 1e-6, (np.asarray(h, float) + 1.166) ** 2,
+                       (np.expm1(np.minimum(b, 700.0)) - b) / (2.0 * np.asarray(k, float) ** 2))
+    arl = np.where(b > 700, np.inf, np.maximum(arl, 1e-300))
+    return float(arl) if arl.ndim == 0 else arl
 
 
-def cusum_threshold(k: float, horizon: int, alpha: float) -> float:
+# Gauss-Hermite nodes and weights for the mean over a reference's error, N(0, sd^2)
+_NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(24)
+_WEIGHTS = _WEIGHTS / _WEIGHTS.sum()
+
+
+def cusum_pvalue(stat: float, k: float, horizon: int, reference_sd: float = 0.0) -> float:
+    """Probability that a CUSUM on an unchanged stream reaches ``stat`` within ``horizon`` scores.
+    Against a reference estimated with an error of ``reference_sd`` in mean score, the stream
+    seems to drift by that error, so the chance is averaged over it (run length close to
+    exponential: P(alarm <= n) = 1 - exp(-n / ARL0), conservative from a fresh start)."""
+    if reference_sd <= 0:
+        return float(-math.expm1(-horizon / siegmund_arl(max(stat, 0.0), k)))
+    arl = siegmund_arl(max(stat, 0.0), k - reference_sd * _NODES)
+    return float(np.dot(_WEIGHTS, -np.expm1(-horizon / arl)))
+
+
+def cusum_threshold(k: float, horizon: int, alpha: float, reference_sd: float = 0.0) -> float:
     """Threshold at which one CUSUM fires by mistake within ``horizon`` scores with probability
-    ``alpha``: the in-control run length is close to exponential, so P(alarm <= n) = 1 -
-    exp(-n / ARL0) (conservative from a fresh start, whose first alarms come later)."""
-    arl = horizon / -math.log1p(-alpha)
-    if siegmund_arl(0.0, k) >= arl:  # even h = 0 fires by mistake less often than asked: no bracket
+    ``alpha`` (:func:`cusum_pvalue` at it is ``alpha``); 0 where even h = 0 fires less often."""
+    if cusum_pvalue(0.0, k, horizon, reference_sd) <= alpha:
         return 0.0
-    top = 600.0 / (2.0 * k) if k > 0 else 1e4  # exp() stays finite
-    return float(optimize.brentq(lambda h: math.log(siegmund_arl(h, k)) - math.log(arl), 0.0, top))
+    top = 1e4 if k - 4 * reference_sd <= 0 else 600.0 / (2.0 * (k - 4 * reference_sd))
+    top = min(top, 1e4)
+    if cusum_pvalue(top, k, horizon, reference_sd) > alpha:  # the error's spread alone fires it
+        return top
+    return float(optimize.brentq(lambda h: math.log(cusum_pvalue(h, k, horizon, reference_sd)) - math.log(alpha),
+                                 0.0, top, xtol=1e-6))
 
 
-def cusum_pvalue(stat: float, k: float, horizon: int) -> float:
-    """Probability that a CUSUM on an unchanged stream reaches ``stat`` within ``horizon`` scores."""
-    return float(-math.expm1(-horizon / siegmund_arl(max(stat, 0.0), k)))
+def _least(f: Any, lo: float, hi: float, points: int = 21) -> float:
+    """Where ``f`` is least on [lo, hi]: a grid (``f`` may be flat or rise before its minimum),
+    then Brent's bounded search between the best point's neighbours."""
+    grid = np.linspace(lo, hi, points)
+    i = int(np.argmin([f(x) for x in grid]))
+    a, b = grid[max(i - 1, 0)], grid[min(i + 1, points - 1)]
+    if b - a < 1e-9:
+        return float(grid[i])
+    return float(optimize.minimize_scalar(f, bounds=(a, b), method="bounded", options={"xatol": 1e-4}).x)
+
+
+def cusum_design(tuned: float, horizon: int, alpha: float, reference_sd: float = 0.0, cap: float = math.inf,
+                 delay: int = DETECTION_DELAY) -> tuple[float, float]:
+    """Allowance and threshold of a CUSUM tuned for a mean score shift of ``2 * tuned``.
+
+    Against an exact reference that is the classic design: allowance ``tuned``. Against one
+    estimated with an error of ``reference_sd`` in mean score the threshold holds the false-alarm
+    probability averaged over that error at ``alpha`` (:func:`cusum_threshold`), which a larger
+    allowance (up to ``cap``) lowers. The allowance is then the one that finds the tuned shift
+    soonest, (h + 1.166) / (2 tuned - k) requests, if some allowance finds it within ``delay``;
+    otherwise the one that finds the smallest shift within ``delay``, k + (h + 1.166) / delay:
+    a reference of 30 lengths cannot tell a 15% change from its own error at a level of 0.1%."""
+    if reference_sd <= 0:
+        return tuned, cusum_threshold(tuned, horizon, alpha)
+
+    def threshold(k: float) -> float:
+        return cusum_threshold(k, horizon, alpha, reference_sd)
+
+    def smallest(k: float) -> float:
+        return k + (threshold(k) + 1.166) / delay
+
+    hi = max(cap, tuned)
+    k = _least(smallest, tuned, hi)
+    if smallest(k) <= 2 * tuned:
+        k = _least(lambda k: (threshold(k) + 1.166) / (2 * tuned - k), tuned, min(hi, 2 * tuned - 1e-6))
+    return k, threshold(k)
 
 
 class _Scores:
@@ -241,7 +297,7 @@ class CusumMonitor:
                  min_shift: float = DEFAULT_MIN_SHIFT, seed: int = 0,
                  reference_samples: dict[str, Any] | None = None):
         """``reference_samples`` (stream name -> lengths), as for :class:`DriftMonitor`: ``planned``
-        was estimated from these, which the sums then allow for (:meth:`reference_margin`)."""
+        was estimated from these, which the sums then allow for (:meth:`reference_sd`)."""
         if not 0.0 < false_alarm_rate < 1.0:
             raise UserError(f"false-alarm rate must be a fraction in (0, 1), got {false_alarm_rate}")
         if horizon < 1:
@@ -256,52 +312,40 @@ class CusumMonitor:
             n = len((reference_samples or {}).get(name, ()))
             sc = _Scores(dist, rng, 1e-12 if not n else 0.5 / (n + 1))
             ks = (max(sc.shift(dist, 1 + min_shift), 1e-3) / 2, max(-sc.shift(dist, 1 - min_shift), 1e-3) / 2)
-            tuned, hs = ks, tuple(cusum_threshold(k, self.horizon, self.level) for k in ks)
-            if n:  # the reference's own error in mean score must not drive the sums, but the
-                # allowance stays below the largest score the clipped tail allows, or a reference
-                # of a few lengths (7 or fewer of T) leaves a CUSUM that can never fire
-                edge = float(special.ndtri(1 - sc.tail))
-                ks = tuple(min(k + self.reference_margin(n), (k + edge) / 2) for k in ks)
-            # p-values (the firing rule) are taken at the tuned allowance the thresholds are set for:
-            # at the widened one a sum against 30 lengths of T fired at 9.5 of its threshold's 41
-            self._streams[name] = dict(dist=dist, scores=sc, k=ks, tuned=tuned, h=hs, s=[0.0, 0.0], since=[0, 0],
+            sd = self.reference_sd(n) if n else 0.0
+            # the allowance stays below the largest score the clipped tail allows, or a reference
+            # of a few lengths (7 or fewer of T) leaves a CUSUM that can never fire
+            edge = float(special.ndtri(1 - sc.tail))
+            ks, hs = zip(*(cusum_design(k, self.horizon, self.level, sd, (k + edge) / 2) for k in ks))
+            self._streams[name] = dict(dist=dist, scores=sc, k=ks, sd=sd, h=hs, s=[0.0, 0.0], since=[0, 0],
                                        total=[0.0, 0.0])
         self.count = 0
 
-    def reference_margin(self, reference_n: int) -> float:
-        """What a CUSUM against a reference estimated from ``reference_n`` lengths adds to its
-        allowance. Such a reference is off by about 1 / sqrt(n) in mean normal score, a drift the
-        sums would take for a change. The margin is exceeded with at most this CUSUM's own
-        false-alarm level, and the threshold stays that of the tuned allowance, so a drift within
-        the margin still leaves the sums the slack they were tuned with.
+    @staticmethod
+    def reference_sd(reference_n: int) -> float:
+        """Error in mean normal score of a reference estimated from ``reference_n`` lengths: the
+        mean of Phi^-1(F_n(X)) is off by the integral of (F_n - F) / phi, whose variance is
+        Var(Z) / n = 1 / n to first order. The sums would take that offset for a change, so each
+        CUSUM's threshold holds its false-alarm level averaged over it (:func:`cusum_design`).
 
         Such a reference's tails are also only known to about 1 / (n + 1): its scores claim no
         less than half that on either side (``_Scores``' tail), where a kernel fit's thin tail
         scored a length past the sample's maximum up to +7.
 
-        A reference fitted on 30 / 60 / 200 lengths of T, then 2000 more lengths of T, 200 runs
-        each (CUSUM share of the default budget, 0.375%; ``benchmarks/drift.py --reference-runs
-        200``, which also shifts 50 of them +30% after the fit):
+        History, a reference fitted on 30 / 60 / 200 lengths of T, then more lengths of T read
+        every 64 (``benchmarks/drift.py --reference-runs 200`` for the delays: it shifts 50 runs
+        +30% after the fit; false alarms over 3000 unchanged streams of 2000 lengths, CUSUM share
+        of the default budget, 0.375%, i.e. about 11 of 3000):
 
-        | allowance | false alarms | +30%: found after, median | not within 2000 |
+        | allowance, threshold | false alarms of 3000, n = 30 / 60 | +30%: median delay | not within 2000, of 50 |
         |---|---|---|---|
-        | stop 36: at least 2.5 / sqrt(n), threshold set for it | 9 / 11 / 11 | 80 / 80 / 80 | |
-        | plus this margin, threshold of the tuned allowance | 1 / 0 / 0 | 120 / 110 / 80 | 1 / 0 / 0 |
-        | and the tails clipped (shipped) | 1 / 0 / 0 | 205 / 200 / 100 | 14 / 5 / 0 of 50 |
+        | stop 37: + isf(level) / sqrt(n), p-values at the tuned allowance | 37 / 18 | 205 / 200 / 100 | 14 / 5 / 0 |
+        | stop 43: the same, fired at the tuned allowance's threshold | 0 / 0 | 770 / 600 / 240 | 46 / 31 / 0 |
+        | threshold averaged over the error, allowance chosen (shipped) | 9 / 4 | 505 / 365 / 170 | 38 / 16 / 0 |
 
-        The price is the last column: after a re-plan on 30 lengths a second, smaller shift is
-        often left to the windowed tests. In the watcher (one +30% shift of T at request 300 of
-        3000, 20 seeds) the margin alone left 4 seeds with a second event (one changed the
-        policy); with the tails clipped every seed had one, and a second, x1.8 shift at request
-        1500 was the second event in 18 of 20 seeds (stop 36: 2-4 events in 4 seeds).
-
-        Those false alarms were read at the end of each stream, and the sums fired where their
-        p-value, taken at the widened allowance, fell below the level: about a quarter of the
-        threshold. Looked at every 64 lengths, 37 of 3000 streams fired at n = 30 and 18 of 3000 at
-        60; at the threshold (p-values at the tuned allowance) 2 and 1. A +30% output shift is
-        then found within 2000 lengths in 25 / 66 / 197 of 200 runs (n = 30 / 60 / 200; 103 / 167
-        / 200 below the threshold): the watcher's refit is what finds a second shift."""
-        return float(stats.norm.isf(self.level)) / math.sqrt(reference_n)
+        Against 30 lengths a +30% shift (about 0.5 in mean score) is below what such a reference
+        can tell from its own error at a level of 0.1%: the watcher's refit is what finds it."""
+        return 1.0 / math.sqrt(reference_n)
 
     def update(self, prompt_lens: Any, output_lens: Any) -> None:
         """Add settled lengths (in the order they settled)."""
@@ -328,14 +372,13 @@ class CusumMonitor:
         """One statistic per CUSUM: its value, the chance a null stream reaches it within the
         horizon (the p-value; it fires below :attr:`level`, i.e. at its threshold) and the lengths
         since it last was 0 (its estimate of where a change began). Against an estimated reference
-        the chance is that of sums drifting at the tuned allowance, the most a reference within
-        the margin leaves them (:meth:`reference_margin`)."""
+        the chance is averaged over the reference's error (:meth:`reference_sd`)."""
         out = []
         for name, st in self._streams.items():
             for d, label in ((0, "cusum+"), (1, "cusum-")):
                 n = st["since"][d]
                 mean = st["total"][d] / n if n else float(st["dist"].mean)
-                p = cusum_pvalue(st["s"][d], st["tuned"][d], self.horizon) if st["s"][d] > 0 else 1.0
+                p = cusum_pvalue(st["s"][d], st["k"][d], self.horizon, st["sd"]) if st["s"][d] > 0 else 1.0
                 if st["s"][d] > 0 and st["s"][d] >= st["h"][d]:  # a sum at 0 has seen nothing, even at h = 0
                     p = min(p, self.level * (1 - 1e-9))  # the threshold is the rule; keep p consistent with it
                 out.append(DriftStat(name, label, st["s"][d], p, mean, st["dist"].mean, n, self.level))

@@ -69,7 +69,7 @@ FALSE_ALARM_RATE = 0.005
 # tests/test_workloads.py) and about exact at the small ones used here (see FALSE_ALARM_RATE).
 CUSUM_SHARE = 0.75
 # A re-plan's reference is a fit of the few lengths after the change point (30-60), and the CUSUMs
-# allow for its error (``CusumMonitor.reference_margin``), which leaves a second, smaller shift
+# allow for its error (``CusumMonitor.reference_sd``), which leaves a second, smaller shift
 # slow to find. Once REFIT_GROWTH times as many lengths have settled quietly (every CUSUM under
 # half its threshold, no test firing), the watcher refits the reference on all of them.
 REFIT_GROWTH = 4
@@ -287,7 +287,7 @@ def monitored(workload: Workload) -> tuple[Workload, dict[str, np.ndarray]]:
 
     A stream that is an empirical pmf of whole counts (a workload read from a file of requests,
     or a re-plan's fit of the lengths after a change point) is a sample, not the truth: the tests
-    get the sample (two-sample KS and mean tests, and a CUSUM margin for its error) and a
+    get the sample (two-sample KS and mean tests, and CUSUMs that allow for its error) and a
     kernel-smoothed pmf of it (its maximum length kept). Taken as exact, an empirical pmf of the
     30-200 lengths after a change point gave every later length outside that sample a normal
     score of +-7, and ``xsched run`` re-planned 2-4 times for one shift (stop 36); a plan made
@@ -567,8 +567,8 @@ class DriftWatcher:
     def _refit(self) -> None:
         """Refit a re-plan's reference on every length since its change point once REFIT_GROWTH
         times as many have settled and the CUSUMs are quiet (a change that has begun would be
-        half-absorbed into the new reference). The new CUSUMs' margin for the reference's error
-        shrinks with the square root of its lengths."""
+        half-absorbed into the new reference). The new CUSUMs' allowance for the reference's
+        error shrinks with the square root of its lengths."""
         if self._fit_from is None or not self._cusum.quiet():
             return
         fitted = self._start - self._fit_from
