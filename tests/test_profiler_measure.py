@@ -172,6 +172,7 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
         # more threads than cores: torch segfaulted at 100000, and 3 of 2 cores measured oversubscribed
         (["profile", "--quick", "--threads", "100000", "-o", str(tmp_path / "p.json")], "pass at most"),
         (["profile"], "-o profile.json"),
+        (["profile", "--offload-dir", "", "-o", str(tmp_path / "p.json")], "--offload-dir: is empty"),
         (["profile", "show", str(tmp_path / "missing.json")], "neither a profile file nor a preset"),
     ]
     (tmp_path / "bad.json").write_text("{not json")

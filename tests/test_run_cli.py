@@ -378,6 +378,11 @@ def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
         assert main(base + extra) == 2, extra
         err = capsys.readouterr().err
         assert err.startswith("xsched: error: ") and err.count("\n") == 1 and message in err, err
+    # an empty --offload-dir was checked as the current directory, then the job used the system
+    # temporary directory
+    with pytest.raises(SystemExit) as exc:
+        main(base + ["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--offload-dir", ""])
+    assert exc.value.code == 2 and "--offload-dir: is empty" in capsys.readouterr().err
     assert main(["run", "--plan", str(random_plan), "--model", "gpt-9", "--prompts", str(ok), "--out",
                  str(tmp_path / "o6"), "--quiet"]) == 2
     assert "unknown model 'gpt-9'" in capsys.readouterr().err

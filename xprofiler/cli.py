@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from xsched.cli import directory_arg
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="list the built-in model registry with sizes")
@@ -26,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--model", action="append", default=[], metavar="NAME",
                       help="model whose decoder layer to sweep (registry name, HF directory or .gguf); "
                            "repeat for several; none = no per-layer fits")
-    prof.add_argument("--offload-dir", type=Path, default=None,
+    prof.add_argument("--offload-dir", type=directory_arg, default=None,
                       help="directory of the disk tier, where the disk test file goes (default: the system "
                            "temporary directory)")
     prof.add_argument("--gpu-mem", metavar="BYTES", default=None,
@@ -90,7 +92,7 @@ def _profile(args: argparse.Namespace) -> int:
         raise UserError("say where to write the profile: xsched profile -o profile.json")
     settings = dataclasses.replace(QUICK if args.quick else FULL, stat=args.stat)
     opts = ProfileOptions(
-        output=args.output, offload_dir=args.offload_dir,
+        output=args.output, offload_dir=Path(args.offload_dir) if args.offload_dir else None,
         models=tuple(args.model), quick=args.quick, dtype=args.dtype, name=args.name,
         gpu_mem_bytes=parse_bytes(args.gpu_mem) if args.gpu_mem else None,
         cpu_mem_bytes=parse_bytes(args.cpu_mem) if args.cpu_mem else None,

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 
 from xrunner import run_cli
-from xsched.cli import seed_arg
+from xsched.cli import directory_arg, seed_arg
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -65,7 +65,7 @@ def register_calibrate(sub: argparse._SubParsersAction) -> None:
                    help="layers of the cut model in most runs, >= 4; two runs use twice as many (default 4)")
     c.add_argument("--repeats", type=int, default=None,
                    help="repeats of each run; metrics are medians (default 3, with --refresh 2)")
-    c.add_argument("--offload-dir", default=None, metavar="DIR",
+    c.add_argument("--offload-dir", type=directory_arg, default=None, metavar="DIR",
                    help="directory for the disk-tier runs (default: the system temporary directory)")
     c.add_argument("--json", action="store_true", help="print the fit as JSON")
     c.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -16,6 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from xsched.cli import directory_arg
+
 SHAPE_FIELDS: tuple[str, ...] = ("family", "num_layers", "hidden", "ffn", "num_heads", "num_kv_heads", "head_dim",
                                  "vocab_size")
 
@@ -42,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", metavar="MEASURED.json",
                    help="write the measured timeline as a Chrome trace (same format as `xsched simulate --trace`)")
     p.add_argument("--result", metavar="RUN.json", help="also write the RunResult JSON to this file")
-    p.add_argument("--offload-dir", metavar="DIR", default=None,
+    p.add_argument("--offload-dir", type=directory_arg, metavar="DIR", default=None,
                    help="directory for the disk tier's files (default: the system temporary directory); "
                         "they are removed at the end, also after Ctrl-C")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")

@@ -44,6 +44,15 @@ def seed_arg(text: str) -> int:
     return value
 
 
+def directory_arg(text: str) -> str:
+    """``--offload-dir``: an empty value would be the current directory to one check and the
+    system temporary directory to the code that then used it; ``~`` is the user's home."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; name a directory, or leave the option out for the system "
+                                         "temporary directory")
+    return os.path.expanduser(text)
+
+
 # A simulated job of more requests needs gigabytes of arrays and minutes per simulation (about
 # 450k requests/s); latency percentiles settle long before. `workload sample` caps at 1e8.
 MAX_REQUESTS = 10**7
