@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import textwrap
 
-from xprofiler.profile import CHANNELS, BandwidthCurve, HardwareProfile
+from xprofiler.profile import CHANNELS, MAX_AUTO_MARGIN, BandwidthCurve, HardwareProfile
 
 GiB = 2**30
 
@@ -98,7 +98,9 @@ def summary(p: HardwareProfile) -> str:
         spread = "unknown" if err.repeat_rel_spread is None else f"{err.repeat_rel_spread:.1%}"
         lines.append(f"  run error    step wall times, {err.quantile:.0%} quantile: run-to-run spread {spread} "
                      f"({err.repeats} repeats), fit error {err.fit_rel_error:.1%}; planning margin "
-                     f"{err.planning_margin():.1%}")
+                     f"{err.planning_margin():.1%}"
+                     + (" (capped: an error of 100% or more; calibrate again)"
+                        if err.planning_margin() >= MAX_AUTO_MARGIN else ""))
     if p.notes:
         lines.append(textwrap.fill(p.notes, width=110, initial_indent="  notes        ",
                                    subsequent_indent=" " * 15))

@@ -6,6 +6,7 @@ import argparse
 import math
 import sys
 
+from xprofiler.profile import MAX_AUTO_MARGIN
 from xsched.cli import plan_requests, requests_arg, seed_arg
 
 DEFAULT_PROFILE = "t4"
@@ -193,6 +194,9 @@ def describe(plan) -> str:  # noqa: ANN001
     bound = "unbounded" if math.isinf(sla.latency_s) else f"{sla.latency_s:,.6g} s"
     margin = {"calibration": "derived from the profile's calibration runs", "user": "set with --margin",
               "none": "the profile records no calibration error"}[plan.margin_source]
+    if plan.margin_source == "calibration" and plan.margin >= MAX_AUTO_MARGIN:
+        margin += (", capped: the calibration's error is 100% or more, so the predictions are not to be trusted; "
+                   "calibrate again (`xsched calibrate`) or set --margin")
     lines = [
         f"plan for {plan.model.name} ({plan.model.dtype}) on profile {plan.profile_name} ({plan.profile_source}), "
         f"workload {plan.workload.name}, {r.num_requests} requests",
