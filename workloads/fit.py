@@ -73,12 +73,9 @@ def ks_pvalue(dist: LengthDistribution, lengths: np.ndarray) -> tuple[float, flo
 
 
 def _log_likelihood(dist: LengthDistribution, values: np.ndarray, counts: np.ndarray) -> float:
-    support, probs = dist.pmf()
-    idx = values - dist.min_len
-    inside = (idx >= 0) & (idx < len(probs))
-    if not inside.all():
+    if values.min() < dist.min_len or values.max() > dist.max_len:
         return -math.inf
-    p = probs[idx]
+    p = dist.probs_at(values)
     if np.any(p <= 0):
         return -math.inf
     return float(np.dot(counts, np.log(p)))
