@@ -235,7 +235,9 @@ def cusum_design(tuned: float, horizon: int, alpha: float, reference_sd: float =
     allowance (up to ``cap``) lowers. The allowance is then the one that finds the tuned shift
     soonest, (h + 1.166) / (2 tuned - k) requests, if some allowance finds it within ``delay``;
     otherwise the one that finds the smallest shift within ``delay``, k + (h + 1.166) / delay:
-    a reference of 30 lengths cannot tell a 15% change from its own error at a level of 0.1%."""
+    a reference of 30 lengths cannot tell a 15% change from its own error at a level of 0.1%.
+    Against fewer than about 10 lengths no allowance below ``cap`` holds the level, and the
+    threshold is out of reach (:func:`cusum_threshold`'s top): the windowed tests watch alone."""
     if reference_sd <= 0:
         return tuned, cusum_threshold(tuned, horizon, alpha)
 
@@ -245,10 +247,11 @@ def cusum_design(tuned: float, horizon: int, alpha: float, reference_sd: float =
     def smallest(k: float) -> float:
         return k + (threshold(k) + 1.166) / delay
 
-    hi = max(cap, tuned)
-    k = _least(smallest, tuned, hi)
+    cap = min(cap, tuned + 6 * reference_sd)  # past 6 sd the error hardly matters: the classic design
+    lo = min(tuned, cap)  # a cap below the tuned allowance: the sums could never reach a threshold
+    k = _least(smallest, lo, cap)
     if smallest(k) <= 2 * tuned:
-        k = _least(lambda k: (threshold(k) + 1.166) / (2 * tuned - k), tuned, min(hi, 2 * tuned - 1e-6))
+        k = _least(lambda k: (threshold(k) + 1.166) / (2 * tuned - k), lo, min(cap, 2 * tuned - 1e-6))
     return k, threshold(k)
 
 
