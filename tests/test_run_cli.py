@@ -715,7 +715,16 @@ def test_sigkill_then_resume_and_ctrl_c(tiny_dir, tmp_path, capsys):
         assert without_timing(read_rows(stopped)) == without_timing(read_rows(fresh))
 
 
-def test_a_second_ctrl_c_during_cleanup_still_removes_the_offload_files(tiny_dir, tmp_path):
+@pytest.fixture
+def python_sigint():
+    """Python's own Ctrl-C handler for the test: a shell that starts the suite in the background
+    hands it SIGINT ignored, and the restored handler is then SIG_IGN."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_second_ctrl_c_during_cleanup_still_removes_the_offload_files(tiny_dir, tmp_path, python_sigint):
     """Ctrl-C pressed twice (or SIGTERM then Ctrl-C) within ~50 ms interrupted the first one's
     cleanup and left the offload files behind (review): the cleanup now finishes, then the
     second signal is delivered."""
