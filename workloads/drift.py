@@ -36,6 +36,7 @@ settled request.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -185,9 +186,11 @@ def siegmund_arl(h: Any, k: Any) -> Any:
     return float(arl) if arl.ndim == 0 else arl
 
 
-# Gauss-Hermite nodes and weights for the mean over a reference's error, N(0, sd^2)
-_NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(24)
-_WEIGHTS = _WEIGHTS / _WEIGHTS.sum()
+@functools.cache
+def _normal_nodes(points: int = 24) -> tuple[np.ndarray, np.ndarray]:
+    """Gauss-Hermite nodes and weights of N(0, 1): the mean over a reference's error."""
+    nodes, weights = np.polynomial.hermite_e.hermegauss(points)
+    return nodes, weights / weights.sum()
 
 
 def cusum_pvalue(stat: float, k: float, horizon: int, reference_sd: float = 0.0) -> float:
@@ -197,8 +200,9 @@ def cusum_pvalue(stat: float, k: float, horizon: int, reference_sd: float = 0.0)
     exponential: P(alarm <= n) = 1 - exp(-n / ARL0), conservative from a fresh start)."""
     if reference_sd <= 0:
         return float(-math.expm1(-horizon / siegmund_arl(max(stat, 0.0), k)))
-    arl = siegmund_arl(max(stat, 0.0), k - reference_sd * _NODES)
-    return float(np.dot(_WEIGHTS, -np.expm1(-horizon / arl)))
+    nodes, weights = _normal_nodes()
+    arl = siegmund_arl(max(stat, 0.0), k - reference_sd * nodes)
+    return float(np.dot(weights, -np.expm1(-horizon / arl)))
 
 
 def cusum_threshold(k: float, horizon: int, alpha: float, reference_sd: float = 0.0) -> float:
