@@ -609,14 +609,14 @@ def test_plan_cli_margin_flag_auto_and_impossible(profile_path, case, tmp_path):
     plain = run("plan", "--profile", profile_path, *SMALL, "--latency", "60", "--quiet")
     assert "planning margin: 0.0% (the profile records no calibration error)" in plain.stdout
     # an error over 100% is capped at a 50% margin, which the plan says instead of planning at half quietly
-    replace(prof, calibration_error=replace(ERR, fit_rel_error=2.0)).save(cal)
+    from xprofiler.show import summary
+
+    unusable = replace(prof, calibration_error=replace(ERR, fit_rel_error=2.0))
+    unusable.save(cal)
     capped = run("plan", "--profile", str(cal), *SMALL, "--latency", "1e6", "--quiet")
     assert capped.returncode == 0, capped.stderr
     assert "planning margin: 50.0% (derived from the profile's calibration runs, capped: " in capped.stdout
     assert "calibrate again" in capped.stdout
-    from xprofiler.show import summary
-
-    unusable = replace(prof, calibration_error=replace(ERR, fit_rel_error=2.0))
     assert "planning margin 50.0% (capped: " in summary(unusable)
     # A bound the plan can meet, but not less a 50% margin: the one-line impossible-SLA error names the margin.
     low = plan_search(spec, prof, w, SLA("p99", math.inf), compress="off", num_requests=100, confirm_seeds=())
