@@ -364,8 +364,15 @@ def test_a_uniform_next_to_one_never_picks_a_filtered_token(monkeypatch):
     assert sample(logits, params, keys(1)).tolist() == [4]  # tokens 1, 2, 4 remain; 4 is the last
 
 
-def test_greedy_is_argmax():
-    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax_also_among_ties(dtype):
+    """Greedy takes the first of tied maxima, as transformers' argmax does (few distinct values
+    make ties in most rows; a NaN counts as the largest)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (64, 5000), generator=g).to(dtype)
+    logits[::5, ::9] = float("nan")
+    assert torch.equal(sample(logits, SamplingParams()), logits.argmax(-1))
+    logits = torch.randn(4, 100, generator=g).to(dtype)
     assert torch.equal(sample(logits, SamplingParams()), logits.argmax(-1))
 
 

