@@ -144,6 +144,31 @@ def test_quantizer_matches_an_independent_reference(clip_steps, shape, dim):
     assert float(off.float().mean()) < 1e-4, int(off.sum())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,dim", [((64, 16, 3, 64), 3), ((256, 192), 0), ((7, 80), 1)])
+def test_min_max_quantization_on_a_cpu_stores_what_the_tensor_formula_does(dtype, shape, dim, monkeypatch):
+    """Every KV cache write on a CPU goes through numba kernels (the float32 copy, the codes); they
+    must store exactly the mins, scales and codes of the tensor path, ties to even, constant groups
+    and a padded last group included."""
+    from xrunner import kvattend
+    from xrunner.compression import _fit
+
+    calls = []
+    real = kvattend.pack_groups
+    monkeypatch.setattr(kvattend, "pack_groups", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(7)
+    x = (torch.round(torch.randn(shape, generator=g) * 15) / 2).to(dtype)  # many values half-way between codes
+    x.movedim(dim, -1)[0] = 1.25  # constant groups
+    q = quantize(x, dim=dim, clip_steps=0)
+    assert calls
+    moved = x.movedim(dim, -1)
+    moved = torch.cat((moved, moved[..., -1:].expand(*moved.shape[:-1], -moved.shape[-1] % 64)), dim=-1)
+    groups = moved.reshape(*moved.shape[:-1], -1, 64).float()
+    mins, scales, codes = _fit(groups, groups.amin(-1), groups.amax(-1), dtype)
+    assert torch.equal(q.mins, mins) and torch.equal(q.scales, scales)
+    assert torch.equal(q.packed, codes[..., 0::2] | (codes[..., 1::2] << 4))
+
+
 def test_hadamard_rotation_is_orthonormal_and_only_for_powers_of_two():
     r = hadamard_rotation(64, torch.float64)
     assert torch.allclose(r @ r.T, torch.eye(64, dtype=torch.float64), atol=1e-12)
@@ -336,17 +361,21 @@ def test_attention_over_the_codes_of_a_half_precision_cache_computes_in_float32(
     torch.testing.assert_close(got, want[:, :, 0], rtol=1e-5, atol=1e-5)
 
 
-def test_attention_over_the_codes_leaves_torch_thread_count_alone():
-    """numba's thread pool starts on the first call and resets the OpenMP thread count it shares with
-    torch; a profile or run asked for one thread must stay on one. A fresh process: the pool starts once."""
+@pytest.mark.parametrize("first", ["quantize", "attend"])
+def test_the_numba_kernels_leave_torch_thread_count_alone(first):
+    """numba's thread pool starts on the first call and resets the OpenMP thread count it shares
+    with torch; a profile or run asked for one thread must stay on one, whichever kernel (a KV
+    write's codes or attention over them) runs first. A fresh process: the pool starts once."""
     import os
     import subprocess
     import sys
 
+    steps = {"quantize": "k = quantize(torch.randn(2, 2, 5, 64), clip_steps=0)\nprint(torch.get_num_threads())\n",
+             "attend": "q = torch.randn(2, 2, 64)\nattend_quantized(q, k, k, q, q, None)\nprint(torch.get_num_threads())\n"}
     code = ("import torch\ntorch.set_num_threads(1)\nfrom xrunner.compression import quantize\n"
             "from xrunner.kvattend import attend_quantized\nk = quantize(torch.randn(2, 2, 5, 64))\n"
-            "q = torch.randn(2, 2, 64)\nattend_quantized(q, k, k, q, q, None)\nprint(torch.get_num_threads())\n")
+            + steps[first] + steps["attend" if first == "quantize" else "quantize"])
     env = {**os.environ, "OMP_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1"]
+    assert out.stdout.split() == ["1", "1"]

@@ -1,4 +1,5 @@
-"""Decode attention straight over a 4-bit KV cache, on a CPU: no dequantized copy of the cache.
+"""numba kernels of the 4-bit KV cache on a CPU: decode attention straight over the codes (no
+dequantized copy of the cache), and the codes of new K/V (:func:`pack_groups`).
 
 The torch path dequantizes a batch's whole layer cache into a float32 buffer (one write, then
 two read-modify passes of ``rows x context x Hkv x d x 4`` bytes per K and V) and then attends
@@ -18,6 +19,8 @@ The step's own position is not read from the cache: its exact K and V come in as
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -25,6 +28,67 @@ import numba
 from numba import njit, prange
 
 from xrunner.compression import QuantizedTensor
+
+
+@contextmanager
+def _torch_threads() -> Iterator[None]:
+    """Run a parallel kernel on as many threads as torch uses, and leave torch's count as it was:
+    numba's OpenMP pool, started by the first call, sets the OpenMP thread count it shares with
+    torch to every core, and a 1-thread profile or run would silently go on with 2."""
+    threads = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _bfloat16_bits_to_float32(bits, out):
+    """bfloat16 is the top half of a float32: shift each value's 16 bits into place (exact)."""
+    for i in prange(bits.shape[0]):
+        out[i] = np.uint32(bits[i]) << np.uint32(16)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _pack_kernel(groups, mins, inv, out):
+    """Codes ``round((x - min) * inv)`` clamped to 0..15 (float32, ties to even, as torch's
+    ``round``), two per byte, low nibble first; one group per iteration."""
+    n, g = groups.shape
+    top = np.float32(15.0)
+    zero = np.float32(0.0)
+    for i in prange(n):
+        m, s = mins[i], inv[i]
+        for j in range(g // 2):
+            low = min(max(np.rint((groups[i, 2 * j] - m) * s), zero), top)
+            high = min(max(np.rint((groups[i, 2 * j + 1] - m) * s), zero), top)
+            out[i, j] = np.uint8(low) | (np.uint8(high) << np.uint8(4))
+
+
+def float32_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x`` (on a CPU, last dim a multiple of ``group_size``) as contiguous float32
+    ``[groups, group_size]``; bfloat16 converted here (1.4 ms for 8.4M values on 2 threads, where
+    ``.float()`` took 12 ms), other dtypes by torch."""
+    if x.dtype != torch.bfloat16:
+        return x.reshape(-1, group_size).to(torch.float32, memory_format=torch.contiguous_format)
+    bits = x.contiguous().view(torch.int16).reshape(-1).numpy().view(np.uint16)
+    out = np.empty(bits.shape[0], np.uint32)
+    with _torch_threads():
+        _bfloat16_bits_to_float32(bits, out)
+    return torch.from_numpy(out.view(np.float32)).view(-1, group_size)
+
+
+def pack_groups(groups: torch.Tensor, mins: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """Packed 4-bit codes ``[groups, group_size / 2]`` of float32 ``groups [n, group_size]`` with
+    their stored mins and inverse scales (float32 ``[n]``): bit-identical to
+    ``compression._fit``'s codes packed (tested), in one pass instead of eight tensor operations.
+    With :func:`float32_groups`, a bfloat16 K of 256 rows x 16 heads x 32 positions x 64
+    quantizes in 9 ms instead of 41 (2 threads, stop 45)."""
+    out = np.empty((groups.shape[0], groups.shape[1] // 2), np.uint8)
+    with _torch_threads():
+        _pack_kernel(groups.numpy(), mins.reshape(-1).contiguous().numpy(), inv.reshape(-1).contiguous().numpy(), out)
+    return torch.from_numpy(out)
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -122,14 +186,9 @@ def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, ow
     q_e, q_o = qp[..., 0].contiguous(), qp[..., 1].contiguous()
     out_e, out_o, p_own = torch.empty(B, H, G, half), torch.empty(B, H, G, half), torch.empty(B, H)
     keep = (torch.ones(B, T, dtype=torch.bool) if mask is None else mask).contiguous()
-    threads = torch.get_num_threads()
-    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
     mk, sk, mv, sv = (x.float().numpy() for x in (k.mins, k.scales, v.mins, v.scales))
-    _attend_kernel(q_e.numpy(), q_o.numpy(), k.packed.numpy(), mk, sk, v.packed.numpy(), mv, sv, s_own.numpy(),
-                   keep.numpy(), np.float32(scale), out_e.numpy(), out_o.numpy(), p_own.numpy())
-    if torch.get_num_threads() != threads:
-        # numba's OpenMP pool, started by the first call, sets the OpenMP thread count it shares
-        # with torch to every core: a 1-thread profile or run would silently go on with 2.
-        torch.set_num_threads(threads)
+    with _torch_threads():
+        _attend_kernel(q_e.numpy(), q_o.numpy(), k.packed.numpy(), mk, sk, v.packed.numpy(), mv, sv, s_own.numpy(),
+                       keep.numpy(), np.float32(scale), out_e.numpy(), out_o.numpy(), p_own.numpy())
     res = torch.stack((out_e, out_o), dim=-1).view(B, H, -1)[..., :d]
     return res + p_own[..., None] * own_v.repeat_interleave(rep, dim=1)
