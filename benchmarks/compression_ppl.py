@@ -100,7 +100,8 @@ def window_nll(spec, head, layers, ids: list[int], codec) -> tuple[float, int]:
         h = embed(spec, head, x[:, t:t + 1], p)
         for i, w in enumerate(layers):
             q, k, v = attn_in(spec, w, h, p, rope)
-            caches[i] = [torch.cat((c, e), dim=2) for c, e in zip(caches[i], codec.encode(k, v, i))]
+            k, v = codec.prepare(k, v, i)
+            caches[i] = [torch.cat((c, e), dim=2) for c, e in zip(caches[i], codec.pack(k, v))]
             # the step's own K/V exact; a 4-bit cache attended over its codes on a CPU, as the engine
             h = attn_out_mlp(spec, w, codec.attend_stored(spec, q, caches[i], (k, v), None, layer=i), h)
         logits.append(final_logits(spec, head, h)[0])

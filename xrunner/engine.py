@@ -1203,7 +1203,8 @@ class Engine:
         spec, led, codec = self.spec, self.ledger, self.codec
         b, c = work.begin, work.col
         T1 = c + 1 - b
-        enc = codec.encode(k, v, layer)
+        k, v = codec.prepare(k, v, layer)  # once: the cache stores them, and they attend as the own K/V
+        enc = codec.pack(k, v)
         cpu_s, k_off = 0.0, 0
         for tier, pos, rows in self._groups(self.cache_split, work.slots):
             qs = _take(q, pos)

@@ -198,25 +198,37 @@ class KVCodec:
             x = x - self.centers[layer][which].to(x.device, x.dtype)[:, None, :]
         return self._rotate(x)
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> list[torch.Tensor]:
-        """Stored parts of ``k``, ``v`` ``[b, Hkv, t, d]`` of ``layer`` (whose centers apply)."""
+    def prepare(self, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k``, ``v`` ``[b, Hkv, t, d]`` of ``layer`` in the stored space: centered and rotated
+        for a 4-bit cache, as they are for a plain one. A decode step's own K/V go to
+        :meth:`pack` and, prepared once, to :meth:`attend_stored` as ``fresh``."""
+        if not self.compress:
+            return k, v
+        return self._centered(k, layer, 0), self._centered(v, layer, 1)
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        """Stored parts of K and V from :meth:`prepare`."""
         if not self.compress:
             return [k, v]
         out = []
-        for i, x in enumerate((k, v)):
-            q = quantize(self._centered(x, layer, i), dim=-1, group_size=self.group, clip_steps=self.clip_steps)
+        for x in (k, v):
+            q = quantize(x, dim=-1, group_size=self.group, clip_steps=self.clip_steps)
             out += [q.packed, q.mins, q.scales]
         return out
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> list[torch.Tensor]:
+        """Stored parts of ``k``, ``v`` ``[b, Hkv, t, d]`` of ``layer`` (whose centers apply)."""
+        return self.pack(*self.prepare(k, v, layer))
 
     def decode(self, parts: Sequence[torch.Tensor], into: tuple[torch.Tensor, torch.Tensor] | None = None,
                fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
                layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as stored, dequantized (still rotated: pass them to :meth:`attend`).
 
-        ``fresh``: the decode step's own K and V (``[b, Hkv, 1, d]``), which replace the last
-        position's 4-bit copy, as FlexGen does: the new token attends to itself exactly and only
-        the earlier positions carry the 4-bit error (measured on SmolLM2: KV cache +2.9% -> +2.4%
-        perplexity, ``benchmarks/compression_ppl.py``).
+        ``fresh``: the decode step's own K and V (``[b, Hkv, 1, d]``, from :meth:`prepare`), which
+        replace the last position's 4-bit copy, as FlexGen does: the new token attends to itself
+        exactly and only the earlier positions carry the 4-bit error (measured on SmolLM2: KV cache
+        +2.9% -> +2.4% perplexity, ``benchmarks/compression_ppl.py``).
         """
         if not self.compress:
             return parts[0], parts[1]
@@ -230,7 +242,7 @@ class KVCodec:
             out = into[i].view(-1)[:math.prod(shape)].view(shape) if into is not None else None
             x = dequantize(q, out=out)
             if fresh is not None:
-                x[:, :, -1:] = self._centered(fresh[i], layer, i)
+                x[:, :, -1:] = fresh[i]
             res.append(x)
         return res[0], res[1]
 
@@ -247,8 +259,8 @@ class KVCodec:
                       fresh: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                       into: tuple[torch.Tensor, torch.Tensor] | None = None, layer: int | None = None) -> torch.Tensor:
         """Decode attention of ``q [b, H, 1, d]`` over stored ``parts`` (``[b, Hkv, T, ...]``, the
-        last position the step's own, whose exact K/V are ``fresh``): :meth:`decode` (into
-        ``into``) then :meth:`attend`, or with ``fused`` straight over the codes."""
+        last position the step's own, whose exact K/V are ``fresh``, from :meth:`prepare`):
+        :meth:`decode` (into ``into``) then :meth:`attend`, or with ``fused`` straight over the codes."""
         if not self.fused:
             kk, vv = self.decode(parts, into, fresh=fresh, layer=layer)
             return self.attend(spec, q, kk, vv, mask, layer)
@@ -256,7 +268,7 @@ class KVCodec:
         shape = (b, hkv, T - 1, self.d)
         k, v = (QuantizedTensor(*(x[:, :, :T - 1] for x in parts[3 * i:3 * i + 3]), shape, 3, self.group)
                 for i in range(2))
-        own_k, own_v = (self._centered(fresh[i], layer, i)[:, :, 0] for i in range(2))
+        own_k, own_v = (x[:, :, 0] for x in fresh)
         out = attend_quantized(self._rotate(q)[:, :, 0], k, v, own_k, own_v,
                                None if mask is None else mask[:, :T - 1])
         return self._unrotated(spec, out[:, None], layer).to(q.dtype)
