@@ -221,8 +221,7 @@ class KVCodec:
         return self.pack(*self.prepare(k, v, layer))
 
     def decode(self, parts: Sequence[torch.Tensor], into: tuple[torch.Tensor, torch.Tensor] | None = None,
-               fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
-               layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as stored, dequantized (still rotated: pass them to :meth:`attend`).
 
         ``fresh``: the decode step's own K and V (``[b, Hkv, 1, d]``, from :meth:`prepare`), which
@@ -262,7 +261,7 @@ class KVCodec:
         last position the step's own, whose exact K/V are ``fresh``, from :meth:`prepare`):
         :meth:`decode` (into ``into``) then :meth:`attend`, or with ``fused`` straight over the codes."""
         if not self.fused:
-            kk, vv = self.decode(parts, into, fresh=fresh, layer=layer)
+            kk, vv = self.decode(parts, into, fresh=fresh)
             return self.attend(spec, q, kk, vv, mask, layer)
         b, hkv, T = parts[0].shape[:3]
         shape = (b, hkv, T - 1, self.d)
