@@ -145,11 +145,11 @@ def test_quantizer_matches_an_independent_reference(clip_steps, shape, dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape,dim", [((64, 16, 3, 64), 3), ((256, 192), 0), ((7, 80), 1)])
+@pytest.mark.parametrize("shape,dim", [((64, 16, 3, 64), 3), ((256, 192), 0), ((7, 80), 1), ((16, 16, 64, 64), 3)])
 def test_min_max_quantization_on_a_cpu_stores_what_the_tensor_formula_does(dtype, shape, dim, monkeypatch):
-    """Every KV cache write on a CPU goes through numba kernels (the float32 copy, the codes); they
-    must store exactly the mins, scales and codes of the tensor path, ties to even, constant groups
-    and a padded last group included."""
+    """Every KV cache write on a CPU goes through numba kernels (the float32 copy, the codes; in
+    parallel from 2^20 values, the last shape); they must store exactly the mins, scales and codes
+    of the tensor path, ties to even, constant groups and a padded last group included."""
     from xrunner import kvattend
     from xrunner.compression import _fit
 
@@ -370,7 +370,7 @@ def test_the_numba_kernels_leave_torch_thread_count_alone(first):
     import subprocess
     import sys
 
-    steps = {"quantize": "k = quantize(torch.randn(2, 2, 5, 64), clip_steps=0)\nprint(torch.get_num_threads())\n",
+    steps = {"quantize": "quantize(torch.randn(16, 16, 64, 64), clip_steps=0)\nprint(torch.get_num_threads())\n",
              "attend": "q = torch.randn(2, 2, 64)\nattend_quantized(q, k, k, q, q, None)\nprint(torch.get_num_threads())\n"}
     code = ("import torch\ntorch.set_num_threads(1)\nfrom xrunner.compression import quantize\n"
             "from xrunner.kvattend import attend_quantized\nk = quantize(torch.randn(2, 2, 5, 64))\n"
