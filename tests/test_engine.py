@@ -866,7 +866,8 @@ print(json.dumps({"layer_load": [load, layer_load_bytes(spec, True, False, 0.0)]
 """
 
 
-@pytest.mark.parametrize("shape", ["llama", "opt"])
+# opt under -m slow: the suite's 10-minute budget on 2 cores (llama covers the same accounting)
+@pytest.mark.parametrize("shape", ["llama", pytest.param("opt", marks=pytest.mark.slow)])
 def test_planned_load_and_gptq_scratch_cover_the_measured_resident_memory(shape):
     """The bytes the engine plans and accounts while it loads weights (``layer_load``: the source's
     layer and the 4-bit packer's scratch; ``calibration``: the GPTQ pass, or one that only observes
