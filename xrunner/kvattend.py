@@ -74,21 +74,11 @@ def _pack_rows(groups, mins, inv, out, start, stop):
             out[i, j] = np.uint8(low) | (np.uint8(high) << np.uint8(4))
 
 
-@njit(cache=True, nogil=True)
-def _widen(bits, out):
-    _widen_rows(bits, out, 0, bits.shape[0])
-
-
 @njit(parallel=True, cache=True, nogil=True)
 def _widen_parallel(bits, out):
     step = -(-bits.shape[0] // _CHUNKS)
     for c in prange(_CHUNKS):
         _widen_rows(bits, out, c * step, min((c + 1) * step, bits.shape[0]))
-
-
-@njit(cache=True, nogil=True)
-def _pack(groups, mins, inv, out):
-    _pack_rows(groups, mins, inv, out, 0, groups.shape[0])
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -98,10 +88,11 @@ def _pack_parallel(groups, mins, inv, out):
         _pack_rows(groups, mins, inv, out, c * step, min((c + 1) * step, groups.shape[0]))
 
 
-def _run(serial, parallel, values: int, *args) -> None:
-    """``serial(*args)``, or ``parallel(*args)`` on torch's thread count for a large call."""
+def _run(rows, parallel, n: int, values: int, *args) -> None:
+    """``rows(*args, 0, n)`` on this thread, or ``parallel(*args)`` on torch's thread count for a
+    call of ``PARALLEL_MIN_VALUES`` or more."""
     if values < PARALLEL_MIN_VALUES:
-        serial(*args)
+        rows(*args, 0, n)
         return
     with _torch_threads():
         parallel(*args)
@@ -115,7 +106,7 @@ def float32_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
         return x.reshape(-1, group_size).to(torch.float32, memory_format=torch.contiguous_format)
     bits = x.contiguous().view(torch.int16).reshape(-1).numpy().view(np.uint16)
     out = np.empty(bits.shape[0], np.uint32)
-    _run(_widen, _widen_parallel, bits.shape[0], bits, out)
+    _run(_widen_rows, _widen_parallel, bits.shape[0], bits.shape[0], bits, out)
     return torch.from_numpy(out.view(np.float32)).view(-1, group_size)
 
 
@@ -126,7 +117,7 @@ def pack_groups(groups: torch.Tensor, mins: torch.Tensor, inv: torch.Tensor) -> 
     With :func:`float32_groups`, a bfloat16 K of 256 rows x 16 heads x 32 positions x 64
     quantizes in 9 ms instead of 41 (2 threads, stop 45)."""
     out = np.empty((groups.shape[0], groups.shape[1] // 2), np.uint8)
-    _run(_pack, _pack_parallel, groups.numel(), groups.numpy(), mins.reshape(-1).contiguous().numpy(),
+    _run(_pack_rows, _pack_parallel, groups.shape[0], groups.numel(), groups.numpy(), mins.reshape(-1).contiguous().numpy(),
          inv.reshape(-1).contiguous().numpy(), out)
     return torch.from_numpy(out)
 
