@@ -147,15 +147,15 @@ def test_quantizer_matches_an_independent_reference(clip_steps, shape, dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,dim", [((64, 16, 3, 64), 3), ((256, 192), 0), ((7, 80), 1), ((16, 16, 64, 64), 3)])
 def test_min_max_quantization_on_a_cpu_stores_what_the_tensor_formula_does(dtype, shape, dim, monkeypatch):
-    """Every KV cache write on a CPU goes through numba kernels (the float32 copy, the codes; in
-    parallel from 2^20 values, the last shape); they must store exactly the mins, scales and codes
-    of the tensor path, ties to even, constant groups and a padded last group included."""
+    """Every KV cache write on a CPU goes through a numba kernel (in parallel from 2^20 values, the
+    last shape); it must store exactly the mins, scales and codes of the tensor path, ties to even,
+    constant groups and a padded last group included."""
     from xrunner import kvattend
     from xrunner.compression import _fit
 
     calls = []
-    real = kvattend.pack_groups
-    monkeypatch.setattr(kvattend, "pack_groups", lambda *a: calls.append(1) or real(*a))
+    real = kvattend.quantize_groups
+    monkeypatch.setattr(kvattend, "quantize_groups", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(7)
     x = (torch.round(torch.randn(shape, generator=g) * 15) / 2).to(dtype)  # many values half-way between codes
     x.movedim(dim, -1)[0] = 1.25  # constant groups
@@ -167,6 +167,35 @@ def test_min_max_quantization_on_a_cpu_stores_what_the_tensor_formula_does(dtype
     mins, scales, codes = _fit(groups, groups.amin(-1), groups.amax(-1), dtype)
     assert torch.equal(q.mins, mins) and torch.equal(q.scales, scales)
     assert torch.equal(q.packed, codes[..., 0::2] | (codes[..., 1::2] << 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_min_max_ranges_on_a_cpu_round_and_widen_as_the_tensor_formula(dtype):
+    """The CPU kernel rounds each group's scale to the dtype and widens it by one ulp where 15 steps
+    fall short of the max, as ``compression._range`` does with torch; both happen for values across
+    34 orders of magnitude. Subnormals, signed zeros, infinities and NaN must give the same bits."""
+    from xrunner.compression import _fit, _round_toward, LEVELS
+
+    g = torch.Generator().manual_seed(11)
+    mags = torch.exp(torch.randn(2048, 1, generator=g) * 20)
+    wide = torch.randn(2048, 64, generator=g) * mags + torch.randn(2048, 1, generator=g) * mags * 3
+    tiny = torch.randn(64, 64, generator=g) * 1e-39
+    tiny[0], tiny[1], tiny[2, :5] = 0.0, -0.0, 0.0
+    odd = torch.randn(4, 64, generator=g)
+    odd[0, 3], odd[1, 7], odd[2, 9] = float("inf"), float("-inf"), float("nan")
+    x = torch.cat((wide, tiny, odd)).to(dtype)
+    q = quantize(x, dim=1, clip_steps=0)
+    groups = x.float()
+    mins, scales, codes = _fit(groups[:, None], groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True), dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(q.mins.view(bits), mins.view(bits)) and torch.equal(q.scales.view(bits), scales.view(bits))
+    assert torch.equal(q.packed, codes[..., 0::2] | (codes[..., 1::2] << 4))
+    # Not vacuous: the data reach the rounding branches being compared.
+    lo, hi = groups[:2048].amin(-1), groups[:2048].amax(-1)
+    raw = (hi - lo) / LEVELS
+    rounded = _round_toward(raw, dtype, up=True)
+    widened = lo + LEVELS * rounded.float() < hi
+    assert int((rounded.float() > raw).sum()) > 100 if dtype == torch.bfloat16 else int(widened.sum()) > 100
 
 
 def test_hadamard_rotation_is_orthonormal_and_only_for_powers_of_two():

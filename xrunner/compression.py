@@ -209,18 +209,16 @@ def quantize(x: torch.Tensor, dim: int = -1, group_size: int = DEFAULT_GROUP_SIZ
 
 
 def _quantize_min_max_cpu(moved: torch.Tensor, x: torch.Tensor, dim: int, group_size: int) -> QuantizedTensor:
-    """:func:`quantize` with plain min/max ranges on a CPU (the KV cache's every write), its float32
-    copy and its codes made by numba kernels (``xrunner.kvattend``); bit-identical to the tensor
-    path (tested)."""
-    from xrunner.kvattend import float32_groups, pack_groups
+    """:func:`quantize` with plain min/max ranges on a CPU (the KV cache's every write) in one numba
+    pass (``xrunner.kvattend.quantize_groups``); bit-identical to the tensor path (tested)."""
+    from xrunner.kvattend import quantize_groups
 
     lead = moved.shape[:-1]
-    groups = float32_groups(moved, group_size)
-    mins, scales = _range(groups.amin(dim=-1), groups.amax(dim=-1), x.dtype)
-    packed = pack_groups(groups, mins.float(), _inverse(scales))
+    mins, scales, packed = quantize_groups(moved.reshape(-1, group_size))
     groups_per_row = moved.shape[-1] // group_size
     return QuantizedTensor(packed=packed.view(*lead, groups_per_row, group_size // 2),
-                           mins=mins.view(*lead, groups_per_row), scales=scales.view(*lead, groups_per_row),
+                           mins=mins.to(x.dtype).view(*lead, groups_per_row),
+                           scales=scales.to(x.dtype).view(*lead, groups_per_row),
                            shape=tuple(x.shape), dim=dim, group_size=group_size)
 
 
