@@ -79,7 +79,9 @@ def _bits_float(typingctx, u):
 
 
 def _value(src, i, j):
-    """float32 of ``src[i, j]``: float32 as it is, bfloat16 bits (uint16) widened (exact)."""
+    """float32 of ``src[i, j]``: float32 as it is, bfloat16 bits (uint16) widened (exact). Only
+    for numba-compiled code, which uses :func:`_value_impl`."""
+    raise TypeError("_value is compiled by numba through its overload; call it from an njit function")
 
 
 @overload(_value, inline="always")
