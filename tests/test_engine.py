@@ -33,6 +33,7 @@ LLAMA = ModelSpec(name="tiny-llama", family="llama", num_layers=3, hidden=128, f
 OPT = ModelSpec(name="tiny-opt", family="opt", num_layers=2, hidden=128, ffn=256, num_heads=2, num_kv_heads=2,
                 head_dim=64, vocab_size=320, max_positions=256, norm="layernorm", activation="relu",
                 position="learned", tied_embeddings=True, dtype="float32", bias=True)
+QWEN2 = replace(LLAMA, name="tiny-qwen2", qkv_bias=True, tied_embeddings=True)  # q/k/v biases, tied head
 MAX_PROMPT, MAX_OUTPUT = 14, 9
 
 
@@ -138,9 +139,10 @@ def test_one_gpu_batch_per_block_and_uneven_last_block(llama, tmp_path):
     assert got == want
 
 
-def test_opt_family_with_offloading(tmp_path):
-    src = RandomSource(OPT, seed=5)
-    reqs = make_requests(5, seed=2, vocab=OPT.vocab_size)
+@pytest.mark.parametrize("spec", [OPT, QWEN2], ids=["opt", "qwen2"])
+def test_biased_families_with_offloading(tmp_path, spec):
+    src = RandomSource(spec, seed=5)
+    reqs = make_requests(5, seed=2, vocab=spec.vocab_size)
     want = reference(load_weights(src), reqs)
     got, _ = run_engine(src, Policy(gbs=2, nb=2, wg=0.5, wd=0.5, cg=0.5, cc=0.5, cpu_attention=True,
                                     refill_every=2), reqs, tmp_path)
@@ -325,10 +327,11 @@ def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_
     return attn_out_mlp(spec, w, attn, hidden)
 
 
-@pytest.mark.parametrize("cache", [False, True])
-def test_compression_equals_reference_with_the_same_quantization(tmp_path, monkeypatch, cache):
-    src = RandomSource(LLAMA, seed=7)
-    reqs = make_requests(6, seed=4, vocab=LLAMA.vocab_size, min_prompt=2)
+@pytest.mark.parametrize("spec,cache", [(LLAMA, False), (LLAMA, True), (QWEN2, True)],
+                         ids=["weights", "weights-and-cache", "qwen2-weights-and-cache"])
+def test_compression_equals_reference_with_the_same_quantization(tmp_path, monkeypatch, spec, cache):
+    src = RandomSource(spec, seed=7)
+    reqs = make_requests(6, seed=4, vocab=spec.vocab_size, min_prompt=2)
     weights = _quantized_weights(load_weights(src))
     if cache:
         monkeypatch.setattr(generate_module, "layer_forward", _layer_with_quantized_cache)

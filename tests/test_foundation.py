@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from xprofiler.specs import ModelSpec, get_model_spec, model_names
+from xprofiler.specs import ModelSpec, get_model_spec, model_names, spec_from_hf_dict
 from xsched.errors import UserError
 from xsimulator.policy import Policy
 
@@ -82,6 +82,43 @@ def test_from_hf_config_llama_and_opt(tmp_path):
            "do_layer_norm_before": True, "word_embed_proj_dim": 768, "torch_dtype": "float16"}
     (tmp_path / "config.json").write_text(json.dumps(opt))
     assert ModelSpec.from_hf_config(tmp_path).num_params == get_model_spec("opt-125m").num_params
+
+
+def test_mistral_and_qwen2_configs_read_as_llama_layers():
+    """Their config.json files (as published, trimmed) give Llama-family specs with the published
+    parameter counts (Mistral-7B 7,241,732,096; Qwen2.5-7B 7,615,616,512, q/k/v biases included),
+    and a sliding window becomes the longest sequence the engine runs (it attends to every key)."""
+    mistral = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 32000, "hidden_act": "silu",
+               "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+               "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    qwen = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+            "num_key_value_heads": 4, "num_hidden_layers": 28, "vocab_size": 152064, "hidden_act": "silu",
+            "max_position_embeddings": 32768, "max_window_layers": 28, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "sliding_window": 131072, "use_sliding_window": False,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    for cfg, params, registry in [(mistral, 7_241_732_096, "mistral-7b"), (qwen, 7_615_616_512, "qwen2.5-7b")]:
+        spec = spec_from_hf_dict(cfg, name="m")
+        assert (spec.family, spec.num_params, spec.max_positions) == ("llama", params, 32768)
+        assert spec.num_params == get_model_spec(registry).num_params
+        assert spec.qkv_bias == (cfg is qwen) and not spec.bias
+    assert spec_from_hf_dict({**mistral, "sliding_window": 4096}, name="v0.1").max_positions == 4096
+    assert spec_from_hf_dict({**qwen, "use_sliding_window": True, "max_window_layers": 21,
+                              "sliding_window": 4096}, name="q").max_positions == 4096
+    assert spec_from_hf_dict({**qwen, "layer_types": ["full_attention"] * 27 + ["sliding_attention"],
+                              "sliding_window": 2048}, name="q").max_positions == 2048
+    assert spec_from_hf_dict({**qwen, "use_sliding_window": True}, name="q").max_positions == 32768  # all layers full
+    biased = spec_from_hf_dict({**mistral, "model_type": "llama", "attention_bias": True}, name="b")
+    assert biased.bias and "o_proj.bias" in biased.layer_tensor_shapes()
+    assert "o_proj.bias" not in spec_from_hf_dict(qwen, name="q").layer_tensor_shapes()
+    for change, message in [({"mlp_bias": True}, "Mistral with MLP biases is not supported"),
+                            ({"sliding_window": 0}, "sliding_window=0 must be a whole number >= 1"),
+                            ({"sliding_window": "4k"}, "sliding_window='4k' must be")]:
+        with pytest.raises(UserError, match=message):
+            spec_from_hf_dict({**mistral, **change}, name="m")
+    with pytest.raises(UserError, match="model_type 'gemma' is not supported; xsched runs 'opt', 'llama', "
+                                        "'mistral', 'qwen2' models"):
+        spec_from_hf_dict({**mistral, "model_type": "gemma"}, name="g")
 
 
 def test_bad_configs_give_user_errors(tmp_path):

@@ -31,11 +31,12 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0):
                                         num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
                                         tie_word_embeddings=tied, attn_implementation="eager")
         model = transformers.OPTForCausalLM(config)
-    else:
-        config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          tie_word_embeddings=tied, attn_implementation="eager")
-        model = transformers.LlamaForCausalLM(config)
+    else:  # llama, qwen2 (q/k/v biases) or mistral: Llama's layer under another model_type
+        prefix = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[family]
+        config = getattr(transformers, f"{prefix}Config")(
+            vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, attn_implementation="eager")
+        model = getattr(transformers, f"{prefix}ForCausalLM")(config)
     with torch.no_grad():  # HF inits norms to 1 and biases to 0; perturb them so a mix-up shows
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -56,14 +57,16 @@ def assert_matches_hf(weights, hf, steps: int = STEPS):
 
 
 # ----------------------------------------------------------------------------- HF directories
-@pytest.mark.parametrize("family,tied", [("opt", True), ("llama", False)])
+@pytest.mark.parametrize("family,tied", [("opt", True), ("llama", False), ("qwen2", True), ("mistral", False)])
 def test_sharded_hf_directory_loads_and_matches_transformers(tmp_path, family, tied):
     hf = tiny_hf(family, tied)
     hf.save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
     source = open_model(tmp_path, dtype="float32")
-    assert isinstance(source, HFDirectorySource) and source.spec.family == family
+    assert isinstance(source, HFDirectorySource) and source.spec.family == ("opt" if family == "opt" else "llama")
+    assert source.spec.qkv_bias == (family == "qwen2")
+    assert ("k_proj.bias" in source.load_layer(2)) == (family in ("opt", "qwen2"))
     assert_matches_hf(load_weights(source), hf)
 
 

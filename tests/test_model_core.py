@@ -1,8 +1,8 @@
-"""Model core and sampling, checked against transformers' own OPT and Llama implementations.
+"""Model core and sampling, checked against transformers' own OPT, Llama, Qwen2 and Mistral models.
 
 The reference is built from the same random weights: the test maps our tensor names to HF's
 with its own table (not the loader's), loads them into an HF model created from an
-OPTConfig/LlamaConfig, and runs each prompt alone (no padding) through HF's greedy generate.
+OPTConfig/LlamaConfig/..., and runs each prompt alone (no padding) through HF's greedy generate.
 Ours runs all prompts as one left-padded batch.
 """
 
@@ -56,7 +56,19 @@ SHAPES = {
                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                                 head_dim=32, max_position_embeddings=128, rope_theta=10000.0,
                                                 tie_word_embeddings=True)),
+    "llama-attention-bias": ("llama", dict(vocab_size=350, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                           attention_bias=True, tie_word_embeddings=False)),
+    "qwen2-gqa-tied": ("qwen2", dict(vocab_size=480, hidden_size=64, intermediate_size=144, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "mistral-gqa": ("mistral", dict(vocab_size=420, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                    max_position_embeddings=128, sliding_window=None, tie_word_embeddings=False)),
 }
+# HF model_type -> (config class, model class) names in transformers.
+HF_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
 
 # Our names -> HF names, written independently of xrunner.loaders.
 HF_NAMES = {
@@ -74,12 +86,12 @@ HF_NAMES = {
 
 
 def hf_model_and_ours(kind: str, seed: int = 0):
-    family, kwargs = SHAPES[kind]
-    config_cls = transformers.OPTConfig if family == "opt" else transformers.LlamaConfig
+    model_type, kwargs = SHAPES[kind]
+    config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[model_type])
     config = config_cls(**kwargs, attn_implementation="eager")
     spec = spec_from_hf_dict(config.to_dict(), name=kind, dtype="float32")
     ours = load_weights(RandomSource(spec, seed=seed))
-    names = HF_NAMES[family]
+    names = HF_NAMES[spec.family]
     state = {}
     for name, t in ours.head.items():
         module, param = name.split(".", 1)
@@ -91,7 +103,7 @@ def hf_model_and_ours(kind: str, seed: int = 0):
     if spec.tied_embeddings:
         state["lm_head.weight"] = state[f"{names['embed_tokens']}.weight"]
     torch.manual_seed(0)
-    hf = (transformers.OPTForCausalLM if family == "opt" else transformers.LlamaForCausalLM)(config).eval()
+    hf = model_cls(config).eval()
     hf.load_state_dict(state, strict=True)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0

@@ -26,7 +26,8 @@ DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 @dataclass(frozen=True)
 class ModelSpec(Contract):
-    """Architecture of an OPT- or Llama-family model (frozen, JSON round-trip)."""
+    """Architecture of an OPT- or Llama-family model (frozen, JSON round-trip). Mistral and Qwen2
+    checkpoints are Llama-family specs: Qwen2 adds biases to q/k/v (``qkv_bias``)."""
 
     SCHEMA: ClassVar[str] = "xsched.ModelSpec/1"
 
@@ -47,7 +48,8 @@ class ModelSpec(Contract):
     dtype: DType = "float16"
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    bias: bool = False  # biases on the q/k/v/o and MLP projections (OPT)
+    bias: bool = False  # biases on the q/k/v/o and MLP projections (OPT; q/k/v/o only for a gated MLP)
+    qkv_bias: bool = False  # biases on q/k/v alone (Qwen2)
     eos_token_id: int | None = None
     # More end-of-sequence ids (a config's list after its first, generation_config.json's):
     # Llama-3.1-Instruct ends turns with any of three, and HF's generate stops at each.
@@ -101,9 +103,11 @@ class ModelSpec(Contract):
             shapes.update({"gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f)})
         else:
             shapes.update({"fc1.weight": (f, h), "fc2.weight": (h, f)})
-        if self.bias:
+        if self.bias or self.qkv_bias:
             shapes.update({"q_proj.bias": (self.q_dim,), "k_proj.bias": (self.kv_dim,),
-                           "v_proj.bias": (self.kv_dim,), "o_proj.bias": (h,)})
+                           "v_proj.bias": (self.kv_dim,)})
+        if self.bias:
+            shapes["o_proj.bias"] = (h,)
             shapes.update({"fc1.bias": (f,), "fc2.bias": (h,)} if not self.gated_mlp else
                           {})
         if self.norm == "layernorm":
@@ -301,11 +305,12 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 dtype=dtype or _hf_dtype(cfg), norm_eps=1e-5, bias=bool(cfg.get("enable_bias", True)),
                 **eos_fields,
             )
-        if model_type == "llama":
+        if model_type in _LLAMA_TYPES:
+            kind = _LLAMA_TYPES[model_type]
             if cfg.get("hidden_act", "silu") != "silu":
-                raise UserError(f"{name}: Llama activation {cfg.get('hidden_act')!r} is not supported")
-            if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-                raise UserError(f"{name}: Llama with attention or MLP biases is not supported")
+                raise UserError(f"{name}: {kind} activation {cfg.get('hidden_act')!r} is not supported")
+            if cfg.get("mlp_bias"):
+                raise UserError(f"{name}: {kind} with MLP biases is not supported")
             heads = cfg["num_attention_heads"]
             rope = cfg.get("rope_parameters") or {}
             rope_scaling = cfg.get("rope_scaling")
@@ -316,18 +321,45 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 ffn=cfg["intermediate_size"], num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                vocab_size=cfg["vocab_size"], max_positions=cfg["max_position_embeddings"],
+                vocab_size=cfg["vocab_size"], max_positions=_full_attention_positions(cfg, model_type, name),
                 norm="rmsnorm", activation="silu", position="rotary",
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 dtype=dtype or _hf_dtype(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-                bias=False, **eos_fields,
+                bias=bool(cfg.get("attention_bias")), qkv_bias=model_type == "qwen2", **eos_fields,
             )
     except KeyError as exc:
         raise UserError(f"{name}: config.json lacks {exc.args[0]!r}") from None
     except (ValueError, TypeError) as exc:  # ModelSpec's own checks (sizes > 0, ...); float() of a list
         raise UserError(f"{name}: config.json describes no valid model ({exc})") from None
-    raise UserError(f"{name}: model_type {model_type!r} is not supported; xsched runs 'opt' and 'llama' models")
+    raise UserError(f"{name}: model_type {model_type!r} is not supported; xsched runs "
+                    f"{', '.join(repr(t) for t in ('opt', *_LLAMA_TYPES))} models")
+
+
+# Checkpoints with Llama's layer (RMSNorm, rotary positions, SwiGLU MLP) under their HF model_type.
+_LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+
+def _full_attention_positions(cfg: dict, model_type: str, name: str) -> int:
+    """The longest sequence on which every layer attends to every earlier position. Mistral (a
+    ``sliding_window``) and Qwen2 (with ``use_sliding_window``) limit some layers to the last
+    ``sliding_window`` keys; the engine attends to all of them, which is the same model only up to
+    the window, so the window is the spec's ``max_positions`` and longer jobs are refused."""
+    longest = cfg["max_position_embeddings"]
+    window = cfg.get("sliding_window")
+    if model_type == "mistral":
+        slides = window is not None
+    elif model_type == "qwen2":
+        types = cfg.get("layer_types")
+        slides = (bool(cfg.get("use_sliding_window")) and cfg.get("max_window_layers", 28) < cfg["num_hidden_layers"]
+                  if types is None else "sliding_attention" in types)  # 28: HF's Qwen2Config default
+    else:
+        slides = False
+    if not slides:
+        return longest
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UserError(f"{name}: config.json's sliding_window={window!r} must be a whole number >= 1")
+    return min(longest, window)
 
 
 def _opt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -338,11 +370,12 @@ def _opt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
 
 
 def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int,
-           max_pos: int, theta: float, tied: bool = False, eps: float = 1e-5, eos: int = 2) -> ModelSpec:
+           max_pos: int, theta: float, tied: bool = False, eps: float = 1e-5, eos: int = 2,
+           qkv_bias: bool = False) -> ModelSpec:
     return ModelSpec(name=name, family="llama", num_layers=layers, hidden=hidden, ffn=ffn, num_heads=heads,
                      num_kv_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab, max_positions=max_pos,
                      norm="rmsnorm", activation="silu", position="rotary", tied_embeddings=tied,
-                     norm_eps=eps, rope_theta=theta, eos_token_id=eos)
+                     norm_eps=eps, rope_theta=theta, eos_token_id=eos, qkv_bias=qkv_bias)
 
 
 def _registry() -> dict[str, ModelSpec]:
@@ -359,6 +392,10 @@ def _registry() -> dict[str, ModelSpec]:
         _llama("llama-2-70b", 80, 8192, 28672, 64, 8, 32000, 4096, 10000.0),
         _llama("llama-3-8b", 32, 4096, 14336, 32, 8, 128256, 8192, 500000.0, eos=128001),
         _llama("smollm2-135m", 30, 576, 1536, 9, 3, 49152, 8192, 100000.0, tied=True, eos=2),
+        # Mistral-7B-Instruct-v0.2 (no sliding window) and Qwen2.5-7B-Instruct, from their config.json
+        _llama("mistral-7b", 32, 4096, 14336, 32, 8, 32000, 32768, 1000000.0),
+        _llama("qwen2.5-7b", 28, 3584, 18944, 28, 4, 152064, 32768, 1000000.0, eps=1e-6, eos=151645,
+               qkv_bias=True),
     ]
     return {s.name: s for s in specs}
 
