@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_model_core import PROMPTS, hf_greedy, one_torch_thread  # noqa: F401  (autouse fixture)
 
-from xprofiler.specs import ModelSpec, get_model_spec
+from xprofiler.specs import ModelSpec, get_model_spec, spec_from_hf_dict
 from xrunner.generate import generate
 from xrunner.loaders import (GGUFSource, HFDirectorySource, RandomSource, default_model_path, load_weights,
                              open_model, unpermute_rope_rows)
@@ -130,9 +130,11 @@ def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path, hf) -> None:
-    """Write an HF Llama as a llama.cpp GGUF: F32 norms, Q8_0 projections, permuted q/k rows."""
+    """Write an HF Llama or Qwen2 as a llama.cpp GGUF: F32 norms and biases, Q8_0 projections,
+    a Llama's q/k rows permuted (llama.cpp keeps a Qwen2's, which its rope kernel reads as they are)."""
     cfg = hf.config
-    writer = gguf.GGUFWriter(path, "llama")
+    arch = cfg.model_type
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -158,10 +160,14 @@ def write_tiny_gguf(path, hf) -> None:
         add("output.weight", hf.lm_head.weight, True)
     for i, layer in enumerate(hf.model.layers):
         att, mlp = layer.self_attn, layer.mlp
-        q = llamacpp_permute(att.q_proj.weight.detach().numpy(), cfg.num_attention_heads)
-        k = llamacpp_permute(att.k_proj.weight.detach().numpy(), cfg.num_key_value_heads)
+        q, k = att.q_proj.weight.detach().numpy(), att.k_proj.weight.detach().numpy()
+        if arch == "llama":
+            q, k = llamacpp_permute(q, cfg.num_attention_heads), llamacpp_permute(k, cfg.num_key_value_heads)
         add(f"blk.{i}.attn_q.weight", torch.from_numpy(q), True)
         add(f"blk.{i}.attn_k.weight", torch.from_numpy(k), True)
+        if arch == "qwen2":
+            for name, module in (("attn_q", att.q_proj), ("attn_k", att.k_proj), ("attn_v", att.v_proj)):
+                add(f"blk.{i}.{name}.bias", module.bias, False)
         for name, t in (("attn_v", att.v_proj.weight), ("attn_output", att.o_proj.weight),
                         ("ffn_gate", mlp.gate_proj.weight), ("ffn_up", mlp.up_proj.weight),
                         ("ffn_down", mlp.down_proj.weight)):
@@ -195,6 +201,25 @@ def test_tiny_gguf_unpermutes_and_matches_transformers(tmp_path, tied):
     assert ModelSpec.from_gguf(path, dtype="float16") == source.spec.with_dtype("float16")
     assert (source.spec.num_kv_heads, source.spec.tied_embeddings, source.spec.eos_token_id) == (2, tied, 2)
     assert_matches_hf(load_weights(source), hf)
+
+
+def test_tiny_qwen2_gguf_keeps_its_rows_reads_its_biases_and_matches_transformers(tmp_path):
+    """A qwen2 GGUF: q/k rows as stored, q/k/v biases read; transformers' own GGUF reader, given the
+    same file, builds the same model, so the file is laid out as llama.cpp lays out a Qwen2."""
+    hf = tiny_hf("qwen2", tied=False, seed=3)
+    path = tmp_path / "tiny-qwen2.gguf"
+    write_tiny_gguf(path, hf)
+    q8_round_trip(hf)
+    source = open_model(path)
+    assert isinstance(source, GGUFSource) and source.spec.qkv_bias and not source.spec.bias
+    from_config = spec_from_hf_dict(hf.config.to_dict(), name="c")
+    assert (source.spec.num_params, source.spec.rope_theta) == (from_config.num_params, from_config.rope_theta)
+    weights = load_weights(source)
+    assert_matches_hf(weights, hf)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    theirs.generation_config.eos_token_id = None
+    theirs.generation_config.pad_token_id = 0
+    assert_matches_hf(weights, theirs.eval())
 
 
 def test_plan_and_simulate_take_the_gguf_file_that_profile_and_calibrate_take(tmp_path, capsys):

@@ -434,6 +434,10 @@ def read_gguf(path: Path) -> "gguf.GGUFReader":  # type: ignore[name-defined]  #
         raise UserError(f"{path}: not a readable GGUF file ({exc})") from None
 
 
+# llama.cpp architectures with Llama's layer; qwen2 adds q/k/v biases (its GGUF tensors ``attn_q.bias``...).
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+
 def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpec:
     """Build a ModelSpec from an open ``gguf.GGUFReader`` (metadata keys ``<arch>.*``)."""
 
@@ -446,8 +450,9 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
         return f.contents()
 
     arch = field("general.architecture")
-    if arch != "llama":
-        raise UserError(f"{name}: GGUF architecture {arch!r} is not supported; xsched reads 'llama' GGUF files")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UserError(f"{name}: GGUF architecture {arch!r} is not supported; xsched reads "
+                        f"{' and '.join(repr(a) for a in GGUF_ARCHITECTURES)} GGUF files")
     heads = int(field(f"{arch}.attention.head_count"))
     hidden = int(field(f"{arch}.embedding_length"))
     head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
@@ -465,5 +470,5 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
         tied_embeddings="output.weight" not in tensor_names, dtype=dtype,  # type: ignore[arg-type]
         norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
-        eos_token_id=int(eos.contents()) if eos is not None else None,
+        eos_token_id=int(eos.contents()) if eos is not None else None, qkv_bias=arch == "qwen2",
     )

@@ -57,6 +57,12 @@ _GGUF_LAYER = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pr
 _GGUF_HEAD = {"embed_tokens": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
 
 
+def _gguf_name(name: str, layer: int | None = None) -> str:
+    """llama.cpp's name of the runner's tensor ``name`` (``q_proj.bias`` -> ``blk.3.attn_q.bias``)."""
+    module, param = name.split(".", 1)
+    return f"{_GGUF_HEAD[module]}.{param}" if layer is None else f"blk.{layer}.{_GGUF_LAYER[module]}.{param}"
+
+
 class ModelSource(ABC):
     """A model's spec plus lazy access to its weights and tokenizer."""
 
@@ -238,20 +244,21 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class GGUFSource(ModelSource):
-    """A llama.cpp GGUF file, dequantized per tensor with the ``gguf`` package."""
+    """A llama.cpp GGUF file, dequantized per tensor with the ``gguf`` package. llama.cpp's
+    converter permutes a Llama's q/k rows for its rope kernel (undone here); a Qwen2's it keeps."""
 
     def __init__(self, path: str | Path, dtype: str | None = None):
         self.path = Path(path)
         self._reader = read_gguf(self.path)
         self.spec = spec_from_gguf_reader(self._reader, name=self.path.stem, dtype=dtype or "float32")
+        self._permuted = self._reader.get_field("general.architecture").contents() == "llama"
         self._tensors = {t.name: t for t in self._reader.tensors}
-        head = self.spec.head_tensor_shapes()
-        for name in head:
-            self._gguf_info(_GGUF_HEAD[name.split(".")[0]] + ".weight", head[name])
+        for name, shape in self.spec.head_tensor_shapes().items():
+            self._gguf_info(_gguf_name(name), shape)
         layer = self.spec.layer_tensor_shapes()
         for i in range(self.spec.num_layers):
             for name in layer:
-                self._gguf_info(f"blk.{i}.{_GGUF_LAYER[name.split('.')[0]]}.weight", layer[name])
+                self._gguf_info(_gguf_name(name, i), layer[name])
 
     def _gguf_info(self, gname: str, expected: tuple[int, ...]):
         t = self._tensors.get(gname)
@@ -276,15 +283,15 @@ class GGUFSource(ModelSource):
         return tensor.to(torch_dtype(self.spec.dtype))
 
     def load_head(self) -> Weights:
-        return {name: self._dequantize(_GGUF_HEAD[name.split(".")[0]] + ".weight", shape)
-                for name, shape in self.spec.head_tensor_shapes().items()}
+        return {name: self._dequantize(_gguf_name(name), shape) for name, shape in self.spec.head_tensor_shapes().items()}
 
     def load_layer(self, index: int) -> Weights:
         self._check_index(index)
-        out = {name: self._dequantize(f"blk.{index}.{_GGUF_LAYER[name.split('.')[0]]}.weight", shape)
+        out = {name: self._dequantize(_gguf_name(name, index), shape)
                for name, shape in self.spec.layer_tensor_shapes().items()}
-        out["q_proj.weight"] = unpermute_rope_rows(out["q_proj.weight"], self.spec.num_heads)
-        out["k_proj.weight"] = unpermute_rope_rows(out["k_proj.weight"], self.spec.num_kv_heads)
+        if self._permuted:
+            out["q_proj.weight"] = unpermute_rope_rows(out["q_proj.weight"], self.spec.num_heads)
+            out["k_proj.weight"] = unpermute_rope_rows(out["k_proj.weight"], self.spec.num_kv_heads)
         return out
 
     def tokenizer(self) -> Any:
