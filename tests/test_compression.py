@@ -390,6 +390,33 @@ def test_attention_over_the_codes_of_a_half_precision_cache_computes_in_float32(
     torch.testing.assert_close(got, want[:, :, 0], rtol=1e-5, atol=1e-5)
 
 
+def test_attention_over_the_codes_is_the_same_compiled_fresh_or_loaded_from_numba_cache(tmp_path):
+    """numba's freshly compiled parallel code and the code it caches differ; with the softmax's sum
+    reassociated they rounded differently, and one token of the bfloat16 offload benchmark changed
+    with the cache's state (stop 47). Two processes on one empty cache directory, the first
+    compiling, the second loading, give the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\ntorch.set_num_threads(2)\nfrom xrunner.compression import quantize\n"
+            "from xrunner.kvattend import attend_quantized, _attend_kernel\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            "k, v = (quantize((torch.randn(64, 8, 80, 64, generator=g) * 3).bfloat16(), clip_steps=0) for _ in range(2))\n"
+            "q, own = (torch.randn(64, 8, 64, generator=g).bfloat16() * 4 for _ in range(2))\n"
+            "out = attend_quantized(q, k, v, own, own, None)\n"
+            "torch.save(out, sys.argv[1])\nprint(_attend_kernel.stats.cache_hits and 'loaded' or 'compiled')\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "NUMBA_NUM_THREADS": "2"}
+    runs = []
+    for name in ("fresh", "cached"):
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{name}.pt")], capture_output=True, text=True,
+                             env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        runs.append(out.stdout.split()[-1])
+    assert runs == ["compiled", "loaded"]
+    assert torch.equal(torch.load(tmp_path / "fresh.pt"), torch.load(tmp_path / "cached.pt"))
+
+
 @pytest.mark.parametrize("first", ["quantize", "attend"])
 def test_the_numba_kernels_leave_torch_thread_count_alone(first):
     """numba's thread pool starts on the first call and resets the OpenMP thread count it shares

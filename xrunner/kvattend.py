@@ -177,6 +177,46 @@ def quantize_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return torch.from_numpy(mins), torch.from_numpy(scales), torch.from_numpy(out)
 
 
+# The softmax's sum keeps one order: numba's freshly compiled parallel code and the code it loads
+# from its cache are not the same machine code, and with fastmath's reassociation they summed a
+# row's exponentials in different orders, so a cold and a warm cache generated different tokens
+# (stop 47 traced it to one call: equal inputs and scores, different totals). Without "reassoc",
+# LLVM keeps this function's order (its flags stay on its instructions when it is inlined): 16
+# lanes added elementwise, then a fixed tree. nnan and nsz still let max vectorise. The scores'
+# dot products still reassociate (in order, they ran 2x slower); fresh and cached code gave equal
+# scores in every call of that run and in tests/test_compression.py.
+_SOFTMAX_FASTMATH = {"nnan", "nsz", "contract"}
+LANES = 16
+
+
+@njit(fastmath=_SOFTMAX_FASTMATH, cache=True, nogil=True)
+def _softmax_row(x, own, lane):
+    """``x <- exp(x - top) / total`` in place over ``x`` and the own score ``own``; returns the own
+    position's probability. ``lane`` is 16 floats of scratch."""
+    T = x.shape[0]
+    top = own
+    for t in range(T):
+        top = max(top, x[t])
+    lane[:] = 0.0
+    full = T - T % LANES
+    for t0 in range(0, full, LANES):
+        for i in range(LANES):
+            e = np.exp(x[t0 + i] - top)
+            x[t0 + i] = e
+            lane[i] += e
+    for t in range(full, T):
+        e = np.exp(x[t] - top)
+        x[t] = e
+        lane[t - full] += e
+    e_own = np.exp(own - top)
+    a0, a1, a2, a3 = lane[0] + lane[8], lane[1] + lane[9], lane[2] + lane[10], lane[3] + lane[11]
+    a4, a5, a6, a7 = lane[4] + lane[12], lane[5] + lane[13], lane[6] + lane[14], lane[7] + lane[15]
+    inv = np.float32(1.0) / (e_own + (((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))))
+    for t in range(T):
+        x[t] *= inv
+    return e_own * inv
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, out_e, out_o, p_own):
     """One (row, kv head) per parallel iteration: scores, softmax with the own score, output.
@@ -189,6 +229,7 @@ def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, out_e, 
         kh = bk % Hkv
         s = np.empty((rep, T), np.float32)
         qsum = np.zeros((rep, G), np.float32)
+        lane = np.empty(LANES, np.float32)
         for r in range(rep):
             h = kh * rep + r
             for gi in range(G):
@@ -214,19 +255,7 @@ def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, out_e, 
                 s[r, t] = acc * scale
         for r in range(rep):
             h = kh * rep + r
-            top = s_own[b, h]
-            for t in range(T):
-                top = max(top, s[r, t])
-            e_own = np.exp(s_own[b, h] - top)
-            total = e_own
-            for t in range(T):
-                e = np.exp(s[r, t] - top)
-                s[r, t] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for t in range(T):
-                s[r, t] *= inv
-            p_own[b, h] = e_own * inv
+            p_own[b, h] = _softmax_row(s[r], s_own[b, h], lane)
             for gi in range(G):
                 for j in range(half):
                     out_e[b, h, gi, j] = 0.0
@@ -244,6 +273,27 @@ def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, out_e, 
                         byte = pv[b, kh, t, gi, j]
                         out_e[b, h, gi, j] += pm + ps * np.float32(byte & 15)
                         out_o[b, h, gi, j] += pm + ps * np.float32(byte >> 4)
+
+
+_F32_C, _F32_A = types.Array(types.float32, 4, "C"), types.Array(types.float32, 4, "A")
+_CODES_A = types.Array(types.uint8, 5, "A")
+# The kernel's one compiled form. A cache slice's codes, mins and scales come strided, except where
+# the slice is its whole buffer or a bfloat16 cache's mins were converted; left to itself, numba
+# compiles a specialization per layout (its cache held three), whose reassociated score sums
+# vectorise, and so round, differently, and a call's result would hang on its slice's layout and
+# on the forms already compiled or cached.
+_ATTEND_SIGNATURE = types.void(_F32_C, _F32_C, _CODES_A, _F32_A, _F32_A, _CODES_A, _F32_A, _F32_A,
+                               types.Array(types.float32, 2, "C"), types.Array(types.boolean, 2, "C"),
+                               types.float32, _F32_C, _F32_C, types.Array(types.float32, 2, "C"))
+
+
+def _pinned_attend_kernel():
+    """``_attend_kernel`` compiled (or loaded from its cache) for ``_ATTEND_SIGNATURE`` alone, on
+    first use rather than at import; contiguous arrays then convert to it instead of compiling."""
+    if not _attend_kernel.signatures:
+        _attend_kernel.compile(_ATTEND_SIGNATURE)
+        _attend_kernel.disable_compile()
+    return _attend_kernel
 
 
 def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, own_k: torch.Tensor,
@@ -273,8 +323,9 @@ def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, ow
     out_e, out_o, p_own = torch.empty(B, H, G, half), torch.empty(B, H, G, half), torch.empty(B, H)
     keep = (torch.ones(B, T, dtype=torch.bool) if mask is None else mask).contiguous()
     mk, sk, mv, sv = (x.float().numpy() for x in (k.mins, k.scales, v.mins, v.scales))
-    with _torch_threads():
-        _attend_kernel(q_e.numpy(), q_o.numpy(), k.packed.numpy(), mk, sk, v.packed.numpy(), mv, sv, s_own.numpy(),
-                       keep.numpy(), np.float32(scale), out_e.numpy(), out_o.numpy(), p_own.numpy())
+    with _torch_threads():  # compiling starts numba's thread pool too
+        kernel = _pinned_attend_kernel()
+        kernel(q_e.numpy(), q_o.numpy(), k.packed.numpy(), mk, sk, v.packed.numpy(), mv, sv, s_own.numpy(),
+               keep.numpy(), np.float32(scale), out_e.numpy(), out_o.numpy(), p_own.numpy())
     res = torch.stack((out_e, out_o), dim=-1).view(B, H, -1)[..., :d]
     return res + p_own[..., None] * own_v.repeat_interleave(rep, dim=1)
