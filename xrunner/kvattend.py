@@ -186,7 +186,7 @@ def quantize_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 # dot products still reassociate (in order, they ran 2x slower); fresh and cached code gave equal
 # scores in every call of that run and in tests/test_compression.py.
 _SOFTMAX_FASTMATH = {"nnan", "nsz", "contract"}
-LANES = 16
+_LANES = 16  # the tree at the end of _softmax_row is written out for 16
 
 
 @njit(fastmath=_SOFTMAX_FASTMATH, cache=True, nogil=True)
@@ -198,9 +198,9 @@ def _softmax_row(x, own, lane):
     for t in range(T):
         top = max(top, x[t])
     lane[:] = 0.0
-    full = T - T % LANES
-    for t0 in range(0, full, LANES):
-        for i in range(LANES):
+    full = T - T % _LANES
+    for t0 in range(0, full, _LANES):
+        for i in range(_LANES):
             e = np.exp(x[t0 + i] - top)
             x[t0 + i] = e
             lane[i] += e
@@ -229,7 +229,7 @@ def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, out_e, 
         kh = bk % Hkv
         s = np.empty((rep, T), np.float32)
         qsum = np.zeros((rep, G), np.float32)
-        lane = np.empty(LANES, np.float32)
+        lane = np.empty(_LANES, np.float32)
         for r in range(rep):
             h = kh * rep + r
             for gi in range(G):
