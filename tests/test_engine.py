@@ -34,6 +34,7 @@ OPT = ModelSpec(name="tiny-opt", family="opt", num_layers=2, hidden=128, ffn=256
                 head_dim=64, vocab_size=320, max_positions=256, norm="layernorm", activation="relu",
                 position="learned", tied_embeddings=True, dtype="float32", bias=True)
 QWEN2 = replace(LLAMA, name="tiny-qwen2", qkv_bias=True, tied_embeddings=True)  # q/k/v biases, tied head
+MISTRAL = replace(LLAMA, name="tiny-mistral", sliding_window=5)  # v0.1's window, shorter than most requests
 MAX_PROMPT, MAX_OUTPUT = 14, 9
 
 
@@ -146,6 +147,21 @@ def test_biased_families_with_offloading(tmp_path, spec):
     want = reference(load_weights(src), reqs)
     got, _ = run_engine(src, Policy(gbs=2, nb=2, wg=0.5, wd=0.5, cg=0.5, cc=0.5, cpu_attention=True,
                                     refill_every=2), reqs, tmp_path)
+    assert got == want
+
+
+@pytest.mark.parametrize("where", [dict(), dict(cg=0.0, cc=1.0, cpu_attention=True),
+                                   dict(cg=0.0, cd=1.0, cpu_attention=True), dict(cg=0.5, cd=0.5)],
+                         ids=["gpu", "cpu-attention", "disk-cpu-attention", "disk-staged-to-gpu"])
+def test_a_sliding_window_holds_in_every_attention_path(tmp_path, where):
+    """Mistral-v0.1's window (each position attends to itself and the 4 before it here): prefill,
+    decode on the device, CPU attention next to a cpu or disk cache, and a disk cache staged to the
+    device all equal the reference loop, also in refilled slots whose old columns are masked."""
+    src = RandomSource(MISTRAL, seed=11)
+    reqs = make_requests(7, seed=6, vocab=MISTRAL.vocab_size, min_prompt=3)
+    want = reference(load_weights(src), reqs)
+    assert want != reference(load_weights(RandomSource(replace(MISTRAL, sliding_window=None), seed=11)), reqs)
+    got, _ = run_engine(src, Policy(gbs=3, nb=2, wg=0.5, wc=0.5, **where, refill_every=2), reqs, tmp_path)
     assert got == want
 
 
@@ -327,8 +343,9 @@ def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_
     return attn_out_mlp(spec, w, attn, hidden)
 
 
-@pytest.mark.parametrize("spec,cache", [(LLAMA, False), (LLAMA, True), (QWEN2, True)],
-                         ids=["weights", "weights-and-cache", "qwen2-weights-and-cache"])
+@pytest.mark.parametrize("spec,cache", [(LLAMA, False), (LLAMA, True), (QWEN2, True), (MISTRAL, True)],
+                         ids=["weights", "weights-and-cache", "qwen2-weights-and-cache",
+                              "sliding-window-weights-and-cache"])
 def test_compression_equals_reference_with_the_same_quantization(tmp_path, monkeypatch, spec, cache):
     src = RandomSource(spec, seed=7)
     reqs = make_requests(6, seed=4, vocab=spec.vocab_size, min_prompt=2)

@@ -102,7 +102,11 @@ def test_mistral_and_qwen2_configs_read_as_llama_layers():
         assert (spec.family, spec.num_params, spec.max_positions) == ("llama", params, 32768)
         assert spec.num_params == get_model_spec(registry).num_params
         assert spec.qkv_bias == (cfg is qwen) and not spec.bias
-    assert spec_from_hf_dict({**mistral, "sliding_window": 4096}, name="v0.1").max_positions == 4096
+    v01 = spec_from_hf_dict({**mistral, "sliding_window": 4096}, name="v0.1")  # every layer windowed: masked
+    assert (v01.sliding_window, v01.max_positions) == (4096, 32768)
+    assert ModelSpec.from_json(v01.to_json()) == v01
+    assert spec_from_hf_dict({**mistral, "sliding_window": 32768}, name="m").sliding_window is None  # no slide
+    # Qwen2 windows only some layers, which the engine does not model: the window caps the length
     assert spec_from_hf_dict({**qwen, "use_sliding_window": True, "max_window_layers": 21,
                               "sliding_window": 4096}, name="q").max_positions == 4096
     assert spec_from_hf_dict({**qwen, "layer_types": ["full_attention"] * 27 + ["sliding_attention"],

@@ -129,7 +129,7 @@ def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, hf) -> None:
+def write_tiny_gguf(path, hf, sliding_window: int | None = None) -> None:
     """Write an HF Llama or Qwen2 as a llama.cpp GGUF: F32 norms and biases, Q8_0 projections,
     a Llama's q/k rows permuted (llama.cpp keeps a Qwen2's, which its rope kernel reads as they are)."""
     cfg = hf.config
@@ -145,6 +145,8 @@ def write_tiny_gguf(path, hf) -> None:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_eos_token_id(2)
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
     q8 = gguf.GGMLQuantizationType.Q8_0
 
     def add(name: str, t: torch.Tensor, quantize: bool) -> None:
@@ -200,7 +202,14 @@ def test_tiny_gguf_unpermutes_and_matches_transformers(tmp_path, tied):
     assert isinstance(source, GGUFSource)
     assert ModelSpec.from_gguf(path, dtype="float16") == source.spec.with_dtype("float16")
     assert (source.spec.num_kv_heads, source.spec.tied_embeddings, source.spec.eos_token_id) == (2, tied, 2)
+    assert source.spec.sliding_window is None
     assert_matches_hf(load_weights(source), hf)
+
+
+def test_a_gguf_that_records_a_sliding_window_keeps_it(tmp_path):
+    path = tmp_path / "windowed.gguf"
+    write_tiny_gguf(path, tiny_hf("llama", tied=True, seed=3), sliding_window=16)
+    assert open_model(path).spec.sliding_window == 16
 
 
 def test_tiny_qwen2_gguf_keeps_its_rows_reads_its_biases_and_matches_transformers(tmp_path):

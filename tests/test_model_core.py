@@ -65,6 +65,11 @@ SHAPES = {
     "mistral-gqa": ("mistral", dict(vocab_size=420, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                     num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                                     max_position_embeddings=128, sliding_window=None, tie_word_embeddings=False)),
+    # Mistral-7B-v0.1's window (4096) shrunk below the prompts: prefill and decode both slide
+    "mistral-sliding-window": ("mistral", dict(vocab_size=420, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=128, sliding_window=6,
+                                               tie_word_embeddings=False)),
 }
 # HF model_type -> (config class, model class) names in transformers.
 HF_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),

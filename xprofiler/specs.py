@@ -27,7 +27,8 @@ DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 @dataclass(frozen=True)
 class ModelSpec(Contract):
     """Architecture of an OPT- or Llama-family model (frozen, JSON round-trip). Mistral and Qwen2
-    checkpoints are Llama-family specs: Qwen2 adds biases to q/k/v (``qkv_bias``)."""
+    checkpoints are Llama-family specs: Qwen2 adds biases to q/k/v (``qkv_bias``), Mistral-7B-v0.1
+    lets every layer attend to its last ``sliding_window`` positions only."""
 
     SCHEMA: ClassVar[str] = "xsched.ModelSpec/1"
 
@@ -50,6 +51,8 @@ class ModelSpec(Contract):
     rope_theta: float = 10000.0
     bias: bool = False  # biases on the q/k/v/o and MLP projections (OPT; q/k/v/o only for a gated MLP)
     qkv_bias: bool = False  # biases on q/k/v alone (Qwen2)
+    # Every layer's query sees its own and the previous sliding_window - 1 positions (Mistral v0.1)
+    sliding_window: int | None = None
     eos_token_id: int | None = None
     # More end-of-sequence ids (a config's list after its first, generation_config.json's):
     # Llama-3.1-Instruct ends turns with any of three, and HF's generate stops at each.
@@ -66,6 +69,9 @@ class ModelSpec(Contract):
                     "vocab_size", "max_positions"):
             if not 0 < getattr(self, key) < 2**31:  # 1e20 overflowed numpy; no model is near 2**31
                 raise ValueError(f"{key} must be positive and below 2**31, got {getattr(self, key)}")
+        if self.sliding_window is not None and not (0 < self.sliding_window < 2**31 and self.family == "llama"):
+            raise ValueError(f"sliding_window must be a positive whole number on a Llama-family model, "
+                             f"got {self.sliding_window}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.family == "opt" and (self.norm, self.activation, self.position) != ("layernorm", "relu", "learned"):
@@ -321,7 +327,7 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 ffn=cfg["intermediate_size"], num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                vocab_size=cfg["vocab_size"], max_positions=_full_attention_positions(cfg, model_type, name),
+                vocab_size=cfg["vocab_size"], **_attention_reach(cfg, model_type, name),
                 norm="rmsnorm", activation="silu", position="rotary",
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 dtype=dtype or _hf_dtype(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -340,11 +346,12 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
 _LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 
 
-def _full_attention_positions(cfg: dict, model_type: str, name: str) -> int:
-    """The longest sequence on which every layer attends to every earlier position. Mistral (a
-    ``sliding_window``) and Qwen2 (with ``use_sliding_window``) limit some layers to the last
-    ``sliding_window`` keys; the engine attends to all of them, which is the same model only up to
-    the window, so the window is the spec's ``max_positions`` and longer jobs are refused."""
+def _attention_reach(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
+    """``max_positions`` and ``sliding_window`` of a Llama-family config. Mistral's
+    ``sliding_window`` applies to every layer, and the engine masks it. Qwen2 with
+    ``use_sliding_window`` windows only some layers, which the engine does not model: there the
+    window is the spec's ``max_positions`` (every layer sees every key up to it, so the model is
+    the same), and longer jobs are refused."""
     longest = cfg["max_position_embeddings"]
     window = cfg.get("sliding_window")
     if model_type == "mistral":
@@ -356,10 +363,12 @@ def _full_attention_positions(cfg: dict, model_type: str, name: str) -> int:
     else:
         slides = False
     if not slides:
-        return longest
+        return {"max_positions": longest}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise UserError(f"{name}: config.json's sliding_window={window!r} must be a whole number >= 1")
-    return min(longest, window)
+    if model_type == "mistral":
+        return {"max_positions": longest, "sliding_window": window if window < longest else None}
+    return {"max_positions": min(longest, window)}
 
 
 def _opt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -461,6 +470,7 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
     tensor_names = {t.name for t in reader.tensors}
     vocab = field(f"{arch}.vocab_size", 0) or len(field("tokenizer.ggml.tokens"))
     eos = reader.get_field("tokenizer.ggml.eos_token_id")
+    window = reader.get_field(f"{arch}.attention.sliding_window")  # llama.cpp writes none for Mistral
     return ModelSpec(
         name=name, family="llama", num_layers=int(field(f"{arch}.block_count")), hidden=hidden,
         ffn=int(field(f"{arch}.feed_forward_length")), num_heads=heads,
@@ -471,4 +481,5 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
         norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         eos_token_id=int(eos.contents()) if eos is not None else None, qkv_bias=arch == "qwen2",
+        sliding_window=int(window.contents()) if window is not None and arch == "llama" else None,
     )

@@ -137,25 +137,44 @@ def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     The queries are the last ``t`` positions of the context. ``mask [b, T]`` hides padding keys
     (None: no padding, which lets SDPA pick its fastest kernels); ``causal`` additionally hides
-    later keys (prefill). A padding query would see no key at all, so every query may always see
-    its own position: its output is ignored but stays finite. Grouped-query attention shares
-    each kv head among ``H / Hkv`` query heads.
+    later keys (prefill), and a sliding window (:func:`visible_keys`) earlier ones. Grouped-query
+    attention shares each kv head among ``H / Hkv`` query heads.
     """
     b, n_heads, t, d = q.shape
     T = k.shape[2]
     gqa = spec.num_kv_heads != spec.num_heads
     causal = causal and t > 1
-    if mask is None and (not causal or t == T):
+    window = spec.sliding_window if spec.sliding_window is not None and spec.sliding_window < T else None
+    if mask is None and window is None and (not causal or t == T):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     else:
-        allowed = None if mask is None else mask[:, None, None, :]
-        if causal:
-            q_pos = torch.arange(T - t, T, device=q.device)[:, None]
-            k_pos = torch.arange(T, device=q.device)[None, :]
-            visible = k_pos <= q_pos
-            allowed = visible if allowed is None else (allowed & visible) | (k_pos == q_pos)
+        allowed = visible_keys(mask, t, T, causal, window, q.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(b, t, n_heads * d)
+
+
+def visible_keys(mask: torch.Tensor | None, t: int, T: int, causal: bool, window: int | None,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """Which of ``T`` keys each of the last ``t`` positions attends to: ``[b or 1, 1, t, T]`` bool.
+
+    ``mask [b, T]`` marks real tokens (None: all real); ``causal`` hides later keys; ``window``
+    keeps the query's own and the ``window - 1`` real tokens before it (HF Mistral's
+    ``kv_idx > q_idx - sliding_window``; counting real tokens, not columns, is the same for a
+    sequence's contiguous tokens and holds after a refilled slot's older, masked columns). A padding
+    query would see no key at all, so every query may always see its own position: its output is
+    ignored but stays finite.
+    """
+    q_pos = torch.arange(T - t, T, device=device)[:, None]
+    k_pos = torch.arange(T, device=device)[None, :]
+    allowed = torch.ones((1, 1, t, T), dtype=torch.bool, device=device) if mask is None else mask[:, None, None, :]
+    if causal:
+        allowed = allowed & (k_pos <= q_pos)
+    if window is not None:
+        real = torch.ones((1, T), dtype=torch.long, device=device) if mask is None else mask.long()
+        seen = real.cumsum(-1)  # real tokens in columns [0, j]
+        # real tokens in [key, query] for a real key: seen[query] - seen[key] + 1
+        allowed = allowed & ((seen[:, T - t:, None] - seen[:, None, :]) < window)[:, None]
+    return allowed | (k_pos == q_pos)
 
 
 def is_range(idx: Sequence[int]) -> bool:

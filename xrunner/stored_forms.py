@@ -18,7 +18,7 @@ from xprofiler.specs import ModelSpec
 from xrunner.compression import (DEFAULT_CLIP_STEPS, DEFAULT_GROUP_SIZE, KV_CLIP_STEPS, QuantizedTensor,
                                  dequantize, gptq_quantize, hadamard, quantize, rotate_groups, rotate_inputs)
 from xrunner.kvattend import attend_quantized
-from xrunner.model import attention
+from xrunner.model import attention, visible_keys
 from xsimulator.costmodel import IN_ROTATION_BLOCK, input_rotated
 
 
@@ -268,6 +268,8 @@ class KVCodec:
         k, v = (QuantizedTensor(*(x[:, :, :T - 1] for x in parts[3 * i:3 * i + 3]), shape, 3, self.group)
                 for i in range(2))
         own_k, own_v = (x[:, :, 0] for x in fresh)
+        if spec.sliding_window is not None and spec.sliding_window < T:
+            mask = visible_keys(mask, 1, T, False, spec.sliding_window, q.device)[:, 0, 0].expand(b, T)
         out = attend_quantized(self._rotate(q)[:, :, 0], k, v, own_k, own_v,
                                None if mask is None else mask[:, :T - 1])
         return self._unrotated(spec, out[:, None], layer).to(q.dtype)
