@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -147,6 +148,40 @@ def test_bad_configs_give_user_errors(tmp_path):
     (tmp_path / "config.json").write_text("[]")
     with pytest.raises(UserError, match="must be a JSON object"):
         ModelSpec.from_hf_config(tmp_path)
+
+
+def test_llama31_rope_scaling_is_read_and_unknown_kinds_are_refused():
+    """Llama-3.1-8B's published config (trimmed): its "llama3" scaling keeps the short wavelengths,
+    divides the long ones by 8 and blends between, in either HF spelling; kinds xsched does not
+    compute (dynamic NTK, YaRN) are refused rather than ignored, which would change every token."""
+    cfg = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256, "rope_theta": 500000.0,
+           "max_position_embeddings": 131072, "eos_token_id": [128001, 128008, 128009],
+           "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    spec = spec_from_hf_dict(cfg, name="llama-3.1-8b")
+    d = spec.rope_divisors
+    assert len(d) == 64 and d[0] == 1.0 and d[-1] == 8.0 and list(d) == sorted(d)
+    # wavelength 2 pi 500000^(i/64) of frequency i against 8192/4 = 2048 and 8192/1: below 2048 up to
+    # i = 28 (500000^(28/64) = 311 < 2048 / 2 pi = 326), above 8192 from i = 35 (1308 > 8192 / 2 pi = 1304)
+    assert set(d[:29]) == {1.0} and set(d[35:]) == {8.0} and all(1 < x < 8 for x in d[29:35])
+    assert ModelSpec.from_json(spec.to_json()) == spec
+    registry = get_model_spec("llama-3.1-8b")
+    assert (registry.num_params, registry.rope_divisors, registry.eos_token_ids) == (8_030_261_248, d, (128001, 128008,
+                                                                                                       128009))
+    assert spec == replace(registry, dtype=spec.dtype, norm_eps=spec.norm_eps)
+    v5 = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_theta")}
+    v5["rope_parameters"] = {**cfg["rope_scaling"], "rope_theta": 500000.0}  # transformers 5's spelling
+    assert spec_from_hf_dict(v5, name="llama-3.1-8b") == spec
+    linear = spec_from_hf_dict({**cfg, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, name="l")
+    assert linear.rope_divisors == (2.0,) * 64
+    for scaling, message in [({"rope_type": "dynamic", "factor": 2.0}, "rope scaling 'dynamic' is not supported"),
+                             ({"type": "yarn", "factor": 4.0}, "rope scaling 'yarn' is not supported"),
+                             ({"rope_type": "llama3", "factor": 8.0}, "lacks 'low_freq_factor'"),
+                             ({"rope_type": "linear", "factor": "x"}, "holds no valid numbers"),
+                             ({"rope_type": "linear", "factor": 0}, "factor must be > 0")]:
+        with pytest.raises(UserError, match=message):
+            spec_from_hf_dict({**cfg, "rope_scaling": scaling}, name="m")
 
 
 def test_config_values_of_the_wrong_kind_give_user_errors(tmp_path):

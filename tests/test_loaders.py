@@ -23,7 +23,7 @@ CHAT_PROMPTS = ["What is the capital of France?", "Hi!",
                 "Explain in two sentences why the sky looks blue during the day and red at sunset."]
 
 
-def tiny_hf(family: str, tied: bool = True, seed: int = 0):
+def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
     """A random HF model with HF's own initialisation (independent of our RandomSource)."""
     torch.manual_seed(seed)
     if family == "opt":
@@ -35,7 +35,8 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0):
         prefix = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[family]
         config = getattr(transformers, f"{prefix}Config")(
             vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, attn_implementation="eager")
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, attn_implementation="eager",
+            **config)
         model = getattr(transformers, f"{prefix}ForCausalLM")(config)
     with torch.no_grad():  # HF inits norms to 1 and biases to 0; perturb them so a mix-up shows
         for name, p in model.named_parameters():
@@ -129,7 +130,7 @@ def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, hf, sliding_window: int | None = None) -> None:
+def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: torch.Tensor | None = None) -> None:
     """Write an HF Llama or Qwen2 as a llama.cpp GGUF: F32 norms and biases, Q8_0 projections,
     a Llama's q/k rows permuted (llama.cpp keeps a Qwen2's, which its rope kernel reads as they are)."""
     cfg = hf.config
@@ -156,6 +157,8 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None) -> None:
         else:
             writer.add_tensor(name, arr)
 
+    if rope_freqs is not None:  # llama.cpp's form of Llama 3.1's rope scaling: a divisor per frequency
+        add("rope_freqs.weight", rope_freqs, False)
     add("token_embd.weight", hf.model.embed_tokens.weight, True)
     add("output_norm.weight", hf.model.norm.weight, False)
     if not cfg.tie_word_embeddings:
@@ -203,6 +206,24 @@ def test_tiny_gguf_unpermutes_and_matches_transformers(tmp_path, tied):
     assert ModelSpec.from_gguf(path, dtype="float16") == source.spec.with_dtype("float16")
     assert (source.spec.num_kv_heads, source.spec.tied_embeddings, source.spec.eos_token_id) == (2, tied, 2)
     assert source.spec.sliding_window is None
+    assert_matches_hf(load_weights(source), hf)
+
+
+def test_a_llama31_gguf_applies_its_rope_freqs_and_matches_transformers(tmp_path):
+    """Llama 3.1's "llama3" rope scaling (here with bounds that keep, blend and divide frequencies
+    of head_dim 16) as llama.cpp stores it: divisors taken from transformers' own scaled frequencies."""
+    hf = tiny_hf("llama", tied=True, seed=4, rope_theta=500000.0,
+                 rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=64))
+    d = hf.config.head_dim
+    plain = 1.0 / 500000.0 ** (torch.arange(0, d, 2).float() / d)
+    divisors = plain / hf.model.rotary_emb.inv_freq
+    assert (divisors == 1).any() and (divisors == 8).any() and ((divisors > 1) & (divisors < 8)).any()
+    path = tmp_path / "llama31.gguf"
+    write_tiny_gguf(path, hf, rope_freqs=divisors)
+    q8_round_trip(hf)
+    source = open_model(path)
+    assert source.spec.rope_divisors == pytest.approx(divisors.tolist(), rel=1e-6)
     assert_matches_hf(load_weights(source), hf)
 
 

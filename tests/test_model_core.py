@@ -65,6 +65,17 @@ SHAPES = {
     "mistral-gqa": ("mistral", dict(vocab_size=420, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                     num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                                     max_position_embeddings=128, sliding_window=None, tie_word_embeddings=False)),
+    # Llama 3.1's rope scaling, its wavelength bounds (64 / 4, 64 / 1) placed so that head_dim 16 has
+    # frequencies kept, blended and divided
+    "llama3-rope-scaling": ("llama", dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                          rope_theta=500000.0, tie_word_embeddings=True,
+                                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                            high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "llama-linear-rope-scaling": ("llama", dict(vocab_size=300, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                                max_position_embeddings=128, tie_word_embeddings=False,
+                                                rope_scaling=dict(rope_type="linear", factor=4.0))),
     # Mistral-7B-v0.1's window (4096) shrunk below the prompts: prefill and decode both slide
     "mistral-sliding-window": ("mistral", dict(vocab_size=420, hidden_size=64, intermediate_size=128,
                                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

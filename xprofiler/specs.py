@@ -10,6 +10,7 @@ they count every parameter exactly instead of FlexGen's approximation.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -53,6 +54,9 @@ class ModelSpec(Contract):
     qkv_bias: bool = False  # biases on q/k/v alone (Qwen2)
     # Every layer's query sees its own and the previous sliding_window - 1 positions (Mistral v0.1)
     sliding_window: int | None = None
+    # Rotary inverse frequency i is rope_theta ** (-2i / head_dim) / rope_divisors[i]: a rope
+    # scaling (Llama 3.1's "llama3", "linear") or a GGUF's rope_freqs tensor; () when unscaled
+    rope_divisors: tuple[float, ...] = ()
     eos_token_id: int | None = None
     # More end-of-sequence ids (a config's list after its first, generation_config.json's):
     # Llama-3.1-Instruct ends turns with any of three, and HF's generate stops at each.
@@ -72,6 +76,10 @@ class ModelSpec(Contract):
         if self.sliding_window is not None and not (0 < self.sliding_window < 2**31 and self.family == "llama"):
             raise ValueError(f"sliding_window must be a positive whole number on a Llama-family model, "
                              f"got {self.sliding_window}")
+        if self.rope_divisors and not (self.position == "rotary" and len(self.rope_divisors) == self.head_dim // 2
+                                       and all(0 < x < math.inf for x in self.rope_divisors)):
+            raise ValueError(f"rope_divisors must hold head_dim / 2 = {self.head_dim // 2} positive numbers on a "
+                             f"rotary model, got {len(self.rope_divisors)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.family == "opt" and (self.norm, self.activation, self.position) != ("layernorm", "relu", "learned"):
@@ -319,19 +327,17 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 raise UserError(f"{name}: {kind} with MLP biases is not supported")
             heads = cfg["num_attention_heads"]
             rope = cfg.get("rope_parameters") or {}
-            rope_scaling = cfg.get("rope_scaling")
-            if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-                raise UserError(f"{name}: rope scaling {rope_scaling!r} is not supported")
+            theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
             return ModelSpec(
                 name=name, family="llama", num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
                 ffn=cfg["intermediate_size"], num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                vocab_size=cfg["vocab_size"], **_attention_reach(cfg, model_type, name),
+                head_dim=head_dim, vocab_size=cfg["vocab_size"], **_attention_reach(cfg, model_type, name),
                 norm="rmsnorm", activation="silu", position="rotary",
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 dtype=dtype or _hf_dtype(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                rope_theta=theta, rope_divisors=_rope_divisors(cfg, name, head_dim, theta),
                 bias=bool(cfg.get("attention_bias")), qkv_bias=model_type == "qwen2", **eos_fields,
             )
     except KeyError as exc:
@@ -344,6 +350,46 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
 
 # Checkpoints with Llama's layer (RMSNorm, rotary positions, SwiGLU MLP) under their HF model_type.
 _LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+
+def _rope_divisors(cfg: dict, name: str, head_dim: int, theta: float) -> tuple[float, ...]:
+    """``ModelSpec.rope_divisors`` for a config's rope scaling (``rope_scaling``, or transformers
+    5's ``rope_parameters``). "linear" divides every frequency by ``factor``. "llama3" (Llama 3.1
+    and 3.2) divides the frequencies whose wavelength exceeds ``original_max_position_embeddings /
+    low_freq_factor`` by ``factor``, keeps those shorter than ``... / high_freq_factor``, and
+    blends the two in between. Other kinds (dynamic NTK, YaRN, LongRoPE) are refused: silently
+    ignoring one would change every token."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return ()
+    if kind not in ("linear", "llama3"):
+        raise UserError(f"{name}: rope scaling {kind!r} is not supported (xsched runs 'linear' and 'llama3')")
+    try:
+        factor = float(scaling["factor"])
+        inv_freq = [theta ** (-i / head_dim) for i in range(0, head_dim - 1, 2)]
+        if kind == "linear":
+            divisors = [factor] * len(inv_freq)
+        else:
+            low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+            original = float(scaling["original_max_position_embeddings"])
+            divisors = []
+            for f in inv_freq:
+                wavelength = 2 * math.pi / f
+                if wavelength < original / high:
+                    divisors.append(1.0)
+                elif wavelength > original / low:
+                    divisors.append(factor)
+                else:  # the frequency becomes (1 - s) f / factor + s f
+                    s = (original / wavelength - low) / (high - low)
+                    divisors.append(1.0 / ((1 - s) / factor + s))
+    except KeyError as exc:
+        raise UserError(f"{name}: rope scaling {kind!r} lacks {exc.args[0]!r}") from None
+    except (TypeError, ValueError, ZeroDivisionError):
+        raise UserError(f"{name}: rope scaling {scaling!r} holds no valid numbers") from None
+    if not all(0 < d < math.inf for d in divisors):
+        raise UserError(f"{name}: rope scaling {scaling!r} gives a non-positive frequency; factor must be > 0")
+    return tuple(divisors)
 
 
 def _attention_reach(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
@@ -380,11 +426,16 @@ def _opt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
 
 def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int,
            max_pos: int, theta: float, tied: bool = False, eps: float = 1e-5, eos: int = 2,
-           qkv_bias: bool = False) -> ModelSpec:
+           qkv_bias: bool = False, extra_eos: tuple[int, ...] = (), llama3_factor: float | None = None) -> ModelSpec:
+    """A Llama-family registry entry; ``llama3_factor``: Llama 3.1's rope scaling with that factor
+    (low/high frequency factors 1 and 4 over 8192 original positions, as all 3.1 and 3.2 models)."""
+    scaling = None if llama3_factor is None else {"rope_type": "llama3", "factor": llama3_factor, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     return ModelSpec(name=name, family="llama", num_layers=layers, hidden=hidden, ffn=ffn, num_heads=heads,
                      num_kv_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab, max_positions=max_pos,
                      norm="rmsnorm", activation="silu", position="rotary", tied_embeddings=tied,
-                     norm_eps=eps, rope_theta=theta, eos_token_id=eos, qkv_bias=qkv_bias)
+                     norm_eps=eps, rope_theta=theta, eos_token_id=eos, qkv_bias=qkv_bias, extra_eos_token_ids=extra_eos,
+                     rope_divisors=_rope_divisors({"rope_scaling": scaling}, name, hidden // heads, theta))
 
 
 def _registry() -> dict[str, ModelSpec]:
@@ -400,6 +451,13 @@ def _registry() -> dict[str, ModelSpec]:
         _llama("llama-2-13b", 40, 5120, 13824, 40, 40, 32000, 4096, 10000.0),
         _llama("llama-2-70b", 80, 8192, 28672, 64, 8, 32000, 4096, 10000.0),
         _llama("llama-3-8b", 32, 4096, 14336, 32, 8, 128256, 8192, 500000.0, eos=128001),
+        # Llama-3.1-8B-Instruct and Llama-3.2-1B/3B-Instruct, from their config.json (rope scaling, 3 eos ids)
+        _llama("llama-3.1-8b", 32, 4096, 14336, 32, 8, 128256, 131072, 500000.0, eos=128001,
+               extra_eos=(128008, 128009), llama3_factor=8.0),
+        _llama("llama-3.2-1b", 16, 2048, 8192, 32, 8, 128256, 131072, 500000.0, tied=True, eos=128001,
+               extra_eos=(128008, 128009), llama3_factor=32.0),
+        _llama("llama-3.2-3b", 28, 3072, 8192, 24, 8, 128256, 131072, 500000.0, tied=True, eos=128001,
+               extra_eos=(128008, 128009), llama3_factor=32.0),
         _llama("smollm2-135m", 30, 576, 1536, 9, 3, 49152, 8192, 100000.0, tied=True, eos=2),
         # Mistral-7B-Instruct-v0.2 (no sliding window) and Qwen2.5-7B-Instruct, from their config.json
         _llama("mistral-7b", 32, 4096, 14336, 32, 8, 32000, 32768, 1000000.0),
@@ -471,6 +529,7 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
     vocab = field(f"{arch}.vocab_size", 0) or len(field("tokenizer.ggml.tokens"))
     eos = reader.get_field("tokenizer.ggml.eos_token_id")
     window = reader.get_field(f"{arch}.attention.sliding_window")  # llama.cpp writes none for Mistral
+    divisors = _gguf_rope_divisors(reader, arch, name, head_dim)
     return ModelSpec(
         name=name, family="llama", num_layers=int(field(f"{arch}.block_count")), hidden=hidden,
         ffn=int(field(f"{arch}.feed_forward_length")), num_heads=heads,
@@ -482,4 +541,26 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         eos_token_id=int(eos.contents()) if eos is not None else None, qkv_bias=arch == "qwen2",
         sliding_window=int(window.contents()) if window is not None and arch == "llama" else None,
+        rope_divisors=divisors,
     )
+
+
+def _gguf_rope_divisors(reader, arch: str, name: str, head_dim: int) -> tuple[float, ...]:
+    """``ModelSpec.rope_divisors`` of a GGUF file: llama.cpp stores Llama 3.1's scaling as a
+    ``rope_freqs.weight`` tensor of per-frequency divisors, and a linear one as
+    ``<arch>.rope.scaling.type`` "linear" with its ``factor`` (which divides every frequency)."""
+    kind = reader.get_field(f"{arch}.rope.scaling.type")
+    kind = "none" if kind is None else str(kind.contents())
+    if kind not in ("none", "linear"):
+        raise UserError(f"{name}: GGUF rope scaling {kind!r} is not supported (xsched runs 'linear' and "
+                        "Llama 3.1's rope_freqs)")
+    factor = reader.get_field(f"{arch}.rope.scaling.factor")
+    linear = float(factor.contents()) if kind == "linear" and factor is not None else 1.0
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None and linear == 1.0:
+        return ()
+    values = [linear] * (head_dim // 2) if freqs is None else [float(x) * linear for x in freqs.data.reshape(-1)]
+    if len(values) != head_dim // 2 or not all(0 < x < math.inf for x in values):
+        raise UserError(f"{name}: GGUF rope scaling needs head_dim / 2 = {head_dim // 2} positive divisors "
+                        f"(rope_freqs.weight, rope.scaling.factor), got {len(values)}: {values[:4]}")
+    return tuple(values)
