@@ -34,6 +34,7 @@ OPT = ModelSpec(name="tiny-opt", family="opt", num_layers=2, hidden=128, ffn=256
                 head_dim=64, vocab_size=320, max_positions=256, norm="layernorm", activation="relu",
                 position="learned", tied_embeddings=True, dtype="float32", bias=True)
 QWEN2 = replace(LLAMA, name="tiny-qwen2", qkv_bias=True, tied_embeddings=True)  # q/k/v biases, tied head
+QWEN3 = replace(LLAMA, name="tiny-qwen3", qk_norm=True)  # an RMSNorm over each head's q and k
 MISTRAL = replace(LLAMA, name="tiny-mistral", sliding_window=5)  # v0.1's window, shorter than most requests
 MAX_PROMPT, MAX_OUTPUT = 14, 9
 
@@ -140,8 +141,9 @@ def test_one_gpu_batch_per_block_and_uneven_last_block(llama, tmp_path):
     assert got == want
 
 
-@pytest.mark.parametrize("spec", [OPT, QWEN2], ids=["opt", "qwen2"])
-def test_biased_families_with_offloading(tmp_path, spec):
+@pytest.mark.parametrize("spec", [OPT, QWEN2, QWEN3], ids=["opt", "qwen2", "qwen3"])
+def test_other_layer_kinds_with_offloading(tmp_path, spec):
+    """OPT's and Qwen2's biases and Qwen3's q/k norms through disk weights, CPU attention and refill."""
     src = RandomSource(spec, seed=5)
     reqs = make_requests(5, seed=2, vocab=spec.vocab_size)
     want = reference(load_weights(src), reqs)
@@ -343,8 +345,8 @@ def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_
     return attn_out_mlp(spec, w, attn, hidden)
 
 
-@pytest.mark.parametrize("spec,cache", [(LLAMA, False), (LLAMA, True), (QWEN2, True), (MISTRAL, True)],
-                         ids=["weights", "weights-and-cache", "qwen2-weights-and-cache",
+@pytest.mark.parametrize("spec,cache", [(LLAMA, False), (LLAMA, True), (QWEN2, True), (QWEN3, True), (MISTRAL, True)],
+                         ids=["weights", "weights-and-cache", "qwen2-weights-and-cache", "qwen3-weights-and-cache",
                               "sliding-window-weights-and-cache"])
 def test_compression_equals_reference_with_the_same_quantization(tmp_path, monkeypatch, spec, cache):
     src = RandomSource(spec, seed=7)

@@ -85,10 +85,12 @@ def test_from_hf_config_llama_and_opt(tmp_path):
     assert ModelSpec.from_hf_config(tmp_path).num_params == get_model_spec("opt-125m").num_params
 
 
-def test_mistral_and_qwen2_configs_read_as_llama_layers():
+def test_mistral_and_qwen_configs_read_as_llama_layers():
     """Their config.json files (as published, trimmed) give Llama-family specs with the published
-    parameter counts (Mistral-7B 7,241,732,096; Qwen2.5-7B 7,615,616,512, q/k/v biases included),
-    and a sliding window becomes the longest sequence the engine runs (it attends to every key)."""
+    parameter counts (Mistral-7B 7,241,732,096; Qwen2.5-7B 7,615,616,512, q/k/v biases included;
+    Qwen3-8B 8,190,735,360, q/k norms included). Mistral's sliding window is kept for the engine to
+    mask; Qwen2's, which covers only some layers, becomes the longest sequence the engine runs (it
+    attends to every key there)."""
     mistral = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
                "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 32000, "hidden_act": "silu",
                "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
@@ -98,11 +100,19 @@ def test_mistral_and_qwen2_configs_read_as_llama_layers():
             "max_position_embeddings": 32768, "max_window_layers": 28, "rms_norm_eps": 1e-6,
             "rope_theta": 1000000.0, "sliding_window": 131072, "use_sliding_window": False,
             "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
-    for cfg, params, registry in [(mistral, 7_241_732_096, "mistral-7b"), (qwen, 7_615_616_512, "qwen2.5-7b")]:
+    qwen3 = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 36, "vocab_size": 151936,
+             "hidden_act": "silu", "max_position_embeddings": 40960, "max_window_layers": 36, "rms_norm_eps": 1e-6,
+             "rope_theta": 1000000.0, "sliding_window": None, "use_sliding_window": False, "attention_bias": False,
+             "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 151645}
+    for cfg, params, registry in [(mistral, 7_241_732_096, "mistral-7b"), (qwen, 7_615_616_512, "qwen2.5-7b"),
+                                  (qwen3, 8_190_735_360, "qwen3-8b")]:
         spec = spec_from_hf_dict(cfg, name="m")
-        assert (spec.family, spec.num_params, spec.max_positions) == ("llama", params, 32768)
+        assert (spec.family, spec.num_params) == ("llama", params)
+        assert spec.max_positions == cfg["max_position_embeddings"]
         assert spec.num_params == get_model_spec(registry).num_params
-        assert spec.qkv_bias == (cfg is qwen) and not spec.bias
+        assert spec.qkv_bias == (cfg is qwen) and spec.qk_norm == (cfg is qwen3) and not spec.bias
+    assert spec_from_hf_dict(qwen3, name="qwen3-8b") == replace(get_model_spec("qwen3-8b"), dtype="bfloat16")
     v01 = spec_from_hf_dict({**mistral, "sliding_window": 4096}, name="v0.1")  # every layer windowed: masked
     assert (v01.sliding_window, v01.max_positions) == (4096, 32768)
     assert ModelSpec.from_json(v01.to_json()) == v01
@@ -122,7 +132,7 @@ def test_mistral_and_qwen2_configs_read_as_llama_layers():
         with pytest.raises(UserError, match=message):
             spec_from_hf_dict({**mistral, **change}, name="m")
     with pytest.raises(UserError, match="model_type 'gemma' is not supported; xsched runs 'opt', 'llama', "
-                                        "'mistral', 'qwen2' models"):
+                                        "'mistral', 'qwen2', 'qwen3' models"):
         spec_from_hf_dict({**mistral, "model_type": "gemma"}, name="g")
 
 

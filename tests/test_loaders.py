@@ -31,8 +31,8 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
                                         num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
                                         tie_word_embeddings=tied, attn_implementation="eager")
         model = transformers.OPTForCausalLM(config)
-    else:  # llama, qwen2 (q/k/v biases) or mistral: Llama's layer under another model_type
-        prefix = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[family]
+    else:  # llama, qwen2 (q/k/v biases), qwen3 (q/k norms) or mistral: Llama's layer under another model_type
+        prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
         config = getattr(transformers, f"{prefix}Config")(
             vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, attn_implementation="eager",
@@ -58,7 +58,8 @@ def assert_matches_hf(weights, hf, steps: int = STEPS):
 
 
 # ----------------------------------------------------------------------------- HF directories
-@pytest.mark.parametrize("family,tied", [("opt", True), ("llama", False), ("qwen2", True), ("mistral", False)])
+@pytest.mark.parametrize("family,tied", [("opt", True), ("llama", False), ("qwen2", True), ("qwen3", True),
+                                         ("mistral", False)])
 def test_sharded_hf_directory_loads_and_matches_transformers(tmp_path, family, tied):
     hf = tiny_hf(family, tied)
     hf.save_pretrained(tmp_path, max_shard_size="20KB")
@@ -142,6 +143,10 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:  # Qwen3's 128 on any width
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
@@ -173,6 +178,9 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
         if arch == "qwen2":
             for name, module in (("attn_q", att.q_proj), ("attn_k", att.k_proj), ("attn_v", att.v_proj)):
                 add(f"blk.{i}.{name}.bias", module.bias, False)
+        if arch == "qwen3":
+            add(f"blk.{i}.attn_q_norm.weight", att.q_norm.weight, False)
+            add(f"blk.{i}.attn_k_norm.weight", att.k_norm.weight, False)
         for name, t in (("attn_v", att.v_proj.weight), ("attn_output", att.o_proj.weight),
                         ("ffn_gate", mlp.gate_proj.weight), ("ffn_up", mlp.up_proj.weight),
                         ("ffn_down", mlp.down_proj.weight)):
@@ -233,15 +241,18 @@ def test_a_gguf_that_records_a_sliding_window_keeps_it(tmp_path):
     assert open_model(path).spec.sliding_window == 16
 
 
-def test_tiny_qwen2_gguf_keeps_its_rows_reads_its_biases_and_matches_transformers(tmp_path):
-    """A qwen2 GGUF: q/k rows as stored, q/k/v biases read; transformers' own GGUF reader, given the
-    same file, builds the same model, so the file is laid out as llama.cpp lays out a Qwen2."""
-    hf = tiny_hf("qwen2", tied=False, seed=3)
-    path = tmp_path / "tiny-qwen2.gguf"
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_tiny_qwen_gguf_keeps_its_rows_reads_its_biases_or_norms_and_matches_transformers(tmp_path, arch):
+    """A qwen2 / qwen3 GGUF: q/k rows as stored, Qwen2's q/k/v biases and Qwen3's q/k norms read;
+    transformers' own GGUF reader, given the same file, builds the same model, so the file is laid
+    out as llama.cpp lays out a Qwen2 or Qwen3."""
+    hf = tiny_hf(arch, tied=False, seed=3)
+    path = tmp_path / f"tiny-{arch}.gguf"
     write_tiny_gguf(path, hf)
     q8_round_trip(hf)
     source = open_model(path)
-    assert isinstance(source, GGUFSource) and source.spec.qkv_bias and not source.spec.bias
+    assert isinstance(source, GGUFSource) and not source.spec.bias
+    assert (source.spec.qkv_bias, source.spec.qk_norm) == (arch == "qwen2", arch == "qwen3")
     from_config = spec_from_hf_dict(hf.config.to_dict(), name="c")
     assert (source.spec.num_params, source.spec.rope_theta) == (from_config.num_params, from_config.rope_theta)
     weights = load_weights(source)

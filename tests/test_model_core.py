@@ -1,4 +1,4 @@
-"""Model core and sampling, checked against transformers' own OPT, Llama, Qwen2 and Mistral models.
+"""Model core and sampling, checked against transformers' own OPT, Llama, Qwen2, Qwen3 and Mistral models.
 
 The reference is built from the same random weights: the test maps our tensor names to HF's
 with its own table (not the loader's), loads them into an HF model created from an
@@ -65,6 +65,11 @@ SHAPES = {
     "mistral-gqa": ("mistral", dict(vocab_size=420, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                     num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                                     max_position_embeddings=128, sliding_window=None, tie_word_embeddings=False)),
+    # Qwen3: an RMSNorm over each head's q and k; head_dim 32 with 4 heads on hidden 64 (q_dim != hidden)
+    "qwen3-qk-norm": ("qwen3", dict(vocab_size=360, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    max_position_embeddings=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                    tie_word_embeddings=True)),
     # Llama 3.1's rope scaling, its wavelength bounds (64 / 4, 64 / 1) placed so that head_dim 16 has
     # frequencies kept, blended and divided
     "llama3-rope-scaling": ("llama", dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -84,14 +89,16 @@ SHAPES = {
 }
 # HF model_type -> (config class, model class) names in transformers.
 HF_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
-              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 # Our names -> HF names, written independently of xrunner.loaders.
 HF_NAMES = {
     "llama": {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
               "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
               "down_proj": "mlp.down_proj", "attn_norm": "input_layernorm",
-              "mlp_norm": "post_attention_layernorm", "embed_tokens": "model.embed_tokens", "final_norm": "model.norm",
+              "mlp_norm": "post_attention_layernorm", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+              "embed_tokens": "model.embed_tokens", "final_norm": "model.norm",
               "lm_head": "lm_head", "layers": "model.layers"},
     "opt": {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
             "o_proj": "self_attn.out_proj", "fc1": "fc1", "fc2": "fc2", "attn_norm": "self_attn_layer_norm",

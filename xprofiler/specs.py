@@ -28,8 +28,9 @@ DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 @dataclass(frozen=True)
 class ModelSpec(Contract):
     """Architecture of an OPT- or Llama-family model (frozen, JSON round-trip). Mistral and Qwen2
-    checkpoints are Llama-family specs: Qwen2 adds biases to q/k/v (``qkv_bias``), Mistral-7B-v0.1
-    lets every layer attend to its last ``sliding_window`` positions only."""
+    checkpoints are Llama-family specs: Qwen2 adds biases to q/k/v (``qkv_bias``), Qwen3 an RMSNorm
+    over each head's q and k (``qk_norm``), and Mistral-7B-v0.1 lets every layer attend to its last
+    ``sliding_window`` positions only."""
 
     SCHEMA: ClassVar[str] = "xsched.ModelSpec/1"
 
@@ -52,6 +53,7 @@ class ModelSpec(Contract):
     rope_theta: float = 10000.0
     bias: bool = False  # biases on the q/k/v/o and MLP projections (OPT; q/k/v/o only for a gated MLP)
     qkv_bias: bool = False  # biases on q/k/v alone (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's q and k, before rotary (Qwen3)
     # Every layer's query sees its own and the previous sliding_window - 1 positions (Mistral v0.1)
     sliding_window: int | None = None
     # Rotary inverse frequency i is rope_theta ** (-2i / head_dim) / rope_divisors[i]: a rope
@@ -80,6 +82,8 @@ class ModelSpec(Contract):
                                        and all(0 < x < math.inf for x in self.rope_divisors)):
             raise ValueError(f"rope_divisors must hold head_dim / 2 = {self.head_dim // 2} positive numbers on a "
                              f"rotary model, got {len(self.rope_divisors)}")
+        if self.qk_norm and self.norm != "rmsnorm":
+            raise ValueError("qk_norm is an RMSNorm over each head (Qwen3): it needs norm='rmsnorm'")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.family == "opt" and (self.norm, self.activation, self.position) != ("layernorm", "relu", "learned"):
@@ -124,6 +128,8 @@ class ModelSpec(Contract):
             shapes["o_proj.bias"] = (h,)
             shapes.update({"fc1.bias": (f,), "fc2.bias": (h,)} if not self.gated_mlp else
                           {})
+        if self.qk_norm:
+            shapes.update({"q_norm.weight": (self.head_dim,), "k_norm.weight": (self.head_dim,)})
         if self.norm == "layernorm":
             shapes.update({"attn_norm.weight": (h,), "attn_norm.bias": (h,),
                            "mlp_norm.weight": (h,), "mlp_norm.bias": (h,)})
@@ -338,7 +344,8 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 dtype=dtype or _hf_dtype(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta, rope_divisors=_rope_divisors(cfg, name, head_dim, theta),
-                bias=bool(cfg.get("attention_bias")), qkv_bias=model_type == "qwen2", **eos_fields,
+                bias=bool(cfg.get("attention_bias")), qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+                **eos_fields,
             )
     except KeyError as exc:
         raise UserError(f"{name}: config.json lacks {exc.args[0]!r}") from None
@@ -349,7 +356,7 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
 
 
 # Checkpoints with Llama's layer (RMSNorm, rotary positions, SwiGLU MLP) under their HF model_type.
-_LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
 def _rope_divisors(cfg: dict, name: str, head_dim: int, theta: float) -> tuple[float, ...]:
@@ -394,18 +401,18 @@ def _rope_divisors(cfg: dict, name: str, head_dim: int, theta: float) -> tuple[f
 
 def _attention_reach(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
     """``max_positions`` and ``sliding_window`` of a Llama-family config. Mistral's
-    ``sliding_window`` applies to every layer, and the engine masks it. Qwen2 with
-    ``use_sliding_window`` windows only some layers, which the engine does not model: there the
+    ``sliding_window`` applies to every layer, and the engine masks it. Qwen2 and Qwen3 with
+    ``use_sliding_window`` window only some layers, which the engine does not model: there the
     window is the spec's ``max_positions`` (every layer sees every key up to it, so the model is
     the same), and longer jobs are refused."""
     longest = cfg["max_position_embeddings"]
     window = cfg.get("sliding_window")
     if model_type == "mistral":
         slides = window is not None
-    elif model_type == "qwen2":
+    elif model_type in ("qwen2", "qwen3"):
         types = cfg.get("layer_types")
         slides = (bool(cfg.get("use_sliding_window")) and cfg.get("max_window_layers", 28) < cfg["num_hidden_layers"]
-                  if types is None else "sliding_attention" in types)  # 28: HF's Qwen2Config default
+                  if types is None else "sliding_attention" in types)  # 28: HF's Qwen2/Qwen3Config default
     else:
         slides = False
     if not slides:
@@ -426,16 +433,18 @@ def _opt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
 
 def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int,
            max_pos: int, theta: float, tied: bool = False, eps: float = 1e-5, eos: int = 2,
-           qkv_bias: bool = False, extra_eos: tuple[int, ...] = (), llama3_factor: float | None = None) -> ModelSpec:
+           qkv_bias: bool = False, extra_eos: tuple[int, ...] = (), llama3_factor: float | None = None,
+           head_dim: int | None = None, qk_norm: bool = False) -> ModelSpec:
     """A Llama-family registry entry; ``llama3_factor``: Llama 3.1's rope scaling with that factor
     (low/high frequency factors 1 and 4 over 8192 original positions, as all 3.1 and 3.2 models)."""
     scaling = None if llama3_factor is None else {"rope_type": "llama3", "factor": llama3_factor, "low_freq_factor": 1.0,
                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    head_dim = head_dim or hidden // heads
     return ModelSpec(name=name, family="llama", num_layers=layers, hidden=hidden, ffn=ffn, num_heads=heads,
-                     num_kv_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab, max_positions=max_pos,
+                     num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab, max_positions=max_pos,
                      norm="rmsnorm", activation="silu", position="rotary", tied_embeddings=tied,
                      norm_eps=eps, rope_theta=theta, eos_token_id=eos, qkv_bias=qkv_bias, extra_eos_token_ids=extra_eos,
-                     rope_divisors=_rope_divisors({"rope_scaling": scaling}, name, hidden // heads, theta))
+                     rope_divisors=_rope_divisors({"rope_scaling": scaling}, name, head_dim, theta), qk_norm=qk_norm)
 
 
 def _registry() -> dict[str, ModelSpec]:
@@ -463,6 +472,11 @@ def _registry() -> dict[str, ModelSpec]:
         _llama("mistral-7b", 32, 4096, 14336, 32, 8, 32000, 32768, 1000000.0),
         _llama("qwen2.5-7b", 28, 3584, 18944, 28, 4, 152064, 32768, 1000000.0, eps=1e-6, eos=151645,
                qkv_bias=True),
+        # Qwen3-0.6B and Qwen3-8B, from their config.json (q/k norms; heads of 128 on any width)
+        _llama("qwen3-0.6b", 28, 1024, 3072, 16, 8, 151936, 40960, 1000000.0, tied=True, eps=1e-6, eos=151645,
+               head_dim=128, qk_norm=True),
+        _llama("qwen3-8b", 36, 4096, 12288, 32, 8, 151936, 40960, 1000000.0, eps=1e-6, eos=151645,
+               head_dim=128, qk_norm=True),
     ]
     return {s.name: s for s in specs}
 
@@ -502,7 +516,7 @@ def read_gguf(path: Path) -> "gguf.GGUFReader":  # type: ignore[name-defined]  #
 
 
 # llama.cpp architectures with Llama's layer; qwen2 adds q/k/v biases (its GGUF tensors ``attn_q.bias``...).
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpec:
@@ -519,7 +533,7 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
     arch = field("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UserError(f"{name}: GGUF architecture {arch!r} is not supported; xsched reads "
-                        f"{' and '.join(repr(a) for a in GGUF_ARCHITECTURES)} GGUF files")
+                        f"{', '.join(repr(a) for a in GGUF_ARCHITECTURES)} GGUF files")
     heads = int(field(f"{arch}.attention.head_count"))
     hidden = int(field(f"{arch}.embedding_length"))
     head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
@@ -540,6 +554,7 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
         norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         eos_token_id=int(eos.contents()) if eos is not None else None, qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
         sliding_window=int(window.contents()) if window is not None and arch == "llama" else None,
         rope_divisors=divisors,
     )

@@ -39,7 +39,7 @@ _HF_LAYER_MODULES = {
     "llama": {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
               "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
               "down_proj": "mlp.down_proj", "attn_norm": "input_layernorm",
-              "mlp_norm": "post_attention_layernorm"},
+              "mlp_norm": "post_attention_layernorm", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
     "opt": {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
             "o_proj": "self_attn.out_proj", "fc1": "fc1", "fc2": "fc2", "attn_norm": "self_attn_layer_norm",
             "mlp_norm": "final_layer_norm"},
@@ -53,7 +53,7 @@ _HF_PREFIXES = {"llama": ("model.", ""), "opt": ("model.decoder.", "decoder.")}
 # Runner module name -> llama.cpp tensor name.
 _GGUF_LAYER = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-               "attn_norm": "attn_norm", "mlp_norm": "ffn_norm"}
+               "attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
 _GGUF_HEAD = {"embed_tokens": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
 
 

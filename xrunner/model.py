@@ -122,8 +122,11 @@ def attn_in(spec: ModelSpec, w: Weights, hidden: torch.Tensor, position_ids: tor
     b, t, _ = hidden.shape
     d = spec.head_dim
     x = norm(spec, hidden, w, "attn_norm")
-    q = linear(x, w, "q_proj").view(b, t, spec.num_heads, d).transpose(1, 2)
-    k = linear(x, w, "k_proj").view(b, t, spec.num_kv_heads, d).transpose(1, 2)
+    q = linear(x, w, "q_proj").view(b, t, spec.num_heads, d)
+    k = linear(x, w, "k_proj").view(b, t, spec.num_kv_heads, d)
+    if spec.qk_norm:  # Qwen3
+        q, k = norm(spec, q, w, "q_norm"), norm(spec, k, w, "k_norm")
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = linear(x, w, "v_proj").view(b, t, spec.num_kv_heads, d).transpose(1, 2)
     if rope is not None:
         cos = rope.cos[position_ids].unsqueeze(1)  # [b, 1, t, d]
