@@ -132,7 +132,7 @@ def test_mistral_and_qwen_configs_read_as_llama_layers():
         with pytest.raises(UserError, match=message):
             spec_from_hf_dict({**mistral, **change}, name="m")
     with pytest.raises(UserError, match="model_type 'gemma' is not supported; xsched runs 'opt', 'llama', "
-                                        "'mistral', 'qwen2', 'qwen3' models"):
+                                        "'mistral', 'qwen2', 'qwen3', 'phi3' models"):
         spec_from_hf_dict({**mistral, "model_type": "gemma"}, name="g")
 
 
@@ -158,6 +158,24 @@ def test_bad_configs_give_user_errors(tmp_path):
     (tmp_path / "config.json").write_text("[]")
     with pytest.raises(UserError, match="must be a JSON object"):
         ModelSpec.from_hf_config(tmp_path)
+
+
+def test_phi3_configs_read_as_windowed_llama_layers():
+    """Phi-3-mini-4k-instruct's published config (trimmed): 3,821,079,552 parameters, every layer
+    windowed to 2047 keys; Phi-4-mini's partial rotary embeddings and Phi-3-128k's LongRoPE are refused."""
+    cfg = {"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 32,
+           "num_key_value_heads": 32, "num_hidden_layers": 32, "vocab_size": 32064, "hidden_act": "silu",
+           "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "rope_scaling": None, "sliding_window": 2047, "tie_word_embeddings": False,
+           "eos_token_id": 32000, "pad_token_id": 32000, "torch_dtype": "bfloat16"}
+    spec = spec_from_hf_dict(cfg, name="phi-3-mini")
+    assert (spec.num_params, spec.sliding_window, spec.max_positions) == (3_821_079_552, 2047, 4096)
+    assert spec == replace(get_model_spec("phi-3-mini"), dtype="bfloat16", extra_eos_token_ids=())
+    with pytest.raises(UserError, match=r"partial rotary embeddings \(partial_rotary_factor=0.75\)"):
+        spec_from_hf_dict({**cfg, "partial_rotary_factor": 0.75}, name="phi-4-mini")
+    with pytest.raises(UserError, match="rope scaling 'longrope' is not supported"):
+        spec_from_hf_dict({**cfg, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48,
+                                                   "long_factor": [1.0] * 48}}, name="phi-3-128k")
 
 
 def test_llama31_rope_scaling_is_read_and_unknown_kinds_are_refused():

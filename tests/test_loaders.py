@@ -31,8 +31,10 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
                                         num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
                                         tie_word_embeddings=tied, attn_implementation="eager")
         model = transformers.OPTForCausalLM(config)
-    else:  # llama, qwen2 (q/k/v biases), qwen3 (q/k norms) or mistral: Llama's layer under another model_type
-        prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
+    else:  # llama, qwen2 (q/k/v biases), qwen3 (q/k norms), mistral or phi3 (fused projections, a window)
+        prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}[family]
+        if family == "phi3":  # its default token ids lie beyond this vocabulary
+            config = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 9, **config}
         config = getattr(transformers, f"{prefix}Config")(
             vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, attn_implementation="eager",
@@ -59,7 +61,7 @@ def assert_matches_hf(weights, hf, steps: int = STEPS):
 
 # ----------------------------------------------------------------------------- HF directories
 @pytest.mark.parametrize("family,tied", [("opt", True), ("llama", False), ("qwen2", True), ("qwen3", True),
-                                         ("mistral", False)])
+                                         ("mistral", False), ("phi3", False)])
 def test_sharded_hf_directory_loads_and_matches_transformers(tmp_path, family, tied):
     hf = tiny_hf(family, tied)
     hf.save_pretrained(tmp_path, max_shard_size="20KB")

@@ -81,6 +81,11 @@ SHAPES = {
                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                                 max_position_embeddings=128, tie_word_embeddings=False,
                                                 rope_scaling=dict(rope_type="linear", factor=4.0))),
+    # Phi-3-mini: fused qkv and gate/up projections in the checkpoint, every layer windowed (2047 there)
+    "phi3-fused-window": ("phi3", dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                       sliding_window=7, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+                                       tie_word_embeddings=False)),
     # Mistral-7B-v0.1's window (4096) shrunk below the prompts: prefill and decode both slide
     "mistral-sliding-window": ("mistral", dict(vocab_size=420, hidden_size=64, intermediate_size=128,
                                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -90,7 +95,7 @@ SHAPES = {
 # HF model_type -> (config class, model class) names in transformers.
 HF_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM")}
 
 # Our names -> HF names, written independently of xrunner.loaders.
 HF_NAMES = {
@@ -125,6 +130,12 @@ def hf_model_and_ours(kind: str, seed: int = 0):
             state[f"{names['layers']}.{i}.{names[module]}.{param}"] = t
     if spec.tied_embeddings:
         state["lm_head.weight"] = state[f"{names['embed_tokens']}.weight"]
+    if model_type == "phi3":  # its checkpoints stack q, k, v into qkv_proj and gate above up in gate_up_proj
+        for i in range(spec.num_layers):
+            pre = f"{names['layers']}.{i}."
+            for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                 ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+                state[f"{pre}{fused}.weight"] = torch.cat([state.pop(f"{pre}{names[p]}.weight") for p in parts])
     torch.manual_seed(0)
     hf = model_cls(config).eval()
     hf.load_state_dict(state, strict=True)

@@ -27,10 +27,11 @@ DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 @dataclass(frozen=True)
 class ModelSpec(Contract):
-    """Architecture of an OPT- or Llama-family model (frozen, JSON round-trip). Mistral and Qwen2
-    checkpoints are Llama-family specs: Qwen2 adds biases to q/k/v (``qkv_bias``), Qwen3 an RMSNorm
-    over each head's q and k (``qk_norm``), and Mistral-7B-v0.1 lets every layer attend to its last
-    ``sliding_window`` positions only."""
+    """Architecture of an OPT- or Llama-family model (frozen, JSON round-trip). Mistral, Qwen2,
+    Qwen3 and Phi-3 checkpoints are Llama-family specs: Qwen2 adds biases to q/k/v (``qkv_bias``),
+    Qwen3 an RMSNorm over each head's q and k (``qk_norm``), and Mistral-7B-v0.1 and Phi-3-mini let
+    every layer attend to its last ``sliding_window`` positions only (Phi-3's fused projections are
+    a checkpoint layout, which the loader splits)."""
 
     SCHEMA: ClassVar[str] = "xsched.ModelSpec/1"
 
@@ -334,6 +335,9 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
             heads = cfg["num_attention_heads"]
             rope = cfg.get("rope_parameters") or {}
             theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+            partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+            if partial != 1.0:  # Phi-4-mini's 0.75
+                raise UserError(f"{name}: partial rotary embeddings (partial_rotary_factor={partial!r}) are not supported")
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
             return ModelSpec(
                 name=name, family="llama", num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
@@ -356,7 +360,9 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
 
 
 # Checkpoints with Llama's layer (RMSNorm, rotary positions, SwiGLU MLP) under their HF model_type.
-_LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
+# Those whose sliding_window, when set, applies to every layer (the engine masks it)
+_WINDOWED_TYPES = ("mistral", "phi3")
 
 
 def _rope_divisors(cfg: dict, name: str, head_dim: int, theta: float) -> tuple[float, ...]:
@@ -400,14 +406,14 @@ def _rope_divisors(cfg: dict, name: str, head_dim: int, theta: float) -> tuple[f
 
 
 def _attention_reach(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
-    """``max_positions`` and ``sliding_window`` of a Llama-family config. Mistral's
+    """``max_positions`` and ``sliding_window`` of a Llama-family config. Mistral's and Phi-3's
     ``sliding_window`` applies to every layer, and the engine masks it. Qwen2 and Qwen3 with
     ``use_sliding_window`` window only some layers, which the engine does not model: there the
     window is the spec's ``max_positions`` (every layer sees every key up to it, so the model is
     the same), and longer jobs are refused."""
     longest = cfg["max_position_embeddings"]
     window = cfg.get("sliding_window")
-    if model_type == "mistral":
+    if model_type in _WINDOWED_TYPES:
         slides = window is not None
     elif model_type in ("qwen2", "qwen3"):
         types = cfg.get("layer_types")
@@ -419,7 +425,7 @@ def _attention_reach(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
         return {"max_positions": longest}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise UserError(f"{name}: config.json's sliding_window={window!r} must be a whole number >= 1")
-    if model_type == "mistral":
+    if model_type in _WINDOWED_TYPES:
         return {"max_positions": longest, "sliding_window": window if window < longest else None}
     return {"max_positions": min(longest, window)}
 
@@ -434,7 +440,7 @@ def _opt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
 def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int,
            max_pos: int, theta: float, tied: bool = False, eps: float = 1e-5, eos: int = 2,
            qkv_bias: bool = False, extra_eos: tuple[int, ...] = (), llama3_factor: float | None = None,
-           head_dim: int | None = None, qk_norm: bool = False) -> ModelSpec:
+           head_dim: int | None = None, qk_norm: bool = False, window: int | None = None) -> ModelSpec:
     """A Llama-family registry entry; ``llama3_factor``: Llama 3.1's rope scaling with that factor
     (low/high frequency factors 1 and 4 over 8192 original positions, as all 3.1 and 3.2 models)."""
     scaling = None if llama3_factor is None else {"rope_type": "llama3", "factor": llama3_factor, "low_freq_factor": 1.0,
@@ -444,7 +450,8 @@ def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: 
                      num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab, max_positions=max_pos,
                      norm="rmsnorm", activation="silu", position="rotary", tied_embeddings=tied,
                      norm_eps=eps, rope_theta=theta, eos_token_id=eos, qkv_bias=qkv_bias, extra_eos_token_ids=extra_eos,
-                     rope_divisors=_rope_divisors({"rope_scaling": scaling}, name, head_dim, theta), qk_norm=qk_norm)
+                     rope_divisors=_rope_divisors({"rope_scaling": scaling}, name, head_dim, theta), qk_norm=qk_norm,
+                     sliding_window=window)
 
 
 def _registry() -> dict[str, ModelSpec]:
@@ -477,6 +484,10 @@ def _registry() -> dict[str, ModelSpec]:
                head_dim=128, qk_norm=True),
         _llama("qwen3-8b", 36, 4096, 12288, 32, 8, 151936, 40960, 1000000.0, eps=1e-6, eos=151645,
                head_dim=128, qk_norm=True),
+        # Phi-3-mini-4k-instruct (every layer windowed to 2047) and Phi-4 (fused projections in their files)
+        _llama("phi-3-mini", 32, 3072, 8192, 32, 32, 32064, 4096, 10000.0, eos=32000, extra_eos=(32001, 32007),
+               window=2047),
+        _llama("phi-4", 40, 5120, 17920, 40, 10, 100352, 16384, 250000.0, eos=100265),
     ]
     return {s.name: s for s in specs}
 

@@ -50,6 +50,15 @@ _HF_HEAD_MODULES = {
 }
 _HF_PREFIXES = {"llama": ("model.", ""), "opt": ("model.decoder.", "decoder.")}
 
+
+def _fused_rows(spec: ModelSpec) -> dict[str, tuple[str, int, int]]:
+    """Phi-3's fused projections: runner module -> (HF module, first row, end row). Its ``qkv_proj``
+    stacks q, k and v, and ``gate_up_proj`` the gate above the up projection."""
+    q, kv, f = spec.q_dim, spec.kv_dim, spec.ffn
+    return {"q_proj": ("self_attn.qkv_proj", 0, q), "k_proj": ("self_attn.qkv_proj", q, q + kv),
+            "v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
+            "gate_proj": ("mlp.gate_up_proj", 0, f), "up_proj": ("mlp.gate_up_proj", f, 2 * f)}
+
 # Runner module name -> llama.cpp tensor name.
 _GGUF_LAYER = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
@@ -114,6 +123,8 @@ class HFDirectorySource(ModelSource):
         if self._prefix is None:
             want = _HF_PREFIXES[family][0] + "embed_tokens.weight"
             raise UserError(f"{self.path}: checkpoint lacks tensor {want}; is this a {family} model?")
+        fused = family == "llama" and f"{self._prefix}layers.0.self_attn.qkv_proj.weight" in self._files
+        self._fused = _fused_rows(self.spec) if fused else {}
         self._validate()
 
     def _index_tensors(self) -> dict[str, Path]:
@@ -150,7 +161,20 @@ class HFDirectorySource(ModelSource):
         return files
 
     def _layer_names(self, index: int) -> dict[str, str]:
-        return {n: _hf_name(self.spec.family, n, self._prefix, index) for n in self.spec.layer_tensor_shapes()}
+        names = {}
+        for n in self.spec.layer_tensor_shapes():
+            module, param = n.split(".", 1)
+            fused = self._fused.get(module)
+            names[n] = (_hf_name(self.spec.family, n, self._prefix, index) if fused is None
+                        else f"{self._prefix}layers.{index}.{fused[0]}.{param}")
+        return names
+
+    def _rows(self, name: str) -> tuple[int, int, int] | None:
+        """Rows ``[start, end)`` of runner tensor ``name`` in its fused HF tensor of ``total`` rows, or None."""
+        fused = self._fused.get(name.split(".", 1)[0])
+        if fused is None:
+            return None
+        return fused[1], fused[2], max(end for hf, _, end in self._fused.values() if hf == fused[0])
 
     def _head_names(self) -> dict[str, str]:
         return {n: _hf_name(self.spec.family, n, self._prefix) for n in self.spec.head_tensor_shapes()}
@@ -162,7 +186,8 @@ class HFDirectorySource(ModelSource):
         wanted: list[tuple[str, str, tuple[int, ...]]] = []
         head_shapes = self.spec.head_tensor_shapes()
         wanted += [(ours, hf, head_shapes[ours]) for ours, hf in self._head_names().items()]
-        layer_shapes = self.spec.layer_tensor_shapes()
+        layer_shapes = {n: shape if (rows := self._rows(n)) is None else (rows[2], *shape[1:])
+                        for n, shape in self.spec.layer_tensor_shapes().items()}  # a fused tensor's whole shape
         for i in range(self.spec.num_layers):
             wanted += [(ours, hf, layer_shapes[ours]) for ours, hf in self._layer_names(i).items()]
         by_file: dict[Path, list[tuple[str, tuple[int, ...]]]] = {}
@@ -190,7 +215,9 @@ class HFDirectorySource(ModelSource):
         for f, items in by_file.items():
             with safe_open(f, framework="pt") as fh:
                 for ours, hf in items:
-                    out[ours] = fh.get_tensor(hf).to(dtype)
+                    rows = self._rows(ours)
+                    out[ours] = (fh.get_tensor(hf) if rows is None  # else: its rows of a fused tensor alone
+                                 else fh.get_slice(hf)[rows[0]:rows[1]]).to(dtype)
         return out
 
     def load_head(self) -> Weights:
