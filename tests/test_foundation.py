@@ -181,7 +181,8 @@ def test_phi3_configs_read_as_windowed_llama_layers():
 def test_llama31_rope_scaling_is_read_and_unknown_kinds_are_refused():
     """Llama-3.1-8B's published config (trimmed): its "llama3" scaling keeps the short wavelengths,
     divides the long ones by 8 and blends between, in either HF spelling; kinds xsched does not
-    compute (dynamic NTK, YaRN) are refused rather than ignored, which would change every token."""
+    compute (dynamic NTK, LongRoPE) are refused rather than ignored, which would change every token.
+    Qwen2.5's YaRN recipe (factor 4 over 32768 positions) scales cos/sin by 0.1 ln 4 + 1."""
     cfg = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
            "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256, "rope_theta": 500000.0,
            "max_position_embeddings": 131072, "eos_token_id": [128001, 128008, 128009],
@@ -202,9 +203,16 @@ def test_llama31_rope_scaling_is_read_and_unknown_kinds_are_refused():
     v5["rope_parameters"] = {**cfg["rope_scaling"], "rope_theta": 500000.0}  # transformers 5's spelling
     assert spec_from_hf_dict(v5, name="llama-3.1-8b") == spec
     linear = spec_from_hf_dict({**cfg, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, name="l")
-    assert linear.rope_divisors == (2.0,) * 64
+    assert linear.rope_divisors == (2.0,) * 64 and linear.rope_attention_factor == 1.0
+    yarn = spec_from_hf_dict({**cfg, "rope_theta": 1000000.0, "max_position_embeddings": 131072, "rope_scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}, name="qwen2.5-7b-yarn")
+    assert yarn.rope_attention_factor == pytest.approx(1.1386294)
+    # frequency i turns 32768 theta^(-i/64) / 2 pi times: 32 times at i = 23.6 and once at i = 39.65; the
+    # ramp runs over whole indices from floor(23.6) = 23 (kept) to ceil(39.65) = 40 (divided by 4)
+    y = yarn.rope_divisors
+    assert set(y[:24]) == {1.0} and set(y[40:]) == {4.0} and all(1 < x < 4 for x in y[24:40])
     for scaling, message in [({"rope_type": "dynamic", "factor": 2.0}, "rope scaling 'dynamic' is not supported"),
-                             ({"type": "yarn", "factor": 4.0}, "rope scaling 'yarn' is not supported"),
+                             ({"type": "longrope", "short_factor": [1.0] * 64}, "rope scaling 'longrope' is not"),
                              ({"rope_type": "llama3", "factor": 8.0}, "lacks 'low_freq_factor'"),
                              ({"rope_type": "linear", "factor": "x"}, "holds no valid numbers"),
                              ({"rope_type": "linear", "factor": 0}, "factor must be > 0")]:

@@ -60,6 +60,7 @@ class ModelSpec(Contract):
     # Rotary inverse frequency i is rope_theta ** (-2i / head_dim) / rope_divisors[i]: a rope
     # scaling (Llama 3.1's "llama3", "linear") or a GGUF's rope_freqs tensor; () when unscaled
     rope_divisors: tuple[float, ...] = ()
+    rope_attention_factor: float = 1.0  # cos and sin scaled by it (YaRN's 0.1 ln(factor) + 1)
     eos_token_id: int | None = None
     # More end-of-sequence ids (a config's list after its first, generation_config.json's):
     # Llama-3.1-Instruct ends turns with any of three, and HF's generate stops at each.
@@ -83,6 +84,9 @@ class ModelSpec(Contract):
                                        and all(0 < x < math.inf for x in self.rope_divisors)):
             raise ValueError(f"rope_divisors must hold head_dim / 2 = {self.head_dim // 2} positive numbers on a "
                              f"rotary model, got {len(self.rope_divisors)}")
+        if not 0 < self.rope_attention_factor < math.inf or (self.rope_attention_factor != 1.0
+                                                             and self.position != "rotary"):
+            raise ValueError(f"rope_attention_factor must be positive on a rotary model, got {self.rope_attention_factor}")
         if self.qk_norm and self.norm != "rmsnorm":
             raise ValueError("qk_norm is an RMSNorm over each head (Qwen3): it needs norm='rmsnorm'")
         if self.num_heads % self.num_kv_heads:
@@ -347,7 +351,7 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 norm="rmsnorm", activation="silu", position="rotary",
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 dtype=dtype or _hf_dtype(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=theta, rope_divisors=_rope_divisors(cfg, name, head_dim, theta),
+                rope_theta=theta, **_rope_scaling(cfg, name, head_dim, theta),
                 bias=bool(cfg.get("attention_bias")), qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
                 **eos_fields,
             )
@@ -365,27 +369,39 @@ _LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3
 _WINDOWED_TYPES = ("mistral", "phi3")
 
 
-def _rope_divisors(cfg: dict, name: str, head_dim: int, theta: float) -> tuple[float, ...]:
-    """``ModelSpec.rope_divisors`` for a config's rope scaling (``rope_scaling``, or transformers
-    5's ``rope_parameters``). "linear" divides every frequency by ``factor``. "llama3" (Llama 3.1
-    and 3.2) divides the frequencies whose wavelength exceeds ``original_max_position_embeddings /
-    low_freq_factor`` by ``factor``, keeps those shorter than ``... / high_freq_factor``, and
-    blends the two in between. Other kinds (dynamic NTK, YaRN, LongRoPE) are refused: silently
-    ignoring one would change every token."""
+def _rope_scaling(cfg: dict, name: str, head_dim: int, theta: float) -> dict[str, Any]:
+    """``ModelSpec.rope_divisors`` and ``rope_attention_factor`` for a config's rope scaling
+    (``rope_scaling``, or transformers 5's ``rope_parameters``), each frequency ``f`` becoming
+    ``f / divisor``:
+
+    - "linear": every divisor is ``factor``;
+    - "llama3" (Llama 3.1, 3.2): ``factor`` for wavelengths above ``original / low_freq_factor``,
+      1 below ``original / high_freq_factor``, blended between;
+    - "yarn" (Qwen2.5/Qwen3 past 32K; the YaRN paper): ``factor`` for frequencies that turn fewer
+      than ``beta_slow`` times over the original length, 1 for those that turn more than
+      ``beta_fast`` times, a ramp between over whole frequency indices (``truncate``, transformers'
+      default), and cos/sin scaled by ``attention_factor`` (``0.1 ln(factor) + 1`` by default).
+
+    ``original`` is the config's ``original_max_position_embeddings`` (top level first, as
+    transformers reads Phi-3's), else the scaling's, else ``max_position_embeddings``. Other kinds
+    (dynamic NTK, LongRoPE) are refused: silently ignoring one would change every token."""
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
-        return ()
-    if kind not in ("linear", "llama3"):
-        raise UserError(f"{name}: rope scaling {kind!r} is not supported (xsched runs 'linear' and 'llama3')")
+        return {}
+    if kind not in ("linear", "llama3", "yarn"):
+        raise UserError(f"{name}: rope scaling {kind!r} is not supported (xsched runs 'linear', 'llama3' and 'yarn')")
+    attention_factor = 1.0
     try:
-        factor = float(scaling["factor"])
+        original = float(cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                         or cfg["max_position_embeddings"])
+        factor = scaling.get("factor")
+        factor = float(cfg["max_position_embeddings"] / original if factor is None and kind == "yarn" else factor)
         inv_freq = [theta ** (-i / head_dim) for i in range(0, head_dim - 1, 2)]
         if kind == "linear":
             divisors = [factor] * len(inv_freq)
-        else:
+        elif kind == "llama3":
             low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-            original = float(scaling["original_max_position_embeddings"])
             divisors = []
             for f in inv_freq:
                 wavelength = 2 * math.pi / f
@@ -396,13 +412,42 @@ def _rope_divisors(cfg: dict, name: str, head_dim: int, theta: float) -> tuple[f
                 else:  # the frequency becomes (1 - s) f / factor + s f
                     s = (original / wavelength - low) / (high - low)
                     divisors.append(1.0 / ((1 - s) / factor + s))
+        else:
+            divisors, attention_factor = _yarn(scaling, factor, original, head_dim, theta)
     except KeyError as exc:
         raise UserError(f"{name}: rope scaling {kind!r} lacks {exc.args[0]!r}") from None
     except (TypeError, ValueError, ZeroDivisionError):
         raise UserError(f"{name}: rope scaling {scaling!r} holds no valid numbers") from None
-    if not all(0 < d < math.inf for d in divisors):
+    if not all(0 < d < math.inf for d in divisors) or not 0 < attention_factor < math.inf:
         raise UserError(f"{name}: rope scaling {scaling!r} gives a non-positive frequency; factor must be > 0")
-    return tuple(divisors)
+    return {"rope_divisors": tuple(divisors), "rope_attention_factor": attention_factor}
+
+
+def _yarn(scaling: dict, factor: float, original: float, head_dim: int, theta: float) -> tuple[list[float], float]:
+    """YaRN's divisors and attention factor (see :func:`_rope_scaling`)."""
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def index_turning(turns: float) -> float:  # the frequency index that turns `turns` times over `original`
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = index_turning(scaling.get("beta_fast") or 32), index_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    divisors = []
+    for i in range(head_dim // 2):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)  # 0: kept, 1: divided by factor
+        divisors.append(1.0 / ((1 - ramp) + ramp / factor))
+    return divisors, float(attention)
 
 
 def _attention_reach(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
@@ -450,7 +495,8 @@ def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: 
                      num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab, max_positions=max_pos,
                      norm="rmsnorm", activation="silu", position="rotary", tied_embeddings=tied,
                      norm_eps=eps, rope_theta=theta, eos_token_id=eos, qkv_bias=qkv_bias, extra_eos_token_ids=extra_eos,
-                     rope_divisors=_rope_divisors({"rope_scaling": scaling}, name, head_dim, theta), qk_norm=qk_norm,
+                     **_rope_scaling({"rope_scaling": scaling, "max_position_embeddings": max_pos}, name, head_dim, theta),
+                     qk_norm=qk_norm,
                      sliding_window=window)
 
 

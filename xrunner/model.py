@@ -62,10 +62,13 @@ def rope_tables(spec: ModelSpec, length: int, device: torch.device | str = "cpu"
         return None
     d = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
-    if spec.rope_divisors:  # rope scaling (Llama 3.1's "llama3", "linear")
+    if spec.rope_divisors:  # rope scaling (Llama 3.1's "llama3", "linear", "yarn")
         inv_freq = inv_freq / torch.tensor(spec.rope_divisors, dtype=torch.float32, device=device)
     freqs = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
+    scale = spec.rope_attention_factor  # YaRN's
+    if scale != 1.0:
+        return Rope(cos=(emb.cos() * scale).to(dtype), sin=(emb.sin() * scale).to(dtype))
     return Rope(cos=emb.cos().to(dtype), sin=emb.sin().to(dtype))
 
 
