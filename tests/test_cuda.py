@@ -7,6 +7,8 @@ the in-memory reference loop on the same device, so kernel rounding cannot make 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_engine import LLAMA, POLICIES, make_requests, reference, run_engine
@@ -42,6 +44,21 @@ def test_cuda_engine_outputs_equal_the_reference_on_the_device(llama_cuda, tmp_p
                             cuda_sync=sync)
     assert got == want  # run_engine also checks measured <= planned peak on every tier
     assert stats.device_reserved_peak_bytes is not None and stats.device_reserved_peak_bytes > 0
+
+
+# Mistral-v0.1's sliding window, Qwen3's q/k norms and a scaled rope with YaRN's cos/sin factor in one
+# spec: the masks built on the device, the per-head norms and the rotary tables in the device's dtype.
+NEWER_KINDS = replace(LLAMA, name="tiny-newer-kinds", sliding_window=5, qk_norm=True,
+                      rope_divisors=tuple(1.0 + i / 8 for i in range(LLAMA.head_dim // 2)), rope_attention_factor=1.1)
+
+
+@pytest.mark.parametrize("name", ["all-gpu", "kv-cpu-cpu-attention", "everything-offloaded-refill"])
+def test_cuda_newer_layer_kinds_equal_the_reference_on_the_device(tmp_path, name):
+    src = RandomSource(NEWER_KINDS, seed=4)
+    reqs = make_requests(7, seed=2, vocab=NEWER_KINDS.vocab_size, min_prompt=3)
+    want = reference(on_device(load_weights(src), "cuda"), reqs)
+    got, _ = run_engine(src, Policy(gbs=3, nb=2, **POLICIES[name]), reqs, tmp_path, device="cuda")
+    assert got == want
 
 
 def test_cpu_tier_buffers_are_pinned_and_released_on_a_cuda_store():
