@@ -153,6 +153,8 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_eos_token_id(2)
+    if arch == "phi3":  # else transformers' reader pads with Phi-3's 32000, beyond this vocabulary
+        writer.add_pad_token_id(0)
     if sliding_window is not None:
         writer.add_sliding_window(sliding_window)
     q8 = gguf.GGMLQuantizationType.Q8_0
@@ -172,6 +174,14 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
         add("output.weight", hf.lm_head.weight, True)
     for i, layer in enumerate(hf.model.layers):
         att, mlp = layer.self_attn, layer.mlp
+        add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight, False)
+        add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, False)
+        add(f"blk.{i}.attn_output.weight", att.o_proj.weight, True)
+        add(f"blk.{i}.ffn_down.weight", mlp.down_proj.weight, True)
+        if arch == "phi3":  # llama.cpp keeps its fused tensors: q, k, v in attn_qkv, gate above up in ffn_up
+            add(f"blk.{i}.attn_qkv.weight", att.qkv_proj.weight, True)
+            add(f"blk.{i}.ffn_up.weight", mlp.gate_up_proj.weight, True)
+            continue
         q, k = att.q_proj.weight.detach().numpy(), att.k_proj.weight.detach().numpy()
         if arch == "llama":
             q, k = llamacpp_permute(q, cfg.num_attention_heads), llamacpp_permute(k, cfg.num_key_value_heads)
@@ -183,12 +193,9 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
         if arch == "qwen3":
             add(f"blk.{i}.attn_q_norm.weight", att.q_norm.weight, False)
             add(f"blk.{i}.attn_k_norm.weight", att.k_norm.weight, False)
-        for name, t in (("attn_v", att.v_proj.weight), ("attn_output", att.o_proj.weight),
-                        ("ffn_gate", mlp.gate_proj.weight), ("ffn_up", mlp.up_proj.weight),
-                        ("ffn_down", mlp.down_proj.weight)):
+        for name, t in (("attn_v", att.v_proj.weight), ("ffn_gate", mlp.gate_proj.weight),
+                        ("ffn_up", mlp.up_proj.weight)):
             add(f"blk.{i}.{name}.weight", t, True)
-        add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight, False)
-        add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, False)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -243,12 +250,12 @@ def test_a_gguf_that_records_a_sliding_window_keeps_it(tmp_path):
     assert open_model(path).spec.sliding_window == 16
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_tiny_qwen_gguf_keeps_its_rows_reads_its_biases_or_norms_and_matches_transformers(tmp_path, arch):
-    """A qwen2 / qwen3 GGUF: q/k rows as stored, Qwen2's q/k/v biases and Qwen3's q/k norms read;
-    transformers' own GGUF reader, given the same file, builds the same model, so the file is laid
-    out as llama.cpp lays out a Qwen2 or Qwen3."""
-    hf = tiny_hf(arch, tied=False, seed=3)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
+def test_tiny_qwen_or_phi3_gguf_keeps_its_rows_reads_its_biases_or_norms_and_matches_transformers(tmp_path, arch):
+    """A qwen2 / qwen3 / phi3 GGUF: q/k rows as stored, Qwen2's q/k/v biases and Qwen3's q/k norms
+    read, Phi-3's fused tensors split; transformers' own GGUF reader, given the same file, builds the
+    same model, so the file is laid out as llama.cpp lays out these models."""
+    hf = tiny_hf(arch, tied=False, seed=3, **({"sliding_window": None} if arch == "phi3" else {}))
     path = tmp_path / f"tiny-{arch}.gguf"
     write_tiny_gguf(path, hf)
     q8_round_trip(hf)

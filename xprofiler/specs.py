@@ -573,7 +573,7 @@ def read_gguf(path: Path) -> "gguf.GGUFReader":  # type: ignore[name-defined]  #
 
 
 # llama.cpp architectures with Llama's layer; qwen2 adds q/k/v biases (its GGUF tensors ``attn_q.bias``...).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
 
 def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpec:
@@ -612,7 +612,7 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         eos_token_id=int(eos.contents()) if eos is not None else None, qkv_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
-        sliding_window=int(window.contents()) if window is not None and arch == "llama" else None,
+        sliding_window=int(window.contents()) if window is not None and arch in ("llama", "phi3") else None,
         rope_divisors=divisors,
     )
 
@@ -628,6 +628,8 @@ def _gguf_rope_divisors(reader, arch: str, name: str, head_dim: int) -> tuple[fl
                         "Llama 3.1's rope_freqs)")
     factor = reader.get_field(f"{arch}.rope.scaling.factor")
     linear = float(factor.contents()) if kind == "linear" and factor is not None else 1.0
+    if any(t.name.startswith("rope_factors_") for t in reader.tensors):  # Phi-3-128k's short/long factors
+        raise UserError(f"{name}: GGUF rope scaling LongRoPE (rope_factors_long/short) is not supported")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is None and linear == 1.0:
         return ()

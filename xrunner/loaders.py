@@ -51,13 +51,15 @@ _HF_HEAD_MODULES = {
 _HF_PREFIXES = {"llama": ("model.", ""), "opt": ("model.decoder.", "decoder.")}
 
 
-def _fused_rows(spec: ModelSpec) -> dict[str, tuple[str, int, int]]:
-    """Phi-3's fused projections: runner module -> (HF module, first row, end row). Its ``qkv_proj``
-    stacks q, k and v, and ``gate_up_proj`` the gate above the up projection."""
+def _fused_rows(spec: ModelSpec, gguf: bool = False) -> dict[str, tuple[str, int, int, int]]:
+    """Phi-3's fused projections: runner module -> (HF module, or llama.cpp's with ``gguf``, first
+    row, end row, the fused tensor's rows). ``qkv_proj`` (``attn_qkv``) stacks q, k and v;
+    ``gate_up_proj`` (``ffn_up``) the gate above the up projection."""
     q, kv, f = spec.q_dim, spec.kv_dim, spec.ffn
-    return {"q_proj": ("self_attn.qkv_proj", 0, q), "k_proj": ("self_attn.qkv_proj", q, q + kv),
-            "v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
-            "gate_proj": ("mlp.gate_up_proj", 0, f), "up_proj": ("mlp.gate_up_proj", f, 2 * f)}
+    qkv, gate_up = ("attn_qkv", "ffn_up") if gguf else ("self_attn.qkv_proj", "mlp.gate_up_proj")
+    return {"q_proj": (qkv, 0, q, q + 2 * kv), "k_proj": (qkv, q, q + kv, q + 2 * kv),
+            "v_proj": (qkv, q + kv, q + 2 * kv, q + 2 * kv),
+            "gate_proj": (gate_up, 0, f, 2 * f), "up_proj": (gate_up, f, 2 * f, 2 * f)}
 
 # Runner module name -> llama.cpp tensor name.
 _GGUF_LAYER = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -172,9 +174,7 @@ class HFDirectorySource(ModelSource):
     def _rows(self, name: str) -> tuple[int, int, int] | None:
         """Rows ``[start, end)`` of runner tensor ``name`` in its fused HF tensor of ``total`` rows, or None."""
         fused = self._fused.get(name.split(".", 1)[0])
-        if fused is None:
-            return None
-        return fused[1], fused[2], max(end for hf, _, end in self._fused.values() if hf == fused[0])
+        return None if fused is None else fused[1:]
 
     def _head_names(self) -> dict[str, str]:
         return {n: _hf_name(self.spec.family, n, self._prefix) for n in self.spec.head_tensor_shapes()}
@@ -272,20 +272,32 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 class GGUFSource(ModelSource):
     """A llama.cpp GGUF file, dequantized per tensor with the ``gguf`` package. llama.cpp's
-    converter permutes a Llama's q/k rows for its rope kernel (undone here); a Qwen2's it keeps."""
+    converter permutes a Llama's q/k rows for its rope kernel (undone here); a Qwen's or a Phi-3's
+    it keeps, and a Phi-3's fused ``attn_qkv`` and ``ffn_up`` are split by rows."""
 
     def __init__(self, path: str | Path, dtype: str | None = None):
         self.path = Path(path)
         self._reader = read_gguf(self.path)
         self.spec = spec_from_gguf_reader(self._reader, name=self.path.stem, dtype=dtype or "float32")
-        self._permuted = self._reader.get_field("general.architecture").contents() == "llama"
+        arch = self._reader.get_field("general.architecture").contents()
+        self._permuted = arch == "llama"
+        self._fused = _fused_rows(self.spec, gguf=True) if arch == "phi3" else {}
         self._tensors = {t.name: t for t in self._reader.tensors}
         for name, shape in self.spec.head_tensor_shapes().items():
             self._gguf_info(_gguf_name(name), shape)
-        layer = self.spec.layer_tensor_shapes()
         for i in range(self.spec.num_layers):
-            for name in layer:
-                self._gguf_info(_gguf_name(name, i), layer[name])
+            for name, (gname, shape) in self._layer_tensors(i).items():
+                self._gguf_info(gname, shape)
+
+    def _layer_tensors(self, index: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Runner tensor -> (GGUF tensor, its shape): a fused one's whole shape (Phi-3)."""
+        out = {}
+        for name, shape in self.spec.layer_tensor_shapes().items():
+            module, param = name.split(".", 1)
+            fused = self._fused.get(module)
+            out[name] = ((_gguf_name(name, index), shape) if fused is None
+                         else (f"blk.{index}.{fused[0]}.{param}", (fused[3], *shape[1:])))
+        return out
 
     def _gguf_info(self, gname: str, expected: tuple[int, ...]):
         t = self._tensors.get(gname)
@@ -314,8 +326,13 @@ class GGUFSource(ModelSource):
 
     def load_layer(self, index: int) -> Weights:
         self._check_index(index)
-        out = {name: self._dequantize(_gguf_name(name, index), shape)
-               for name, shape in self.spec.layer_tensor_shapes().items()}
+        whole: dict[str, torch.Tensor] = {}  # a fused tensor, dequantized once for its parts
+        out = {}
+        for name, (gname, shape) in self._layer_tensors(index).items():
+            if gname not in whole:
+                whole[gname] = self._dequantize(gname, shape)
+            fused = self._fused.get(name.split(".", 1)[0])
+            out[name] = whole[gname] if fused is None else whole[gname][fused[1]:fused[2]].clone()
         if self._permuted:
             out["q_proj.weight"] = unpermute_rope_rows(out["q_proj.weight"], self.spec.num_heads)
             out["k_proj.weight"] = unpermute_rope_rows(out["k_proj.weight"], self.spec.num_kv_heads)
