@@ -69,6 +69,11 @@ def test_prompt_file_errors_name_the_line(tmp_path):
         ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "duplicate id 'a' (first on line 1)"),
         ('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": \n', ":2: not valid JSON"),
         ('{"id": "a"}\n', "give exactly one of"),
+        ('{"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}\n', "give exactly one of"),
+        ('{"id": "a", "messages": []}\n', ':1: "messages" must be a non-empty list'),
+        ('{"id": "a", "messages": [{"role": "user", "content": "x"}, {"role": "user"}]}\n',
+         ':1: message 2 must be an object with a "role"'),
+        ('{"id": "a", "messages": [{"role": "user", "content": "\\ud800"}]}\n', "message 1's content holds a lone"),
         ('{"id": "a", "prompt": "x", "max_new_tokens": 0}\n', "max_new_tokens"),
         ('{"id": "a", "prompt_ids": [1, -2]}\n', "non-negative integers"),
         ('[1, 2]\n', "JSON object"),
@@ -83,10 +88,12 @@ def test_prompt_file_errors_name_the_line(tmp_path):
     with pytest.raises(UserError, match="no such prompt file"):
         read_prompts(tmp_path / "missing.jsonl")
     p = tmp_path / "ok.jsonl"
-    p.write_text('{"id": 7, "prompt": "hi", "meta": 1}\n\n{"id": "7", "prompt_ids": [3, 4], "max_new_tokens": 2}\n')
+    p.write_text('{"id": 7, "prompt": "hi", "meta": 1}\n\n{"id": "7", "prompt_ids": [3, 4], "max_new_tokens": 2}\n'
+                 '{"id": "c", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}\n')
     recs = read_prompts(p)
-    assert [(r.id, r.prompt, r.prompt_ids, r.max_new_tokens, r.line) for r in recs] == [
-        (7, "hi", None, None, 1), ("7", None, (3, 4), 2, 3)]  # 7 and "7" are different ids
+    assert [(r.id, r.prompt, r.prompt_ids, r.max_new_tokens, r.line, r.messages) for r in recs] == [
+        (7, "hi", None, None, 1, None), ("7", None, (3, 4), 2, 3, None),  # 7 and "7" are different ids
+        ("c", None, None, None, 4, (("system", "be brief"), ("user", "hi")))]
     # A byte-order mark is dropped; a raw U+2028 / U+0085 inside a prompt does not end its line.
     p.write_bytes(b"\xef\xbb\xbf" + (json.dumps({"id": "s", "prompt": "a\u2028b\x85c"}, ensure_ascii=False)
                                      + "\r\n").encode())
@@ -544,6 +551,66 @@ def test_workload_fit_counts_prompt_tokens_as_run_feeds_them(tiny_dir, tmp_path,
     assert main(command.split()[1:] + ["-o", str(tmp_path / "partial.json")]) == 0
     fitted = Workload.load(tmp_path / "partial.json")
     assert fitted.output.min_len == fitted.output.max_len == 3 and fitted.prompt.max_len == max(words)
+
+
+def test_chat_messages_run_through_the_template_with_its_variables(tiny_dir, tmp_path, capsys):
+    """A job's "messages" (a system prompt, then the user's turn) are formatted by the tokenizer's chat
+    template, with --chat-template-kwargs as its variables (Qwen3's enable_thinking); the engine is fed
+    exactly those ids, and `workload fit` counts them the same way. A template that raises, a
+    tokenizer without one and --no-chat-template each refuse messages with the file and line."""
+    import shutil
+
+    import transformers
+
+    from xrunner.cli import encode_prompt
+    from xsimulator.policy import Policy
+
+    model = tmp_path / "chat-model"
+    shutil.copytree(tiny_dir, model)
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    tok.chat_template = ("{% if greet %}w5 {% endif %}{% for m in messages %}{% if m['role'] == 'system' %}w7 "
+                         "{% elif m['role'] == 'user' %}w8 {% else %}{{ raise_exception('no ' + m['role']) }}"
+                         "{% endif %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}")
+    tok.save_pretrained(model)
+    chat = [{"role": "system", "content": "w11"}, {"role": "user", "content": "w12 w13"}]
+    rows = [{"id": "m", "messages": chat, "max_new_tokens": 4}, {"id": "p", "prompt": "w12 w13", "max_new_tokens": 4}]
+    prompts = write_prompts(tmp_path / "chat.jsonl", rows)
+    plan = tiny_plan(model, tmp_path / "plan.json", Policy(gbs=2, nb=1))
+    want_ids = {False: {"m": [7, 11, 8, 12, 13, 9], "p": [8, 12, 13, 9]},
+                True: {"m": [5, 7, 11, 8, 12, 13, 9], "p": [5, 8, 12, 13, 9]}}
+    for greet in (False, True):
+        out = tmp_path / f"out-{greet}.jsonl"
+        extra = ["--chat-template-kwargs", json.dumps({"greet": True})] if greet else []
+        assert main(["run", "--plan", str(plan), "--model", str(model), "--prompts", str(prompts), "--out", str(out),
+                     "--quiet", "--adapt", "none", *extra]) == 0
+        got = {r["id"]: r for r in read_rows(out)}
+        ids = want_ids[greet]
+        ref = reference_outputs(str(model), "float32", [ids["m"], ids["p"]], [4, 4], [2])
+        assert [got["m"]["output_ids"], got["p"]["output_ids"]] == ref
+        assert [got["m"]["prompt_tokens"], got["p"]["prompt_tokens"]] == [len(ids["m"]), len(ids["p"])]
+        fitted = tmp_path / f"fit-{greet}.json"
+        assert main(["workload", "fit", str(prompts), "--tokenizer", str(model), "-o", str(fitted), *extra]) == 0
+        from workloads import Workload
+
+        assert Workload.load(fitted).prompt.max_len == len(ids["m"])
+    with pytest.raises(UserError, match="the chat template refused these messages: .?no assistant"):
+        encode_prompt(tok, (("assistant", "w3"),), True)
+    capsys.readouterr()
+    bad = write_prompts(tmp_path / "bad.jsonl", [rows[1], {"id": "x", "messages": [{"role": "tool", "content": "w4"}]}])
+    assert main(["run", "--plan", str(plan), "--model", str(model), "--prompts", str(bad), "--out",
+                 str(tmp_path / "bad-out.jsonl"), "--quiet"]) == 2
+    assert re.search(f"{re.escape(str(bad))}:2: the chat template refused these messages: .?no tool",
+                     capsys.readouterr().err)
+    for model_dir, extra, message in [(model, ["--no-chat-template"], '"messages" need the chat template'),
+                                      (tiny_dir, [], "tokenizer has no chat template")]:
+        assert main(["run", "--plan", str(plan), "--model", str(model_dir), "--prompts", str(prompts), "--out",
+                     str(tmp_path / "refused.jsonl"), "--quiet", *extra]) == 2
+        assert f"{prompts}:1: " in (err := capsys.readouterr().err) and message in err
+    assert main(["workload", "fit", str(prompts), "--chat-template-kwargs", "{}"]) == 2
+    with pytest.raises(SystemExit) as exc:  # argparse's one-line usage error
+        main(["run", "--plan", str(plan), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"),
+              "--chat-template-kwargs", "[1]"])
+    assert exc.value.code == 2 and "must be a JSON object" in capsys.readouterr().err
 
 
 def test_default_tokenizer_counts_the_chat_template():

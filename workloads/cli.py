@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from xsched.cli import seed_arg
+from xsched.cli import json_object_arg, seed_arg
 
 SPEC_HELP = ("preset S, T, G, C1, C2 (ExeGPT Table 3); fixed:PROMPT:OUTPUT; or a JSONL/CSV of requests or a "
              "Workload JSON; append @SCALE to scale all lengths (e.g. T@0.25)")
@@ -25,9 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     show.set_defaults(handler=_show)
 
     fit = wsub.add_parser("fit", help="fit prompt and output length distributions to a file of requests",
-                          description="Each line/row gives prompt_tokens (or prompt text) and output_tokens (or "
-                                      "max_new_tokens). Tries truncated normal, skew-normal, log-normal and the "
-                                      "empirical pmf; keeps the lowest BIC.")
+                          description="Each line/row gives prompt_tokens (or prompt text, or chat messages) and "
+                                      "output_tokens (or max_new_tokens). Tries truncated normal, skew-normal, "
+                                      "log-normal and the empirical pmf; keeps the lowest BIC.")
     fit.add_argument("file", help="JSONL or CSV of requests")
     fit.add_argument("-o", "--output", metavar="WORKLOAD.json", help="write the fitted Workload JSON here")
     fit.add_argument("--json", action="store_true", help="print the fit reports as JSON")
@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "feed it; without it text is estimated at 4 bytes per token")
     fit.add_argument("--no-chat-template", action="store_true",
                      help="with --tokenizer: count the prompt text as is (as `xsched run --no-chat-template`)")
+    fit.add_argument("--chat-template-kwargs", type=json_object_arg, default=None, metavar="JSON",
+                     help="with --tokenizer: the chat template's extra variables, as given to `xsched run`")
     fit.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                      help="output length of a request that gives none (as `xsched run --max-new-tokens`)")
     fit.set_defaults(handler=_fit)
@@ -76,9 +78,10 @@ def _fit(args: argparse.Namespace) -> int:
     if args.tokenizer is not None:
         from xrunner.cli import prompt_token_counter
 
-        count_tokens = prompt_token_counter(args.tokenizer or None, chat=not args.no_chat_template)  # '': default
-    elif args.no_chat_template:
-        raise UserError("--no-chat-template only applies with --tokenizer")
+        count_tokens = prompt_token_counter(args.tokenizer or None, not args.no_chat_template,  # '': default
+                                            args.chat_template_kwargs)
+    elif args.no_chat_template or args.chat_template_kwargs is not None:
+        raise UserError("--no-chat-template and --chat-template-kwargs only apply with --tokenizer")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     lengths = read_request_lengths(path, count_tokens, default_output=args.max_new_tokens)

@@ -27,7 +27,7 @@ from scipy import special, stats
 from workloads.distributions import MAX_LEN_TOKENS, LengthDistribution
 from xsched.contract import Contract
 from xsched.errors import UserError
-from xsched.fileio import check_text, jsonl_lines, path_exists, read_text
+from xsched.fileio import Messages, chat_messages, check_text, jsonl_lines, path_exists, read_text
 
 PROMPT_KEYS = ("prompt_tokens", "prompt")
 OUTPUT_KEYS = ("output_tokens", "max_new_tokens")
@@ -232,8 +232,10 @@ def _optional_length(row: dict[str, Any], keys: tuple[str, ...], where: str) -> 
     return None
 
 
-def _prompt_length(row: dict[str, Any], count_tokens: Callable[[str], int] | None, where: str) -> tuple[int, bool]:
-    """(token count, whether it was estimated without a tokenizer)."""
+def _prompt_length(row: dict[str, Any], count_tokens: Callable[[str | Messages], int] | None,
+                   where: str) -> tuple[int, bool]:
+    """(token count, whether it was estimated without a tokenizer). A chat (``"messages"``, as
+    ``xsched run`` takes it) counts through the template; estimated, by its contents' bytes."""
     if row.get("prompt_tokens") not in (None, ""):
         return _positive_int(row["prompt_tokens"], where, "prompt_tokens"), False
     ids = row.get("prompt_ids")
@@ -241,9 +243,16 @@ def _prompt_length(row: dict[str, Any], count_tokens: Callable[[str], int] | Non
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):  # as xsched run refuses them
             raise UserError(f"{where}: prompt_ids must be token ids (whole numbers >= 0)")
         return len(ids), False
+    if row.get("messages") is not None and row.get("prompt") in (None, ""):
+        messages = chat_messages(row["messages"], where)
+        if count_tokens is not None:
+            return max(1, int(count_tokens(messages))), False
+        size = sum(len(content.encode("utf-8")) for _, content in messages)
+        return max(1, math.ceil(size / BYTES_PER_TOKEN_ESTIMATE)), True
     text = row.get("prompt")
     if not isinstance(text, str) or not text:
-        raise UserError(f"{where}: needs prompt_tokens (a count), prompt (non-empty text) or prompt_ids (token ids)")
+        raise UserError(f"{where}: needs prompt_tokens (a count), prompt (non-empty text), messages (a chat) or "
+                        "prompt_ids (token ids)")
     check_text(text, f"{where}: \"prompt\"")  # the byte estimate and the tokenizer raised tracebacks on it
     if count_tokens is not None:
         return max(1, int(count_tokens(text))), False

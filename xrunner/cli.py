@@ -12,7 +12,8 @@ import sys
 from collections.abc import Callable
 
 from xrunner import run_cli
-from xsched.cli import directory_arg, seed_arg
+from xsched.cli import directory_arg, json_object_arg, seed_arg
+from xsched.fileio import Messages
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,8 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="compute dtype (default float32; 16-bit is slow on most CPUs)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--no-chat-template", action="store_true",
-                   help="feed the prompt as is instead of wrapping it in the tokenizer's chat template")
+    add_chat_args(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=_generate)
@@ -70,6 +70,14 @@ def register_calibrate(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", action="store_true", help="print the fit as JSON")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(handler=_calibrate)
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """--no-chat-template, --chat-template-kwargs."""
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="feed prompt text as is instead of wrapping it in the tokenizer's chat template")
+    p.add_argument("--chat-template-kwargs", type=json_object_arg, default=None, metavar="JSON",
+                   help="extra variables for the chat template, e.g. '{\"enable_thinking\": false}' (Qwen3)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -115,23 +123,41 @@ def resolve_device(name: str | None) -> str:
     return device
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    """Token ids of ``prompt``, wrapped in the tokenizer's chat template when it has one."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(prompt)["input_ids"])
+def encode_prompt(tokenizer, prompt: str | Messages, chat: bool, template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of ``prompt``: text, wrapped as the user's turn in the tokenizer's chat template
+    when it has one (unless ``chat`` is False), or chat messages (``(role, content)`` pairs), which
+    need the template; ``template_kwargs`` are the template's extra variables."""
+    from xsched.errors import UserError
+
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if isinstance(prompt, str):
+        if not (chat and has_template):
+            return list(tokenizer(prompt)["input_ids"])
+        turns = [{"role": "user", "content": prompt}]
+    elif not chat:
+        raise UserError("\"messages\" need the chat template; drop --no-chat-template or give \"prompt\" text")
+    elif not has_template:
+        raise UserError("this model's tokenizer has no chat template to format \"messages\"; give \"prompt\" text")
+    else:
+        turns = [{"role": role, "content": content} for role, content in prompt]
+    try:
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False,
+                                             **(template_kwargs or {}))
+    except Exception as exc:  # jinja2's errors (a template that raises on an unexpected role order, ...)
+        raise UserError(f"the chat template refused these messages: {str(exc).splitlines()[0] if str(exc) else exc!r}") \
+            from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def prompt_token_counter(model: str | None, chat: bool = True) -> Callable[[str], int]:
-    """Counts a prompt text's tokens as ``xsched run --model MODEL`` will feed them (the default
-    model when None; the chat template unless ``chat`` is False), so that a workload fitted to a
-    file of prompts has the lengths the engine will see."""
+def prompt_token_counter(model: str | None, chat: bool = True,
+                         template_kwargs: dict | None = None) -> Callable[[str | Messages], int]:
+    """Counts a prompt's tokens (text or chat messages) as ``xsched run --model MODEL`` will feed
+    them (the default model when None; the chat template unless ``chat`` is False), so that a
+    workload fitted to a file of prompts has the lengths the engine will see."""
     from xrunner.loaders import open_model
 
     tokenizer = open_model(model).tokenizer()  # a random model's refuses with a one-line error
-    return lambda text: len(encode_prompt(tokenizer, text, chat))
+    return lambda prompt: len(encode_prompt(tokenizer, prompt, chat, template_kwargs))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -154,7 +180,7 @@ def _generate(args: argparse.Namespace) -> int:
     show = not args.quiet and sys.stderr.isatty()
     source = open_model(args.model, dtype=args.dtype)
     tokenizer = source.tokenizer()
-    prompts = [encode_prompt(tokenizer, p, chat=not args.no_chat_template) for p in args.prompt]
+    prompts = [encode_prompt(tokenizer, p, not args.no_chat_template, args.chat_template_kwargs) for p in args.prompt]
     weights = load_weights(source, device=device, progress=show, head_rows=len(prompts))
     stops = stop_token_ids(source, tokenizer)
     with tqdm(total=args.max_new_tokens, desc="generating", unit="tok", file=sys.stderr, disable=not show,

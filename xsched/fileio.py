@@ -7,7 +7,7 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from xsched.errors import UserError
 
@@ -118,6 +118,27 @@ def check_text(value: str, where: str, errors: str = "strict") -> str:
         raise UserError(f"{where} holds a lone surrogate escape (\\ud800-\\udfff alone), which is not text; "
                         "fix or remove it") from None
     return value
+
+
+Messages = tuple[tuple[str, str], ...]  # a chat request's (role, content) turns
+
+
+def chat_messages(value: Any, where: str) -> Messages:
+    """A request's ``"messages"`` (the chat form of OpenAI-style batch files: a list of
+    ``{"role", "content"}`` objects, e.g. a system prompt then the user's turn) as (role, content)
+    pairs, or a one-line error naming ``where``."""
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+    turns = []
+    for i, turn in enumerate(value, start=1):
+        role = turn.get("role") if isinstance(turn, dict) else None
+        content = turn.get("content") if isinstance(turn, dict) else None
+        if not isinstance(role, str) or not role or not isinstance(content, str):
+            raise UserError(f"{where}: message {i} must be an object with a \"role\" (non-empty text) and a "
+                            f"\"content\" (text), got {str(turn)[:80]}")
+        turns.append((check_text(role, f"{where}: message {i}'s role"),
+                      check_text(content, f"{where}: message {i}'s content")))
+    return tuple(turns)
 
 
 def file_or_none(arg: str | None) -> str | None:
