@@ -820,7 +820,8 @@ def test_a_second_ctrl_c_during_cleanup_still_removes_the_offload_files(tiny_dir
 
 @pytest.mark.slow
 def test_default_model_on_real_prompts_matches_generate(tmp_path, capsys):
-    """SmolLM2-135M-Instruct (the default), chat template, greedy: the same text as the reference loop."""
+    """SmolLM2-135M-Instruct (the default), chat template, greedy: the same text as the reference loop,
+    for prompt text and for a chat with its own system prompt."""
     from xrunner.cli import encode_prompt
     from xrunner.generate import generate
     from xrunner.loaders import load_weights, open_model
@@ -828,10 +829,13 @@ def test_default_model_on_real_prompts_matches_generate(tmp_path, capsys):
 
     source = open_model(None, dtype="float32")
     tok = source.tokenizer()
-    questions = ["What is the capital of France?", "Name three primary colors."]
-    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": q, "max_new_tokens": 12}
-                                                   for i, q in enumerate(questions)])
-    plan = make_plan(tmp_path / "plan.json", source.spec, Policy(gbs=2, nb=1, wg=0.5, wc=0.5, wd=0.0), 64, 12)
+    questions = ["What is the capital of France?", "Name three primary colors.",
+                 (("system", "You answer in French."), ("user", "What is the capital of France?"))]
+    prompts = write_prompts(tmp_path / "p.jsonl", [
+        {"id": f"q{i}", **({"prompt": q} if isinstance(q, str) else
+                           {"messages": [{"role": r, "content": c} for r, c in q]}), "max_new_tokens": 12}
+        for i, q in enumerate(questions)])
+    plan = make_plan(tmp_path / "plan.json", source.spec, Policy(gbs=3, nb=1, wg=0.5, wc=0.5, wd=0.0), 64, 12)
     out = tmp_path / "out.jsonl"
     assert main(["run", "--plan", str(plan), "--prompts", str(prompts), "--out", str(out), "--quiet"]) == 0
     got = {r["id"]: r for r in read_rows(out)}
@@ -842,7 +846,7 @@ def test_default_model_on_real_prompts_matches_generate(tmp_path, capsys):
         want = generate(weights, [ids], 12, stop_token_ids=stops).tokens[0]
         assert got[f"q{i}"]["output_ids"] == want and got[f"q{i}"]["prompt_tokens"] == len(ids)
         assert got[f"q{i}"]["text"] == tok.decode(want, skip_special_tokens=True)
-    assert "Paris" in got["q0"]["text"]
+    assert "Paris" in got["q0"]["text"] and got["q2"]["prompt_tokens"] < got["q0"]["prompt_tokens"]  # own system
 
 
 def test_plan_measured_on_another_machine_warns(tmp_path):
