@@ -141,6 +141,22 @@ def test_one_gpu_batch_per_block_and_uneven_last_block(llama, tmp_path):
     assert got == want
 
 
+@pytest.mark.parametrize("name", ["all-gpu", "everything-offloaded-refill"])
+def test_a_stop_check_ends_a_request_at_the_token_that_completes_its_match(llama, tmp_path, name):
+    """The engine's ``stop_check`` (what `xsched run` builds from "stop" strings) ends a request at
+    the first token that makes it true: its output is the reference's up to that token, and the
+    freed slot's next requests are unaffected."""
+    src, reqs, want = llama
+    stop_at = {r.id: want[r.id][2] for r in reqs if len(want[r.id]) > 3}  # the 3rd generated token
+    assert len(stop_at) >= 3
+    got, _ = run_engine(src, Policy(gbs=3, nb=2, **POLICIES[name]), reqs, tmp_path,
+                        stop_check=lambda req, out: req.id in stop_at and out[-1] == stop_at[req.id])
+    for r in reqs:
+        w = want[r.id]
+        end = w.index(stop_at[r.id]) + 1 if r.id in stop_at else len(w)
+        assert got[r.id] == w[:end], r.id
+
+
 @pytest.mark.parametrize("spec", [OPT, QWEN2, QWEN3], ids=["opt", "qwen2", "qwen3"])
 def test_other_layer_kinds_with_offloading(tmp_path, spec):
     """OPT's and Qwen2's biases and Qwen3's q/k norms through disk weights, CPU attention and refill."""

@@ -74,6 +74,8 @@ def test_prompt_file_errors_name_the_line(tmp_path):
         ('{"id": "a", "messages": [{"role": "user", "content": "x"}, {"role": "user"}]}\n',
          ':1: message 2 must be an object with a "role"'),
         ('{"id": "a", "messages": [{"role": "user", "content": "\\ud800"}]}\n', "message 1's content holds a lone"),
+        ('{"id": "a", "prompt": "x", "stop": ""}\n', ':1: "stop" must be a non-empty string or a list'),
+        ('{"id": "a", "prompt": "x", "stop": ["a", 3]}\n', '"stop" must be'),
         ('{"id": "a", "prompt": "x", "max_new_tokens": 0}\n', "max_new_tokens"),
         ('{"id": "a", "prompt_ids": [1, -2]}\n', "non-negative integers"),
         ('[1, 2]\n', "JSON object"),
@@ -611,6 +613,47 @@ def test_chat_messages_run_through_the_template_with_its_variables(tiny_dir, tmp
         main(["run", "--plan", str(plan), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"),
               "--chat-template-kwargs", "[1]"])
     assert exc.value.code == 2 and "must be a JSON object" in capsys.readouterr().err
+
+
+def test_stop_strings_end_a_request_where_they_first_appear(tiny_dir, random_plan, tmp_path, capsys):
+    """"stop" ends a request at the token that completes the string's first appearance: its text ends
+    just before the string (OpenAI's rule), "stop_string" names it, and output_ids are the reference
+    loop's up to that token. A string that never appears changes nothing."""
+    from xrunner.loaders import open_model
+    from xsimulator.policy import Policy
+
+    prompts, rows = tiny_job(tiny_dir, tmp_path, 6, seed=3)
+    tok = open_model(tiny_dir, dtype="float32").tokenizer()
+    rows = [{**r, "max_new_tokens": 9} for r in rows]
+    ref = reference_outputs(str(tiny_dir), "float32", [tok(r["prompt"])["input_ids"] for r in rows], [9] * 6, [2])
+    texts = [tok.decode(w, skip_special_tokens=True).split() for w in ref]
+    stopping = [i for i, words in enumerate(texts) if len(words) >= 4][:3]
+    assert len(stopping) == 3
+    for i in stopping:
+        rows[i]["stop"] = [texts[i][3], "never-said"]  # the 4th word
+    rows[0 if 0 not in stopping else 5]["stop"] = "never-said"
+    prompts = write_prompts(tmp_path / "stop.jsonl", rows)
+    plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=2, nb=2, wg=0.5, wd=0.5, refill_every=2))
+    out = tmp_path / "out.jsonl"
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--quiet", "--adapt", "none"]) == 0
+    got = {r["id"]: r for r in read_rows(out)}
+    for r, want in zip(rows, ref):
+        g = got[r["id"]]
+        stops = [r["stop"]] if isinstance(r.get("stop"), str) else r.get("stop", [])
+        # the first token whose text completes a stop string (a word may also contain one: "w1" in "w17")
+        end = next((k + 1 for k in range(len(want))
+                    if any(s in tok.decode(want[:k + 1], skip_special_tokens=True) for s in stops)), len(want))
+        full = tok.decode(want[:end], skip_special_tokens=True)
+        hit = min(((full.find(s), s) for s in stops if s in full), default=(None, None))
+        assert g["output_ids"] == want[:end] and g["text"] == (full if hit[0] is None else full[:hit[0]])
+        assert ("stop_string" in g) == bool(stops) and g.get("stop_string") == hit[1]
+    assert sum(g.get("stop_string") is not None for g in got.values()) == 3
+    capsys.readouterr()
+    ids = write_prompts(tmp_path / "ids.jsonl", [{"id": "a", "prompt_ids": [5, 6], "stop": "x"}])
+    assert main(["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--prompts", str(ids),
+                 "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert f'{ids}:1: "stop" strings need the model\'s tokenizer' in capsys.readouterr().err
 
 
 def test_default_tokenizer_counts_the_chat_template():

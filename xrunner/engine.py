@@ -376,7 +376,8 @@ class Engine:
                  device: str | torch.device | None = None, progress: bool = False,
                  calibration_ids: torch.Tensor | Callable[[], torch.Tensor] | None = None,
                  cuda_sync: str = "item", head_layout: str | None = None,
-                 notice: Callable[[str], None] | None = None):
+                 notice: Callable[[str], None] | None = None,
+                 stop_check: Callable[[Request, Sequence[int]], bool] | None = None):
         spec = source.spec
         if head_layout not in (None, "rows", "transposed"):
             raise UserError(f"head_layout must be 'rows' or 'transposed', got {head_layout!r}")
@@ -397,6 +398,8 @@ class Engine:
         self.cap = max_prompt + max_output
         self.sampling = sampling or SamplingParams()
         self.stop = frozenset(int(t) for t in stop_token_ids)
+        # Ends a request on its output so far (stop strings, which need the caller's tokenizer)
+        self.stop_check = stop_check
         # Token ids [sequences, length] of calibration text (or a function giving them, called the
         # first time a calibration pass runs, while weights load): 4-bit weights then get GPTQ codes
         # (xrunner.gptq) instead of nearest rounding, and a 4-bit KV cache is stored around each
@@ -1623,7 +1626,8 @@ class Engine:
                 row.out.append(int(tok))
                 produced += 1
                 eos = int(tok) in self.stop
-                if eos or len(row.out) >= row.req.max_new_tokens:
+                if (eos or len(row.out) >= row.req.max_new_tokens
+                        or (self.stop_check is not None and self.stop_check(row.req, row.out))):
                     finished.append(Finished(row.req.id, len(row.req.prompt_ids), tuple(row.out), row.start_s, now,
                                              eos))
                     batch.rows[slot] = None

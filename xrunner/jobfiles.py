@@ -40,6 +40,7 @@ class PromptRecord:
     prompt_ids: tuple[int, ...] | None
     max_new_tokens: int | None
     messages: Messages | None = None
+    stop: tuple[str, ...] = ()  # strings that end the request where they first appear in its text
 
     @property
     def needs_tokenizer(self) -> bool:
@@ -53,8 +54,8 @@ def _id_key(value: RequestId) -> str:
 
 def read_prompts(path: str | Path) -> list[PromptRecord]:
     """Parse a prompts JSONL file: ``{"id", "prompt" | "messages" | "prompt_ids", optional
-    "max_new_tokens"}``; ``"messages"`` is a chat (``[{"role", "content"}, ...]``) that the
-    tokenizer's chat template formats.
+    "max_new_tokens", optional "stop"}``; ``"messages"`` is a chat (``[{"role", "content"}, ...]``)
+    that the tokenizer's chat template formats; ``"stop"`` a string or a list of them.
 
     Blank lines are skipped; other keys are allowed and ignored. Every problem is a one-line
     ``UserError`` naming the file and line.
@@ -105,10 +106,20 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         if mnt is not None and (isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1):
             raise UserError(f"{where}: \"max_new_tokens\" must be an integer >= 1, got {mnt!r}")
         records.append(PromptRecord(id=rid, line=lineno, prompt=prompt, prompt_ids=ids, max_new_tokens=mnt,
-                                    messages=messages))
+                                    messages=messages, stop=_stop_strings(obj.get("stop"), where)))
     if not records:
         raise UserError(f"{p}: no prompts in the file (one JSON object per line)")
     return records
+
+
+def _stop_strings(value: Any, where: str) -> tuple[str, ...]:
+    """A request's ``"stop"``: one string or a list of them, each non-empty."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(x, str) and x for x in items):
+        raise UserError(f"{where}: \"stop\" must be a non-empty string or a list of them, got {str(value)[:80]}")
+    return tuple(check_text(x, f"{where}: \"stop\"") for x in items)
 
 
 def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str | Messages], list[int]] | None,

@@ -217,10 +217,36 @@ def check_offload_dir(path: str) -> None:
                         "--offload-dir") from None
 
 
-def result_row(f: Any, text: str | None) -> dict[str, Any]:
-    """One results line: what the user asked for plus the token ids (exact, tokenizer-free)."""
-    return {"id": f.id, "text": text, "output_tokens": len(f.output_ids), "prompt_tokens": f.prompt_tokens,
-            "latency_s": f.latency_s, "stopped_on_eos": f.stopped_on_eos, "output_ids": list(f.output_ids)}
+def result_row(f: Any, text: str | None, stop: Sequence[str] = ()) -> dict[str, Any]:
+    """One results line: what the user asked for plus the token ids (exact, tokenizer-free). A
+    request with ``stop`` strings also gets ``"stop_string"``, the one it ended on (None if it
+    ended otherwise), and its text ends just before it, as OpenAI's ``stop`` does; ``output_ids``
+    keep every generated token, the stop string's included."""
+    row = {"id": f.id, "text": text, "output_tokens": len(f.output_ids), "prompt_tokens": f.prompt_tokens,
+           "latency_s": f.latency_s, "stopped_on_eos": f.stopped_on_eos, "output_ids": list(f.output_ids)}
+    if stop:
+        found = [(text.find(s), s) for s in stop if text is not None and s in text]
+        at, first = min(found) if found else (None, None)
+        row["text"], row["stop_string"] = (text if at is None else text[:at]), first
+    return row
+
+
+def stop_checker(tokenizer: Any, stops: dict[Any, tuple[str, ...]]) -> Callable[[Any, Sequence[int]], bool] | None:
+    """The engine's ``stop_check`` for requests with stop strings: whether the text of the output's
+    last tokens (enough of them for the longest string, at 4 tokens a character at worst, as
+    byte-level tokens of one character can take) holds one. Checked every step, so a request ends
+    at the token that completes its first stop string."""
+    if not any(stops.values()):
+        return None
+
+    def check(req: Any, out: Sequence[int]) -> bool:
+        strings = stops.get(req.id)
+        if not strings:
+            return False
+        tail = tokenizer.decode(list(out[-(4 * max(map(len, strings)) + 4):]), skip_special_tokens=True)
+        return any(s in tail for s in strings)
+
+    return check
 
 
 # ----------------------------------------------------------------------------- the command
@@ -272,7 +298,10 @@ def _run(args: argparse.Namespace) -> int:
         source = open_model(args.model, dtype=plan.model.dtype)
         check_model_matches(plan.model, source.spec, args.model)
         texts = any(r.needs_tokenizer for r in records)  # token ids need no tokenizer
-        tokenizer, encode = _tokenizer(source, needed=texts), None
+        tokenizer, encode = _tokenizer(source, needed=texts or any(r.stop for r in records)), None
+        if tokenizer is None and (first := next((r for r in records if r.stop), None)) is not None:
+            raise UserError(f"{args.prompts}:{first.line}: \"stop\" strings need the model's tokenizer, and "
+                            f"{source.spec.name} (random weights) has none; drop \"stop\"")
         if tokenizer is not None:
             encode = lambda prompt: encode_prompt(tokenizer, prompt, not args.no_chat_template,  # noqa: E731
                                                   args.chat_template_kwargs)
@@ -326,7 +355,7 @@ def _run(args: argparse.Namespace) -> int:
                 rows = []
                 for f in done:
                     text = tokenizer.decode(list(f.output_ids), skip_special_tokens=True) if tokenizer else None
-                    rows.append(result_row(f, text))
+                    rows.append(result_row(f, text, stops_of.get(f.id, ())))
                     latencies.append(f.latency_s)
                     output_len[f.id] = len(f.output_ids)
                     if watcher is not None:  # capped: ended at max_new_tokens without EOS (see xscheduler.replan)
@@ -340,6 +369,7 @@ def _run(args: argparse.Namespace) -> int:
                 writer.write(rows)
 
             new_tokens_of = {records[i].id: new_tokens[i] for i in pending_idx}
+            stops_of = {records[i].id: records[i].stop for i in pending_idx if records[i].stop}
             order_of = {records[i].id: k for k, i in enumerate(pending_idx)}
             hook, watcher = _adapt_hook(args, covering(plan, max_prompt, max_output), capacity, profile, no_profile,
                                         horizon=len(pending_idx), machine=machine)
@@ -348,7 +378,8 @@ def _run(args: argparse.Namespace) -> int:
                         stop_token_ids=stops, record_trace=bool(args.trace), device=device,
                         progress=show, calibration_ids=_calibration(args, source, tokenizer),
                         notice=lambda work: print(f"xsched: reconfiguring: {work}; the job waits for it",
-                                                  file=sys.stderr)) as engine:
+                                                  file=sys.stderr),
+                        stop_check=stop_checker(tokenizer, stops_of)) as engine:
                 stats = engine.run(requests, on_finished=on_finished, on_step=bar.update, between_blocks=hook)
 
     ran = [i for i in pending_idx if records[i].id in output_len]  # in the order the engine took them
