@@ -115,6 +115,22 @@ def test_sampled_outputs_are_the_same_under_any_policy(llama, tmp_path):
         assert got == want, kw
 
 
+def test_each_request_samples_with_its_own_parameters(llama, tmp_path):
+    """Requests with their own sampling parameters (greedy beside two kinds of sampling, in the same
+    GPU batches) each get the tokens they get alone in the reference loop with those parameters."""
+    src, reqs, _ = llama
+    kinds = [None, SamplingParams(temperature=1.0, top_k=50, seed=7), SamplingParams(temperature=0.7, top_p=0.9, seed=3)]
+    mixed = [replace(r, sampling=kinds[i % 3]) for i, r in enumerate(reqs)]
+    weights = load_weights(src)
+    want = {r.id: generate(weights, [r.prompt_ids], r.max_new_tokens, r.sampling or SamplingParams(),
+                           request_ids=[r.id]).tokens[0] for r in mixed}
+    assert want != {r.id: generate(weights, [r.prompt_ids], r.max_new_tokens).tokens[0] for r in mixed}
+    for kw in (dict(gbs=3, nb=2), dict(gbs=2, nb=3, refill_every=1, wg=0.5, wd=0.5, cg=0.5, cc=0.5,
+                                       cpu_attention=True)):
+        got, _ = run_engine(src, Policy(**kw), mixed, tmp_path)
+        assert got == want, kw
+
+
 def test_uninitialised_memory_never_reaches_the_outputs(llama, tmp_path, monkeypatch):
     """Masked KV columns are never written but still meet ``probs @ V`` (0 * NaN = NaN): host
     buffers handed out full of NaN bit patterns (as recycled memory can be) must not change a token."""

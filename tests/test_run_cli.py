@@ -76,6 +76,9 @@ def test_prompt_file_errors_name_the_line(tmp_path):
         ('{"id": "a", "messages": [{"role": "user", "content": "\\ud800"}]}\n', "message 1's content holds a lone"),
         ('{"id": "a", "prompt": "x", "stop": ""}\n', ':1: "stop" must be a non-empty string or a list'),
         ('{"id": "a", "prompt": "x", "stop": ["a", 3]}\n', '"stop" must be'),
+        ('{"id": "a", "prompt": "x", "temperature": "hot"}\n', ':1: "temperature" must be a number'),
+        ('{"id": "a", "prompt": "x", "top_k": 1.5}\n', '"top_k" must be a whole number'),
+        ('{"id": "a", "prompt": "x", "seed": true}\n', '"seed" must be a whole number'),
         ('{"id": "a", "prompt": "x", "max_new_tokens": 0}\n', "max_new_tokens"),
         ('{"id": "a", "prompt_ids": [1, -2]}\n', "non-negative integers"),
         ('[1, 2]\n', "JSON object"),
@@ -654,6 +657,38 @@ def test_stop_strings_end_a_request_where_they_first_appear(tiny_dir, random_pla
     assert main(["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--prompts", str(ids),
                  "--out", str(tmp_path / "o.jsonl")]) == 2
     assert f'{ids}:1: "stop" strings need the model\'s tokenizer' in capsys.readouterr().err
+
+
+def test_a_request_samples_with_its_own_parameters(tiny_dir, tmp_path, capsys):
+    """A prompt file's "temperature" / "top_k" / "top_p" / "seed" override the command line's for that
+    request only: each output equals the reference loop with that request's parameters; an invalid
+    one is refused with its line."""
+    from xrunner.generate import generate
+    from xrunner.loaders import load_weights, open_model
+    from xrunner.sampling import SamplingParams
+    from xsimulator.policy import Policy
+
+    _, rows = tiny_job(tiny_dir, tmp_path, 4, seed=5)
+    own = [{}, {"temperature": 1.0, "seed": 11}, {"temperature": 0.8, "top_k": 20}, {"top_p": 0.5}]
+    rows = [{**r, **o, "max_new_tokens": 8} for r, o in zip(rows, own)]
+    prompts = write_prompts(tmp_path / "own.jsonl", rows)
+    plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=2, nb=2))
+    out = tmp_path / "out.jsonl"
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--quiet", "--adapt", "none", "--temperature", "0.5", "--seed", "4"]) == 0
+    got = {r["id"]: r["output_ids"] for r in read_rows(out)}
+    source = open_model(tiny_dir, dtype="float32")
+    weights, tok = load_weights(source), source.tokenizer()
+    base = SamplingParams(temperature=0.5, seed=4)
+    for r, o in zip(rows, own):
+        want = generate(weights, [tok(r["prompt"])["input_ids"]], 8, SamplingParams(**{**base.__dict__, **o}),
+                        stop_token_ids=[2], request_ids=[r["id"]]).tokens[0]
+        assert got[r["id"]] == want, r["id"]
+    capsys.readouterr()
+    bad = write_prompts(tmp_path / "bad.jsonl", [rows[0], {**rows[1], "top_p": 0}])
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(bad), "--out",
+                 str(tmp_path / "bad.out"), "--quiet"]) == 2
+    assert f"{bad}:2: top-p is a fraction in (0, 1]" in capsys.readouterr().err
 
 
 def test_default_tokenizer_counts_the_chat_template():

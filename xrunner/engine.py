@@ -59,6 +59,7 @@ class Request:
     id: str
     prompt_ids: tuple[int, ...]  # already tokenized (chat template applied by the caller)
     max_new_tokens: int
+    sampling: SamplingParams | None = None  # this request's own; None: the engine's
 
 
 @dataclass(frozen=True)
@@ -1617,9 +1618,7 @@ class Engine:
         produced = 0
         for work, lg in zip(works, logits):
             batch = batches[work.batch]
-            keys = () if self.sampling.greedy else [(batch.rows[slot].req.id, len(batch.rows[slot].out))  # type: ignore[union-attr]
-                                                    for slot in work.slots]
-            tokens = sample(lg, self.sampling, keys).tolist()
+            tokens = self._sample(lg, [batch.rows[slot] for slot in work.slots])
             for slot, tok in zip(work.slots, tokens):
                 row = batch.rows[slot]
                 assert row is not None
@@ -1635,6 +1634,20 @@ class Engine:
         self.stats.generated_tokens += produced
         if on_step is not None:
             on_step(produced)
+
+    def _sample(self, logits: torch.Tensor, rows: list[Any]) -> list[int]:
+        """Each row's next token under its request's sampling parameters (the engine's by default),
+        one :func:`sample` call per distinct set; draws keyed by request id and token index."""
+        params = [row.req.sampling or self.sampling for row in rows]
+        tokens = [0] * len(rows)
+        for p in dict.fromkeys(params):
+            idx = [i for i, q in enumerate(params) if q == p]
+            keys = () if p.greedy else [(rows[i].req.id, len(rows[i].out)) for i in idx]
+            picked = sample(logits if len(idx) == len(rows) else logits[torch.tensor(idx, device=logits.device)],
+                            p, keys).tolist()
+            for i, t in zip(idx, picked):
+                tokens[i] = t
+        return tokens
 
     def _compact(self, j: int, batch: _Batch) -> None:
         """Shift a batch's KV columns ``[begin, end)`` to ``[0, T)`` on every tier (refill can run long)."""

@@ -41,6 +41,8 @@ class PromptRecord:
     max_new_tokens: int | None
     messages: Messages | None = None
     stop: tuple[str, ...] = ()  # strings that end the request where they first appear in its text
+    # this request's own "temperature", "top_k", "top_p", "seed" (over the command line's)
+    sampling: tuple[tuple[str, float | int], ...] = ()
 
     @property
     def needs_tokenizer(self) -> bool:
@@ -54,8 +56,9 @@ def _id_key(value: RequestId) -> str:
 
 def read_prompts(path: str | Path) -> list[PromptRecord]:
     """Parse a prompts JSONL file: ``{"id", "prompt" | "messages" | "prompt_ids", optional
-    "max_new_tokens", optional "stop"}``; ``"messages"`` is a chat (``[{"role", "content"}, ...]``)
-    that the tokenizer's chat template formats; ``"stop"`` a string or a list of them.
+    "max_new_tokens", optional "stop", optional "temperature" / "top_k" / "top_p" / "seed"}``;
+    ``"messages"`` is a chat (``[{"role", "content"}, ...]``) that the tokenizer's chat template
+    formats; ``"stop"`` a string or a list of them.
 
     Blank lines are skipped; other keys are allowed and ignored. Every problem is a one-line
     ``UserError`` naming the file and line.
@@ -106,7 +109,8 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         if mnt is not None and (isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1):
             raise UserError(f"{where}: \"max_new_tokens\" must be an integer >= 1, got {mnt!r}")
         records.append(PromptRecord(id=rid, line=lineno, prompt=prompt, prompt_ids=ids, max_new_tokens=mnt,
-                                    messages=messages, stop=_stop_strings(obj.get("stop"), where)))
+                                    messages=messages, stop=_stop_strings(obj.get("stop"), where),
+                                    sampling=_sampling_overrides(obj, where)))
     if not records:
         raise UserError(f"{p}: no prompts in the file (one JSON object per line)")
     return records
@@ -120,6 +124,23 @@ def _stop_strings(value: Any, where: str) -> tuple[str, ...]:
     if not isinstance(items, list) or not all(isinstance(x, str) and x for x in items):
         raise UserError(f"{where}: \"stop\" must be a non-empty string or a list of them, got {str(value)[:80]}")
     return tuple(check_text(x, f"{where}: \"stop\"") for x in items)
+
+
+SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "seed": int}
+
+
+def _sampling_overrides(obj: dict[str, Any], where: str) -> tuple[tuple[str, float | int], ...]:
+    """A request's own sampling parameters: numbers, whole for ``top_k`` and ``seed`` (their
+    ranges are checked with the command line's, when the run builds its ``SamplingParams``)."""
+    out = []
+    for key, kind in SAMPLING_KEYS.items():
+        value = obj.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+            raise UserError(f"{where}: \"{key}\" must be {'a whole number' if kind is int else 'a number'}, got {value!r}")
+        out.append((key, kind(value)))
+    return tuple(out)
 
 
 def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str | Messages], list[int]] | None,

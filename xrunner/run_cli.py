@@ -231,6 +231,23 @@ def result_row(f: Any, text: str | None, stop: Sequence[str] = ()) -> dict[str, 
     return row
 
 
+def request_sampling(records: Sequence[Any], default: Any, where: str) -> dict[int, Any]:
+    """Record index -> its ``SamplingParams``: the command line's with the request's own
+    "temperature", "top_k", "top_p", "seed" over them (a one-line error naming the line)."""
+    from dataclasses import replace
+
+    from xsched.errors import UserError
+
+    out = {}
+    for i, r in enumerate(records):
+        if r.sampling:
+            try:
+                out[i] = replace(default, **dict(r.sampling))
+            except UserError as exc:
+                raise UserError(f"{where}:{r.line}: {exc}") from None
+    return out
+
+
 def stop_checker(tokenizer: Any, stops: dict[Any, tuple[str, ...]]) -> Callable[[Any, Sequence[int]], bool] | None:
     """The engine's ``stop_check`` for requests with stop strings: whether the text of the output's
     last tokens (enough of them for the longest string, at 4 tokens a character at worst, as
@@ -340,8 +357,9 @@ def _run(args: argparse.Namespace) -> int:
         check_machine_room(device, planned, machine)
         capacity = {t: min(float(plan.predicted.capacity_bytes.get(t, float("inf"))), machine[t]) for t in machine}
 
-        requests = (Request(id=records[i].id, prompt_ids=tuple(prompt_ids[i]), max_new_tokens=new_tokens[i])
-                    for i in pending_idx)
+        own = request_sampling(records, sampling, args.prompts)
+        requests = (Request(id=records[i].id, prompt_ids=tuple(prompt_ids[i]), max_new_tokens=new_tokens[i],
+                            sampling=own.get(i)) for i in pending_idx)
         latencies: list[float] = []
         output_len: dict[Any, int] = {}
         eos = [0]
