@@ -133,12 +133,15 @@ def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: torch.Tensor | None = None) -> None:
+def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: torch.Tensor | None = None,
+                    name: str | None = None) -> None:
     """Write an HF Llama or Qwen2 as a llama.cpp GGUF: F32 norms and biases, Q8_0 projections,
     a Llama's q/k rows permuted (llama.cpp keeps a Qwen2's, which its rope kernel reads as they are)."""
     cfg = hf.config
     arch = cfg.model_type
     writer = gguf.GGUFWriter(path, arch)
+    if name is not None:
+        writer.add_name(name)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -245,9 +248,14 @@ def test_a_llama31_gguf_applies_its_rope_freqs_and_matches_transformers(tmp_path
 
 
 def test_a_gguf_that_records_a_sliding_window_keeps_it(tmp_path):
+    """...and one named like Mistral-7B-v0.1 without it (as llama.cpp converts it) gets a warning."""
     path = tmp_path / "windowed.gguf"
-    write_tiny_gguf(path, tiny_hf("llama", tied=True, seed=3), sliding_window=16)
+    write_tiny_gguf(path, tiny_hf("llama", tied=True, seed=3), sliding_window=16, name="Mistral-7B-v0.1")
     assert open_model(path).spec.sliding_window == 16
+    plain = tmp_path / "v01.gguf"
+    write_tiny_gguf(plain, tiny_hf("llama", tied=True, seed=3), name="mistralai_mistral-7b-v0.1")
+    with pytest.warns(UserWarning, match="looks like Mistral-7B-v0.1, whose 4096-key sliding window"):
+        assert open_model(plain).spec.sliding_window is None
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])

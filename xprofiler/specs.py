@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -600,6 +602,12 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
     vocab = field(f"{arch}.vocab_size", 0) or len(field("tokenizer.ggml.tokens"))
     eos = reader.get_field("tokenizer.ggml.eos_token_id")
     window = reader.get_field(f"{arch}.attention.sliding_window")  # llama.cpp writes none for Mistral
+    label = reader.get_field("general.name")
+    label = str(label.contents()) if label is not None else ""
+    if window is None and arch == "llama" and re.search(r"mistral.*v0\.1", label, re.IGNORECASE):
+        warnings.warn(f"{name}: {label!r} looks like Mistral-7B-v0.1, whose 4096-key sliding window this GGUF "
+                      "does not record; past 4096 positions it attends to every key, unlike the original",
+                      UserWarning, stacklevel=2)
     divisors = _gguf_rope_divisors(reader, arch, name, head_dim)
     return ModelSpec(
         name=name, family="llama", num_layers=int(field(f"{arch}.block_count")), hidden=hidden,
