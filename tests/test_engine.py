@@ -119,7 +119,8 @@ def test_each_request_samples_with_its_own_parameters(llama, tmp_path):
     """Requests with their own sampling parameters (greedy beside two kinds of sampling, in the same
     GPU batches) each get the tokens they get alone in the reference loop with those parameters."""
     src, reqs, _ = llama
-    kinds = [None, SamplingParams(temperature=1.0, top_k=50, seed=7), SamplingParams(temperature=0.7, top_p=0.9, seed=3)]
+    kinds = [None, SamplingParams(temperature=1.0, top_k=50, seed=7),
+             SamplingParams(temperature=0.7, top_p=0.9, seed=3)]
     mixed = [replace(r, sampling=kinds[i % 3]) for i, r in enumerate(reqs)]
     weights = load_weights(src)
     want = {r.id: generate(weights, [r.prompt_ids], r.max_new_tokens, r.sampling or SamplingParams(),

@@ -76,7 +76,8 @@ SHAPES = {
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                           rope_theta=500000.0, tie_word_embeddings=True,
                                           rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                                            high_freq_factor=4.0, original_max_position_embeddings=64))),
+                                                            high_freq_factor=4.0,
+                                                            original_max_position_embeddings=64))),
     # Qwen2.5's YaRN recipe (factor 4 over the original 32 here): head_dim 16 keeps, blends and divides
     # frequencies, and cos/sin are scaled by 0.1 ln 4 + 1
     "qwen2-yarn": ("qwen2", dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

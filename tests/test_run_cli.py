@@ -94,7 +94,8 @@ def test_prompt_file_errors_name_the_line(tmp_path):
         read_prompts(tmp_path / "missing.jsonl")
     p = tmp_path / "ok.jsonl"
     p.write_text('{"id": 7, "prompt": "hi", "meta": 1}\n\n{"id": "7", "prompt_ids": [3, 4], "max_new_tokens": 2}\n'
-                 '{"id": "c", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}\n')
+                 '{"id": "c", "messages": [{"role": "system", "content": "be brief"}, '
+                 '{"role": "user", "content": "hi"}]}\n')
     recs = read_prompts(p)
     assert [(r.id, r.prompt, r.prompt_ids, r.max_new_tokens, r.line, r.messages) for r in recs] == [
         (7, "hi", None, None, 1, None), ("7", None, (3, 4), 2, 3, None),  # 7 and "7" are different ids

@@ -230,8 +230,9 @@ def test_bad_distributions_and_files(tmp_path):
     w_ids = Workload.from_file(ids)
     assert (w_ids.prompt.min_len, w_ids.prompt.max_len, w_ids.output.max_len) == (1, 3, 4)
     chat = tmp_path / "chat.jsonl"  # `xsched run`'s chat form, estimated from its contents' bytes (17 and 5)
-    chat.write_text('{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],'
-                    ' "max_new_tokens": 4}\n{"messages": [{"role": "user", "content": "Hello"}], "max_new_tokens": 4}\n')
+    chat.write_text('{"messages": [{"role": "system", "content": "Be brief."}, '
+                    '{"role": "user", "content": "Hi there"}], "max_new_tokens": 4}\n'
+                    '{"messages": [{"role": "user", "content": "Hello"}], "max_new_tokens": 4}\n')
     w_chat = Workload.from_file(chat)
     assert (w_chat.prompt.min_len, w_chat.prompt.max_len) == (2, 5) and "estimated" in w_chat.source
     chat.write_text('{"messages": [{"role": "user"}], "max_new_tokens": 4}\n')

@@ -88,7 +88,8 @@ class ModelSpec(Contract):
                              f"rotary model, got {len(self.rope_divisors)}")
         if not 0 < self.rope_attention_factor < math.inf or (self.rope_attention_factor != 1.0
                                                              and self.position != "rotary"):
-            raise ValueError(f"rope_attention_factor must be positive on a rotary model, got {self.rope_attention_factor}")
+            raise ValueError(f"rope_attention_factor must be positive on a rotary model, got "
+                             f"{self.rope_attention_factor}")
         if self.qk_norm and self.norm != "rmsnorm":
             raise ValueError("qk_norm is an RMSNorm over each head (Qwen3): it needs norm='rmsnorm'")
         if self.num_heads % self.num_kv_heads:
@@ -343,7 +344,8 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
             theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
             partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
             if partial != 1.0:  # Phi-4-mini's 0.75
-                raise UserError(f"{name}: partial rotary embeddings (partial_rotary_factor={partial!r}) are not supported")
+                raise UserError(f"{name}: partial rotary embeddings (partial_rotary_factor={partial!r}) are not "
+                                "supported")
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
             return ModelSpec(
                 name=name, family="llama", num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
@@ -490,14 +492,17 @@ def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: 
            head_dim: int | None = None, qk_norm: bool = False, window: int | None = None) -> ModelSpec:
     """A Llama-family registry entry; ``llama3_factor``: Llama 3.1's rope scaling with that factor
     (low/high frequency factors 1 and 4 over 8192 original positions, as all 3.1 and 3.2 models)."""
-    scaling = None if llama3_factor is None else {"rope_type": "llama3", "factor": llama3_factor, "low_freq_factor": 1.0,
-                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = None if llama3_factor is None else {
+        "rope_type": "llama3", "factor": llama3_factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
     head_dim = head_dim or hidden // heads
     return ModelSpec(name=name, family="llama", num_layers=layers, hidden=hidden, ffn=ffn, num_heads=heads,
                      num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab, max_positions=max_pos,
                      norm="rmsnorm", activation="silu", position="rotary", tied_embeddings=tied,
-                     norm_eps=eps, rope_theta=theta, eos_token_id=eos, qkv_bias=qkv_bias, extra_eos_token_ids=extra_eos,
-                     **_rope_scaling({"rope_scaling": scaling, "max_position_embeddings": max_pos}, name, head_dim, theta),
+                     norm_eps=eps, rope_theta=theta, eos_token_id=eos, qkv_bias=qkv_bias,
+                     extra_eos_token_ids=extra_eos,
+                     **_rope_scaling({"rope_scaling": scaling, "max_position_embeddings": max_pos}, name, head_dim,
+                                     theta),
                      qk_norm=qk_norm,
                      sliding_window=window)
 

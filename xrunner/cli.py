@@ -144,8 +144,8 @@ def encode_prompt(tokenizer, prompt: str | Messages, chat: bool, template_kwargs
         text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False,
                                              **(template_kwargs or {}))
     except Exception as exc:  # jinja2's errors (a template that raises on an unexpected role order, ...)
-        raise UserError(f"the chat template refused these messages: {str(exc).splitlines()[0] if str(exc) else exc!r}") \
-            from None
+        reason = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        raise UserError(f"the chat template refused these messages: {reason}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -180,7 +180,8 @@ def _generate(args: argparse.Namespace) -> int:
     show = not args.quiet and sys.stderr.isatty()
     source = open_model(args.model, dtype=args.dtype)
     tokenizer = source.tokenizer()
-    prompts = [encode_prompt(tokenizer, p, not args.no_chat_template, args.chat_template_kwargs) for p in args.prompt]
+    prompts = [encode_prompt(tokenizer, p, not args.no_chat_template, args.chat_template_kwargs)
+               for p in args.prompt]
     weights = load_weights(source, device=device, progress=show, head_rows=len(prompts))
     stops = stop_token_ids(source, tokenizer)
     with tqdm(total=args.max_new_tokens, desc="generating", unit="tok", file=sys.stderr, disable=not show,

@@ -137,8 +137,9 @@ def _sampling_overrides(obj: dict[str, Any], where: str) -> tuple[tuple[str, flo
         value = obj.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-            raise UserError(f"{where}: \"{key}\" must be {'a whole number' if kind is int else 'a number'}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+            what = "a whole number" if kind is int else "a number"
+            raise UserError(f"{where}: \"{key}\" must be {what}, got {value!r}")
         out.append((key, kind(value)))
     return tuple(out)
 

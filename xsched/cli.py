@@ -52,7 +52,8 @@ def json_object_arg(text: str) -> dict:
     except (ValueError, RecursionError):
         raise argparse.ArgumentTypeError(f"is not valid JSON: {text[:80]!r}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"enable_thinking\": false}}', got {text[:80]!r}")
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"enable_thinking\": false}}', "
+                                         f"got {text[:80]!r}")
     return value
 
 
