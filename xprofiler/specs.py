@@ -60,7 +60,7 @@ class ModelSpec(Contract):
     # Every layer's query sees its own and the previous sliding_window - 1 positions (Mistral v0.1)
     sliding_window: int | None = None
     # Rotary inverse frequency i is rope_theta ** (-2i / head_dim) / rope_divisors[i]: a rope
-    # scaling (Llama 3.1's "llama3", "linear") or a GGUF's rope_freqs tensor; () when unscaled
+    # scaling ("linear", Llama 3.1's "llama3", "yarn") or a GGUF's rope_freqs tensor; () when unscaled
     rope_divisors: tuple[float, ...] = ()
     rope_attention_factor: float = 1.0  # cos and sin scaled by it (YaRN's 0.1 ln(factor) + 1)
     eos_token_id: int | None = None
