@@ -19,7 +19,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -60,6 +60,22 @@ def _fused_rows(spec: ModelSpec, gguf: bool = False) -> dict[str, tuple[str, int
     return {"q_proj": (qkv, 0, q, q + 2 * kv), "k_proj": (qkv, q, q + kv, q + 2 * kv),
             "v_proj": (qkv, q + kv, q + 2 * kv, q + 2 * kv),
             "gate_proj": (gate_up, 0, f, 2 * f), "up_proj": (gate_up, f, 2 * f, 2 * f)}
+
+
+Source = tuple[str, tuple[int, ...], slice | None]  # checkpoint tensor, its whole shape, the rows taken
+
+
+def _layer_sources(spec: ModelSpec, fused: dict[str, tuple[str, int, int, int]], plain: Callable[[str], str],
+                   fused_prefix: str) -> dict[str, Source]:
+    """Runner tensor of one layer -> where a checkpoint keeps it: ``plain(name)`` whole, or rows of a
+    fused tensor ``fused_prefix + module`` (:func:`_fused_rows`)."""
+    out = {}
+    for name, shape in spec.layer_tensor_shapes().items():
+        module, param = name.split(".", 1)
+        f = fused.get(module)
+        out[name] = ((plain(name), shape, None) if f is None
+                     else (f"{fused_prefix}{f[0]}.{param}", (f[3], *shape[1:]), slice(f[1], f[2])))
+    return out
 
 # Runner module name -> llama.cpp tensor name.
 _GGUF_LAYER = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -162,36 +178,23 @@ class HFDirectorySource(ModelSource):
                 raise UserError(f"{shard}: not a readable safetensors file ({exc})") from None
         return files
 
-    def _layer_names(self, index: int) -> dict[str, str]:
-        names = {}
-        for n in self.spec.layer_tensor_shapes():
-            module, param = n.split(".", 1)
-            fused = self._fused.get(module)
-            names[n] = (_hf_name(self.spec.family, n, self._prefix, index) if fused is None
-                        else f"{self._prefix}layers.{index}.{fused[0]}.{param}")
-        return names
+    def _layer_sources(self, index: int) -> dict[str, Source]:
+        return _layer_sources(self.spec, self._fused, lambda n: _hf_name(self.spec.family, n, self._prefix, index),
+                              f"{self._prefix}layers.{index}.")
 
-    def _rows(self, name: str) -> tuple[int, int, int] | None:
-        """Rows ``[start, end)`` of runner tensor ``name`` in its fused HF tensor of ``total`` rows, or None."""
-        fused = self._fused.get(name.split(".", 1)[0])
-        return None if fused is None else fused[1:]
-
-    def _head_names(self) -> dict[str, str]:
-        return {n: _hf_name(self.spec.family, n, self._prefix) for n in self.spec.head_tensor_shapes()}
+    def _head_sources(self) -> dict[str, Source]:
+        return {n: (_hf_name(self.spec.family, n, self._prefix), shape, None)
+                for n, shape in self.spec.head_tensor_shapes().items()}
 
     def _validate(self) -> None:
         """Every tensor the spec needs exists with the right shape (reads headers only)."""
         safe_open = _require("safetensors").safe_open
 
-        wanted: list[tuple[str, str, tuple[int, ...]]] = []
-        head_shapes = self.spec.head_tensor_shapes()
-        wanted += [(ours, hf, head_shapes[ours]) for ours, hf in self._head_names().items()]
-        layer_shapes = {n: shape if (rows := self._rows(n)) is None else (rows[2], *shape[1:])
-                        for n, shape in self.spec.layer_tensor_shapes().items()}  # a fused tensor's whole shape
+        wanted = list(self._head_sources().values())
         for i in range(self.spec.num_layers):
-            wanted += [(ours, hf, layer_shapes[ours]) for ours, hf in self._layer_names(i).items()]
+            wanted += self._layer_sources(i).values()
         by_file: dict[Path, list[tuple[str, tuple[int, ...]]]] = {}
-        for _, hf, shape in wanted:
+        for hf, shape, _ in wanted:
             if hf not in self._files:
                 raise UserError(f"{self.path}: checkpoint lacks tensor {hf}")
             by_file.setdefault(self._files[hf], []).append((hf, shape))
@@ -204,28 +207,26 @@ class HFDirectorySource(ModelSource):
             for hf, shape in items:
                 _check_shape(str(self.path), hf, shapes[hf], shape)
 
-    def _read(self, names: dict[str, str]) -> Weights:
+    def _read(self, sources: dict[str, Source]) -> Weights:
         safe_open = _require("safetensors").safe_open
 
         dtype = torch_dtype(self.spec.dtype)
-        by_file: dict[Path, list[tuple[str, str]]] = {}
-        for ours, hf in names.items():
-            by_file.setdefault(self._files[hf], []).append((ours, hf))
+        by_file: dict[Path, list[tuple[str, str, slice | None]]] = {}
+        for ours, (hf, _, rows) in sources.items():
+            by_file.setdefault(self._files[hf], []).append((ours, hf, rows))
         out: Weights = {}
         for f, items in by_file.items():
             with safe_open(f, framework="pt") as fh:
-                for ours, hf in items:
-                    rows = self._rows(ours)
-                    out[ours] = (fh.get_tensor(hf) if rows is None  # else: its rows of a fused tensor alone
-                                 else fh.get_slice(hf)[rows[0]:rows[1]]).to(dtype)
+                for ours, hf, rows in items:  # a fused tensor's rows are read alone
+                    out[ours] = (fh.get_tensor(hf) if rows is None else fh.get_slice(hf)[rows]).to(dtype)
         return out
 
     def load_head(self) -> Weights:
-        return self._read(self._head_names())
+        return self._read(self._head_sources())
 
     def load_layer(self, index: int) -> Weights:
         self._check_index(index)
-        return self._read(self._layer_names(index))
+        return self._read(self._layer_sources(index))
 
     def tokenizer(self) -> Any:
         AutoTokenizer = _require("transformers").AutoTokenizer
@@ -286,18 +287,11 @@ class GGUFSource(ModelSource):
         for name, shape in self.spec.head_tensor_shapes().items():
             self._gguf_info(_gguf_name(name), shape)
         for i in range(self.spec.num_layers):
-            for name, (gname, shape) in self._layer_tensors(i).items():
+            for gname, shape, _ in self._layer_sources(i).values():
                 self._gguf_info(gname, shape)
 
-    def _layer_tensors(self, index: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """Runner tensor -> (GGUF tensor, its shape): a fused one's whole shape (Phi-3)."""
-        out = {}
-        for name, shape in self.spec.layer_tensor_shapes().items():
-            module, param = name.split(".", 1)
-            fused = self._fused.get(module)
-            out[name] = ((_gguf_name(name, index), shape) if fused is None
-                         else (f"blk.{index}.{fused[0]}.{param}", (fused[3], *shape[1:])))
-        return out
+    def _layer_sources(self, index: int) -> dict[str, Source]:
+        return _layer_sources(self.spec, self._fused, lambda n: _gguf_name(n, index), f"blk.{index}.")
 
     def _gguf_info(self, gname: str, expected: tuple[int, ...]):
         t = self._tensors.get(gname)
@@ -328,11 +322,10 @@ class GGUFSource(ModelSource):
         self._check_index(index)
         whole: dict[str, torch.Tensor] = {}  # a fused tensor, dequantized once for its parts
         out = {}
-        for name, (gname, shape) in self._layer_tensors(index).items():
+        for name, (gname, shape, rows) in self._layer_sources(index).items():
             if gname not in whole:
                 whole[gname] = self._dequantize(gname, shape)
-            fused = self._fused.get(name.split(".", 1)[0])
-            out[name] = whole[gname] if fused is None else whole[gname][fused[1]:fused[2]].clone()
+            out[name] = whole[gname] if rows is None else whole[gname][rows].clone()
         if self._permuted:
             out["q_proj.weight"] = unpermute_rope_rows(out["q_proj.weight"], self.spec.num_heads)
             out["k_proj.weight"] = unpermute_rope_rows(out["k_proj.weight"], self.spec.num_kv_heads)
