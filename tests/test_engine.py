@@ -36,6 +36,14 @@ OPT = ModelSpec(name="tiny-opt", family="opt", num_layers=2, hidden=128, ffn=256
 QWEN2 = replace(LLAMA, name="tiny-qwen2", qkv_bias=True, tied_embeddings=True)  # q/k/v biases, tied head
 QWEN3 = replace(LLAMA, name="tiny-qwen3", qk_norm=True)  # an RMSNorm over each head's q and k
 MISTRAL = replace(LLAMA, name="tiny-mistral", sliding_window=5)  # v0.1's window, shorter than most requests
+# Gemma 2: GeGLU, norms by 1 + weight and after each branch, scaled embeddings, scores and logits
+# soft-capped (caps low enough to bend these values), the first and last layers windowed
+GEMMA2 = replace(LLAMA, name="tiny-gemma2", activation="gelu_tanh", norm_offset=1.0, embed_scale=11.3,
+                 sandwich_norms=True, attention_scale=0.1, attention_softcap=1.5, logit_softcap=3.0,
+                 sliding_window=5, window_layers=(True, False, True))  # untied: a tied random head echoes the input
+# Gemma 3: q/k norms, no softcaps, the windowed layers on their own rotary base, the full one scaled
+GEMMA3 = replace(GEMMA2, name="tiny-gemma3", attention_softcap=None, logit_softcap=None, qk_norm=True,
+                 sliding_window=4, local_rope_theta=100.0, rope_divisors=(4.0,) * 32)
 MAX_PROMPT, MAX_OUTPUT = 14, 9
 
 
@@ -174,9 +182,10 @@ def test_a_stop_check_ends_a_request_at_the_token_that_completes_its_match(llama
         assert got[r.id] == w[:end], r.id
 
 
-@pytest.mark.parametrize("spec", [OPT, QWEN2, QWEN3], ids=["opt", "qwen2", "qwen3"])
+@pytest.mark.parametrize("spec", [OPT, QWEN2, QWEN3, GEMMA2, GEMMA3], ids=["opt", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_other_layer_kinds_with_offloading(tmp_path, spec):
-    """OPT's and Qwen2's biases and Qwen3's q/k norms through disk weights, CPU attention and refill."""
+    """OPT's and Qwen2's biases, Qwen3's q/k norms and Gemma's layers (per-layer windows and rotary
+    bases, softcaps) through disk weights, CPU attention and refill."""
     src = RandomSource(spec, seed=5)
     reqs = make_requests(5, seed=2, vocab=spec.vocab_size)
     want = reference(load_weights(src), reqs)
@@ -188,14 +197,17 @@ def test_other_layer_kinds_with_offloading(tmp_path, spec):
 @pytest.mark.parametrize("where", [dict(), dict(cg=0.0, cc=1.0, cpu_attention=True),
                                    dict(cg=0.0, cd=1.0, cpu_attention=True), dict(cg=0.5, cd=0.5)],
                          ids=["gpu", "cpu-attention", "disk-cpu-attention", "disk-staged-to-gpu"])
-def test_a_sliding_window_holds_in_every_attention_path(tmp_path, where):
-    """Mistral-v0.1's window (each position attends to itself and the 4 before it here): prefill,
-    decode on the device, CPU attention next to a cpu or disk cache, and a disk cache staged to the
-    device all equal the reference loop, also in refilled slots whose old columns are masked."""
-    src = RandomSource(MISTRAL, seed=11)
-    reqs = make_requests(7, seed=6, vocab=MISTRAL.vocab_size, min_prompt=3)
+@pytest.mark.parametrize("spec", [MISTRAL, GEMMA2], ids=["every-layer", "gemma2-some-layers-softcap"])
+def test_a_sliding_window_holds_in_every_attention_path(tmp_path, where, spec):
+    """Mistral-v0.1's window (each position attends to itself and the 4 before it here), and
+    Gemma 2's on some layers with soft-capped scores: prefill, decode on the device, CPU attention
+    next to a cpu or disk cache, and a disk cache staged to the device all equal the reference
+    loop, also in refilled slots whose old columns are masked."""
+    src = RandomSource(spec, seed=11)
+    reqs = make_requests(7, seed=6, vocab=spec.vocab_size, min_prompt=3)
     want = reference(load_weights(src), reqs)
-    assert want != reference(load_weights(RandomSource(replace(MISTRAL, sliding_window=None), seed=11)), reqs)
+    unwindowed = replace(spec, sliding_window=None, window_layers=())
+    assert want != reference(load_weights(RandomSource(unwindowed, seed=11)), reqs)
     got, _ = run_engine(src, Policy(gbs=3, nb=2, wg=0.5, wc=0.5, **where, refill_every=2), reqs, tmp_path)
     assert got == want
 
@@ -378,9 +390,11 @@ def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_
     return attn_out_mlp(spec, w, attn, hidden)
 
 
-@pytest.mark.parametrize("spec,cache", [(LLAMA, False), (LLAMA, True), (QWEN2, True), (QWEN3, True), (MISTRAL, True)],
+@pytest.mark.parametrize("spec,cache", [(LLAMA, False), (LLAMA, True), (QWEN2, True), (QWEN3, True), (MISTRAL, True),
+                                        (GEMMA2, True), (GEMMA3, True)],
                          ids=["weights", "weights-and-cache", "qwen2-weights-and-cache", "qwen3-weights-and-cache",
-                              "sliding-window-weights-and-cache"])
+                              "sliding-window-weights-and-cache", "gemma2-weights-and-cache",
+                              "gemma3-weights-and-cache"])
 def test_compression_equals_reference_with_the_same_quantization(tmp_path, monkeypatch, spec, cache):
     src = RandomSource(spec, seed=7)
     reqs = make_requests(6, seed=4, vocab=spec.vocab_size, min_prompt=2)
@@ -423,18 +437,19 @@ def test_4bit_sizes_with_a_partial_last_group_are_planned(tmp_path, what):
         assert model.kv_stored_ratio * spec.kv_bytes_per_token_per_layer == spec.num_kv_heads * stored
 
 
-def _kv_centers(spec, weights, ids):
-    """Each layer's mean K and V over ``ids`` in the in-memory model, keyed by the layer's weights."""
-    from xrunner.model import embed, position_ids_from_mask, rope_tables
+def _kv_centers(spec, weights, ids, k_centered=True):
+    """Each layer's mean K and V over ``ids`` in the in-memory model, keyed by the layer's weights
+    (``k_centered=False``: K's center zero)."""
+    from xrunner.model import embed, layer_ropes, position_ids_from_mask
 
     pos = position_ids_from_mask(torch.ones_like(ids, dtype=torch.bool))
-    rope = rope_tables(spec, ids.shape[1], "cpu")
+    ropes = layer_ropes(spec, ids.shape[1], "cpu")
     h = embed(spec, weights.head, ids, pos)
     centers = {}
-    for w in weights.layers:
-        q, k, v = attn_in(spec, w, h, pos, rope)
-        centers[id(w)] = (k.mean(dim=(0, 2)), v.mean(dim=(0, 2)))
-        h = attn_out_mlp(spec, w, attention(spec, q, k, v, None, causal=True), h)
+    for w, s, rope in zip(weights.layers, spec.layer_specs(), ropes):
+        q, k, v = attn_in(s, w, h, pos, rope)
+        centers[id(w)] = (k.mean(dim=(0, 2)) * k_centered, v.mean(dim=(0, 2)))
+        h = attn_out_mlp(s, w, attention(s, q, k, v, None, causal=True), h)
     return centers
 
 
@@ -460,29 +475,35 @@ def _centered_cache_forward(centers):
     return forward
 
 
-def _centered_case(spec, monkeypatch):
+def _centered_case(spec, monkeypatch, k_centered=True):
     """A random model, calibration ids, requests, its weights, and the greedy outputs of the
     reference whose 4-bit cache is centered on independently computed means."""
     src = RandomSource(spec, seed=5)
     ids = torch.randint(0, spec.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
     reqs = make_requests(8, seed=6, vocab=spec.vocab_size, min_prompt=2)
     weights = load_weights(src)
-    monkeypatch.setattr(generate_module, "layer_forward", _centered_cache_forward(_kv_centers(spec, weights, ids)))
+    monkeypatch.setattr(generate_module, "layer_forward",
+                        _centered_cache_forward(_kv_centers(spec, weights, ids, k_centered)))
     want = reference(weights, reqs)
     monkeypatch.undo()
     return src, ids, reqs, weights, want
 
 
-@pytest.mark.parametrize("spec", [LLAMA, OPT], ids=["llama", "opt"])
+@pytest.mark.parametrize("spec", [LLAMA, OPT, GEMMA2], ids=["llama", "opt", "gemma2-softcap"])
 def test_kv_cache_centered_on_calibration_means_equals_reference(tmp_path, monkeypatch, spec):
     """With calibration text and a 4-bit cache (weights plain, so the pass only observes) the engine
     stores each layer's K/V minus its mean over the text: greedy outputs equal
-    a reference that centers with independently computed means, and differ from the uncentered cache."""
-    src, ids, reqs, weights, want = _centered_case(spec, monkeypatch)
+    a reference that centers with independently computed means, and differ from the uncentered cache.
+    Under a softcap (Gemma 2) the scores are no longer blind to a shift of every key, so only V is
+    centered: centering K too would give other tokens."""
+    softcap = spec.attention_softcap is not None
+    src, ids, reqs, weights, want = _centered_case(spec, monkeypatch, k_centered=not softcap)
     monkeypatch.setattr(generate_module, "layer_forward", _layer_with_quantized_cache)
     uncentered = reference(weights, reqs)
     monkeypatch.undo()
     assert want != uncentered
+    if softcap:
+        assert want != _centered_case(spec, monkeypatch)[-1]
     policy = Policy(gbs=2, nb=2, cg=0.5, cc=0.0, cd=0.5, compress_cache=True, refill_every=2)
     got, _ = run_engine(src, policy, reqs, tmp_path, calibration_ids=ids)
     assert got == want
@@ -630,7 +651,7 @@ def test_gptq_weights_reach_the_engine_and_the_calibration_pass_is_the_models_la
     for i, w in enumerate(weights.layers):
         h = cal.hidden
         wq = {**w, **{n: layout.dequantize_tensor(n, q) for n, q in cal.quantize_layer(i, w).items()}}
-        q, k, v = attn_in(spec, wq, h, cal.pos, cal.rope)
+        q, k, v = attn_in(spec, wq, h, cal.pos, cal.ropes[i])
         assert torch.allclose(cal.hidden, attn_out_mlp(spec, wq, attention(spec, q, k, v, None, True), h),
                               atol=1e-5)
         layers.append(wq)

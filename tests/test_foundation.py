@@ -131,9 +131,9 @@ def test_mistral_and_qwen_configs_read_as_llama_layers():
                             ({"sliding_window": "4k"}, "sliding_window='4k' must be")]:
         with pytest.raises(UserError, match=message):
             spec_from_hf_dict({**mistral, **change}, name="m")
-    with pytest.raises(UserError, match="model_type 'gemma' is not supported; xsched runs 'opt', 'llama', "
-                                        "'mistral', 'qwen2', 'qwen3', 'phi3' models"):
-        spec_from_hf_dict({**mistral, "model_type": "gemma"}, name="g")
+    with pytest.raises(UserError, match="model_type 'gpt_neox' is not supported; xsched runs 'opt', 'llama', "
+                                        "'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma', 'gemma2', 'gemma3_text' models"):
+        spec_from_hf_dict({**mistral, "model_type": "gpt_neox"}, name="g")
 
 
 def test_bad_configs_give_user_errors(tmp_path):
@@ -158,6 +158,56 @@ def test_bad_configs_give_user_errors(tmp_path):
     (tmp_path / "config.json").write_text("[]")
     with pytest.raises(UserError, match="must be a JSON object"):
         ModelSpec.from_hf_config(tmp_path)
+
+
+def test_gemma_configs_read_their_windows_softcaps_and_rotary_bases():
+    """gemma-2-9b-it's and gemma-3-1b-it's published configs (trimmed): 9,241,705,984 and
+    999,885,952 parameters; Gemma 2 windows every other layer from the first and caps scores at 50
+    and logits at 30; Gemma 3 windows 5 of every 6 layers, which rotate on their own base of 10^4,
+    in either spelling of transformers 4 and 5."""
+    g2 = {"model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336, "num_attention_heads": 16,
+          "num_key_value_heads": 8, "head_dim": 256, "num_hidden_layers": 42, "vocab_size": 256000,
+          "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+          "max_position_embeddings": 8192, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6,
+          "rope_theta": 10000.0, "eos_token_id": [1, 107], "torch_dtype": "float32", "cache_implementation": "hybrid"}
+    spec = spec_from_hf_dict(g2, name="gemma-2-9b")
+    assert (spec.num_params, spec.activation, spec.norm_offset, spec.embed_scale) == (9_241_705_984, "gelu_tanh",
+                                                                                        1.0, 3584 ** 0.5)
+    assert spec.window_layers == tuple(i % 2 == 0 for i in range(42)) and spec.sliding_window == 4096
+    assert (spec.attention_softcap, spec.logit_softcap, spec.attention_scale) == (50.0, 30.0, None)
+    assert spec.tied_embeddings and spec.sandwich_norms and "mlp_post_norm.weight" in spec.layer_tensor_shapes()
+    assert spec == replace(get_model_spec("gemma-2-9b"), dtype="float32")
+    assert ModelSpec.from_json(spec.to_json()) == spec
+    assert (spec.layer_spec(0).sliding_window, spec.layer_spec(1).sliding_window) == (4096, None)
+    # Gemma-2-27B scales its queries by 144 ** -0.5, not head_dim's 128
+    assert spec_from_hf_dict({**g2, "head_dim": 128, "query_pre_attn_scalar": 144}, "g").attention_scale == 144 ** -0.5
+    g3 = {"model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912, "num_attention_heads": 4,
+          "num_key_value_heads": 1, "head_dim": 256, "num_hidden_layers": 26, "vocab_size": 262144,
+          "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
+          "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+          "rope_scaling": None, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+          "rms_norm_eps": 1e-6, "eos_token_id": [1, 106], "torch_dtype": "bfloat16"}
+    spec = spec_from_hf_dict(g3, name="gemma-3-1b")
+    assert spec.num_params == 999_885_952 and spec.qk_norm and spec.attention_softcap is None
+    assert spec.window_layers == tuple((i + 1) % 6 != 0 for i in range(26))
+    assert spec == replace(get_model_spec("gemma-3-1b"), dtype="bfloat16")
+    local, full = spec.layer_spec(0), spec.layer_spec(5)
+    assert (local.rope_theta, local.sliding_window, full.rope_theta, full.sliding_window) == (1e4, 512, 1e6, None)
+    # transformers 5's spelling: layer types and a rope per type, the full layers' scaled (Gemma-3-4B's factor 8)
+    v5 = {k: v for k, v in g3.items() if k not in ("sliding_window_pattern", "rope_theta", "rope_local_base_freq",
+                                                     "rope_scaling")}
+    v5.update(layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+    scaled = spec_from_hf_dict(v5, name="gemma-3-1b")
+    assert scaled == replace(spec, rope_divisors=(8.0,) * 128)
+    assert scaled.layer_spec(0).rope_divisors == () and scaled.layer_spec(5).rope_divisors == (8.0,) * 128
+    for change, message in [({"hidden_activation": "relu"}, "Gemma activation 'relu' is not supported"),
+                            ({"layer_types": ["full_attention"]}, "layer_types must list"),
+                            ({"use_bidirectional_attention": True}, "bidirectional attention")]:
+        with pytest.raises(UserError, match=message):
+            spec_from_hf_dict({**g3, **change}, name="g")
 
 
 def test_phi3_configs_read_as_windowed_llama_layers():

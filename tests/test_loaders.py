@@ -31,15 +31,25 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
                                         num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
                                         tie_word_embeddings=tied, attn_implementation="eager")
         model = transformers.OPTForCausalLM(config)
-    else:  # llama, qwen2 (q/k/v biases), qwen3 (q/k norms), mistral or phi3 (fused projections, a window)
-        prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}[family]
+    else:  # llama, qwen2 (q/k/v biases), qwen3 (q/k norms), mistral or phi3 (fused projections, a window),
+        # gemma2 and gemma3_text (norms after each branch; windows on some layers; softcaps; a local rotary base)
+        prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
+                  "gemma2": "Gemma2", "gemma3_text": "Gemma3Text"}[family]
         if family == "phi3":  # its default token ids lie beyond this vocabulary
             config = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 9, **config}
+        if family == "gemma2":
+            config = {"sliding_window": 4, "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0, **config}
+        if family == "gemma3_text":
+            config = {"sliding_window": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+                                          "full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                      **config}
+        model_cls = "Gemma3ForCausalLM" if family == "gemma3_text" else f"{prefix}ForCausalLM"
         config = getattr(transformers, f"{prefix}Config")(
             vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, attn_implementation="eager",
             **config)
-        model = getattr(transformers, f"{prefix}ForCausalLM")(config)
+        model = getattr(transformers, model_cls)(config)
     with torch.no_grad():  # HF inits norms to 1 and biases to 0; perturb them so a mix-up shows
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -61,7 +71,8 @@ def assert_matches_hf(weights, hf, steps: int = STEPS):
 
 # ----------------------------------------------------------------------------- HF directories
 @pytest.mark.parametrize("family,tied", [("opt", True), ("llama", False), ("qwen2", True), ("qwen3", True),
-                                         ("mistral", False), ("phi3", False)])
+                                         ("mistral", False), ("phi3", False), ("gemma2", True),
+                                         ("gemma3_text", False)])
 def test_sharded_hf_directory_loads_and_matches_transformers(tmp_path, family, tied):
     hf = tiny_hf(family, tied)
     hf.save_pretrained(tmp_path, max_shard_size="20KB")

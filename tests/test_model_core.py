@@ -12,6 +12,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from scipy import stats
 from xprofiler.specs import ModelSpec, spec_from_hf_dict
 from xrunner.generate import generate, left_pad
 from xrunner.loaders import RandomSource, load_weights
-from xrunner.model import (attention, embed, final_logits, layer_forward, position_ids_from_mask,
+from xrunner.model import (attention, embed, final_logits, layer_forward, layer_ropes, position_ids_from_mask,
                            rope_tables)
 from xrunner.sampling import SamplingParams, filter_logits, sample
 from xsched.errors import UserError
@@ -98,11 +99,34 @@ SHAPES = {
                                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                                max_position_embeddings=128, sliding_window=6,
                                                tie_word_embeddings=False)),
+    # Gemma: norms scaled by 1 + weight, embeddings by sqrt(hidden), a GeGLU MLP, tied head
+    "gemma": ("gemma", dict(vocab_size=330, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=128)),
+    # Gemma 2: sandwich norms, every other layer windowed (window 5, shorter than the prompts),
+    # scores and logits soft-capped (caps lowered so that they bend these small models' values),
+    # a query scale other than head_dim's
+    "gemma2-softcap-windows": ("gemma2", dict(vocab_size=330, hidden_size=64, intermediate_size=128,
+                                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=16, max_position_embeddings=128, sliding_window=5,
+                                              query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                              final_logit_softcapping=3.0)),
+    # Gemma 3: q/k norms, windowed layers with their own rotary base, a full layer with linear scaling
+    "gemma3-local-rope": ("gemma3_text", dict(vocab_size=330, hidden_size=64, intermediate_size=128,
+                                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=16, max_position_embeddings=128, sliding_window=4,
+                                              layer_types=["sliding_attention", "full_attention",
+                                                           "sliding_attention"],
+                                              rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                     "rope_theta": 100.0},
+                                                               "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                                  "rope_theta": 10000.0}})),
 }
 # HF model_type -> (config class, model class) names in transformers.
 HF_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+              "gemma": ("GemmaConfig", "GemmaForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+              "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 # Our names -> HF names, written independently of xrunner.loaders.
 HF_NAMES = {
@@ -126,7 +150,10 @@ def hf_model_and_ours(kind: str, seed: int = 0):
     config = config_cls(**kwargs, attn_implementation="eager")
     spec = spec_from_hf_dict(config.to_dict(), name=kind, dtype="float32")
     ours = load_weights(RandomSource(spec, seed=seed))
-    names = HF_NAMES[spec.family]
+    names = dict(HF_NAMES[spec.family])
+    if model_type in ("gemma2", "gemma3_text"):  # a norm after attention and after the MLP
+        names.update(attn_post_norm="post_attention_layernorm", mlp_norm="pre_feedforward_layernorm",
+                     mlp_post_norm="post_feedforward_layernorm")
     state = {}
     for name, t in ours.head.items():
         module, param = name.split(".", 1)
@@ -352,7 +379,7 @@ def test_random_weights_do_not_depend_on_the_number_of_filling_threads(monkeypat
     assert digests[0] == digests[1]
 
 
-@pytest.mark.parametrize("family,dtype", [("opt", "float16"), ("llama", "bfloat16")])
+@pytest.mark.parametrize("family,dtype", [("opt", "float16"), ("llama", "bfloat16"), ("gemma2", "bfloat16")])
 def test_random_deep_models_stay_finite_in_16_bit(family, dtype):
     if family == "opt":
         spec = _tiny_spec(layers=96, dtype=dtype)
@@ -360,15 +387,19 @@ def test_random_deep_models_stay_finite_in_16_bit(family, dtype):
         spec = ModelSpec(name="deep", family="llama", num_layers=96, hidden=64, ffn=128, num_heads=4,
                          num_kv_heads=2, head_dim=16, vocab_size=50, max_positions=64, norm="rmsnorm",
                          activation="silu", position="rotary", tied_embeddings=False, dtype=dtype)
+    if family == "gemma2":
+        spec = replace(spec, activation="gelu_tanh", norm_offset=1.0, embed_scale=8.0, sandwich_norms=True,
+                       attention_softcap=50.0, logit_softcap=30.0, sliding_window=4,
+                       window_layers=tuple(i % 2 == 0 for i in range(96)), tied_embeddings=True)
     model = load_weights(RandomSource(spec, seed=3))
     ids, mask = left_pad([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]])
     pos = position_ids_from_mask(mask)
-    rope = rope_tables(spec, ids.shape[1], dtype=getattr(torch, dtype))
+    ropes = layer_ropes(spec, ids.shape[1], dtype=getattr(torch, dtype))
     hidden = embed(spec, model.head, ids, pos)
     cache = torch.empty(2, spec.num_kv_heads, ids.shape[1], spec.head_dim, dtype=getattr(torch, dtype))
     with torch.inference_mode():
-        for w in model.layers:
-            hidden = layer_forward(spec, w, hidden, pos, rope, cache, cache.clone(), mask, 0)
+        for w, s, rope in zip(model.layers, spec.layer_specs(), ropes):
+            hidden = layer_forward(s, w, hidden, pos, rope, cache, cache.clone(), mask, 0)
         logits = final_logits(spec, model.head, hidden)
     assert torch.isfinite(hidden).all() and torch.isfinite(logits).all()
     assert hidden[mask].float().std() < 50  # the residual stream does not blow up with depth

@@ -30,10 +30,15 @@ DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 @dataclass(frozen=True)
 class ModelSpec(Contract):
     """Architecture of an OPT- or Llama-family model (frozen, JSON round-trip). Mistral, Qwen2,
-    Qwen3 and Phi-3 checkpoints are Llama-family specs: Qwen2 adds biases to q/k/v (``qkv_bias``),
-    Qwen3 an RMSNorm over each head's q and k (``qk_norm``), and Mistral-7B-v0.1 and Phi-3-mini let
-    every layer attend to its last ``sliding_window`` positions only (Phi-3's fused projections are
-    a checkpoint layout, which the loader splits)."""
+    Qwen3, Phi-3 and Gemma checkpoints are Llama-family specs: Qwen2 adds biases to q/k/v
+    (``qkv_bias``), Qwen3 an RMSNorm over each head's q and k (``qk_norm``), and Mistral-7B-v0.1
+    and Phi-3-mini let every layer attend to its last ``sliding_window`` positions only (Phi-3's
+    fused projections are a checkpoint layout, which the loader splits). Gemma scales its norms
+    by ``1 + weight`` and its embeddings by ``sqrt(hidden)``, gates its MLP with tanh-GELU, and
+    Gemma 2 and 3 add norms after attention and the MLP (``sandwich_norms``), window only some
+    layers (``window_layers``), cap attention scores and logits with ``tanh`` and (Gemma 3) give
+    the windowed layers their own rotary base (``local_rope_theta``). :meth:`layer_spec` is one
+    layer's view, with its own window and rotary base."""
 
     SCHEMA: ClassVar[str] = "xsched.ModelSpec/1"
 
@@ -48,7 +53,7 @@ class ModelSpec(Contract):
     vocab_size: int
     max_positions: int
     norm: Literal["layernorm", "rmsnorm"]
-    activation: Literal["relu", "silu"]
+    activation: Literal["relu", "silu", "gelu_tanh"]
     position: Literal["learned", "rotary"]
     tied_embeddings: bool
     dtype: DType = "float16"
@@ -63,6 +68,16 @@ class ModelSpec(Contract):
     # scaling ("linear", Llama 3.1's "llama3", "yarn") or a GGUF's rope_freqs tensor; () when unscaled
     rope_divisors: tuple[float, ...] = ()
     rope_attention_factor: float = 1.0  # cos and sin scaled by it (YaRN's 0.1 ln(factor) + 1)
+    # Which layers sliding_window applies to (Gemma 2: every other one); () when it applies to all
+    window_layers: tuple[bool, ...] = ()
+    # The windowed layers' rotary base, unscaled (Gemma 3's local layers); None: rope_theta as the others
+    local_rope_theta: float | None = None
+    norm_offset: float = 0.0  # RMSNorm scales by offset + weight (Gemma: 1)
+    embed_scale: float = 1.0  # token embeddings multiplied by it (Gemma: sqrt(hidden), in the model's dtype)
+    sandwich_norms: bool = False  # norms on attention's and the MLP's outputs too (Gemma 2, 3)
+    attention_scale: float | None = None  # multiplies q.k; None: 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar)
+    attention_softcap: float | None = None  # scores become cap * tanh(score / cap) (Gemma 2's 50)
+    logit_softcap: float | None = None  # the same on the final logits (Gemma 2's 30)
     eos_token_id: int | None = None
     # More end-of-sequence ids (a config's list after its first, generation_config.json's):
     # Llama-3.1-Instruct ends turns with any of three, and HF's generate stops at each.
@@ -90,14 +105,60 @@ class ModelSpec(Contract):
                                                              and self.position != "rotary"):
             raise ValueError(f"rope_attention_factor must be positive on a rotary model, got "
                              f"{self.rope_attention_factor}")
+        if self.window_layers and (self.sliding_window is None or len(self.window_layers) != self.num_layers):
+            raise ValueError(f"window_layers needs a sliding_window and one flag per layer ({self.num_layers}), "
+                             f"got {len(self.window_layers)}")
+        if self.local_rope_theta is not None and not (self.sliding_window is not None and self.position == "rotary"
+                                                      and 1 < self.local_rope_theta < math.inf):
+            raise ValueError(f"local_rope_theta must be above 1, on a rotary model with a sliding_window, got "
+                             f"{self.local_rope_theta}")
+        for key in ("attention_scale", "attention_softcap", "logit_softcap"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{key} must be a positive number or None, got {value}")
+        if not 0 < self.embed_scale < math.inf or not 0 <= self.norm_offset < math.inf:
+            raise ValueError(f"embed_scale must be positive and norm_offset >= 0, got {self.embed_scale}, "
+                             f"{self.norm_offset}")
+        if (self.norm_offset or self.sandwich_norms) and self.norm != "rmsnorm":
+            raise ValueError("norm_offset and sandwich_norms are Gemma's: they need norm='rmsnorm'")
         if self.qk_norm and self.norm != "rmsnorm":
             raise ValueError("qk_norm is an RMSNorm over each head (Qwen3): it needs norm='rmsnorm'")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.family == "opt" and (self.norm, self.activation, self.position) != ("layernorm", "relu", "learned"):
             raise ValueError("OPT models use layernorm, relu and learned positions")
-        if self.family == "llama" and (self.norm, self.activation, self.position) != ("rmsnorm", "silu", "rotary"):
-            raise ValueError("Llama models use rmsnorm, silu (SwiGLU) and rotary positions")
+        if self.family == "llama" and (self.norm, self.position) != ("rmsnorm", "rotary") or \
+                self.family == "llama" and self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError("Llama models use rmsnorm, silu (SwiGLU) or gelu_tanh (Gemma's GeGLU) and rotary "
+                             "positions")
+
+    def windowed(self, layer: int) -> bool:
+        """Whether ``layer`` attends through ``sliding_window``."""
+        return self.sliding_window is not None and (not self.window_layers or self.window_layers[layer])
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every layer attends alike (one window, one rotary base): :meth:`layer_spec` is self."""
+        return not self.window_layers and self.local_rope_theta is None
+
+    def layer_spec(self, layer: int) -> "ModelSpec":
+        """This spec as ``layer`` sees it: its own window (or none) and rotary base on every layer,
+        so that attention and rotary code need no layer index. Callers keep the list
+        (:meth:`layer_specs`): building one validates it again."""
+        if self.uniform_layers:
+            return self
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} of a {self.num_layers}-layer model")
+        local = self.windowed(layer)
+        rope: dict[str, Any] = {}
+        if local and self.local_rope_theta is not None:
+            rope = dict(rope_theta=self.local_rope_theta, rope_divisors=(), rope_attention_factor=1.0)
+        return replace(self, sliding_window=self.sliding_window if local else None, window_layers=(),
+                       local_rope_theta=None, **rope)
+
+    def layer_specs(self) -> list["ModelSpec"]:
+        """:meth:`layer_spec` of every layer (one object, ``self``, when the layers are uniform)."""
+        return [self.layer_spec(i) for i in range(self.num_layers)]
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -143,6 +204,8 @@ class ModelSpec(Contract):
                            "mlp_norm.weight": (h,), "mlp_norm.bias": (h,)})
         else:
             shapes.update({"attn_norm.weight": (h,), "mlp_norm.weight": (h,)})
+        if self.sandwich_norms:
+            shapes.update({"attn_post_norm.weight": (h,), "mlp_post_norm.weight": (h,)})
         return shapes
 
     def head_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -335,29 +398,36 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
             )
         if model_type in _LLAMA_TYPES:
             kind = _LLAMA_TYPES[model_type]
-            if cfg.get("hidden_act", "silu") != "silu":
+            gemma = _gemma_fields(cfg, model_type, name) if model_type in _GEMMA_TYPES else {}
+            if not gemma and cfg.get("hidden_act", "silu") != "silu":
                 raise UserError(f"{name}: {kind} activation {cfg.get('hidden_act')!r} is not supported")
             if cfg.get("mlp_bias"):
                 raise UserError(f"{name}: {kind} with MLP biases is not supported")
             heads = cfg["num_attention_heads"]
             rope = cfg.get("rope_parameters") or {}
+            if model_type == "gemma3_text" and "full_attention" in rope:  # transformers 5: per layer type
+                rope = rope["full_attention"]
+                cfg = {**cfg, "rope_parameters": rope}
             theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
             partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
             if partial != 1.0:  # Phi-4-mini's 0.75
                 raise UserError(f"{name}: partial rotary embeddings (partial_rotary_factor={partial!r}) are not "
                                 "supported")
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+            reach = _attention_reach(cfg, model_type, name)
+            if "sliding_window" not in reach:  # a Gemma 3 with no windowed layer has no local rotary base
+                gemma.pop("local_rope_theta", None)
             return ModelSpec(
                 name=name, family="llama", num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
                 ffn=cfg["intermediate_size"], num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                head_dim=head_dim, vocab_size=cfg["vocab_size"], **_attention_reach(cfg, model_type, name),
-                norm="rmsnorm", activation="silu", position="rotary",
-                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                head_dim=head_dim, vocab_size=cfg["vocab_size"], **reach,
+                norm="rmsnorm", activation="gelu_tanh" if gemma else "silu", position="rotary",
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", bool(gemma))),
                 dtype=dtype or _hf_dtype(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta, **_rope_scaling(cfg, name, head_dim, theta),
-                bias=bool(cfg.get("attention_bias")), qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
-                **eos_fields,
+                bias=bool(cfg.get("attention_bias")), qkv_bias=model_type == "qwen2",
+                qk_norm=model_type in ("qwen3", "gemma3_text"), **gemma, **eos_fields,
             )
     except KeyError as exc:
         raise UserError(f"{name}: config.json lacks {exc.args[0]!r}") from None
@@ -367,8 +437,34 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                     f"{', '.join(repr(t) for t in ('opt', *_LLAMA_TYPES))} models")
 
 
-# Checkpoints with Llama's layer (RMSNorm, rotary positions, SwiGLU MLP) under their HF model_type.
-_LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
+# Checkpoints with Llama's layer (RMSNorm, rotary positions, gated MLP) under their HF model_type.
+_LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
+                "gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3"}
+_GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+
+
+def _gemma_fields(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
+    """The ModelSpec fields by which a Gemma config differs from Llama's (see ModelSpec)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu"):  # Gemma 1's configs say "gelu" and transformers runs tanh-GELU
+        raise UserError(f"{name}: Gemma activation {act!r} is not supported (xsched runs tanh-GELU)")
+    if cfg.get("use_bidirectional_attention"):
+        raise UserError(f"{name}: bidirectional attention (an embedding model) is not supported")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    scalar = cfg.get("query_pre_attn_scalar") if model_type != "gemma" else None
+    fields: dict[str, Any] = dict(norm_offset=1.0, embed_scale=math.sqrt(cfg["hidden_size"]),
+                                  sandwich_norms=model_type != "gemma",
+                                  attention_scale=None if scalar in (None, head_dim) else float(scalar) ** -0.5)
+    if model_type == "gemma":
+        return fields
+    for key, field in (("attn_logit_softcapping", "attention_softcap"), ("final_logit_softcapping", "logit_softcap")):
+        fields[field] = None if cfg.get(key) is None else float(cfg[key])
+    if model_type == "gemma3_text":
+        local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta")
+        fields["local_rope_theta"] = float(local or cfg.get("rope_local_base_freq") or 10000.0)
+        if (cfg.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_type", "default") != "default":
+            raise UserError(f"{name}: rope scaling on Gemma 3's sliding layers is not supported")
+    return fields
 # Those whose sliding_window, when set, applies to every layer (the engine masks it)
 _WINDOWED_TYPES = ("mistral", "phi3")
 
@@ -462,6 +558,8 @@ def _attention_reach(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
     the same), and longer jobs are refused."""
     longest = cfg["max_position_embeddings"]
     window = cfg.get("sliding_window")
+    if model_type in ("gemma2", "gemma3_text"):
+        return _gemma_windows(cfg, model_type, name)
     if model_type in _WINDOWED_TYPES:
         slides = window is not None
     elif model_type in ("qwen2", "qwen3"):
@@ -477,6 +575,33 @@ def _attention_reach(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
     if model_type in _WINDOWED_TYPES:
         return {"max_positions": longest, "sliding_window": window if window < longest else None}
     return {"max_positions": min(longest, window)}
+
+
+def _gemma_windows(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
+    """Gemma 2's and 3's windowed layers: the config's ``layer_types``, else Gemma 2's every other
+    layer from the first, or Gemma 3's all but every ``sliding_window_pattern``-th (6)."""
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or \
+                not set(types) <= {"sliding_attention", "full_attention"}:
+            raise UserError(f"{name}: config.json's layer_types must list 'sliding_attention' or 'full_attention' "
+                            f"for each of the {layers} layers")
+        flags = [t == "sliding_attention" for t in types]
+    elif model_type == "gemma2":
+        flags = [i % 2 == 0 for i in range(layers)]
+    else:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise UserError(f"{name}: config.json's sliding_window_pattern={pattern!r} must be a whole number >= 1")
+        flags = [(i + 1) % pattern != 0 for i in range(layers)]
+    window = cfg.get("sliding_window")
+    reach: dict[str, Any] = {"max_positions": cfg["max_position_embeddings"]}
+    if not any(flags):
+        return reach
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UserError(f"{name}: config.json's sliding_window={window!r} must be a whole number >= 1")
+    return {**reach, "sliding_window": window, "window_layers": () if all(flags) else tuple(flags)}
 
 
 def _opt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -505,6 +630,17 @@ def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: 
                                      theta),
                      qk_norm=qk_norm,
                      sliding_window=window)
+
+
+def _gemma(name: str, model_type: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int,
+           max_pos: int, window: int, eos: list[int], **more: Any) -> ModelSpec:
+    """A Gemma registry entry, read through :func:`spec_from_hf_dict` from the fields of its
+    config.json that differ between sizes (head_dim 256 and query_pre_attn_scalar 256 in all here)."""
+    cfg = dict(model_type=model_type, num_hidden_layers=layers, hidden_size=hidden, intermediate_size=ffn,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=256, query_pre_attn_scalar=256,
+               vocab_size=vocab, max_position_embeddings=max_pos, sliding_window=window, rms_norm_eps=1e-6,
+               eos_token_id=eos, torch_dtype="bfloat16", hidden_activation="gelu_pytorch_tanh", **more)
+    return replace(spec_from_hf_dict(cfg, name), dtype="float16")
 
 
 def _registry() -> dict[str, ModelSpec]:
@@ -541,6 +677,14 @@ def _registry() -> dict[str, ModelSpec]:
         _llama("phi-3-mini", 32, 3072, 8192, 32, 32, 32064, 4096, 10000.0, eos=32000, extra_eos=(32001, 32007),
                window=2047),
         _llama("phi-4", 40, 5120, 17920, 40, 10, 100352, 16384, 250000.0, eos=100265),
+        # gemma-2-2b-it, gemma-2-9b-it (every other layer windowed to 4096, softcaps 50 and 30) and
+        # gemma-3-1b-it (5 of 6 layers windowed to 512 on rotary base 10^4, the others on 10^6)
+        _gemma("gemma-2-2b", "gemma2", 26, 2304, 9216, 8, 4, 256000, 8192, 4096, [1, 107], rope_theta=10000.0,
+               attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+        _gemma("gemma-2-9b", "gemma2", 42, 3584, 14336, 16, 8, 256000, 8192, 4096, [1, 107], rope_theta=10000.0,
+               attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+        _gemma("gemma-3-1b", "gemma3_text", 26, 1152, 6912, 4, 1, 262144, 32768, 512, [1, 106],
+               rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=6),
     ]
     return {s.name: s for s in specs}
 

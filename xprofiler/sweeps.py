@@ -192,7 +192,7 @@ def layer_points(spec: ModelSpec, phase: str, points: Sequence[tuple[int, int]] 
     import torch
 
     from xrunner.loaders import RandomSource
-    from xrunner.model import layer_forward, rope_tables, torch_dtype
+    from xrunner.model import layer_forward, layer_ropes, torch_dtype
 
     tdt = torch_dtype(dtype)
     spec = spec.with_dtype(dtype)
@@ -203,7 +203,9 @@ def layer_points(spec: ModelSpec, phase: str, points: Sequence[tuple[int, int]] 
     source = RandomSource(spec, seed=seed)
     weights = [{k: v.to(device) for k, v in source.load_layer(i).items()} for i in range(max(copies.values()))]
     pool = torch.zeros(max(copies[p] * kv_elems[p] for p in counts), dtype=tdt, device=device)
-    rope = rope_tables(spec, max(n for _, n in counts), device, tdt)
+    # copy j stands for layer j, as its own kind (a Gemma's windowed or full attention, rotary base)
+    specs = spec.layer_specs()
+    ropes = layer_ropes(spec, max(n for _, n in counts), device, tdt)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out = []
     for (b, n), count in counts.items():
@@ -214,16 +216,17 @@ def layer_points(spec: ModelSpec, phase: str, points: Sequence[tuple[int, int]] 
         shape = (b, spec.num_kv_heads, n, spec.head_dim)
         half = kv_elems[(b, n)] // 2
         for tag in ("cold:", "warm:") if warm else ("",):
-            ops = itertools.cycle([(weights[0 if tag == "warm:" else j],
+            ops = itertools.cycle([(weights[0 if tag == "warm:" else j], specs[j % len(specs)],
+                                    ropes[j % len(ropes)],
                                     pool[2 * j * half:(2 * j + 1) * half].view(shape),
                                     pool[(2 * j + 1) * half:(2 * j + 2) * half].view(shape))
                                    for j in range(copies[(b, n)])])
 
             def step(hidden: Any = hidden, pos: Any = pos, mask: Any = mask, start: int = start,
                      ops: Any = ops) -> Any:
-                w, kc, vc = next(ops)
+                w, s, rope, kc, vc = next(ops)
                 with torch.inference_mode():
-                    return layer_forward(spec, w, hidden, pos, rope, kc, vc, mask, start)
+                    return layer_forward(s, w, hidden, pos, rope, kc, vc, mask, start)
 
             out.append(Point(sample_meta("warm" if warm else "layer", model=spec.name, phase=phase, dtype=dtype,
                                          batch=b, length=n, shape=f"{tag}{b}x{n}", count=count,

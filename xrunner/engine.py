@@ -36,11 +36,12 @@ import torch
 
 from xprofiler.diskio import round_up
 from xprofiler.profile import HardwareProfile
+from xprofiler.specs import ModelSpec
 from xrunner.gptq import CENTER_SEQUENCES, GPTQCalibration, scratch_bytes as calibration_scratch_bytes
 from xrunner.loaders import ModelSource
 from xrunner.model import (attend_rows_on_cpu, attention, attn_in, attn_out_mlp, cpu_attention_chunk_rows,
                            cpu_head_layout, embed, final_logits, head_layout_of, is_range, lm_head_name,
-                           rope_tables, torch_dtype)
+                           layer_ropes, torch_dtype)
 from xrunner.sampling import SamplingParams, sample
 from xrunner.stored_forms import KVCodec, WeightLayout
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
@@ -389,6 +390,7 @@ class Engine:
         # measured at stop 31. "step": CUDA events, one wait per step (:meth:`_tock`); an ablation.
         self.cuda_sync = cuda_sync
         self.spec, self.source = spec, source
+        self.layer_specs = spec.layer_specs()  # each layer's window and rotary base (Gemma 2, 3)
         if max_prompt < 1 or max_output < 1:
             raise UserError(f"max_prompt and max_output must be >= 1, got {max_prompt} and {max_output}")
         if max_prompt + max_output > spec.max_positions:
@@ -506,7 +508,7 @@ class Engine:
         self._alloc_buffers()
 
         self._load_weights(p.compress_cache, progress)
-        self.rope = rope_tables(spec, self.cap, self.device, self.dtype)
+        self.ropes = layer_ropes(spec, self.cap, self.device, self.dtype)
         self._set_overlap(p.overlap)
         self._reset_fetch_state()
 
@@ -1162,10 +1164,10 @@ class Engine:
     def _compute(self, layer: int, work: _Work, w: dict[str, torch.Tensor], slot: int, decode: bool,
                  last: bool) -> torch.Tensor | None:
         """One layer for one GPU batch; returns the last position's hidden state after the last layer."""
-        spec, led = self.spec, self.ledger
+        spec, led = self.layer_specs[layer], self.ledger
         start = self._tick()
         hidden = self._hidden_in(layer, work, slot)
-        q, k, v = attn_in(spec, w, hidden, work.pos, self.rope)
+        q, k, v = attn_in(spec, w, hidden, work.pos, self.ropes[layer])
         n, t = hidden.shape[0], hidden.shape[1]
         homes = self.kv_home[work.batch][layer]
         cpu_s = 0.0
@@ -1204,7 +1206,7 @@ class Engine:
     def _decode_attention(self, layer: int, work: _Work, homes: dict[str, list[Any]], q: torch.Tensor,
                           k: torch.Tensor, v: torch.Tensor, attn: torch.Tensor, slot: int) -> float:
         """Attention of one new token per row, tier group by tier group; returns CPU-attention seconds."""
-        spec, led, codec = self.spec, self.ledger, self.codec
+        spec, led, codec = self.layer_specs[layer], self.ledger, self.codec
         b, c = work.begin, work.col
         T1 = c + 1 - b
         k, v = codec.prepare(k, v, layer)  # once: the cache stores them, and they attend as the own K/V
@@ -1232,7 +1234,7 @@ class Engine:
                 ctx = [s[:, :, :T1] for s in stage]
                 k_off += len(rows)
             else:
-                cpu_s += self._cpu_attention(tier, work, homes, qs, new, pos, rows, attn)
+                cpu_s += self._cpu_attention(spec, tier, work, homes, qs, new, pos, rows, attn)
                 continue
             # the query and output (split into even and odd channels, in float32, when fused), a
             # gathered context, and a half-precision cache's mins and scales in float32 for the kernel
@@ -1253,9 +1255,10 @@ class Engine:
         else:
             dst.index_copy_(0, _index(pos, dst.device), src)
 
-    def _cpu_attention(self, tier: str, work: _Work, homes: dict[str, list[Any]], q: torch.Tensor,
+    def _cpu_attention(self, spec: ModelSpec, tier: str, work: _Work, homes: dict[str, list[Any]], q: torch.Tensor,
                        new: list[torch.Tensor], pos: list[int], rows: list[int], attn: torch.Tensor) -> float:
-        """FlexGen §4.2: rows whose cache is not on the gpu tier attend on the CPU, next to their cache."""
+        """FlexGen §4.2: rows whose cache is not on the gpu tier attend on the CPU, next to their
+        cache. ``spec``: the layer's (its window and softcap)."""
         st, led = self.store, self.ledger
         b, c = work.begin, work.col
         T1 = c + 1 - b
@@ -1289,7 +1292,7 @@ class Engine:
             idx = list(range(len(rows)))
         with led.transient("cpu", "cpu_attention", 2 * nbytes_of(qc) + nbytes_of(*newc)
                            + self._cpu_attention_scratch(qc, ctx, idx)):
-            out = attend_rows_on_cpu(self.spec, qc, ctx, idx, mask, CPU_ATTENTION_CHUNK_BYTES)
+            out = attend_rows_on_cpu(spec, qc, ctx, idx, mask, CPU_ATTENTION_CHUNK_BYTES)
         if span:
             out = out.index_select(0, at)
         cpu_s = time.perf_counter() - t0

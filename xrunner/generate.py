@@ -13,8 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from xrunner.model import (ModelWeights, embed, final_logits, layer_forward, position_ids_from_mask,
-                           rope_tables)
+from xrunner.model import ModelWeights, embed, final_logits, layer_forward, layer_ropes, position_ids_from_mask
 from xrunner.sampling import SamplingParams, sample
 from xsched.errors import UserError
 
@@ -73,7 +72,8 @@ def generate(model: ModelWeights, prompts: Sequence[Sequence[int]], max_new_toke
     if capacity > spec.max_positions:
         raise UserError(f"prompt ({width} tokens) + {max_new_tokens} new tokens exceed the model's "
                         f"{spec.max_positions} positions; shorten the prompt or ask for fewer tokens")
-    rope = rope_tables(spec, capacity, device, dtype)
+    ropes = layer_ropes(spec, capacity, device, dtype)
+    specs = spec.layer_specs()
     cache_shape = (b, spec.num_kv_heads, capacity, spec.head_dim)
     caches = [(torch.empty(cache_shape, dtype=dtype, device=device),
                torch.empty(cache_shape, dtype=dtype, device=device)) for _ in model.layers]
@@ -92,8 +92,8 @@ def generate(model: ModelWeights, prompts: Sequence[Sequence[int]], max_new_toke
     for step in range(max_new_tokens):
         t = inputs.shape[1]
         hidden = embed(spec, model.head, inputs, positions)
-        for w, (k_cache, v_cache) in zip(model.layers, caches):
-            hidden = layer_forward(spec, w, hidden, positions, rope, k_cache, v_cache,
+        for w, (k_cache, v_cache), s, rope in zip(model.layers, caches, specs, ropes):
+            hidden = layer_forward(s, w, hidden, positions, rope, k_cache, v_cache,
                                    full_mask[:, :start + t] if padded else None, start)
         logits = final_logits(spec, model.head, hidden[:, -1])
         if return_logits:

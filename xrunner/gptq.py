@@ -34,8 +34,8 @@ import torch
 
 from xprofiler.specs import ModelSpec
 from xrunner.compression import DEFAULT_GROUP_SIZE, QuantizedTensor
-from xrunner.model import (Weights, attention, attn_in, embed, linear, mlp_hidden, norm, position_ids_from_mask,
-                           rope_tables)
+from xrunner.model import (Weights, attention, attn_in, embed, layer_ropes, linear, mlp_hidden, norm,
+                           position_ids_from_mask)
 from xsched.errors import UserError
 from xsimulator.costmodel import input_rotated
 
@@ -154,7 +154,8 @@ class GPTQCalibration:
         self.device = head["embed_tokens.weight"].device  # where the head lives, the pass runs (float32)
         ids = ids.to(self.device)
         self.pos = position_ids_from_mask(torch.ones_like(ids, dtype=torch.bool))
-        self.rope = rope_tables(spec, ids.shape[1], self.device)
+        self.ropes = layer_ropes(spec, ids.shape[1], self.device)
+        self.specs = spec.layer_specs()
         with torch.inference_mode():
             self.hidden = embed(spec, head, ids, self.pos).float()
         self.next_layer = 0
@@ -174,7 +175,7 @@ class GPTQCalibration:
     def _layer(self, index: int, w: Weights, fit: bool) -> dict[str, QuantizedTensor]:
         if index != self.next_layer:
             raise RuntimeError(f"GPTQ calibration needs layers in order: got {index}, expected {self.next_layer}")
-        spec, h = self.spec, self.hidden
+        spec, h = self.specs[index], self.hidden
         wq = {k: v.to(self.device, torch.float32) for k, v in w.items()}
         out: dict[str, QuantizedTensor] = {}
 
@@ -189,19 +190,23 @@ class GPTQCalibration:
         if fit:  # (attn_in norms again below; an observing pass needs only that)
             quantize(("q_proj.weight", "k_proj.weight", "v_proj.weight"), norm(spec, h, wq, "attn_norm"))
         # Activations are dropped as soon as they are used: scratch_bytes counts only the live ones.
-        q, k, v = attn_in(spec, wq, h, self.pos, self.rope)
-        self.kv_centers.append((k.mean(dim=(0, 2)), v.mean(dim=(0, 2))))
+        q, k, v = attn_in(spec, wq, h, self.pos, self.ropes[index])
+        # A softcap (Gemma 2) is not blind to a shift shared by all keys: K keeps no center there.
+        k_center = k.mean(dim=(0, 2)) if spec.attention_softcap is None else torch.zeros_like(k[0, :, 0])
+        self.kv_centers.append((k_center, v.mean(dim=(0, 2))))
         a = attention(spec, q, k, v, None, causal=True)
         del q, k, v
         quantize(("o_proj.weight",), a)
-        h = h + linear(a, wq, "o_proj")
-        del a
+        branch = linear(a, wq, "o_proj")
+        h = h + (norm(spec, branch, wq, "attn_post_norm") if spec.sandwich_norms else branch)
+        del a, branch
         x = norm(spec, h, wq, "mlp_norm")
         quantize(("gate_proj.weight", "up_proj.weight") if spec.gated_mlp else ("fc1.weight",), x)
         act = mlp_hidden(spec, wq, x)
         del x
         down = "down_proj" if spec.gated_mlp else "fc2"
         quantize((f"{down}.weight",), act)
-        self.hidden = h + linear(act, wq, down)
+        branch = linear(act, wq, down)
+        self.hidden = h + (norm(spec, branch, wq, "mlp_post_norm") if spec.sandwich_norms else branch)
         self.next_layer += 1
         return out

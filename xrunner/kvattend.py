@@ -218,8 +218,9 @@ def _softmax_row(x, own, lane):
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, out_e, out_o, p_own):
-    """One (row, kv head) per parallel iteration: scores, softmax with the own score, output.
+def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, cap, out_e, out_o, p_own):
+    """One (row, kv head) per parallel iteration: scores (``cap * tanh(score / cap)`` when ``cap``
+    is above 0, Gemma 2's softcap), softmax with the own score, output.
     Compiled on first call (about 4 s), then cached beside this file."""
     B, H, G, half = q_e.shape
     Hkv, T = pk.shape[1], pk.shape[2]
@@ -252,7 +253,7 @@ def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, out_e, 
                         part += (q_e[b, h, gi, j] * np.float32(byte & 15)
                                  + q_o[b, h, gi, j] * np.float32(byte >> 4))
                     acc += sk[b, kh, t, gi] * part + mk[b, kh, t, gi] * qsum[r, gi]
-                s[r, t] = acc * scale
+                s[r, t] = acc * scale if cap <= 0 else cap * np.tanh(acc * scale / cap)
         for r in range(rep):
             h = kh * rep + r
             p_own[b, h] = _softmax_row(s[r], s_own[b, h], lane)
@@ -284,7 +285,7 @@ _CODES_A = types.Array(types.uint8, 5, "A")
 # on the forms already compiled or cached.
 _ATTEND_SIGNATURE = types.void(_F32_C, _F32_C, _CODES_A, _F32_A, _F32_A, _CODES_A, _F32_A, _F32_A,
                                types.Array(types.float32, 2, "C"), types.Array(types.boolean, 2, "C"),
-                               types.float32, _F32_C, _F32_C, types.Array(types.float32, 2, "C"))
+                               types.float32, types.float32, _F32_C, _F32_C, types.Array(types.float32, 2, "C"))
 
 
 def _pinned_attend_kernel():
@@ -297,14 +298,16 @@ def _pinned_attend_kernel():
 
 
 def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, own_k: torch.Tensor,
-                     own_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                     own_v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Attention of one query per row over a 4-bit cache plus each row's own exact K and V.
 
     ``q [B, H, d]``; ``k``, ``v`` of shape ``[B, Hkv, T, d]`` grouped along ``d`` (the cache
     before the step's own position); ``own_k``, ``own_v [B, Hkv, d]``; ``mask [B, T]`` (True: a
     real token; None: all are). Grouped-query attention shares each kv head among ``H / Hkv``
     query heads. Returns ``[B, H, d]`` float32, as ``softmax(q k^T / sqrt(d)) v`` over the
-    dequantized cache followed by the own position.
+    dequantized cache followed by the own position (``scale`` instead of ``1 / sqrt(d)`` when
+    given; ``softcap``: scores through ``softcap * tanh(score / softcap)``).
 
     The kernel computes in float32: a half-precision model's query, own K/V and the cache's
     mins and scales are converted first (a min and a scale per 64 values: the conversion reads
@@ -314,9 +317,11 @@ def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, ow
     B, H, d = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     G, half = k.packed.shape[-2], k.packed.shape[-1]
-    scale = 1.0 / math.sqrt(d)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     rep = H // Hkv
     s_own = (q.reshape(B, Hkv, rep, d) * own_k[:, :, None]).sum(-1).reshape(B, H) * scale
+    if softcap is not None:
+        s_own = torch.tanh(s_own / softcap) * softcap
     qp = q if G * 2 * half == d else torch.nn.functional.pad(q, (0, G * 2 * half - d))
     qp = qp.reshape(B, H, G, half, 2)
     q_e, q_o = qp[..., 0].contiguous(), qp[..., 1].contiguous()
@@ -326,6 +331,7 @@ def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, ow
     with _torch_threads():  # compiling starts numba's thread pool too
         kernel = _pinned_attend_kernel()
         kernel(q_e.numpy(), q_o.numpy(), k.packed.numpy(), mk, sk, v.packed.numpy(), mv, sv, s_own.numpy(),
-               keep.numpy(), np.float32(scale), out_e.numpy(), out_o.numpy(), p_own.numpy())
+               keep.numpy(), np.float32(scale), np.float32(softcap or 0.0), out_e.numpy(), out_o.numpy(),
+               p_own.numpy())
     res = torch.stack((out_e, out_o), dim=-1).view(B, H, -1)[..., :d]
     return res + p_own[..., None] * own_v.repeat_interleave(rep, dim=1)

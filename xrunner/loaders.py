@@ -44,6 +44,9 @@ _HF_LAYER_MODULES = {
             "o_proj": "self_attn.out_proj", "fc1": "fc1", "fc2": "fc2", "attn_norm": "self_attn_layer_norm",
             "mlp_norm": "final_layer_norm"},
 }
+# Gemma 2 and 3 (``sandwich_norms``): a norm after attention and after the MLP, each under its own name
+_HF_SANDWICH_MODULES = {"attn_post_norm": "post_attention_layernorm", "mlp_norm": "pre_feedforward_layernorm",
+                        "mlp_post_norm": "post_feedforward_layernorm"}
 _HF_HEAD_MODULES = {
     "llama": {"embed_tokens": "embed_tokens", "final_norm": "norm"},
     "opt": {"embed_tokens": "embed_tokens", "embed_positions": "embed_positions", "final_norm": "final_layer_norm"},
@@ -179,11 +182,11 @@ class HFDirectorySource(ModelSource):
         return files
 
     def _layer_sources(self, index: int) -> dict[str, Source]:
-        return _layer_sources(self.spec, self._fused, lambda n: _hf_name(self.spec.family, n, self._prefix, index),
+        return _layer_sources(self.spec, self._fused, lambda n: _hf_name(self.spec, n, self._prefix, index),
                               f"{self._prefix}layers.{index}.")
 
     def _head_sources(self) -> dict[str, Source]:
-        return {n: (_hf_name(self.spec.family, n, self._prefix), shape, None)
+        return {n: (_hf_name(self.spec, n, self._prefix), shape, None)
                 for n, shape in self.spec.head_tensor_shapes().items()}
 
     def _validate(self) -> None:
@@ -238,24 +241,25 @@ class HFDirectorySource(ModelSource):
                             f"{str(exc).splitlines()[0]}") from None
 
 
-def _hf_name(family: str, name: str, prefix: str, layer: int | None = None) -> str:
+def _hf_name(spec: ModelSpec, name: str, prefix: str, layer: int | None = None) -> str:
     """transformers' name for runner tensor ``name`` (of decoder ``layer``, or of the head)."""
     module, param = name.split(".", 1)
     if module == "lm_head":
         return f"lm_head.{param}"
     if layer is None:
-        return f"{prefix}{_HF_HEAD_MODULES[family][module]}.{param}"
-    return f"{prefix}layers.{layer}.{_HF_LAYER_MODULES[family][module]}.{param}"
+        return f"{prefix}{_HF_HEAD_MODULES[spec.family][module]}.{param}"
+    hf = _HF_SANDWICH_MODULES.get(module) if spec.sandwich_norms else None
+    return f"{prefix}layers.{layer}.{hf or _HF_LAYER_MODULES[spec.family][module]}.{param}"
 
 
 def hf_state_dict(weights: ModelWeights) -> dict[str, torch.Tensor]:
     """The same tensors under transformers' ``*ForCausalLM`` names (no copies), e.g. to build an
     HF reference model with ``load_state_dict(..., assign=True)``."""
-    family = weights.spec.family
-    prefix = _HF_PREFIXES[family][0]
-    out = {_hf_name(family, n, prefix): t for n, t in weights.head.items()}
+    spec = weights.spec
+    prefix = _HF_PREFIXES[spec.family][0]
+    out = {_hf_name(spec, n, prefix): t for n, t in weights.head.items()}
     for i, layer in enumerate(weights.layers):
-        out.update({_hf_name(family, n, prefix, i): t for n, t in layer.items()})
+        out.update({_hf_name(spec, n, prefix, i): t for n, t in layer.items()})
     if weights.spec.tied_embeddings:
         out["lm_head.weight"] = weights.head["embed_tokens.weight"]
     return out
@@ -410,8 +414,8 @@ class RandomSource(ModelSource):
         chunks: list[tuple[torch.Tensor, tuple[float, float], tuple[int, int, int]]] = []
         for k, (name, shape) in enumerate(shapes.items()):
             t = torch.empty(shape, dtype=dtype)
-            if name.endswith("norm.weight"):
-                span = 0.9, 1.1
+            if name.endswith("norm.weight"):  # scales near 1 (Gemma's are offset + weight)
+                span = 0.9 - self.spec.norm_offset, 1.1 - self.spec.norm_offset
             elif name.endswith(".bias"):
                 span = -0.02, 0.02
             else:

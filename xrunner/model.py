@@ -72,6 +72,20 @@ def rope_tables(spec: ModelSpec, length: int, device: torch.device | str = "cpu"
     return Rope(cos=emb.cos().to(dtype), sin=emb.sin().to(dtype))
 
 
+def layer_ropes(spec: ModelSpec, length: int, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> list[Rope | None]:
+    """:func:`rope_tables` of each layer's :meth:`~xprofiler.specs.ModelSpec.layer_spec` (Gemma 3's
+    windowed layers have their own base), one table per distinct base shared between layers."""
+    tables: dict[tuple[float, tuple[float, ...], float], Rope | None] = {}
+    out = []
+    for s in spec.layer_specs():
+        key = (s.rope_theta, s.rope_divisors, s.rope_attention_factor)
+        if key not in tables:
+            tables[key] = rope_tables(s, length, device, dtype)
+        out.append(tables[key])
+    return out
+
+
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Positions of real tokens counted from 0 per row; padding gets 0."""
     return (mask.long().cumsum(-1) - 1).clamp_(min=0)
@@ -80,6 +94,9 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
 def norm(spec: ModelSpec, x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
     if spec.norm == "layernorm":
         return F.layer_norm(x, (x.shape[-1],), w[f"{name}.weight"], w[f"{name}.bias"], spec.norm_eps)
+    if spec.norm_offset:  # Gemma: scaled by offset + weight in float32, then cast
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=spec.norm_eps)
+        return (y * (w[f"{name}.weight"].float() + spec.norm_offset)).to(x.dtype)
     # RMSNorm in float32, then scale in the input dtype (as Llama does).
     y = F.rms_norm(x.float(), (x.shape[-1],), eps=spec.norm_eps).to(x.dtype)
     return w[f"{name}.weight"] * y
@@ -114,6 +131,8 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 def embed(spec: ModelSpec, head_w: Weights, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """Token (plus learned position, OPT) embeddings: ``[b, t]`` ids -> ``[b, t, h]``."""
     hidden = F.embedding(input_ids, head_w["embed_tokens.weight"])
+    if spec.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to the model's dtype first as transformers does
+        hidden = hidden * torch.tensor(spec.embed_scale, dtype=hidden.dtype)
     if spec.position == "learned":
         hidden = hidden + F.embedding(position_ids + OPT_POSITION_OFFSET, head_w["embed_positions.weight"])
     return hidden
@@ -146,19 +165,38 @@ def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     The queries are the last ``t`` positions of the context. ``mask [b, T]`` hides padding keys
     (None: no padding, which lets SDPA pick its fastest kernels); ``causal`` additionally hides
     later keys (prefill), and a sliding window (:func:`visible_keys`) earlier ones. Grouped-query
-    attention shares each kv head among ``H / Hkv`` query heads.
+    attention shares each kv head among ``H / Hkv`` query heads. ``spec`` is the layer's
+    (``ModelSpec.layer_spec``): its window, score scale and softcap apply.
     """
     b, n_heads, t, d = q.shape
     T = k.shape[2]
     gqa = spec.num_kv_heads != spec.num_heads
     causal = causal and t > 1
     window = spec.sliding_window if spec.sliding_window is not None and spec.sliding_window < T else None
-    if mask is None and window is None and (not causal or t == T):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    if spec.attention_softcap is not None:
+        allowed = visible_keys(mask, t, T, causal, window, q.device)
+        out = softcapped_attention(q, k, v, allowed, spec.attention_scale, spec.attention_softcap)
+    elif mask is None and window is None and (not causal or t == T):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, scale=spec.attention_scale)
     else:
         allowed = visible_keys(mask, t, T, causal, window, q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa, scale=spec.attention_scale)
     return out.transpose(1, 2).reshape(b, t, n_heads * d)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                         scale: float | None, cap: float) -> torch.Tensor:
+    """Attention whose scores pass through ``cap * tanh(score / cap)`` before the mask (Gemma 2),
+    which SDPA cannot do: scores in the inputs' dtype, softmax in float32, as transformers does.
+    ``q [b, H, t, d]``, ``k, v [b, Hkv, T, d]``, ``allowed [b or 1, 1, t, T]``; returns ``[b, H, t, d]``."""
+    b, n_heads, t, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, n_heads // hkv * t, d)  # each kv head's query heads, stacked
+    scores = (qg @ k.transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.view(b, hkv, n_heads // hkv, t, -1).masked_fill(~allowed[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs.view(b, hkv, -1, k.shape[2]) @ v).view(b, n_heads, t, d)
 
 
 def visible_keys(mask: torch.Tensor | None, t: int, T: int, causal: bool, window: int | None,
@@ -235,16 +273,25 @@ def attend_rows_on_cpu(spec: ModelSpec, q: torch.Tensor, ctx: Sequence[torch.Ten
 
 def mlp_hidden(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     """The MLP's inner activation (the input of its down projection) for normed input ``x``."""
+    if spec.activation == "gelu_tanh":  # Gemma's GeGLU
+        return F.gelu(linear(x, w, "gate_proj"), approximate="tanh") * linear(x, w, "up_proj")
     if spec.gated_mlp:
         return F.silu(linear(x, w, "gate_proj")) * linear(x, w, "up_proj")
     return F.relu(linear(x, w, "fc1"))
 
 
 def attn_out_mlp(spec: ModelSpec, w: Weights, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """Output projection and residual, then pre-norm MLP (ReLU or SwiGLU) and residual."""
-    hidden = hidden + linear(attn, w, "o_proj")
+    """Output projection and residual, then pre-norm MLP (ReLU, SwiGLU or GeGLU) and residual; with
+    ``sandwich_norms`` (Gemma 2, 3) each branch's output is normed before it joins the residual."""
     down = "down_proj" if spec.gated_mlp else "fc2"
-    return hidden + linear(mlp_hidden(spec, w, norm(spec, hidden, w, "mlp_norm")), w, down)
+    out = linear(attn, w, "o_proj")
+    if spec.sandwich_norms:
+        out = norm(spec, out, w, "attn_post_norm")
+    hidden = hidden + out
+    out = linear(mlp_hidden(spec, w, norm(spec, hidden, w, "mlp_norm")), w, down)
+    if spec.sandwich_norms:
+        out = norm(spec, out, w, "mlp_post_norm")
+    return hidden + out
 
 
 def layer_forward(spec: ModelSpec, w: Weights, hidden: torch.Tensor, position_ids: torch.Tensor,
@@ -367,4 +414,7 @@ def cpu_head_layout(spec: ModelSpec, head_w: Weights, rows: int, layout: str | N
 def final_logits(spec: ModelSpec, head_w: Weights, hidden: torch.Tensor) -> torch.Tensor:
     """Final norm and LM head (the token embedding when tied): ``[..., h]`` -> ``[..., vocab]``."""
     x = norm(spec, hidden, head_w, "final_norm")
-    return F.linear(x, head_w[lm_head_name(spec)])
+    logits = F.linear(x, head_w[lm_head_name(spec)])
+    if spec.logit_softcap is not None:  # Gemma 2
+        logits = torch.tanh(logits / spec.logit_softcap) * spec.logit_softcap
+    return logits

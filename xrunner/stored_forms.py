@@ -271,7 +271,7 @@ class KVCodec:
         if spec.sliding_window is not None and spec.sliding_window < T:
             mask = visible_keys(mask, 1, T, False, spec.sliding_window, q.device)[:, 0, 0].expand(b, T)
         out = attend_quantized(self._rotate(q)[:, :, 0], k, v, own_k, own_v,
-                               None if mask is None else mask[:, :T - 1])
+                               None if mask is None else mask[:, :T - 1], spec.attention_scale, spec.attention_softcap)
         return self._unrotated(spec, out[:, None], layer).to(q.dtype)
 
     def _unrotated(self, spec: ModelSpec, out: torch.Tensor, layer: int | None) -> torch.Tensor:
