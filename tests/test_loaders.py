@@ -85,6 +85,52 @@ def test_sharded_hf_directory_loads_and_matches_transformers(tmp_path, family, t
     assert_matches_hf(load_weights(source), hf)
 
 
+def test_a_multimodal_gemma3_directory_runs_its_text_decoder_as_transformers_does(tmp_path):
+    """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration (model_type gemma3): a vision tower
+    beside the text decoder, whose tensors sit under language_model. The text decoder is read
+    from its text_config and gives the whole model's greedy tokens and logits on text prompts."""
+    torch.manual_seed(0)
+    text = transformers.Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=3,
+                                         max_position_embeddings=64,
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=299, boi_token_index=297, eoi_token_index=298,
+                                       eos_token_id=[1, 106], attn_implementation="eager")
+    hf = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    hf.eval().save_pretrained(tmp_path)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    source = open_model(tmp_path, dtype="float32")
+    assert isinstance(source, HFDirectorySource) and source.spec.qk_norm and source.spec.eos_token_ids == (1, 106)
+    assert source.spec.window_layers == (True, False, True) and source.spec.tied_embeddings
+    assert_matches_hf(load_weights(source), hf)
+
+
+def test_a_published_multimodal_gemma3_config_reads_its_text_decoder_over_the_defaults():
+    """gemma-3-4b-it's config.json gives only a few text_config fields; the rest are
+    transformers' defaults (head_dim 256, 8 heads over 4 kv heads, vocabulary 262,208)."""
+    cfg = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+           "torch_dtype": "bfloat16", "mm_tokens_per_image": 256,
+           "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896}}
+    spec = spec_from_hf_dict(cfg, name="gemma-3-4b-it")
+    assert (spec.num_layers, spec.hidden, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (34, 2560, 8, 4, 256)
+    assert (spec.vocab_size, spec.sliding_window, spec.dtype, spec.eos_token_ids) == (262208, 1024, "bfloat16", (1, 106))
+    assert spec.window_layers == tuple((i + 1) % 6 != 0 for i in range(34))
+    assert spec.layer_spec(5).rope_divisors == (8.0,) * 128 and spec.layer_spec(0).rope_theta == 10000.0
+    with pytest.raises(UserError, match="needs a text_config object"):
+        spec_from_hf_dict({**cfg, "text_config": None}, name="g")
+
+
 def test_single_file_hf_directory_in_bfloat16(tmp_path):
     hf = tiny_hf("llama", tied=True)
     hf.to(torch.bfloat16).save_pretrained(tmp_path)

@@ -377,6 +377,8 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
         if cfg.get(key) and not isinstance(cfg[key], dict):
             raise UserError(f"{name}: config.json's {key}={cfg[key]!r} must be a JSON object")
     model_type = cfg.get("model_type")
+    if model_type == "gemma3":  # Gemma 3 4B-27B: a vision tower beside the text decoder, which is what runs here
+        return spec_from_hf_dict(_gemma3_text_config(cfg, name), name, dtype)
     eos_fields = _eos_fields(_eos_ids(cfg.get("eos_token_id"), f"{name}: config.json"))
     try:
         if model_type == "opt":
@@ -434,7 +436,7 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
     except (ValueError, TypeError) as exc:  # ModelSpec's own checks (sizes > 0, ...); float() of a list
         raise UserError(f"{name}: config.json describes no valid model ({exc})") from None
     raise UserError(f"{name}: model_type {model_type!r} is not supported; xsched runs "
-                    f"{', '.join(repr(t) for t in ('opt', *_LLAMA_TYPES))} models")
+                    f"{', '.join(repr(t) for t in ('opt', *_LLAMA_TYPES, 'gemma3'))} models")
 
 
 # Checkpoints with Llama's layer (RMSNorm, rotary positions, gated MLP) under their HF model_type.
@@ -575,6 +577,28 @@ def _attention_reach(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
     if model_type in _WINDOWED_TYPES:
         return {"max_positions": longest, "sliding_window": window if window < longest else None}
     return {"max_positions": min(longest, window)}
+
+
+# transformers' Gemma3TextConfig defaults, which a multimodal Gemma 3's text_config leaves out
+# (gemma-3-4b-it's gives only hidden and MLP widths, layers, rope scaling and window)
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                         "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                         "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+                         "sliding_window": 4096, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                         "sliding_window_pattern": 6, "tie_word_embeddings": True}
+
+
+def _gemma3_text_config(cfg: dict, name: str) -> dict:
+    """The text decoder's config of a multimodal Gemma 3 (``model_type`` gemma3): its
+    ``text_config`` over transformers' defaults, with the top level's eos ids and dtype."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise UserError(f"{name}: a Gemma 3 config.json (model_type 'gemma3') needs a text_config object")
+    merged = {**_GEMMA3_TEXT_DEFAULTS, **text, "model_type": "gemma3_text"}
+    for key in ("eos_token_id", "torch_dtype", "dtype"):  # gemma-3-4b-it lists its eos ids at the top only
+        if cfg.get(key) is not None:
+            merged[key] = cfg[key]
+    return merged
 
 
 def _gemma_windows(cfg: dict, model_type: str, name: str) -> dict[str, Any]:

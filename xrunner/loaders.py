@@ -51,7 +51,9 @@ _HF_HEAD_MODULES = {
     "llama": {"embed_tokens": "embed_tokens", "final_norm": "norm"},
     "opt": {"embed_tokens": "embed_tokens", "embed_positions": "embed_positions", "final_norm": "final_layer_norm"},
 }
-_HF_PREFIXES = {"llama": ("model.", ""), "opt": ("model.decoder.", "decoder.")}
+# Where the decoder's tensors sit; a multimodal Gemma 3 keeps its text decoder under language_model.
+_HF_PREFIXES = {"llama": ("model.", "", "language_model.model.", "model.language_model."),
+                "opt": ("model.decoder.", "decoder.")}
 
 
 def _fused_rows(spec: ModelSpec, gguf: bool = False) -> dict[str, tuple[str, int, int, int]]:
@@ -245,7 +247,7 @@ def _hf_name(spec: ModelSpec, name: str, prefix: str, layer: int | None = None) 
     """transformers' name for runner tensor ``name`` (of decoder ``layer``, or of the head)."""
     module, param = name.split(".", 1)
     if module == "lm_head":
-        return f"lm_head.{param}"
+        return f"{'language_model.' if prefix == 'language_model.model.' else ''}lm_head.{param}"
     if layer is None:
         return f"{prefix}{_HF_HEAD_MODULES[spec.family][module]}.{param}"
     hf = _HF_SANDWICH_MODULES.get(module) if spec.sandwich_norms else None
