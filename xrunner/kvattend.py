@@ -253,7 +253,12 @@ def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, cap, ou
                         part += (q_e[b, h, gi, j] * np.float32(byte & 15)
                                  + q_o[b, h, gi, j] * np.float32(byte >> 4))
                     acc += sk[b, kh, t, gi] * part + mk[b, kh, t, gi] * qsum[r, gi]
-                s[r, t] = acc * scale if cap <= 0 else cap * np.tanh(acc * scale / cap)
+                s[r, t] = acc * scale
+        if cap > 0:  # apart from the scores' loop, which then compiles as it did without a cap
+            for t in range(T):
+                if mask[b, t]:
+                    for r in range(rep):
+                        s[r, t] = cap * np.tanh(s[r, t] / cap)
         for r in range(rep):
             h = kh * rep + r
             p_own[b, h] = _softmax_row(s[r], s_own[b, h], lane)
