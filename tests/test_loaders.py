@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -45,10 +46,10 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
                                           "full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
                       **config}
         model_cls = "Gemma3ForCausalLM" if family == "gemma3_text" else f"{prefix}ForCausalLM"
-        config = getattr(transformers, f"{prefix}Config")(
-            vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, attn_implementation="eager",
-            **config)
+        config = getattr(transformers, f"{prefix}Config")(**{
+            "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+            "tie_word_embeddings": tied, "attn_implementation": "eager", **config})
         model = getattr(transformers, model_cls)(config)
     with torch.no_grad():  # HF inits norms to 1 and biases to 0; perturb them so a mix-up shows
         for name, p in model.named_parameters():
@@ -193,9 +194,12 @@ def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: torch.Tensor | None = None,
                     name: str | None = None) -> None:
     """Write an HF Llama or Qwen2 as a llama.cpp GGUF: F32 norms and biases, Q8_0 projections,
-    a Llama's q/k rows permuted (llama.cpp keeps a Qwen2's, which its rope kernel reads as they are)."""
+    a Llama's q/k rows permuted (llama.cpp keeps a Qwen2's, which its rope kernel reads as they are).
+    A Gemma's norms are written as 1 + weight, as llama.cpp's converter writes them, with its
+    softcaps and window."""
     cfg = hf.config
-    arch = cfg.model_type
+    arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
+    gemma = arch.startswith("gemma")
     writer = gguf.GGUFWriter(path, arch)
     if name is not None:
         writer.add_name(name)
@@ -209,7 +213,8 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:  # Qwen3's 128 on any width
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: one per layer type
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_eos_token_id(2)
@@ -217,10 +222,15 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
         writer.add_pad_token_id(0)
     if sliding_window is not None:
         writer.add_sliding_window(sliding_window)
+    if gemma:
+        writer.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     q8 = gguf.GGMLQuantizationType.Q8_0
 
     def add(name: str, t: torch.Tensor, quantize: bool) -> None:
-        arr = t.detach().float().numpy()
+        arr = t.detach().float().numpy() + (1.0 if gemma and name.endswith("norm.weight") else 0.0)
         if quantize:
             writer.add_tensor(name, gguf.quants.quantize(arr, q8), raw_dtype=q8)
         else:
@@ -235,7 +245,12 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
     for i, layer in enumerate(hf.model.layers):
         att, mlp = layer.self_attn, layer.mlp
         add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight, False)
-        add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, False)
+        if gemma:  # its MLP's norm is ffn_norm; the norms after attention and the MLP have their own names
+            add(f"blk.{i}.ffn_norm.weight", layer.pre_feedforward_layernorm.weight, False)
+            add(f"blk.{i}.post_attention_norm.weight", layer.post_attention_layernorm.weight, False)
+            add(f"blk.{i}.post_ffw_norm.weight", layer.post_feedforward_layernorm.weight, False)
+        else:
+            add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, False)
         add(f"blk.{i}.attn_output.weight", att.o_proj.weight, True)
         add(f"blk.{i}.ffn_down.weight", mlp.down_proj.weight, True)
         if arch == "phi3":  # llama.cpp keeps its fused tensors: q, k, v in attn_qkv, gate above up in ffn_up
@@ -250,7 +265,7 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
         if arch == "qwen2":
             for name, module in (("attn_q", att.q_proj), ("attn_k", att.k_proj), ("attn_v", att.v_proj)):
                 add(f"blk.{i}.{name}.bias", module.bias, False)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             add(f"blk.{i}.attn_q_norm.weight", att.q_norm.weight, False)
             add(f"blk.{i}.attn_k_norm.weight", att.k_norm.weight, False)
         for name, t in (("attn_v", att.v_proj.weight), ("ffn_gate", mlp.gate_proj.weight),
@@ -335,6 +350,35 @@ def test_tiny_qwen_or_phi3_gguf_keeps_its_rows_reads_its_biases_or_norms_and_mat
     theirs.generation_config.eos_token_id = None
     theirs.generation_config.pad_token_id = 0
     assert_matches_hf(weights, theirs.eval())
+
+
+@pytest.mark.parametrize("arch,config", [
+    ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16)),  # caps of 3 and 5 that bend these values
+    ("gemma2", dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    ("gemma3_text", dict(num_hidden_layers=6, layer_types=None, rope_parameters=None))],  # 5 of 6 windowed
+    ids=["gemma2-caps", "gemma2-as-published", "gemma3"])
+def test_a_gemma_gguf_takes_its_norms_windows_and_caps_as_llamacpp_writes_them(tmp_path, arch, config):
+    """A gemma2 / gemma3 GGUF: norms stored as 1 + weight, Gemma 2's softcaps and window from its
+    metadata, each layer's window and (Gemma 3) rotary base by llama.cpp's fixed patterns. Equal to
+    the HF model written; where the file holds only what transformers' GGUF reader reads (head_dim
+    256 as the published models, the default caps and rotary bases), also to the model that reader builds."""
+    hf = tiny_hf(arch, tied=True, seed=3, **config)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(path, hf)
+    q8_round_trip(hf)
+    source = open_model(path)
+    want = spec_from_hf_dict(hf.config.to_dict(), name=source.spec.name, dtype="float32")
+    assert source.spec.norm_eps == pytest.approx(want.norm_eps)  # a float32 in the file
+    assert source.spec == replace(want, max_positions=source.spec.max_positions, eos_token_id=2,
+                                  norm_eps=source.spec.norm_eps)
+    weights = load_weights(source)
+    assert_matches_hf(weights, hf)
+    if config.get("head_dim") == 256 or arch == "gemma3_text":
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+        theirs.generation_config.eos_token_id = None
+        theirs.generation_config.pad_token_id = 0
+        assert_matches_hf(weights, theirs.eval())
 
 
 def test_plan_and_simulate_take_the_gguf_file_that_profile_and_calibrate_take(tmp_path, capsys):

@@ -748,7 +748,7 @@ def read_gguf(path: Path) -> "gguf.GGUFReader":  # type: ignore[name-defined]  #
 
 
 # llama.cpp architectures with Llama's layer; qwen2 adds q/k/v biases (its GGUF tensors ``attn_q.bias``...).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3")
 
 
 def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpec:
@@ -782,20 +782,61 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
                       "does not record; past 4096 positions it attends to every key, unlike the original",
                       UserWarning, stacklevel=2)
     divisors = _gguf_rope_divisors(reader, arch, name, head_dim)
+    layers = int(field(f"{arch}.block_count"))
+    gemma = _gguf_gemma_fields(reader, arch, name, hidden, heads, head_dim, layers) if arch.startswith("gemma") else {}
     return ModelSpec(
-        name=name, family="llama", num_layers=int(field(f"{arch}.block_count")), hidden=hidden,
+        name=name, family="llama", num_layers=layers, hidden=hidden,
         ffn=int(field(f"{arch}.feed_forward_length")), num_heads=heads,
         num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
         vocab_size=int(vocab), max_positions=int(field(f"{arch}.context_length")),
-        norm="rmsnorm", activation="silu", position="rotary",
+        norm="rmsnorm", activation="gelu_tanh" if gemma else "silu", position="rotary",
         tied_embeddings="output.weight" not in tensor_names, dtype=dtype,  # type: ignore[arg-type]
         norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         eos_token_id=int(eos.contents()) if eos is not None else None, qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
-        sliding_window=int(window.contents()) if window is not None and arch in ("llama", "phi3") else None,
-        rope_divisors=divisors,
+        qk_norm=arch in ("qwen3", "gemma3"), rope_divisors=divisors,
+        **(gemma or {"sliding_window": int(window.contents()) if window is not None and arch in ("llama", "phi3")
+                     else None}),
     )
+
+
+def _gguf_gemma_fields(reader, arch: str, name: str, hidden: int, heads: int, head_dim: int,
+                       layers: int) -> dict[str, Any]:
+    """The Gemma fields of a ModelSpec (see ``_gemma_fields``) from a GGUF file, by llama.cpp's
+    rules where the file is silent: Gemma 2 windows every other layer from the first, Gemma 3 all
+    but every 6th (unless ``<arch>.attention.sliding_window_pattern`` says otherwise), Gemma 3's
+    windowed layers rotate on base 10^4 (or ``<arch>.rope.freq_base_swa``), and queries scale by
+    ``head_dim`` except in the 27B models (46 or 62 layers), which use ``hidden / heads``, as
+    their ``query_pre_attn_scalar`` does. The file's norm weights already hold ``1 + weight``
+    (llama.cpp's converter adds the 1), which the loader takes back off."""
+
+    def value(key: str) -> Any:
+        f = reader.get_field(f"{arch}.{key}")
+        return None if f is None else f.contents()
+
+    fields: dict[str, Any] = dict(norm_offset=1.0, embed_scale=math.sqrt(hidden), sandwich_norms=arch != "gemma")
+    if arch == "gemma":
+        return fields
+    big = layers == (46 if arch == "gemma2" else 62)
+    fields["attention_scale"] = (hidden / heads) ** -0.5 if big and hidden // heads != head_dim else None
+    caps = [value("attn_logit_softcapping"), value("final_logit_softcapping")]
+    fields.update(attention_softcap=None if not caps[0] else float(caps[0]),
+                  logit_softcap=None if not caps[1] else float(caps[1]))
+    window = value("attention.sliding_window")
+    if window is None:
+        return fields
+    pattern = value("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # one flag per layer
+        flags = [bool(x) for x in pattern]
+    else:
+        period = int(pattern) if pattern else 2 if arch == "gemma2" else 6
+        flags = [i % period < period - 1 for i in range(layers)]
+    if len(flags) != layers or not any(flags):
+        raise UserError(f"{name}: GGUF sliding_window_pattern {pattern!r} does not fit {layers} layers")
+    fields.update(sliding_window=int(window), window_layers=() if all(flags) else tuple(flags))
+    if arch == "gemma3":
+        fields["local_rope_theta"] = float(value("rope.freq_base_swa") or 10000.0)
+    return fields
 
 
 def _gguf_rope_divisors(reader, arch: str, name: str, head_dim: int) -> tuple[float, ...]:

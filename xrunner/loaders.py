@@ -85,7 +85,8 @@ def _layer_sources(spec: ModelSpec, fused: dict[str, tuple[str, int, int, int]],
 # Runner module name -> llama.cpp tensor name.
 _GGUF_LAYER = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-               "attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+               "attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
+               "attn_post_norm": "post_attention_norm", "mlp_post_norm": "post_ffw_norm"}
 _GGUF_HEAD = {"embed_tokens": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
 
 
@@ -316,6 +317,9 @@ class GGUFSource(ModelSource):
             raise UserError(f"{self.path}: tensor {gname} uses quantization {t.tensor_type.name}, "
                             "which the gguf package cannot dequantize") from None
         arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(expected)
+        if self.spec.norm_offset and gname.endswith("norm.weight"):
+            # a Gemma file's norms hold offset + weight (llama.cpp's converter adds it); the model core adds it itself
+            arr = arr - np.float32(self.spec.norm_offset)
         if not arr.flags.writeable:  # unquantized tensors are views of the read-only memory map
             arr = arr.copy()
         tensor = torch.from_numpy(arr)
