@@ -117,12 +117,15 @@ def test_mistral_and_qwen_configs_read_as_llama_layers():
     assert (v01.sliding_window, v01.max_positions) == (4096, 32768)
     assert ModelSpec.from_json(v01.to_json()) == v01
     assert spec_from_hf_dict({**mistral, "sliding_window": 32768}, name="m").sliding_window is None  # no slide
-    # Qwen2 windows only some layers, which the engine does not model: the window caps the length
-    assert spec_from_hf_dict({**qwen, "use_sliding_window": True, "max_window_layers": 21,
-                              "sliding_window": 4096}, name="q").max_positions == 4096
-    assert spec_from_hf_dict({**qwen, "layer_types": ["full_attention"] * 27 + ["sliding_attention"],
-                              "sliding_window": 2048}, name="q").max_positions == 2048
-    assert spec_from_hf_dict({**qwen, "use_sliding_window": True}, name="q").max_positions == 32768  # all layers full
+    # Qwen2 windows the layers from max_window_layers on, or those its layer_types name
+    some = spec_from_hf_dict({**qwen, "use_sliding_window": True, "max_window_layers": 21, "sliding_window": 4096},
+                             name="q")
+    assert (some.max_positions, some.sliding_window, some.window_layers) == (32768, 4096, (False,) * 21 + (True,) * 7)
+    last = spec_from_hf_dict({**qwen, "layer_types": ["full_attention"] * 27 + ["sliding_attention"],
+                              "sliding_window": 2048}, name="q")
+    assert (last.sliding_window, last.window_layers) == (2048, (False,) * 27 + (True,))
+    full = spec_from_hf_dict({**qwen, "use_sliding_window": True}, name="q")  # max_window_layers 28: none slides
+    assert (full.max_positions, full.sliding_window) == (32768, None)
     biased = spec_from_hf_dict({**mistral, "model_type": "llama", "attention_bias": True}, name="b")
     assert biased.bias and "o_proj.bias" in biased.layer_tensor_shapes()
     assert "o_proj.bias" not in spec_from_hf_dict(qwen, name="q").layer_tensor_shapes()

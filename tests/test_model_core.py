@@ -99,6 +99,11 @@ SHAPES = {
                                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                                max_position_embeddings=128, sliding_window=6,
                                                tie_word_embeddings=False)),
+    # Qwen2 with use_sliding_window: the layers from max_window_layers on windowed
+    "qwen2-some-layers-windowed": ("qwen2", dict(vocab_size=480, hidden_size=64, intermediate_size=144,
+                                                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=128, use_sliding_window=True,
+                                                 max_window_layers=1, sliding_window=4, tie_word_embeddings=False)),
     # Gemma: norms scaled by 1 + weight, embeddings by sqrt(hidden), a GeGLU MLP, tied head
     "gemma": ("gemma", dict(vocab_size=330, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=128)),

@@ -553,30 +553,18 @@ def _yarn(scaling: dict, factor: float, original: float, head_dim: int, theta: f
 
 
 def _attention_reach(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
-    """``max_positions`` and ``sliding_window`` of a Llama-family config. Mistral's and Phi-3's
-    ``sliding_window`` applies to every layer, and the engine masks it. Qwen2 and Qwen3 with
-    ``use_sliding_window`` window only some layers, which the engine does not model: there the
-    window is the spec's ``max_positions`` (every layer sees every key up to it, so the model is
-    the same), and longer jobs are refused."""
+    """``max_positions``, ``sliding_window`` and ``window_layers`` of a Llama-family config.
+    Mistral's and Phi-3's ``sliding_window`` applies to every layer; Gemma 2's, Gemma 3's and (with
+    ``use_sliding_window``) Qwen2's and Qwen3's to some (:func:`_layer_windows`)."""
     longest = cfg["max_position_embeddings"]
     window = cfg.get("sliding_window")
-    if model_type in ("gemma2", "gemma3_text"):
-        return _gemma_windows(cfg, model_type, name)
-    if model_type in _WINDOWED_TYPES:
-        slides = window is not None
-    elif model_type in ("qwen2", "qwen3"):
-        types = cfg.get("layer_types")
-        slides = (bool(cfg.get("use_sliding_window")) and cfg.get("max_window_layers", 28) < cfg["num_hidden_layers"]
-                  if types is None else "sliding_attention" in types)  # 28: HF's Qwen2/Qwen3Config default
-    else:
-        slides = False
-    if not slides:
+    if model_type in _LAYER_WINDOWED_TYPES:
+        return _layer_windows(cfg, model_type, name)
+    if model_type not in _WINDOWED_TYPES or window is None:
         return {"max_positions": longest}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise UserError(f"{name}: config.json's sliding_window={window!r} must be a whole number >= 1")
-    if model_type in _WINDOWED_TYPES:
-        return {"max_positions": longest, "sliding_window": window if window < longest else None}
-    return {"max_positions": min(longest, window)}
+    return {"max_positions": longest, "sliding_window": window if window < longest else None}
 
 
 # transformers' Gemma3TextConfig defaults, which a multimodal Gemma 3's text_config leaves out
@@ -601,9 +589,15 @@ def _gemma3_text_config(cfg: dict, name: str) -> dict:
     return merged
 
 
-def _gemma_windows(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
-    """Gemma 2's and 3's windowed layers: the config's ``layer_types``, else Gemma 2's every other
-    layer from the first, or Gemma 3's all but every ``sliding_window_pattern``-th (6)."""
+# Types whose window covers only some layers: their layer_types, else a fixed rule (_layer_windows)
+_LAYER_WINDOWED_TYPES = ("gemma2", "gemma3_text", "qwen2", "qwen3")
+
+
+def _layer_windows(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
+    """Which layers attend through the window: the config's ``layer_types``, else Gemma 2's every
+    other layer from the first, Gemma 3's all but every ``sliding_window_pattern``-th (6), or
+    Qwen2/Qwen3's layers from ``max_window_layers`` on when ``use_sliding_window`` (28 layers by
+    default, as transformers' configs)."""
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is not None:
@@ -614,11 +608,14 @@ def _gemma_windows(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
         flags = [t == "sliding_attention" for t in types]
     elif model_type == "gemma2":
         flags = [i % 2 == 0 for i in range(layers)]
-    else:
+    elif model_type == "gemma3_text":
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise UserError(f"{name}: config.json's sliding_window_pattern={pattern!r} must be a whole number >= 1")
         flags = [(i + 1) % pattern != 0 for i in range(layers)]
+    else:
+        first = cfg.get("max_window_layers", 28)
+        flags = [bool(cfg.get("use_sliding_window")) and i >= first for i in range(layers)]
     window = cfg.get("sliding_window")
     reach: dict[str, Any] = {"max_positions": cfg["max_position_embeddings"]}
     if not any(flags):
