@@ -44,6 +44,7 @@ GEMMA2 = replace(LLAMA, name="tiny-gemma2", activation="gelu_tanh", norm_offset=
 # Gemma 3: q/k norms, no softcaps, the windowed layers on their own rotary base, the full one scaled
 GEMMA3 = replace(GEMMA2, name="tiny-gemma3", attention_softcap=None, logit_softcap=None, qk_norm=True,
                  sliding_window=4, local_rope_theta=100.0, rope_divisors=(4.0,) * 32)
+MIXTRAL = replace(LLAMA, name="tiny-mixtral", num_experts=4, experts_per_token=2)  # 2 of 4 experts per token
 MAX_PROMPT, MAX_OUTPUT = 14, 9
 
 
@@ -182,7 +183,8 @@ def test_a_stop_check_ends_a_request_at_the_token_that_completes_its_match(llama
         assert got[r.id] == w[:end], r.id
 
 
-@pytest.mark.parametrize("spec", [OPT, QWEN2, QWEN3, GEMMA2, GEMMA3], ids=["opt", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("spec", [OPT, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL],
+                         ids=["opt", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral"])
 def test_other_layer_kinds_with_offloading(tmp_path, spec):
     """OPT's and Qwen2's biases, Qwen3's q/k norms and Gemma's layers (per-layer windows and rotary
     bases, softcaps) through disk weights, CPU attention and refill."""
@@ -358,11 +360,14 @@ def _sylvester(n):
 
 def _quantized_weights(weights):
     """The weights after the engine's 4-bit format, from the independent reference quantizer: each
-    block of 64 output rows rotated by a Hadamard matrix, quantized along the rows, rotated back."""
+    block of 64 output rows rotated by a Hadamard matrix, quantized along the rows, rotated back (a
+    weight of fewer rows, a mixture of experts' router, quantized as it is)."""
     r = _sylvester(64)
     for layer in weights.layers:
         for name, w in layer.items():
-            if w.dim() == 2:
+            if w.dim() == 2 and w.shape[0] % 64:
+                layer[name] = reference_roundtrip(w, dim=0, steps=DEFAULT_CLIP_STEPS)
+            elif w.dim() == 2:
                 q = reference_roundtrip((r @ w.unflatten(0, (-1, 64))).flatten(0, 1), dim=0, steps=DEFAULT_CLIP_STEPS)
                 layer[name] = (r.T @ q.unflatten(0, (-1, 64))).flatten(0, 1)
     return weights
@@ -391,10 +396,10 @@ def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_
 
 
 @pytest.mark.parametrize("spec,cache", [(LLAMA, False), (LLAMA, True), (QWEN2, True), (QWEN3, True), (MISTRAL, True),
-                                        (GEMMA2, True), (GEMMA3, True)],
+                                        (GEMMA2, True), (GEMMA3, True), (MIXTRAL, False)],
                          ids=["weights", "weights-and-cache", "qwen2-weights-and-cache", "qwen3-weights-and-cache",
                               "sliding-window-weights-and-cache", "gemma2-weights-and-cache",
-                              "gemma3-weights-and-cache"])
+                              "gemma3-weights-and-cache", "mixtral-weights"])
 def test_compression_equals_reference_with_the_same_quantization(tmp_path, monkeypatch, spec, cache):
     src = RandomSource(spec, seed=7)
     reqs = make_requests(6, seed=4, vocab=spec.vocab_size, min_prompt=2)
@@ -631,21 +636,24 @@ def test_notice_says_what_a_reconfiguration_makes_the_job_wait_for(tmp_path):
         "calibration sequences"]
 
 
-def test_gptq_weights_reach_the_engine_and_the_calibration_pass_is_the_models_layer(tmp_path):
+@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "mixture-of-experts"])
+def test_gptq_weights_reach_the_engine_and_the_calibration_pass_is_the_models_layer(tmp_path, experts):
     """With calibration ids the engine stores GPTQ's codes: its outputs equal the in-memory model with
     those weights, which differ from nearest rounding's. The calibration pass carries its hidden states
-    through each quantized layer exactly as the model computes that layer. The MLP's 512 inputs are
-    whole rotation blocks, so its output projection's inputs are rotated too (as with GPTQ they are)."""
+    through each quantized layer exactly as the model computes that layer (with a mixture of
+    experts, each expert calibrated on the tokens routed to it). The MLP's 512 inputs are whole
+    rotation blocks, so its output projection's inputs are rotated too (as with GPTQ they are)."""
     from xrunner.stored_forms import WeightLayout
     from xrunner.gptq import GPTQCalibration
     from xrunner.model import ModelWeights
 
-    spec = replace(LLAMA, ffn=512)
+    spec = replace(LLAMA, ffn=512, num_experts=experts, experts_per_token=2 if experts else 0)
     src = RandomSource(spec, seed=7)
     ids = torch.randint(0, LLAMA.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     weights = load_weights(src)
     layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True, rotate_inputs=True)
-    assert layout.in_rotated == {"down_proj.weight"}
+    assert layout.in_rotated == ({f"experts.{e}.down_proj.weight" for e in range(experts)} if experts
+                                 else {"down_proj.weight"})
     cal = GPTQCalibration(spec, weights.head, ids, layout.quantize_tensor, layout.dequantize_tensor)
     layers = []
     for i, w in enumerate(weights.layers):

@@ -34,8 +34,9 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
         model = transformers.OPTForCausalLM(config)
     else:  # llama, qwen2 (q/k/v biases), qwen3 (q/k norms), mistral or phi3 (fused projections, a window),
         # gemma2 and gemma3_text (norms after each branch; windows on some layers; softcaps; a local rotary base)
+        # mixtral and qwen3_moe (a mixture of 4 experts, 2 per token; Qwen3-MoE's weights not renormalized)
         prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
-                  "gemma2": "Gemma2", "gemma3_text": "Gemma3Text"}[family]
+                  "gemma2": "Gemma2", "gemma3_text": "Gemma3Text", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}[family]
         if family == "phi3":  # its default token ids lie beyond this vocabulary
             config = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 9, **config}
         if family == "gemma2":
@@ -45,6 +46,10 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
                       "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
                                           "full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
                       **config}
+        if family == "mixtral":
+            config = {"num_local_experts": 4, "num_experts_per_tok": 2, **config}
+        if family == "qwen3_moe":
+            config = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, **config}
         model_cls = "Gemma3ForCausalLM" if family == "gemma3_text" else f"{prefix}ForCausalLM"
         config = getattr(transformers, f"{prefix}Config")(**{
             "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
@@ -55,6 +60,8 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # a router: logits far apart, so no near-tie flips a choice
+                p.mul_(100)
     model.eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -73,7 +80,7 @@ def assert_matches_hf(weights, hf, steps: int = STEPS):
 # ----------------------------------------------------------------------------- HF directories
 @pytest.mark.parametrize("family,tied", [("opt", True), ("llama", False), ("qwen2", True), ("qwen3", True),
                                          ("mistral", False), ("phi3", False), ("gemma2", True),
-                                         ("gemma3_text", False)])
+                                         ("gemma3_text", False), ("mixtral", False), ("qwen3_moe", True)])
 def test_sharded_hf_directory_loads_and_matches_transformers(tmp_path, family, tied):
     hf = tiny_hf(family, tied)
     hf.save_pretrained(tmp_path, max_shard_size="20KB")

@@ -78,6 +78,12 @@ class ModelSpec(Contract):
     attention_scale: float | None = None  # multiplies q.k; None: 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar)
     attention_softcap: float | None = None  # scores become cap * tanh(score / cap) (Gemma 2's 50)
     logit_softcap: float | None = None  # the same on the final logits (Gemma 2's 30)
+    # Mixture of experts (Mixtral, Qwen3-MoE): num_experts gated MLPs of width ffn, a linear router
+    # sending each token to experts_per_token of them, their outputs summed by the router's softmax
+    # weights (renormalized over the chosen ones with expert_weights_renormalized); 0: a dense MLP
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_weights_renormalized: bool = True
     eos_token_id: int | None = None
     # More end-of-sequence ids (a config's list after its first, generation_config.json's):
     # Llama-3.1-Instruct ends turns with any of three, and HF's generate stops at each.
@@ -121,6 +127,11 @@ class ModelSpec(Contract):
                              f"{self.norm_offset}")
         if (self.norm_offset or self.sandwich_norms) and self.norm != "rmsnorm":
             raise ValueError("norm_offset and sandwich_norms are Gemma's: they need norm='rmsnorm'")
+        if self.num_experts and not (self.family == "llama" and 0 < self.experts_per_token <= self.num_experts):
+            raise ValueError(f"a mixture of experts needs a Llama-family model and 1 <= experts_per_token <= "
+                             f"num_experts, got {self.experts_per_token} of {self.num_experts}")
+        if self.experts_per_token and not self.num_experts:
+            raise ValueError("experts_per_token needs num_experts")
         if self.qk_norm and self.norm != "rmsnorm":
             raise ValueError("qk_norm is an RMSNorm over each head (Qwen3): it needs norm='rmsnorm'")
         if self.num_heads % self.num_kv_heads:
@@ -186,7 +197,12 @@ class ModelSpec(Contract):
             "v_proj.weight": (self.kv_dim, h),
             "o_proj.weight": (h, self.q_dim),
         }
-        if self.gated_mlp:
+        if self.num_experts:
+            shapes["router.weight"] = (self.num_experts, h)
+            for e in range(self.num_experts):
+                shapes.update({f"experts.{e}.gate_proj.weight": (f, h), f"experts.{e}.up_proj.weight": (f, h),
+                               f"experts.{e}.down_proj.weight": (h, f)})
+        elif self.gated_mlp:
             shapes.update({"gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f)})
         else:
             shapes.update({"fc1.weight": (f, h), "fc2.weight": (h, f)})
@@ -227,8 +243,17 @@ class ModelSpec(Contract):
 
     @property
     def matmul_params_per_layer(self) -> int:
-        """Parameters that take part in a matmul per token (weights of the projections)."""
+        """Parameters of the layer's projections (every expert's, with a mixture of experts)."""
         return sum(_numel(s) for n, s in self.layer_tensor_shapes().items() if len(s) == 2)
+
+    @property
+    def active_matmul_params_per_layer(self) -> int:
+        """Projection parameters one token multiplies by: the router and its ``experts_per_token``
+        experts, not all of them, with a mixture of experts."""
+        if not self.num_experts:
+            return self.matmul_params_per_layer
+        expert = 3 * self.ffn * self.hidden
+        return self.matmul_params_per_layer - (self.num_experts - self.experts_per_token) * expert
 
     @property
     def head_params(self) -> int:
@@ -271,8 +296,9 @@ class ModelSpec(Contract):
         return 4 * self.q_dim * context
 
     def linear_flops_per_token(self) -> int:
-        """All projections of one layer for one token (multiply-add = 2 FLOPs)."""
-        return 2 * self.matmul_params_per_layer
+        """All projections of one layer for one token (multiply-add = 2 FLOPs); with a mixture of
+        experts, those of the experts it is routed to."""
+        return 2 * self.active_matmul_params_per_layer
 
     def prefill_flops_per_layer(self, batch: int, prompt_len: int) -> int:
         """One layer over ``batch`` prompts padded to ``prompt_len``, dense s x s attention."""
@@ -295,6 +321,8 @@ class ModelSpec(Contract):
         gib = self.weight_bytes / 2**30
         kv = self.kv_bytes_per_token_per_layer * self.num_layers / 2**20
         attn = "MHA" if self.num_kv_heads == self.num_heads else f"GQA {self.num_heads}/{self.num_kv_heads}"
+        if self.num_experts:
+            attn += f", {self.experts_per_token} of {self.num_experts} experts per token"
         return (f"{self.name}: {self.family}, {self.num_params / 1e9:.2f}B params, {self.num_layers} layers, "
                 f"hidden {self.hidden}, {attn}, {self.dtype} weights {gib:.1f} GiB, "
                 f"KV {kv:.2f} MiB/token")
@@ -417,11 +445,13 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                                 "supported")
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
             reach = _attention_reach(cfg, model_type, name)
+            moe = _moe_fields(cfg, model_type, name)
             if "sliding_window" not in reach:  # a Gemma 3 with no windowed layer has no local rotary base
                 gemma.pop("local_rope_theta", None)
             return ModelSpec(
                 name=name, family="llama", num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
-                ffn=cfg["intermediate_size"], num_heads=heads,
+                ffn=cfg["moe_intermediate_size"] if model_type == "qwen3_moe" else cfg["intermediate_size"],
+                num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=head_dim, vocab_size=cfg["vocab_size"], **reach,
                 norm="rmsnorm", activation="gelu_tanh" if gemma else "silu", position="rotary",
@@ -429,7 +459,7 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 dtype=dtype or _hf_dtype(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta, **_rope_scaling(cfg, name, head_dim, theta),
                 bias=bool(cfg.get("attention_bias")), qkv_bias=model_type == "qwen2",
-                qk_norm=model_type in ("qwen3", "gemma3_text"), **gemma, **eos_fields,
+                qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"), **gemma, **moe, **eos_fields,
             )
     except KeyError as exc:
         raise UserError(f"{name}: config.json lacks {exc.args[0]!r}") from None
@@ -441,8 +471,29 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
 
 # Checkpoints with Llama's layer (RMSNorm, rotary positions, gated MLP) under their HF model_type.
 _LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-                "gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3"}
+                "gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3", "mixtral": "Mixtral",
+                "qwen3_moe": "Qwen3-MoE"}
 _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+
+
+def _moe_fields(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
+    """A mixture of experts' ModelSpec fields: Mixtral's (always renormalized) or Qwen3-MoE's
+    (``norm_topk_prob``; every layer sparse)."""
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    if model_type == "qwen3_moe" and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
+        raise UserError(f"{name}: a Qwen3-MoE with dense layers among the sparse ones (mlp_only_layers, "
+                        "decoder_sparse_step) is not supported")
+    if model_type == "qwen3_moe" and cfg.get("use_sliding_window"):
+        raise UserError(f"{name}: a Qwen3-MoE with use_sliding_window is not supported")
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))  # transformers 5 writes the first for both
+    if experts is None:
+        raise UserError(f"{name}: config.json lacks 'num_local_experts' (or 'num_experts')")
+    per_token = cfg["num_experts_per_tok"]
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in (experts, per_token)):
+        raise UserError(f"{name}: config.json's expert counts {experts!r}, {per_token!r} must be whole numbers")
+    return dict(num_experts=experts, experts_per_token=per_token,
+                expert_weights_renormalized=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)))
 
 
 def _gemma_fields(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
@@ -468,7 +519,7 @@ def _gemma_fields(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
             raise UserError(f"{name}: rope scaling on Gemma 3's sliding layers is not supported")
     return fields
 # Those whose sliding_window, when set, applies to every layer (the engine masks it)
-_WINDOWED_TYPES = ("mistral", "phi3")
+_WINDOWED_TYPES = ("mistral", "phi3", "mixtral")
 
 
 def _rope_scaling(cfg: dict, name: str, head_dim: int, theta: float) -> dict[str, Any]:
@@ -635,9 +686,12 @@ def _opt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
 def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int,
            max_pos: int, theta: float, tied: bool = False, eps: float = 1e-5, eos: int = 2,
            qkv_bias: bool = False, extra_eos: tuple[int, ...] = (), llama3_factor: float | None = None,
-           head_dim: int | None = None, qk_norm: bool = False, window: int | None = None) -> ModelSpec:
+           head_dim: int | None = None, qk_norm: bool = False, window: int | None = None,
+           experts: tuple[int, int, bool] = (0, 0, True)) -> ModelSpec:
     """A Llama-family registry entry; ``llama3_factor``: Llama 3.1's rope scaling with that factor
-    (low/high frequency factors 1 and 4 over 8192 original positions, as all 3.1 and 3.2 models)."""
+    (low/high frequency factors 1 and 4 over 8192 original positions, as all 3.1 and 3.2 models);
+    ``experts``: a mixture of experts' count, experts per token and whether their weights are
+    renormalized (``ffn`` is then each expert's width)."""
     scaling = None if llama3_factor is None else {
         "rope_type": "llama3", "factor": llama3_factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
@@ -650,7 +704,8 @@ def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: 
                      **_rope_scaling({"rope_scaling": scaling, "max_position_embeddings": max_pos}, name, head_dim,
                                      theta),
                      qk_norm=qk_norm,
-                     sliding_window=window)
+                     sliding_window=window, num_experts=experts[0], experts_per_token=experts[1],
+                     expert_weights_renormalized=experts[2])
 
 
 def _gemma(name: str, model_type: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int,
@@ -698,6 +753,10 @@ def _registry() -> dict[str, ModelSpec]:
         _llama("phi-3-mini", 32, 3072, 8192, 32, 32, 32064, 4096, 10000.0, eos=32000, extra_eos=(32001, 32007),
                window=2047),
         _llama("phi-4", 40, 5120, 17920, 40, 10, 100352, 16384, 250000.0, eos=100265),
+        # Mixtral-8x7B-Instruct-v0.1 and Qwen3-30B-A3B, from their config.json (mixtures of experts)
+        _llama("mixtral-8x7b", 32, 4096, 14336, 32, 8, 32000, 32768, 1000000.0, experts=(8, 2, True)),
+        _llama("qwen3-30b-a3b", 48, 2048, 768, 32, 4, 151936, 40960, 1000000.0, eps=1e-6, eos=151645,
+               head_dim=128, qk_norm=True, experts=(128, 8, True)),
         # gemma-2-2b-it, gemma-2-9b-it (every other layer windowed to 4096, softcaps 50 and 30) and
         # gemma-3-1b-it (5 of 6 layers windowed to 512 on rotary base 10^4, the others on 10^6)
         _gemma("gemma-2-2b", "gemma2", 26, 2304, 9216, 8, 4, 256000, 8192, 4096, [1, 107], rope_theta=10000.0,
@@ -768,6 +827,9 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
     head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
     if int(field(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
         raise UserError(f"{name}: partial rotary embeddings are not supported")
+    experts = reader.get_field(f"{arch}.expert_count")
+    if experts is not None and int(experts.contents()) > 0:
+        raise UserError(f"{name}: a mixture-of-experts GGUF is not supported; use the model's HF directory")
     tensor_names = {t.name for t in reader.tensors}
     vocab = field(f"{arch}.vocab_size", 0) or len(field("tokenizer.ggml.tokens"))
     eos = reader.get_field("tokenizer.ggml.eos_token_id")

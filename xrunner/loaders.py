@@ -47,6 +47,12 @@ _HF_LAYER_MODULES = {
 # Gemma 2 and 3 (``sandwich_norms``): a norm after attention and after the MLP, each under its own name
 _HF_SANDWICH_MODULES = {"attn_post_norm": "post_attention_layernorm", "mlp_norm": "pre_feedforward_layernorm",
                         "mlp_post_norm": "post_feedforward_layernorm"}
+# A mixture of experts' router and experts: Mixtral's names, or Qwen3-MoE's (the module names of
+# a dense MLP under mlp.experts.N)
+_HF_MOE_MODULES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{}.",
+                               {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
+                   "qwen": ("mlp.gate", "mlp.experts.{}.", {"gate_proj": "gate_proj", "up_proj": "up_proj",
+                                                            "down_proj": "down_proj"})}
 _HF_HEAD_MODULES = {
     "llama": {"embed_tokens": "embed_tokens", "final_norm": "norm"},
     "opt": {"embed_tokens": "embed_tokens", "embed_positions": "embed_positions", "final_norm": "final_layer_norm"},
@@ -149,6 +155,7 @@ class HFDirectorySource(ModelSource):
             raise UserError(f"{self.path}: checkpoint lacks tensor {want}; is this a {family} model?")
         fused = family == "llama" and f"{self._prefix}layers.0.self_attn.qkv_proj.weight" in self._files
         self._fused = _fused_rows(self.spec) if fused else {}
+        self._moe = "mixtral" if f"{self._prefix}layers.0.block_sparse_moe.gate.weight" in self._files else "qwen"
         self._validate()
 
     def _index_tensors(self) -> dict[str, Path]:
@@ -185,7 +192,7 @@ class HFDirectorySource(ModelSource):
         return files
 
     def _layer_sources(self, index: int) -> dict[str, Source]:
-        return _layer_sources(self.spec, self._fused, lambda n: _hf_name(self.spec, n, self._prefix, index),
+        return _layer_sources(self.spec, self._fused, lambda n: _hf_name(self.spec, n, self._prefix, index, self._moe),
                               f"{self._prefix}layers.{index}.")
 
     def _head_sources(self) -> dict[str, Source]:
@@ -244,13 +251,20 @@ class HFDirectorySource(ModelSource):
                             f"{str(exc).splitlines()[0]}") from None
 
 
-def _hf_name(spec: ModelSpec, name: str, prefix: str, layer: int | None = None) -> str:
-    """transformers' name for runner tensor ``name`` (of decoder ``layer``, or of the head)."""
-    module, param = name.split(".", 1)
+def _hf_name(spec: ModelSpec, name: str, prefix: str, layer: int | None = None, moe: str = "qwen") -> str:
+    """transformers' name for runner tensor ``name`` (of decoder ``layer``, or of the head);
+    ``moe``: which checkpoint names a mixture of experts has (``_HF_MOE_MODULES``)."""
+    module, param = name.rsplit(".", 1)
     if module == "lm_head":
         return f"{'language_model.' if prefix == 'language_model.model.' else ''}lm_head.{param}"
     if layer is None:
         return f"{prefix}{_HF_HEAD_MODULES[spec.family][module]}.{param}"
+    if module == "router" or module.startswith("experts."):
+        router, expert, parts = _HF_MOE_MODULES[moe]
+        if module == "router":
+            return f"{prefix}layers.{layer}.{router}.{param}"
+        _, e, part = module.split(".")
+        return f"{prefix}layers.{layer}.{expert.format(e)}{parts[part]}.{param}"
     hf = _HF_SANDWICH_MODULES.get(module) if spec.sandwich_norms else None
     return f"{prefix}layers.{layer}.{hf or _HF_LAYER_MODULES[spec.family][module]}.{param}"
 
@@ -415,7 +429,7 @@ class RandomSource(ModelSource):
 
     def _make(self, shapes: dict[str, tuple[int, ...]], stream: int) -> Weights:
         dtype = torch_dtype(self.spec.dtype)
-        residual_out = {"o_proj.weight", "down_proj.weight", "fc2.weight"}
+        residual_out = ("o_proj.weight", "down_proj.weight", "fc2.weight")  # an expert's down_proj too
         out: Weights = {}
         chunks: list[tuple[torch.Tensor, tuple[float, float], tuple[int, int, int]]] = []
         for k, (name, shape) in enumerate(shapes.items()):
@@ -426,7 +440,7 @@ class RandomSource(ModelSource):
                 span = -0.02, 0.02
             else:
                 bound = (3.0 / shape[-1]) ** 0.5
-                if name in residual_out:
+                if name.endswith(residual_out):
                     bound /= (2.0 * self.spec.num_layers) ** 0.5
                 span = -bound, bound
             flat = t.view(-1)

@@ -271,24 +271,60 @@ def attend_rows_on_cpu(spec: ModelSpec, q: torch.Tensor, ctx: Sequence[torch.Ten
     return out
 
 
-def mlp_hidden(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's inner activation (the input of its down projection) for normed input ``x``."""
+def mlp_hidden(spec: ModelSpec, w: Weights, x: torch.Tensor, prefix: str = "") -> torch.Tensor:
+    """The MLP's inner activation (the input of its down projection) for normed input ``x``;
+    ``prefix`` names an expert's (``experts.3.``)."""
     if spec.activation == "gelu_tanh":  # Gemma's GeGLU
-        return F.gelu(linear(x, w, "gate_proj"), approximate="tanh") * linear(x, w, "up_proj")
+        return F.gelu(linear(x, w, f"{prefix}gate_proj"), approximate="tanh") * linear(x, w, f"{prefix}up_proj")
     if spec.gated_mlp:
-        return F.silu(linear(x, w, "gate_proj")) * linear(x, w, "up_proj")
+        return F.silu(linear(x, w, f"{prefix}gate_proj")) * linear(x, w, f"{prefix}up_proj")
     return F.relu(linear(x, w, "fc1"))
 
 
+def route(spec: ModelSpec, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' routing of tokens ``x [n, h]``: the ``experts_per_token`` experts of
+    each (``[n, k]`` ids) and their weights (the router's softmax in float32, renormalized over the
+    chosen ones where the spec says, then in ``x``'s dtype), as Mixtral and Qwen3-MoE route."""
+    probs = torch.softmax(linear(x, w, "router").float(), dim=-1)
+    weights, experts = probs.topk(spec.experts_per_token, dim=-1)
+    if spec.expert_weights_renormalized:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights.to(x.dtype)
+
+
+def expert_rows(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, the tokens routed to it, which of their choices it is) for each expert chosen at
+    least once in ``experts [n, k]``, in expert order."""
+    out = []
+    for e in torch.unique(experts).tolist():
+        rows, slot = (experts == e).nonzero(as_tuple=True)
+        out.append((e, rows, slot))
+    return out
+
+
+def mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's output for normed input ``x [..., h]``: dense, or each token's experts' outputs
+    summed by its routing weights (:func:`route`; only the tokens routed to an expert go through it)."""
+    if not spec.num_experts:
+        return linear(mlp_hidden(spec, w, x), w, "down_proj" if spec.gated_mlp else "fc2")
+    flat = x.reshape(-1, x.shape[-1])
+    experts, weights = route(spec, w, flat)
+    out = torch.zeros_like(flat)
+    for e, rows, slot in expert_rows(experts):
+        y = linear(mlp_hidden(spec, w, flat[rows], f"experts.{e}."), w, f"experts.{e}.down_proj")
+        out.index_add_(0, rows, y * weights[rows, slot, None])
+    return out.view(x.shape)
+
+
 def attn_out_mlp(spec: ModelSpec, w: Weights, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """Output projection and residual, then pre-norm MLP (ReLU, SwiGLU or GeGLU) and residual; with
+    """Output projection and residual, then pre-norm MLP (ReLU, SwiGLU, GeGLU or a mixture of
+    experts, :func:`mlp`) and residual; with
     ``sandwich_norms`` (Gemma 2, 3) each branch's output is normed before it joins the residual."""
-    down = "down_proj" if spec.gated_mlp else "fc2"
     out = linear(attn, w, "o_proj")
     if spec.sandwich_norms:
         out = norm(spec, out, w, "attn_post_norm")
     hidden = hidden + out
-    out = linear(mlp_hidden(spec, w, norm(spec, hidden, w, "mlp_norm")), w, down)
+    out = mlp(spec, w, norm(spec, hidden, w, "mlp_norm"))
     if spec.sandwich_norms:
         out = norm(spec, out, w, "mlp_post_norm")
     return hidden + out

@@ -122,7 +122,7 @@ def input_rotated(shapes: Mapping[str, tuple[int, ...]], block: int = IN_ROTATIO
     64 calibration sequences) 4-bit weights went from +4.71% / +4.21% to +3.77% / +3.49%
     perplexity on two calibration draws; 64-channel blocks changed nothing (+4.74%), and rotating
     every projection's input by 64 cost more (+5.69%) (docs/BENCHMARKS.md, stop 29)."""
-    return {n for n in MLP_OUT_WEIGHTS if n in shapes and len(shapes[n]) == 2 and shapes[n][1] % block == 0}
+    return {n for n, s in shapes.items() if n.endswith(MLP_OUT_WEIGHTS) and len(s) == 2 and s[1] % block == 0}
 
 
 def rotation_flop_ratio(spec: ModelSpec, group: int = QUANT_GROUP, block: int = IN_ROTATION_BLOCK) -> float:
@@ -977,7 +977,9 @@ class CostModel:
             "qkv": float(gbs * s * (h + q + 2 * kvd) * dt),
             "attention": float(prefill_attn),
             "attention_decode": attn_gpu * float(decode_attn),
-            "mlp": float(gbs * s * (2 * h + ffn_width) * dt),
+            # (a mixture of experts: one expert's rows at a time, at most every token, and the
+            # router's float32 logits and softmax)
+            "mlp": float(gbs * s * ((2 * h + ffn_width) * dt + 2 * spec.num_experts * 4)),
             "logits": float(gbs * (spec.vocab_size * 4 + h * dt)),
         }
         # The runner's first allocation: the head, and on a CPU host its LM head re-laid out.
