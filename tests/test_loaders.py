@@ -205,7 +205,8 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
     A Gemma's norms are written as 1 + weight, as llama.cpp's converter writes them, with its
     softcaps and window."""
     cfg = hf.config
-    arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
+    arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(cfg.model_type, cfg.model_type)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     gemma = arch.startswith("gemma")
     writer = gguf.GGUFWriter(path, arch)
     if name is not None:
@@ -229,6 +230,12 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
         writer.add_pad_token_id(0)
     if sliding_window is not None:
         writer.add_sliding_window(sliding_window)
+    if experts:  # llama.cpp's mixture of experts: its counts, and Qwen3-MoE's expert width and renormalization
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+            writer.add_expert_weights_norm(cfg.norm_topk_prob)
     if gemma:
         writer.add_sliding_window(cfg.sliding_window)
         if arch == "gemma2":
@@ -259,7 +266,8 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
         else:
             add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, False)
         add(f"blk.{i}.attn_output.weight", att.o_proj.weight, True)
-        add(f"blk.{i}.ffn_down.weight", mlp.down_proj.weight, True)
+        if not experts:
+            add(f"blk.{i}.ffn_down.weight", mlp.down_proj.weight, True)
         if arch == "phi3":  # llama.cpp keeps its fused tensors: q, k, v in attn_qkv, gate above up in ffn_up
             add(f"blk.{i}.attn_qkv.weight", att.qkv_proj.weight, True)
             add(f"blk.{i}.ffn_up.weight", mlp.gate_up_proj.weight, True)
@@ -272,11 +280,18 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
         if arch == "qwen2":
             for name, module in (("attn_q", att.q_proj), ("attn_k", att.k_proj), ("attn_v", att.v_proj)):
                 add(f"blk.{i}.{name}.bias", module.bias, False)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             add(f"blk.{i}.attn_q_norm.weight", att.q_norm.weight, False)
             add(f"blk.{i}.attn_k_norm.weight", att.k_norm.weight, False)
-        for name, t in (("attn_v", att.v_proj.weight), ("ffn_gate", mlp.gate_proj.weight),
-                        ("ffn_up", mlp.up_proj.weight)):
+        add(f"blk.{i}.attn_v.weight", att.v_proj.weight, True)
+        if experts:  # the router, and each kind of expert projection stacked [experts, out, in] (F32)
+            add(f"blk.{i}.ffn_gate_inp.weight", mlp.gate.weight, True)
+            f = mlp.experts.down_proj.shape[-1]
+            add(f"blk.{i}.ffn_gate_exps.weight", mlp.experts.gate_up_proj[:, :f], False)
+            add(f"blk.{i}.ffn_up_exps.weight", mlp.experts.gate_up_proj[:, f:], False)
+            add(f"blk.{i}.ffn_down_exps.weight", mlp.experts.down_proj, False)
+            continue
+        for name, t in (("ffn_gate", mlp.gate_proj.weight), ("ffn_up", mlp.up_proj.weight)):
             add(f"blk.{i}.{name}.weight", t, True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -359,6 +374,17 @@ def test_tiny_qwen_or_phi3_gguf_keeps_its_rows_reads_its_biases_or_norms_and_mat
     assert_matches_hf(weights, theirs.eval())
 
 
+def gguf_of_tiny_hf(tmp_path, arch: str, tied: bool, config: dict):
+    """A tiny HF model of ``arch``, written as a GGUF and rounded as the file holds it; the file's
+    source and the spec its HF config gives."""
+    hf = tiny_hf(arch, tied=tied, seed=3, **config)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(path, hf)
+    q8_round_trip(hf)
+    source = open_model(path)
+    return hf, path, source, spec_from_hf_dict(hf.config.to_dict(), name=source.spec.name, dtype="float32")
+
+
 @pytest.mark.parametrize("arch,config", [
     ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16)),  # caps of 3 and 5 that bend these values
     ("gemma2", dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
@@ -370,12 +396,7 @@ def test_a_gemma_gguf_takes_its_norms_windows_and_caps_as_llamacpp_writes_them(t
     metadata, each layer's window and (Gemma 3) rotary base by llama.cpp's fixed patterns. Equal to
     the HF model written; where the file holds only what transformers' GGUF reader reads (head_dim
     256 as the published models, the default caps and rotary bases), also to the model that reader builds."""
-    hf = tiny_hf(arch, tied=True, seed=3, **config)
-    path = tmp_path / f"tiny-{arch}.gguf"
-    write_tiny_gguf(path, hf)
-    q8_round_trip(hf)
-    source = open_model(path)
-    want = spec_from_hf_dict(hf.config.to_dict(), name=source.spec.name, dtype="float32")
+    hf, path, source, want = gguf_of_tiny_hf(tmp_path, arch, True, config)
     assert source.spec.norm_eps == pytest.approx(want.norm_eps)  # a float32 in the file
     assert source.spec == replace(want, max_positions=source.spec.max_positions, eos_token_id=2,
                                   norm_eps=source.spec.norm_eps)
@@ -386,6 +407,22 @@ def test_a_gemma_gguf_takes_its_norms_windows_and_caps_as_llamacpp_writes_them(t
         theirs.generation_config.eos_token_id = None
         theirs.generation_config.pad_token_id = 0
         assert_matches_hf(weights, theirs.eval())
+
+
+@pytest.mark.parametrize("arch,config", [("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False)),
+                                         ("qwen3_moe", dict(norm_topk_prob=True))],
+                         ids=["mixtral", "qwen3moe", "qwen3moe-renormalized"])
+def test_a_mixture_of_experts_gguf_splits_its_stacked_experts_and_matches_transformers(tmp_path, arch, config):
+    """llama.cpp's mixtures of experts (Mixtral as a ``llama`` file with expert counts, ``qwen3moe``)
+    stack each kind of expert projection in one 3-D tensor; the loader hands each expert its slice,
+    and the router's renormalization follows ``expert_weights_norm``."""
+    hf, _, source, want = gguf_of_tiny_hf(tmp_path, arch, False, config)
+    assert (source.spec.num_experts, source.spec.experts_per_token, source.spec.ffn) == (4, 2, want.ffn)
+    assert source.spec.expert_weights_renormalized == want.expert_weights_renormalized
+    assert source.spec.num_params == want.num_params
+    layer = source.load_layer(1)
+    assert layer["experts.3.up_proj.weight"].shape == (want.ffn, want.hidden)
+    assert_matches_hf(load_weights(source), hf)
 
 
 def test_plan_and_simulate_take_the_gguf_file_that_profile_and_calibrate_take(tmp_path, capsys):

@@ -804,7 +804,7 @@ def read_gguf(path: Path) -> "gguf.GGUFReader":  # type: ignore[name-defined]  #
 
 
 # llama.cpp architectures with Llama's layer; qwen2 adds q/k/v biases (its GGUF tensors ``attn_q.bias``...).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma", "gemma2", "gemma3")
 
 
 def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpec:
@@ -827,9 +827,7 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
     head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
     if int(field(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
         raise UserError(f"{name}: partial rotary embeddings are not supported")
-    experts = reader.get_field(f"{arch}.expert_count")
-    if experts is not None and int(experts.contents()) > 0:
-        raise UserError(f"{name}: a mixture-of-experts GGUF is not supported; use the model's HF directory")
+    moe = _gguf_moe_fields(reader, arch, name)
     tensor_names = {t.name for t in reader.tensors}
     vocab = field(f"{arch}.vocab_size", 0) or len(field("tokenizer.ggml.tokens"))
     eos = reader.get_field("tokenizer.ggml.eos_token_id")
@@ -845,7 +843,8 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
     gemma = _gguf_gemma_fields(reader, arch, name, hidden, heads, head_dim, layers) if arch.startswith("gemma") else {}
     return ModelSpec(
         name=name, family="llama", num_layers=layers, hidden=hidden,
-        ffn=int(field(f"{arch}.feed_forward_length")), num_heads=heads,
+        ffn=int(field(f"{arch}.expert_feed_forward_length" if moe and arch == "qwen3moe"
+                      else f"{arch}.feed_forward_length")), num_heads=heads,
         num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
         vocab_size=int(vocab), max_positions=int(field(f"{arch}.context_length")),
         norm="rmsnorm", activation="gelu_tanh" if gemma else "silu", position="rotary",
@@ -853,10 +852,31 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
         norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         eos_token_id=int(eos.contents()) if eos is not None else None, qkv_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "gemma3"), rope_divisors=divisors,
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"), rope_divisors=divisors, **moe,
         **(gemma or {"sliding_window": int(window.contents()) if window is not None and arch in ("llama", "phi3")
                      else None}),
     )
+
+
+def _gguf_moe_fields(reader, arch: str, name: str) -> dict[str, Any]:
+    """A mixture of experts' ModelSpec fields from a GGUF file (Mixtral as ``llama``, ``qwen3moe``):
+    ``expert_count`` and ``expert_used_count``, the weights renormalized unless
+    ``expert_weights_norm`` says not (llama.cpp renormalizes both by default); softmax gating only."""
+
+    def value(key: str) -> Any:
+        f = reader.get_field(f"{arch}.{key}")
+        return None if f is None else f.contents()
+
+    experts = int(value("expert_count") or 0)
+    if not experts:
+        return {}
+    if value("expert_shared_count"):
+        raise UserError(f"{name}: a GGUF mixture of experts with shared experts is not supported")
+    if value("expert_gating_func") not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise UserError(f"{name}: GGUF expert gating {value('expert_gating_func')!r} is not supported (softmax only)")
+    norm = value("expert_weights_norm")
+    return dict(num_experts=experts, experts_per_token=int(value("expert_used_count") or 0),
+                expert_weights_renormalized=True if norm is None else bool(norm))
 
 
 def _gguf_gemma_fields(reader, arch: str, name: str, hidden: int, heads: int, head_dim: int,

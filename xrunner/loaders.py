@@ -73,7 +73,8 @@ def _fused_rows(spec: ModelSpec, gguf: bool = False) -> dict[str, tuple[str, int
             "gate_proj": (gate_up, 0, f, 2 * f), "up_proj": (gate_up, f, 2 * f, 2 * f)}
 
 
-Source = tuple[str, tuple[int, ...], slice | None]  # checkpoint tensor, its whole shape, the rows taken
+# checkpoint tensor, its whole shape, the rows taken (a GGUF's stacked experts: the expert's index)
+Source = tuple[str, tuple[int, ...], slice | int | None]
 
 
 def _layer_sources(spec: ModelSpec, fused: dict[str, tuple[str, int, int, int]], plain: Callable[[str], str],
@@ -92,14 +93,19 @@ def _layer_sources(spec: ModelSpec, fused: dict[str, tuple[str, int, int, int]],
 _GGUF_LAYER = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
                "attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
-               "attn_post_norm": "post_attention_norm", "mlp_post_norm": "post_ffw_norm"}
+               "attn_post_norm": "post_attention_norm", "mlp_post_norm": "post_ffw_norm", "router": "ffn_gate_inp"}
 _GGUF_HEAD = {"embed_tokens": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
 
 
 def _gguf_name(name: str, layer: int | None = None) -> str:
-    """llama.cpp's name of the runner's tensor ``name`` (``q_proj.bias`` -> ``blk.3.attn_q.bias``)."""
-    module, param = name.split(".", 1)
-    return f"{_GGUF_HEAD[module]}.{param}" if layer is None else f"blk.{layer}.{_GGUF_LAYER[module]}.{param}"
+    """llama.cpp's name of the runner's tensor ``name`` (``q_proj.bias`` -> ``blk.3.attn_q.bias``;
+    an expert's, ``experts.5.up_proj.weight``, is in the layer's stack ``blk.3.ffn_up_exps.weight``)."""
+    module, param = name.rsplit(".", 1)
+    if layer is None:
+        return f"{_GGUF_HEAD[module]}.{param}"
+    if module.startswith("experts."):
+        return f"blk.{layer}.{_GGUF_LAYER[module.split('.')[2]]}_exps.{param}"
+    return f"blk.{layer}.{_GGUF_LAYER[module]}.{param}"
 
 
 class ModelSource(ABC):
@@ -312,7 +318,11 @@ class GGUFSource(ModelSource):
                 self._gguf_info(gname, shape)
 
     def _layer_sources(self, index: int) -> dict[str, Source]:
-        return _layer_sources(self.spec, self._fused, lambda n: _gguf_name(n, index), f"blk.{index}.")
+        out = _layer_sources(self.spec, self._fused, lambda n: _gguf_name(n, index), f"blk.{index}.")
+        for name, (gname, shape, _) in out.items():  # llama.cpp stacks the experts: [experts, out, in]
+            if name.startswith("experts."):
+                out[name] = (gname, (self.spec.num_experts, *shape), int(name.split(".")[1]))
+        return out
 
     def _gguf_info(self, gname: str, expected: tuple[int, ...]):
         t = self._tensors.get(gname)
