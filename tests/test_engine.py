@@ -45,6 +45,9 @@ GEMMA2 = replace(LLAMA, name="tiny-gemma2", activation="gelu_tanh", norm_offset=
 GEMMA3 = replace(GEMMA2, name="tiny-gemma3", attention_softcap=None, logit_softcap=None, qk_norm=True,
                  sliding_window=4, local_rope_theta=100.0, rope_divisors=(4.0,) * 32)
 MIXTRAL = replace(LLAMA, name="tiny-mixtral", num_experts=4, experts_per_token=2)  # 2 of 4 experts per token
+# Qwen2-MoE: q/k/v biases, weights not renormalized, a shared expert every token goes through
+QWEN2MOE = replace(MIXTRAL, name="tiny-qwen2-moe", qkv_bias=True, expert_weights_renormalized=False,
+                   shared_expert_ffn=192)
 MAX_PROMPT, MAX_OUTPUT = 14, 9
 
 
@@ -183,8 +186,8 @@ def test_a_stop_check_ends_a_request_at_the_token_that_completes_its_match(llama
         assert got[r.id] == w[:end], r.id
 
 
-@pytest.mark.parametrize("spec", [OPT, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL],
-                         ids=["opt", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral"])
+@pytest.mark.parametrize("spec", [OPT, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL, QWEN2MOE],
+                         ids=["opt", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2-moe"])
 def test_other_layer_kinds_with_offloading(tmp_path, spec):
     """OPT's and Qwen2's biases, Qwen3's q/k norms and Gemma's layers (per-layer windows and rotary
     bases, softcaps) through disk weights, CPU attention and refill."""
@@ -396,10 +399,10 @@ def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_
 
 
 @pytest.mark.parametrize("spec,cache", [(LLAMA, False), (LLAMA, True), (QWEN2, True), (QWEN3, True), (MISTRAL, True),
-                                        (GEMMA2, True), (GEMMA3, True), (MIXTRAL, False)],
+                                        (GEMMA2, True), (GEMMA3, True), (QWEN2MOE, False)],
                          ids=["weights", "weights-and-cache", "qwen2-weights-and-cache", "qwen3-weights-and-cache",
                               "sliding-window-weights-and-cache", "gemma2-weights-and-cache",
-                              "gemma3-weights-and-cache", "mixtral-weights"])
+                              "gemma3-weights-and-cache", "qwen2-moe-weights"])
 def test_compression_equals_reference_with_the_same_quantization(tmp_path, monkeypatch, spec, cache):
     src = RandomSource(spec, seed=7)
     reqs = make_requests(6, seed=4, vocab=spec.vocab_size, min_prompt=2)
@@ -647,13 +650,14 @@ def test_gptq_weights_reach_the_engine_and_the_calibration_pass_is_the_models_la
     from xrunner.gptq import GPTQCalibration
     from xrunner.model import ModelWeights
 
-    spec = replace(LLAMA, ffn=512, num_experts=experts, experts_per_token=2 if experts else 0)
+    spec = replace(LLAMA, ffn=512, num_experts=experts, experts_per_token=2 if experts else 0,
+                   shared_expert_ffn=512 if experts else 0)
     src = RandomSource(spec, seed=7)
     ids = torch.randint(0, LLAMA.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     weights = load_weights(src)
     layout = WeightLayout(spec.layer_tensor_shapes(), torch.float32, compress=True, rotate_inputs=True)
-    assert layout.in_rotated == ({f"experts.{e}.down_proj.weight" for e in range(experts)} if experts
-                                 else {"down_proj.weight"})
+    assert layout.in_rotated == ({f"experts.{e}.down_proj.weight" for e in range(experts)}
+                                 | {"shared_expert.down_proj.weight"} if experts else {"down_proj.weight"})
     cal = GPTQCalibration(spec, weights.head, ids, layout.quantize_tensor, layout.dequantize_tensor)
     layers = []
     for i, w in enumerate(weights.layers):

@@ -135,7 +135,7 @@ def test_mistral_and_qwen_configs_read_as_llama_layers():
         with pytest.raises(UserError, match=message):
             spec_from_hf_dict({**mistral, **change}, name="m")
     with pytest.raises(UserError, match="model_type 'gpt_neox' is not supported; xsched runs 'opt', 'llama', "
-                                        "'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma', 'gemma2', 'gemma3_text', 'mixtral', 'qwen3_moe', 'gemma3' models"):
+                                        "'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma', 'gemma2', 'gemma3_text', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'gemma3' models"):
         spec_from_hf_dict({**mistral, "model_type": "gpt_neox"}, name="g")
 
 
@@ -214,9 +214,10 @@ def test_gemma_configs_read_their_windows_softcaps_and_rotary_bases():
 
 
 def test_mixture_of_experts_configs_count_every_expert_and_flop_the_routed_ones():
-    """Mixtral-8x7B-Instruct-v0.1's and Qwen3-30B-A3B's published configs (trimmed): 46,702,792,704
-    and 30,532,122,624 parameters, of which a token multiplies by 12.9B and 3.35B (2 of 8 and 8 of
-    128 experts, the embeddings counted once); a plan's flops are the routed ones, its bytes every expert's."""
+    """Mixtral-8x7B-Instruct-v0.1's, Qwen3-30B-A3B's and Qwen1.5-MoE-A2.7B's published configs
+    (trimmed): 46,702,792,704, 30,532,122,624 and 14,315,784,192 parameters, of which a token
+    multiplies by 12.9B, 3.35B and 2.69B (2 of 8, 8 of 128, 4 of 60 experts and the shared one,
+    the embeddings counted once); a plan's flops are the routed ones, its bytes every expert's."""
     mixtral = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
                "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 32000, "hidden_act": "silu",
                "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
@@ -228,14 +229,23 @@ def test_mixture_of_experts_configs_count_every_expert_and_flop_the_routed_ones(
             "rope_theta": 1000000.0, "sliding_window": None, "use_sliding_window": False, "num_experts": 128,
             "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
             "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 151645}
+    # Qwen1.5-MoE-A2.7B: 60 experts, 4 per token, and a shared expert every token goes through
+    qwen15 = {"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+              "shared_expert_intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 16,
+              "num_hidden_layers": 24, "vocab_size": 151936, "max_position_embeddings": 8192, "num_experts": 60,
+              "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1, "rope_theta": 1000000.0,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False}
     for cfg, params, active, registry in [(mixtral, 46_702_792_704, 12_879_663_104, "mixtral-8x7b"),
-                                          (qwen, 30_532_122_624, 3_352_823_808, "qwen3-30b-a3b")]:
-        spec = spec_from_hf_dict(cfg, name=registry)
+                                          (qwen, 30_532_122_624, 3_352_823_808, "qwen3-30b-a3b"),
+                                          (qwen15, 14_315_784_192, 2_688_927_744, None)]:
+        spec = spec_from_hf_dict(cfg, name=registry or "qwen1.5-moe")
         assert spec.num_params == params
         assert spec.active_matmul_params_per_layer * spec.num_layers + spec.head_params == active
         assert spec.linear_flops_per_token() == 2 * spec.active_matmul_params_per_layer
-        assert spec == replace(get_model_spec(registry), dtype="bfloat16")
+        if registry:
+            assert spec == replace(get_model_spec(registry), dtype="bfloat16")
         assert ModelSpec.from_json(spec.to_json()) == spec
+    assert spec.shared_expert_ffn == 5632 and spec.qkv_bias and not spec.expert_weights_renormalized
     assert not spec_from_hf_dict({**qwen, "norm_topk_prob": False}, name="q").expert_weights_renormalized
     for change, message in [({"mlp_only_layers": [3]}, "dense layers among the sparse ones"),
                             ({"use_sliding_window": True}, "use_sliding_window is not supported"),

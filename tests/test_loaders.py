@@ -36,7 +36,8 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
         # gemma2 and gemma3_text (norms after each branch; windows on some layers; softcaps; a local rotary base)
         # mixtral and qwen3_moe (a mixture of 4 experts, 2 per token; Qwen3-MoE's weights not renormalized)
         prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
-                  "gemma2": "Gemma2", "gemma3_text": "Gemma3Text", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}[family]
+                  "gemma2": "Gemma2", "gemma3_text": "Gemma3Text", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe",
+                  "qwen2_moe": "Qwen2Moe"}[family]
         if family == "phi3":  # its default token ids lie beyond this vocabulary
             config = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 9, **config}
         if family == "gemma2":
@@ -48,8 +49,10 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
                       **config}
         if family == "mixtral":
             config = {"num_local_experts": 4, "num_experts_per_tok": 2, **config}
-        if family == "qwen3_moe":
+        if family in ("qwen3_moe", "qwen2_moe"):  # Qwen2-MoE's shared expert beside them
             config = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, **config}
+        if family == "qwen2_moe":
+            config = {"shared_expert_intermediate_size": 80, **config}
         model_cls = "Gemma3ForCausalLM" if family == "gemma3_text" else f"{prefix}ForCausalLM"
         config = getattr(transformers, f"{prefix}Config")(**{
             "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
@@ -80,7 +83,8 @@ def assert_matches_hf(weights, hf, steps: int = STEPS):
 # ----------------------------------------------------------------------------- HF directories
 @pytest.mark.parametrize("family,tied", [("opt", True), ("llama", False), ("qwen2", True), ("qwen3", True),
                                          ("mistral", False), ("phi3", False), ("gemma2", True),
-                                         ("gemma3_text", False), ("mixtral", False), ("qwen3_moe", True)])
+                                         ("gemma3_text", False), ("mixtral", False), ("qwen3_moe", True),
+                                         ("qwen2_moe", False)])
 def test_sharded_hf_directory_loads_and_matches_transformers(tmp_path, family, tied):
     hf = tiny_hf(family, tied)
     hf.save_pretrained(tmp_path, max_shard_size="20KB")
@@ -88,8 +92,8 @@ def test_sharded_hf_directory_loads_and_matches_transformers(tmp_path, family, t
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
     source = open_model(tmp_path, dtype="float32")
     assert isinstance(source, HFDirectorySource) and source.spec.family == ("opt" if family == "opt" else "llama")
-    assert source.spec.qkv_bias == (family == "qwen2")
-    assert ("k_proj.bias" in source.load_layer(2)) == (family in ("opt", "qwen2"))
+    assert source.spec.qkv_bias == (family in ("qwen2", "qwen2_moe"))
+    assert ("k_proj.bias" in source.load_layer(2)) == (family in ("opt", "qwen2", "qwen2_moe"))
     assert_matches_hf(load_weights(source), hf)
 
 

@@ -84,6 +84,9 @@ class ModelSpec(Contract):
     num_experts: int = 0
     experts_per_token: int = 0
     expert_weights_renormalized: bool = True
+    # Qwen2-MoE: a gated MLP of this width that every token goes through, its output scaled by
+    # sigmoid(shared_expert_gate . x), beside the routed experts; 0: none
+    shared_expert_ffn: int = 0
     eos_token_id: int | None = None
     # More end-of-sequence ids (a config's list after its first, generation_config.json's):
     # Llama-3.1-Instruct ends turns with any of three, and HF's generate stops at each.
@@ -130,8 +133,10 @@ class ModelSpec(Contract):
         if self.num_experts and not (self.family == "llama" and 0 < self.experts_per_token <= self.num_experts):
             raise ValueError(f"a mixture of experts needs a Llama-family model and 1 <= experts_per_token <= "
                              f"num_experts, got {self.experts_per_token} of {self.num_experts}")
-        if self.experts_per_token and not self.num_experts:
-            raise ValueError("experts_per_token needs num_experts")
+        if (self.experts_per_token or self.shared_expert_ffn) and not self.num_experts:
+            raise ValueError("experts_per_token and shared_expert_ffn need num_experts")
+        if not 0 <= self.shared_expert_ffn < 2**31:
+            raise ValueError(f"shared_expert_ffn must be >= 0, got {self.shared_expert_ffn}")
         if self.qk_norm and self.norm != "rmsnorm":
             raise ValueError("qk_norm is an RMSNorm over each head (Qwen3): it needs norm='rmsnorm'")
         if self.num_heads % self.num_kv_heads:
@@ -202,6 +207,10 @@ class ModelSpec(Contract):
             for e in range(self.num_experts):
                 shapes.update({f"experts.{e}.gate_proj.weight": (f, h), f"experts.{e}.up_proj.weight": (f, h),
                                f"experts.{e}.down_proj.weight": (h, f)})
+            if self.shared_expert_ffn:
+                fs = self.shared_expert_ffn
+                shapes.update({"shared_expert.gate_proj.weight": (fs, h), "shared_expert.up_proj.weight": (fs, h),
+                               "shared_expert.down_proj.weight": (h, fs), "shared_expert_gate.weight": (1, h)})
         elif self.gated_mlp:
             shapes.update({"gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f)})
         else:
@@ -248,8 +257,8 @@ class ModelSpec(Contract):
 
     @property
     def active_matmul_params_per_layer(self) -> int:
-        """Projection parameters one token multiplies by: the router and its ``experts_per_token``
-        experts, not all of them, with a mixture of experts."""
+        """Projection parameters one token multiplies by: the router, its ``experts_per_token``
+        experts (not all of them) and any shared expert, with a mixture of experts."""
         if not self.num_experts:
             return self.matmul_params_per_layer
         expert = 3 * self.ffn * self.hidden
@@ -450,7 +459,7 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 gemma.pop("local_rope_theta", None)
             return ModelSpec(
                 name=name, family="llama", num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
-                ffn=cfg["moe_intermediate_size"] if model_type == "qwen3_moe" else cfg["intermediate_size"],
+                ffn=cfg["moe_intermediate_size"] if model_type in ("qwen3_moe", "qwen2_moe") else cfg["intermediate_size"],
                 num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=head_dim, vocab_size=cfg["vocab_size"], **reach,
@@ -458,7 +467,8 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", bool(gemma))),
                 dtype=dtype or _hf_dtype(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta, **_rope_scaling(cfg, name, head_dim, theta),
-                bias=bool(cfg.get("attention_bias")), qkv_bias=model_type == "qwen2",
+                bias=bool(cfg.get("attention_bias")),
+                qkv_bias=model_type == "qwen2" or model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)),
                 qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"), **gemma, **moe, **eos_fields,
             )
     except KeyError as exc:
@@ -472,28 +482,31 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
 # Checkpoints with Llama's layer (RMSNorm, rotary positions, gated MLP) under their HF model_type.
 _LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
                 "gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3", "mixtral": "Mixtral",
-                "qwen3_moe": "Qwen3-MoE"}
+                "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
 _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 
 
 def _moe_fields(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
-    """A mixture of experts' ModelSpec fields: Mixtral's (always renormalized) or Qwen3-MoE's
-    (``norm_topk_prob``; every layer sparse)."""
-    if model_type not in ("mixtral", "qwen3_moe"):
+    """A mixture of experts' ModelSpec fields: Mixtral's (always renormalized), Qwen2-MoE's and
+    Qwen3-MoE's (``norm_topk_prob``; every layer sparse; Qwen2-MoE's shared expert)."""
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         return {}
-    if model_type == "qwen3_moe" and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
-        raise UserError(f"{name}: a Qwen3-MoE with dense layers among the sparse ones (mlp_only_layers, "
+    kind = _LLAMA_TYPES[model_type]
+    if model_type != "mixtral" and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
+        raise UserError(f"{name}: a {kind} with dense layers among the sparse ones (mlp_only_layers, "
                         "decoder_sparse_step) is not supported")
-    if model_type == "qwen3_moe" and cfg.get("use_sliding_window"):
-        raise UserError(f"{name}: a Qwen3-MoE with use_sliding_window is not supported")
+    if model_type != "mixtral" and cfg.get("use_sliding_window"):
+        raise UserError(f"{name}: a {kind} with use_sliding_window is not supported")
     experts = cfg.get("num_local_experts", cfg.get("num_experts"))  # transformers 5 writes the first for both
     if experts is None:
         raise UserError(f"{name}: config.json lacks 'num_local_experts' (or 'num_experts')")
     per_token = cfg["num_experts_per_tok"]
     if any(isinstance(x, bool) or not isinstance(x, int) for x in (experts, per_token)):
         raise UserError(f"{name}: config.json's expert counts {experts!r}, {per_token!r} must be whole numbers")
+    shared = cfg.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
     return dict(num_experts=experts, experts_per_token=per_token,
-                expert_weights_renormalized=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)))
+                expert_weights_renormalized=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_ffn=shared)
 
 
 def _gemma_fields(cfg: dict, model_type: str, name: str) -> dict[str, Any]:

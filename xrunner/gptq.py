@@ -35,7 +35,7 @@ import torch
 from xprofiler.specs import ModelSpec
 from xrunner.compression import DEFAULT_GROUP_SIZE, QuantizedTensor
 from xrunner.model import (Weights, attention, attn_in, embed, expert_rows, layer_ropes, linear, mlp_hidden, norm,
-                           position_ids_from_mask, route)
+                           position_ids_from_mask, route, shared_expert)
 from xsched.errors import UserError
 from xsimulator.costmodel import input_rotated
 
@@ -192,6 +192,12 @@ class GPTQCalibration:
             act = mlp_hidden(spec, wq, flat[rows], pre)
             quantize((f"{pre}down_proj.weight",), act)
             out.index_add_(0, rows, linear(act, wq, f"{pre}down_proj") * weights[rows, slot, None])
+        if spec.shared_expert_ffn:  # every token goes through it
+            quantize(("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert_gate.weight"),
+                     flat)
+            act = mlp_hidden(spec, wq, flat, "shared_expert.")
+            quantize(("shared_expert.down_proj.weight",), act)
+            out += shared_expert(spec, wq, flat, act)
         return out.view(x.shape)
 
     @torch.inference_mode()

@@ -265,6 +265,8 @@ def _hf_name(spec: ModelSpec, name: str, prefix: str, layer: int | None = None, 
         return f"{'language_model.' if prefix == 'language_model.model.' else ''}lm_head.{param}"
     if layer is None:
         return f"{prefix}{_HF_HEAD_MODULES[spec.family][module]}.{param}"
+    if module.startswith("shared_expert"):  # Qwen2-MoE's, beside the routed experts
+        return f"{prefix}layers.{layer}.mlp.{module}.{param}"
     if module == "router" or module.startswith("experts."):
         router, expert, parts = _HF_MOE_MODULES[moe]
         if module == "router":

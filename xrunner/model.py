@@ -313,7 +313,15 @@ def mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     for e, rows, slot in expert_rows(experts):
         y = linear(mlp_hidden(spec, w, flat[rows], f"experts.{e}."), w, f"experts.{e}.down_proj")
         out.index_add_(0, rows, y * weights[rows, slot, None])
+    if spec.shared_expert_ffn:
+        out += shared_expert(spec, w, flat, mlp_hidden(spec, w, flat, "shared_expert."))
     return out.view(x.shape)
+
+
+def shared_expert(spec: ModelSpec, w: Weights, x: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE's shared expert for tokens ``x`` whose inner activation is ``act``: its output
+    scaled by each token's ``sigmoid(shared_expert_gate . x)``."""
+    return torch.sigmoid(linear(x, w, "shared_expert_gate")) * linear(act, w, "shared_expert.down_proj")
 
 
 def attn_out_mlp(spec: ModelSpec, w: Weights, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
