@@ -1019,3 +1019,19 @@ def test_an_offload_dir_that_takes_no_files_is_refused_up_front(tmp_path, monkey
     monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
     with pytest.raises(UserError, match="cannot create files there \\(Read-only file system\\)"):
         check_offload_dir(str(tmp_path))
+
+
+def test_a_plan_for_a_dense_model_is_refused_for_a_mixture_of_experts_of_its_shape():
+    """Every expert's weights change the bytes a plan placed, so a plan for the dense shape does not
+    run a mixture of experts (or one with other expert counts) of the same widths."""
+    from dataclasses import replace
+
+    from xprofiler.specs import get_model_spec
+    from xrunner.run_cli import check_model_matches
+
+    dense = get_model_spec("smollm2-135m")
+    check_model_matches(dense, replace(dense, name="copy"), None)
+    moe = replace(dense, num_experts=8, experts_per_token=2)
+    for other, field in [(moe, "num_experts 0 vs 8"), (replace(moe, shared_expert_ffn=64), "shared_expert_ffn")]:
+        with pytest.raises(UserError, match=field):
+            check_model_matches(dense if other is moe else moe, other, "m")

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from xsched.cli import directory_arg
 
 SHAPE_FIELDS: tuple[str, ...] = ("family", "num_layers", "hidden", "ffn", "num_heads", "num_kv_heads", "head_dim",
-                                 "vocab_size")
+                                 "vocab_size", "num_experts", "experts_per_token", "shared_expert_ffn")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
