@@ -113,7 +113,8 @@ def scratch_bytes(spec: ModelSpec, sequences: int, length: int, group: int = DEF
     no quantization), which copies the layer only when ``copies_layer`` (the source's layer is not
     float32 on the pass's device). The engine plans and accounts this as ``calibration``.
     """
-    t, h, q, kv, f = sequences * length, spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn
+    # (a Qwen2-MoE's shared expert may be wider than its routed ones)
+    t, h, q, kv, f = sequences * length, spec.hidden, spec.q_dim, spec.kv_dim, max(spec.ffn, spec.shared_expert_ffn)
     f4 = 4
     numel = sum(math.prod(s) for s in spec.layer_tensor_shapes().values())
     if fit:  # the dequantized float32 layer builds up beside the source's, with the 4-bit records made
