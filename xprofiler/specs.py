@@ -459,7 +459,7 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 gemma.pop("local_rope_theta", None)
             return ModelSpec(
                 name=name, family="llama", num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
-                ffn=cfg["moe_intermediate_size"] if model_type in ("qwen3_moe", "qwen2_moe") else cfg["intermediate_size"],
+                ffn=cfg["moe_intermediate_size" if model_type in ("qwen3_moe", "qwen2_moe") else "intermediate_size"],
                 num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=head_dim, vocab_size=cfg["vocab_size"], **reach,

@@ -943,7 +943,8 @@ class CostModel:
         act_row = max_prompt * spec.hidden * dt
         h, q, kvd, heads = spec.hidden, spec.q_dim, spec.kv_dim, spec.num_heads
         s = max_prompt
-        ffn_width = (3 if spec.gated_mlp else 2) * max(spec.ffn, spec.shared_expert_ffn)  # a shared expert's may be wider
+        # (a Qwen2-MoE's shared expert may be wider than its routed ones)
+        ffn_width = (3 if spec.gated_mlp else 2) * max(spec.ffn, spec.shared_expert_ffn)
         attn_gpu = p["cg"] if self.cpu_attention else 1.0
         stage_ctx = max_prompt if self.cpu_attention else ctx
 
