@@ -135,7 +135,8 @@ def test_mistral_and_qwen_configs_read_as_llama_layers():
         with pytest.raises(UserError, match=message):
             spec_from_hf_dict({**mistral, **change}, name="m")
     with pytest.raises(UserError, match="model_type 'gpt_neox' is not supported; xsched runs 'opt', 'llama', "
-                                        "'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma', 'gemma2', 'gemma3_text', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'gemma3' models"):
+                                        "'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma', 'gemma2', 'gemma3_text', "
+                                        "'mixtral', 'qwen2_moe', 'qwen3_moe', 'gemma3' models"):
         spec_from_hf_dict({**mistral, "model_type": "gpt_neox"}, name="g")
 
 
