@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_engine import GEMMA2, GEMMA3, LLAMA, MIXTRAL, POLICIES, make_requests, reference, run_engine
+from test_engine import GEMMA2, GEMMA3, GPTOSS, LLAMA, MIXTRAL, POLICIES, make_requests, reference, run_engine
 
 from xrunner.loaders import RandomSource, load_weights
 from xrunner.model import ModelWeights
@@ -52,12 +52,12 @@ NEWER_KINDS = replace(LLAMA, name="tiny-newer-kinds", sliding_window=5, qk_norm=
                       rope_divisors=tuple(1.0 + i / 8 for i in range(LLAMA.head_dim // 2)), rope_attention_factor=1.1)
 
 
-@pytest.mark.parametrize("spec", [NEWER_KINDS, GEMMA2, GEMMA3, MIXTRAL], ids=["newer-kinds", "gemma2", "gemma3",
-                                                                            "mixtral"])
+@pytest.mark.parametrize("spec", [NEWER_KINDS, GEMMA2, GEMMA3, MIXTRAL, GPTOSS],
+                         ids=["newer-kinds", "gemma2", "gemma3", "mixtral", "gpt-oss"])
 @pytest.mark.parametrize("name", ["all-gpu", "kv-cpu-cpu-attention", "everything-offloaded-refill"])
 def test_cuda_newer_layer_kinds_equal_the_reference_on_the_device(tmp_path, name, spec):
     """Also Gemma 2's soft-capped attention (not SDPA) and per-layer windows, Gemma 3's two
-    rotary tables, and a mixture of experts' routing, on the device."""
+    rotary tables, a mixture of experts' routing and GPT-OSS's sinks, on the device."""
     src = RandomSource(spec, seed=4)
     reqs = make_requests(7, seed=2, vocab=spec.vocab_size, min_prompt=3)
     want = reference(on_device(load_weights(src), "cuda"), reqs)

@@ -48,6 +48,9 @@ MIXTRAL = replace(LLAMA, name="tiny-mixtral", num_experts=4, experts_per_token=2
 # Qwen2-MoE: q/k/v biases, weights not renormalized, a shared expert every token goes through
 QWEN2MOE = replace(MIXTRAL, name="tiny-qwen2-moe", qkv_bias=True, expert_weights_renormalized=False,
                    shared_expert_ffn=192)
+# GPT-OSS: attention sinks, biases on attention, router and experts, its clamped SwiGLU, every other layer windowed
+GPTOSS = replace(MIXTRAL, name="tiny-gpt-oss", bias=True, mlp_bias=True, attention_sinks=True,
+                 activation="swiglu_clamped", sliding_window=5, window_layers=(True, False, True))
 MAX_PROMPT, MAX_OUTPUT = 14, 9
 
 
@@ -186,8 +189,8 @@ def test_a_stop_check_ends_a_request_at_the_token_that_completes_its_match(llama
         assert got[r.id] == w[:end], r.id
 
 
-@pytest.mark.parametrize("spec", [OPT, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL, QWEN2MOE],
-                         ids=["opt", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("spec", [OPT, QWEN2, QWEN3, GEMMA2, GEMMA3, MIXTRAL, QWEN2MOE, GPTOSS],
+                         ids=["opt", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2-moe", "gpt-oss"])
 def test_other_layer_kinds_with_offloading(tmp_path, spec):
     """OPT's and Qwen2's biases, Qwen3's q/k norms and Gemma's layers (per-layer windows and rotary
     bases, softcaps) through disk weights, CPU attention and refill."""
@@ -390,19 +393,20 @@ def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_
     end = start + t
     k_cache[:, :, start:end] = _roundtrip(k)
     v_cache[:, :, start:end] = _roundtrip(v)
+    sinks = w.get("sinks.weight")
     if start == 0:
-        attn = attention(spec, q, k, v, mask, causal=True)
+        attn = attention(spec, q, k, v, mask, causal=True, sinks=sinks)
     else:
         kk, vv = (torch.cat((c[:, :, :start], x), dim=2) for c, x in ((k_cache, k), (v_cache, v)))
-        attn = attention(spec, q, kk, vv, mask, causal=False)
+        attn = attention(spec, q, kk, vv, mask, causal=False, sinks=sinks)
     return attn_out_mlp(spec, w, attn, hidden)
 
 
 @pytest.mark.parametrize("spec,cache", [(LLAMA, False), (LLAMA, True), (QWEN2, True), (QWEN3, True), (MISTRAL, True),
-                                        (GEMMA2, True), (GEMMA3, True), (QWEN2MOE, False)],
+                                        (GEMMA2, True), (GEMMA3, True), (QWEN2MOE, False), (GPTOSS, True)],
                          ids=["weights", "weights-and-cache", "qwen2-weights-and-cache", "qwen3-weights-and-cache",
                               "sliding-window-weights-and-cache", "gemma2-weights-and-cache",
-                              "gemma3-weights-and-cache", "qwen2-moe-weights"])
+                              "gemma3-weights-and-cache", "qwen2-moe-weights", "gpt-oss-weights-and-cache"])
 def test_compression_equals_reference_with_the_same_quantization(tmp_path, monkeypatch, spec, cache):
     src = RandomSource(spec, seed=7)
     reqs = make_requests(6, seed=4, vocab=spec.vocab_size, min_prompt=2)
@@ -1070,16 +1074,16 @@ def test_cpu_attention_of_a_half_precision_model_runs_in_float32_within_its_plan
     src = RandomSource(spec, seed=3)
     reqs = make_requests(6, seed=2, vocab=spec.vocab_size)
 
-    def upcast(spec_, q, k, v, mask, causal):
+    def upcast(spec_, q, k, v, mask, causal, sinks=None):
         if causal:
-            return attention(spec_, q, k, v, mask, causal=True)
-        return attention(spec_, q.float(), k.float(), v.float(), mask, causal=False).to(q.dtype)
+            return attention(spec_, q, k, v, mask, causal=True, sinks=sinks)
+        return attention(spec_, q.float(), k.float(), v.float(), mask, causal=False, sinks=sinks).to(q.dtype)
 
     upcast_calls = []
 
-    def counted(spec_, q, k, v, mask, causal):
+    def counted(spec_, q, k, v, mask, causal, sinks=None):
         upcast_calls.append(causal)
-        return upcast(spec_, q, k, v, mask, causal)
+        return upcast(spec_, q, k, v, mask, causal, sinks)
 
     # gpu-tier decode attention runs in the KV codec (``KVCodec.attend``), prefill in the engine
     monkeypatch.setattr(engine_module, "attention", counted)
@@ -1088,10 +1092,10 @@ def test_cpu_attention_of_a_half_precision_model_runs_in_float32_within_its_plan
     assert False in upcast_calls  # decode attention did go through the upcast (it did not: review)
     delegated = []
 
-    def recording(spec_, q, k, v, mask, causal):
+    def recording(spec_, q, k, v, mask, causal, sinks=None):
         if not causal:  # decode rows delegated to the CPU (prefill attention is causal)
             delegated.append((q.dtype, k.dtype, v.dtype))
-        return attention(spec_, q, k, v, mask, causal=causal)
+        return attention(spec_, q, k, v, mask, causal=causal, sinks=sinks)
 
     monkeypatch.setattr(engine_module, "attention", recording)
     monkeypatch.setattr(model_module, "attention", recording)  # CPU attention's own calls
@@ -1114,9 +1118,9 @@ def test_cpu_attention_in_chunks_of_rows_gives_the_reference_tokens(llama, tmp_p
     chunks = []
     real = engine_module.attend_rows_on_cpu
 
-    def spy(spec, q, ctx, idx, mask, chunk_bytes):
+    def spy(spec, q, ctx, idx, mask, chunk_bytes, sinks=None):
         chunks.append((len(idx), engine_module.cpu_attention_chunk_rows(q, ctx, idx, chunk_bytes)))
-        return real(spec, q, ctx, idx, mask, chunk_bytes)
+        return real(spec, q, ctx, idx, mask, chunk_bytes, sinks)
 
     monkeypatch.setattr(engine_module, "CPU_ATTENTION_CHUNK_BYTES", 1)
     monkeypatch.setattr(engine_module, "attend_rows_on_cpu", spy)

@@ -129,14 +129,15 @@ def test_mistral_and_qwen_configs_read_as_llama_layers():
     biased = spec_from_hf_dict({**mistral, "model_type": "llama", "attention_bias": True}, name="b")
     assert biased.bias and "o_proj.bias" in biased.layer_tensor_shapes()
     assert "o_proj.bias" not in spec_from_hf_dict(qwen, name="q").layer_tensor_shapes()
-    for change, message in [({"mlp_bias": True}, "Mistral with MLP biases is not supported"),
-                            ({"sliding_window": 0}, "sliding_window=0 must be a whole number >= 1"),
+    mlp_biased = spec_from_hf_dict({**mistral, "model_type": "llama", "mlp_bias": True}, name="b")
+    assert mlp_biased.mlp_bias and mlp_biased.layer_tensor_shapes()["down_proj.bias"] == (4096,)
+    for change, message in [({"sliding_window": 0}, "sliding_window=0 must be a whole number >= 1"),
                             ({"sliding_window": "4k"}, "sliding_window='4k' must be")]:
         with pytest.raises(UserError, match=message):
             spec_from_hf_dict({**mistral, **change}, name="m")
     with pytest.raises(UserError, match="model_type 'gpt_neox' is not supported; xsched runs 'opt', 'llama', "
                                         "'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma', 'gemma2', 'gemma3_text', "
-                                        "'mixtral', 'qwen2_moe', 'qwen3_moe', 'gemma3' models"):
+                                        "'mixtral', 'qwen2_moe', 'qwen3_moe', 'gpt_oss', 'gemma3' models"):
         spec_from_hf_dict({**mistral, "model_type": "gpt_neox"}, name="g")
 
 
@@ -215,10 +216,11 @@ def test_gemma_configs_read_their_windows_softcaps_and_rotary_bases():
 
 
 def test_mixture_of_experts_configs_count_every_expert_and_flop_the_routed_ones():
-    """Mixtral-8x7B-Instruct-v0.1's, Qwen3-30B-A3B's and Qwen1.5-MoE-A2.7B's published configs
-    (trimmed): 46,702,792,704, 30,532,122,624 and 14,315,784,192 parameters, of which a token
-    multiplies by 12.9B, 3.35B and 2.69B (2 of 8, 8 of 128, 4 of 60 experts and the shared one,
-    the embeddings counted once); a plan's flops are the routed ones, its bytes every expert's."""
+    """Mixtral-8x7B-Instruct-v0.1's, Qwen3-30B-A3B's, gpt-oss-20b's and Qwen1.5-MoE-A2.7B's
+    published configs (trimmed): 46,702,792,704, 30,532,122,624, 20,914,757,184 and 14,315,784,192
+    parameters, of which a token multiplies by 12.9B, 3.35B, 4.19B and 2.69B (2 of 8, 8 of 128, 4 of
+    32, 4 of 60 experts and the shared one; the embeddings counted once, both of gpt-oss's); a
+    plan's flops are the routed ones, its bytes every expert's."""
     mixtral = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
                "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 32000, "hidden_act": "silu",
                "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
@@ -236,8 +238,18 @@ def test_mixture_of_experts_configs_count_every_expert_and_flop_the_routed_ones(
               "num_hidden_layers": 24, "vocab_size": 151936, "max_position_embeddings": 8192, "num_experts": 60,
               "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1, "rope_theta": 1000000.0,
               "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False}
+    # gpt-oss-20b: 4 of 32 experts, each with biases, and attention sinks (3.03B active in its layers)
+    oss = {"model_type": "gpt_oss", "num_hidden_layers": 24, "hidden_size": 2880, "intermediate_size": 2880,
+           "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088,
+           "max_position_embeddings": 131072, "sliding_window": 128, "num_local_experts": 32,
+           "num_experts_per_tok": 4, "experts_per_token": 4, "rms_norm_eps": 1e-5, "attention_bias": True,
+           "tie_word_embeddings": False, "eos_token_id": [200002, 200012], "swiglu_limit": 7.0,
+           "layer_types": ["sliding_attention", "full_attention"] * 12, "torch_dtype": "bfloat16",
+           "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 4096}, "rope_theta": 150000.0}
     for cfg, params, active, registry in [(mixtral, 46_702_792_704, 12_879_663_104, "mixtral-8x7b"),
                                           (qwen, 30_532_122_624, 3_352_823_808, "qwen3-30b-a3b"),
+                                          (oss, 20_914_757_184, 3_028_008_960 + 1_158_269_760, "gpt-oss-20b"),
                                           (qwen15, 14_315_784_192, 2_688_927_744, None)]:
         spec = spec_from_hf_dict(cfg, name=registry or "qwen1.5-moe")
         assert spec.num_params == params
@@ -247,6 +259,9 @@ def test_mixture_of_experts_configs_count_every_expert_and_flop_the_routed_ones(
             assert spec == replace(get_model_spec(registry), dtype="bfloat16")
         assert ModelSpec.from_json(spec.to_json()) == spec
     assert spec.shared_expert_ffn == 5632 and spec.qkv_bias and not spec.expert_weights_renormalized
+    oss_spec = get_model_spec("gpt-oss-20b")
+    assert oss_spec.attention_sinks and oss_spec.mlp_bias and oss_spec.activation == "swiglu_clamped"
+    assert "experts.31.down_proj.bias" in oss_spec.layer_tensor_shapes() and oss_spec.window_layers[:2] == (True, False)
     assert not spec_from_hf_dict({**qwen, "norm_topk_prob": False}, name="q").expert_weights_renormalized
     for change, message in [({"mlp_only_layers": [3]}, "dense layers among the sparse ones"),
                             ({"use_sliding_window": True}, "use_sliding_window is not supported"),

@@ -37,7 +37,7 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
         # mixtral and qwen3_moe (a mixture of 4 experts, 2 per token; Qwen3-MoE's weights not renormalized)
         prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
                   "gemma2": "Gemma2", "gemma3_text": "Gemma3Text", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe",
-                  "qwen2_moe": "Qwen2Moe"}[family]
+                  "qwen2_moe": "Qwen2Moe", "gpt_oss": "GptOss"}[family]
         if family == "phi3":  # its default token ids lie beyond this vocabulary
             config = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 9, **config}
         if family == "gemma2":
@@ -53,6 +53,9 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
             config = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, **config}
         if family == "qwen2_moe":
             config = {"shared_expert_intermediate_size": 80, **config}
+        if family == "gpt_oss":  # attention sinks, windows on every other layer, biased experts, YaRN
+            config = {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 3,
+                      "intermediate_size": 64, **config}
         model_cls = "Gemma3ForCausalLM" if family == "gemma3_text" else f"{prefix}ForCausalLM"
         config = getattr(transformers, f"{prefix}Config")(**{
             "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
@@ -63,8 +66,10 @@ def tiny_hf(family: str, tied: bool = True, seed: int = 0, **config):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
-            if name.endswith("mlp.gate.weight"):  # a router: logits far apart, so no near-tie flips a choice
-                p.mul_(100)
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # a router: logits far apart, so no
+                p.mul_(100)  # near-tie flips a choice
+            if name.endswith("sinks"):  # logits of the same order as the scores, so that they take weight
+                p.normal_(0.0, 1.0)
     model.eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -84,7 +89,7 @@ def assert_matches_hf(weights, hf, steps: int = STEPS):
 @pytest.mark.parametrize("family,tied", [("opt", True), ("llama", False), ("qwen2", True), ("qwen3", True),
                                          ("mistral", False), ("phi3", False), ("gemma2", True),
                                          ("gemma3_text", False), ("mixtral", False), ("qwen3_moe", True),
-                                         ("qwen2_moe", False)])
+                                         ("qwen2_moe", False), ("gpt_oss", False)])
 def test_sharded_hf_directory_loads_and_matches_transformers(tmp_path, family, tied):
     hf = tiny_hf(family, tied)
     hf.save_pretrained(tmp_path, max_shard_size="20KB")
@@ -93,7 +98,7 @@ def test_sharded_hf_directory_loads_and_matches_transformers(tmp_path, family, t
     source = open_model(tmp_path, dtype="float32")
     assert isinstance(source, HFDirectorySource) and source.spec.family == ("opt" if family == "opt" else "llama")
     assert source.spec.qkv_bias == (family in ("qwen2", "qwen2_moe"))
-    assert ("k_proj.bias" in source.load_layer(2)) == (family in ("opt", "qwen2", "qwen2_moe"))
+    assert ("k_proj.bias" in source.load_layer(2)) == (family in ("opt", "qwen2", "qwen2_moe", "gpt_oss"))
     assert_matches_hf(load_weights(source), hf)
 
 
@@ -122,6 +127,35 @@ def test_a_multimodal_gemma3_directory_runs_its_text_decoder_as_transformers_doe
     source = open_model(tmp_path, dtype="float32")
     assert isinstance(source, HFDirectorySource) and source.spec.qk_norm and source.spec.eos_token_ids == (1, 106)
     assert source.spec.window_layers == (True, False, True) and source.spec.tied_embeddings
+    assert_matches_hf(load_weights(source), hf)
+
+
+def test_gpt_oss_experts_in_mxfp4_as_published_load_as_transformers_dequantizes_them(tmp_path):
+    """GPT-OSS ships its experts in MXFP4 (``*_blocks`` of 4-bit e2m1 codes, ``*_scales`` of
+    power-of-two exponents per 32 values). Random codes and exponents, dequantized by
+    transformers' own converter into the HF model: ours reads the packed file to the same model."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = tiny_hf("gpt_oss", tied=False, seed=5)
+    cfg = hf.config
+    e, h, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    gen = torch.Generator().manual_seed(0)
+    packed = {}
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            for name, rows, cols in (("gate_up_proj", 2 * f, h), ("down_proj", h, f)):
+                blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=gen, dtype=torch.uint8)
+                scales = torch.randint(122, 128, (e, rows, cols // 32), generator=gen, dtype=torch.uint8)
+                getattr(layer.mlp.experts, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                packed[f"model.layers.{i}.mlp.experts.{name}_blocks"] = blocks
+                packed[f"model.layers.{i}.mlp.experts.{name}_scales"] = scales
+    hf.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state = {k: v for k, v in state.items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file({**state, **packed}, tmp_path / "model.safetensors")
+    source = open_model(tmp_path, dtype="float32")
+    assert source._mxfp4
     assert_matches_hf(load_weights(source), hf)
 
 

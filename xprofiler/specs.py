@@ -53,7 +53,7 @@ class ModelSpec(Contract):
     vocab_size: int
     max_positions: int
     norm: Literal["layernorm", "rmsnorm"]
-    activation: Literal["relu", "silu", "gelu_tanh"]
+    activation: Literal["relu", "silu", "gelu_tanh", "swiglu_clamped"]
     position: Literal["learned", "rotary"]
     tied_embeddings: bool
     dtype: DType = "float16"
@@ -87,6 +87,14 @@ class ModelSpec(Contract):
     # Qwen2-MoE: a gated MLP of this width that every token goes through, its output scaled by
     # sigmoid(shared_expert_gate . x), beside the routed experts; 0: none
     shared_expert_ffn: int = 0
+    # GPT-OSS: a learned logit per head that joins every query's softmax and takes weight from the
+    # keys without giving a value (layer tensor sinks.weight); biases on the router and every expert
+    # (or the dense MLP's projections); and its clamped SwiGLU, (up + 1) * g * sigmoid(alpha g)
+    # with g = min(gate, limit) and up clamped to +-limit (activation "swiglu_clamped")
+    attention_sinks: bool = False
+    mlp_bias: bool = False
+    glu_alpha: float = 1.702
+    glu_limit: float = 7.0
     eos_token_id: int | None = None
     # More end-of-sequence ids (a config's list after its first, generation_config.json's):
     # Llama-3.1-Instruct ends turns with any of three, and HF's generate stops at each.
@@ -144,7 +152,7 @@ class ModelSpec(Contract):
         if self.family == "opt" and (self.norm, self.activation, self.position) != ("layernorm", "relu", "learned"):
             raise ValueError("OPT models use layernorm, relu and learned positions")
         if self.family == "llama" and (self.norm, self.position) != ("rmsnorm", "rotary") or \
-                self.family == "llama" and self.activation not in ("silu", "gelu_tanh"):
+                self.family == "llama" and self.activation not in ("silu", "gelu_tanh", "swiglu_clamped"):
             raise ValueError("Llama models use rmsnorm, silu (SwiGLU) or gelu_tanh (Gemma's GeGLU) and rotary "
                              "positions")
 
@@ -224,6 +232,12 @@ class ModelSpec(Contract):
                           {})
         if self.qk_norm:
             shapes.update({"q_norm.weight": (self.head_dim,), "k_norm.weight": (self.head_dim,)})
+        if self.attention_sinks:
+            shapes["sinks.weight"] = (self.num_heads,)
+        if self.mlp_bias:  # the router's and each expert's, or the dense MLP's
+            mlp_biases = {n[:-len("weight")] + "bias": (s[0],) for n, s in shapes.items()
+                          if n == "router.weight" or n.startswith(("experts.", "gate_proj", "up_proj", "down_proj"))}
+            shapes.update(mlp_biases)
         if self.norm == "layernorm":
             shapes.update({"attn_norm.weight": (h,), "attn_norm.bias": (h,),
                            "mlp_norm.weight": (h,), "mlp_norm.bias": (h,)})
@@ -440,8 +454,6 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
             gemma = _gemma_fields(cfg, model_type, name) if model_type in _GEMMA_TYPES else {}
             if not gemma and cfg.get("hidden_act", "silu") != "silu":
                 raise UserError(f"{name}: {kind} activation {cfg.get('hidden_act')!r} is not supported")
-            if cfg.get("mlp_bias"):
-                raise UserError(f"{name}: {kind} with MLP biases is not supported")
             heads = cfg["num_attention_heads"]
             rope = cfg.get("rope_parameters") or {}
             if model_type == "gemma3_text" and "full_attention" in rope:  # transformers 5: per layer type
@@ -463,13 +475,15 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
                 num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=head_dim, vocab_size=cfg["vocab_size"], **reach,
-                norm="rmsnorm", activation="gelu_tanh" if gemma else "silu", position="rotary",
+                norm="rmsnorm", position="rotary",
+                activation="gelu_tanh" if gemma else "swiglu_clamped" if model_type == "gpt_oss" else "silu",
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", bool(gemma))),
                 dtype=dtype or _hf_dtype(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta, **_rope_scaling(cfg, name, head_dim, theta),
                 bias=bool(cfg.get("attention_bias")),
                 qkv_bias=model_type == "qwen2" or model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)),
                 qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"), **gemma, **moe, **eos_fields,
+                mlp_bias=bool(cfg.get("mlp_bias")) or model_type == "gpt_oss", **_gpt_oss_fields(cfg, model_type),
             )
     except KeyError as exc:
         raise UserError(f"{name}: config.json lacks {exc.args[0]!r}") from None
@@ -482,20 +496,20 @@ def spec_from_hf_dict(cfg: dict, name: str, dtype: str | None = None) -> ModelSp
 # Checkpoints with Llama's layer (RMSNorm, rotary positions, gated MLP) under their HF model_type.
 _LLAMA_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
                 "gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3", "mixtral": "Mixtral",
-                "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
+                "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "GPT-OSS"}
 _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 
 
 def _moe_fields(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
     """A mixture of experts' ModelSpec fields: Mixtral's (always renormalized), Qwen2-MoE's and
     Qwen3-MoE's (``norm_topk_prob``; every layer sparse; Qwen2-MoE's shared expert)."""
-    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"):
         return {}
     kind = _LLAMA_TYPES[model_type]
-    if model_type != "mixtral" and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
+    if model_type in ("qwen2_moe", "qwen3_moe") and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
         raise UserError(f"{name}: a {kind} with dense layers among the sparse ones (mlp_only_layers, "
                         "decoder_sparse_step) is not supported")
-    if model_type != "mixtral" and cfg.get("use_sliding_window"):
+    if model_type in ("qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
         raise UserError(f"{name}: a {kind} with use_sliding_window is not supported")
     experts = cfg.get("num_local_experts", cfg.get("num_experts"))  # transformers 5 writes the first for both
     if experts is None:
@@ -505,8 +519,16 @@ def _moe_fields(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
         raise UserError(f"{name}: config.json's expert counts {experts!r}, {per_token!r} must be whole numbers")
     shared = cfg.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
     return dict(num_experts=experts, experts_per_token=per_token,
-                expert_weights_renormalized=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+                expert_weights_renormalized=model_type in ("mixtral", "gpt_oss") or bool(cfg.get("norm_topk_prob", False)),
                 shared_expert_ffn=shared)
+
+
+def _gpt_oss_fields(cfg: dict, model_type: str) -> dict[str, Any]:
+    """GPT-OSS's attention sinks and clamped SwiGLU (its experts and biases: _moe_fields, mlp_bias)."""
+    if model_type != "gpt_oss":
+        return {}
+    return dict(attention_sinks=True, glu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                glu_limit=float(cfg.get("swiglu_limit", 7.0)))
 
 
 def _gemma_fields(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
@@ -654,7 +676,7 @@ def _gemma3_text_config(cfg: dict, name: str) -> dict:
 
 
 # Types whose window covers only some layers: their layer_types, else a fixed rule (_layer_windows)
-_LAYER_WINDOWED_TYPES = ("gemma2", "gemma3_text", "qwen2", "qwen3")
+_LAYER_WINDOWED_TYPES = ("gemma2", "gemma3_text", "qwen2", "qwen3", "gpt_oss")
 
 
 def _layer_windows(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
@@ -670,7 +692,7 @@ def _layer_windows(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
             raise UserError(f"{name}: config.json's layer_types must list 'sliding_attention' or 'full_attention' "
                             f"for each of the {layers} layers")
         flags = [t == "sliding_attention" for t in types]
-    elif model_type == "gemma2":
+    elif model_type in ("gemma2", "gpt_oss"):
         flags = [i % 2 == 0 for i in range(layers)]
     elif model_type == "gemma3_text":
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
@@ -770,6 +792,16 @@ def _registry() -> dict[str, ModelSpec]:
         _llama("mixtral-8x7b", 32, 4096, 14336, 32, 8, 32000, 32768, 1000000.0, experts=(8, 2, True)),
         _llama("qwen3-30b-a3b", 48, 2048, 768, 32, 4, 151936, 40960, 1000000.0, eps=1e-6, eos=151645,
                head_dim=128, qk_norm=True, experts=(128, 8, True)),
+        # gpt-oss-20b, from its config.json: 4 of 32 biased experts per token, attention sinks,
+        # every other layer windowed to 128 positions, YaRN to 131072
+        replace(spec_from_hf_dict(dict(
+            model_type="gpt_oss", num_hidden_layers=24, hidden_size=2880, intermediate_size=2880,
+            num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+            max_position_embeddings=131072, sliding_window=128, num_local_experts=32, num_experts_per_tok=4,
+            rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False, eos_token_id=[200002, 200012],
+            rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                              original_max_position_embeddings=4096), rope_theta=150000.0), "gpt-oss-20b"),
+                dtype="float16"),
         # gemma-2-2b-it, gemma-2-9b-it (every other layer windowed to 4096, softcaps 50 and 30) and
         # gemma-3-1b-it (5 of 6 layers windowed to 512 on rotary base 10^4, the others on 10^6)
         _gemma("gemma-2-2b", "gemma2", 26, 2304, 9216, 8, 4, 256000, 8192, 4096, [1, 107], rope_theta=10000.0,

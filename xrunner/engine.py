@@ -1176,7 +1176,7 @@ class Engine:
             pass
         if not decode:
             with led.transient("gpu", "attention", 2 * nbytes_of(q) + nbytes_of(k, v)):
-                attn = attention(spec, q, k, v, work.mask, causal=True)
+                attn = attention(spec, q, k, v, work.mask, causal=True, sinks=w.get("sinks.weight"))
             enc = self.codec.encode(k, v, layer)
             k_off = 0
             for tier, pos, rows in self._groups(self.cache_split, work.slots):
@@ -1189,7 +1189,7 @@ class Engine:
                     k_off += len(rows)
         else:
             attn = torch.empty((n, 1, spec.q_dim), dtype=self.dtype, device=self.device)
-            cpu_s = self._decode_attention(layer, work, homes, q, k, v, attn, slot)
+            cpu_s = self._decode_attention(layer, work, homes, q, k, v, attn, slot, w.get("sinks.weight"))
         del q, k, v
         with led.transient("gpu", "mlp", 2 * nbytes_of(hidden) + nbytes_of(attn)):
             hidden = attn_out_mlp(spec, w, attn, hidden)
@@ -1204,8 +1204,10 @@ class Engine:
         return out
 
     def _decode_attention(self, layer: int, work: _Work, homes: dict[str, list[Any]], q: torch.Tensor,
-                          k: torch.Tensor, v: torch.Tensor, attn: torch.Tensor, slot: int) -> float:
-        """Attention of one new token per row, tier group by tier group; returns CPU-attention seconds."""
+                          k: torch.Tensor, v: torch.Tensor, attn: torch.Tensor, slot: int,
+                          sinks: torch.Tensor | None = None) -> float:
+        """Attention of one new token per row, tier group by tier group; returns CPU-attention
+        seconds. ``sinks``: the layer's attention sinks (GPT-OSS)."""
         spec, led, codec = self.layer_specs[layer], self.ledger, self.codec
         b, c = work.begin, work.col
         T1 = c + 1 - b
@@ -1234,7 +1236,7 @@ class Engine:
                 ctx = [s[:, :, :T1] for s in stage]
                 k_off += len(rows)
             else:
-                cpu_s += self._cpu_attention(spec, tier, work, homes, qs, new, pos, rows, attn)
+                cpu_s += self._cpu_attention(spec, tier, work, homes, qs, new, pos, rows, attn, sinks)
                 continue
             # the query and output (split into even and odd channels, in float32, when fused), a
             # gathered context, and a half-precision cache's mins and scales in float32 for the kernel
@@ -1243,7 +1245,7 @@ class Engine:
                 scratch += sum(4 * x.numel() for part in (ctx[1:3], ctx[4:6]) for x in part)
             with led.transient("gpu", "attention_decode", scratch):
                 out = codec.attend_stored(spec, qs, ctx, own, None if full else mask, self.kv_dequant,
-                                          layer)
+                                          layer, sinks)
             if span:
                 out = out.index_select(0, at)
             self._put_rows(attn, pos, out)
@@ -1256,7 +1258,8 @@ class Engine:
             dst.index_copy_(0, _index(pos, dst.device), src)
 
     def _cpu_attention(self, spec: ModelSpec, tier: str, work: _Work, homes: dict[str, list[Any]], q: torch.Tensor,
-                       new: list[torch.Tensor], pos: list[int], rows: list[int], attn: torch.Tensor) -> float:
+                       new: list[torch.Tensor], pos: list[int], rows: list[int], attn: torch.Tensor,
+                       sinks: torch.Tensor | None = None) -> float:
         """FlexGen §4.2: rows whose cache is not on the gpu tier attend on the CPU, next to their
         cache. ``spec``: the layer's (its window and softcap)."""
         st, led = self.store, self.ledger
@@ -1292,7 +1295,8 @@ class Engine:
             idx = list(range(len(rows)))
         with led.transient("cpu", "cpu_attention", 2 * nbytes_of(qc) + nbytes_of(*newc)
                            + self._cpu_attention_scratch(qc, ctx, idx)):
-            out = attend_rows_on_cpu(spec, qc, ctx, idx, mask, CPU_ATTENTION_CHUNK_BYTES)
+            out = attend_rows_on_cpu(spec, qc, ctx, idx, mask, CPU_ATTENTION_CHUNK_BYTES,
+                                     sinks=None if sinks is None else sinks.cpu())  # (one logit per head)
         if span:
             out = out.index_select(0, at)
         cpu_s = time.perf_counter() - t0

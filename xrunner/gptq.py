@@ -221,10 +221,13 @@ class GPTQCalibration:
             quantize(("q_proj.weight", "k_proj.weight", "v_proj.weight"), norm(spec, h, wq, "attn_norm"))
         # Activations are dropped as soon as they are used: scratch_bytes counts only the live ones.
         q, k, v = attn_in(spec, wq, h, self.pos, self.ropes[index])
-        # A softcap (Gemma 2) is not blind to a shift shared by all keys: K keeps no center there.
-        k_center = k.mean(dim=(0, 2)) if spec.attention_softcap is None else torch.zeros_like(k[0, :, 0])
-        self.kv_centers.append((k_center, v.mean(dim=(0, 2))))
-        a = attention(spec, q, k, v, None, causal=True)
+        # A softcap (Gemma 2) or a sink (GPT-OSS) is not blind to a shift shared by all keys, so K
+        # keeps no center there; with a sink the keys' weights do not sum to 1, so V keeps none either.
+        blind = spec.attention_softcap is None and not spec.attention_sinks
+        zero = torch.zeros_like(k[0, :, 0])
+        self.kv_centers.append((k.mean(dim=(0, 2)) if blind else zero,
+                                zero if spec.attention_sinks else v.mean(dim=(0, 2))))
+        a = attention(spec, q, k, v, None, causal=True, sinks=wq.get("sinks.weight"))
         del q, k, v
         quantize(("o_proj.weight",), a)
         branch = linear(a, wq, "o_proj")

@@ -190,11 +190,12 @@ _LANES = 16  # the tree at the end of _softmax_row is written out for 16
 
 
 @njit(fastmath=_SOFTMAX_FASTMATH, cache=True, nogil=True)
-def _softmax_row(x, own, lane):
-    """``x <- exp(x - top) / total`` in place over ``x`` and the own score ``own``; returns the own
-    position's probability. ``lane`` is 16 floats of scratch."""
+def _softmax_row(x, own, sink, lane):
+    """``x <- exp(x - top) / total`` in place over ``x`` and the own score ``own``, with ``sink`` in
+    the total only (an attention sink; -inf: none); returns the own position's probability.
+    ``lane`` is 16 floats of scratch."""
     T = x.shape[0]
-    top = own
+    top = max(own, sink)
     for t in range(T):
         top = max(top, x[t])
     lane[:] = 0.0
@@ -211,16 +212,17 @@ def _softmax_row(x, own, lane):
     e_own = np.exp(own - top)
     a0, a1, a2, a3 = lane[0] + lane[8], lane[1] + lane[9], lane[2] + lane[10], lane[3] + lane[11]
     a4, a5, a6, a7 = lane[4] + lane[12], lane[5] + lane[13], lane[6] + lane[14], lane[7] + lane[15]
-    inv = np.float32(1.0) / (e_own + (((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))))
+    inv = np.float32(1.0) / (e_own + np.exp(sink - top) + (((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))))
     for t in range(T):
         x[t] *= inv
     return e_own * inv
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, cap, out_e, out_o, p_own):
+def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, cap, sinks, out_e, out_o, p_own):
     """One (row, kv head) per parallel iteration: scores (``cap * tanh(score / cap)`` when ``cap``
-    is above 0, Gemma 2's softcap), softmax with the own score, output.
+    is above 0, Gemma 2's softcap), softmax with the own score and the head's sink logit (-inf:
+    none), output.
     Compiled on first call (about 4 s), then cached beside this file."""
     B, H, G, half = q_e.shape
     Hkv, T = pk.shape[1], pk.shape[2]
@@ -261,7 +263,7 @@ def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, cap, ou
                         s[r, t] = cap * np.tanh(s[r, t] / cap)
         for r in range(rep):
             h = kh * rep + r
-            p_own[b, h] = _softmax_row(s[r], s_own[b, h], lane)
+            p_own[b, h] = _softmax_row(s[r], s_own[b, h], sinks[h], lane)
             for gi in range(G):
                 for j in range(half):
                     out_e[b, h, gi, j] = 0.0
@@ -290,7 +292,8 @@ _CODES_A = types.Array(types.uint8, 5, "A")
 # on the forms already compiled or cached.
 _ATTEND_SIGNATURE = types.void(_F32_C, _F32_C, _CODES_A, _F32_A, _F32_A, _CODES_A, _F32_A, _F32_A,
                                types.Array(types.float32, 2, "C"), types.Array(types.boolean, 2, "C"),
-                               types.float32, types.float32, _F32_C, _F32_C, types.Array(types.float32, 2, "C"))
+                               types.float32, types.float32, types.Array(types.float32, 1, "C"), _F32_C, _F32_C,
+                               types.Array(types.float32, 2, "C"))
 
 
 def _pinned_attend_kernel():
@@ -304,7 +307,7 @@ def _pinned_attend_kernel():
 
 def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, own_k: torch.Tensor,
                      own_v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per row over a 4-bit cache plus each row's own exact K and V.
 
     ``q [B, H, d]``; ``k``, ``v`` of shape ``[B, Hkv, T, d]`` grouped along ``d`` (the cache
@@ -312,7 +315,8 @@ def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, ow
     real token; None: all are). Grouped-query attention shares each kv head among ``H / Hkv``
     query heads. Returns ``[B, H, d]`` float32, as ``softmax(q k^T / sqrt(d)) v`` over the
     dequantized cache followed by the own position (``scale`` instead of ``1 / sqrt(d)`` when
-    given; ``softcap``: scores through ``softcap * tanh(score / softcap)``).
+    given; ``softcap``: scores through ``softcap * tanh(score / softcap)``; ``sinks [H]``: a logit
+    per head in each softmax that weighs no value, GPT-OSS's).
 
     The kernel computes in float32: a half-precision model's query, own K/V and the cache's
     mins and scales are converted first (a min and a scale per 64 values: the conversion reads
@@ -332,11 +336,12 @@ def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, ow
     q_e, q_o = qp[..., 0].contiguous(), qp[..., 1].contiguous()
     out_e, out_o, p_own = torch.empty(B, H, G, half), torch.empty(B, H, G, half), torch.empty(B, H)
     keep = (torch.ones(B, T, dtype=torch.bool) if mask is None else mask).contiguous()
+    sink = (torch.full((H,), -math.inf) if sinks is None else sinks.float()).contiguous()
     mk, sk, mv, sv = (x.float().numpy() for x in (k.mins, k.scales, v.mins, v.scales))
     with _torch_threads():  # compiling starts numba's thread pool too
         kernel = _pinned_attend_kernel()
         kernel(q_e.numpy(), q_o.numpy(), k.packed.numpy(), mk, sk, v.packed.numpy(), mv, sv, s_own.numpy(),
-               keep.numpy(), np.float32(scale), np.float32(softcap or 0.0), out_e.numpy(), out_o.numpy(),
-               p_own.numpy())
+               keep.numpy(), np.float32(scale), np.float32(softcap or 0.0), sink.numpy(), out_e.numpy(),
+               out_o.numpy(), p_own.numpy())
     res = torch.stack((out_e, out_o), dim=-1).view(B, H, -1)[..., :d]
     return res + p_own[..., None] * own_v.repeat_interleave(rep, dim=1)

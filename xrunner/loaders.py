@@ -52,7 +52,22 @@ _HF_SANDWICH_MODULES = {"attn_post_norm": "post_attention_layernorm", "mlp_norm"
 _HF_MOE_MODULES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{}.",
                                {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
                    "qwen": ("mlp.gate", "mlp.experts.{}.", {"gate_proj": "gate_proj", "up_proj": "up_proj",
-                                                            "down_proj": "down_proj"})}
+                                                            "down_proj": "down_proj"}),
+                   # GPT-OSS stacks its experts (HFDirectorySource._stacked_experts)
+                   "gpt_oss": ("mlp.router", "", {})}
+# MXFP4's 16 values of a 4-bit code (e2m1: sign, 2 exponent bits, 1 mantissa bit), GPT-OSS's experts
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 (OCP microscaling) to float32: ``blocks [..., G, 16]`` uint8 holding two 4-bit e2m1
+    codes each (low nibble first), ``scales [..., G]`` uint8 exponents biased by 127, one per 32
+    values; returns ``[..., G * 32]``."""
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., G, 16, 2]: low, high
+    values = lut[codes].flatten(-2)  # [..., G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2)
 _HF_HEAD_MODULES = {
     "llama": {"embed_tokens": "embed_tokens", "final_norm": "norm"},
     "opt": {"embed_tokens": "embed_tokens", "embed_positions": "embed_positions", "final_norm": "final_layer_norm"},
@@ -78,11 +93,14 @@ Source = tuple[str, tuple[int, ...], slice | int | None]
 
 
 def _layer_sources(spec: ModelSpec, fused: dict[str, tuple[str, int, int, int]], plain: Callable[[str], str],
-                   fused_prefix: str) -> dict[str, Source]:
+                   fused_prefix: str, stacked_experts: bool = False) -> dict[str, Source]:
     """Runner tensor of one layer -> where a checkpoint keeps it: ``plain(name)`` whole, or rows of a
-    fused tensor ``fused_prefix + module`` (:func:`_fused_rows`)."""
+    fused tensor ``fused_prefix + module`` (:func:`_fused_rows`); none for the experts of a
+    checkpoint that stacks them (``stacked_experts``: GPT-OSS's, read by their own path)."""
     out = {}
     for name, shape in spec.layer_tensor_shapes().items():
+        if stacked_experts and name.startswith("experts."):
+            continue
         module, param = name.split(".", 1)
         f = fused.get(module)
         out[name] = ((plain(name), shape, None) if f is None
@@ -161,7 +179,10 @@ class HFDirectorySource(ModelSource):
             raise UserError(f"{self.path}: checkpoint lacks tensor {want}; is this a {family} model?")
         fused = family == "llama" and f"{self._prefix}layers.0.self_attn.qkv_proj.weight" in self._files
         self._fused = _fused_rows(self.spec) if fused else {}
-        self._moe = "mixtral" if f"{self._prefix}layers.0.block_sparse_moe.gate.weight" in self._files else "qwen"
+        layer0 = f"{self._prefix}layers.0."
+        self._moe = ("mixtral" if f"{layer0}block_sparse_moe.gate.weight" in self._files
+                     else "gpt_oss" if f"{layer0}mlp.router.weight" in self._files else "qwen")
+        self._mxfp4 = f"{layer0}mlp.experts.gate_up_proj_blocks" in self._files
         self._validate()
 
     def _index_tensors(self) -> dict[str, Path]:
@@ -199,7 +220,46 @@ class HFDirectorySource(ModelSource):
 
     def _layer_sources(self, index: int) -> dict[str, Source]:
         return _layer_sources(self.spec, self._fused, lambda n: _hf_name(self.spec, n, self._prefix, index, self._moe),
-                              f"{self._prefix}layers.{index}.")
+                              f"{self._prefix}layers.{index}.", stacked_experts=self._moe == "gpt_oss")
+
+    def _stacked_experts(self, index: int) -> dict[str, tuple[int, ...]]:
+        """GPT-OSS's stacked expert tensors of layer ``index`` -> their shapes: ``gate_up_proj``
+        ``[experts, hidden, 2 ffn]`` (gate and up interleaved along the last dimension) and
+        ``down_proj`` ``[experts, ffn, hidden]``, or their MXFP4 form as published (``_blocks`` and
+        ``_scales``, rows first: ``[experts, 2 ffn, hidden / 32, 16]``), and their biases."""
+        if self._moe != "gpt_oss":
+            return {}
+        e, h, f = self.spec.num_experts, self.spec.hidden, self.spec.ffn
+        pre = f"{self._prefix}layers.{index}.mlp.experts."
+        if self._mxfp4:
+            shapes = {f"{pre}gate_up_proj_blocks": (e, 2 * f, h // 32, 16), f"{pre}gate_up_proj_scales": (e, 2 * f, h // 32),
+                      f"{pre}down_proj_blocks": (e, h, f // 32, 16), f"{pre}down_proj_scales": (e, h, f // 32)}
+        else:
+            shapes = {f"{pre}gate_up_proj": (e, h, 2 * f), f"{pre}down_proj": (e, f, h)}
+        return {**shapes, f"{pre}gate_up_proj_bias": (e, 2 * f), f"{pre}down_proj_bias": (e, h)}
+
+    def _experts(self, index: int) -> Weights:
+        """Each GPT-OSS expert's projections of layer ``index`` in the runner's names and layout
+        (``[out, in]``), from the stacked tensors, MXFP4 dequantized."""
+        safe_open = _require("safetensors").safe_open
+
+        raw: dict[str, torch.Tensor] = {}
+        for name in self._stacked_experts(index):
+            with safe_open(self._files[name], framework="pt") as fh:
+                raw[name.rsplit(".", 1)[1]] = fh.get_tensor(name)
+        if self._mxfp4:
+            gate_up = mxfp4_to_float(raw["gate_up_proj_blocks"], raw["gate_up_proj_scales"])  # [e, 2f, h]
+            down = mxfp4_to_float(raw["down_proj_blocks"], raw["down_proj_scales"])  # [e, h, f]
+        else:
+            gate_up, down = raw["gate_up_proj"].transpose(1, 2), raw["down_proj"].transpose(1, 2)
+        dtype = torch_dtype(self.spec.dtype)
+        out: Weights = {}
+        for e in range(self.spec.num_experts):
+            parts = {"gate_proj.weight": gate_up[e, 0::2], "up_proj.weight": gate_up[e, 1::2],
+                     "down_proj.weight": down[e], "gate_proj.bias": raw["gate_up_proj_bias"][e, 0::2],
+                     "up_proj.bias": raw["gate_up_proj_bias"][e, 1::2], "down_proj.bias": raw["down_proj_bias"][e]}
+            out.update({f"experts.{e}.{n}": t.to(dtype).contiguous() for n, t in parts.items()})
+        return out
 
     def _head_sources(self) -> dict[str, Source]:
         return {n: (_hf_name(self.spec, n, self._prefix), shape, None)
@@ -212,6 +272,7 @@ class HFDirectorySource(ModelSource):
         wanted = list(self._head_sources().values())
         for i in range(self.spec.num_layers):
             wanted += self._layer_sources(i).values()
+            wanted += [(name, shape, None) for name, shape in self._stacked_experts(i).items()]
         by_file: dict[Path, list[tuple[str, tuple[int, ...]]]] = {}
         for hf, shape, _ in wanted:
             if hf not in self._files:
@@ -245,7 +306,10 @@ class HFDirectorySource(ModelSource):
 
     def load_layer(self, index: int) -> Weights:
         self._check_index(index)
-        return self._read(self._layer_sources(index))
+        layer = self._read(self._layer_sources(index))
+        if self._moe == "gpt_oss":
+            layer.update(self._experts(index))
+        return {name: layer[name] for name in self.spec.layer_tensor_shapes()}  # the spec's order
 
     def tokenizer(self) -> Any:
         AutoTokenizer = _require("transformers").AutoTokenizer
@@ -265,6 +329,8 @@ def _hf_name(spec: ModelSpec, name: str, prefix: str, layer: int | None = None, 
         return f"{'language_model.' if prefix == 'language_model.model.' else ''}lm_head.{param}"
     if layer is None:
         return f"{prefix}{_HF_HEAD_MODULES[spec.family][module]}.{param}"
+    if module == "sinks":  # GPT-OSS's attention sinks: a parameter of the attention module itself
+        return f"{prefix}layers.{layer}.self_attn.sinks"
     if module.startswith("shared_expert"):  # Qwen2-MoE's, beside the routed experts
         return f"{prefix}layers.{layer}.mlp.{module}.{param}"
     if module == "router" or module.startswith("experts."):

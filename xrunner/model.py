@@ -159,23 +159,24 @@ def attn_in(spec: ModelSpec, w: Weights, hidden: torch.Tensor, position_ids: tor
 
 
 def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              causal: bool) -> torch.Tensor:
+              causal: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention of ``t`` queries over a left-padded context of ``T`` keys.
 
     The queries are the last ``t`` positions of the context. ``mask [b, T]`` hides padding keys
     (None: no padding, which lets SDPA pick its fastest kernels); ``causal`` additionally hides
     later keys (prefill), and a sliding window (:func:`visible_keys`) earlier ones. Grouped-query
     attention shares each kv head among ``H / Hkv`` query heads. ``spec`` is the layer's
-    (``ModelSpec.layer_spec``): its window, score scale and softcap apply.
+    (``ModelSpec.layer_spec``): its window, score scale and softcap apply; ``sinks [H]`` are the
+    layer's attention sinks (GPT-OSS), a logit per head that joins each softmax with no value.
     """
     b, n_heads, t, d = q.shape
     T = k.shape[2]
     gqa = spec.num_kv_heads != spec.num_heads
     causal = causal and t > 1
     window = spec.sliding_window if spec.sliding_window is not None and spec.sliding_window < T else None
-    if spec.attention_softcap is not None:
+    if spec.attention_softcap is not None or sinks is not None:
         allowed = visible_keys(mask, t, T, causal, window, q.device)
-        out = softcapped_attention(q, k, v, allowed, spec.attention_scale, spec.attention_softcap)
+        out = explicit_attention(q, k, v, allowed, spec.attention_scale, spec.attention_softcap, sinks)
     elif mask is None and window is None and (not causal or t == T):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, scale=spec.attention_scale)
     else:
@@ -184,19 +185,27 @@ def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out.transpose(1, 2).reshape(b, t, n_heads * d)
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                         scale: float | None, cap: float) -> torch.Tensor:
-    """Attention whose scores pass through ``cap * tanh(score / cap)`` before the mask (Gemma 2),
-    which SDPA cannot do: scores in the inputs' dtype, softmax in float32, as transformers does.
-    ``q [b, H, t, d]``, ``k, v [b, Hkv, T, d]``, ``allowed [b or 1, 1, t, T]``; returns ``[b, H, t, d]``."""
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                       scale: float | None, cap: float | None = None, sinks: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """Attention that SDPA cannot do: scores through ``cap * tanh(score / cap)`` before the mask
+    (Gemma 2), and a sink logit per head in each softmax whose weight goes to no value (GPT-OSS).
+    Scores in the inputs' dtype, softmax in float32, as transformers does. ``q [b, H, t, d]``,
+    ``k, v [b, Hkv, T, d]``, ``allowed [b or 1, 1, t, T]``, ``sinks [H]``; returns ``[b, H, t, d]``."""
     b, n_heads, t, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(b, hkv, n_heads // hkv * t, d)  # each kv head's query heads, stacked
+    hkv, T = k.shape[1], k.shape[2]
+    rep = n_heads // hkv
+    qg = q.reshape(b, hkv, rep * t, d)  # each kv head's query heads, stacked
     scores = (qg @ k.transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)
-    scores = torch.tanh(scores / cap) * cap
-    scores = scores.view(b, hkv, n_heads // hkv, t, -1).masked_fill(~allowed[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return (probs.view(b, hkv, -1, k.shape[2]) @ v).view(b, n_heads, t, d)
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
+    scores = scores.view(b, hkv, rep, t, T).masked_fill(~allowed[:, :, None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, hkv, rep, 1, 1).expand(b, hkv, rep, t, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :T]
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return (probs.to(q.dtype).reshape(b, hkv, rep * t, T) @ v).view(b, n_heads, t, d)
 
 
 def visible_keys(mask: torch.Tensor | None, t: int, T: int, causal: bool, window: int | None,
@@ -238,7 +247,7 @@ def cpu_attention_chunk_rows(q: torch.Tensor, ctx: Sequence[torch.Tensor], idx: 
 
 
 def attend_rows_on_cpu(spec: ModelSpec, q: torch.Tensor, ctx: Sequence[torch.Tensor], idx: Sequence[int],
-                       mask: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+                       mask: torch.Tensor, chunk_bytes: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of ``q [n, H, 1, d]`` over rows ``idx`` of the K/V context ``ctx`` (each
     ``[rows, T, Hkv, d]``, positions-major as the engine's cpu tier and relay keep it), on the CPU.
 
@@ -253,7 +262,7 @@ def attend_rows_on_cpu(spec: ModelSpec, q: torch.Tensor, ctx: Sequence[torch.Ten
     m = cpu_attention_chunk_rows(q, ctx, idx, chunk_bytes)
     if m == 0:
         views = [x.narrow(0, idx[0], len(idx)).transpose(1, 2) for x in ctx]
-        return attention(spec, q, *views, None if bool(mask.all()) else mask, causal=False)
+        return attention(spec, q, *views, None if bool(mask.all()) else mask, causal=False, sinks=sinks)
     n = len(idx)
     bufs = [torch.empty((m,) + tuple(x.shape[1:]), dtype=torch.float32) for x in ctx]
     out = torch.empty((n, 1, q.shape[1] * q.shape[3]), dtype=q.dtype)
@@ -267,7 +276,7 @@ def attend_rows_on_cpu(spec: ModelSpec, q: torch.Tensor, ctx: Sequence[torch.Ten
                 buf[:j].copy_(x.index_select(0, torch.tensor(sel, dtype=torch.long)))
         mk = mask[i:i + j]
         out[i:i + j] = attention(spec, q[i:i + j].float(), *(buf[:j].transpose(1, 2) for buf in bufs),
-                                 None if bool(mk.all()) else mk, causal=False)
+                                 None if bool(mk.all()) else mk, causal=False, sinks=sinks)
     return out
 
 
@@ -276,6 +285,10 @@ def mlp_hidden(spec: ModelSpec, w: Weights, x: torch.Tensor, prefix: str = "") -
     ``prefix`` names an expert's (``experts.3.``)."""
     if spec.activation == "gelu_tanh":  # Gemma's GeGLU
         return F.gelu(linear(x, w, f"{prefix}gate_proj"), approximate="tanh") * linear(x, w, f"{prefix}up_proj")
+    if spec.activation == "swiglu_clamped":  # GPT-OSS's
+        gate = linear(x, w, f"{prefix}gate_proj").clamp(max=spec.glu_limit)
+        up = linear(x, w, f"{prefix}up_proj").clamp(-spec.glu_limit, spec.glu_limit)
+        return (up + 1) * gate * torch.sigmoid(gate * spec.glu_alpha)
     if spec.gated_mlp:
         return F.silu(linear(x, w, f"{prefix}gate_proj")) * linear(x, w, f"{prefix}up_proj")
     return F.relu(linear(x, w, "fc1"))
@@ -352,7 +365,7 @@ def layer_forward(spec: ModelSpec, w: Weights, hidden: torch.Tensor, position_id
     end = start + t
     k_cache[:, :, start:end] = k
     v_cache[:, :, start:end] = v
-    attn = attention(spec, q, k_cache[:, :, :end], v_cache[:, :, :end], mask, causal=t > 1)
+    attn = attention(spec, q, k_cache[:, :, :end], v_cache[:, :, :end], mask, causal=t > 1, sinks=w.get("sinks.weight"))
     return attn_out_mlp(spec, w, attn, hidden)
 
 

@@ -246,23 +246,24 @@ class KVCodec:
         return res[0], res[1]
 
     def attend(self, spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | None, layer: int | None = None) -> torch.Tensor:
+               mask: torch.Tensor | None, layer: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention of ``q`` over ``layer``'s cache from :meth:`decode` (as ``model.attention``)."""
         if self.rotation is None and self.centers is None:
-            return attention(spec, q, k, v, mask, causal=False)
-        out = attention(spec, self._rotate(q), k, v, mask, causal=False)
+            return attention(spec, q, k, v, mask, causal=False, sinks=sinks)
+        out = attention(spec, self._rotate(q), k, v, mask, causal=False, sinks=sinks)
         b, t, _ = out.shape
         return self._unrotated(spec, out.view(b, t, -1, self.d), layer)
 
     def attend_stored(self, spec: ModelSpec, q: torch.Tensor, parts: Sequence[torch.Tensor],
                       fresh: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-                      into: tuple[torch.Tensor, torch.Tensor] | None = None, layer: int | None = None) -> torch.Tensor:
+                      into: tuple[torch.Tensor, torch.Tensor] | None = None, layer: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention of ``q [b, H, 1, d]`` over stored ``parts`` (``[b, Hkv, T, ...]``, the
         last position the step's own, whose exact K/V are ``fresh``, from :meth:`prepare`):
         :meth:`decode` (into ``into``) then :meth:`attend`, or with ``fused`` straight over the codes."""
         if not self.fused:
             kk, vv = self.decode(parts, into, fresh=fresh)
-            return self.attend(spec, q, kk, vv, mask, layer)
+            return self.attend(spec, q, kk, vv, mask, layer, sinks)
         b, hkv, T = parts[0].shape[:3]
         shape = (b, hkv, T - 1, self.d)
         k, v = (QuantizedTensor(*(x[:, :, :T - 1] for x in parts[3 * i:3 * i + 3]), shape, 3, self.group)
@@ -271,7 +272,8 @@ class KVCodec:
         if spec.sliding_window is not None and spec.sliding_window < T:
             mask = visible_keys(mask, 1, T, False, spec.sliding_window, q.device)[:, 0, 0].expand(b, T)
         out = attend_quantized(self._rotate(q)[:, :, 0], k, v, own_k, own_v,
-                               None if mask is None else mask[:, :T - 1], spec.attention_scale, spec.attention_softcap)
+                               None if mask is None else mask[:, :T - 1], spec.attention_scale, spec.attention_softcap,
+                               sinks)
         return self._unrotated(spec, out[:, None], layer).to(q.dtype)
 
     def _unrotated(self, spec: ModelSpec, out: torch.Tensor, layer: int | None) -> torch.Tensor:
