@@ -345,7 +345,9 @@ def _hf_name(spec: ModelSpec, name: str, prefix: str, layer: int | None = None, 
 
 def hf_state_dict(weights: ModelWeights) -> dict[str, torch.Tensor]:
     """The same tensors under transformers' ``*ForCausalLM`` names (no copies), e.g. to build an
-    HF reference model with ``load_state_dict(..., assign=True)``."""
+    HF reference model with ``load_state_dict(..., assign=True)``; a mixture of experts' under
+    Qwen-MoE's per-expert names (transformers 5 stacks them in its modules: load through a saved
+    checkpoint instead)."""
     spec = weights.spec
     prefix = _HF_PREFIXES[spec.family][0]
     out = {_hf_name(spec, n, prefix): t for n, t in weights.head.items()}
