@@ -175,6 +175,25 @@ def test_bucketing_cuts_padding():
 
 
 # --------------------------------------------------------------------------- memory
+def test_explicit_attention_plans_its_float32_softmax():
+    """A softcap (Gemma 2) or attention sinks (GPT-OSS) take attention off SDPA: the scores are
+    held in the compute dtype and again as a float32 softmax, so the attention transients plan
+    (3 x 2 + 8) bytes per score instead of SDPA's 2 x 2 in float16; the rest is unchanged."""
+    from dataclasses import replace
+
+    prof = t4_like()
+    s, n, gbs, nb = 256, 32, 8, 2
+    p = dict(wg=1.0, wc=0.0, wd=0.0, cg=1.0, cc=0.0, cd=0.0, hg=1.0, hc=0.0, hd=0.0)
+    base = CostModel(OPT30, prof).memory(p, gbs, nb, s, n)["gpu"].transient
+    for spec in (replace(OPT30, attention_softcap=50.0), replace(OPT30, attention_sinks=True)):
+        got = CostModel(spec, prof).memory(p, gbs, nb, s, n)["gpu"].transient
+        heads = OPT30.num_heads
+        assert got["attention"] - base["attention"] == pytest.approx(gbs * heads * s * s * (14 - 4))
+        assert got["attention_decode"] - base["attention_decode"] == pytest.approx(gbs * heads * (s + n) * (14 - 4))
+        assert {k: v for k, v in got.items() if not k.startswith("attention")} == \
+            {k: v for k, v in base.items() if not k.startswith("attention")}
+
+
 def test_peak_memory_contains_flexgen_home_terms_and_grows_with_block():
     prof = t4_like()
     cm = CostModel(OPT30, prof)

@@ -963,9 +963,13 @@ class CostModel:
             "kv_centers": float(L * spec.kv_bytes_per_token_per_layer if self.compress_cache else 0),
             "act_stage": (p["hc"] + p["hd"]) * (2 * gbs * act_row),
         }
-        prefill_attn = gbs * dt * (2 * s * q + 2 * s * q + 2 * heads * s * s)
+        # Scores: SDPA's two copies in the compute dtype; a softcap or sinks (model.explicit_attention)
+        # hold the scores, their capped or masked copies and the float32 softmax with its cast.
+        explicit = spec.attention_softcap is not None or spec.attention_sinks
+        prefill_attn = gbs * dt * (2 * s * q + 2 * s * q) + gbs * heads * s * s * ((3 * dt + 8) if explicit else 2 * dt)
+
         def decode_attn_bytes(elem: float) -> float:  # one step's query, expanded K/V and scores
-            return gbs * elem * (2 * q + 2 * ctx * q + 2 * heads * ctx)
+            return gbs * elem * (2 * q + 2 * ctx * q) + gbs * heads * ctx * ((3 * elem + 8) if explicit else 2 * elem)
 
         decode_attn = decode_attn_bytes(dt)
         if self.fused_kv:
