@@ -38,7 +38,9 @@ class ModelSpec(Contract):
     Gemma 2 and 3 add norms after attention and the MLP (``sandwich_norms``), window only some
     layers (``window_layers``), cap attention scores and logits with ``tanh`` and (Gemma 3) give
     the windowed layers their own rotary base (``local_rope_theta``). :meth:`layer_spec` is one
-    layer's view, with its own window and rotary base."""
+    layer's view, with its own window and rotary base. Mixtral, Qwen2/3-MoE and GPT-OSS replace
+    the MLP by a mixture of experts (``num_experts``); GPT-OSS adds attention sinks and biases on
+    its router and experts (``attention_sinks``, ``mlp_bias``)."""
 
     SCHEMA: ClassVar[str] = "xsched.ModelSpec/1"
 
@@ -153,8 +155,8 @@ class ModelSpec(Contract):
             raise ValueError("OPT models use layernorm, relu and learned positions")
         if self.family == "llama" and (self.norm, self.position) != ("rmsnorm", "rotary") or \
                 self.family == "llama" and self.activation not in ("silu", "gelu_tanh", "swiglu_clamped"):
-            raise ValueError("Llama models use rmsnorm, silu (SwiGLU) or gelu_tanh (Gemma's GeGLU) and rotary "
-                             "positions")
+            raise ValueError("Llama models use rmsnorm, rotary positions and silu (SwiGLU), gelu_tanh (Gemma's "
+                             "GeGLU) or swiglu_clamped (GPT-OSS's)")
 
     def windowed(self, layer: int) -> bool:
         """Whether ``layer`` attends through ``sliding_window``."""
@@ -506,10 +508,11 @@ def _moe_fields(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
     if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"):
         return {}
     kind = _LLAMA_TYPES[model_type]
-    if model_type in ("qwen2_moe", "qwen3_moe") and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
+    qwen = model_type in ("qwen2_moe", "qwen3_moe")
+    if qwen and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
         raise UserError(f"{name}: a {kind} with dense layers among the sparse ones (mlp_only_layers, "
                         "decoder_sparse_step) is not supported")
-    if model_type in ("qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
+    if qwen and cfg.get("use_sliding_window"):
         raise UserError(f"{name}: a {kind} with use_sliding_window is not supported")
     experts = cfg.get("num_local_experts", cfg.get("num_experts"))  # transformers 5 writes the first for both
     if experts is None:
@@ -519,7 +522,7 @@ def _moe_fields(cfg: dict, model_type: str, name: str) -> dict[str, Any]:
         raise UserError(f"{name}: config.json's expert counts {experts!r}, {per_token!r} must be whole numbers")
     shared = cfg.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
     return dict(num_experts=experts, experts_per_token=per_token,
-                expert_weights_renormalized=model_type in ("mixtral", "gpt_oss") or bool(cfg.get("norm_topk_prob", False)),
+                expert_weights_renormalized=not qwen or bool(cfg.get("norm_topk_prob", False)),
                 shared_expert_ffn=shared)
 
 

@@ -68,6 +68,8 @@ def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     values = lut[codes].flatten(-2)  # [..., G, 32]
     values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
     return values.flatten(-2)
+
+
 _HF_HEAD_MODULES = {
     "llama": {"embed_tokens": "embed_tokens", "final_norm": "norm"},
     "opt": {"embed_tokens": "embed_tokens", "embed_positions": "embed_positions", "final_norm": "final_layer_norm"},
@@ -232,7 +234,8 @@ class HFDirectorySource(ModelSource):
         e, h, f = self.spec.num_experts, self.spec.hidden, self.spec.ffn
         pre = f"{self._prefix}layers.{index}.mlp.experts."
         if self._mxfp4:
-            shapes = {f"{pre}gate_up_proj_blocks": (e, 2 * f, h // 32, 16), f"{pre}gate_up_proj_scales": (e, 2 * f, h // 32),
+            shapes = {f"{pre}gate_up_proj_blocks": (e, 2 * f, h // 32, 16),
+                      f"{pre}gate_up_proj_scales": (e, 2 * f, h // 32),
                       f"{pre}down_proj_blocks": (e, h, f // 32, 16), f"{pre}down_proj_scales": (e, h, f // 32)}
         else:
             shapes = {f"{pre}gate_up_proj": (e, h, 2 * f), f"{pre}down_proj": (e, f, h)}
@@ -240,23 +243,24 @@ class HFDirectorySource(ModelSource):
 
     def _experts(self, index: int) -> Weights:
         """Each GPT-OSS expert's projections of layer ``index`` in the runner's names and layout
-        (``[out, in]``), from the stacked tensors, MXFP4 dequantized."""
+        (``[out, in]``), from the stacked tensors; MXFP4 is dequantized one expert at a time (a
+        whole gpt-oss-20b layer in float32 would be 3.2 GB)."""
         safe_open = _require("safetensors").safe_open
 
         raw: dict[str, torch.Tensor] = {}
         for name in self._stacked_experts(index):
             with safe_open(self._files[name], framework="pt") as fh:
                 raw[name.rsplit(".", 1)[1]] = fh.get_tensor(name)
-        if self._mxfp4:
-            gate_up = mxfp4_to_float(raw["gate_up_proj_blocks"], raw["gate_up_proj_scales"])  # [e, 2f, h]
-            down = mxfp4_to_float(raw["down_proj_blocks"], raw["down_proj_scales"])  # [e, h, f]
-        else:
-            gate_up, down = raw["gate_up_proj"].transpose(1, 2), raw["down_proj"].transpose(1, 2)
         dtype = torch_dtype(self.spec.dtype)
         out: Weights = {}
         for e in range(self.spec.num_experts):
-            parts = {"gate_proj.weight": gate_up[e, 0::2], "up_proj.weight": gate_up[e, 1::2],
-                     "down_proj.weight": down[e], "gate_proj.bias": raw["gate_up_proj_bias"][e, 0::2],
+            if self._mxfp4:
+                gate_up = mxfp4_to_float(raw["gate_up_proj_blocks"][e], raw["gate_up_proj_scales"][e])  # [2f, h]
+                down = mxfp4_to_float(raw["down_proj_blocks"][e], raw["down_proj_scales"][e])  # [h, f]
+            else:
+                gate_up, down = raw["gate_up_proj"][e].t(), raw["down_proj"][e].t()
+            parts = {"gate_proj.weight": gate_up[0::2], "up_proj.weight": gate_up[1::2], "down_proj.weight": down,
+                     "gate_proj.bias": raw["gate_up_proj_bias"][e, 0::2],
                      "up_proj.bias": raw["gate_up_proj_bias"][e, 1::2], "down_proj.bias": raw["down_proj_bias"][e]}
             out.update({f"experts.{e}.{n}": t.to(dtype).contiguous() for n, t in parts.items()})
         return out
