@@ -34,8 +34,8 @@ import torch
 
 from xprofiler.specs import ModelSpec
 from xrunner.compression import DEFAULT_GROUP_SIZE, QuantizedTensor
-from xrunner.model import (Weights, attention, attn_in, embed, expert_rows, layer_ropes, linear, mlp_hidden, norm,
-                           position_ids_from_mask, route, shared_expert)
+from xrunner.model import (Weights, attention, attn_in, embed, layer_ropes, linear, mlp, norm,
+                           position_ids_from_mask)
 from xsched.errors import UserError
 from xsimulator.costmodel import input_rotated
 
@@ -172,35 +172,6 @@ class GPTQCalibration:
         """Carry the hidden states through layer ``index`` as it is, recording its K/V centers."""
         self._layer(index, w, fit=False)
 
-    @staticmethod
-    def _experts(spec: ModelSpec, wq: Weights, x: torch.Tensor,
-                 quantize: Callable[[tuple[str, ...], torch.Tensor | None], None]) -> torch.Tensor:
-        """A mixture of experts' output (``model.mlp``), quantizing as it goes: the router from
-        every token, each expert from the tokens the quantized router sends it (one no token
-        reaches is rounded to nearest: ``quantize`` given no inputs)."""
-        quantize(("router.weight",), x)
-        flat = x.reshape(-1, x.shape[-1])
-        experts, weights = route(spec, wq, flat)
-        out = torch.zeros_like(flat)
-        chosen = dict((e, (rows, slot)) for e, rows, slot in expert_rows(experts))
-        for e in range(spec.num_experts):
-            pre = f"experts.{e}."
-            if e not in chosen:
-                quantize((f"{pre}gate_proj.weight", f"{pre}up_proj.weight", f"{pre}down_proj.weight"), None)
-                continue
-            rows, slot = chosen[e]
-            quantize((f"{pre}gate_proj.weight", f"{pre}up_proj.weight"), flat[rows])
-            act = mlp_hidden(spec, wq, flat[rows], pre)
-            quantize((f"{pre}down_proj.weight",), act)
-            out.index_add_(0, rows, linear(act, wq, f"{pre}down_proj") * weights[rows, slot, None])
-        if spec.shared_expert_ffn:  # every token goes through it
-            quantize(("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert_gate.weight"),
-                     flat)
-            act = mlp_hidden(spec, wq, flat, "shared_expert.")
-            quantize(("shared_expert.down_proj.weight",), act)
-            out += shared_expert(spec, wq, flat, act)
-        return out.view(x.shape)
-
     @torch.inference_mode()
     def _layer(self, index: int, w: Weights, fit: bool) -> dict[str, QuantizedTensor]:
         if index != self.next_layer:
@@ -234,15 +205,9 @@ class GPTQCalibration:
         h = h + (norm(spec, branch, wq, "attn_post_norm") if spec.sandwich_norms else branch)
         del a, branch
         x = norm(spec, h, wq, "mlp_norm")
-        if spec.num_experts:
-            branch = self._experts(spec, wq, x, quantize)
-        else:
-            quantize(("gate_proj.weight", "up_proj.weight") if spec.gated_mlp else ("fc1.weight",), x)
-            act = mlp_hidden(spec, wq, x)
-            down = "down_proj" if spec.gated_mlp else "fc2"
-            quantize((f"{down}.weight",), act)
-            branch = linear(act, wq, down)
-            del act
+        # each MLP weight (an expert's: from the tokens the quantized router sends it) quantized
+        # on the inputs it multiplies, just before it does
+        branch = mlp(spec, wq, x, before=quantize)
         del x
         self.hidden = h + (norm(spec, branch, wq, "mlp_post_norm") if spec.sandwich_norms else branch)
         self.next_layer += 1

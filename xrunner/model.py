@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -315,26 +315,44 @@ def expert_rows(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Te
     return out
 
 
-def mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+# ``before(names, inputs)``: called by :func:`mlp` before weights ``names`` multiply ``inputs``
+# (None: no token reaches them); the GPTQ pass quantizes them there, on the inputs it sees
+BeforeWeights = Callable[[tuple[str, ...], "torch.Tensor | None"], None]
+
+
+def mlp(spec: ModelSpec, w: Weights, x: torch.Tensor, before: BeforeWeights | None = None) -> torch.Tensor:
     """The MLP's output for normed input ``x [..., h]``: dense, or each token's experts' outputs
-    summed by its routing weights (:func:`route`; only the tokens routed to an expert go through it)."""
+    summed by its routing weights (:func:`route`; only the tokens routed to an expert go through
+    it), plus Qwen2-MoE's shared expert scaled by ``sigmoid(shared_expert_gate . x)``."""
+    def see(names: tuple[str, ...], inputs: torch.Tensor | None) -> None:
+        if before is not None:
+            before(names, inputs)
+
+    def branch(prefix: str, inputs: torch.Tensor, gate: tuple[str, ...] = ()) -> torch.Tensor:
+        down = f"{prefix}down_proj" if spec.gated_mlp else "fc2"
+        see((f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight") + gate if spec.gated_mlp else ("fc1.weight",),
+            inputs)
+        act = mlp_hidden(spec, w, inputs, prefix)
+        see((f"{down}.weight",), act)
+        return linear(act, w, down)
+
     if not spec.num_experts:
-        return linear(mlp_hidden(spec, w, x), w, "down_proj" if spec.gated_mlp else "fc2")
+        return branch("", x)
     flat = x.reshape(-1, x.shape[-1])
+    see(("router.weight",), flat)
     experts, weights = route(spec, w, flat)
     out = torch.zeros_like(flat)
-    for e, rows, slot in expert_rows(experts):
-        y = linear(mlp_hidden(spec, w, flat[rows], f"experts.{e}."), w, f"experts.{e}.down_proj")
-        out.index_add_(0, rows, y * weights[rows, slot, None])
+    chosen = {e: (rows, slot) for e, rows, slot in expert_rows(experts)}
+    for e in range(spec.num_experts) if before is not None else sorted(chosen):
+        if e not in chosen:
+            see(tuple(f"experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")), None)
+            continue
+        rows, slot = chosen[e]
+        out.index_add_(0, rows, branch(f"experts.{e}.", flat[rows]) * weights[rows, slot, None])
     if spec.shared_expert_ffn:
-        out += shared_expert(spec, w, flat, mlp_hidden(spec, w, flat, "shared_expert."))
+        shared = branch("shared_expert.", flat, gate=("shared_expert_gate.weight",))
+        out += torch.sigmoid(linear(flat, w, "shared_expert_gate")) * shared
     return out.view(x.shape)
-
-
-def shared_expert(spec: ModelSpec, w: Weights, x: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-    """Qwen2-MoE's shared expert for tokens ``x`` whose inner activation is ``act``: its output
-    scaled by each token's ``sigmoid(shared_expert_gate . x)``."""
-    return torch.sigmoid(linear(x, w, "shared_expert_gate")) * linear(act, w, "shared_expert.down_proj")
 
 
 def attn_out_mlp(spec: ModelSpec, w: Weights, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
