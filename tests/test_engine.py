@@ -220,6 +220,25 @@ def test_a_sliding_window_holds_in_every_attention_path(tmp_path, where, spec):
     assert got == want
 
 
+def test_a_windowed_layer_reads_only_its_window_of_an_offloaded_cache(tmp_path):
+    """A decode step of a layer with a sliding window loads its window's last W - 1 cached
+    positions per row (the step's own K/V is the W-th), not the whole context: here every context
+    is longer than the window, so the disk reads are exactly that, a quarter of the unwindowed run's."""
+    reqs = [replace(r, max_new_tokens=MAX_OUTPUT) for r in make_requests(6, seed=6, vocab=MISTRAL.vocab_size,
+                                                                          min_prompt=8)]
+    policy = Policy(gbs=3, nb=2, cg=0.0, cd=1.0)  # the whole cache on disk, staged to the device
+    read = {}
+    for spec in (MISTRAL, replace(MISTRAL, sliding_window=None)):
+        src = RandomSource(spec, seed=11)
+        got, stats = run_engine(src, policy, reqs, tmp_path, record_trace=True)
+        assert got == reference(load_weights(src), reqs)
+        read[spec.sliding_window] = sum(e.args["bytes"] for e in stats.events if e.track == "dtoc")
+        steps = stats.generated_tokens - len(reqs)  # each request's first token comes from its prefill
+    per_step = MISTRAL.num_layers * (MISTRAL.sliding_window - 1) * MISTRAL.kv_bytes_per_token_per_layer
+    assert read[MISTRAL.sliding_window] == steps * per_step
+    assert read[None] > 4 * read[MISTRAL.sliding_window]
+
+
 @pytest.mark.parametrize("where", [dict(), dict(cg=0.0, cc=1.0, cpu_attention=True)], ids=["gpu", "cpu-attention"])
 def test_partly_finished_batches_attend_in_place_over_the_span_of_their_rows(llama, tmp_path, monkeypatch, where):
     """When the rows left of a GPU batch are no contiguous range, decode attention runs over the

@@ -293,6 +293,33 @@ def test_layer_sweep_calls_rotate_through_distinct_layers_and_caches(monkeypatch
     assert [s[1:] for s in seen[:3]] == [s[1:] for s in seen[3:]]  # the same KV caches in both
 
 
+def test_a_windowed_layers_decode_is_timed_over_its_window(monkeypatch):
+    """The runner's decode step of a windowed layer reads its last ``sliding_window`` positions
+    only; the sweep times the same call: a windowed layer's cache view and mask are the window,
+    the unwindowed layers' the whole context, and the new position keeps its rotary index."""
+    import xrunner.model
+    from xprofiler.sweeps import layer_points
+
+    spec = dataclasses.replace(TINY, num_layers=2, sliding_window=16, window_layers=(True, False))
+    seen = []
+    real = xrunner.model.layer_forward
+
+    def spy(spec_, w, hidden, pos, rope, kc, vc, mask, start):
+        seen.append((spec_.sliding_window, kc.shape[2], vc.shape[2], mask.shape[1], start, int(pos[0, 0])))
+        return real(spec_, w, hidden, pos, rope, kc, vc, mask, start)
+
+    monkeypatch.setattr(xrunner.model, "layer_forward", spy)
+    (dec,) = layer_points(spec, "decode", [(4, 64)], "cpu", "float32", cache_bytes=0)
+    (pre,) = layer_points(spec, "prefill", [(4, 64)], "cpu", "float32", cache_bytes=0)
+    dec.fn(), pre.fn()
+    assert seen == [(16, 16, 16, 16, 15, 63), (16, 64, 64, 64, 0, 0)]
+    seen.clear()
+    (dec,) = layer_points(dataclasses.replace(spec, window_layers=(False, True)), "decode", [(4, 64)], "cpu",
+                          "float32", cache_bytes=0)
+    dec.fn()
+    assert seen == [(None, 64, 64, 64, 63, 63)]
+
+
 def test_head_sweep_rotates_through_copies_of_the_matrix():
     import torch
 

@@ -240,6 +240,31 @@ def test_compression_shrinks_stored_bytes_and_adds_dequant_buffers():
         CostModel(OPT30, prof, compress_cache=True, cpu_attention=True)
 
 
+def test_a_windowed_layers_decode_is_priced_over_its_window_only():
+    """The runner loads and attends to a windowed layer's last ``sliding_window`` positions only,
+    so a decode step at context ``T`` costs what an unwindowed model's does at ``min(T, W)``, averaged
+    over the layers (Gemma 2 windows every other one); prefill (computed in full) is unchanged."""
+    base = get_model_spec("smollm2-135m").with_dtype("float32")
+    every = replace(base, sliding_window=256)
+    half = replace(every, window_layers=tuple(i % 2 == 0 for i in range(base.num_layers)))
+    assert every.decode_context(100) == 100 and every.decode_context(1000) == 256
+    assert half.decode_context(1000) == pytest.approx(628.0)
+    assert list(half.decode_context(np.array([100.0, 1000.0]))) == pytest.approx([100.0, 628.0])
+    for pol in (Policy(gbs=8, nb=1, wg=1.0, cg=0.0, cc=1.0),  # the cache comes to the device
+                Policy(gbs=8, nb=1, wg=1.0, cg=0.0, cc=1.0, cpu_attention=True)):  # attends on the host
+        for spec in (every, half):
+            windowed = CostModel.for_policy(spec, t4_like(), pol)
+            plain = CostModel.for_policy(base, t4_like(), pol)
+            got = windowed.batch_terms("decode", 8, 1000, pol.placement()).as_dict()
+            assert got == pytest.approx(plain.batch_terms("decode", 8, spec.decode_context(1000),
+                                                          pol.placement()).as_dict())
+            assert got != pytest.approx(plain.batch_terms("decode", 8, 1000, pol.placement()).as_dict())
+            assert windowed.batch_terms("prefill", 8, 1000, pol.placement()).as_dict() == pytest.approx(
+                plain.batch_terms("prefill", 8, 1000, pol.placement()).as_dict())
+    feats = layer_features(half, "decode", 8, 1000)
+    assert feats["kv_bytes"] == pytest.approx(8 * 628 * base.kv_bytes_per_token_per_layer)
+
+
 def test_a_4bit_cache_on_a_cpu_attends_over_its_codes_without_a_dequant_buffer():
     """On a CPU host the engine attends over the 4-bit codes (xrunner.kvattend): the plan has no
     kv_dequant buffer, and decode attention is priced from the profile's kv_attend probe (per query

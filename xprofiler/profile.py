@@ -120,10 +120,11 @@ def layer_features(spec: "ModelSpec", phase: str, batch: Any, length: Any) -> di
                 "linear_flops": tokens * spec.linear_flops_per_token(),
                 "attn_flops": tokens * spec.attention_flops_per_token(1) * length}
     if phase == "decode":
+        read = spec.decode_context(length)  # a windowed layer's query reads its window only
         return {"const": 1.0 + 0.0 * batch, "tokens": batch + 0.0 * length,
                 "linear_flops": batch * spec.linear_flops_per_token() + 0.0 * length,
-                "attn_flops": batch * spec.attention_flops_per_token(1) * length,
-                "kv_bytes": batch * length * spec.kv_bytes_per_token_per_layer}
+                "attn_flops": batch * spec.attention_flops_per_token(1) * read,
+                "kv_bytes": batch * read * spec.kv_bytes_per_token_per_layer}
     raise ValueError(f"unknown phase {phase!r}")
 
 

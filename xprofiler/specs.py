@@ -306,6 +306,16 @@ class ModelSpec(Contract):
         """Key plus value for one token in one layer (FlexGen's 4*h bytes in fp16 for MHA)."""
         return 2 * self.kv_dim * self.dtype_bytes
 
+    def decode_context(self, context: Any) -> Any:
+        """Positions a decode query reads and attends to at ``context`` positions, averaged over the
+        layers: a windowed layer reads its last ``sliding_window`` only (the runner loads and
+        attends to no older column); the cache still holds them all. Numbers or numpy arrays."""
+        if self.sliding_window is None:
+            return context
+        share = (sum(self.window_layers) if self.window_layers else self.num_layers) / self.num_layers
+        over = context - self.sliding_window
+        return context - share * over * (over > 0)
+
     def kv_cache_bytes(self, batch: int, tokens: int) -> int:
         """KV cache of ``batch`` sequences of ``tokens`` positions over all layers."""
         return self.kv_bytes_per_token_per_layer * self.num_layers * batch * tokens

@@ -225,8 +225,11 @@ def layer_points(spec: ModelSpec, phase: str, points: Sequence[tuple[int, int]] 
             def step(hidden: Any = hidden, pos: Any = pos, mask: Any = mask, start: int = start,
                      ops: Any = ops) -> Any:
                 w, s, rope, kc, vc = next(ops)
+                # a windowed layer's decode step reads its window only, as the runner's does
+                lo = max(start + 1 - s.sliding_window, 0) if start and s.sliding_window else 0
                 with torch.inference_mode():
-                    return layer_forward(s, w, hidden, pos, rope, kc, vc, mask, start)
+                    return layer_forward(s, w, hidden, pos, rope, kc[:, :, lo:], vc[:, :, lo:], mask[:, lo:],
+                                         start - lo)
 
             out.append(Point(sample_meta("warm" if warm else "layer", model=spec.name, phase=phase, dtype=dtype,
                                          batch=b, length=n, shape=f"{tag}{b}x{n}", count=count,

@@ -359,6 +359,18 @@ class _Work:
     def t(self) -> int:
         return self.ids.shape[1]
 
+    def first_col(self, window: int | None) -> int:
+        """First context column a decode step's query attends to in a layer with sliding ``window``
+        (None: all from ``begin``). A row's own tokens fill its columns up to ``col`` without a
+        gap, so the last ``window`` columns hold all its tokens in the window; older ones are
+        neither loaded nor attended to, and the padding among the kept ones stays masked."""
+        return self.begin if window is None else max(self.begin, self.col + 1 - window)
+
+    def context_mask(self, window: int | None, cpu: bool = False) -> torch.Tensor | None:
+        """The decode context mask (``cpu``: its host copy) from :meth:`first_col` on."""
+        mask = self.cpu_mask if cpu else self.mask
+        return None if mask is None else mask[:, self.first_col(window) - self.begin:]
+
 
 # --------------------------------------------------------------------------- the engine
 class Engine:
@@ -1065,7 +1077,7 @@ class Engine:
                             Ref("disk", acts["disk"].row(r).span(0, t)), relay=self.act_relay[0][0])
         if not decode:
             return
-        b, c = work.begin, work.col
+        b, c = work.first_col(self.layer_specs[layer].sliding_window), work.col
         homes = self.kv_home[work.batch][layer]
         for tier, k0, rows in self._offloaded(self.cache_split, work.slots):
             for part, (home, stage) in enumerate(zip(homes[tier], self.kv_stage[slot] if self.kv_stage else
@@ -1100,7 +1112,7 @@ class Engine:
         homes = self.kv_home[work.batch][layer]
         c0 = work.col
         width = 1 if decode else t
-        src_col = (work.col - work.begin) if decode else 0
+        src_col = (work.col - work.first_col(self.layer_specs[layer].sliding_window)) if decode else 0
         for tier, k0, rows in self._offloaded(self.cache_split, work.slots):
             for part, home in enumerate(homes[tier]):
                 if decode and self.policy.cpu_attention:
@@ -1200,7 +1212,7 @@ class Engine:
             self._hidden_out(work, hidden, slot)
         self._tock(start, "decode" if decode else "prefill",
                    {"layer": layer, "batch": work.batch, "rows": n,
-                    "length": work.col + 1 - work.begin if decode else t}, minus_s=cpu_s)
+                    "length": work.col + 1 - work.first_col(spec.sliding_window) if decode else t}, minus_s=cpu_s)
         return out
 
     def _decode_attention(self, layer: int, work: _Work, homes: dict[str, list[Any]], q: torch.Tensor,
@@ -1209,8 +1221,9 @@ class Engine:
         """Attention of one new token per row, tier group by tier group; returns CPU-attention
         seconds. ``sinks``: the layer's attention sinks (GPT-OSS)."""
         spec, led, codec = self.layer_specs[layer], self.ledger, self.codec
-        b, c = work.begin, work.col
+        b, c = work.first_col(spec.sliding_window), work.col
         T1 = c + 1 - b
+        work_mask, work_cpu_mask = work.context_mask(spec.sliding_window), work.context_mask(spec.sliding_window, True)
         k, v = codec.prepare(k, v, layer)  # once: the cache stores them, and they attend as the own K/V
         enc = codec.pack(k, v)
         cpu_s, k_off = 0.0, 0
@@ -1218,8 +1231,8 @@ class Engine:
             qs = _take(q, pos)
             new = [_take(e, pos) for e in enc]
             own = (_take(k, pos), _take(v, pos))
-            mask = _take(work.mask, pos)
-            full = bool(_take(work.cpu_mask, pos).all())  # read on the host: no wait for the device
+            mask = _take(work_mask, pos)
+            full = bool(_take(work_cpu_mask, pos).all())  # read on the host: no wait for the device
             span = None
             if tier == "gpu":
                 self._put_cols(homes["gpu"], rows, c, new)
@@ -1263,7 +1276,7 @@ class Engine:
         """FlexGen §4.2: rows whose cache is not on the gpu tier attend on the CPU, next to their
         cache. ``spec``: the layer's (its window and softcap)."""
         st, led = self.store, self.ledger
-        b, c = work.begin, work.col
+        b, c = work.first_col(spec.sliding_window), work.col
         T1 = c + 1 - b
         cpu = torch.device("cpu")
         qc = torch.empty(q.shape, dtype=q.dtype, device=cpu)
@@ -1272,7 +1285,7 @@ class Engine:
         for dst, src in zip(newc, new):
             st.copy(Ref("cpu", dst), Ref("gpu", src))
         t0 = time.perf_counter()
-        mask = _take(work.cpu_mask, pos)
+        mask = _take(work.context_mask(spec.sliding_window, cpu=True), pos)
         span = None
         if tier == "cpu":
             self._put_cols(homes["cpu"], rows, c, newc, tier="cpu")

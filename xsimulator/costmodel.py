@@ -551,8 +551,9 @@ class CostModel:
         linear_flops = tokens * spec.linear_flops_per_token()
         linear = _op_seconds(self.profile, "mm", linear_flops,
                              self.layer_matmul_bytes + 2 * tokens * spec.act_bytes_per_token)
-        attn_flops = tokens * spec.attention_flops_per_token(length)
-        kv_read = rows * length * spec.kv_bytes_per_token_per_layer
+        read = length if phase == "prefill" else spec.decode_context(length)  # (sliding windows)
+        attn_flops = tokens * spec.attention_flops_per_token(read)
+        kv_read = rows * read * spec.kv_bytes_per_token_per_layer
         attn = _op_seconds(self.profile, "bmm", attn_flops, kv_read)
         return linear, attn
 
@@ -606,7 +607,8 @@ class CostModel:
             gtoc = gtoc + kv_moves("gtoc", kv_new_st)
             gpu_compute = other_s + attn_s
         else:
-            kv_ctx = rows * length * spec.kv_bytes_per_token_per_layer  # cache the new token attends to
+            read = spec.decode_context(length)  # positions the new token attends to (a window's only)
+            kv_ctx = rows * read * spec.kv_bytes_per_token_per_layer  # the cache it reads
             kv_ctx_st = kv_ctx * self.kv_stored_ratio if self.compress_cache else kv_ctx
             dtoc = dtoc + disk_rows(p["cd"], "dtoc", kv_ctx_st, rows, parts)
             # Over a 4-bit cache on a CPU, attention is the fused kernel's, priced below (a profile
@@ -618,7 +620,7 @@ class CostModel:
                 gtoc = gtoc + rows_move(off_c, "gtoc", rows * ((spec.q_dim + 2 * spec.kv_dim) * dt), 3)
                 ctog = ctog + rows_move(off_c, "ctog", rows * (spec.q_dim * dt), 1)
                 if not _is_zero(off_c):
-                    cpu_attn = self._cpu_attention_s(rows, length, kv_ctx) * self.factor("cpu_compute")
+                    cpu_attn = self._cpu_attention_s(rows, read, kv_ctx) * self.factor("cpu_compute")
                     cpu_compute = off_c * cpu_attn + _times(p["cc"], self._scattered_rows_s(
                         rows, length, kv_ctx, cpu_attn_s=cpu_attn))
                 gpu_compute = other_s + _times(p["cg"], attn_s)
