@@ -515,6 +515,18 @@ def test_open_model_by_name(tmp_path):
     assert isinstance(src, RandomSource) and src.spec.num_layers == 12 and src.seed == 4
     with pytest.raises(UserError, match="no tokenizer"):
         src.tokenizer()
+    # a config.json without weights: refused with the hint, and its shape runs as random:PATH
+    (tmp_path / "shape").mkdir()
+    (tmp_path / "shape" / "config.json").write_text(json.dumps(dict(
+        model_type="mixtral", num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, num_local_experts=4,
+        num_experts_per_tok=2)))
+    with pytest.raises(UserError, match=f"no \\*.safetensors file; random:{tmp_path / 'shape'} runs seeded"):
+        open_model(tmp_path / "shape")
+    for where in (tmp_path / "shape", tmp_path / "shape" / "config.json"):
+        src = open_model(f"random:{where}", dtype="float32")
+        assert isinstance(src, RandomSource) and (src.spec.num_experts, src.spec.hidden) == (4, 64)
+        assert set(src.load_layer(1)) >= {"router.weight", "experts.3.down_proj.weight"}
 
 
 # ----------------------------------------------------------------------------- SmolLM2-135M, real weights

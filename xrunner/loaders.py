@@ -209,7 +209,8 @@ class HFDirectorySource(ModelSource):
         if not shards:
             pickled = sorted(p.name for p in self.path.glob("*.bin")) + sorted(p.name for p in self.path.glob("*.pt"))
             hint = (f" (found {pickled[0]}: xsched never unpickles; re-save the model with "
-                    "save_pretrained(..., safe_serialization=True))") if pickled else ""
+                    "save_pretrained(..., safe_serialization=True))") if pickled else \
+                f"; random:{self.path} runs seeded random weights of its config's shape"
             raise UserError(f"{self.path}: missing weights, no *.safetensors file{hint}")
         files: dict[str, Path] = {}
         for shard in shards:
@@ -570,7 +571,9 @@ def default_model_path() -> Path:
 
 
 def open_model(model: str | Path | None = None, dtype: str | None = None, seed: int = 0) -> ModelSource:
-    """A source for a local HF directory, a ``.gguf`` file, ``random:<registry name>``, or the default.
+    """A source for a local HF directory, a ``.gguf`` file, ``random:<registry name, config.json or
+    directory>`` (seeded random weights of that shape: a model too big to download still plans and
+    runs), or the default.
 
     A bare registry name (``opt-30b``) has no weights offline and is refused with a hint.
     """
