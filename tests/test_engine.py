@@ -220,6 +220,28 @@ def test_a_sliding_window_holds_in_every_attention_path(tmp_path, where, spec):
     assert got == want
 
 
+@pytest.mark.parametrize("where", [dict(), dict(cg=0.0, cc=1.0, cpu_attention=True), dict(cg=0.0, cd=1.0),
+                                   dict(compress_cache=True)],
+                         ids=["gpu", "cpu-attention", "disk-staged-to-gpu", "4-bit-cache"])
+def test_a_window_reaches_past_the_columns_a_longer_refilled_prompt_skips(tmp_path, monkeypatch, where):
+    """A prompt that joins a batch and is longer than its context moves every row's next column
+    past it: row ``a`` below has 3 + 1 tokens, then 10 masked columns, then its next. Its window
+    of 5 tokens reaches back over the masked columns to its prompt (a decode step that read the
+    last 5 columns alone would see one token). The 4-bit cache against the reference that
+    quantizes its cache alike."""
+    rng = random.Random(0)
+    reqs = [Request("a", tuple(rng.randrange(MISTRAL.vocab_size) for _ in range(3)), 9),
+            Request("b", tuple(rng.randrange(MISTRAL.vocab_size) for _ in range(2)), 1),
+            Request("c", tuple(rng.randrange(MISTRAL.vocab_size) for _ in range(MAX_PROMPT)), 4)]
+    src = RandomSource(MISTRAL, seed=11)
+    if where.get("compress_cache"):
+        monkeypatch.setattr(generate_module, "layer_forward", _layer_with_quantized_cache)
+    want = reference(load_weights(src), reqs)
+    monkeypatch.undo()
+    got, _ = run_engine(src, Policy(gbs=2, nb=1, refill_every=1, **where), reqs, tmp_path)
+    assert got == want
+
+
 def test_a_windowed_layer_reads_only_its_window_of_an_offloaded_cache(tmp_path):
     """A decode step of a layer with a sliding window loads its window's last W - 1 cached
     positions per row (the step's own K/V is the W-th), not the whole context: here every context

@@ -225,6 +225,19 @@ def _spread(span: tuple[int, int], rows: Sequence[int], q: torch.Tensor, mask: t
     return fill(q, 0), fill(mask, 1), at
 
 
+def _window_start(mask: torch.Tensor, window: int | None) -> int:
+    """The first of ``mask``'s columns (``[rows, T]``, True where a row has a token) holding one
+    of any row's last ``window`` tokens (0 without a window). A row's tokens are not always
+    contiguous: a refill whose prompt is longer than the batch's context moves every row's next
+    column past masked ones, so the last ``window`` columns may hold fewer than ``window``."""
+    if window is None or mask.shape[1] <= window:
+        return 0
+    seen = mask.flip(-1).cumsum(-1)  # [rows, T]: tokens in the last j + 1 columns
+    need = seen[:, -1:].clamp(max=window)  # each row's tokens in its window
+    last = (seen >= need).int().argmax(-1)  # the first j reaching it: its oldest windowed token
+    return mask.shape[1] - 1 - int(last.max())
+
+
 def _done() -> Future:
     """A future that has already completed (a task with nothing to do)."""
     fut: Future = Future()
@@ -359,12 +372,13 @@ class _Work:
     def t(self) -> int:
         return self.ids.shape[1]
 
+    window_begin: int = 0  # decode: first column holding any row's last ``sliding_window`` tokens
+
     def first_col(self, window: int | None) -> int:
-        """First context column a decode step's query attends to in a layer with sliding ``window``
-        (None: all from ``begin``). A row's own tokens fill its columns up to ``col`` without a
-        gap, so the last ``window`` columns hold all its tokens in the window; older ones are
-        neither loaded nor attended to, and the padding among the kept ones stays masked."""
-        return self.begin if window is None else max(self.begin, self.col + 1 - window)
+        """First context column a decode step loads and attends to in a layer with a sliding
+        ``window`` (None: all from ``begin``). Older columns hold no row's windowed tokens; the
+        attention's own window mask still picks each row's among the kept ones."""
+        return self.begin if window is None else max(self.begin, self.window_begin)
 
     def context_mask(self, window: int | None, cpu: bool = False) -> torch.Tensor | None:
         """The decode context mask (``cpu``: its host copy) from :meth:`first_col` on."""
@@ -1624,7 +1638,7 @@ class Engine:
                 batch.mask[s, c] = True
             cmask = batch.mask[slots][:, b:c + 1]
             works.append(_Work(j, slots, ids.to(self.device), pos.to(self.device), c, b, cmask.to(self.device),
-                               cpu_mask=cmask))
+                               cpu_mask=cmask, window_begin=b + _window_start(cmask, self.spec.sliding_window)))
             batch.end = c + 1
             for r in rows:
                 r.n_ctx += 1  # type: ignore[union-attr]
