@@ -50,6 +50,19 @@ def synthetic(spec, profile, runs, noise: float = 0.0, seed: int = 0) -> list[Me
     return out
 
 
+def test_a_cut_model_keeps_its_first_layers_windows():
+    """Calibration runs cut copies of the model; Gemma's per-layer windows are cut with the layers
+    (a 26-flag window list on a 4-layer copy was refused, so calibrating Gemma 2/3 crashed)."""
+    from xprofiler.specs import get_model_spec
+
+    gemma3 = get_model_spec("gemma-3-1b")  # 5 of 6 layers windowed, the 6th full
+    cut = cut_spec(gemma3, 6)
+    assert cut.num_layers == 6 and cut.window_layers == (True,) * 5 + (False,)
+    assert [s.sliding_window for s in cut.layer_specs()] == [512] * 5 + [None]
+    assert cut_spec(gemma3, 100).window_layers == gemma3.window_layers
+    assert cut_spec(get_model_spec("phi-3-mini"), 2).window_layers == ()  # every layer windowed alike
+
+
 def test_a_gen_len_past_the_models_positions_names_the_flag_and_its_limit():
     """The engine's own refusal ("max prompt 16 + max output 100000002 exceed ...; lower them") named
     neither --gen-len nor a value; the prompts are the design's (review)."""

@@ -111,8 +111,10 @@ class RunDesign:
 
 
 def cut_spec(spec: ModelSpec, num_layers: int) -> ModelSpec:
-    """``spec`` with fewer (identical) decoder layers: same name, so the profile's layer fits apply."""
-    return replace(spec, num_layers=max(1, min(num_layers, spec.num_layers)))
+    """``spec``'s first ``num_layers`` decoder layers (each with its own window, as Gemma's have):
+    same name, so the profile's layer fits apply."""
+    n = max(1, min(num_layers, spec.num_layers))
+    return replace(spec, num_layers=n, window_layers=spec.window_layers[:n])
 
 
 def design_runs(spec: ModelSpec, gen_len: int = 6, depth: int = 4) -> list[RunDesign]:
