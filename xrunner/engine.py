@@ -367,12 +367,11 @@ class _Work:
     begin: int  # first context column (decode)
     mask: torch.Tensor | None  # prefill: [n, t] padding mask; decode: [n, T+1] context mask (device)
     cpu_mask: torch.Tensor | None = None  # decode context mask on the CPU (CPU attention; all-real test)
+    window_begin: int = 0  # decode: first column holding any row's last ``sliding_window`` tokens
 
     @property
     def t(self) -> int:
         return self.ids.shape[1]
-
-    window_begin: int = 0  # decode: first column holding any row's last ``sliding_window`` tokens
 
     def first_col(self, window: int | None) -> int:
         """First context column a decode step loads and attends to in a layer with a sliding
