@@ -309,7 +309,9 @@ class ModelSpec(Contract):
     def decode_context(self, context: Any) -> Any:
         """Positions a decode query reads and attends to at ``context`` positions, averaged over the
         layers: a windowed layer reads its last ``sliding_window`` only (the runner loads and
-        attends to no older column); the cache still holds them all. Numbers or numpy arrays."""
+        attends to no older column); the cache still holds them all. Numbers or numpy arrays.
+        A refilled prompt longer than its batch's context leaves masked columns inside the other
+        rows' windows, which the runner reads too; this count leaves them out."""
         if self.sliding_window is None:
             return context
         share = (sum(self.window_layers) if self.window_layers else self.num_layers) / self.num_layers
