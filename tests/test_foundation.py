@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -259,6 +260,14 @@ def test_mixture_of_experts_configs_count_every_expert_and_flop_the_routed_ones(
             assert spec == replace(get_model_spec(registry), dtype="bfloat16")
         assert ModelSpec.from_json(spec.to_json()) == spec
     assert spec.shared_expert_ffn == 5632 and spec.qkv_bias and not spec.expert_weights_renormalized
+    # gpt-oss-120b: the same layers, 36 of them, 128 experts (116,829,156,672 params as published;
+    # the 4 active experts of each of its 36 layers hold 3,584,424,960, as public counts have it)
+    big = spec_from_hf_dict({**oss, "num_hidden_layers": 36, "num_local_experts": 128,
+                             "layer_types": ["sliding_attention", "full_attention"] * 18}, name="gpt-oss-120b")
+    expert = big.layer_tensor_shapes()
+    expert_params = sum(math.prod(s) for k, s in expert.items() if k.startswith("experts.0."))
+    assert big.num_params == 116_829_156_672 and 4 * expert_params * 36 == 3_584_424_960
+    assert big == replace(get_model_spec("gpt-oss-120b"), dtype="bfloat16")
     oss_spec = get_model_spec("gpt-oss-20b")
     assert oss_spec.attention_sinks and oss_spec.mlp_bias and oss_spec.activation == "swiglu_clamped"
     assert "experts.31.down_proj.bias" in oss_spec.layer_tensor_shapes() and oss_spec.window_layers[:2] == (True, False)

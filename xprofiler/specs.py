@@ -769,6 +769,17 @@ def _gemma(name: str, model_type: str, layers: int, hidden: int, ffn: int, heads
     return replace(spec_from_hf_dict(cfg, name), dtype="float16")
 
 
+def _gpt_oss(name: str, layers: int, experts: int) -> ModelSpec:
+    """A gpt-oss registry entry: the two sizes differ only in their layer and expert counts."""
+    return replace(spec_from_hf_dict(dict(
+        model_type="gpt_oss", num_hidden_layers=layers, hidden_size=2880, intermediate_size=2880,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+        max_position_embeddings=131072, sliding_window=128, num_local_experts=experts, num_experts_per_tok=4,
+        rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False, eos_token_id=[200002, 200012],
+        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                          original_max_position_embeddings=4096), rope_theta=150000.0), name), dtype="float16")
+
+
 def _registry() -> dict[str, ModelSpec]:
     specs = [
         _opt("opt-125m", 12, 768, 12),
@@ -807,16 +818,10 @@ def _registry() -> dict[str, ModelSpec]:
         _llama("mixtral-8x7b", 32, 4096, 14336, 32, 8, 32000, 32768, 1000000.0, experts=(8, 2, True)),
         _llama("qwen3-30b-a3b", 48, 2048, 768, 32, 4, 151936, 40960, 1000000.0, eps=1e-6, eos=151645,
                head_dim=128, qk_norm=True, experts=(128, 8, True)),
-        # gpt-oss-20b, from its config.json: 4 of 32 biased experts per token, attention sinks,
-        # every other layer windowed to 128 positions, YaRN to 131072
-        replace(spec_from_hf_dict(dict(
-            model_type="gpt_oss", num_hidden_layers=24, hidden_size=2880, intermediate_size=2880,
-            num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
-            max_position_embeddings=131072, sliding_window=128, num_local_experts=32, num_experts_per_tok=4,
-            rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False, eos_token_id=[200002, 200012],
-            rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                              original_max_position_embeddings=4096), rope_theta=150000.0), "gpt-oss-20b"),
-                dtype="float16"),
+        # gpt-oss-20b and gpt-oss-120b, from their config.json: 4 of 32 (128) biased experts per
+        # token, attention sinks, every other layer windowed to 128 positions, YaRN to 131072
+        _gpt_oss("gpt-oss-20b", 24, 32),
+        _gpt_oss("gpt-oss-120b", 36, 128),
         # gemma-2-2b-it, gemma-2-9b-it (every other layer windowed to 4096, softcaps 50 and 30) and
         # gemma-3-1b-it (5 of 6 layers windowed to 512 on rotary base 10^4, the others on 10^6)
         _gemma("gemma-2-2b", "gemma2", 26, 2304, 9216, 8, 4, 256000, 8192, 4096, [1, 107], rope_theta=10000.0,
