@@ -245,7 +245,8 @@ def test_a_window_reaches_past_the_columns_a_longer_refilled_prompt_skips(tmp_pa
 def test_a_windowed_layer_reads_only_its_window_of_an_offloaded_cache(tmp_path):
     """A decode step of a layer with a sliding window loads its window's last W - 1 cached
     positions per row (the step's own K/V is the W-th), not the whole context: here every context
-    is longer than the window, so the disk reads are exactly that, a quarter of the unwindowed run's."""
+    is longer than the window, so the disk reads are exactly that, under a quarter of the unwindowed
+    run's (1 / 4.25 here)."""
     reqs = [replace(r, max_new_tokens=MAX_OUTPUT) for r in make_requests(6, seed=6, vocab=MISTRAL.vocab_size,
                                                                           min_prompt=8)]
     policy = Policy(gbs=3, nb=2, cg=0.0, cd=1.0)  # the whole cache on disk, staged to the device
