@@ -12,19 +12,21 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests.sim_profiles import cpu_host
+from tests.sim_profiles import GB, cpu_host
 from xprofiler.fingerprint import detect_fingerprint
 from xprofiler.specs import ModelSpec, get_model_spec
 from xrunner.calibrate import (FACTOR_TERMS, METRICS, SPEED_TERMS, Measurement, anchor_designs, cut_spec,
                                design_runs, fit_calibration, measure_design, predict, report, rescaled,
                                speed_ratio, workload_of)
 from xsched.cli import main
+from xsimulator import CostModel, Policy
 from xsimulator.discrete_event import simulate_timeline
 
 TRUE = {"ctog": 1.7, "gtoc": 0.6, "dtoc": 2.0, "ctod": 1.3, "gpu_compute": 1.4, "cpu_compute": 2.5,
         "dequant": 0.8, "quant": 1.9, "head": 3.0, "layer_overhead_s": 2e-4, "step_overhead_s": 4e-3,
         "block_layer_overhead_s": 1.5e-3, "row_copy_s": 3e-5, "disk_interference": 0.2,
-        "copy_interference": 0.15, "kv_codec_overhead_s": 4e-4, "dtoc_rows": 0.7}
+        "copy_interference": 0.15, "kv_codec_overhead_s": 4e-4, "dtoc_rows": 0.7,
+        "cpu_attention_overhead_s": 1.5e-4}
 
 TINY = ModelSpec(name="tiny-opt", family="opt", num_layers=4, hidden=128, ffn=512, num_heads=2, num_kv_heads=2,
                  head_dim=64, vocab_size=512, max_positions=256, norm="layernorm", activation="relu",
@@ -97,6 +99,7 @@ def test_fit_recovers_known_terms_from_synthetic_measurements():
     assert got["disk_interference"] == pytest.approx(TRUE["disk_interference"], rel=0.05)
     assert got["copy_interference"] == pytest.approx(TRUE["copy_interference"], rel=0.05)
     assert got["kv_codec_overhead_s"] == pytest.approx(TRUE["kv_codec_overhead_s"], rel=0.1)
+    assert got["cpu_attention_overhead_s"] == pytest.approx(TRUE["cpu_attention_overhead_s"], rel=0.1)
     assert fit.error_after < 1e-3 < fit.error_before
     by_term = {t.term: t for t in fit.terms}
     assert all(by_term[t].fitted and by_term[t].residuals > 0 for t in TRUE)
@@ -117,6 +120,26 @@ def test_one_row_batches_tell_the_per_batch_overhead_from_the_per_block_one(seed
     assert got["layer_overhead_s"] == pytest.approx(6e-4, rel=0.15)
     assert got["block_layer_overhead_s"] < 1e-4
     assert got["gpu_compute"] == pytest.approx(truth["gpu_compute"], rel=0.05)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cpu_attentions_fixed_cost_per_call_is_told_from_its_cost_per_byte(seed):
+    """An engine whose CPU attention pays 0.4 ms per call besides its bytes at 0.7x the probe's
+    time: with 3% noise the fit pins both, so a decode step over 512 positions, about 2.5x the
+    longest calibration context, is priced within 10%. One factor on the bytes, fitted to short
+    contexts where the fixed cost dominates, priced a model windowed to 128 of 512 positions 2.4x
+    too slow (stop 50)."""
+    spec = get_model_spec("opt-125m")
+    raw = cpu_host(cpu_attend_bytes_per_s=8 * GB)
+    truth = dict(TRUE, cpu_compute=0.7, cpu_attention_overhead_s=4e-4)
+    fit = fit_calibration(spec, raw, synthetic(spec, replace(raw, calibration=truth), design_runs(spec),
+                                               noise=0.03, seed=seed))
+    pol = Policy(gbs=8, nb=1, cg=0.0, cc=1.0, cpu_attention=True)
+
+    def cpu_s(prof):
+        return CostModel.for_policy(spec, prof, pol).batch_terms("decode", 8, 512, pol.placement()).cpu_compute
+
+    assert cpu_s(fit.profile) == pytest.approx(cpu_s(replace(raw, calibration=truth)), rel=0.1)
 
 
 def test_a_recalibration_keeps_the_terms_its_runs_cannot_see():

@@ -337,6 +337,27 @@ def test_cpu_attention_is_priced_from_the_profiles_probe_of_it_when_it_has_one()
     assert roof.batch_terms("decode", rows, length, pol.placement()).cpu_compute == pytest.approx(want)
 
 
+def test_cpu_attention_adds_its_fixed_cost_once_per_call_not_per_byte():
+    """``cpu_attention_overhead_s`` is paid once per layer, GPU batch and tier whose rows attend on
+    the CPU (a batch split over the cpu and disk tiers makes two calls), whatever the context; the
+    bytes' share scales with the context alone. Without offloaded rows there is no call."""
+    spec = get_model_spec("smollm2-135m").with_dtype("bfloat16")
+    pol = Policy(gbs=8, nb=1, cg=0.0, cc=1.0, cpu_attention=True)
+    over = 2e-4
+    bare = cpu_host(cpu_attend_bytes_per_s=2 * GB)
+    cal = replace(bare, calibration={"cpu_attention_overhead_s": over, "cpu_compute": 1.5})
+
+    def cpu_s(prof, length, **place):
+        cm = CostModel.for_policy(spec, prof, replace(pol, **place))
+        return cm.batch_terms("decode", 8, length, replace(pol, **place).placement()).cpu_compute
+
+    for length in (40, 400):
+        assert cpu_s(cal, length) == pytest.approx(1.5 * cpu_s(bare, length) + over)
+    assert cpu_s(cal, 400) - over == pytest.approx(10 * (cpu_s(cal, 40) - over))
+    assert cpu_s(cal, 100, cc=0.5, cd=0.5) == pytest.approx(1.5 * cpu_s(bare, 100, cc=0.5, cd=0.5) + 2 * over)
+    assert cpu_s(cal, 100, cg=1.0, cc=0.0) == 0.0
+
+
 def test_batches_that_reread_a_cached_layer_save_what_the_warm_fit_measured():
     """On a CPU a block's later GPU batches reread the layer its first batch just read, and with
     4-bit weights every batch reads the buffer the layer was just dequantized into: their decode

@@ -30,6 +30,9 @@ What is compared (per run; :data:`METRICS`):
   activations on cpu (many small row copies). ``kv_codec_overhead_s`` (per layer and GPU batch of
   a decode step over a 4-bit cache: the codec's fixed work per call) is pinned by the
   compressed-cache run; on a CPU that kernel is priced as compute from the profile's probe.
+  ``cpu_attention_overhead_s`` (per layer, GPU batch and tier of a decode step whose offloaded
+  rows attend on the CPU) is told apart from the ``cpu_compute`` factor on the bytes by two
+  CPU-attention runs, one over contexts about six times as long as the other's.
   ``dtoc`` (whole weight records, O_DIRECT) and ``dtoc_rows`` (KV-cache and activation rows read
   one at a time) both show in the ``dtoc`` metric and are told apart by the weights-on-disk run
   against the run with KV cache and activations on disk.
@@ -81,8 +84,11 @@ FACTOR_BOUNDS = (0.05, 20.0)
 # The terms a change of the machine's compute speed moves together (refresh scales them by one
 # factor); the I/O channels keep their fitted values.
 SPEED_TERMS: tuple[str, ...] = ("gpu_compute", "cpu_compute", "dequant", "quant", "head", "layer_overhead_s",
-                                "step_overhead_s", "block_layer_overhead_s", "row_copy_s", "kv_codec_overhead_s")
+                                "step_overhead_s", "block_layer_overhead_s", "row_copy_s", "kv_codec_overhead_s",
+                                "cpu_attention_overhead_s")
 OVERHEAD_BOUNDS_S = (0.0, 0.05)
+# Prompt positions of the long CPU-attention run (at most half the model's positions).
+LONG_PROMPT = 192
 INTERFERENCE_BOUNDS = (0.0, 1.0)
 
 
@@ -144,6 +150,7 @@ def design_runs(spec: ModelSpec, gen_len: int = 6, depth: int = 4) -> list[RunDe
     # (and the cost model charges nothing per step); three or more are fetched every step, which
     # is what excites ctog/dtoc here.
     frac = (d1 - 1) / d1 if d1 >= 4 else 1.0
+    long_prompt = max(32, min(LONG_PROMPT, spec.max_positions // 2))
     designs = [
         run("gpu-prefill", d2, 8, 48, 16, 2, ("gpu_compute", "head", "layer_overhead_s"), gbs=4, nb=2),
         run("gpu-decode", d2, 4, 16, 8, g + 2, ("gpu_compute", "head", "step_overhead_s"), gbs=4, nb=1),
@@ -151,8 +158,8 @@ def design_runs(spec: ModelSpec, gen_len: int = 6, depth: int = 4) -> list[RunDe
             nb=2, refill_every=2),
         run("weights-cpu", d1, 4, 16, 8, g, ("ctog",), gbs=4, nb=1, wg=1 - frac, wc=frac),
         run("weights-disk", d1, 4, 16, 8, g, ("dtoc", "ctog"), gbs=4, nb=1, wg=1 - frac, wd=frac),
-        run("kv-cpu-cpu-attention", d1, 8, 32, 8, g, ("cpu_compute", "gtoc", "ctog"), gbs=8, nb=1, cg=0.0,
-            cc=1.0, cpu_attention=True),
+        run("kv-cpu-cpu-attention", d1, 8, 32, 8, g, ("cpu_attention_overhead_s", "gtoc", "ctog"), gbs=8, nb=1,
+            cg=0.0, cc=1.0, cpu_attention=True),
         run("kv-act-cpu", d1, 8, 32, 8, g, ("ctog", "gtoc"), gbs=4, nb=2, cg=0.0, cc=1.0, hg=0.0, hc=1.0),
         run("kv-act-disk", d1, 4, 32, 8, g, ("dtoc_rows", "ctod"), gbs=4, nb=1, cg=0.0, cd=1.0, hg=0.5, hd=0.5),
         run("compress-weights", d1, 4, 16, 8, g, ("dequant",), gbs=4, nb=1, compress_weight=True),
@@ -164,6 +171,11 @@ def design_runs(spec: ModelSpec, gen_len: int = 6, depth: int = 4) -> list[RunDe
         # (opt-125m: 0.64 ms per block, ~0), while the engine's one-row batches each paid 0.6-0.7 ms.
         run("one-row-batches", d1, 8, 16, 8, g, ("layer_overhead_s", "block_layer_overhead_s", "head"), gbs=1,
             nb=4),
+        # kv-cpu-cpu-attention over contexts about six times as long: the bytes' share of CPU
+        # attention (the cpu_compute factor) grows with the context, the per-call share does not,
+        # so the two runs tell them apart. (Last, so the runs above keep their order.)
+        run("kv-cpu-cpu-attention-long", d1, 8, long_prompt, 8, g, ("cpu_compute",), gbs=8, nb=1, cg=0.0,
+            cc=1.0, cpu_attention=True),
     ]
     # The engine refused such a run with "max prompt ... exceed ... positions; lower them", which
     # named neither the flag nor a value: the prompts are the design's, only gen_len is the user's.

@@ -58,8 +58,13 @@ FACTOR_TERMS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "gpu_compute", 
 # exact K/V, the output's un-rotation), which no per-byte rate sees. Stop 28: fitted 1.27 ms on
 # opt-125m's 8-row calibration run (1 thread); a factor on the kernel's bytes had to absorb it as
 # 7.9x, which over-prices large batches.
+# And ``cpu_attention_overhead_s``: per layer, GPU batch and tier of a decode step whose offloaded
+# rows attend on the CPU, the delegation's fixed work (the query and new K/V copied over, the
+# mask, the cache write, the kernel's dispatch). Stop 50: with one factor on the bytes, the short
+# calibration run fitted ``cpu_compute`` 2.09 and a model windowed to 128 of 512 positions had
+# its CPU attention priced 2.4x what it measured.
 OVERHEAD_TERMS: tuple[str, ...] = ("layer_overhead_s", "step_overhead_s", "block_layer_overhead_s", "row_copy_s",
-                                   "kv_codec_overhead_s")
+                                   "kv_codec_overhead_s", "cpu_attention_overhead_s")
 # Compute seconds lost per second of disk reads running beside the compute (a fraction, default
 # 0): on a host without CUDA the reads land in the memory the compute streams from, and on a
 # small VM their interrupts and copies share its cores. Calibration fits it from the compute busy
@@ -383,6 +388,17 @@ def _is_zero(x: Any) -> bool:
     return isinstance(x, (int, float)) and x == 0
 
 
+def _calls(fraction: Any) -> Any:
+    """1 where a tier holds some of a batch's rows (the engine makes one call for them), else 0.
+    For an LP expression, the fraction itself: the placement LP is linear, so a per-call cost is
+    relaxed to one proportional to the share (it under-prices a small share)."""
+    if isinstance(fraction, (int, float)):
+        return 1.0 if fraction > 0 else 0.0
+    if isinstance(fraction, np.ndarray):
+        return (fraction > 0).astype(float)
+    return fraction
+
+
 def _times(k: Any, x: Any) -> Any:
     """``k * x``, skipping the multiply for a plain 1 and returning 0 for a plain 0."""
     if isinstance(k, (int, float)):
@@ -621,8 +637,9 @@ class CostModel:
                 ctog = ctog + rows_move(off_c, "ctog", rows * (spec.q_dim * dt), 1)
                 if not _is_zero(off_c):
                     cpu_attn = self._cpu_attention_s(rows, read, kv_ctx) * self.factor("cpu_compute")
-                    cpu_compute = off_c * cpu_attn + _times(p["cc"], self._scattered_rows_s(
-                        rows, length, kv_ctx, cpu_attn_s=cpu_attn))
+                    calls = _calls(p["cc"]) + _calls(p["cd"])  # one per tier holding offloaded rows
+                    cpu_compute = (off_c * cpu_attn + calls * self.overhead_s("cpu_attention_overhead_s")
+                                   + _times(p["cc"], self._scattered_rows_s(rows, length, kv_ctx, cpu_attn_s=cpu_attn)))
                 gpu_compute = other_s + _times(p["cg"], attn_s)
             else:
                 # Offloaded rows' cache comes to the device for attention; the new entries go back.
