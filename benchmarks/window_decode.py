@@ -1,4 +1,4 @@
-"""Decode speed of sliding-window layers: the window read alone against the whole context.
+"""Decode and prefill speed of sliding-window layers against every layer full.
 
 A decode step of a windowed layer (Mistral-7B-v0.1, Gemma 2/3, GPT-OSS's every other layer)
 needs only its last ``sliding_window`` cached positions. The engine loads and attends to those
@@ -8,7 +8,10 @@ and with every layer full (the same work the masked version did, less the mask),
 the decode phase's tokens/s of each, measured from the engine's own trace (first decode layer
 step to the last one's end, I/O and CPU attention included), beside the share of attention
 work the window leaves: ``ModelSpec.decode_context`` over the context, which is what
-``plan`` and ``simulate`` now price.
+``plan`` and ``simulate`` now price. The prefill columns are the same runs' prefill phase: a
+windowed layer's prefill attends in bands of query chunks (``xrunner.model.banded_prefill``,
+since stop 51; before, one attention over the whole prompt with a mask), priced by
+``ModelSpec.prefill_context``.
 
     OMP_NUM_THREADS=2 python benchmarks/window_decode.py [--prompt 2048 --window 128 --every 2]
 """
@@ -46,14 +49,14 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
                      sliding_window=args.window, window_layers=layers)
 
 
-def decode_seconds(stats) -> float:
-    """Wall seconds from the first decode layer step's start to the last one's end."""
-    spans = [(e.start_s, e.start_s + e.dur_s) for e in stats.events if e.name == "decode"]
+def phase_seconds(stats, phase: str) -> float:
+    """Wall seconds from the first ``phase`` layer step's start to the last one's end."""
+    spans = [(e.start_s, e.start_s + e.dur_s) for e in stats.events if e.name == phase]
     return max(b for _, b in spans) - min(a for a, _ in spans)
 
 
-def run(spec: ModelSpec, policy: Policy, args: argparse.Namespace) -> float:
-    """Decode seconds of one job of ``args.rows`` random prompts."""
+def run(spec: ModelSpec, policy: Policy, args: argparse.Namespace) -> tuple[float, float]:
+    """(prefill, decode) seconds of one job of ``args.rows`` random prompts."""
     from xrunner.engine import Engine, Request
     from xrunner.loaders import RandomSource
 
@@ -66,7 +69,7 @@ def run(spec: ModelSpec, policy: Policy, args: argparse.Namespace) -> float:
                    offload_dir=Path(d), record_trace=True) as eng:
         stats = eng.run(reqs, on_finished=lambda fs: out.update({f.id: f.output_ids for f in fs}))
     assert len(out) == len(reqs)
-    return decode_seconds(stats)
+    return phase_seconds(stats, "prefill"), phase_seconds(stats, "decode")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,16 +100,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, window "
           f"{args.window} on every {args.every}. layer(s); {args.rows} rows x {args.prompt} prompt + "
           f"{args.new_tokens} new tokens, {args.threads} threads")
-    print(f"positions read per decode step, mid-decode, windowed / full (decode_context): {share:.3f}\n")
-    print("| placement | decode tok/s, window read alone | decode tok/s, every layer full | ratio |")
-    print("|---|---|---|---|")
+    print(f"positions read per decode step, mid-decode, windowed / full (decode_context): {share:.3f}")
+    print(f"keys scored per prefill query, windowed / full (prefill_context): "
+          f"{windowed.prefill_context(args.prompt) / args.prompt:.3f}\n")
+    print("| placement | prefill tok/s, windowed | every layer full | ratio | decode tok/s, windowed | "
+          "every layer full | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    tokens = args.rows * args.prompt
     for name in args.placements.split(";"):
         policy = Policy(gbs=args.rows, nb=1, **PLACEMENTS[name])
         run(windowed, policy, argparse.Namespace(**{**vars(args), "prompt": 8, "new_tokens": 2}))  # numba, allocator
-        w_s = f_s = float("inf")
-        for _ in range(args.repeats):
-            w_s, f_s = min(w_s, run(windowed, policy, args)), min(f_s, run(full, policy, args))
-        print(f"| {name} | {steps / w_s:.1f} | {steps / f_s:.1f} | {f_s / w_s:.2f}x |", flush=True)
+        w = f = (float("inf"), float("inf"))
+        for _ in range(args.repeats):  # the fastest of each phase
+            w = tuple(map(min, w, run(windowed, policy, args)))
+            f = tuple(map(min, f, run(full, policy, args)))
+        print(f"| {name} | {tokens / w[0]:.0f} | {tokens / f[0]:.0f} | {f[0] / w[0]:.2f}x | {steps / w[1]:.1f} | "
+              f"{steps / f[1]:.1f} | {f[1] / w[1]:.2f}x |", flush=True)
     return 0
 
 

@@ -152,8 +152,9 @@ HF_NAMES = {
 }
 
 
-def hf_model_and_ours(kind: str, seed: int = 0):
+def hf_model_and_ours(kind: str, seed: int = 0, **changes):
     model_type, kwargs = SHAPES[kind]
+    kwargs = {**kwargs, **changes}
     config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[model_type])
     config = config_cls(**kwargs, attn_implementation="eager")
     spec = spec_from_hf_dict(config.to_dict(), name=kind, dtype="float32")
@@ -266,6 +267,60 @@ def test_padded_batch_matches_transformers(kind):
         assert result.tokens[row] == ref_tokens, f"{kind} row {row}"
         rel = (ours_logits[row] - ref_logits).abs().max() / ref_logits.abs().max()
         assert rel < 1e-4, f"{kind} row {row}: relative logit error {rel:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["mistral-sliding-window", "gemma2-softcap-windows", "gemma3-local-rope"])
+def test_prompts_past_the_prefill_band_match_transformers(kind):
+    """Prompts of 300 and 170 tokens, windows of 4-6: a windowed layer's prefill attends in bands
+    of 128 queries (``xrunner.model.banded_prefill``), the rows left-padded apart, and its logits
+    and greedy tokens still are transformers'."""
+    spec, ours, hf = hf_model_and_ours(kind, max_position_embeddings=512)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, spec.vocab_size, (n,), generator=g).tolist() for n in (300, 170)]
+    result = generate(ours, prompts, 4, return_logits=True)
+    ours_logits = torch.stack(result.logits, dim=1)
+    for row, prompt in enumerate(prompts):
+        ref_tokens, ref_logits = hf_greedy(hf, prompt, 4)
+        assert result.tokens[row] == ref_tokens, f"{kind} row {row}"
+        rel = (ours_logits[row] - ref_logits).abs().max() / ref_logits.abs().max()
+        assert rel < 1e-4, f"{kind} row {row}: relative logit error {rel:.2e}"
+
+
+@pytest.mark.parametrize("window", [5, 128, 200])
+def test_banded_prefill_equals_the_masked_full_attention(window, monkeypatch):
+    """Grouped-query heads, left padding, attention sinks, a prompt that is no multiple of the band:
+    the banded prefill computes what one masked attention over the whole prompt does."""
+    import xrunner.model as model_core
+    from xprofiler.specs import prefill_band
+    from xrunner.model import explicit_attention, visible_keys
+
+    spec = spec_from_hf_dict({"model_type": "mistral", **SHAPES["mistral-sliding-window"][1],
+                              "sliding_window": window, "max_position_embeddings": 512}, name="m")
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 16)
+    g = torch.Generator().manual_seed(4)
+    T = 333
+    q = torch.randn(2, 4, T, 16, generator=g)
+    k, v = torch.randn(2, 2, T, 16, generator=g), torch.randn(2, 2, T, 16, generator=g)
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[1, :150] = False
+    sinks = torch.randn(4, generator=g)
+    allowed = visible_keys(mask, T, T, True, window)
+    want = explicit_attention(q, k, v, allowed, None, None, sinks).transpose(1, 2).reshape(2, T, 64)
+    keys, scores = [], []
+
+    def recording(q, k, v, allowed, *args):
+        keys.append(k.shape[2])
+        scores.append(q.shape[2] * k.shape[2])
+        return explicit_attention(q, k, v, allowed, *args)
+
+    monkeypatch.setattr(model_core, "explicit_attention", recording)
+    got = attention(spec, q, k, v, mask, causal=True, sinks=sinks)
+    assert max(keys) <= window - 1 + prefill_band(window) and max(keys) < T  # no call scored the whole prompt
+    # what the planner prices: keys scored per query, and the scores one call holds
+    assert sum(scores) / T == pytest.approx(spec.prefill_context(T))
+    assert max(scores) == spec.prefill_scores(T)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1, 150:], want[1, 150:])
 
 
 def test_layer_functions_compose_to_layer_forward():

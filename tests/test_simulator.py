@@ -243,13 +243,18 @@ def test_compression_shrinks_stored_bytes_and_adds_dequant_buffers():
 def test_a_windowed_layers_decode_is_priced_over_its_window_only():
     """The runner loads and attends to a windowed layer's last ``sliding_window`` positions only,
     so a decode step at context ``T`` costs what an unwindowed model's does at ``min(T, W)``, averaged
-    over the layers (Gemma 2 windows every other one); prefill (computed in full) is unchanged."""
+    over the layers (Gemma 2 windows every other one); prefill's attention is priced over the keys
+    its bands score (``ModelSpec.prefill_context``), its projections as the unwindowed model's."""
     base = get_model_spec("smollm2-135m").with_dtype("float32")
     every = replace(base, sliding_window=256)
     half = replace(every, window_layers=tuple(i % 2 == 0 for i in range(base.num_layers)))
     assert every.decode_context(100) == 100 and every.decode_context(1000) == 256
     assert half.decode_context(1000) == pytest.approx(628.0)
     assert list(half.decode_context(np.array([100.0, 1000.0]))) == pytest.approx([100.0, 628.0])
+    # bands of 256 queries: 256^2 + 2 x 256 (255 + 256) + 232 (255 + 232) scores over 1000 queries
+    banded = (256 ** 2 + 2 * 256 * 511 + 232 * 487) / 1000
+    assert every.prefill_context(100) == 100 and every.prefill_context(1000) == pytest.approx(banded)
+    assert list(half.prefill_context(np.array([100.0, 1000.0]))) == pytest.approx([100.0, (1000 + banded) / 2])
     for pol in (Policy(gbs=8, nb=1, wg=1.0, cg=0.0, cc=1.0),  # the cache comes to the device
                 Policy(gbs=8, nb=1, wg=1.0, cg=0.0, cc=1.0, cpu_attention=True)):  # attends on the host
         for spec in (every, half):
@@ -259,8 +264,10 @@ def test_a_windowed_layers_decode_is_priced_over_its_window_only():
             assert got == pytest.approx(plain.batch_terms("decode", 8, spec.decode_context(1000),
                                                           pol.placement()).as_dict())
             assert got != pytest.approx(plain.batch_terms("decode", 8, 1000, pol.placement()).as_dict())
-            assert windowed.batch_terms("prefill", 8, 1000, pol.placement()).as_dict() == pytest.approx(
-                plain.batch_terms("prefill", 8, 1000, pol.placement()).as_dict())
+            w_other, w_attn = windowed._compute_parts("prefill", 8, 1000)
+            p_other, p_attn = plain._compute_parts("prefill", 8, 1000)
+            assert w_other == pytest.approx(p_other)
+            assert w_attn == pytest.approx(p_attn * spec.prefill_context(1000) / 1000) and w_attn < p_attn
     feats = layer_features(half, "decode", 8, 1000)
     assert feats["kv_bytes"] == pytest.approx(8 * 628 * base.kv_bytes_per_token_per_layer)
 

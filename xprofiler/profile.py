@@ -118,7 +118,7 @@ def layer_features(spec: "ModelSpec", phase: str, batch: Any, length: Any) -> di
         tokens = batch * length
         return {"const": 1.0 + 0.0 * tokens, "tokens": tokens,
                 "linear_flops": tokens * spec.linear_flops_per_token(),
-                "attn_flops": tokens * spec.attention_flops_per_token(1) * length}
+                "attn_flops": tokens * spec.attention_flops_per_token(1) * spec.prefill_context(length)}
     if phase == "decode":
         read = spec.decode_context(length)  # a windowed layer's query reads its window only
         return {"const": 1.0 + 0.0 * batch, "tokens": batch + 0.0 * length,

@@ -27,6 +27,18 @@ DType = Literal["float16", "bfloat16", "float32"]
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
+# Query chunk of a windowed layer's banded prefill attention: at least this many queries per call,
+# so a small window does not become many small kernels.
+PREFILL_BAND_MIN = 128
+
+
+def prefill_band(window: int) -> int:
+    """Queries per chunk of a windowed layer's prefill (``xrunner.model.attention``): each chunk
+    attends to its own columns and the ``window - 1`` before them, so a prompt of ``n`` tokens
+    computes about ``n (window + chunk)`` scores instead of ``n^2``."""
+    return max(window, PREFILL_BAND_MIN)
+
+
 @dataclass(frozen=True)
 class ModelSpec(Contract):
     """Architecture of an OPT- or Llama-family model (frozen, JSON round-trip). Mistral, Qwen2,
@@ -318,6 +330,32 @@ class ModelSpec(Contract):
         over = context - self.sliding_window
         return context - share * over * (over > 0)
 
+    def prefill_context(self, length: Any) -> Any:
+        """Keys a prefill query's attention computes scores for over a prompt padded to ``length``,
+        averaged over the queries and the layers: ``length`` in a full-attention layer; in a
+        windowed one the runner attends a band of query chunks (:func:`prefill_band`), each over
+        its own columns and the ``sliding_window - 1`` before. Numbers or numpy arrays."""
+        if self.sliding_window is None:
+            return length
+        share = (sum(self.window_layers) if self.window_layers else self.num_layers) / self.num_layers
+        w, c = self.sliding_window, prefill_band(self.sliding_window)
+        first = length - (length - c) * (length > c)  # the first chunk: min(length, c) queries over themselves
+        full = (length - first) // c
+        r = length - first - full * c
+        keys = (first * first + full * c * (w - 1 + c) + r * (w - 1 + r)) / length
+        return length - share * (length - keys)
+
+    def prefill_scores(self, length: int) -> int:
+        """Scores one call of a prefill's attention holds per head and row, over the layers' most:
+        ``length^2`` unless every layer is windowed, then a band's chunk of queries over its keys."""
+        if self.sliding_window is None or (self.window_layers and not all(self.window_layers)):
+            return length * length
+        w, c = self.sliding_window, prefill_band(self.sliding_window)
+        if length <= c:
+            return length * length
+        full, r = divmod(length - c, c)
+        return max(c * c, c * (w - 1 + c) if full else 0, r * (w - 1 + r))
+
     def kv_cache_bytes(self, batch: int, tokens: int) -> int:
         """KV cache of ``batch`` sequences of ``tokens`` positions over all layers."""
         return self.kv_bytes_per_token_per_layer * self.num_layers * batch * tokens
@@ -338,8 +376,10 @@ class ModelSpec(Contract):
         return 2 * self.active_matmul_params_per_layer
 
     def prefill_flops_per_layer(self, batch: int, prompt_len: int) -> int:
-        """One layer over ``batch`` prompts padded to ``prompt_len``, dense s x s attention."""
-        return batch * prompt_len * (self.linear_flops_per_token() + self.attention_flops_per_token(prompt_len))
+        """One layer over ``batch`` prompts padded to ``prompt_len``: dense s x s attention, a
+        windowed layer's banded (:meth:`prefill_context`), averaged over the layers."""
+        return int(batch * prompt_len * (self.linear_flops_per_token()
+                                         + self.attention_flops_per_token(1) * self.prefill_context(prompt_len)))
 
     def decode_flops_per_layer(self, batch: int, context: int) -> int:
         """One layer, one new token for each of ``batch`` sequences attending to ``context`` keys."""

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from xprofiler.specs import ModelSpec
+from xprofiler.specs import ModelSpec, prefill_band
 from xrunner.compression import rotate_inputs
 from xsimulator.costmodel import cpu_attention_chunk
 
@@ -174,6 +174,8 @@ def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     gqa = spec.num_kv_heads != spec.num_heads
     causal = causal and t > 1
     window = spec.sliding_window if spec.sliding_window is not None and spec.sliding_window < T else None
+    if causal and window is not None and t == T and T > prefill_band(window):
+        return banded_prefill(spec, q, k, v, mask, window, sinks)
     if spec.attention_softcap is not None or sinks is not None:
         allowed = visible_keys(mask, t, T, causal, window, q.device)
         out = explicit_attention(q, k, v, allowed, spec.attention_scale, spec.attention_softcap, sinks)
@@ -183,6 +185,22 @@ def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         allowed = visible_keys(mask, t, T, causal, window, q.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa, scale=spec.attention_scale)
     return out.transpose(1, 2).reshape(b, t, n_heads * d)
+
+
+def banded_prefill(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   window: int, sinks: torch.Tensor | None) -> torch.Tensor:
+    """A windowed layer's prefill (:func:`attention`'s arguments, queries = keys) a chunk of
+    :func:`xprofiler.specs.prefill_band` queries at a time, each over its own columns and the
+    ``window - 1`` before them: a prompt's tokens are contiguous columns after its left padding,
+    so no query's window reaches further. The masked full attention computed every query against
+    every key: ``n^2`` scores (and their scratch) where this computes about ``n (window + chunk)``."""
+    T, c = q.shape[2], prefill_band(window)
+    outs = []
+    for s in range(0, T, c):
+        e, ks = min(T, s + c), max(0, s - window + 1)
+        outs.append(attention(spec, q[:, :, s:e], k[:, :, ks:e], v[:, :, ks:e],
+                              None if mask is None else mask[:, ks:e], causal=True, sinks=sinks))
+    return torch.cat(outs, dim=1)
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,

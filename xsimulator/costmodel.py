@@ -567,7 +567,7 @@ class CostModel:
         linear_flops = tokens * spec.linear_flops_per_token()
         linear = _op_seconds(self.profile, "mm", linear_flops,
                              self.layer_matmul_bytes + 2 * tokens * spec.act_bytes_per_token)
-        read = length if phase == "prefill" else spec.decode_context(length)  # (sliding windows)
+        read = spec.prefill_context(length) if phase == "prefill" else spec.decode_context(length)  # (windows)
         attn_flops = tokens * spec.attention_flops_per_token(read)
         kv_read = rows * read * spec.kv_bytes_per_token_per_layer
         attn = _op_seconds(self.profile, "bmm", attn_flops, kv_read)
@@ -985,7 +985,8 @@ class CostModel:
         # Scores: SDPA's two copies in the compute dtype; a softcap or sinks (model.explicit_attention)
         # hold the scores, their capped or masked copies and the float32 softmax with its cast.
         explicit = spec.attention_softcap is not None or spec.attention_sinks
-        prefill_attn = gbs * dt * (2 * s * q + 2 * s * q) + gbs * heads * s * s * ((3 * dt + 8) if explicit else 2 * dt)
+        prefill_attn = (gbs * dt * (2 * s * q + 2 * s * q)
+                        + gbs * heads * spec.prefill_scores(s) * ((3 * dt + 8) if explicit else 2 * dt))
 
         def decode_attn_bytes(elem: float) -> float:  # one step's query, expanded K/V and scores
             return gbs * elem * (2 * q + 2 * ctx * q) + gbs * heads * ctx * ((3 * elem + 8) if explicit else 2 * elem)
