@@ -254,7 +254,8 @@ def test_a_windowed_layers_decode_is_priced_over_its_window_only():
     # bands of 256 queries: 256^2 + 2 x 256 (255 + 256) + 232 (255 + 232) scores over 1000 queries
     banded = (256 ** 2 + 2 * 256 * 511 + 232 * 487) / 1000
     assert every.prefill_context(100) == 100 and every.prefill_context(1000) == pytest.approx(banded)
-    assert list(half.prefill_context(np.array([100.0, 1000.0]))) == pytest.approx([100.0, (1000 + banded) / 2])
+    assert list(half.prefill_context(np.array([0.0, 100.0, 1000.0]))) == pytest.approx([0.0, 100.0, (1000 + banded) / 2])
+    assert every.prefill_context(0) == 0
     for pol in (Policy(gbs=8, nb=1, wg=1.0, cg=0.0, cc=1.0),  # the cache comes to the device
                 Policy(gbs=8, nb=1, wg=1.0, cg=0.0, cc=1.0, cpu_attention=True)):  # attends on the host
         for spec in (every, half):
@@ -603,6 +604,19 @@ def test_layer_fit_drives_compute_when_present():
     t2 = CostModel(spec, prof, cpu_attention=True).batch_terms("decode", 8, 300, q)
     feats = layer_features(spec, "decode", 8, 300)
     assert t2.gpu_compute == pytest.approx(2e-4 + 1e-6 * feats["tokens"] + 0.25 * 3e-13 * feats["attn_flops"])
+
+
+def test_a_windowed_model_with_layer_fits_simulates_to_finite_times():
+    """With refill the simulator prices idle batches at length 0 through the fits' features; a windowed
+    model's banded prefill keys must come out 0 there, not NaN (stop 51's first banded pricing
+    divided by the length, and calibrating the windowed model stopped on non-finite residuals)."""
+    spec = replace(get_model_spec("smollm2-135m"), sliding_window=64)
+    fits = tuple(LayerFit(model=spec.name, phase=phase, dtype=spec.dtype, features=("const", "tokens", "attn_flops"),
+                          coef=(2e-4, 1e-6, 3e-13), n_samples=20, median_rel_error=0.01, max_rel_error=0.05)
+                 for phase in ("prefill", "decode"))
+    res = simulate(spec, cpu_host(layer_fits=fits), Policy(gbs=4, nb=2, refill_every=2), get_workload("C1@0.125"),
+                   num_requests=12)
+    assert np.isfinite(res.wall_s) and res.wall_s > 0 and np.isfinite(res.latency_p99_s)
 
 
 def test_calibration_factors_and_overheads():

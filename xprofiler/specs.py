@@ -342,7 +342,8 @@ class ModelSpec(Contract):
         first = length - (length - c) * (length > c)  # the first chunk: min(length, c) queries over themselves
         full = (length - first) // c
         r = length - first - full * c
-        keys = (first * first + full * c * (w - 1 + c) + r * (w - 1 + r)) / length
+        # (the simulator prices idle batches at length 0: no keys, no division by zero)
+        keys = (first * first + full * c * (w - 1 + c) + r * (w - 1 + r)) / (length + (length < 1))
         return length - share * (length - keys)
 
     def prefill_scores(self, length: int) -> int:
