@@ -339,9 +339,7 @@ class ModelSpec(Contract):
             return length
         share = (sum(self.window_layers) if self.window_layers else self.num_layers) / self.num_layers
         w, c = self.sliding_window, prefill_band(self.sliding_window)
-        first = length - (length - c) * (length > c)  # the first chunk: min(length, c) queries over themselves
-        full = (length - first) // c
-        r = length - first - full * c
+        first, full, r = self._bands(length)
         # (the simulator prices idle batches at length 0: no keys, no division by zero)
         keys = (first * first + full * c * (w - 1 + c) + r * (w - 1 + r)) / (length + (length < 1))
         return length - share * (length - keys)
@@ -352,10 +350,17 @@ class ModelSpec(Contract):
         if self.sliding_window is None or (self.window_layers and not all(self.window_layers)):
             return length * length
         w, c = self.sliding_window, prefill_band(self.sliding_window)
-        if length <= c:
-            return length * length
-        full, r = divmod(length - c, c)
-        return max(c * c, c * (w - 1 + c) if full else 0, r * (w - 1 + r))
+        first, full, r = self._bands(length)
+        return max(first * first, c * (w - 1 + c) if full else 0, r * (w - 1 + r))
+
+    def _bands(self, length: Any) -> tuple[Any, Any, Any]:
+        """A windowed prefill's query chunks over ``length`` positions: the first chunk's queries
+        (``min(length, band)``, over themselves alone), the whole chunks after it and the last
+        partial chunk's queries. Numbers or numpy arrays."""
+        c = prefill_band(self.sliding_window)
+        first = length - (length - c) * (length > c)
+        full = (length - first) // c
+        return first, full, length - first - full * c
 
     def kv_cache_bytes(self, batch: int, tokens: int) -> int:
         """KV cache of ``batch`` sequences of ``tokens`` positions over all layers."""

@@ -173,7 +173,7 @@ def design_runs(spec: ModelSpec, gen_len: int = 6, depth: int = 4) -> list[RunDe
             nb=4),
         # kv-cpu-cpu-attention over contexts about six times as long: the bytes' share of CPU
         # attention (the cpu_compute factor) grows with the context, the per-call share does not,
-        # so the two runs tell them apart. (Last, so the runs above keep their order.)
+        # so the two runs tell them apart.
         run("kv-cpu-cpu-attention-long", d1, 8, long_prompt, 8, g, ("cpu_compute",), gbs=8, nb=1, cg=0.0,
             cc=1.0, cpu_attention=True),
     ]
