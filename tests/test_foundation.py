@@ -166,6 +166,25 @@ def test_bad_configs_give_user_errors(tmp_path):
         ModelSpec.from_hf_config(tmp_path)
 
 
+def test_the_larger_gemma_3_entries_have_the_published_sizes():
+    """gemma-3-4b/12b/27b: their non-embedding parameters are the Gemma 3 technical report's
+    (3,209M, 10,759M, 25,600M; table 1) and with its 417M vision encoder each model is the size its
+    model card gives (4.3B, 12.2B, 27.4B); 5 of 6 layers windowed to 1024, the full layers' rotary
+    positions divided by 8, and gemma-3-27b's queries scaled by 168 ** -0.5 (its heads are 128 wide)."""
+    for name, body_m, total_b in (("gemma-3-4b", 3_209, 4.3), ("gemma-3-12b", 10_759, 12.2),
+                                  ("gemma-3-27b", 25_600, 27.4)):
+        spec = get_model_spec(name)
+        embed = spec.vocab_size * spec.hidden
+        assert round((spec.num_params - embed) / 1e6) == body_m, name
+        assert round((spec.num_params + 417e6) / 1e9, 1) == total_b, name
+        assert spec.window_layers == tuple((i + 1) % 6 != 0 for i in range(spec.num_layers)), name
+        local, full = spec.layer_spec(0), spec.layer_spec(5)
+        assert (local.sliding_window, local.rope_theta, local.rope_divisors) == (1024, 1e4, ()), name
+        assert (full.sliding_window, full.rope_theta, set(full.rope_divisors)) == (None, 1e6, {8.0}), name
+    assert get_model_spec("gemma-3-27b").attention_scale == 168 ** -0.5
+    assert get_model_spec("gemma-3-12b").attention_scale is None  # 256 ** -0.5, the head width's
+
+
 def test_gemma_configs_read_their_windows_softcaps_and_rotary_bases():
     """gemma-2-9b-it's and gemma-3-1b-it's published configs (trimmed): 9,241,705,984 and
     999,885,952 parameters; Gemma 2 windows every other layer from the first and caps scores at 50

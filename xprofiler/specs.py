@@ -805,11 +805,13 @@ def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: 
 
 
 def _gemma(name: str, model_type: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int,
-           max_pos: int, window: int, eos: list[int], **more: Any) -> ModelSpec:
+           max_pos: int, window: int, eos: list[int], head_dim: int = 256, query_scalar: int = 256,
+           **more: Any) -> ModelSpec:
     """A Gemma registry entry, read through :func:`spec_from_hf_dict` from the fields of its
-    config.json that differ between sizes (head_dim 256 and query_pre_attn_scalar 256 in all here)."""
+    config.json that differ between sizes (head_dim and query_pre_attn_scalar 256 but in gemma-3-27b)."""
     cfg = dict(model_type=model_type, num_hidden_layers=layers, hidden_size=hidden, intermediate_size=ffn,
-               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=256, query_pre_attn_scalar=256,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+               query_pre_attn_scalar=query_scalar,
                vocab_size=vocab, max_position_embeddings=max_pos, sliding_window=window, rms_norm_eps=1e-6,
                eos_token_id=eos, torch_dtype="bfloat16", hidden_activation="gelu_pytorch_tanh", **more)
     return replace(spec_from_hf_dict(cfg, name), dtype="float16")
@@ -876,6 +878,14 @@ def _registry() -> dict[str, ModelSpec]:
                attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
         _gemma("gemma-3-1b", "gemma3_text", 26, 1152, 6912, 4, 1, 262144, 32768, 512, [1, 106],
                rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=6),
+        # gemma-3-4b/12b/27b-it's text models (their config.json's text_config): windows of 1024, the
+        # full layers' rotary positions divided by 8, and gemma-3-27b's queries scaled by 168 ** -0.5
+        *(_gemma(name, "gemma3_text", layers, hidden, ffn, heads, kv_heads, 262208, 131072, 1024, [1, 106],
+                 rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=6,
+                 rope_scaling={"rope_type": "linear", "factor": 8.0}, **dims)
+          for name, layers, hidden, ffn, heads, kv_heads, dims in (
+              ("gemma-3-4b", 34, 2560, 10240, 8, 4, {}), ("gemma-3-12b", 48, 3840, 15360, 16, 8, {}),
+              ("gemma-3-27b", 62, 5376, 21504, 32, 16, dict(head_dim=128, query_scalar=168)))),
     ]
     return {s.name: s for s in specs}
 
