@@ -364,6 +364,10 @@ def test_cpu_attention_adds_its_fixed_cost_once_per_call_not_per_byte():
     assert cpu_s(cal, 400) - over == pytest.approx(10 * (cpu_s(cal, 40) - over))
     assert cpu_s(cal, 100, cc=0.5, cd=0.5) == pytest.approx(1.5 * cpu_s(bare, 100, cc=0.5, cd=0.5) + 2 * over)
     assert cpu_s(cal, 100, cg=1.0, cc=0.0) == 0.0
+    split = replace(pol, cc=0.5, cd=0.5)  # a placement of numpy scalars counts calls alike
+    as_np = {k: np.float32(v) for k, v in split.placement().items()}
+    assert CostModel.for_policy(spec, cal, split).batch_terms("decode", 8, 100, as_np).cpu_compute == pytest.approx(
+        cpu_s(cal, 100, cc=0.5, cd=0.5), rel=1e-6)
 
 
 def test_batches_that_reread_a_cached_layer_save_what_the_warm_fit_measured():

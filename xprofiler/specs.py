@@ -817,6 +817,14 @@ def _gemma(name: str, model_type: str, layers: int, hidden: int, ffn: int, heads
     return replace(spec_from_hf_dict(cfg, name), dtype="float16")
 
 
+def _gemma3(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, **dims: int) -> ModelSpec:
+    """A Gemma 3 size from 4B up: 5 of 6 layers windowed to 1024 on rotary base 10^4, the full
+    layers on 10^6 with positions divided by 8 (linear scaling), the multimodal models' vocabulary."""
+    return _gemma(name, "gemma3_text", layers, hidden, ffn, heads, kv_heads, 262208, 131072, 1024, [1, 106],
+                  rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=6,
+                  rope_scaling={"rope_type": "linear", "factor": 8.0}, **dims)
+
+
 def _gpt_oss(name: str, layers: int, experts: int) -> ModelSpec:
     """A gpt-oss registry entry: the two sizes differ only in their layer and expert counts."""
     return replace(spec_from_hf_dict(dict(
@@ -878,14 +886,10 @@ def _registry() -> dict[str, ModelSpec]:
                attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
         _gemma("gemma-3-1b", "gemma3_text", 26, 1152, 6912, 4, 1, 262144, 32768, 512, [1, 106],
                rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=6),
-        # gemma-3-4b/12b/27b-it's text models (their config.json's text_config): windows of 1024, the
-        # full layers' rotary positions divided by 8, and gemma-3-27b's queries scaled by 168 ** -0.5
-        *(_gemma(name, "gemma3_text", layers, hidden, ffn, heads, kv_heads, 262208, 131072, 1024, [1, 106],
-                 rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=6,
-                 rope_scaling={"rope_type": "linear", "factor": 8.0}, **dims)
-          for name, layers, hidden, ffn, heads, kv_heads, dims in (
-              ("gemma-3-4b", 34, 2560, 10240, 8, 4, {}), ("gemma-3-12b", 48, 3840, 15360, 16, 8, {}),
-              ("gemma-3-27b", 62, 5376, 21504, 32, 16, dict(head_dim=128, query_scalar=168)))),
+        # gemma-3-4b/12b/27b-it's text models (their config.json's text_config)
+        _gemma3("gemma-3-4b", 34, 2560, 10240, 8, 4),
+        _gemma3("gemma-3-12b", 48, 3840, 15360, 16, 8),
+        _gemma3("gemma-3-27b", 62, 5376, 21504, 32, 16, head_dim=128, query_scalar=168),
     ]
     return {s.name: s for s in specs}
 

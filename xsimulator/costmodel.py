@@ -24,6 +24,7 @@ seconds for :data:`OVERHEAD_TERMS` (default 0.0).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any, Mapping
@@ -392,7 +393,7 @@ def _calls(fraction: Any) -> Any:
     """1 where a tier holds some of a batch's rows (the engine makes one call for them), else 0.
     For an LP expression, the fraction itself: the placement LP is linear, so a per-call cost is
     relaxed to one proportional to the share (it under-prices a small share)."""
-    if isinstance(fraction, (int, float)):
+    if isinstance(fraction, numbers.Real):  # (numpy's scalars too)
         return 1.0 if fraction > 0 else 0.0
     if isinstance(fraction, np.ndarray):
         return (fraction > 0).astype(float)
