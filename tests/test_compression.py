@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from quant_reference import reference_roundtrip
-from xprofiler.specs import get_model_spec
+from xprofiler.specs import ModelSpec, get_model_spec
 from xrunner.compression import (DEFAULT_CLIP_STEPS, QuantizedTensor, dequantize, hadamard_rotation, quantize,
                                  quantized_nbytes)
 
@@ -257,6 +257,45 @@ def test_rotated_weight_record_gives_the_layers_output_with_bias():
     assert torch.allclose(got, x @ ref.T + w["fc1.bias"], atol=1e-4)
     errs = {rotate: float((through_record(rotate)[1] - exact).norm()) for rotate in (True, False)}
     assert errs[True] < 0.5 * errs[False]
+
+
+def test_an_experts_4bit_weights_are_dequantized_on_first_read_and_once():
+    """``WeightLayout.unpack`` of a mixture of experts' layer: the router and attention are ready
+    at once; an expert's three projections appear among the keys but are dequantized (all three,
+    into their buffers, equal to the reference path) on the first read of any of its keys, once."""
+    from xrunner.model import linear
+    from xrunner.stored_forms import WeightLayout
+
+    spec = ModelSpec(name="m", family="llama", num_layers=1, hidden=64, ffn=128, num_heads=2, num_kv_heads=2,
+                     head_dim=32, vocab_size=32, max_positions=64, norm="rmsnorm", activation="silu",
+                     position="rotary", tied_embeddings=False, dtype="float32", num_experts=3, experts_per_token=1)
+    shapes = spec.layer_tensor_shapes()
+    g = torch.Generator().manual_seed(2)
+    w = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    layout = WeightLayout(shapes, torch.float32, compress=True)
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+    layout.pack(w, flat)
+    buffers = {n: torch.full(s, float("nan")) for n, s in layout.dequant_shapes().items()}
+    unpacked = layout.unpack(flat, buffers)
+    expert = ("experts.1.gate_proj.weight", "experts.1.up_proj.weight", "experts.1.down_proj.weight")
+    assert set(unpacked) == set(shapes) | {n.rsplit(".", 1)[0] + ".out_rotation" for n in layout.rotated}
+    assert all(n in unpacked for n in expert) and len(unpacked) == len(set(unpacked))
+    assert not buffers["router.weight"].isnan().any() and not buffers["q_proj.weight"].isnan().any()
+    assert all(buffers[f"experts.{e}.{p}_proj.weight"].isnan().all() for e in range(3) for p in ("gate", "up", "down"))
+    assert unpacked.experts_dequantized == 0
+    got = unpacked["experts.1.up_proj.weight"]
+    assert unpacked.experts_dequantized == 1 and not any(buffers[n].isnan().any() for n in expert)
+    assert buffers["experts.0.up_proj.weight"].isnan().all() and buffers["experts.2.down_proj.weight"].isnan().all()
+    assert got.data_ptr() == buffers["experts.1.up_proj.weight"].data_ptr()
+    x = torch.randn(5, 128, generator=g)
+    for n in expert:
+        ref = layout.dequantize_tensor(n, layout.quantize_tensor(n, w[n]))
+        assert torch.allclose(linear(x[:, :ref.shape[1]], unpacked, n.rsplit(".", 1)[0]), x[:, :ref.shape[1]] @ ref.T,
+                              atol=1e-4)
+    assert unpacked.experts_dequantized == 1
+    assert "experts.3.up_proj.weight" not in unpacked
+    with pytest.raises(KeyError):
+        unpacked["experts.3.up_proj.weight"]
 
 
 def test_mlp_output_projection_rotates_its_inputs_in_the_record_and_in_gptq():

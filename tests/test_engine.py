@@ -444,6 +444,46 @@ def _layer_with_quantized_cache(spec, w, hidden, position_ids, rope, k_cache, v_
     return attn_out_mlp(spec, w, attn, hidden)
 
 
+@pytest.mark.parametrize("where", [dict(), dict(wg=0.0, wd=1.0, cg=0.0, cc=1.0, cpu_attention=True)],
+                         ids=["gpu", "weights-on-disk-cpu-attention"])
+def test_4bit_experts_are_dequantized_only_when_a_token_reaches_them(tmp_path, monkeypatch, where):
+    """A mixture of experts with 4-bit weights: each layer step dequantizes exactly the experts its
+    GPU batches route tokens to (the union over the block's batches, each once), not all 16, and
+    books that as dequantization, not as the layer's compute. Outputs equal the reference loop with
+    the same quantization."""
+    import xrunner.model as model_module
+
+    spec = replace(MIXTRAL, num_experts=16, experts_per_token=2)
+    src = RandomSource(spec, seed=3)
+    reqs = make_requests(5, seed=8, vocab=spec.vocab_size, min_prompt=2)
+    want = reference(_quantized_weights(load_weights(src)), reqs)
+    routed: list[set[int] | None] = []  # None marks a layer step's start
+    route, weights = model_module.route, Engine._weights
+    monkeypatch.setattr(model_module, "route",
+                        lambda *a: (lambda out: (routed.append(set(out[0].unique().tolist())), out)[1])(route(*a)))
+    monkeypatch.setattr(Engine, "_weights", lambda self, layer: (routed.append(None), weights(self, layer))[1])
+    policy = Policy(gbs=1, nb=2, compress_weight=True, refill_every=3, **where)
+    got, stats = run_engine(src, policy, reqs, tmp_path, record_trace=True)
+    assert got == want
+    reached, step = [], set()
+    for mark in routed[1:] + [None]:
+        if mark is None:
+            reached.append(len(step))
+            step = set()
+        else:
+            step |= mark
+    expert_events = [e for e in stats.events if e.name == "dequant_weights" and e.args.get("expert")]
+    assert len(expert_events) == sum(reached) < spec.num_experts * len(reached) / 2
+    layer = [e for e in stats.events if e.name in ("prefill", "decode")]
+    inner = sum(e.dur_s for e in expert_events)
+    # the layer events' spans hold the experts' dequantization, which busy time counts once (CPU
+    # attention's time inside them is booked apart to within microseconds)
+    others = sum(e.dur_s for e in stats.events if e.track == "compute" and e.name not in ("prefill", "decode"))
+    cpu = sum(e.dur_s for e in stats.events if e.name == "cpu_attention")
+    assert stats.busy_s["compute"] == pytest.approx(sum(e.dur_s for e in layer) + others - inner - cpu,
+                                                    abs=0.02 * inner)
+
+
 @pytest.mark.parametrize("spec,cache", [(LLAMA, False), (LLAMA, True), (QWEN2, True), (QWEN3, True), (MISTRAL, True),
                                         (GEMMA2, True), (GEMMA3, True), (QWEN2MOE, False), (GPTOSS, True)],
                          ids=["weights", "weights-and-cache", "qwen2-weights-and-cache", "qwen3-weights-and-cache",

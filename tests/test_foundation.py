@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from xprofiler.specs import ModelSpec, get_model_spec, model_names, spec_from_hf_dict
@@ -650,3 +651,20 @@ def test_a_wrong_type_error_quotes_only_the_start_of_the_value():
     with pytest.raises(UserError, match=r"w.json: expected Workload, got \[\{'prompt_tokens': 10") as info:
         Workload.from_json(text, where="w.json")
     assert len(str(info.value)) < 200
+
+
+def test_the_experts_a_steps_tokens_reach_match_uniform_routing_drawn_at_random():
+    """``experts_reached``, which prices how many experts a step's 4-bit weights dequantize, against
+    counting the distinct experts of tokens that each draw k of E experts uniformly at random."""
+    rng = np.random.default_rng(0)
+    for name, tokens in [("qwen3-30b-a3b", (1, 4, 32, 256)), ("mixtral-8x7b", (1, 2, 8)), ("gpt-oss-120b", (1, 16))]:
+        spec = get_model_spec(name)
+        e, k = spec.num_experts, spec.experts_per_token
+        for n in tokens:
+            picks = rng.random((2000 if n <= 16 else 300, n, e)).argpartition(k, axis=-1)[..., :k]
+            hit = np.zeros((len(picks), e), dtype=bool)
+            np.put_along_axis(hit, picks.reshape(len(picks), -1), True, axis=-1)
+            assert spec.experts_reached(n) == pytest.approx(hit.sum(axis=-1).mean(), rel=0.02), (name, n)
+        assert spec.experts_reached(1) == pytest.approx(k)
+        assert np.allclose(spec.experts_reached(np.array([0.0, 1e6])), [0.0, e])
+    assert get_model_spec("smollm2-135m").experts_reached(8) == 0.0

@@ -370,6 +370,50 @@ def test_cpu_attention_adds_its_fixed_cost_once_per_call_not_per_byte():
         cpu_s(cal, 100, cc=0.5, cd=0.5), rel=1e-6)
 
 
+def test_4bit_experts_are_priced_as_dequantized_only_where_the_steps_tokens_reach():
+    """With 4-bit weights a layer step dequantizes every projection but the routed experts, and of
+    those the ones its tokens are expected to reach (``stored_forms.LayerWeights``): one decode row
+    of qwen3-30b-a3b reaches 8 of 128 experts, a 64-row block of 4 GPU batches nearly all, a prefill
+    all. A dense model's price does not depend on the tokens."""
+    spec = get_model_spec("qwen3-30b-a3b").with_dtype("bfloat16")
+    prof = cpu_host()
+    pol = Policy(gbs=1, nb=1, wg=0.0, wc=1.0, compress_weight=True)
+    cm = CostModel.for_policy(spec, prof, pol)
+    expert = spec.expert_params * 2
+    dense_part = cm.layer_matmul_bytes - spec.num_experts * expert
+    assert cm.dequant_bytes(1) == pytest.approx(dense_part + 8 * expert)
+    assert cm.dequant_bytes(None) == cm.layer_matmul_bytes
+    rate = prof.dequant_bytes_per_s
+    for phase, rows, length, nb, want in [("decode", 1, 300, 1, dense_part + 8 * expert),
+                                          ("decode", 16, 300, 4, dense_part + spec.experts_reached(64) * expert),
+                                          ("prefill", 1, 300, 1, cm.layer_matmul_bytes)]:
+        assert cm.layer_terms(phase, rows, length, pol.placement(), nb).dequant == pytest.approx(want / rate)
+        on = np.ones(nb)
+        step = cm.block_step(phase, np.full(nb, rows), np.full(nb, length), pol.placement(), on, 1.0)
+        assert step.terms.dequant == pytest.approx(want / rate)
+    assert spec.experts_reached(64) > 0.95 * spec.num_experts
+    dense = CostModel.for_policy(get_model_spec("smollm2-135m"), prof, pol)
+    assert dense.layer_terms("decode", 1, 300, pol.placement(), 1).dequant == pytest.approx(
+        dense.layer_matmul_bytes / rate)
+
+
+def test_both_simulators_dequantize_the_experts_each_steps_tokens_reach():
+    """Fixed lengths, 2 rows per block: each layer step of a prefill dequantizes what 64 prompt
+    tokens reach, each of the 7 decode steps what 2 rows reach; the discrete-event and analytic
+    simulators book exactly that (enough blocks that the discrete-event one prices its decode steps
+    from its table of distinct batch shapes, ``price_steps``)."""
+    spec = get_model_spec("qwen3-30b-a3b").with_dtype("bfloat16")
+    prof = cpu_host()
+    pol = Policy(gbs=2, nb=1, wg=0.0, wc=1.0, compress_weight=True)
+    cm = CostModel.for_policy(spec, prof, pol)
+    blocks = 100
+    want = blocks * spec.num_layers * (cm.dequant_bytes(64) + 7 * cm.dequant_bytes(2)) / prof.dequant_bytes_per_s
+    assert want < 0.3 * blocks * spec.num_layers * 8 * cm.dequant_bytes(None) / prof.dequant_bytes_per_s
+    w = get_workload("fixed:32:8")
+    for sim in (simulate, simulate_analytic):
+        assert sim(spec, prof, pol, w, num_requests=2 * blocks).busy_s["dequant"] == pytest.approx(want, rel=1e-9)
+
+
 def test_batches_that_reread_a_cached_layer_save_what_the_warm_fit_measured():
     """On a CPU a block's later GPU batches reread the layer its first batch just read, and with
     4-bit weights every batch reads the buffer the layer was just dequantized into: their decode

@@ -293,6 +293,19 @@ class ModelSpec(Contract):
         return self.matmul_params_per_layer - (self.num_experts - self.experts_per_token) * expert
 
     @property
+    def expert_params(self) -> int:
+        """Projection parameters of one routed expert (0 without a mixture of experts)."""
+        return 3 * self.ffn * self.hidden if self.num_experts else 0
+
+    def experts_reached(self, tokens: Any) -> Any:
+        """Expected distinct routed experts that ``tokens`` tokens (a number or numpy array) send
+        work to, each token choosing ``experts_per_token`` of ``num_experts`` uniformly at random:
+        ``E (1 - (1 - k / E) ** tokens)``. A trained router's favourites make it fewer, so this
+        prices the most that a step's tokens can reach on average."""
+        e = self.num_experts
+        return e * (1.0 - (1.0 - self.experts_per_token / e) ** tokens) if e else 0.0
+
+    @property
     def head_params(self) -> int:
         return sum(_numel(s) for s in self.head_tensor_shapes().values())
 

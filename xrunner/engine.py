@@ -790,6 +790,7 @@ class Engine:
         self._to_stage: dict[int, torch.Tensor] = {}  # CPU host: fetched layers awaiting their memcpy
         self._fetches = 0
         self._current_layer = -1
+        self._inner_dequant_s = 0.0  # host seconds of experts dequantized inside layer compute
         self._store_done: list[Future] = []
         self._item = 0
         # Views of plain weights per buffer (a gpu-tier home, or a stage slot whatever layer it holds),
@@ -1052,7 +1053,23 @@ class Engine:
         start = self._tick()
         w = self.layout.unpack(flat, self.w_dequant)
         self._tock(start, "dequant_weights", {"layer": layer})
+        w.on_expert = lambda thunk: self._expert_dequant(layer, thunk)
         return w
+
+    def _expert_dequant(self, layer: int, thunk: Callable[[], Any]) -> Any:
+        """Dequantize a routed expert's weights when a batch first reaches it, inside the layer's
+        compute: booked as dequantization, and left out of the layer's compute interval. With
+        ``cuda_sync="step"`` the kernels stay in the layer's device-timed interval."""
+        if self.device.type == "cuda" and self.cuda_sync == "step":
+            return thunk()
+        self._sync()  # the layer's kernels queued so far are compute, not this
+        start = time.perf_counter()
+        out = thunk()
+        self._sync()
+        end = time.perf_counter()
+        self._busy("compute", "dequant_weights", start, {"layer": layer, "expert": True}, end=end)
+        self._inner_dequant_s += end - start
+        return out
 
     # ----------------------------------------------------------------- row groups
     def _groups(self, split: list[tuple[str, int, int]], slots: list[int]) -> list[tuple[str, list[int], list[int]]]:
@@ -1195,7 +1212,7 @@ class Engine:
         q, k, v = attn_in(spec, w, hidden, work.pos, self.ropes[layer])
         n, t = hidden.shape[0], hidden.shape[1]
         homes = self.kv_home[work.batch][layer]
-        cpu_s = 0.0
+        cpu_s, inner0 = 0.0, self._inner_dequant_s
         # Working sets are accounted phase by phase (CostModel.memory transients: one at a time).
         with led.transient("gpu", "qkv", nbytes_of(hidden, q, k, v)):
             pass
@@ -1225,7 +1242,7 @@ class Engine:
             self._hidden_out(work, hidden, slot)
         self._tock(start, "decode" if decode else "prefill",
                    {"layer": layer, "batch": work.batch, "rows": n,
-                    "length": work.col + 1 - work.first_col(spec.sliding_window) if decode else t}, minus_s=cpu_s)
+                    "length": work.col + 1 - work.first_col(spec.sliding_window) if decode else t}, minus_s=cpu_s + self._inner_dequant_s - inner0)
         return out
 
     def _decode_attention(self, layer: int, work: _Work, homes: dict[str, list[Any]], q: torch.Tensor,

@@ -194,7 +194,7 @@ def _layer_step_s(cm: CostModel, placement: Mapping[str, Any], phase: str, rows:
         if key in memo:
             return memo[key]
     step = cm.mean_layer_seconds(cm.batch_terms(phase, rows, length, placement).scaled(nb), placement,
-                                 whole_layers=whole_layers)
+                                 whole_layers=whole_layers, tokens=nb * cm.step_tokens(phase, rows, length))
     if key is not None:
         memo[key] = step
     return step
@@ -302,10 +302,11 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
     ref = float(token_seconds(cm, all_gpu, gbs, nb, shape)) or 1.0
     # The relaxation: one class, every layer split by the weight fractions. Fixed weights: whole
     # layers, each weight tier's layers priced apart (exact for these fractions).
-    classes = ([(1.0, cm.weight_terms(x))] if weights is None
-               else cm.weight_tier_terms({**{v: 0.0 for v in PLACEMENT_VARS}, **weights}))
     phase_time = []
     for name, phase, length in (("pre", "prefill", shape.prompt_len), ("dec", "decode", shape.decode_context)):
+        tokens = nb * cm.step_tokens(phase, gbs, length)
+        classes = ([(1.0, cm.weight_terms(x, tokens))] if weights is None
+                   else cm.weight_tier_terms({**{v: 0.0 for v in PLACEMENT_VARS}, **weights}, tokens))
         total: Any = 0.0
         for j, (share, wterms) in enumerate(classes):
             var = _var(prob, f"t_{name}{j}", 0)

@@ -139,7 +139,8 @@ class _Analytic:
         terms = StepTerms(*(np.mean(np.broadcast_to(v, shape), axis=-1) for v in bt.as_dict().values()))
         head = np.mean(np.broadcast_to(cm.head_seconds("prefill", r, nodes), shape), axis=-1)
         block = 1.0 - np.prod(1.0 - weight, axis=-1)
-        return cm.combine(terms, head, self.placement, weight, np.minimum(block, 1.0))
+        tokens = np.sum(weight * rows * nodes.mean(axis=-1), axis=-1) / np.maximum(block, 1e-300)  # if any runs
+        return cm.combine(terms, head, self.placement, weight, np.minimum(block, 1.0), tokens=tokens)
 
     def decode_conditional(self, rows: np.ndarray, p: np.ndarray, context: np.ndarray) -> tuple[BlockStep, np.ndarray]:
         """Expected decode step given the block is active, and P(block active).
@@ -153,7 +154,8 @@ class _Analytic:
         w = np.where(block[..., None] > 0, q / np.maximum(block[..., None], 1e-300), 0.0)
         bt = self.cm.batch_terms("decode", a, context, self.placement)
         head = self.cm.head_seconds("decode", a, context)
-        return self.cm.combine(bt, head, self.placement, w, (block > 0).astype(float)), block
+        step = self.cm.combine(bt, head, self.placement, w, (block > 0).astype(float), tokens=np.sum(w * a, axis=-1))
+        return step, block
 
     def row_step_slope(self, rows: np.ndarray, a: np.ndarray, ctx: np.ndarray, p: np.ndarray) -> float:
         """Seconds one more active row adds to a decode step, at the busiest step's shape."""

@@ -464,6 +464,22 @@ class CostModel:
         """Uncompressed bytes of one layer's projection weights (what the matmuls read)."""
         return self.spec.matmul_params_per_layer * self.dtype_bytes
 
+    def dequant_bytes(self, tokens: Any = None) -> Any:
+        """Bytes of one layer's 4-bit projections dequantized in a layer step whose GPU batches hold
+        ``tokens`` tokens: every projection but the routed experts, and of those the ones the tokens
+        are expected to reach (``ModelSpec.experts_reached``; ``stored_forms.LayerWeights``
+        dequantizes an expert when a token first reaches it). None: every expert."""
+        spec = self.spec
+        if not spec.num_experts or tokens is None:
+            return self.layer_matmul_bytes
+        idle = spec.num_experts - spec.experts_reached(tokens)
+        return self.layer_matmul_bytes - idle * (spec.expert_params * self.dtype_bytes)
+
+    @staticmethod
+    def step_tokens(phase: str, rows: Any, length: Any) -> Any:
+        """Tokens a GPU batch of ``rows`` passes through a layer in one step (prefill: padded prompts)."""
+        return rows * length if phase == "prefill" else rows
+
     @property
     def layer_stored_bytes(self) -> float:
         """Bytes of one layer as stored and moved: 2-D weights compressed if asked (groups along the
@@ -513,31 +529,32 @@ class CostModel:
         return nbytes / bandwidth_at(self.profile.bandwidth(channel), unit_bytes)
 
     # ----------------------------------------------------------------- time terms
-    def weight_terms(self, placement: Mapping[str, Any]) -> StepTerms:
+    def weight_terms(self, placement: Mapping[str, Any], tokens: Any = None) -> StepTerms:
         """Fetching the next layer's non-resident weights, once per layer step of a block.
 
         Disk-resident weights go disk -> cpu relay -> device, so they use dtoc and ctog; on a
         host without CUDA the record is read straight into the stage slot (the "gpu" tier is RAM),
         so only dtoc. At most two offloaded layers stay in the stage slots and cost nothing per
         step (:func:`_weights_stay_staged`). With compressed weights every layer (resident and
-        staged ones too) is dequantised once per layer step. The engine's once-per-layer work for
-        the block (``block_layer_overhead_s``: weight hand-off, prefetch) is compute time, also once
-        per layer step.
+        staged ones too) is dequantised once per layer step, a mixture of experts' routed experts as
+        far as the step's ``tokens`` reach them (:meth:`dequant_bytes`). The engine's once-per-layer
+        work for the block (``block_layer_overhead_s``: weight hand-off, prefetch) is compute time,
+        also once per layer step.
         """
-        return self._weight_terms(placement, _weights_stay_staged(placement, self.spec.num_layers))
+        return self._weight_terms(placement, _weights_stay_staged(placement, self.spec.num_layers), tokens)
 
-    def _weight_terms(self, placement: Mapping[str, Any], staged: bool) -> StepTerms:
+    def _weight_terms(self, placement: Mapping[str, Any], staged: bool, tokens: Any = None) -> StepTerms:
         p, w = placement, self.layer_stored_bytes
         relayed = p["wc"] + p["wd"] if self.profile.compute_device == "cuda" else p["wc"]
         ctog = 0.0 if staged else self._move(relayed, "ctog", w)
         dtoc = 0.0 if staged else self._move(p["wd"], "dtoc", w)
         dequant = 0.0
         if self.compress_weight:
-            dequant = self.layer_matmul_bytes / self.profile.dequant_bytes_per_s * self.factor("dequant")
+            dequant = self.dequant_bytes(tokens) / self.profile.dequant_bytes_per_s * self.factor("dequant")
         return StepTerms(ctog=ctog, dtoc=dtoc, dequant=dequant,
                          gpu_compute=self.overhead_s("block_layer_overhead_s") + self._interference(dtoc, ctog))
 
-    def weight_tier_terms(self, placement: Mapping[str, Any]) -> list[tuple[Any, StepTerms]]:
+    def weight_tier_terms(self, placement: Mapping[str, Any], tokens: Any = None) -> list[tuple[Any, StepTerms]]:
         """``(share of the layers, weight_terms of one such layer)`` per weight tier.
 
         The runner places whole layers (``xrunner.engine._layer_tiers``), so a layer step fetches
@@ -549,13 +566,13 @@ class CostModel:
         """
         if _weights_stay_staged(placement, self.spec.num_layers) or not all(
                 isinstance(placement[v], (int, float)) for v in ("wg", "wc", "wd")):
-            return [(1.0, self.weight_terms(placement))]
+            return [(1.0, self.weight_terms(placement, tokens))]
         out = []
         for var in ("wg", "wc", "wd"):
             share = float(placement[var])
             if share > 0:
                 one = {**placement, "wg": 0.0, "wc": 0.0, "wd": 0.0, var: 1.0}
-                out.append((share, self._weight_terms(one, staged=var == "wg")))
+                out.append((share, self._weight_terms(one, var == "wg", tokens)))
         return out
 
     def _compute_parts(self, phase: str, rows: Any, length: Any) -> tuple[Any, Any]:
@@ -823,7 +840,8 @@ class CostModel:
 
     def layer_terms(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any], nb: int) -> StepTerms:
         """A layer step of a block of ``nb`` identical GPU batches (the LP's representative step)."""
-        return self.weight_terms(placement) + self.batch_terms(phase, rows, length, placement).scaled(nb)
+        return (self.weight_terms(placement, nb * self.step_tokens(phase, rows, length))
+                + self.batch_terms(phase, rows, length, placement).scaled(nb))
 
     def layer_seconds(self, terms: StepTerms) -> Any:
         return step_seconds(terms, self.profile.compute_device, self.overlap)
@@ -838,29 +856,32 @@ class CostModel:
         ``batch_weight`` says whether (1/0) each GPU batch takes part; ``block_weight`` whether
         any does, i.e. whether the layer's weights are fetched at all.
         """
+        tokens = np.sum(_times(batch_weight, self.step_tokens(phase, rows, length)), axis=batch_axis)
         return self.combine(self.batch_terms(phase, rows, length, placement), self.head_seconds(phase, rows, length),
-                            placement, batch_weight, block_weight, batch_axis)
+                            placement, batch_weight, block_weight, batch_axis, tokens)
 
     def combine(self, batch_terms: StepTerms, head_s: Any, placement: Mapping[str, Any], batch_weight: Any,
-                block_weight: Any, batch_axis: int = -1) -> "BlockStep":
+                block_weight: Any, batch_axis: int = -1, tokens: Any = None) -> "BlockStep":
         """Sum per-batch terms over ``batch_axis`` with weights, add the weight fetch, price the step.
 
         The analytic path passes probabilities as weights and expected per-batch terms.
+        ``tokens``: the block's tokens per layer step (:meth:`dequant_bytes`; None: every expert).
         Duration = ``num_layers * layer_step + head``.
         """
         batches = batch_terms.scaled(batch_weight).sum(axis=batch_axis)
         head = np.sum(_times(batch_weight, head_s), axis=batch_axis)
-        seconds = self.spec.num_layers * self.mean_layer_seconds(batches, placement, block_weight) + head
-        terms = batches + self.weight_terms(placement).scaled(block_weight)  # the mean layer's terms
+        seconds = self.spec.num_layers * self.mean_layer_seconds(batches, placement, block_weight, tokens=tokens) + head
+        terms = batches + self.weight_terms(placement, tokens).scaled(block_weight)  # the mean layer's terms
         return BlockStep(terms=terms, head_s=head, seconds=seconds)
 
     def mean_layer_seconds(self, batches: StepTerms, placement: Mapping[str, Any], block_weight: Any = 1.0,
-                           whole_layers: bool = True) -> Any:
+                           whole_layers: bool = True, tokens: Any = None) -> Any:
         """Mean duration of the layer steps of a block whose GPU batches' terms sum to ``batches``:
         the layers of each weight tier priced apart (:meth:`weight_tier_terms`). Without
         ``whole_layers``, every layer split by the fractions (the LP's relaxation, FlexGen's model:
         never above the whole-layer price, since a max of means is at most the mean of maxes)."""
-        tiers = self.weight_tier_terms(placement) if whole_layers else [(1.0, self.weight_terms(placement))]
+        tiers = (self.weight_tier_terms(placement, tokens) if whole_layers
+                 else [(1.0, self.weight_terms(placement, tokens))])
         total: Any = 0.0
         for share, weights in tiers:
             total = total + share * self.layer_seconds(batches + weights.scaled(block_weight))

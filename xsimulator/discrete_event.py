@@ -207,7 +207,8 @@ def price_steps(cm: CostModel, phase: str, rows: np.ndarray, length: np.ndarray,
     gather = {k: (np.ravel(np.broadcast_to(v, shape))[index] if not np.isscalar(v) else v)
               for k, v in terms.as_dict().items()}
     head_cells = np.ravel(np.broadcast_to(head, shape))[index]
-    return cm.combine(StepTerms(**gather), head_cells, placement, 1.0, any_on, batch_axis=0)
+    return cm.combine(StepTerms(**gather), head_cells, placement, 1.0, any_on, batch_axis=0,
+                      tokens=np.sum(cm.step_tokens(phase, rows, length), axis=0))
 
 
 def p99_length_latency(timeline: Timeline, output: np.ndarray, length: int) -> float:
