@@ -287,10 +287,7 @@ class ModelSpec(Contract):
     def active_matmul_params_per_layer(self) -> int:
         """Projection parameters one token multiplies by: the router, its ``experts_per_token``
         experts (not all of them) and any shared expert, with a mixture of experts."""
-        if not self.num_experts:
-            return self.matmul_params_per_layer
-        expert = 3 * self.ffn * self.hidden
-        return self.matmul_params_per_layer - (self.num_experts - self.experts_per_token) * expert
+        return self.matmul_params_per_layer - (self.num_experts - self.experts_per_token) * self.expert_params
 
     @property
     def expert_params(self) -> int:

@@ -1242,7 +1242,8 @@ class Engine:
             self._hidden_out(work, hidden, slot)
         self._tock(start, "decode" if decode else "prefill",
                    {"layer": layer, "batch": work.batch, "rows": n,
-                    "length": work.col + 1 - work.first_col(spec.sliding_window) if decode else t}, minus_s=cpu_s + self._inner_dequant_s - inner0)
+                    "length": work.col + 1 - work.first_col(spec.sliding_window) if decode else t},
+                   minus_s=cpu_s + self._inner_dequant_s - inner0)
         return out
 
     def _decode_attention(self, layer: int, work: _Work, homes: dict[str, list[Any]], q: torch.Tensor,

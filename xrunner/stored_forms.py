@@ -147,10 +147,11 @@ class WeightLayout:
             else:
                 experts.setdefault(prefix, []).append(name)
 
-        def expert(names: list[str]) -> Callable[[], dict[str, torch.Tensor]]:
-            return lambda: {k: v for n in names for k, v in self._dequantized(n, parts[n], dequant).items()}
-        keys = {prefix: [k for n in names for k in self._dequantized_keys(n)] for prefix, names in experts.items()}
-        return LayerWeights(ready, {prefix: (keys[prefix], expert(names)) for prefix, names in experts.items()})
+        def expert(names: list[str]) -> tuple[list[str], Callable[[], dict[str, torch.Tensor]]]:
+            """The keys an expert's tensors ``names`` will give, and what dequantizes them."""
+            return ([k for n in names for k in self._dequantized_keys(n)],
+                    lambda: {k: v for n in names for k, v in self._dequantized(n, parts[n], dequant).items()})
+        return LayerWeights(ready, {prefix: expert(names) for prefix, names in experts.items()})
 
     def _dequantized_keys(self, name: str) -> list[str]:
         """The keys :meth:`_dequantized` gives for 4-bit weight ``name``."""
