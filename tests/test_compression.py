@@ -287,11 +287,10 @@ def test_an_experts_4bit_weights_are_dequantized_on_first_read_and_once():
     assert unpacked.experts_dequantized == 1 and not any(buffers[n].isnan().any() for n in expert)
     assert buffers["experts.0.up_proj.weight"].isnan().all() and buffers["experts.2.down_proj.weight"].isnan().all()
     assert got.data_ptr() == buffers["experts.1.up_proj.weight"].data_ptr()
-    x = torch.randn(5, 128, generator=g)
     for n in expert:
         ref = layout.dequantize_tensor(n, layout.quantize_tensor(n, w[n]))
-        assert torch.allclose(linear(x[:, :ref.shape[1]], unpacked, n.rsplit(".", 1)[0]), x[:, :ref.shape[1]] @ ref.T,
-                              atol=1e-4)
+        x = torch.randn(5, ref.shape[1], generator=g)  # the projection's inputs (hidden, or ffn for down)
+        assert torch.allclose(linear(x, unpacked, n.rsplit(".", 1)[0]), x @ ref.T, atol=1e-4)
     assert unpacked.experts_dequantized == 1
     assert "experts.3.up_proj.weight" not in unpacked
     with pytest.raises(KeyError):

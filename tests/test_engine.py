@@ -457,11 +457,20 @@ def test_4bit_experts_are_dequantized_only_when_a_token_reaches_them(tmp_path, m
     src = RandomSource(spec, seed=3)
     reqs = make_requests(5, seed=8, vocab=spec.vocab_size, min_prompt=2)
     want = reference(_quantized_weights(load_weights(src)), reqs)
-    routed: list[set[int] | None] = []  # None marks a layer step's start
+    routed: list[set[int] | None] = []  # each route call's experts; None marks a layer step's start
     route, weights = model_module.route, Engine._weights
-    monkeypatch.setattr(model_module, "route",
-                        lambda *a: (lambda out: (routed.append(set(out[0].unique().tolist())), out)[1])(route(*a)))
-    monkeypatch.setattr(Engine, "_weights", lambda self, layer: (routed.append(None), weights(self, layer))[1])
+
+    def recording_route(*args):
+        experts, gates = route(*args)
+        routed.append(set(experts.unique().tolist()))
+        return experts, gates
+
+    def marking_weights(self, layer):
+        routed.append(None)
+        return weights(self, layer)
+
+    monkeypatch.setattr(model_module, "route", recording_route)
+    monkeypatch.setattr(Engine, "_weights", marking_weights)
     policy = Policy(gbs=1, nb=2, compress_weight=True, refill_every=3, **where)
     got, stats = run_engine(src, policy, reqs, tmp_path, record_trace=True)
     assert got == want
