@@ -237,19 +237,9 @@ def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: torch.Tensor | None = None,
-                    name: str | None = None) -> None:
-    """Write an HF Llama or Qwen2 as a llama.cpp GGUF: F32 norms and biases, Q8_0 projections,
-    a Llama's q/k rows permuted (llama.cpp keeps a Qwen2's, which its rope kernel reads as they are).
-    A Gemma's norms are written as 1 + weight, as llama.cpp's converter writes them, with its
-    softcaps and window."""
-    cfg = hf.config
-    arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(cfg.model_type, cfg.model_type)
-    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
-    gemma = arch.startswith("gemma")
+def gguf_with_shapes(path, arch: str, cfg) -> "gguf.GGUFWriter":
+    """A GGUF writer for ``arch`` holding the HF config's layer count, widths and heads."""
     writer = gguf.GGUFWriter(path, arch)
-    if name is not None:
-        writer.add_name(name)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -260,8 +250,32 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:  # Qwen3's 128 on any width
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    return writer
+
+
+def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: torch.Tensor | None = None,
+                    name: str | None = None, yarn: tuple[float, int] | None = None,
+                    floats: dict[str, float] | None = None) -> None:
+    """Write an HF Llama or Qwen2 as a llama.cpp GGUF: F32 norms and biases, Q8_0 projections,
+    a Llama's q/k rows permuted (llama.cpp keeps a Qwen2's, which its rope kernel reads as they are).
+    A Gemma's norms are written as 1 + weight, as llama.cpp's converter writes them, with its
+    softcaps and window. ``yarn``: YaRN's factor and original length, as llama.cpp records them;
+    ``floats``: further float32 metadata."""
+    cfg = hf.config
+    arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(cfg.model_type, cfg.model_type)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    gemma = arch.startswith("gemma")
+    writer = gguf_with_shapes(path, arch, cfg)
+    if name is not None:
+        writer.add_name(name)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: one per layer type
     writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if yarn is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(yarn[0])
+        writer.add_rope_scaling_orig_ctx_len(yarn[1])
+    for key, value in (floats or {}).items():
+        writer.add_float32(key, value)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_eos_token_id(2)
@@ -462,6 +476,115 @@ def test_a_mixture_of_experts_gguf_splits_its_stacked_experts_and_matches_transf
     layer = source.load_layer(1)
     assert layer["experts.3.up_proj.weight"].shape == (want.ffn, want.hidden)
     assert_matches_hf(load_weights(source), hf)
+
+
+def write_tiny_gpt_oss_gguf(path, hf, vocab: list[str]) -> None:
+    """Write an HF GPT-OSS as llama.cpp's converter lays it out (from its description, for the
+    test): q/k rows as stored, every attention projection with its bias, the sinks as
+    ``attn_sinks``, the MLP's norm as ``post_attention_norm``, the router as ``ffn_gate_inp``, and
+    each kind of expert projection stacked ``[experts, out, in]`` in MXFP4 (HF interleaves gate and
+    up along one tensor's last dimension), their biases in float32; YaRN's factor and original
+    length in the metadata, the window's length but not which layers it covers. The HF model's
+    expert weights become the MXFP4 round trip the file holds."""
+    cfg, mx = hf.config, gguf.GGMLQuantizationType.MXFP4
+    writer = gguf_with_shapes(path, "gpt-oss", cfg)
+    writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_expert_count(cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_token_list(vocab)
+    writer.add_eos_token_id(vocab.index("<|return|>"))
+
+    def add(name: str, t: torch.Tensor) -> None:
+        writer.add_tensor(name, t.detach().float().contiguous().numpy())
+
+    def add_mxfp4(name: str, t: torch.Tensor) -> torch.Tensor:
+        codes = gguf.quants.quantize(t.detach().float().contiguous().numpy(), mx)
+        writer.add_tensor(name, codes, raw_dtype=mx)
+        return torch.from_numpy(gguf.quants.dequantize(codes, mx).reshape(t.shape))
+
+    add("token_embd.weight", hf.model.embed_tokens.weight)
+    add("output_norm.weight", hf.model.norm.weight)
+    add("output.weight", hf.lm_head.weight)
+    for i, layer in enumerate(hf.model.layers):
+        att, mlp = layer.self_attn, layer.mlp
+        add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
+        add(f"blk.{i}.post_attention_norm.weight", layer.post_attention_layernorm.weight)
+        for name, module in (("attn_q", att.q_proj), ("attn_k", att.k_proj), ("attn_v", att.v_proj),
+                             ("attn_output", att.o_proj)):
+            add(f"blk.{i}.{name}.weight", module.weight)
+            add(f"blk.{i}.{name}.bias", module.bias)
+        add(f"blk.{i}.attn_sinks.weight", att.sinks)
+        add(f"blk.{i}.ffn_gate_inp.weight", mlp.router.weight)
+        add(f"blk.{i}.ffn_gate_inp.bias", mlp.router.bias)
+        ex = mlp.experts
+        with torch.no_grad():
+            ex.gate_up_proj[:, :, 0::2] = add_mxfp4(f"blk.{i}.ffn_gate_exps.weight",
+                                                    ex.gate_up_proj[:, :, 0::2].transpose(1, 2)).transpose(1, 2)
+            ex.gate_up_proj[:, :, 1::2] = add_mxfp4(f"blk.{i}.ffn_up_exps.weight",
+                                                    ex.gate_up_proj[:, :, 1::2].transpose(1, 2)).transpose(1, 2)
+            ex.down_proj.copy_(add_mxfp4(f"blk.{i}.ffn_down_exps.weight", ex.down_proj.transpose(1, 2)).transpose(1, 2))
+        add(f"blk.{i}.ffn_gate_exps.bias", ex.gate_up_proj_bias[:, 0::2])
+        add(f"blk.{i}.ffn_up_exps.bias", ex.gate_up_proj_bias[:, 1::2])
+        add(f"blk.{i}.ffn_down_exps.bias", ex.down_proj_bias)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gpt_oss_gguf_reads_its_mxfp4_experts_sinks_windows_and_yarn_and_matches_transformers(tmp_path):
+    """llama.cpp's gpt-oss file: experts in MXFP4 slices of stacks, biases everywhere, sinks, the
+    window on every other layer (which the file does not say), YaRN unrounded as GPT-OSS was
+    trained (the HF config's ``truncate: false``; llama.cpp rounds), and the stop tokens found by
+    their text. The spec equals the one the HF config gives, and the tokens and logits equal
+    transformers' on the weights the file holds (transformers cannot read this file itself)."""
+    hf = tiny_hf("gpt_oss", tied=False, seed=5, max_position_embeddings=256)
+    vocab = [f"t{i}" for i in range(hf.config.vocab_size)]
+    vocab[7], vocab[9] = "<|return|>", "<|call|>"
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    write_tiny_gpt_oss_gguf(path, hf, vocab)
+    source = open_model(path)
+    assert isinstance(source, GGUFSource)
+    want = spec_from_hf_dict(hf.config.to_dict(), name=source.spec.name, dtype="float32")
+    assert source.spec == replace(want, eos_token_id=7, extra_eos_token_ids=(9,), norm_eps=source.spec.norm_eps,
+                                  rope_divisors=source.spec.rope_divisors)
+    assert source.spec.rope_divisors == pytest.approx(want.rope_divisors, rel=1e-12)
+    rounded = spec_from_hf_dict({**hf.config.to_dict(), "rope_parameters": {**hf.config.rope_parameters,
+                                                                            "truncate": True}}, name="r")
+    assert rounded.rope_divisors != pytest.approx(want.rope_divisors, rel=1e-6)  # the rounding shows here
+    layer = source.load_layer(2)
+    assert layer["experts.3.gate_proj.bias"].shape == (want.ffn,) and layer["sinks.weight"].shape == (4,)
+    assert_matches_hf(load_weights(source), hf, steps=24)  # prompts and steps pass the window of 3
+
+
+def test_a_qwen_gguf_with_yarn_ramps_as_llamacpp_and_its_hf_config_do(tmp_path):
+    """Qwen2.5/Qwen3's YaRN recipe (factor 4 over 32K) in a GGUF: the same frequencies and attention
+    factor as the HF config's (ramp ends rounded, transformers' default and llama.cpp's way)."""
+    hf = tiny_hf("qwen3", tied=True, seed=3, max_position_embeddings=128)
+    path = tmp_path / "yarn.gguf"
+    write_tiny_gguf(path, hf, yarn=(4.0, 32))
+    spec = open_model(path).spec
+    cfg = {**hf.config.to_dict(), "rope_parameters": {**hf.config.rope_parameters, "rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 32}}
+    want = spec_from_hf_dict(cfg, name="q")
+    assert spec.rope_divisors == pytest.approx(want.rope_divisors, rel=1e-12)
+    assert spec.rope_attention_factor == pytest.approx(want.rope_attention_factor, rel=1e-12) != 1.0
+    assert 1.0 in spec.rope_divisors and 4.0 in spec.rope_divisors
+    plain = tmp_path / "plain.gguf"
+    write_tiny_gguf(plain, hf)
+    assert open_model(plain).spec.rope_divisors == ()
+    for key, value in (("qwen3.rope.scaling.yarn_log_multiplier", 0.1), ("qwen3.rope.scaling.attn_factor", 0.5)):
+        odd = tmp_path / "odd.gguf"
+        write_tiny_gguf(odd, hf, yarn=(4.0, 32), floats={key: value})
+        with pytest.raises(UserError, match=f"GGUF YaRN with {key.rsplit('.', 1)[1]}={value} is not supported"):
+            open_model(odd)
 
 
 def test_plan_and_simulate_take_the_gguf_file_that_profile_and_calibrate_take(tmp_path, capsys):

@@ -939,7 +939,7 @@ def read_gguf(path: Path) -> "gguf.GGUFReader":  # type: ignore[name-defined]  #
 
 
 # llama.cpp architectures with Llama's layer; qwen2 adds q/k/v biases (its GGUF tensors ``attn_q.bias``...).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma", "gemma2", "gemma3", "gpt-oss")
 
 
 def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpec:
@@ -973,24 +973,44 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
         warnings.warn(f"{name}: {label!r} looks like Mistral-7B-v0.1, whose 4096-key sliding window this GGUF "
                       "does not record; past 4096 positions it attends to every key, unlike the original",
                       UserWarning, stacklevel=2)
-    divisors = _gguf_rope_divisors(reader, arch, name, head_dim)
+    theta = float(field(f"{arch}.rope.freq_base", 10000.0))
+    rope = _gguf_rope_scaling(reader, arch, name, head_dim, theta)
     layers = int(field(f"{arch}.block_count"))
     gemma = _gguf_gemma_fields(reader, arch, name, hidden, heads, head_dim, layers) if arch.startswith("gemma") else {}
+    if arch == "gpt-oss":  # llama.cpp fixes what the file leaves out: every other layer windowed from the first, OpenAI's GLU
+        reach: dict[str, Any] = dict(sliding_window=int(window.contents()), window_layers=tuple(
+            i % 2 == 0 for i in range(layers))) if window is not None else {}
+        reach.update(activation="swiglu_clamped", glu_alpha=1.702, glu_limit=7.0, attention_sinks=True, bias=True,
+                     mlp_bias=True, **_eos_fields(_gguf_stop_ids(reader, eos, ("<|return|>", "<|call|>"))))
+    else:
+        reach = gemma or {"sliding_window": int(window.contents()) if window is not None and arch in ("llama", "phi3")
+                          else None}
+        reach.update(activation="gelu_tanh" if gemma else "silu",
+                     eos_token_id=int(eos.contents()) if eos is not None else None)
     return ModelSpec(
         name=name, family="llama", num_layers=layers, hidden=hidden,
-        ffn=int(field(f"{arch}.expert_feed_forward_length" if moe and arch == "qwen3moe"
+        ffn=int(field(f"{arch}.expert_feed_forward_length" if moe and arch in ("qwen3moe", "gpt-oss")
                       else f"{arch}.feed_forward_length")), num_heads=heads,
         num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
         vocab_size=int(vocab), max_positions=int(field(f"{arch}.context_length")),
-        norm="rmsnorm", activation="gelu_tanh" if gemma else "silu", position="rotary",
+        norm="rmsnorm", position="rotary",
         tied_embeddings="output.weight" not in tensor_names, dtype=dtype,  # type: ignore[arg-type]
         norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
-        eos_token_id=int(eos.contents()) if eos is not None else None, qkv_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"), rope_divisors=divisors, **moe,
-        **(gemma or {"sliding_window": int(window.contents()) if window is not None and arch in ("llama", "phi3")
-                     else None}),
+        rope_theta=theta, qkv_bias=arch == "qwen2",
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"), **rope, **moe, **reach,
     )
+
+
+def _gguf_stop_ids(reader, eos, texts: tuple[str, ...]) -> tuple[int, ...]:
+    """The file's ``eos_token_id`` and the ids of the tokens spelled ``texts`` in its vocabulary
+    (GPT-OSS ends a reply with ``<|return|>`` or a tool call with ``<|call|>``; its HF generation
+    config stops at both, and llama.cpp finds them by their text)."""
+    ids = [int(eos.contents())] if eos is not None else []
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    if tokens is not None:
+        vocab = tokens.contents()
+        ids += [vocab.index(t) for t in texts if t in vocab]
+    return tuple(dict.fromkeys(ids))
 
 
 def _gguf_moe_fields(reader, arch: str, name: str) -> dict[str, Any]:
@@ -1053,24 +1073,48 @@ def _gguf_gemma_fields(reader, arch: str, name: str, hidden: int, heads: int, he
     return fields
 
 
-def _gguf_rope_divisors(reader, arch: str, name: str, head_dim: int) -> tuple[float, ...]:
-    """``ModelSpec.rope_divisors`` of a GGUF file: llama.cpp stores Llama 3.1's scaling as a
-    ``rope_freqs.weight`` tensor of per-frequency divisors, and a linear one as
-    ``<arch>.rope.scaling.type`` "linear" with its ``factor`` (which divides every frequency)."""
-    kind = reader.get_field(f"{arch}.rope.scaling.type")
-    kind = "none" if kind is None else str(kind.contents())
-    if kind not in ("none", "linear"):
-        raise UserError(f"{name}: GGUF rope scaling {kind!r} is not supported (xsched runs 'linear' and "
+def _gguf_rope_scaling(reader, arch: str, name: str, head_dim: int, theta: float) -> dict[str, Any]:
+    """``ModelSpec.rope_divisors`` and ``rope_attention_factor`` of a GGUF file. llama.cpp stores
+    Llama 3.1's scaling as a ``rope_freqs.weight`` tensor of per-frequency divisors, a linear one as
+    ``<arch>.rope.scaling.type`` "linear" with its ``factor`` (which divides every frequency), and
+    YaRN (GPT-OSS; Qwen2.5/Qwen3 past 32K) as "yarn" with ``factor``, ``original_context_length``
+    and, where not llama.cpp's 32 and 1, ``yarn_beta_fast`` / ``yarn_beta_slow`` (:func:`_yarn`).
+    llama.cpp rounds YaRN's ramp ends to whole frequency indices; GPT-OSS was trained without that
+    rounding (its config's ``truncate: false``, which transformers and vLLM follow), so a gpt-oss
+    file ramps as the model does and any other as llama.cpp."""
+
+    def value(key: str) -> Any:
+        f = reader.get_field(f"{arch}.rope.scaling.{key}")
+        return None if f is None else f.contents()
+
+    kind = str(value("type") or "none")
+    if kind not in ("none", "linear", "yarn"):
+        raise UserError(f"{name}: GGUF rope scaling {kind!r} is not supported (xsched runs 'linear', 'yarn' and "
                         "Llama 3.1's rope_freqs)")
-    factor = reader.get_field(f"{arch}.rope.scaling.factor")
-    linear = float(factor.contents()) if kind == "linear" and factor is not None else 1.0
+    factor = float(value("factor") or 1.0)
     if any(t.name.startswith("rope_factors_") for t in reader.tensors):  # Phi-3-128k's short/long factors
         raise UserError(f"{name}: GGUF rope scaling LongRoPE (rope_factors_long/short) is not supported")
+    if kind == "yarn":
+        unusual = {k: value(k) for k, usual in (("yarn_log_multiplier", (0,)), ("yarn_ext_factor", (-1, 1)),
+                                                ("yarn_attn_factor", (1,)), ("attn_factor", (1,)))
+                   if value(k) is not None and float(value(k)) not in usual}
+        if unusual:  # DeepSeek's mscale variant, a partial ramp or a rescaled attention: not read
+            raise UserError(f"{name}: GGUF YaRN with {', '.join(f'{k}={float(v):g}' for k, v in unusual.items())} "
+                            "is not supported (xsched reads its factor, original length and betas)")
+        original = value("original_context_length")
+        if original is None or not factor > 1:
+            raise UserError(f"{name}: GGUF YaRN needs rope.scaling.factor > 1 and original_context_length, "
+                            f"got {factor} and {original}")
+        scaling = dict(beta_fast=value("yarn_beta_fast"), beta_slow=value("yarn_beta_slow"),
+                       truncate=arch != "gpt-oss")
+        divisors, attention = _yarn(scaling, factor, float(original), head_dim, theta)
+        return {"rope_divisors": tuple(divisors), "rope_attention_factor": attention}
+    linear = factor if kind == "linear" else 1.0
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is None and linear == 1.0:
-        return ()
+        return {}
     values = [linear] * (head_dim // 2) if freqs is None else [float(x) * linear for x in freqs.data.reshape(-1)]
     if len(values) != head_dim // 2 or not all(0 < x < math.inf for x in values):
         raise UserError(f"{name}: GGUF rope scaling needs head_dim / 2 = {head_dim // 2} positive divisors "
                         f"(rope_freqs.weight, rope.scaling.factor), got {len(values)}: {values[:4]}")
-    return tuple(values)
+    return {"rope_divisors": tuple(values)}
