@@ -147,6 +147,36 @@ def test_each_request_samples_with_its_own_parameters(llama, tmp_path):
         assert got == want, kw
 
 
+def test_logprobs_are_the_models_log_softmax_at_each_output_token(llama, tmp_path):
+    """``Engine(logprobs=True)``: each output token's log-probability under the model's own
+    distribution (not the sampled one's: temperature 0.7 and top-k here), equal to the log-softmax
+    of the in-memory loop's logits at that token, under offloading, refill and CPU attention."""
+    src, reqs, _ = llama
+    sampling = SamplingParams(temperature=0.7, top_k=20, seed=5)
+    weights = load_weights(src)
+    want = {}
+    for r in reqs:
+        res = generate(weights, [r.prompt_ids], r.max_new_tokens, sampling, request_ids=[r.id], return_logits=True)
+        logp = torch.log_softmax(torch.stack(res.logits, dim=1)[0].float(), dim=-1)
+        want[r.id] = (res.tokens[0], logp[torch.arange(len(res.tokens[0])), res.tokens[0]])
+    for kw in (dict(gbs=3, nb=2), dict(gbs=2, nb=3, refill_every=1, wg=0.5, wd=0.5, cg=0.5, cc=0.5,
+                                       cpu_attention=True)):
+        with Engine(src, Policy(**kw), max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
+                    sampling=sampling, logprobs=True) as eng:
+            finished = []
+            eng.run(reqs, on_finished=finished.extend)
+        assert len(finished) == len(reqs)
+        for f in finished:
+            tokens, logp = want[f.id]
+            assert list(f.output_ids) == tokens
+            assert torch.allclose(torch.tensor(f.logprobs), logp, atol=1e-4), (kw, f.id)
+            assert (logp < -1e-3).any()  # sampled tokens, not all near-certain
+    with Engine(src, Policy(gbs=3, nb=2), max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT) as eng:
+        finished = []
+        eng.run(reqs[:2], on_finished=finished.extend)
+    assert all(f.logprobs is None for f in finished)  # only when asked
+
+
 def test_uninitialised_memory_never_reaches_the_outputs(llama, tmp_path, monkeypatch):
     """Masked KV columns are never written but still meet ``probs @ V`` (0 * NaN = NaN): host
     buffers handed out full of NaN bit patterns (as recycled memory can be) must not change a token."""

@@ -498,7 +498,7 @@ def test_run_matches_the_reference_loop_and_writes_a_trace(tiny_dir, tmp_path, c
         assert g["output_ids"] == want and g["text"] == tok.decode(want, skip_special_tokens=True)
         assert g["output_tokens"] == len(want) and g["prompt_tokens"] == len(p)
         assert g["stopped_on_eos"] == (want[-1] == 2 and len(want) <= r["max_new_tokens"])
-        assert g["latency_s"] > 0
+        assert g["latency_s"] > 0 and "logprobs" not in g  # only with --logprobs
     assert result.num_requests == 9 and result.generated_tokens == sum(len(w) for w in ref)
     assert result.latency_max_s == max(g["latency_s"] for g in got.values())
     assert result.predicted is not None and result.fits  # measured peak within the planned peak
@@ -711,12 +711,14 @@ def test_random_model_takes_prompt_ids(tmp_path, random_plan, capsys):
     prompts = write_prompts(tmp_path / "p.jsonl", rows)
     out = tmp_path / "out.jsonl"
     assert main(["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--out",
-                 str(out), "--quiet"]) == 0
+                 str(out), "--quiet", "--logprobs"]) == 0
     got = {r["id"]: r for r in read_rows(out)}
     ref = reference_outputs(RANDOM_MODEL, "float32", [r["prompt_ids"] for r in rows],
                             [r["max_new_tokens"] for r in rows], [2])
     assert [got[r["id"]]["output_ids"] for r in rows] == ref
     assert all(got[r["id"]]["text"] is None for r in rows)
+    for g in got.values():  # --logprobs: one per output token (their values: test_engine)
+        assert len(g["logprobs"]) == g["output_tokens"] and all(-1e9 < x <= 0 for x in g["logprobs"])
 
 
 def test_plan_larger_than_capacity_is_refused(tiny_dir, tmp_path, capsys):

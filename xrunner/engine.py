@@ -71,6 +71,9 @@ class Finished:
     start_s: float  # job clock: start of the prefill step that included it
     end_s: float  # job clock: end of the step that produced its last token
     stopped_on_eos: bool
+    # with ``Engine(logprobs=True)``: each output token's log-probability under the model (float32
+    # log-softmax of its logits, before temperature, top-k and top-p); None otherwise
+    logprobs: tuple[float, ...] | None = None
 
     @property
     def latency_s(self) -> float:
@@ -337,6 +340,7 @@ class _Row:
     start_s: float
     n_ctx: int = 0  # tokens in this row's cache
     first_col: int = 0  # column of its first real token in the batch's KV tensor
+    logprobs: list[float] | None = None  # of ``out``'s tokens, when the engine records them
 
 
 @dataclass
@@ -404,7 +408,7 @@ class Engine:
                  calibration_ids: torch.Tensor | Callable[[], torch.Tensor] | None = None,
                  cuda_sync: str = "item", head_layout: str | None = None,
                  notice: Callable[[str], None] | None = None,
-                 stop_check: Callable[[Request, Sequence[int]], bool] | None = None):
+                 stop_check: Callable[[Request, Sequence[int]], bool] | None = None, logprobs: bool = False):
         spec = source.spec
         if head_layout not in (None, "rows", "transposed"):
             raise UserError(f"head_layout must be 'rows' or 'transposed', got {head_layout!r}")
@@ -428,6 +432,7 @@ class Engine:
         self.stop = frozenset(int(t) for t in stop_token_ids)
         # Ends a request on its output so far (stop strings, which need the caller's tokenizer)
         self.stop_check = stop_check
+        self.logprobs = logprobs  # record each output token's log-probability (Finished.logprobs)
         # Token ids [sequences, length] of calibration text (or a function giving them, called the
         # first time a calibration pass runs, while weights load): 4-bit weights then get GPTQ codes
         # (xrunner.gptq) instead of nearest rounding, and a 4-bit KV cache is stored around each
@@ -1625,7 +1630,8 @@ class Engine:
                 n = len(r.prompt_ids)
                 ids[i, P - n:] = torch.tensor(r.prompt_ids, dtype=torch.long)
                 mask[i, P - n:] = True
-                batch.rows[slot] = _Row(r, [], start, n_ctx=n, first_col=c0 + P - n)
+                batch.rows[slot] = _Row(r, [], start, n_ctx=n, first_col=c0 + P - n,
+                                        logprobs=[] if self.logprobs else None)
                 batch.mask[slot] = False
                 batch.mask[slot, c0:end] = mask[i]
             batch.end = end
@@ -1670,21 +1676,30 @@ class Engine:
         for work, lg in zip(works, logits):
             batch = batches[work.batch]
             tokens = self._sample(lg, [batch.rows[slot] for slot in work.slots])
-            for slot, tok in zip(work.slots, tokens):
+            logprobs = self._logprobs(lg, tokens) if self.logprobs else None
+            for i, (slot, tok) in enumerate(zip(work.slots, tokens)):
                 row = batch.rows[slot]
                 assert row is not None
                 row.out.append(int(tok))
+                if row.logprobs is not None and logprobs is not None:
+                    row.logprobs.append(logprobs[i])
                 produced += 1
                 eos = int(tok) in self.stop
                 if (eos or len(row.out) >= row.req.max_new_tokens
                         or (self.stop_check is not None and self.stop_check(row.req, row.out))):
                     finished.append(Finished(row.req.id, len(row.req.prompt_ids), tuple(row.out), row.start_s, now,
-                                             eos))
+                                             eos, None if row.logprobs is None else tuple(row.logprobs)))
                     batch.rows[slot] = None
                     batch.mask[slot] = False
         self.stats.generated_tokens += produced
         if on_step is not None:
             on_step(produced)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: list[int]) -> list[float]:
+        """Log-probability of each row's ``tokens`` entry under its logits, in float32."""
+        picked = torch.tensor(tokens, dtype=torch.long, device=logits.device).unsqueeze(1)
+        return torch.log_softmax(logits.float(), dim=-1).gather(1, picked).squeeze(1).tolist()
 
     def _sample(self, logits: torch.Tensor, rows: list[Any]) -> list[int]:
         """Each row's next token under its request's sampling parameters (the engine's by default),

@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="for prompts without \"max_new_tokens\" (default: the plan workload's longest output)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at end-of-sequence tokens (every request generates its max_new_tokens)")
+    p.add_argument("--logprobs", action="store_true",
+                   help='add "logprobs" to each result: every output token\'s log-probability under the model '
+                        "(its log-softmax, before temperature, top-k and top-p), in output_ids' order")
     add_chat_args(p)
     p.add_argument("--adapt", choices=("drift", "none"), default="drift",
                    help="drift (default): test the observed lengths against the plan's workload between blocks and "
@@ -221,9 +224,12 @@ def result_row(f: Any, text: str | None, stop: Sequence[str] = ()) -> dict[str, 
     """One results line: what the user asked for plus the token ids (exact, tokenizer-free). A
     request with ``stop`` strings also gets ``"stop_string"``, the one it ended on (None if it
     ended otherwise), and its text ends just before it, as OpenAI's ``stop`` does; ``output_ids``
-    keep every generated token, the stop string's included."""
+    keep every generated token, the stop string's included, and so do ``"logprobs"`` (one per
+    output id) when the engine recorded them."""
     row = {"id": f.id, "text": text, "output_tokens": len(f.output_ids), "prompt_tokens": f.prompt_tokens,
            "latency_s": f.latency_s, "stopped_on_eos": f.stopped_on_eos, "output_ids": list(f.output_ids)}
+    if f.logprobs is not None:
+        row["logprobs"] = list(f.logprobs)
     if stop:
         found = [(text.find(s), s) for s in stop if text is not None and s in text]
         at, first = min(found) if found else (None, None)
@@ -397,7 +403,7 @@ def _run(args: argparse.Namespace) -> int:
                         progress=show, calibration_ids=_calibration(args, source, tokenizer),
                         notice=lambda work: print(f"xsched: reconfiguring: {work}; the job waits for it",
                                                   file=sys.stderr),
-                        stop_check=stop_checker(tokenizer, stops_of)) as engine:
+                        stop_check=stop_checker(tokenizer, stops_of), logprobs=args.logprobs) as engine:
                 stats = engine.run(requests, on_finished=on_finished, on_step=bar.update, between_blocks=hook)
 
     ran = [i for i in pending_idx if records[i].id in output_len]  # in the order the engine took them
