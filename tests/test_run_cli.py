@@ -80,6 +80,8 @@ def test_prompt_file_errors_name_the_line(tmp_path):
         ('{"id": "a", "prompt": "x", "top_k": 1.5}\n', '"top_k" must be a whole number'),
         ('{"id": "a", "prompt": "x", "seed": true}\n', '"seed" must be a whole number'),
         ('{"id": "a", "prompt": "x", "max_new_tokens": 0}\n', "max_new_tokens"),
+        ('{"id": "a", "prompt": "x", "n": 0}\n', ':1: "n" must be an integer >= 1, got 0'),
+        ('{"id": "a", "prompt": "x", "n": "2"}\n', '"n" must be an integer'),
         ('{"id": "a", "prompt_ids": [1, -2]}\n', "non-negative integers"),
         ('[1, 2]\n', "JSON object"),
         ('{"id": 1.5, "prompt": "x"}\n', '"id" must be a string or an integer'),
@@ -373,7 +375,7 @@ def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
         (["--prompts", str(bad_json), "--out", str(tmp_path / "o2")], "bad.jsonl:2: not valid JSON"),
         (["--prompts", str(dup), "--out", str(tmp_path / "o3")], "duplicate id 'a'"),
         (["--prompts", str(ok), "--out", str(old)], "pass --resume to continue that job or another --out path"),
-        (["--prompts", str(ok), "--out", str(old), "--resume"], "whose ids are not in"),
+        (["--prompts", str(ok), "--out", str(old), "--resume"], "whose ids (and samples) are not in"),
         (["--prompts", str(text), "--out", str(tmp_path / "o4")], "give \"prompt_ids\""),
         (["--prompts", str(ok), "--out", str(tmp_path / "o5"), "--offload-dir", str(tmp_path / "none")],
          "offload dir"),
@@ -690,6 +692,48 @@ def test_a_request_samples_with_its_own_parameters(tiny_dir, tmp_path, capsys):
     assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(bad), "--out",
                  str(tmp_path / "bad.out"), "--quiet"]) == 2
     assert f"{bad}:2: top-p is a fraction in (0, 1]" in capsys.readouterr().err
+
+
+def test_n_samples_per_prompt_each_get_a_line_and_their_own_draws_and_resume(random_plan, tmp_path, capsys):
+    """--n 2 (and a prompt's own "n": 3, or 1): one results line per sample, with the prompt's id
+    and its "sample" index, each equal to the reference loop keyed by [id, sample]; the samples
+    of a prompt differ. A job cut to its first lines and resumed writes the same set of lines."""
+    from xrunner.generate import generate
+    from xrunner.loaders import load_weights, open_model
+    from xrunner.sampling import SamplingParams
+
+    rng = np.random.default_rng(4)
+    rows = [{"id": i, "prompt_ids": rng.integers(4, 50000, size=int(rng.integers(2, 8))).tolist(),
+             "max_new_tokens": 5} for i in range(4)]
+    rows[1]["n"], rows[2]["n"] = 3, 1
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    flags = ["--plan", str(random_plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--quiet",
+             "--adapt", "none", "--n", "2", "--temperature", "1.0", "--seed", "9"]
+    out = tmp_path / "out.jsonl"
+    assert main(["run", *flags, "--out", str(out)]) == 0
+    got = read_rows(out)
+    assert sorted((g["id"], g.get("sample")) for g in got) == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, None),
+                                                                 (3, 0), (3, 1)]
+    weights = load_weights(open_model(RANDOM_MODEL, dtype="float32"))
+    sampling = SamplingParams(temperature=1.0, seed=9)
+    by_prompt = {r["id"]: r for r in rows}
+    for g in got:
+        key = g["id"] if "sample" not in g else [g["id"], g["sample"]]
+        want = generate(weights, [by_prompt[g["id"]]["prompt_ids"]], 5, sampling, stop_token_ids=[2],
+                        request_ids=[tuple(key) if isinstance(key, list) else key]).tokens[0]
+        assert g["output_ids"] == want, key
+    assert len({tuple(g["output_ids"]) for g in got if g["id"] == 1}) > 1  # drawn apart
+    lines = out.read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(lines[:3]))
+    assert main(["run", *flags, "--out", str(cut), "--resume"]) == 0
+
+    def strip(rows_: list[dict]) -> set[str]:
+        return {json.dumps({k: v for k, v in r.items() if k != "latency_s"}, sort_keys=True) for r in rows_}
+
+    assert strip(read_rows(cut)) == strip(got) and len(read_rows(cut)) == len(got)
+    with pytest.warns(UserWarning, match="under greedy decoding get n equal outputs"):  # --n 2, greedy
+        assert main(["run", *flags[:-4], "--out", str(tmp_path / "greedy.jsonl")]) == 0
 
 
 def test_default_tokenizer_counts_the_chat_template():

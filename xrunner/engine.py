@@ -57,7 +57,7 @@ RESOURCES: tuple[str, ...] = ("compute", "cpu_compute", "ctog", "gtoc", "dtoc", 
 # --------------------------------------------------------------------------- public records
 @dataclass(frozen=True)
 class Request:
-    id: str
+    id: Any  # str or int (xsched run: a prompt's id, or (id, sample) for one of its "n" outputs); keys its draws
     prompt_ids: tuple[int, ...]  # already tokenized (chat template applied by the caller)
     max_new_tokens: int
     sampling: SamplingParams | None = None  # this request's own; None: the engine's
@@ -65,7 +65,7 @@ class Request:
 
 @dataclass(frozen=True)
 class Finished:
-    id: str
+    id: Any  # its Request's
     prompt_tokens: int
     output_ids: tuple[int, ...]  # generated tokens (includes the EOS token if it stopped on one)
     start_s: float  # job clock: start of the prefill step that included it

@@ -28,6 +28,9 @@ from xsched.errors import UserError
 from xsched.fileio import Messages, chat_messages, check_text, check_writable, describe_os_error, jsonl_lines
 
 RequestId = str | int
+# What an engine request and a results line are keyed by: the prompt's id, or (id, sample) for
+# each of the ``"n"`` samples of a prompt that asks for several
+ResultKey = RequestId | tuple[RequestId, int]
 
 
 @dataclass(frozen=True)
@@ -43,20 +46,32 @@ class PromptRecord:
     stop: tuple[str, ...] = ()  # strings that end the request where they first appear in its text
     # this request's own "temperature", "top_k", "top_p", "seed" (over the command line's)
     sampling: tuple[tuple[str, float | int], ...] = ()
+    n: int | None = None  # "n": outputs to sample for this prompt (None: the command line's --n)
+
+    def keys(self, default_n: int = 1) -> list[ResultKey]:
+        """The result keys of this prompt: its id alone for one output, else ``(id, k)`` per sample."""
+        n = self.n or default_n
+        return [self.id] if n == 1 else [(self.id, k) for k in range(n)]
 
     @property
     def needs_tokenizer(self) -> bool:
         return self.prompt_ids is None
 
 
-def _id_key(value: RequestId) -> str:
-    """Ids compare by their JSON text, so 7 and "7" stay distinct and match what was written."""
+def _id_key(value: ResultKey) -> str:
+    """Ids compare by their JSON text, so 7 and "7" stay distinct and match what was written (a
+    sample's ``(id, k)`` as ``[id, k]``, which no string or integer id spells)."""
     return json.dumps(value)
+
+
+def _row_key(row: dict[str, Any]) -> str:
+    """The key of a results line: its id, with its ``"sample"`` index when it has one."""
+    return _id_key((row["id"], row["sample"]) if "sample" in row else row["id"])
 
 
 def read_prompts(path: str | Path) -> list[PromptRecord]:
     """Parse a prompts JSONL file: ``{"id", "prompt" | "messages" | "prompt_ids", optional
-    "max_new_tokens", optional "stop", optional "temperature" / "top_k" / "top_p" / "seed"}``;
+    "max_new_tokens", optional "n", optional "stop", optional "temperature" / "top_k" / "top_p" / "seed"}``;
     ``"messages"`` is a chat (``[{"role", "content"}, ...]``) that the tokenizer's chat template
     formats; ``"stop"`` a string or a list of them.
 
@@ -105,12 +120,13 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
                     or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
                 raise UserError(f"{where}: \"prompt_ids\" must be a non-empty list of non-negative integers")
             ids = tuple(ids)
-        mnt = obj.get("max_new_tokens")
-        if mnt is not None and (isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1):
-            raise UserError(f"{where}: \"max_new_tokens\" must be an integer >= 1, got {mnt!r}")
+        mnt, n = obj.get("max_new_tokens"), obj.get("n")
+        for name, value in (("max_new_tokens", mnt), ("n", n)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UserError(f"{where}: \"{name}\" must be an integer >= 1, got {value!r}")
         records.append(PromptRecord(id=rid, line=lineno, prompt=prompt, prompt_ids=ids, max_new_tokens=mnt,
                                     messages=messages, stop=_stop_strings(obj.get("stop"), where),
-                                    sampling=_sampling_overrides(obj, where)))
+                                    sampling=_sampling_overrides(obj, where), n=n))
     if not records:
         raise UserError(f"{p}: no prompts in the file (one JSON object per line)")
     return records
@@ -208,8 +224,8 @@ class ResultsWriter:
             raise
         return cls(p, done, fd, created)  # a job that ends before its first write removes the file it created
 
-    def is_done(self, rid: RequestId) -> bool:
-        return _id_key(rid) in self.done
+    def is_done(self, key: ResultKey) -> bool:
+        return _id_key(key) in self.done
 
     def write(self, rows: Iterable[dict[str, Any]]) -> None:
         """Append rows (each with an ``id``), then fsync: they survive a crash. A failed append
@@ -217,9 +233,9 @@ class ResultsWriter:
         new: dict[str, dict[str, Any]] = {}
         lines = []
         for row in rows:
-            key = _id_key(row["id"])
+            key = _row_key(row)
             if key in self.done or key in new:
-                raise RuntimeError(f"request {row['id']!r} finished twice")  # an engine bug, not the user's
+                raise RuntimeError(f"request {key} finished twice")  # an engine bug, not the user's
             new[key] = row
             lines.append(json.dumps(row, ensure_ascii=False) + "\n")
         if not lines:
@@ -347,9 +363,10 @@ def _read_done(p: Path) -> tuple[dict[str, dict[str, Any]], int]:
                 pos, keep = end + 1, end + 1
                 continue
             raise UserError(f"{p}:{lineno}: not a results line; pass another --out or repair the file")
-        key = _id_key(row["id"])
+        key = _row_key(row)
         if key in done:
-            raise UserError(f"{p}:{lineno}: id {row['id']!r} appears twice; pass another --out")
+            what = f"id {row['id']!r}" + (f" sample {row['sample']!r}" if "sample" in row else "")
+            raise UserError(f"{p}:{lineno}: {what} appears twice; pass another --out")
         done[key] = row
         pos = keep = end + 1
     return done, keep

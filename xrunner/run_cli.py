@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run", help="run a plan over a prompt file with the offloading engine (resumable)",
         description="Execute a plan (from `xsched plan`) on a real model: prompts from a JSONL file "
-                    "({\"id\", \"prompt\", \"messages\" or \"prompt_ids\", optional \"max_new_tokens\"}), one "
+                    "({\"id\", \"prompt\", \"messages\" or \"prompt_ids\", optional \"max_new_tokens\", \"n\", "
+                    "\"stop\", \"temperature\", \"top_k\", \"top_p\", \"seed\"}), one "
                     "JSON line per finished request appended to --out and fsynced after every interval. After a crash, "
                     "--resume skips the requests already written. Prints measured throughput, latency "
                     "percentiles and peak memory per tier beside the plan's predictions.")
@@ -56,6 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="for prompts without \"max_new_tokens\" (default: the plan workload's longest output)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at end-of-sequence tokens (every request generates its max_new_tokens)")
+    p.add_argument("--n", type=_positive_int, default=1, metavar="N",
+                   help='outputs to sample per prompt (a prompt\'s own "n" overrides it); each is one results '
+                        'line with the prompt\'s "id" and its "sample" index 0..N-1, drawn apart (their draws are '
+                        "keyed by [id, sample]); use with --temperature, since greedy gives N equal outputs")
     p.add_argument("--logprobs", action="store_true",
                    help='add "logprobs" to each result: every output token\'s log-probability under the model '
                         "(its log-softmax, before temperature, top-k and top-p), in output_ids' order")
@@ -226,7 +231,9 @@ def result_row(f: Any, text: str | None, stop: Sequence[str] = ()) -> dict[str, 
     ended otherwise), and its text ends just before it, as OpenAI's ``stop`` does; ``output_ids``
     keep every generated token, the stop string's included, and so do ``"logprobs"`` (one per
     output id) when the engine recorded them."""
-    row = {"id": f.id, "text": text, "output_tokens": len(f.output_ids), "prompt_tokens": f.prompt_tokens,
+    rid, sample = f.id if isinstance(f.id, tuple) else (f.id, None)  # one of a prompt's "n" samples
+    row = {"id": rid, **({} if sample is None else {"sample": sample}), "text": text,
+           "output_tokens": len(f.output_ids), "prompt_tokens": f.prompt_tokens,
            "latency_s": f.latency_s, "stopped_on_eos": f.stopped_on_eos, "output_ids": list(f.output_ids)}
     if f.logprobs is not None:
         row["logprobs"] = list(f.logprobs)
@@ -311,13 +318,19 @@ def _run(args: argparse.Namespace) -> int:
     offload_root = args.offload_dir or tempfile.gettempdir()
     writer = ResultsWriter.open(args.out, resume=args.resume)  # refuses an old --out early, before loading
     with writer:
-        pending_idx = [i for i, r in enumerate(records) if not writer.is_done(r.id)]
-        unknown = len(writer.done) - (len(records) - len(pending_idx))
+        # One unit per output asked for: (record index, its result key), a prompt's "n" samples each
+        units = [(i, key) for i, r in enumerate(records) for key in r.keys(args.n)]
+        pending = [(i, key) for i, key in units if not writer.is_done(key)]
+        unknown = len(writer.done) - (len(units) - len(pending))
         if unknown:
-            raise UserError(f"{args.out} has {unknown} result(s) whose ids are not in {args.prompts}; "
-                            "resume with the prompt file of that job or pass another --out")
+            raise UserError(f"{args.out} has {unknown} result(s) whose ids (and samples) are not in {args.prompts}; "
+                            "resume with the prompt file and --n of that job or pass another --out")
         warn_if_plan_from_other_machine(plan, args.offload_dir)
         sampling = sampling_from_args(args)
+        own = request_sampling(records, sampling, args.prompts)
+        if any(len(r.keys(args.n)) > 1 and own.get(i, sampling).greedy for i, r in enumerate(records)):
+            warnings.warn("prompts with n > 1 under greedy decoding get n equal outputs; pass --temperature (or "
+                          "their own \"temperature\") to sample them apart", UserWarning, stacklevel=1)
         source = open_model(args.model, dtype=plan.model.dtype)
         check_model_matches(plan.model, source.spec, args.model)
         texts = any(r.needs_tokenizer for r in records)  # token ids need no tokenizer
@@ -363,14 +376,13 @@ def _run(args: argparse.Namespace) -> int:
         check_machine_room(device, planned, machine)
         capacity = {t: min(float(plan.predicted.capacity_bytes.get(t, float("inf"))), machine[t]) for t in machine}
 
-        own = request_sampling(records, sampling, args.prompts)
-        requests = (Request(id=records[i].id, prompt_ids=tuple(prompt_ids[i]), max_new_tokens=new_tokens[i],
-                            sampling=own.get(i)) for i in pending_idx)
+        requests = (Request(id=key, prompt_ids=tuple(prompt_ids[i]), max_new_tokens=new_tokens[i],
+                            sampling=own.get(i)) for i, key in pending)
         latencies: list[float] = []
         output_len: dict[Any, int] = {}
         eos = [0]
         show = not args.quiet and sys.stderr.isatty()
-        total = sum(new_tokens[i] for i in pending_idx)
+        total = sum(new_tokens[i] for i, _ in pending)
 
         with tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, disable=not show,
                   dynamic_ncols=True) as bar:
@@ -392,11 +404,11 @@ def _run(args: argparse.Namespace) -> int:
                         bar.update(unused)
                 writer.write(rows)
 
-            new_tokens_of = {records[i].id: new_tokens[i] for i in pending_idx}
-            stops_of = {records[i].id: records[i].stop for i in pending_idx if records[i].stop}
-            order_of = {records[i].id: k for k, i in enumerate(pending_idx)}
+            new_tokens_of = {key: new_tokens[i] for i, key in pending}
+            stops_of = {key: records[i].stop for i, key in pending if records[i].stop}
+            order_of = {key: k for k, (_, key) in enumerate(pending)}
             hook, watcher = _adapt_hook(args, covering(plan, max_prompt, max_output), capacity, profile, no_profile,
-                                        horizon=len(pending_idx), machine=machine)
+                                        horizon=len(pending), machine=machine)
             with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
                         capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
                         stop_token_ids=stops, record_trace=bool(args.trace), device=device,
@@ -406,12 +418,12 @@ def _run(args: argparse.Namespace) -> int:
                         stop_check=stop_checker(tokenizer, stops_of), logprobs=args.logprobs) as engine:
                 stats = engine.run(requests, on_finished=on_finished, on_step=bar.update, between_blocks=hook)
 
-    ran = [i for i in pending_idx if records[i].id in output_len]  # in the order the engine took them
+    ran = [(i, key) for i, key in pending if key in output_len]  # in the order the engine took them
     simulated = None if stats.reconfigurations or profile is None else simulate_job(
-        plan, profile, [len(prompt_ids[i]) for i in ran], [output_len[records[i].id] for i in ran])
+        plan, profile, [len(prompt_ids[i]) for i, _ in ran], [output_len[key] for _, key in ran])
     result = build_run_result(model=source.spec.name, policy=plan.policy, device=device, dtype=source.spec.dtype,
                               stats=stats, latencies_s=latencies, num_stopped_on_eos=eos[0],
-                              num_skipped=len(records) - len(pending_idx), capacity_bytes=capacity,
+                              num_skipped=len(units) - len(pending), capacity_bytes=capacity,
                               max_prompt=max_prompt, max_output=max_output, predicted=plan.predicted,
                               simulated=simulated)
     result = replace(result, adaptations=tuple(
@@ -433,7 +445,7 @@ def _run(args: argparse.Namespace) -> int:
     elif not args.quiet:
         print(result.describe())
     if not args.quiet:
-        for note in notes + [f"{len(writer.done)} of {len(records)} requests are in {args.out}"]:
+        for note in notes + [f"{len(writer.done)} of {len(units)} requests are in {args.out}"]:
             print(note, file=sys.stderr)
     return 0
 
