@@ -262,7 +262,8 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
     softcaps and window. ``yarn``: YaRN's factor and original length, as llama.cpp records them;
     ``floats``: further float32 metadata."""
     cfg = hf.config
-    arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(cfg.model_type, cfg.model_type)
+    arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe",
+            "qwen2_moe": "qwen2moe"}.get(cfg.model_type, cfg.model_type)
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     gemma = arch.startswith("gemma")
     writer = gguf_with_shapes(path, arch, cfg)
@@ -289,6 +290,9 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
         if arch == "qwen3moe":
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
             writer.add_expert_weights_norm(cfg.norm_topk_prob)
+        if arch == "qwen2moe":  # its expert widths; no expert_weights_norm, as llama.cpp's converter writes it
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if gemma:
         writer.add_sliding_window(cfg.sliding_window)
         if arch == "gemma2":
@@ -330,7 +334,7 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
             q, k = llamacpp_permute(q, cfg.num_attention_heads), llamacpp_permute(k, cfg.num_key_value_heads)
         add(f"blk.{i}.attn_q.weight", torch.from_numpy(q), True)
         add(f"blk.{i}.attn_k.weight", torch.from_numpy(k), True)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             for name, module in (("attn_q", att.q_proj), ("attn_k", att.k_proj), ("attn_v", att.v_proj)):
                 add(f"blk.{i}.{name}.bias", module.bias, False)
         if arch in ("qwen3", "qwen3moe", "gemma3"):
@@ -343,6 +347,12 @@ def write_tiny_gguf(path, hf, sliding_window: int | None = None, rope_freqs: tor
             add(f"blk.{i}.ffn_gate_exps.weight", mlp.experts.gate_up_proj[:, :f], False)
             add(f"blk.{i}.ffn_up_exps.weight", mlp.experts.gate_up_proj[:, f:], False)
             add(f"blk.{i}.ffn_down_exps.weight", mlp.experts.down_proj, False)
+            if arch == "qwen2moe":  # the shared expert and its gate (a [1, hidden] weight, written as a vector)
+                for name, module in (("ffn_gate_shexp", mlp.shared_expert.gate_proj),
+                                     ("ffn_up_shexp", mlp.shared_expert.up_proj),
+                                     ("ffn_down_shexp", mlp.shared_expert.down_proj)):
+                    add(f"blk.{i}.{name}.weight", module.weight, True)
+                add(f"blk.{i}.ffn_gate_inp_shexp.weight", mlp.shared_expert_gate.weight[0], True)
             continue
         for name, t in (("ffn_gate", mlp.gate_proj.weight), ("ffn_up", mlp.up_proj.weight)):
             add(f"blk.{i}.{name}.weight", t, True)
@@ -463,19 +473,31 @@ def test_a_gemma_gguf_takes_its_norms_windows_and_caps_as_llamacpp_writes_them(t
 
 
 @pytest.mark.parametrize("arch,config", [("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False)),
-                                         ("qwen3_moe", dict(norm_topk_prob=True))],
-                         ids=["mixtral", "qwen3moe", "qwen3moe-renormalized"])
+                                         ("qwen3_moe", dict(norm_topk_prob=True)),
+                                         ("qwen2_moe", dict(moe_intermediate_size=1408, shared_expert_intermediate_size=5632))],
+                         ids=["mixtral", "qwen3moe", "qwen3moe-renormalized", "qwen2moe"])
 def test_a_mixture_of_experts_gguf_splits_its_stacked_experts_and_matches_transformers(tmp_path, arch, config):
-    """llama.cpp's mixtures of experts (Mixtral as a ``llama`` file with expert counts, ``qwen3moe``)
-    stack each kind of expert projection in one 3-D tensor; the loader hands each expert its slice,
-    and the router's renormalization follows ``expert_weights_norm``."""
-    hf, _, source, want = gguf_of_tiny_hf(tmp_path, arch, False, config)
+    """llama.cpp's mixtures of experts (Mixtral as a ``llama`` file with expert counts, ``qwen3moe``,
+    ``qwen2moe`` with its shared expert) stack each kind of expert projection in one 3-D tensor; the
+    loader hands each expert its slice, and the router's renormalization follows
+    ``expert_weights_norm`` (a qwen2moe file's default: off). transformers' own GGUF reader builds
+    the same qwen2moe model from the file (it reads no expert widths, so the qwen2moe model has
+    Qwen2-MoE's default ones, 1408 and 5632)."""
+    hf, path, source, want = gguf_of_tiny_hf(tmp_path, arch, False, config)
     assert (source.spec.num_experts, source.spec.experts_per_token, source.spec.ffn) == (4, 2, want.ffn)
     assert source.spec.expert_weights_renormalized == want.expert_weights_renormalized
+    assert (source.spec.shared_expert_ffn, source.spec.qkv_bias) == (want.shared_expert_ffn, want.qkv_bias)
     assert source.spec.num_params == want.num_params
     layer = source.load_layer(1)
     assert layer["experts.3.up_proj.weight"].shape == (want.ffn, want.hidden)
-    assert_matches_hf(load_weights(source), hf)
+    weights = load_weights(source)
+    assert_matches_hf(weights, hf)
+    if arch == "qwen2_moe":
+        assert want.shared_expert_ffn and layer["shared_expert_gate.weight"].shape == (1, want.hidden)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+        theirs.generation_config.eos_token_id = None
+        theirs.generation_config.pad_token_id = 0
+        assert_matches_hf(weights, theirs.eval())
 
 
 def write_tiny_gpt_oss_gguf(path, hf, vocab: list[str]) -> None:

@@ -939,7 +939,8 @@ def read_gguf(path: Path) -> "gguf.GGUFReader":  # type: ignore[name-defined]  #
 
 
 # llama.cpp architectures with Llama's layer; qwen2 adds q/k/v biases (its GGUF tensors ``attn_q.bias``...).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma", "gemma2", "gemma3", "gpt-oss")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma", "gemma2", "gemma3",
+                      "gpt-oss")
 
 
 def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpec:
@@ -989,14 +990,14 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
                      eos_token_id=int(eos.contents()) if eos is not None else None)
     return ModelSpec(
         name=name, family="llama", num_layers=layers, hidden=hidden,
-        ffn=int(field(f"{arch}.expert_feed_forward_length" if moe and arch in ("qwen3moe", "gpt-oss")
+        ffn=int(field(f"{arch}.expert_feed_forward_length" if moe and arch in ("qwen2moe", "qwen3moe", "gpt-oss")
                       else f"{arch}.feed_forward_length")), num_heads=heads,
         num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
         vocab_size=int(vocab), max_positions=int(field(f"{arch}.context_length")),
         norm="rmsnorm", position="rotary",
         tied_embeddings="output.weight" not in tensor_names, dtype=dtype,  # type: ignore[arg-type]
         norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=theta, qkv_bias=arch == "qwen2",
+        rope_theta=theta, qkv_bias=arch in ("qwen2", "qwen2moe"),
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"), **rope, **moe, **reach,
     )
 
@@ -1014,9 +1015,11 @@ def _gguf_stop_ids(reader, eos, texts: tuple[str, ...]) -> tuple[int, ...]:
 
 
 def _gguf_moe_fields(reader, arch: str, name: str) -> dict[str, Any]:
-    """A mixture of experts' ModelSpec fields from a GGUF file (Mixtral as ``llama``, ``qwen3moe``):
-    ``expert_count`` and ``expert_used_count``, the weights renormalized unless
-    ``expert_weights_norm`` says not (llama.cpp renormalizes both by default); softmax gating only."""
+    """A mixture of experts' ModelSpec fields from a GGUF file (Mixtral as ``llama``, ``qwen2moe``,
+    ``qwen3moe``, ``gpt-oss``): ``expert_count`` and ``expert_used_count``, the weights
+    renormalized unless ``expert_weights_norm`` says not (llama.cpp renormalizes by default, but
+    not a qwen2moe's: Qwen1.5-MoE and Qwen2-MoE have ``norm_topk_prob`` false), and a qwen2moe's
+    one shared expert of ``expert_shared_feed_forward_length``; softmax gating only."""
 
     def value(key: str) -> Any:
         f = reader.get_field(f"{arch}.{key}")
@@ -1025,13 +1028,18 @@ def _gguf_moe_fields(reader, arch: str, name: str) -> dict[str, Any]:
     experts = int(value("expert_count") or 0)
     if not experts:
         return {}
-    if value("expert_shared_count"):
-        raise UserError(f"{name}: a GGUF mixture of experts with shared experts is not supported")
+    shared = int(value("expert_shared_count") or 0)
+    if shared and (arch != "qwen2moe" or shared != 1):  # Qwen2-MoE's one, gated by sigmoid(shared_expert_gate . x)
+        raise UserError(f"{name}: a GGUF mixture of experts with {shared} shared experts is not supported "
+                        "(xsched reads a qwen2moe file's one)")
+    if arch == "qwen2moe" and value("expert_shared_feed_forward_length") is None:
+        raise UserError(f"{name}: GGUF metadata lacks 'qwen2moe.expert_shared_feed_forward_length'")
     if value("expert_gating_func") not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise UserError(f"{name}: GGUF expert gating {value('expert_gating_func')!r} is not supported (softmax only)")
     norm = value("expert_weights_norm")
     return dict(num_experts=experts, experts_per_token=int(value("expert_used_count") or 0),
-                expert_weights_renormalized=True if norm is None else bool(norm))
+                expert_weights_renormalized=(arch != "qwen2moe") if norm is None else bool(norm),
+                shared_expert_ffn=int(value("expert_shared_feed_forward_length") or 0) if arch == "qwen2moe" else 0)
 
 
 def _gguf_gemma_fields(reader, arch: str, name: str, hidden: int, heads: int, head_dim: int,

@@ -128,6 +128,10 @@ def _gguf_name(name: str, layer: int | None = None, names: dict[str, str] = _GGU
         return f"{_GGUF_HEAD[module]}.{param}"
     if module.startswith("experts."):
         return f"blk.{layer}.{names[module.split('.')[2]]}_exps.{param}"
+    if module.startswith("shared_expert."):  # Qwen2-MoE's: ffn_gate_shexp, ...
+        return f"blk.{layer}.{names[module.split('.')[1]]}_shexp.{param}"
+    if module == "shared_expert_gate":
+        return f"blk.{layer}.ffn_gate_inp_shexp.{param}"
     return f"blk.{layer}.{names[module]}.{param}"
 
 
@@ -407,7 +411,10 @@ class GGUFSource(ModelSource):
         t = self._tensors.get(gname)
         if t is None:
             raise UserError(f"{self.path}: GGUF file lacks tensor {gname}")
-        _check_shape(str(self.path), gname, tuple(int(x) for x in reversed(t.shape)), expected)
+        got = tuple(int(x) for x in reversed(t.shape))
+        if got == expected[1:] and expected[0] == 1:  # a [1, n] weight stored as a vector (ffn_gate_inp_shexp)
+            got = expected
+        _check_shape(str(self.path), gname, got, expected)
         return t
 
     def _dequantize(self, gname: str, expected: tuple[int, ...], expert: int | None = None) -> torch.Tensor:
