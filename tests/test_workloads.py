@@ -145,6 +145,14 @@ def test_from_file_jsonl_and_csv(tmp_path):
     sep.write_text(json.dumps({"prompt": "one\u2028two\x85", "output_tokens": 3}, ensure_ascii=False) + "\n",
                    encoding="utf-8")
     assert Workload.from_file(sep).output.mean == 3
+    sampled = tmp_path / "n.jsonl"  # "n" outputs of a prompt are n requests of `xsched run`
+    sampled.write_text('{"prompt_tokens": 10, "max_new_tokens": 4, "n": 3}\n'
+                       '{"prompt_tokens": 30, "max_new_tokens": 8}\n')
+    fitted = Workload.from_file(sampled)
+    assert fitted.prompt.mean == pytest.approx(15) and fitted.source.startswith("4 requests")
+    sampled.write_text('{"prompt_tokens": 10, "max_new_tokens": 4, "n": 0}\n')
+    with pytest.raises(UserError, match="request 1"):
+        Workload.from_file(sampled)
 
 
 def test_a_lone_surrogate_in_a_prompt_is_a_one_line_error(tmp_path, capsys):

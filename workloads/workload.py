@@ -110,7 +110,8 @@ class Workload(Contract):
         Each request gives its prompt as ``prompt_tokens`` (a count) or ``prompt`` (text, sized
         with ``count_tokens``, else estimated at 4 bytes per token), and its output length as
         ``output_tokens`` (observed) or ``max_new_tokens``. If no request has an output length,
-        ``output`` supplies the distribution.
+        ``output`` supplies the distribution. A request with ``"n"`` counts n times (``xsched
+        run`` samples n outputs of it, each a request of its own).
         """
         p = Path(path)
         lengths = read_request_lengths(p, count_tokens)
@@ -153,9 +154,10 @@ def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None =
     for i, row in enumerate(rows, start=1):
         n_prompt, est = _prompt_length(row, count_tokens, f"{path}: request {i}")
         estimated |= est
-        prompts.append(n_prompt)
         length = _optional_length(row, OUTPUT_KEYS, f"{path}: request {i}")
-        outputs.append(default_output if length is None else length)
+        copies = _optional_length(row, ("n",), f"{path}: request {i}") or 1  # `xsched run` samples "n" outputs
+        prompts += [n_prompt] * copies
+        outputs += [default_output if length is None else length] * copies
     known = [o for o in outputs if o is not None]
     if known and len(known) != len(outputs):
         first = outputs.index(None) + 1
