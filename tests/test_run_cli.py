@@ -736,8 +736,8 @@ def test_n_samples_per_prompt_each_get_a_line_and_their_own_draws_and_resume(ran
         return {json.dumps({k: v for k, v in r.items() if k != "latency_s"}, sort_keys=True) for r in rows_}
 
     assert strip(read_rows(cut)) == strip(got) and len(read_rows(cut)) == len(got)
-    with pytest.warns(UserWarning, match="under greedy decoding get n equal outputs"):  # --n 2, greedy
-        assert main(["run", *flags[:-4], "--out", str(tmp_path / "greedy.jsonl")]) == 0
+    with pytest.warns(UserWarning, match="under greedy decoding get n equal outputs"):  # --n 2, greedy (warned
+        assert main(["run", *flags[:-4], "--out", str(tmp_path / "greedy.jsonl"), "--model", "gpt-9"]) == 2  # first)
 
 
 def test_default_tokenizer_counts_the_chat_template():
