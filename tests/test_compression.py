@@ -428,6 +428,7 @@ def test_attention_over_the_codes_of_a_half_precision_cache_computes_in_float32(
     torch.testing.assert_close(got, want[:, :, 0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # compiles the kernel in two fresh processes: 13-15 s of the default suite's budget
 def test_attention_over_the_codes_is_the_same_compiled_fresh_or_loaded_from_numba_cache(tmp_path):
     """numba's freshly compiled parallel code and the code it caches differ; with the softmax's sum
     reassociated they rounded differently, and one token of the bfloat16 offload benchmark changed

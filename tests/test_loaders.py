@@ -474,7 +474,8 @@ def test_a_gemma_gguf_takes_its_norms_windows_and_caps_as_llamacpp_writes_them(t
 
 @pytest.mark.parametrize("arch,config", [("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False)),
                                          ("qwen3_moe", dict(norm_topk_prob=True)),
-                                         ("qwen2_moe", dict(moe_intermediate_size=1408, shared_expert_intermediate_size=5632))],
+                                         ("qwen2_moe", dict(moe_intermediate_size=1408,
+                                                            shared_expert_intermediate_size=5632))],
                          ids=["mixtral", "qwen3moe", "qwen3moe-renormalized", "qwen2moe"])
 def test_a_mixture_of_experts_gguf_splits_its_stacked_experts_and_matches_transformers(tmp_path, arch, config):
     """llama.cpp's mixtures of experts (Mixtral as a ``llama`` file with expert counts, ``qwen3moe``,
@@ -714,6 +715,7 @@ def test_smollm2_greedy_tokens_match_transformers(smollm2):
     assert "Paris" in tokenizer.decode(ours[0])
 
 
+@pytest.mark.slow  # converts SmolLM2's vocabulary again (12 s); the smollm2 fixture still builds its tokenizer
 def test_a_gguf_tokenizer_is_converted_once_and_then_read_from_the_cache(smollm2, tmp_path, monkeypatch):
     """The GGUF's tokenizer is converted by transformers once and kept in the cache directory; the
     next source loads the converted copy (no GGUF parse), which encodes and chat-templates exactly

@@ -283,6 +283,7 @@ def test_a_wide_miss_rules_out_more_frequent_refills_and_narrows_when_contradict
     assert not ev.misses(v, 2, 2, 4, "p99", wide)
 
 
+@pytest.mark.slow  # two exhaustive searches over 1707 requests: 12-22 s of the default suite's 10-minute budget
 def test_refill_pruning_keeps_the_best_plan_on_a_profile_where_refilling_halves_latency():
     """A review's fuzz over perturbed profiles (stop 40; this one is the SmolLM2 VM profile with its
     rates rescaled): at gbs 4, refilling every step gave p99 44.3 s against 69.8 s every 64 steps

@@ -978,7 +978,7 @@ def spec_from_gguf_reader(reader, name: str, dtype: str = "float32") -> ModelSpe
     rope = _gguf_rope_scaling(reader, arch, name, head_dim, theta)
     layers = int(field(f"{arch}.block_count"))
     gemma = _gguf_gemma_fields(reader, arch, name, hidden, heads, head_dim, layers) if arch.startswith("gemma") else {}
-    if arch == "gpt-oss":  # llama.cpp fixes what the file leaves out: every other layer windowed from the first, OpenAI's GLU
+    if arch == "gpt-oss":  # llama.cpp's fixed rules for what the file leaves out: which layers, the GLU's clamp
         reach: dict[str, Any] = dict(sliding_window=int(window.contents()), window_layers=tuple(
             i % 2 == 0 for i in range(layers))) if window is not None else {}
         reach.update(activation="swiglu_clamped", glu_alpha=1.702, glu_limit=7.0, attention_sinks=True, bias=True,
