@@ -96,6 +96,10 @@ def test_errors_are_one_line_with_exit_status_2(tiny_dir, tmp_path):
         str(bad_shape): "has shape (64, 32) but the config implies (80, 32)",
     }
     procs = {model: xsched("generate", "--model", model, "--prompt", "hello") for model in cases}
+    none = tmp_path / "none"  # --tokenizer replaces the model's own tokenizer
+    cases[f"{tiny_dir} --tokenizer"] = f"--tokenizer {none}: not a directory"
+    procs[f"{tiny_dir} --tokenizer"] = xsched("generate", "--model", str(tiny_dir), "--tokenizer", str(none),
+                                              "--prompt", "hello")
     for model, message in cases.items():
         out, err = procs[model].communicate(timeout=180)
         assert procs[model].returncode == 2, (model, err)
