@@ -24,6 +24,7 @@ peak bytes <= planned on every tier. Prints a table and writes a PNG scatter.
     xsched profile --quick --model opt-125m --threads 1 -o p.json           # once per machine
     OMP_NUM_THREADS=1 python benchmarks/sim_vs_run.py --profile p.json      # calibrates, then runs
     OMP_NUM_THREADS=1 python benchmarks/sim_vs_run.py --profile p.json --calibrated cal.json  # reuse a fit
+    ... --samples 4   # prompts asked for 4 outputs each: the shared prefill, run and predicted
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def main() -> int:
     ap.add_argument("--fixed", default="fixed:32:16", help="the fixed workload")
     ap.add_argument("--dist", default="C1@0.125", help="the distribution workload (preset@scale)")
     ap.add_argument("--plans", default=",".join(PLANS), help="comma-separated subset of the plans")
+    ap.add_argument("--samples", type=int, default=1,
+                    help="outputs per prompt: requests come in runs of this many with one prompt, which the "
+                         "engine prefills once per GPU batch and the simulator prices so (Workload.samples)")
     ap.add_argument("--png", default="sim_vs_run.png", help="scatter of predicted vs measured")
     ap.add_argument("--json-out", default=None, help="write every row as JSON here")
     ap.add_argument("--reanchor", action=argparse.BooleanOptionalAction, default=True,
@@ -112,7 +116,7 @@ def main() -> int:
     spec, source_for = resolve_model(args.model, raw)
     if raw.compute_threads:
         torch.set_num_threads(raw.compute_threads)
-    workloads = [get_workload(args.fixed), get_workload(args.dist)]
+    workloads = [replace(get_workload(text), samples=args.samples) for text in (args.fixed, args.dist)]
     jobs = []
     for w in workloads:
         prompt, output = w.sample(args.requests, seed=0)
@@ -128,7 +132,8 @@ def main() -> int:
 
     def run(j: int, rep: int) -> None:
         w, name, policy, prompt, output = jobs[j]
-        m = run_engine(source_for(spec), policy, prompt, output, offload_dir=args.offload_dir, profile=raw)
+        m = run_engine(source_for(spec), policy, prompt, output, offload_dir=args.offload_dir, profile=raw,
+                       samples=args.samples)
         runs[j].append(m)
         print(f"  ran {w.name:<14} {name:<22} {m.wall_s:6.1f} s (repeat {rep + 1})", file=sys.stderr)
 
@@ -157,7 +162,7 @@ def main() -> int:
         tps = [gen / m.wall_s for m in ms]
         p99 = [quantile(list(m.latency_s.values()), 0.99) for m in ms]
         m = sorted(ms, key=lambda x: x.wall_s)[len(ms) // 2]
-        wl = workload_of(prompt, output, name=w.name)
+        wl = workload_of(prompt, output, name=w.name, samples=args.samples)
         now = rescaled(cal, ratio)
         profiles = (("raw", raw), ("cal", cal)) + ((("now", now),) if args.reanchor else ())
         if other is not None:
@@ -186,7 +191,8 @@ def main() -> int:
     compared = (("cal2", "--compare calibrated"),) + ((("now2", "--compare re-anchored"),) if args.reanchor else ())
     print()
     speed_note = ", 'speed' = its scale on the calibrated compute terms" if args.reanchor else ""
-    print(f"model {spec.name} ({spec.dtype}), {args.requests} requests per run, random weights, EOS ignored; "
+    print(f"model {spec.name} ({spec.dtype}), {args.requests} requests per run"
+          + (f" ({args.samples} per prompt)" if args.samples > 1 else "") + ", random weights, EOS ignored; "
           f"'{best}' = {dict(kinds)[best]} prediction{speed_note}")
     print(f"{'workload':<14} {'plan':<22} {'tok/s meas':>10} {'raw':>7} {'cal':>7} {best:>7} {'err':>7} "
           f"{'p99 s meas':>10} {'raw':>7} {'cal':>7} {best:>7} {'err':>7} {'speed':>6} {'peak<=plan':>10} "

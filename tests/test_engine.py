@@ -18,6 +18,8 @@ import torch
 import xrunner.generate as generate_module
 from xprofiler.specs import ModelSpec
 from quant_reference import reference_roundtrip
+from sim_profiles import t4_like
+from workloads.workload import fixed_workload
 from xrunner.compression import DEFAULT_CLIP_STEPS, KV_CLIP_STEPS
 from xrunner.engine import Engine, Request
 from xrunner.generate import generate
@@ -25,6 +27,7 @@ from xrunner.loaders import ModelSource, RandomSource, load_weights
 from xrunner.model import attention, attn_in, attn_out_mlp
 from xrunner.sampling import SamplingParams
 from xsched.errors import UserError
+from xsimulator.discrete_event import simulate_timeline
 from xsimulator.policy import Policy
 
 LLAMA = ModelSpec(name="tiny-llama", family="llama", num_layers=3, hidden=128, ffn=256, num_heads=4, num_kv_heads=2,
@@ -128,6 +131,46 @@ def test_sampled_outputs_are_the_same_under_any_policy(llama, tmp_path):
                dict(gbs=3, nb=2, bucket=False, wg=0.34, wc=0.66, cg=0.34, cc=0.66, cpu_attention=True)):
         got, _ = run_engine(src, Policy(**kw), reqs, tmp_path, sampling=sampling)
         assert got == want, kw
+
+
+def test_samples_of_one_prompt_share_its_prefill_and_keep_their_own_draws(llama, tmp_path, monkeypatch):
+    """Three prompts, three samples each (ids ``(prompt, k)``, as `xsched run`'s "n" makes them):
+    each sample equals the reference loop keyed by its id, whatever the placement (a prompt's
+    repeats split across tiers, offloaded activations, refill, a 4-bit cache against the reference
+    that quantizes alike). A prompt's repeats in one prefill are computed once: with one prompt per
+    GPU batch, the prefill computes each prompt's positions once."""
+    src, reqs, _ = llama
+    sampling = SamplingParams(temperature=1.0, seed=5)
+    weights = load_weights(src)
+    prompts = [reqs[i] for i in (0, 1, 4)]
+    assert len({len(r.prompt_ids) for r in prompts}) == 3  # bucketing then gives each its own batch
+    samples = [Request((r.id, k), r.prompt_ids, 6) for r in prompts for k in range(3)]
+
+    def reference_draws() -> dict:
+        return {r.id: generate(weights, [r.prompt_ids], 6, sampling, request_ids=[r.id]).tokens[0] for r in samples}
+
+    want = reference_draws()
+    assert all(len({tuple(want[(r.id, k)]) for k in range(3)}) > 1 for r in prompts)  # drawn apart
+    got, stats = run_engine(src, Policy(gbs=3, nb=3), samples, tmp_path, sampling=sampling, record_trace=True)
+    assert got == want
+    prefill = [e.args["rows"] for e in stats.events if e.name == "prefill"]
+    assert prefill == [1] * (3 * LLAMA.num_layers)  # each layer computes each batch's one prompt once
+    assert stats.padded_prompt_tokens == sum(len(r.prompt_ids) for r in prompts)
+    assert stats.prompt_tokens == 3 * stats.padded_prompt_tokens
+    refill = Policy(gbs=2, nb=2, cg=0.5, cc=0.0, cd=0.5, hg=0.5, hc=0.5, refill_every=2)
+    got, stats = run_engine(src, refill, samples, tmp_path, sampling=sampling)
+    assert got == want and stats.padded_prompt_tokens < stats.prompt_tokens
+    # The simulator, told the job's prompts come in runs of 3, computes the same prompt positions.
+    lengths = ([len(r.prompt_ids) for r in samples], [6] * len(samples))
+    workload = replace(fixed_workload(1, 6), samples=3)
+    sim, _ = simulate_timeline(LLAMA, t4_like(), refill, workload, requests=lengths)
+    assert sim.padded_prompt_tokens == stats.padded_prompt_tokens
+    monkeypatch.setattr(generate_module, "layer_forward", _layer_with_quantized_cache)
+    want = reference_draws()
+    monkeypatch.undo()
+    got, stats = run_engine(src, Policy(gbs=4, nb=1, cg=0.25, cc=0.75, compress_cache=True), samples, tmp_path,
+                            sampling=sampling)
+    assert got == want and stats.padded_prompt_tokens < stats.prompt_tokens
 
 
 def test_each_request_samples_with_its_own_parameters(llama, tmp_path):

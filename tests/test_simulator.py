@@ -1017,3 +1017,27 @@ def test_row_copies_of_plain_numbers_equal_the_array_path():
                     plain = cm._row_copies(cpu, rows, parts, nbytes)
                     assert isinstance(plain, float)
                     assert plain == cm._row_copies(np.array(cpu), np.array([rows]), parts, np.array([nbytes]))[0]
+
+
+@pytest.mark.parametrize("refill", [0, 8])
+def test_a_prompts_samples_are_prefilled_once_and_both_paths_agree(refill):
+    """A workload whose prompts each ask for 4 outputs: requests come in runs of 4 with one
+    prompt length, and the discrete-event path computes a run's rows once per GPU batch and
+    interval, so a prefill-heavy job computes far fewer prompt positions and runs faster than
+    the same lengths with one output per prompt; the analytic path prices it alike."""
+    spec, prof = get_model_spec("opt-1.3b"), t4_like()
+    one = get_workload("S")
+    four = replace(one, samples=4)
+    p, o = four.sample(1000, seed=3)
+    assert (p.reshape(-1, 4) == p[::4, None]).all() and len(set(o[:4].tolist())) > 1  # one prompt, own outputs
+    pol = Policy(gbs=16, nb=4, refill_every=refill)
+    des1 = simulate(spec, prof, pol, one, num_requests=3000, seed=1)
+    des4 = simulate(spec, prof, pol, four, num_requests=3000, seed=1)
+    saved = des4.padded_prompt_tokens / des1.padded_prompt_tokens
+    print(refill, saved, des4.throughput_tokens_per_s / des1.throughput_tokens_per_s)
+    assert saved < 0.6
+    assert des4.throughput_tokens_per_s > 1.2 * des1.throughput_tokens_per_s
+    ana = simulate_analytic(spec, prof, pol, four, num_requests=3000)
+    assert ana.throughput_tokens_per_s == pytest.approx(des4.throughput_tokens_per_s, rel=THROUGHPUT_TOL)
+    assert ana.padded_prompt_tokens == pytest.approx(des4.padded_prompt_tokens, rel=0.15)
+    assert ana.latency_mean_s == pytest.approx(des4.latency_mean_s, rel=MEAN_TOL)

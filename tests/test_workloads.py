@@ -104,6 +104,11 @@ def test_empirical_mixture_and_round_trip():
     again = Workload.from_json(w.to_json())
     assert again == w
     assert again.output.mean == e.mean
+    four = replace(w, samples=4)
+    assert Workload.from_json(four.to_json()) == four != w
+    for bad in (0, 2.5, True):
+        with pytest.raises(UserError, match="samples"):
+            replace(w, samples=bad)
 
 
 def test_correlated_sampling_reaches_the_requested_rank_correlation():
@@ -114,6 +119,11 @@ def test_correlated_sampling_reaches_the_requested_rank_correlation():
     assert 2 * math.sin(math.pi * rho_s / 6) == pytest.approx(0.8, abs=0.03)
     p0, o0 = base.sample(20_000, seed=1)
     assert abs(stats.spearmanr(p0, o0).statistic) < 0.03
+    # Four outputs per prompt: runs of four share a prompt; each output keeps the coupling.
+    p4, o4 = replace(w, samples=4).sample(20_001, seed=1)
+    assert (p4[:20_000].reshape(-1, 4) == p4[:20_000:4, None]).all() and len(p4) == 20_001
+    assert 2 * math.sin(math.pi * stats.spearmanr(p4, o4).statistic / 6) == pytest.approx(0.8, abs=0.03)
+    assert (o4.reshape(-1)[:20_000].reshape(-1, 4).std(axis=1) > 0).mean() > 0.9
 
 
 def test_from_file_jsonl_and_csv(tmp_path):
@@ -150,6 +160,12 @@ def test_from_file_jsonl_and_csv(tmp_path):
                        '{"prompt_tokens": 30, "max_new_tokens": 8}\n')
     fitted = Workload.from_file(sampled)
     assert fitted.prompt.mean == pytest.approx(15) and fitted.source.startswith("4 requests")
+    assert fitted.samples == 2  # 4 requests of 2 prompts: the simulator prefills runs of 2 once
+    assert "2 outputs per prompt" in fitted.describe()
+    from xsched.cli import main
+
+    assert main(["workload", "fit", str(sampled), "-o", str(tmp_path / "fit.json")]) == 0  # the fitting CLI too
+    assert Workload.load(tmp_path / "fit.json").samples == 2
     sampled.write_text('{"prompt_tokens": 10, "max_new_tokens": 4, "n": 0}\n')
     with pytest.raises(UserError, match="request 1"):
         Workload.from_file(sampled)

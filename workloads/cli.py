@@ -93,7 +93,7 @@ def _fit(args: argparse.Namespace) -> int:
     fitted = Workload(name=f"{path.stem}-fit", prompt=prompt_fit.best, output=output_fit.best,
                       correlation=spearman_to_copula(lengths.prompts, lengths.outputs),
                       source=f"fitted to {len(lengths.prompts)} requests from {path.name}"
-                      + (f"; {ESTIMATE_NOTE}" if lengths.estimated else ""))
+                      + (f"; {ESTIMATE_NOTE}" if lengths.estimated else ""), samples=lengths.samples)
     if args.output:
         fitted.save(args.output)
     if args.json:

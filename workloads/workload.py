@@ -43,7 +43,9 @@ class Workload(Contract):
     """Distributions of prompt and output lengths, and how they correlate.
 
     ``correlation`` is the correlation of the Gaussian copula that couples the two lengths
-    (0 = independent, as ExeGPT §6 assumes; its translation task has 0.57-0.94).
+    (0 = independent, as ExeGPT §6 assumes; its translation task has 0.57-0.94). ``samples``
+    is how many outputs each prompt asks for (a prompts file's ``"n"``): requests come in runs
+    of that many with one prompt, and the runner computes a run's prefill once per GPU batch.
     """
 
     SCHEMA: ClassVar[str] = "xsched.Workload/1"
@@ -53,24 +55,42 @@ class Workload(Contract):
     output: LengthDistribution
     correlation: float = 0.0
     source: str = ""
+    samples: int = 1
 
     def __post_init__(self) -> None:
         if not -1.0 < self.correlation < 1.0 and self.correlation != 0.0:
             raise UserError(f"workload {self.name}: correlation {self.correlation} must lie strictly inside -1..1")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise UserError(f"workload {self.name}: samples {self.samples!r} must be a whole number >= 1 "
+                            "(outputs per prompt)")
 
     def sample(self, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """``n`` requests ``(prompt_lens, output_lens)``, int64 arrays; same seed, same requests."""
+        """``n`` requests ``(prompt_lens, output_lens)``, int64 arrays; same seed, same requests.
+
+        With ``samples`` k > 1, requests ``i`` and ``j`` share a prompt when ``i // k == j // k``
+        (each output still drawn on its own, coupled to the shared prompt by ``correlation``).
+        """
         if n < 1:
             raise UserError(f"number of requests must be >= 1, got {n}")
         rng = np.random.default_rng(seed)
+        k = self.samples
+        m = -(-n // k)  # prompts
+
+        def per_request(prompt_draws: np.ndarray) -> np.ndarray:
+            return prompt_draws if k == 1 else np.repeat(prompt_draws, k)[:n]
+
         if self.correlation == 0.0:
-            u_prompt, u_output = rng.random(n), rng.random(n)
+            u_prompt, u_output = per_request(rng.random(m)), rng.random(n)
         else:
-            z1, z2 = rng.standard_normal(n), rng.standard_normal(n)
+            z1, z2 = per_request(rng.standard_normal(m)), rng.standard_normal(n)
             rho = self.correlation
             u_prompt = special.ndtr(z1)
             u_output = special.ndtr(rho * z1 + math.sqrt(1 - rho * rho) * z2)
         return self.prompt.ppf(u_prompt), self.output.ppf(u_output)
+
+    def prompt_groups(self, n: int) -> np.ndarray:
+        """Which prompt each of ``n`` requests (in queue order) is a sample of: runs of ``samples``."""
+        return np.arange(n, dtype=np.int64) // self.samples
 
     @property
     def max_context(self) -> int:
@@ -83,7 +103,7 @@ class Workload(Contract):
 
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "prompt": self.prompt.summary(), "output": self.output.summary(),
-                "correlation": self.correlation, "source": self.source}
+                "correlation": self.correlation, "source": self.source, "samples": self.samples}
 
     def context_note(self, model: str, max_positions: int) -> str | None:
         """A line when the longest prompt plus output passes the model's positions (the plan is
@@ -99,6 +119,8 @@ class Workload(Contract):
                          f"p50 {s['p50']}, p99 {s['p99']}, max {s['max']}")
         if self.correlation:
             lines.append(f"  prompt/output copula correlation {self.correlation:.2f}")
+        if self.samples > 1:
+            lines.append(f"  {self.samples} outputs per prompt (prefilled once per GPU batch)")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ files
@@ -111,7 +133,7 @@ class Workload(Contract):
         with ``count_tokens``, else estimated at 4 bytes per token), and its output length as
         ``output_tokens`` (observed) or ``max_new_tokens``. If no request has an output length,
         ``output`` supplies the distribution. A request with ``"n"`` counts n times (``xsched
-        run`` samples n outputs of it, each a request of its own).
+        run`` samples n outputs of it, each a request of its own), and ``samples`` is the mean n.
         """
         p = Path(path)
         lengths = read_request_lengths(p, count_tokens)
@@ -128,7 +150,8 @@ class Workload(Contract):
         note = f"{len(lengths.prompts)} requests from {p.name}"
         if lengths.estimated:
             note += f"; {ESTIMATE_NOTE}"
-        return cls(name=p.stem, prompt=prompt_dist, output=output_dist, correlation=corr, source=note)
+        return cls(name=p.stem, prompt=prompt_dist, output=output_dist, correlation=corr, source=note,
+                   samples=lengths.samples)
 
 
 @dataclass(frozen=True)
@@ -138,6 +161,12 @@ class RequestLengths:
     prompts: np.ndarray
     outputs: np.ndarray | None
     estimated: bool  # prompt text was sized without a tokenizer
+    num_prompts: int = 0  # rows of the file; fewer than the requests when some ask for "n" outputs
+
+    @property
+    def samples(self) -> int:
+        """Outputs per prompt for :class:`Workload` (the mean, rounded: the total prefill work)."""
+        return max(1, round(len(self.prompts) / self.num_prompts)) if self.num_prompts else 1
 
 
 def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None = None,
@@ -163,7 +192,8 @@ def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None =
         first = outputs.index(None) + 1
         raise UserError(f"{path}: request {first} has no output length ({' or '.join(OUTPUT_KEYS)}) while others "
                         "do; give it for every request or for none")
-    return RequestLengths(np.array(prompts, np.int64), np.array(known, np.int64) if known else None, estimated)
+    return RequestLengths(np.array(prompts, np.int64), np.array(known, np.int64) if known else None, estimated,
+                          len(rows))
 
 
 def spearman_to_copula(a: Any, b: Any) -> float:

@@ -209,8 +209,9 @@ def request_ids(n: int) -> list[str]:
 def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_lens: Sequence[int], *,
                offload_dir: str | Path | None = None, profile: HardwareProfile | None = None, seed: int = 0,
                max_prompt: int | None = None, max_output: int | None = None, warmup: bool = False,
-               head_layouts: dict[int, str] | None = None) -> Measurement:
-    """Run ``policy`` once over requests of exactly these lengths (random token ids, EOS ignored).
+               head_layouts: dict[int, str] | None = None, samples: int = 1) -> Measurement:
+    """Run ``policy`` once over requests of exactly these lengths (random token ids, EOS ignored;
+    with ``samples`` k, requests come in runs of k with one prompt, as ``Workload.samples`` says).
 
     Returns busy seconds per metric, per-step wall seconds, per-request latencies and peak
     bytes. ``max_prompt``/``max_output`` size the KV cache (default: the longest of the job),
@@ -226,8 +227,11 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
     spec = source.spec
     rng = np.random.default_rng(seed)
     ids = request_ids(len(prompt_lens))
-    reqs = [Request(i, tuple(int(t) for t in rng.integers(0, spec.vocab_size, int(p))), int(o))
-            for i, p, o in zip(ids, prompt_lens, output_lens)]
+    prompts: list[tuple[int, ...]] = []
+    for k, p in enumerate(prompt_lens):
+        shared = k % samples and len(prompts[-1]) == int(p)
+        prompts.append(prompts[-1] if shared else tuple(int(t) for t in rng.integers(0, spec.vocab_size, int(p))))
+    reqs = [Request(i, ids_, int(o)) for i, ids_, o in zip(ids, prompts, output_lens)]
     if offload_dir is None:
         import tempfile
 
@@ -307,10 +311,11 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
 
 
 # --------------------------------------------------------------------------- predicting
-def workload_of(prompt_lens: Sequence[int], output_lens: Sequence[int], name: str = "calibration") -> Workload:
+def workload_of(prompt_lens: Sequence[int], output_lens: Sequence[int], name: str = "calibration",
+                samples: int = 1) -> Workload:
     """The empirical workload of exactly these requests (its maxima size the KV cache)."""
     return Workload(name=name, prompt=LengthDistribution.empirical(list(prompt_lens)),
-                    output=LengthDistribution.empirical(list(output_lens)), source="measured run")
+                    output=LengthDistribution.empirical(list(output_lens)), source="measured run", samples=samples)
 
 
 def predict(spec: ModelSpec, profile: HardwareProfile, design: RunDesign) -> dict[str, float]:

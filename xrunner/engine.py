@@ -85,7 +85,7 @@ class EngineStats:
     wall_s: float
     generated_tokens: int
     prompt_tokens: int
-    padded_prompt_tokens: int  # prefill positions computed incl. left padding
+    padded_prompt_tokens: int  # prefill positions computed incl. left padding (a repeated prompt once per prefill)
     num_prefill_steps: int
     num_decode_steps: int
     # Measured, per tier: during the run and since the policy in force at its start took effect (setup, or
@@ -372,10 +372,17 @@ class _Work:
     mask: torch.Tensor | None  # prefill: [n, t] padding mask; decode: [n, T+1] context mask (device)
     cpu_mask: torch.Tensor | None = None  # decode context mask on the CPU (CPU attention; all-real test)
     window_begin: int = 0  # decode: first column holding any row's last ``sliding_window`` tokens
+    # Prefill: (positions computed, each row's index among them) when rows repeat a prompt (a prompt's
+    # "n" samples): equal padded inputs give equal K, V and hidden states, so each is computed once.
+    share: tuple[list[int], list[int]] | None = None
 
     @property
     def t(self) -> int:
         return self.ids.shape[1]
+
+    def computed(self, pos: list[int]) -> list[int]:
+        """Which computed rows hold the rows at positions ``pos`` (themselves unless shared)."""
+        return pos if self.share is None else [self.share[1][p] for p in pos]
 
     def first_col(self, window: int | None) -> int:
         """First context column a decode step loads and attends to in a layer with a sliding
@@ -1185,7 +1192,7 @@ class Engine:
         acts = self.act_home[work.batch]
         k0 = 0
         for tier, pos, rows in self._groups(self.act_split, work.slots):
-            src = _take(hidden, pos)
+            src = _take(hidden, work.computed(pos))
             if tier == "gpu":
                 if is_range(rows):
                     acts["gpu"][rows[0]:rows[0] + len(rows), :t] = src
@@ -1213,8 +1220,11 @@ class Engine:
         """One layer for one GPU batch; returns the last position's hidden state after the last layer."""
         spec, led = self.layer_specs[layer], self.ledger
         start = self._tick()
-        hidden = self._hidden_in(layer, work, slot)
-        q, k, v = attn_in(spec, w, hidden, work.pos, self.ropes[layer])
+        hidden, pos, mask = self._hidden_in(layer, work, slot), work.pos, work.mask
+        if work.share is not None:
+            first = work.share[0]
+            hidden, pos, mask = _take(hidden, first), _take(pos, first), None if mask is None else _take(mask, first)
+        q, k, v = attn_in(spec, w, hidden, pos, self.ropes[layer])
         n, t = hidden.shape[0], hidden.shape[1]
         homes = self.kv_home[work.batch][layer]
         cpu_s, inner0 = 0.0, self._inner_dequant_s
@@ -1223,11 +1233,11 @@ class Engine:
             pass
         if not decode:
             with led.transient("gpu", "attention", 2 * nbytes_of(q) + nbytes_of(k, v)):
-                attn = attention(spec, q, k, v, work.mask, causal=True, sinks=w.get("sinks.weight"))
+                attn = attention(spec, q, k, v, mask, causal=True, sinks=w.get("sinks.weight"))
             enc = self.codec.encode(k, v, layer)
             k_off = 0
-            for tier, pos, rows in self._groups(self.cache_split, work.slots):
-                sel = [_take(e, pos) for e in enc]
+            for tier, at, rows in self._groups(self.cache_split, work.slots):
+                sel = [_take(e, work.computed(at)) for e in enc]
                 if tier == "gpu":
                     self._put_cols(homes["gpu"], rows, work.col, sel)
                 else:  # to the stage slot; the store queue takes it home
@@ -1482,7 +1492,8 @@ class Engine:
                 out = self._compute(l, works[i], w, j % 2, decode, last=l == L - 1)
                 compute_done[j].set()
                 if out is not None:
-                    logits[i] = self._head(out)
+                    logits[i] = self._head(out) if works[i].share is None else \
+                        _take(self._head(out), works[i].share[1])
                 store(j)
             for f in store_done:
                 f.result()
@@ -1637,8 +1648,12 @@ class Engine:
             batch.end = end
             pos = (mask.long().cumsum(-1) - 1).clamp_(min=0)
             dev_mask = None if bool(mask.all()) else mask.to(self.device)
-            works.append(_Work(j, [s for s, _r in new], ids.to(self.device), pos.to(self.device), c0, c0, dev_mask))
-            self.stats.padded_prompt_tokens += len(new) * P
+            first: dict[tuple[int, ...], int] = {}
+            of_row = [first.setdefault(r.prompt_ids, len(first)) for _s, r in new]
+            share = None if len(first) == len(new) else ([of_row.index(u) for u in range(len(first))], of_row)
+            works.append(_Work(j, [s for s, _r in new], ids.to(self.device), pos.to(self.device), c0, c0, dev_mask,
+                               share=share))
+            self.stats.padded_prompt_tokens += (len(new) if share is None else len(share[0])) * P
             self.stats.prompt_tokens += sum(len(r.prompt_ids) for _s, r in new)
         logits = self._step(works, decode=False)
         self.stats.num_prefill_steps += 1

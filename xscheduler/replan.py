@@ -252,7 +252,8 @@ def fit_workload(prompt_lens: Any, output_lens: Any, reference: Workload) -> Wor
     prompt = LengthDistribution.empirical(p, max(reference.prompt.max_len, int(p.max())))
     output = LengthDistribution.empirical(o, max(reference.output.max_len, int(o.max())))
     return Workload(name=f"observed({reference.name})", prompt=prompt, output=output,
-                    correlation=spearman_to_copula(p, o), source=f"empirical, {len(p)} observed requests")
+                    correlation=spearman_to_copula(p, o), source=f"empirical, {len(p)} observed requests",
+                    samples=reference.samples)
 
 
 def _smoothed(x: np.ndarray, max_len: int) -> LengthDistribution:

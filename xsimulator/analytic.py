@@ -113,33 +113,52 @@ class _Analytic:
         self.var_min = np.clip(e2 - e1**2, 0.0, None)
 
     # ---------------------------------------------------------------- length expectations
+    def distinct(self, requests: Any) -> Any:
+        """Expected distinct prompts among ``requests`` adjacent requests: a prompt's samples are
+        runs of k, and a window of r at a random offset meets (r - 1) / k + 1 of them."""
+        k = self.workload.samples
+        r = np.asarray(requests, dtype=float)
+        return r if k == 1 else np.where(r > 1, (r - 1) / k + 1, r)
+
     def prompt_nodes(self, rank: Any, total: Any) -> np.ndarray:
-        """Quadrature nodes of the ``rank``-th smallest of ``total`` prompts: [..., Q]."""
-        rank = np.asarray(rank, dtype=float)[..., None]
-        total = np.asarray(total, dtype=float)[..., None]
+        """Quadrature nodes of the ``rank``-th smallest of ``total`` prompts: [..., Q] (requests
+        that sample one prompt count once)."""
+        rank = self.distinct(rank)[..., None]
+        total = self.distinct(total)[..., None]
         safe_r = np.maximum(rank, 1e-9)
         level = special.betaincinv(safe_r, np.maximum(total - safe_r + 1.0, 1e-9), _LEVELS)
         return self.prompt.ppf(np.clip(level, 0.0, 1.0)).astype(float)
 
     def max_prompt_in_band(self, lo: np.ndarray, hi: np.ndarray, a: np.ndarray) -> np.ndarray:
         """E[max of ``a`` prompts drawn from the quantile band lo..hi of the prompt pmf]."""
-        lv = _LEVELS ** (1.0 / np.maximum(a, 1e-9))[..., None]
+        lv = _LEVELS ** (1.0 / np.maximum(self.distinct(a), 1e-9))[..., None]
         return self.prompt.ppf(np.clip(lo[..., None] + lv * (hi - lo)[..., None], 0.0, 1.0)).mean(axis=-1)
 
     # ---------------------------------------------------------------- steps
+    def computed_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Expected rows a prefill of ``rows`` joining rows computes: :meth:`distinct`, except
+        in blocks without refill whose GPU batches hold whole runs (bucketing keeps a run
+        adjacent), which cut no run: r / k."""
+        k, pol = self.workload.samples, self.policy
+        if k > 1 and pol.refill_every == 0 and pol.gbs % k == 0:
+            return rows / k
+        return self.distinct(rows)
+
     def prefill(self, rows: np.ndarray, nodes: np.ndarray, weight: np.ndarray) -> BlockStep:
         """Expected prefill of GPU batches with ``rows`` each ([..., nb]); ``weight`` = P(batch runs).
 
         ``nodes`` [..., nb, Q] are quadrature nodes of each batch's padded prompt length.
         """
         r = rows[..., None]
+        computed = self.computed_rows(rows)
+        c = computed[..., None]
         cm = self.cm
-        bt = cm.batch_terms("prefill", r, nodes, self.placement)
+        bt = cm.batch_terms("prefill", r, nodes, self.placement, computed=c)
         shape = nodes.shape
         terms = StepTerms(*(np.mean(np.broadcast_to(v, shape), axis=-1) for v in bt.as_dict().values()))
-        head = np.mean(np.broadcast_to(cm.head_seconds("prefill", r, nodes), shape), axis=-1)
+        head = np.mean(np.broadcast_to(cm.head_seconds("prefill", c, nodes), shape), axis=-1)
         block = 1.0 - np.prod(1.0 - weight, axis=-1)
-        tokens = np.sum(weight * rows * nodes.mean(axis=-1), axis=-1) / np.maximum(block, 1e-300)  # if any runs
+        tokens = np.sum(weight * computed * nodes.mean(axis=-1), axis=-1) / np.maximum(block, 1e-300)  # if any runs
         return cm.combine(terms, head, self.placement, weight, np.minimum(block, 1.0), tokens=tokens)
 
     def decode_conditional(self, rows: np.ndarray, p: np.ndarray, context: np.ndarray) -> tuple[BlockStep, np.ndarray]:
@@ -196,7 +215,7 @@ class _Analytic:
                 lo, hi = np.zeros(nb), np.ones(nb)
             nodes = self.prompt_nodes(rank, total)
             pre = self.prefill(rows, nodes, on)
-            padded += count * float(np.sum(rows * nodes.mean(axis=-1) * on))
+            padded += count * float(np.sum(self.computed_rows(rows) * nodes.mean(axis=-1) * on))
             # Blocks differ in their prompts, so their prefills differ: price QUADRATURE
             # equally likely prefills (bucketed GPU batches rise and fall together; unsorted
             # ones independently, so their quantile levels are staggered).
@@ -205,7 +224,7 @@ class _Analytic:
                 level = (level + (np.arange(nb) * QUADRATURE) // nb) % QUADRATURE
             scenario_len = nodes[np.arange(nb)[None, :], level]  # [Q, nb]
             pre_scenarios = self.cm.block_step("prefill", rows[None, :], scenario_len, self.placement, on,
-                                               float(on.any())).seconds
+                                               float(on.any()), computed=self.computed_rows(rows)[None, :]).seconds
             p = self.surv[u][:, None]  # [S, 1]
             qk = 1.0 - (1.0 - p) ** rows
             a = np.where(qk > 0, rows * p / np.maximum(qk, 1e-300), 0.0)
@@ -317,7 +336,7 @@ class _Analytic:
             rows[0], weight[0] = first_rows, (first_rows > 0)
             nodes[0] = self.prompt_nodes(np.maximum(first_rank, 1e-9), np.maximum(first_total, 1e-9))
         pre = self.prefill(rows, nodes, weight)
-        padded = float(np.sum(mult * np.sum(rows * weight * nodes.mean(axis=-1), axis=1)))
+        padded = float(np.sum(mult * np.sum(self.computed_rows(rows) * weight * nodes.mean(axis=-1), axis=1)))
 
         # Decode: active rows per GPU batch and the padded context (prompt band + age).
         lo = np.arange(nb) / nb if pol.bucket else np.zeros(nb)

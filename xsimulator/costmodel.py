@@ -591,12 +591,14 @@ class CostModel:
         attn = _op_seconds(self.profile, "bmm", attn_flops, kv_read)
         return linear, attn
 
-    def batch_terms(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any]) -> StepTerms:
+    def batch_terms(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any],
+                    computed: Any = None) -> StepTerms:
         """One layer for one GPU batch of ``rows`` sequences.
 
         ``length`` is the padded prompt length (prefill) or the padded context ``T`` including
         the token being generated (decode). Rows are split over tiers by the KV (cg/cc/cd) and
-        activation (hg/hc/hd) fractions.
+        activation (hg/hc/hd) fractions. ``computed`` (prefill): the rows actually computed when
+        some repeat a prompt (its samples); every row still moves its own K/V and hidden state.
         """
         if phase not in ("prefill", "decode"):
             raise ValueError(f"unknown phase {phase!r}")
@@ -625,7 +627,8 @@ class CostModel:
             return (rows_move(p["cc"], channel, nbytes, self._row_copies(p["cc"], rows, parts, nbytes))
                     + rows_move(p["cd"], channel, nbytes, rows * parts))
 
-        other_s, attn_s = self._compute_parts(phase, rows, length)
+        computed = rows if computed is None else computed
+        other_s, attn_s = self._compute_parts(phase, computed, length)
         warm = self._warm_fit
         if not prefill and warm is not None:
             # Never below half the cold time: the saving was measured at one context (the decode
@@ -635,7 +638,8 @@ class CostModel:
             other_s = _times(self._rotation_factor, other_s)
         cpu_compute: Any = 0.0
         dequant: Any = 0.0
-        quant = kv_new * (self.factor("quant") / self.profile.quant_bytes_per_s) if self.compress_cache else 0.0
+        kv_encoded = computed * tok * spec.kv_bytes_per_token_per_layer  # the repeats' are copies
+        quant = kv_encoded * (self.factor("quant") / self.profile.quant_bytes_per_s) if self.compress_cache else 0.0
         if prefill:
             # The device computes the prompt's KV; offloaded rows are written back (and on to disk).
             gtoc = gtoc + kv_moves("gtoc", kv_new_st)
@@ -850,15 +854,18 @@ class CostModel:
         return parallel_groups(terms, self.profile.compute_device, self.overlap)
 
     def block_step(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any], batch_weight: Any,
-                   block_weight: Any, batch_axis: int = -1) -> "BlockStep":
+                   block_weight: Any, batch_axis: int = -1, computed: Any = None) -> "BlockStep":
         """A whole prefill or decode step of a block, GPU batches on ``batch_axis``.
 
         ``batch_weight`` says whether (1/0) each GPU batch takes part; ``block_weight`` whether
-        any does, i.e. whether the layer's weights are fetched at all.
+        any does, i.e. whether the layer's weights are fetched at all. ``computed``: see
+        :meth:`batch_terms`; the head and the experts reached count computed rows only.
         """
-        tokens = np.sum(_times(batch_weight, self.step_tokens(phase, rows, length)), axis=batch_axis)
-        return self.combine(self.batch_terms(phase, rows, length, placement), self.head_seconds(phase, rows, length),
-                            placement, batch_weight, block_weight, batch_axis, tokens)
+        c = rows if computed is None else computed
+        tokens = np.sum(_times(batch_weight, self.step_tokens(phase, c, length)), axis=batch_axis)
+        return self.combine(self.batch_terms(phase, rows, length, placement, computed),
+                            self.head_seconds(phase, c, length), placement, batch_weight, block_weight, batch_axis,
+                            tokens)
 
     def combine(self, batch_terms: StepTerms, head_s: Any, placement: Mapping[str, Any], batch_weight: Any,
                 block_weight: Any, batch_axis: int = -1, tokens: Any = None) -> "BlockStep":

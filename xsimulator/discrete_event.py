@@ -97,6 +97,7 @@ class Timeline:
     prefill: BlockStep  # arrays over intervals [J]
     decode: BlockStep  # arrays over [J, interval_steps]
     prefill_rows: np.ndarray  # [nb, J] new rows per GPU batch and interval
+    prefill_computed: np.ndarray  # [nb, J] of them computed: a prompt's samples joining together once
     prefill_len: np.ndarray  # [nb, J] padded prompt length of each GPU batch's new rows
     decode_rows: np.ndarray  # [nb, J, steps] active rows
     decode_len: np.ndarray  # [nb, J, steps] padded context T
@@ -108,8 +109,13 @@ class Timeline:
         return float(self.prefill.seconds.sum() + self.decode.seconds.sum())
 
 
-def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np.ndarray) -> Timeline:
-    """Simulate the requests (in queue order) under ``policy`` and price every step."""
+def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np.ndarray,
+                   group: np.ndarray | None = None) -> Timeline:
+    """Simulate the requests (in queue order) under ``policy`` and price every step.
+
+    ``group[i]``: the prompt request ``i`` is a sample of (:meth:`Workload.prompt_groups`); the
+    rows of one group that join one GPU batch in one interval are computed once in prefill.
+    """
     sched = assign_slots(prompt, output, policy)
     J, S = sched.num_intervals, sched.interval_steps
     nb, gbs = policy.nb, policy.gbs
@@ -118,6 +124,10 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     # Prefill of the rows that join in each interval, per GPU batch (batch axis first).
     cell = batch * J + sched.join
     prefill_rows = np.bincount(cell, minlength=nb * J).reshape(nb, J)
+    computed = prefill_rows
+    if group is not None and len(np.unique(group)) < len(group):
+        first = np.unique(np.stack((cell, np.asarray(group, np.int64))), axis=1)[0]  # one per (cell, group)
+        computed = np.bincount(first, minlength=nb * J).reshape(nb, J)
     prefill_len = np.zeros(nb * J, np.int64)
     np.maximum.at(prefill_len, cell, prompt)
     prefill_len = prefill_len.reshape(nb, J)
@@ -138,7 +148,12 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     decode_len = decode_len.reshape(nb, J, S)
 
     placement = policy.placement()
-    pre = price_steps(cm, "prefill", prefill_rows, prefill_len, placement)
+    if computed is prefill_rows:
+        pre = price_steps(cm, "prefill", prefill_rows, prefill_len, placement)
+    else:  # (rows, computed, length) triples: priced cell by cell, not from a table of pairs
+        on = prefill_rows > 0
+        pre = cm.block_step("prefill", prefill_rows, prefill_len, placement, on, np.logical_or.reduce(on, axis=0),
+                            batch_axis=0, computed=computed)
     dec = price_steps(cm, "decode", decode_rows, decode_len, placement)
 
     # Completion times: a request ends with the decode step that makes its last token.
@@ -150,7 +165,7 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     u_last = np.where(g > 0, g - (last - sched.join) * S, 0)
     finish = start[last] + pre.seconds[last] + cum_step[last, u_last]
     latency = finish - start[sched.join]
-    return Timeline(sched, pre, dec, prefill_rows, prefill_len, decode_rows, decode_len, start, latency)
+    return Timeline(sched, pre, dec, prefill_rows, computed, prefill_len, decode_rows, decode_len, start, latency)
 
 
 def range_max(n: int, lo: np.ndarray, hi: np.ndarray, value: np.ndarray) -> np.ndarray:
@@ -303,12 +318,13 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
     else:
         prompt, output = check_requests(*requests)
     cm = CostModel.for_policy(spec, profile, policy)
-    tl = build_timeline(cm, policy, prompt, output)
+    tl = build_timeline(cm, policy, prompt, output, workload.prompt_groups(len(prompt)) if workload.samples > 1
+                        else None)
     p99_len = workload.output.percentile(0.99)
     result = summarize(
         cm, policy, workload, method="discrete-event", profile=profile, num_requests=len(prompt),
         seed=seed if requests is None else None, wall_s=tl.wall_s, generated=float(output.sum()),
-        prompt_tokens=float(prompt.sum()), padded_prompt=float(np.sum(tl.prefill_rows * tl.prefill_len)),
+        prompt_tokens=float(prompt.sum()), padded_prompt=float(np.sum(tl.prefill_computed * tl.prefill_len)),
         latencies=tl.latency_s, latency_weights=None, p99_length_s=p99_length_latency(tl, output, p99_len),
         prefill=tl.prefill, decode=tl.decode, prefill_steps=int(np.count_nonzero(tl.prefill_rows.sum(axis=0))),
         decode_steps=int(np.count_nonzero(tl.decode_rows.sum(axis=0))))

@@ -1,0 +1,115 @@
+"""A prompt's samples computed once in prefill: repeated prompts against distinct ones.
+
+``xsched run`` turns a prompt's ``"n"`` into n adjacent requests with equal prompts. Those
+that join one GPU batch together share its prefill (``xrunner.engine._Work.share``): each
+layer runs on the batch's distinct prompts and copies K/V and hidden states to the repeats.
+This script runs one random-weight model on two jobs of the same shape, ``--prompts``
+prompts x ``--n`` samples each, and on ``--prompts * --n`` distinct prompts of the same
+lengths, under a few placements, and prints the prefill phase's seconds (the engine's own
+trace, first prefill layer step to the last one's end) and the whole job's generated
+tokens/s. The ratio is what sharing buys; the decode phase does the same work in both jobs.
+
+    OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py [--model smollm2-135m --n 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from xprofiler.specs import get_model_spec  # noqa: E402
+from xsimulator.policy import Policy  # noqa: E402
+
+PLACEMENTS: dict[str, dict] = {
+    "all on the compute device": dict(),
+    "cache on cpu, CPU attention": dict(cg=0.0, cc=1.0, cpu_attention=True),
+    "weights on disk, cache and activations on cpu": dict(wg=0.0, wd=1.0, cg=0.0, cc=1.0, hg=0.0, hc=1.0),
+}
+
+
+def requests(args: argparse.Namespace, repeated: bool, vocab: int) -> list:
+    """``prompts x n`` requests keyed ``(prompt, sample)``; distinct: every one its own tokens."""
+    from xrunner.engine import Request
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(args.prompt // 2, args.prompt + 1, args.prompts)
+    out = []
+    for p, length in enumerate(lengths):
+        shared = tuple(int(t) for t in rng.integers(0, vocab, length))
+        for k in range(args.n):
+            ids = shared if repeated else tuple(int(t) for t in rng.integers(0, vocab, length))
+            out.append(Request((p, k), ids, args.new_tokens))
+    return out
+
+
+def run(spec, policy: Policy, reqs: list, args: argparse.Namespace) -> tuple[float, float, int]:
+    """(prefill seconds, job wall seconds, prefill positions computed) of one job."""
+    from xrunner.engine import Engine
+    from xrunner.loaders import RandomSource
+    from xrunner.sampling import SamplingParams
+
+    done: list = []
+    with tempfile.TemporaryDirectory() as d, \
+            Engine(RandomSource(spec, seed=0), policy, max_prompt=args.prompt, max_output=args.new_tokens,
+                   offload_dir=Path(d), record_trace=True, sampling=SamplingParams(temperature=0.8, seed=1)) as eng:
+        t0 = time.perf_counter()
+        stats = eng.run(reqs, on_finished=done.extend)
+        wall = time.perf_counter() - t0
+    assert len(done) == len(reqs)
+    spans = [(e.start_s, e.start_s + e.dur_s) for e in stats.events if e.name == "prefill"]
+    return max(b for _, b in spans) - min(a for a, _ in spans), wall, stats.padded_prompt_tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="registry name; random weights of its shape")
+    ap.add_argument("--layers", type=int, default=None, help="keep only this many layers (default: all)")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--prompt", type=int, default=256, help="longest prompt; lengths drawn from half of it up")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--gbs", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--placements", default=";".join(PLACEMENTS), help="';'-separated names from the table")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each job, alternating; the fastest counts")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    spec = replace(get_model_spec(args.model), dtype="float32")
+    if args.layers:
+        spec = replace(spec, num_layers=args.layers)
+    rows = args.prompts * args.n
+    nb = -(-rows // args.gbs)
+    jobs = {"repeated": requests(args, True, spec.vocab_size), "distinct": requests(args, False, spec.vocab_size)}
+    print(f"{spec.name} shape, random weights, {spec.num_layers} layers, float32; {args.prompts} prompts x {args.n} "
+          f"samples, prompts of {args.prompt // 2}..{args.prompt} tokens, {args.new_tokens} new tokens; "
+          f"{nb} GPU batch(es) x {args.gbs}; {args.threads} threads\n")
+    print("| placement | prefill s, repeated | distinct | ratio | positions computed, repeated | distinct | "
+          "tok/s, repeated | distinct | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    tokens = rows * args.new_tokens
+    for name in args.placements.split(";"):
+        policy = Policy(gbs=args.gbs, nb=nb, **PLACEMENTS[name])
+        best = {k: (float("inf"), float("inf"), 0) for k in jobs}
+        for _ in range(args.repeats):
+            for k, reqs in jobs.items():
+                p, w, n = run(spec, policy, reqs, args)
+                best[k] = (min(best[k][0], p), min(best[k][1], w), n)
+        (rp, rw, rn), (dp, dw, dn) = best["repeated"], best["distinct"]
+        print(f"| {name} | {rp:.2f} | {dp:.2f} | {dp / rp:.2f}x | {rn} | {dn} | {tokens / rw:.1f} | "
+              f"{tokens / dw:.1f} | {dw / rw:.2f}x |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
