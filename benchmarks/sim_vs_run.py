@@ -175,7 +175,8 @@ def main() -> int:
         for k, r in pred.items():
             row[f"{k}_tps"] = r.throughput_tokens_per_s
             row[f"{k}_p99_s"] = r.latency_p99_s
-        parts = predict(spec, now, RunDesign(name, policy, spec.num_layers, tuple(prompt), tuple(output), ()))
+        parts = predict(spec, now, RunDesign(name, policy, spec.num_layers, tuple(prompt), tuple(output), (),
+                                             args.samples))
         row["metrics_measured_s"] = {k: float(np.median([x.metrics[k] for x in ms])) for k in METRICS}
         row["metrics_predicted_s"] = parts
         row["peak_bytes"] = {t: max(x.peak_bytes[t] for x in ms) for t in m.peak_bytes}

@@ -114,6 +114,7 @@ class RunDesign:
     prompt_lens: tuple[int, ...]
     output_lens: tuple[int, ...]
     excites: tuple[str, ...]  # the terms this run is there for (documentation and the report)
+    samples: int = 1  # requests come in runs of this many with one prompt (Workload.samples)
 
 
 def cut_spec(spec: ModelSpec, num_layers: int) -> ModelSpec:
@@ -300,7 +301,7 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
             for i, d in enumerate(runs):
                 got[i].append(run_engine(make(cut_spec(spec, d.num_layers)), d.policy, d.prompt_lens,
                                          d.output_lens, offload_dir=offload_dir, profile=profile, warmup=True,
-                                         head_layouts=layouts))
+                                         head_layouts=layouts, samples=d.samples))
                 bar.update(1)
     out = []
     for d, ms in zip(runs, got):
@@ -326,7 +327,8 @@ def predict(spec: ModelSpec, profile: HardwareProfile, design: RunDesign) -> dic
     """
     s = cut_spec(spec, design.num_layers)
     prompt, output = np.asarray(design.prompt_lens), np.asarray(design.output_lens)
-    res, tl = simulate_timeline(s, profile, design.policy, workload_of(prompt, output), requests=(prompt, output))
+    res, tl = simulate_timeline(s, profile, design.policy, workload_of(prompt, output, samples=design.samples),
+                                requests=(prompt, output))
     batch_steps = float(np.count_nonzero(tl.prefill_rows) + np.count_nonzero(tl.decode_rows))
     cal = profile.calibration
     b = res.busy_s

@@ -199,7 +199,9 @@ def describe(plan) -> str:  # noqa: ANN001
                    "calibrate again (`xsched calibrate`) or set --margin")
     lines = [
         f"plan for {plan.model.name} ({plan.model.dtype}) on profile {plan.profile_name} ({plan.profile_source}), "
-        f"workload {plan.workload.name}, {r.num_requests} requests",
+        f"workload {plan.workload.name}, {r.num_requests} requests"
+        + (f" ({plan.workload.samples} per prompt, prefilled once per GPU batch)" if plan.workload.samples > 1
+           else ""),
         "policy:",
         *("  " + line for line in plan.policy.describe().splitlines()),
         f"predicted ({r.method}, seed {r.seed}): {r.throughput_tokens_per_s:,.3f} generated tokens/s "

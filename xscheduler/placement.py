@@ -69,13 +69,19 @@ class Shape:
     decode_context: int
     max_prompt: int
     max_output: int
+    samples: int = 1  # outputs per prompt (Workload.samples): a GPU batch prefills each prompt once
 
     @classmethod
     def of(cls, workload: Workload) -> "Shape":
         prompt = max(1, round(workload.prompt.mean))
         steps = max(1, round(workload.output.mean))
         return cls(prompt, steps, prompt + max(1, round(steps / 2)), workload.prompt.max_len,
-                   workload.output.max_len)
+                   workload.output.max_len, workload.samples)
+
+    def computed(self, phase: str, rows: int) -> float:
+        """Rows a GPU batch of ``rows`` computes in ``phase``: in prefill, one per prompt when its
+        samples fill the batch in whole runs (the fewest, so the LP's rate stays a bound)."""
+        return max(rows / self.samples, 1.0) if phase == "prefill" and self.samples > 1 else rows
 
 
 @dataclass(frozen=True)
@@ -152,11 +158,12 @@ def token_seconds(cm: CostModel, placement: Mapping[str, Any], gbs: int, nb: int
     ``whole_layers``: as the runner places weights (``CostModel.mean_layer_seconds``); off, the
     LP's relaxation of the same fractions."""
     if phase_time is None:
-        pre, dec = (_layer_step_s(cm, placement, phase, gbs, length, nb, whole_layers) for phase, length in _phases(shape))
+        pre, dec = (_layer_step_s(cm, placement, phase, gbs, length, nb, whole_layers, shape.computed(phase, gbs))
+                    for phase, length in _phases(shape))
     else:
         pre, dec = phase_time
     n = shape.decode_steps
-    head = nb * (float(cm.head_seconds("prefill", gbs, shape.prompt_len))
+    head = nb * (float(cm.head_seconds("prefill", shape.computed("prefill", gbs), shape.prompt_len))
                  + n * float(cm.head_seconds("decode", gbs, shape.decode_context)))
     block_s = cm.spec.num_layers * (pre + n * dec) + head
     return block_s * (1.0 / (gbs * nb * n))
@@ -172,8 +179,9 @@ def emptying_token_seconds(cm: CostModel, placement: Mapping[str, Any], gbs: int
     output's decode steps, each at the cheapest per-row cost over the powers of two up to
     ``gbs``; equal to :func:`token_seconds` when more rows never cost more per row."""
     L = cm.spec.num_layers
-    prefill, decode = (min((L * float(_layer_step_s(cm, placement, phase, r, length, nb))
-                            + nb * float(cm.head_seconds(phase, r, length))) / (r * nb)
+    prefill, decode = (min((L * float(_layer_step_s(cm, placement, phase, r, length, nb,
+                                                    computed=shape.computed(phase, r)))
+                            + nb * float(cm.head_seconds(phase, shape.computed(phase, r), length))) / (r * nb)
                            for r in (2 ** k for k in range(gbs.bit_length())))
                        for phase, length in _phases(shape))
     return prefill / shape.decode_steps + decode
@@ -185,16 +193,18 @@ def _phases(shape: Shape) -> tuple[tuple[str, int], tuple[str, int]]:
 
 
 def _layer_step_s(cm: CostModel, placement: Mapping[str, Any], phase: str, rows: int, length: int, nb: int,
-                  whole_layers: bool = True) -> Any:
-    """One layer step of a block of ``nb`` GPU batches of ``rows`` rows (weights fetched once)."""
+                  whole_layers: bool = True, computed: float | None = None) -> Any:
+    """One layer step of a block of ``nb`` GPU batches of ``rows`` rows (weights fetched once), of
+    which ``computed`` are computed (:meth:`Shape.computed`; default all)."""
+    c = rows if computed is None else computed
     memo = getattr(cm, "step_memo", None)
     key = None
     if memo is not None and all(isinstance(v, (int, float)) for v in placement.values()):
-        key = (tuple(sorted(placement.items())), phase, rows, length, nb, whole_layers)
+        key = (tuple(sorted(placement.items())), phase, rows, length, nb, whole_layers, c)
         if key in memo:
             return memo[key]
-    step = cm.mean_layer_seconds(cm.batch_terms(phase, rows, length, placement).scaled(nb), placement,
-                                 whole_layers=whole_layers, tokens=nb * cm.step_tokens(phase, rows, length))
+    step = cm.mean_layer_seconds(cm.batch_terms(phase, rows, length, placement, c).scaled(nb), placement,
+                                 whole_layers=whole_layers, tokens=nb * cm.step_tokens(phase, c, length))
     if key is not None:
         memo[key] = step
     return step
@@ -304,13 +314,14 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
     # layers, each weight tier's layers priced apart (exact for these fractions).
     phase_time = []
     for name, phase, length in (("pre", "prefill", shape.prompt_len), ("dec", "decode", shape.decode_context)):
-        tokens = nb * cm.step_tokens(phase, gbs, length)
+        computed = shape.computed(phase, gbs)
+        tokens = nb * cm.step_tokens(phase, computed, length)
         classes = ([(1.0, cm.weight_terms(x, tokens))] if weights is None
                    else cm.weight_tier_terms({**{v: 0.0 for v in PLACEMENT_VARS}, **weights}, tokens))
         total: Any = 0.0
         for j, (share, wterms) in enumerate(classes):
             var = _var(prob, f"t_{name}{j}", 0)
-            for i, group in enumerate(cm.groups(cm.batch_terms(phase, gbs, length, x).scaled(nb) + wterms)):
+            for i, group in enumerate(cm.groups(cm.batch_terms(phase, gbs, length, x, computed).scaled(nb) + wterms)):
                 prob += var * (1.0 / ref) >= group * (1.0 / ref), f"{name}{j}_group{i}"
             total = total + share * var
         phase_time.append(total)
