@@ -58,6 +58,7 @@ def test_simulate_json_trace_and_plan(profile_path, tmp_path):
 BAD_INPUT = [
     (["--workload", "T", "--policy", POLICY, "--seed", "-1"], "--seed: must be in [0, 2**64), got -1"),  # argparse: exits itself
     (["--workload", "T", "--policy", POLICY, "--requests", "0"], "--requests: must be from 1 to 10,000,000, got 0"),
+    (["--workload", "T", "--policy", POLICY, "--samples", "0"], "--samples: must be a whole number >= 1, got 0"),
     # 3e7 requests was a MemoryError traceback under a 4 GB limit (review)
     (["--workload", "T", "--policy", POLICY, "--requests", "30000000"], "--requests: must be from 1 to 10,000,000"),
     (["--workload", "T", "--policy", '{"gbs": 8, "nb": 2, "wg": 0.5, "wc": 0.4, "wd": 0}'], "sum to 0.9"),
@@ -71,7 +72,7 @@ BAD_INPUT = [
 ]
 
 
-@pytest.mark.parametrize("args,message", BAD_INPUT[:5])
+@pytest.mark.parametrize("args,message", BAD_INPUT[:6])
 def test_simulate_bad_input_exits_2_with_one_line(profile_path, args, message):
     out = run("simulate", "--profile", profile_path, "--model", "opt-1.3b", *args)
     assert out.returncode == 2
@@ -79,7 +80,7 @@ def test_simulate_bad_input_exits_2_with_one_line(profile_path, args, message):
     assert len(lines) == 1 and lines[0].startswith("xsched: error:") and message in lines[0], out.stderr
 
 
-@pytest.mark.parametrize("args,message", BAD_INPUT[5:])
+@pytest.mark.parametrize("args,message", BAD_INPUT[6:])
 def test_simulate_bad_input_in_process(profile_path, args, message, capsys):
     """The same CLI entry point in-process (the subprocess cases above check the interpreter exit)."""
     from xsched.cli import main
@@ -186,3 +187,20 @@ def test_a_measured_profile_without_the_models_layer_fits_says_so(tmp_path):
               "--policy", '{"gbs": 4, "nb": 1}', "--requests", "20")
     assert out.returncode == 0, out.stderr
     assert "xsched profile --model opt-125m" in out.stderr
+
+
+def test_samples_per_prompt_from_the_command_line_are_priced_in_simulate_and_plan(profile_path, capsys):
+    """--samples N: the workload's prompts each ask for N outputs; simulate and plan price one
+    prefill per prompt in a GPU batch, as `xsched run` computes it, and plan says so."""
+    from xsched.cli import main
+
+    base = ["--profile", profile_path, "--model", "opt-1.3b", "--workload", "S@0.25", "--requests", "64"]
+    policy = json.dumps({"gbs": 8, "nb": 1})
+    got = {}
+    for n in ("1", "8"):
+        assert main(["simulate", *base, "--policy", policy, "--samples", n, "--json"]) == 0
+        got[n] = SimResult.from_json(capsys.readouterr().out)
+    assert got["8"].padded_prompt_tokens * 4 < got["1"].padded_prompt_tokens
+    assert got["8"].throughput_tokens_per_s > 2 * got["1"].throughput_tokens_per_s
+    assert main(["plan", *base, "--samples", "8", "--latency", "inf", "--quiet"]) == 0
+    assert "64 requests (8 per prompt, prefilled once per GPU batch)" in capsys.readouterr().out

@@ -321,6 +321,11 @@ def preset_workload(name: str, scale: float = 1.0) -> Workload:
                     source=f"ExeGPT Table 3, {task['task']}" + (f", lengths x{scale:g}" if scale != 1.0 else ""))
 
 
+def with_samples(workload: Workload, samples: int | None) -> Workload:
+    """``workload`` with ``samples`` outputs per prompt (a CLI's ``--samples``; None keeps its own)."""
+    return workload if samples is None else replace(workload, samples=samples)
+
+
 def fixed_workload(prompt_len: int, output_len: int) -> Workload:
     return Workload(name=f"fixed:{prompt_len}:{output_len}", prompt=LengthDistribution.fixed(prompt_len),
                     output=LengthDistribution.fixed(output_len), source="every request has the same lengths")

@@ -71,6 +71,18 @@ def directory_arg(text: str) -> str:
 MAX_REQUESTS = 10**7
 
 
+SAMPLES_HELP = ('outputs sampled per prompt (`xsched run`\'s "n"): requests come in runs of N with one prompt, '
+                'prefilled once per GPU batch (default: the workload\'s own: a prompts file\'s mean "n", else 1)')
+
+
+def samples_arg(text: str) -> int:
+    """``--samples``: outputs per prompt, a whole number >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return value
+
+
 def requests_arg(text: str) -> int:
     """``--requests``: a job size the simulator can price, 1 to ``MAX_REQUESTS``."""
     value = int(text)

@@ -7,7 +7,7 @@ import math
 import sys
 
 from xprofiler.profile import MAX_AUTO_MARGIN
-from xsched.cli import plan_requests, requests_arg, seed_arg
+from xsched.cli import SAMPLES_HELP, plan_requests, requests_arg, samples_arg, seed_arg
 
 DEFAULT_PROFILE = "t4"
 DEFAULT_MODEL = "opt-30b"
@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", default=None,
                    help=f"preset S, T, G, C1, C2; fixed:PROMPT:OUTPUT; a JSONL/CSV of requests or a Workload JSON; "
                         f"@SCALE scales lengths (default {DEFAULT_WORKLOAD})")
+    p.add_argument("--samples", type=samples_arg, default=None, metavar="N", help=SAMPLES_HELP)
     p.add_argument("--latency", type=float, default=None, metavar="SECONDS",
                    help=f"latency bound in seconds; 'inf' for pure throughput (default {DEFAULT_LATENCY_S:g})")
     p.add_argument("--sla", choices=("p99", "p99-length"), default="p99",
@@ -122,7 +123,7 @@ def _plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from workloads import get_workload
-    from workloads.workload import ESTIMATE_NOTE, workload_file
+    from workloads.workload import ESTIMATE_NOTE, with_samples, workload_file
     from xprofiler.presets import load_profile
     from xprofiler.specs import get_model_spec
     from xsched.errors import UserError
@@ -156,7 +157,7 @@ def _plan(args: argparse.Namespace) -> int:
             check_writable(path, flag)
     profile = load_profile(args.profile or DEFAULT_PROFILE)
     spec = profile.model_for(get_model_spec(args.model or DEFAULT_MODEL))
-    workload = get_workload(args.workload or DEFAULT_WORKLOAD)
+    workload = with_samples(get_workload(args.workload or DEFAULT_WORKLOAD), args.samples)
     if ESTIMATE_NOTE in workload.source:
         assumed.append(f"workload {workload.source}")
     if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from xsched.cli import plan_requests, requests_arg, seed_arg
+from xsched.cli import SAMPLES_HELP, plan_requests, requests_arg, samples_arg, seed_arg
 from xsched.fileio import json_error_text, path_exists
 
 DEFAULT_PROFILE = "t4"
@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    ".gguf file")
     p.add_argument("--workload", help="preset S, T, G, C1, C2; fixed:PROMPT:OUTPUT; or a JSONL/CSV of requests or a "
                                       "Workload JSON; append @SCALE to scale all lengths (e.g. T@0.25)")
+    p.add_argument("--samples", type=samples_arg, default=None, metavar="N", help=SAMPLES_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--policy", help="policy as JSON text or a JSON file, e.g. '{\"gbs\": 8, \"nb\": 4, \"wg\": 0.5, "
                                       "\"wc\": 0.5, \"wd\": 0}' (fractions 0..1; gbs and nb are required, the "
@@ -94,7 +95,7 @@ def _profile_arg(given: str | None, plan: dict[str, Any], plan_path: str | None,
 
 def _simulate(args: argparse.Namespace) -> int:
     from workloads import Workload, get_workload
-    from workloads.workload import ESTIMATE_NOTE, workload_file
+    from workloads.workload import ESTIMATE_NOTE, with_samples, workload_file
     from xprofiler.presets import load_profile
     from xprofiler.specs import ModelSpec, get_model_spec
     from xsched.contract import check_schema
@@ -146,6 +147,7 @@ def _simulate(args: argparse.Namespace) -> int:
         workload = Workload.from_dict(plan["workload"], where="plan workload")
     else:
         raise UserError("give --workload (S, T, G, C1, C2, fixed:PROMPT:OUTPUT, or a file of requests)")
+    workload = with_samples(workload, args.samples)
     if ESTIMATE_NOTE in workload.source:
         notes.append(f"note: {workload.source}")
     if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:
