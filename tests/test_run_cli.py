@@ -714,7 +714,9 @@ def test_n_samples_per_prompt_each_get_a_line_and_their_own_draws_and_resume(ran
     flags = ["--plan", str(random_plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--quiet",
              "--adapt", "none", "--n", "2", "--temperature", "1.0", "--seed", "9"]
     out = tmp_path / "out.jsonl"
-    assert main(["run", *flags, "--out", str(out)]) == 0
+    with pytest.warns(UserWarning, match=r"asks for 2 output\(s\) per prompt, the plan's workload for 1; .*"
+                                         r"plan with `--samples 2`"):  # 8 outputs of 4 prompts
+        assert main(["run", *flags, "--out", str(out)]) == 0
     got = read_rows(out)
     assert sorted((g["id"], g.get("sample")) for g in got) == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, None),
                                                                  (3, 0), (3, 1)]

@@ -334,6 +334,12 @@ def _run(args: argparse.Namespace) -> int:
         if any(len(r.keys(args.n)) > 1 and own.get(i, sampling).greedy for i, r in enumerate(records)):
             warnings.warn("prompts with n > 1 under greedy decoding get n equal outputs; pass --temperature (or "
                           "their own \"temperature\") to sample them apart", UserWarning, stacklevel=1)
+        samples = max(1, round(len(units) / len(records)))  # as `workload fit` counts them: the mean n
+        if samples != plan.workload.samples:
+            warnings.warn(f"the job asks for {samples} output(s) per prompt, the plan's workload for "
+                          f"{plan.workload.samples}; each prompt's outputs share its prefill, so the plan's prediction "
+                          f"and batch shape are for another job (plan with `--samples {samples}`)", UserWarning,
+                          stacklevel=1)
         source = open_model(args.model, dtype=plan.model.dtype)
         check_model_matches(plan.model, source.spec, args.model)
         texts = any(r.needs_tokenizer for r in records)  # token ids need no tokenizer
