@@ -108,6 +108,71 @@ def test_prompt_file_errors_name_the_line(tmp_path):
     assert [(r.id, r.prompt, r.line) for r in read_prompts(p)] == [("s", "a\u2028b\x85c", 1)]
 
 
+def openai_line(custom_id: str, body: dict, url: str = "/v1/chat/completions") -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "any", **body}}
+
+
+def test_an_openai_batch_file_reads_as_the_requests_it_holds(tmp_path):
+    """OpenAI Batch API input lines (chat and completion bodies) become the same records as the
+    native lines that ask for the same; a field xsched cannot honour is refused, naming it."""
+    from xrunner.jobfiles import read_prompts
+
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [
+        {"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
+    openai = write_prompts(tmp_path / "openai.jsonl", [
+        openai_line("a", {"messages": chat, "max_completion_tokens": 5, "max_tokens": 9, "n": 2, "stop": ["x"],
+                          "temperature": 0.5, "top_p": 0.9, "seed": 3, "top_k": 4, "presence_penalty": 0,
+                          "tool_choice": "auto", "stream": False, "metadata": {"k": 1}}),
+        openai_line("b", {"prompt": "w3 w4", "max_tokens": 2}, url="/v1/completions"),
+        openai_line("c", {"prompt": [3, 4, 5]}, url="/v1/completions")])
+    native = write_prompts(tmp_path / "native.jsonl", [
+        {"id": "a", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}],
+         "max_new_tokens": 5, "n": 2, "stop": ["x"], "temperature": 0.5, "top_p": 0.9, "seed": 3, "top_k": 4},
+        {"id": "b", "prompt": "w3 w4", "max_new_tokens": 2}, {"id": "c", "prompt_ids": [3, 4, 5]}])
+    assert read_prompts(openai) == read_prompts(native)
+    bad = [({"frequency_penalty": 0.5}, 'body "frequency_penalty" = 0.5 is not supported by xsched run; drop it'),
+           ({"logprobs": True}, "pass --logprobs"),
+           ({"response_format": {"type": "json_object"}}, '"response_format"'),
+           ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "text models"),
+           ({"prompt": ["one", "two"]}, "one prompt per line")]
+    for i, (body, message) in enumerate(bad):
+        p = write_prompts(tmp_path / f"bad{i}.jsonl", [openai_line("z", {"messages": chat, **body})])
+        with pytest.raises(UserError, match=r":1: .*" + message.replace("(", r"\(")):
+            read_prompts(p)
+    for line, message in (({**openai_line("z", {"prompt": "x"}), "url": "/v1/embeddings"}, "/v1/embeddings"),
+                          ({**openai_line("z", {"prompt": "x"}), "method": "GET"}, '"method" must be "POST"'),
+                          ({"custom_id": "z", "body": "x"}, '"body" must be a JSON object')):
+        with pytest.raises(UserError, match=message):
+            read_prompts(write_prompts(tmp_path / "bad.jsonl", [line]))
+
+
+def test_an_openai_batch_file_runs_and_fits_as_its_native_twin(tiny_dir, tmp_path):
+    """`xsched run` and `workload fit` on an OpenAI batch file give what its native twin gives:
+    the same results lines (ids from "custom_id") and the same workload."""
+    from workloads import Workload
+    from xsimulator.policy import Policy
+
+    texts = ["w3 w4 w5", "w9 w8", "w7 w7 w7 w6"]
+    openai = write_prompts(tmp_path / "openai.jsonl", [
+        openai_line(f"q{i}", {"prompt": t, "max_tokens": 3 + i, "n": 2 if i == 1 else 1, "seed": i},
+                    url="/v1/completions") for i, t in enumerate(texts)])
+    native = write_prompts(tmp_path / "native.jsonl", [
+        {"id": f"q{i}", "prompt": t, "max_new_tokens": 3 + i, "n": 2 if i == 1 else 1, "seed": i}
+        for i, t in enumerate(texts)])
+    plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=2, nb=2))
+    got = {}
+    for name, prompts in (("openai", openai), ("native", native)):
+        out = tmp_path / f"{name}.out.jsonl"
+        assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out",
+                     str(out), "--quiet", "--adapt", "none", "--temperature", "0.7"]) == 0
+        got[name] = read_rows(out)
+        assert main(["workload", "fit", str(prompts), "--tokenizer", str(tiny_dir), "-o",
+                     str(tmp_path / f"{name}.fit.json")]) == 0
+    assert without_timing(got["openai"]) == without_timing(got["native"]) and len(got["openai"]) == 4
+    fits = [Workload.load(tmp_path / f"{name}.fit.json") for name in ("openai", "native")]
+    assert fits[0].prompt == fits[1].prompt and fits[0].output == fits[1].output and fits[0].samples == 1
+
+
 def test_a_lone_surrogate_in_the_prompt_file_is_refused_up_front(random_plan, tmp_path, capsys):
     """"\\ud800" is valid JSON but no text: as an id it ended the job with a UnicodeEncodeError
     traceback when its results line was written (after a block had run); as a prompt, with a

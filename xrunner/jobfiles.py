@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from xsched.errors import UserError
-from xsched.fileio import Messages, chat_messages, check_text, check_writable, describe_os_error, jsonl_lines
+from xsched.fileio import (Messages, chat_messages, check_text, check_writable, describe_os_error, jsonl_lines,
+                           openai_batch_row)
 
 RequestId = str | int
 # What an engine request and a results line are keyed by: the prompt's id, or (id, sample) for
@@ -75,6 +76,9 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
     ``"messages"`` is a chat (``[{"role", "content"}, ...]``) that the tokenizer's chat template
     formats; ``"stop"`` a string or a list of them.
 
+    A line of an OpenAI Batch API input file (``{"custom_id", "body": {...}}``) is read as that
+    request (:func:`xsched.fileio.openai_batch_row`), so such a file runs as it is.
+
     Blank lines are skipped; other keys are allowed and ignored. Every problem is a one-line
     ``UserError`` naming the file and line.
     """
@@ -97,6 +101,7 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
             raise UserError(f"{where}: nested too deeply; each line must be a JSON object") from None
         if not isinstance(obj, dict):
             raise UserError(f"{where}: each line must be a JSON object with \"id\" and \"prompt\"")
+        obj = openai_batch_row(obj, where)
         rid = obj.get("id")
         if isinstance(rid, bool) or not isinstance(rid, (str, int)):
             raise UserError(f"{where}: \"id\" must be a string or an integer, got {rid!r}")

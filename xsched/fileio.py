@@ -141,6 +141,74 @@ def chat_messages(value: Any, where: str) -> Messages:
     return tuple(turns)
 
 
+OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+# OpenAI request fields that would change what is generated, with the values that change nothing:
+# a line that sets one otherwise is refused rather than run as if it had not asked.
+OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}), "stream": (None, False),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    "suffix": (None, ""), "min_tokens": (None, 0),
+}
+
+
+def openai_batch_row(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    """A line of an OpenAI Batch API input file (``{"custom_id", "method", "url", "body"}``) as
+    the request object ``xsched run`` reads, or ``obj`` itself if it is not one.
+
+    ``custom_id`` becomes ``"id"``; a chat body's ``"messages"`` or a completion body's
+    ``"prompt"`` (text, or token ids) the prompt; ``"max_completion_tokens"`` or ``"max_tokens"``
+    ``"max_new_tokens"``; ``"n"``, ``"stop"``, ``"temperature"``, ``"top_p"``, ``"seed"`` and
+    vLLM's ``"top_k"`` keep their names. ``"model"`` and other fields are ignored, except those
+    in :data:`OPENAI_NEUTRAL` set to something that would change the output: one-line error.
+    """
+    if "custom_id" not in obj or "body" not in obj:
+        return obj
+    url, method, body = obj.get("url"), obj.get("method"), obj.get("body")
+    if url is not None and url not in OPENAI_URLS:
+        raise UserError(f"{where}: \"url\" {str(url)[:60]!r} is not one xsched runs; use {' or '.join(OPENAI_URLS)}")
+    if method not in (None, "POST"):
+        raise UserError(f"{where}: \"method\" must be \"POST\", got {str(method)[:20]!r}")
+    if not isinstance(body, dict):
+        raise UserError(f"{where}: \"body\" must be a JSON object (the request), got {type(body).__name__}")
+    for key, neutral in OPENAI_NEUTRAL.items():
+        if key in body and body[key] not in neutral:
+            advice = "; pass --logprobs for every request's token log-probabilities" if key == "logprobs" else ""
+            raise UserError(f"{where}: body \"{key}\" = {str(body[key])[:40]} is not supported by xsched run; drop "
+                            f"it{advice}")
+    row: dict[str, Any] = {"id": obj["custom_id"]}
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        row["prompt_ids"] = prompt
+    elif isinstance(prompt, list):
+        raise UserError(f"{where}: body \"prompt\" must be one text or one list of token ids (one prompt per line)")
+    elif prompt is not None:
+        row["prompt"] = prompt
+    if body.get("messages") is not None:
+        row["messages"] = [_text_parts(m, where) for m in body["messages"]] \
+            if isinstance(body["messages"], list) else body["messages"]
+    limits = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
+    if limits:
+        row["max_new_tokens"] = limits[0]
+    for key in ("n", "stop", "temperature", "top_p", "top_k", "seed"):
+        if body.get(key) is not None:
+            row[key] = body[key]
+    return row
+
+
+def _text_parts(message: Any, where: str) -> Any:
+    """A chat message whose ``"content"`` is a list of ``{"type": "text", "text"}`` parts, joined
+    into one text (other parts, images for instance, are refused); any other message as it is."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    parts = message["content"]
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        raise UserError(f"{where}: a message's \"content\" parts must all be {{\"type\": \"text\", \"text\"}}; "
+                        "xsched runs text models")
+    return {**message, "content": "".join(p["text"] for p in parts)}
+
+
 def file_or_none(arg: str | None) -> str | None:
     """``arg`` where it names a regular file, else None (a preset name, JSON text, a directory)."""
     return arg if arg and path_exists(arg) and Path(arg).expanduser().is_file() else None
