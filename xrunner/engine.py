@@ -241,6 +241,20 @@ def _window_start(mask: torch.Tensor, window: int | None) -> int:
     return mask.shape[1] - 1 - int(last.max())
 
 
+def _repeats(prompts: Sequence[tuple[int, ...]]) -> tuple[list[int], list[int]] | None:
+    """``_Work.share`` for rows with these prompts: (the first row of each distinct prompt, each
+    row's index among those), or None when no prompt repeats."""
+    index: dict[tuple[int, ...], int] = {}
+    firsts: list[int] = []
+    of_row = []
+    for i, p in enumerate(prompts):
+        u = index.setdefault(p, len(firsts))
+        if u == len(firsts):
+            firsts.append(i)
+        of_row.append(u)
+    return None if len(firsts) == len(prompts) else (firsts, of_row)
+
+
 def _done() -> Future:
     """A future that has already completed (a task with nothing to do)."""
     fut: Future = Future()
@@ -1648,9 +1662,7 @@ class Engine:
             batch.end = end
             pos = (mask.long().cumsum(-1) - 1).clamp_(min=0)
             dev_mask = None if bool(mask.all()) else mask.to(self.device)
-            first: dict[tuple[int, ...], int] = {}
-            of_row = [first.setdefault(r.prompt_ids, len(first)) for _s, r in new]
-            share = None if len(first) == len(new) else ([of_row.index(u) for u in range(len(first))], of_row)
+            share = _repeats([r.prompt_ids for _s, r in new])
             works.append(_Work(j, [s for s, _r in new], ids.to(self.device), pos.to(self.device), c0, c0, dev_mask,
                                share=share))
             self.stats.padded_prompt_tokens += (len(new) if share is None else len(share[0])) * P
