@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import re
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -129,7 +131,8 @@ def test_an_openai_batch_file_reads_as_the_requests_it_holds(tmp_path):
         {"id": "a", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}],
          "max_new_tokens": 5, "n": 2, "stop": ["x"], "temperature": 0.5, "top_p": 0.9, "seed": 3, "top_k": 4},
         {"id": "b", "prompt": "w3 w4", "max_new_tokens": 2}, {"id": "c", "prompt_ids": [3, 4, 5]}])
-    assert read_prompts(openai) == read_prompts(native)
+    assert [replace(r, openai=False) for r in read_prompts(openai)] == read_prompts(native)
+    assert all(r.openai for r in read_prompts(openai))  # their results go out in OpenAI's format by default
     bad = [({"frequency_penalty": 0.5}, 'body "frequency_penalty" = 0.5 is not supported by xsched run; drop it'),
            ({"logprobs": True}, "pass --logprobs"),
            ({"response_format": {"type": "json_object"}}, '"response_format"'),
@@ -146,31 +149,73 @@ def test_an_openai_batch_file_reads_as_the_requests_it_holds(tmp_path):
             read_prompts(write_prompts(tmp_path / "bad.jsonl", [line]))
 
 
-def test_an_openai_batch_file_runs_and_fits_as_its_native_twin(tiny_dir, tmp_path):
-    """`xsched run` and `workload fit` on an OpenAI batch file give what its native twin gives:
-    the same results lines (ids from "custom_id") and the same workload."""
+def test_an_openai_batch_file_runs_and_fits_as_its_native_twin(tiny_dir, tmp_path, capsys):
+    """`xsched run` on an OpenAI batch file writes OpenAI batch output lines, one per request with
+    its samples as choices, whose rows are the native twin's results; `workload fit` reads the
+    input and the output alike; a job cut short resumes to the same lines, and a file of the
+    other format is refused."""
     from workloads import Workload
+    from xsched.openai_batch import openai_result_rows
     from xsimulator.policy import Policy
 
     texts = ["w3 w4 w5", "w9 w8", "w7 w7 w7 w6"]
     openai = write_prompts(tmp_path / "openai.jsonl", [
         openai_line(f"q{i}", {"prompt": t, "max_tokens": 3 + i, "n": 2 if i == 1 else 1, "seed": i},
-                    url="/v1/completions") for i, t in enumerate(texts)])
+                    url="/v1/completions") for i, t in enumerate(texts[:2])]
+        + [openai_line("q2", {"messages": [{"role": "user", "content": texts[2]}], "max_tokens": 5, "seed": 2})])
     native = write_prompts(tmp_path / "native.jsonl", [
         {"id": f"q{i}", "prompt": t, "max_new_tokens": 3 + i, "n": 2 if i == 1 else 1, "seed": i}
-        for i, t in enumerate(texts)])
-    plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=2, nb=2))
-    got = {}
+        for i, t in enumerate(texts[:2])] + [{"id": "q2", "messages": [{"role": "user", "content": texts[2]}],
+                                               "max_new_tokens": 5, "seed": 2}])
+    from xrunner.loaders import open_model
+
+    model = tmp_path / "model"  # the tiny model with a chat template
+    shutil.copytree(tiny_dir, model)
+    tok = open_model(model, dtype="float32").tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(model)
+    plan = tiny_plan(model, tmp_path / "plan.json", Policy(gbs=2, nb=2))
+    flags = ["--plan", str(plan), "--model", str(model), "--quiet", "--adapt", "none", "--temperature", "0.7"]
+    outs = {}
     for name, prompts in (("openai", openai), ("native", native)):
-        out = tmp_path / f"{name}.out.jsonl"
-        assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out",
-                     str(out), "--quiet", "--adapt", "none", "--temperature", "0.7"]) == 0
-        got[name] = read_rows(out)
-        assert main(["workload", "fit", str(prompts), "--tokenizer", str(tiny_dir), "-o",
-                     str(tmp_path / f"{name}.fit.json")]) == 0
-    assert without_timing(got["openai"]) == without_timing(got["native"]) and len(got["openai"]) == 4
-    fits = [Workload.load(tmp_path / f"{name}.fit.json") for name in ("openai", "native")]
-    assert fits[0].prompt == fits[1].prompt and fits[0].output == fits[1].output and fits[0].samples == 1
+        outs[name] = tmp_path / f"{name}.out.jsonl"
+        assert main(["run", *flags, "--prompts", str(prompts), "--out", str(outs[name])]) == 0
+    lines = read_rows(outs["openai"])
+    by_id = {line["custom_id"]: line for line in lines}
+    assert sorted(by_id) == ["q0", "q1", "q2"] and all(line["response"]["status_code"] == 200 for line in lines)
+    q1 = by_id["q1"]["response"]["body"]
+    assert q1["object"] == "text_completion" and [c["index"] for c in q1["choices"]] == [0, 1]
+    assert q1["usage"]["completion_tokens"] == sum(c["xsched"]["output_tokens"] for c in q1["choices"])
+    q2 = by_id["q2"]["response"]["body"]
+    assert q2["object"] == "chat.completion" and q2["choices"][0]["message"]["role"] == "assistant"
+    assert all(c["finish_reason"] == ("stop" if c["xsched"]["stopped_on_eos"] else "length")
+               for line in lines for c in line["response"]["body"]["choices"])
+    back = [row for line in lines for row in openai_result_rows(line, "test")]
+    assert without_timing(back) == without_timing(read_rows(outs["native"])) and len(back) == 4
+    for kind in ("openai", "native"):  # the input files fit alike, and so do the two results files
+        assert main(["workload", "fit", str(openai if kind == "openai" else native), "--tokenizer", str(model),
+                     "-o", str(tmp_path / f"{kind}.fit.json")]) == 0
+    fits = [Workload.load(tmp_path / f"{k}.fit.json") for k in ("openai", "native")]
+    assert fits[0].prompt == fits[1].prompt and fits[0].output == fits[1].output
+    results = [Workload.from_file(outs[k]) for k in ("openai", "native")]
+    assert results[0].prompt == results[1].prompt and results[0].output == results[1].output
+
+    def stable(rows: list[dict]) -> set[str]:  # what differs between runs: the time stamp and latencies
+        for line in rows:
+            line["response"]["body"]["created"] = 0
+            for c in line["response"]["body"]["choices"]:
+                c["xsched"]["latency_s"] = 0
+        return {json.dumps(r, sort_keys=True) for r in rows}
+
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(outs["openai"].read_text().splitlines(keepends=True)[0] + '{"id": "batch_req_to')
+    assert main(["run", *flags, "--prompts", str(openai), "--out", str(cut), "--resume"]) == 0
+    assert stable(read_rows(cut)) == stable(lines) and len(read_rows(cut)) == 3
+    capsys.readouterr()
+    assert main(["run", *flags, "--prompts", str(openai), "--out", str(outs["native"]), "--resume"]) == 2
+    assert "resume with --out-format xsched" in capsys.readouterr().err
+    assert main(["run", *flags, "--prompts", str(openai), "--out", str(cut), "--resume", "--out-format", "xsched"]) == 2
+    assert "resume with --out-format openai" in capsys.readouterr().err
 
 
 def test_a_lone_surrogate_in_the_prompt_file_is_refused_up_front(random_plan, tmp_path, capsys):

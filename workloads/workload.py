@@ -27,7 +27,8 @@ from scipy import special, stats
 from workloads.distributions import MAX_LEN_TOKENS, LengthDistribution
 from xsched.contract import Contract
 from xsched.errors import UserError
-from xsched.fileio import Messages, chat_messages, check_text, jsonl_lines, openai_batch_row, path_exists, read_text
+from xsched.fileio import Messages, chat_messages, check_text, jsonl_lines, path_exists, read_text
+from xsched.openai_batch import openai_batch_row, openai_result_rows
 
 PROMPT_KEYS = ("prompt_tokens", "prompt")
 OUTPUT_KEYS = ("output_tokens", "max_new_tokens")
@@ -237,7 +238,9 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
             raise UserError(f"{path}:{lineno}: not a usable request ({str(exc).split(':')[0]})") from None
         if not isinstance(row, dict):
             raise UserError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
-        rows.append(openai_batch_row(row, f"{path}:{lineno}"))  # an OpenAI batch file, as `xsched run` reads it
+        # An OpenAI batch file, in (requests, as `xsched run` reads them) or out (results, as it writes them)
+        back = openai_result_rows(row, f"{path}:{lineno}")
+        rows.extend(back if back is not None else [openai_batch_row(row, f"{path}:{lineno}")])
     return rows
 
 

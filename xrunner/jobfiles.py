@@ -20,13 +20,14 @@ import errno
 import fcntl
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from xsched.errors import UserError
-from xsched.fileio import (Messages, chat_messages, check_text, check_writable, describe_os_error, jsonl_lines,
-                           openai_batch_row)
+from xsched.fileio import Messages, chat_messages, check_text, check_writable, describe_os_error, jsonl_lines
+from xsched.openai_batch import openai_batch_row, openai_result_line, openai_result_rows
 
 RequestId = str | int
 # What an engine request and a results line are keyed by: the prompt's id, or (id, sample) for
@@ -48,6 +49,7 @@ class PromptRecord:
     # this request's own "temperature", "top_k", "top_p", "seed" (over the command line's)
     sampling: tuple[tuple[str, float | int], ...] = ()
     n: int | None = None  # "n": outputs to sample for this prompt (None: the command line's --n)
+    openai: bool = False  # the line was an OpenAI Batch API request
 
     def keys(self, default_n: int = 1) -> list[ResultKey]:
         """The result keys of this prompt: its id alone for one output, else ``(id, k)`` per sample."""
@@ -77,7 +79,7 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
     formats; ``"stop"`` a string or a list of them.
 
     A line of an OpenAI Batch API input file (``{"custom_id", "body": {...}}``) is read as that
-    request (:func:`xsched.fileio.openai_batch_row`), so such a file runs as it is.
+    request (:func:`xsched.openai_batch.openai_batch_row`), so such a file runs as it is.
 
     Blank lines are skipped; other keys are allowed and ignored. Every problem is a one-line
     ``UserError`` naming the file and line.
@@ -101,7 +103,8 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
             raise UserError(f"{where}: nested too deeply; each line must be a JSON object") from None
         if not isinstance(obj, dict):
             raise UserError(f"{where}: each line must be a JSON object with \"id\" and \"prompt\"")
-        obj = openai_batch_row(obj, where)
+        request = openai_batch_row(obj, where)
+        openai, obj = request is not obj, request
         rid = obj.get("id")
         if isinstance(rid, bool) or not isinstance(rid, (str, int)):
             raise UserError(f"{where}: \"id\" must be a string or an integer, got {rid!r}")
@@ -131,7 +134,7 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
                 raise UserError(f"{where}: \"{name}\" must be an integer >= 1, got {value!r}")
         records.append(PromptRecord(id=rid, line=lineno, prompt=prompt, prompt_ids=ids, max_new_tokens=mnt,
                                     messages=messages, stop=_stop_strings(obj.get("stop"), where),
-                                    sampling=_sampling_overrides(obj, where), n=n))
+                                    sampling=_sampling_overrides(obj, where), n=n, openai=openai))
     if not records:
         raise UserError(f"{p}: no prompts in the file (one JSON object per line)")
     return records
@@ -195,19 +198,41 @@ def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str | Me
     return out
 
 
-class ResultsWriter:
-    """Append-only JSONL of finished requests, fsynced per batch; see the module docstring."""
+@dataclass(frozen=True)
+class OpenAIOutput:
+    """Results written as OpenAI Batch API output lines: one per prompt, its samples its choices."""
 
-    def __init__(self, path: Path, done: dict[str, dict[str, Any]], fd: int, created: bool):
+    model: str
+    chat: frozenset[str]  # id keys of the prompts given as chats ("messages"): chat completions
+    samples: dict[str, int]  # id key -> the prompt's number of outputs (its line waits for all)
+
+    @classmethod
+    def of(cls, records: Iterable[PromptRecord], default_n: int, model: str) -> "OpenAIOutput":
+        records = list(records)
+        return cls(model, frozenset(_id_key(r.id) for r in records if r.messages is not None),
+                   {_id_key(r.id): len(r.keys(default_n)) for r in records})
+
+
+class ResultsWriter:
+    """Append-only JSONL of finished requests, fsynced per batch; see the module docstring.
+
+    With ``openai``, a prompt's results wait in memory until all its samples are done, then go
+    out as one OpenAI output line (a crash loses the waiting ones; ``--resume`` runs them again).
+    """
+
+    def __init__(self, path: Path, done: dict[str, dict[str, Any]], fd: int, created: bool,
+                 openai: OpenAIOutput | None = None):
         self.path = path
         self._fd: int | None = fd  # locked for the writer's life
         self._created = created  # this writer created the file and has written nothing yet
         self.done = done  # id key -> the row already in the file
+        self.openai = openai
+        self._waiting: dict[str, list[dict[str, Any]]] = {}  # prompt id key -> its samples' rows so far
 
     @classmethod
-    def open(cls, path: str | Path, resume: bool) -> "ResultsWriter":
+    def open(cls, path: str | Path, resume: bool, openai: OpenAIOutput | None = None) -> "ResultsWriter":
         """Open and lock ``path`` for appending; refuse a non-empty file unless ``resume``, and a
-        file another job holds."""
+        file another job holds, or one in the other format."""
         p = Path(path).expanduser()  # as check_writable takes it
         if p.exists() and not p.is_file() and not p.is_dir():
             raise UserError(f"{p}: not a regular file; pass another --out")
@@ -219,7 +244,7 @@ class ResultsWriter:
                 raise UserError(f"{p} already has results; pass --resume to continue that job or another --out path")
             done: dict[str, dict[str, Any]] = {}
             if size:
-                done, keep = _read_done(p)
+                done, keep = _read_done(p, openai is not None)
                 if keep < size:  # a torn last line from a crash: drop it
                     try:
                         os.ftruncate(fd, keep)
@@ -228,7 +253,7 @@ class ResultsWriter:
         except BaseException:
             _release(fd, p if created else None)
             raise
-        return cls(p, done, fd, created)  # a job that ends before its first write removes the file it created
+        return cls(p, done, fd, created, openai)  # a job that ends before its first write removes the file it created
 
     def is_done(self, key: ResultKey) -> bool:
         return _id_key(key) in self.done
@@ -243,7 +268,20 @@ class ResultsWriter:
             if key in self.done or key in new:
                 raise RuntimeError(f"request {key} finished twice")  # an engine bug, not the user's
             new[key] = row
-            lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+            if self.openai is None:
+                lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+                continue
+            prompt = _id_key(row["id"])
+            waiting = self._waiting.setdefault(prompt, [])
+            waiting.append(row)
+            if len(waiting) == self.openai.samples[prompt]:
+                del self._waiting[prompt]
+                line = openai_result_line(row["id"], sorted(waiting, key=lambda r: r.get("sample", 0)),
+                                          model=self.openai.model, chat=prompt in self.openai.chat,
+                                          created=int(time.time()))
+                lines.append(json.dumps(line, ensure_ascii=False) + "\n")
+        if self.openai is not None:  # the samples still waiting for their prompt's line are not written yet
+            new = {k: r for k, r in new.items() if _id_key(r["id"]) not in self._waiting}
         if not lines:
             return
         data = "".join(lines).encode("utf-8")
@@ -337,8 +375,9 @@ def _release(fd: int, remove: Path | None) -> None:
         os.close(fd)
 
 
-def _read_done(p: Path) -> tuple[dict[str, dict[str, Any]], int]:
-    """Rows already in a results file and the byte length of its complete lines.
+def _read_done(p: Path, openai: bool = False) -> tuple[dict[str, dict[str, Any]], int]:
+    """Rows already in a results file and the byte length of its complete lines (``openai``: the
+    file holds OpenAI output lines, each read back as its rows).
 
     Only the last line may be torn: a crash in the middle of an append leaves the start of a
     row (``{...``) without its newline. Any other line that is not a results row means the file
@@ -369,10 +408,16 @@ def _read_done(p: Path) -> tuple[dict[str, dict[str, Any]], int]:
                 pos, keep = end + 1, end + 1
                 continue
             raise UserError(f"{p}:{lineno}: not a results line; pass another --out or repair the file")
-        key = _row_key(row)
-        if key in done:
-            what = f"id {row['id']!r}" + (f" sample {row['sample']!r}" if "sample" in row else "")
-            raise UserError(f"{p}:{lineno}: {what} appears twice; pass another --out")
-        done[key] = row
+        rows = openai_result_rows(row, f"{p}:{lineno}")
+        if (rows is not None) != openai:
+            raise UserError(f"{p}:{lineno}: a results line in {'OpenAI' if rows is not None else 'xsched'}'s format; "
+                            f"resume with --out-format {'openai' if rows is not None else 'xsched'} or pass another "
+                            "--out")
+        for row in rows or [row]:
+            key = _row_key(row)
+            if key in done:
+                what = f"id {row['id']!r}" + (f" sample {row['sample']!r}" if "sample" in row else "")
+                raise UserError(f"{p}:{lineno}: {what} appears twice; pass another --out")
+            done[key] = row
         pos = keep = end + 1
     return done, keep

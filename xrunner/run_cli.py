@@ -64,6 +64,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help='outputs to sample per prompt (a prompt\'s own "n" overrides it); each is one results '
                         'line with the prompt\'s "id" and its "sample" index 0..N-1, drawn apart (their draws are '
                         "keyed by [id, sample]); use with --temperature, since greedy gives N equal outputs")
+    p.add_argument("--out-format", choices=("auto", "xsched", "openai"), default="auto",
+                   help="xsched: one line per output (id, sample, text, token ids, latency); openai: one OpenAI "
+                        "Batch API output line per prompt, its samples its choices, xsched's fields under each "
+                        "choice's \"xsched\"; auto (default): openai when every prompt line is an OpenAI batch "
+                        "request, else xsched")
     p.add_argument("--logprobs", action="store_true",
                    help='add "logprobs" to each result: every output token\'s log-probability under the model '
                         "(its log-softmax, before temperature, top-k and top-p), in output_ids' order")
@@ -290,7 +295,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from xprofiler.presets import load_preset, preset_names
     from xrunner.cli import encode_prompt, resolve_device, sampling_from_args, stop_token_ids
-    from xrunner.jobfiles import ResultsWriter, read_prompts, tokenize_prompts
+    from xrunner.jobfiles import OpenAIOutput, ResultsWriter, read_prompts, tokenize_prompts
     from xrunner.loaders import open_model
     from dataclasses import replace
 
@@ -319,7 +324,9 @@ def _run(args: argparse.Namespace) -> int:
                    [("--plan", args.plan), ("--prompts", args.prompts), ("--profile", file_or_none(args.profile)),
                     ("--budget-file", args.budget_file)])
     offload_root = args.offload_dir or tempfile.gettempdir()
-    writer = ResultsWriter.open(args.out, resume=args.resume)  # refuses an old --out early, before loading
+    openai = args.out_format == "openai" or (args.out_format == "auto" and all(r.openai for r in records))
+    writer = ResultsWriter.open(args.out, resume=args.resume,  # refuses an old --out early, before loading
+                                openai=OpenAIOutput.of(records, args.n, plan.model.name) if openai else None)
     with writer:
         # One unit per output asked for: (record index, its result key), a prompt's "n" samples each
         units = [(i, key) for i, r in enumerate(records) for key in r.keys(args.n)]
