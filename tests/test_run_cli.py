@@ -85,6 +85,7 @@ def test_prompt_file_errors_name_the_line(tmp_path):
         ('{"id": "a", "prompt": "x", "n": 0}\n', ':1: "n" must be an integer >= 1, got 0'),
         ('{"id": "a", "prompt": "x", "n": "2"}\n', '"n" must be an integer'),
         ('{"id": "a", "prompt_ids": [1, -2]}\n', "non-negative integers"),
+        ('{"id": "a", "prompt": "x", "chat_template": "no"}\n', ':1: "chat_template" must be true or false'),
         ('[1, 2]\n', "JSON object"),
         ('{"id": 1.5, "prompt": "x"}\n', '"id" must be a string or an integer'),
         ('\n\n', "no prompts"),
@@ -130,7 +131,8 @@ def test_an_openai_batch_file_reads_as_the_requests_it_holds(tmp_path):
     native = write_prompts(tmp_path / "native.jsonl", [
         {"id": "a", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}],
          "max_new_tokens": 5, "n": 2, "stop": ["x"], "temperature": 0.5, "top_p": 0.9, "seed": 3, "top_k": 4},
-        {"id": "b", "prompt": "w3 w4", "max_new_tokens": 2}, {"id": "c", "prompt_ids": [3, 4, 5]}])
+        {"id": "b", "prompt": "w3 w4", "max_new_tokens": 2, "chat_template": False},
+        {"id": "c", "prompt_ids": [3, 4, 5]}])
     assert [replace(r, openai=False) for r in read_prompts(openai)] == read_prompts(native)
     assert all(r.openai for r in read_prompts(openai))  # their results go out in OpenAI's format by default
     bad = [({"frequency_penalty": 0.5}, 'body "frequency_penalty" = 0.5 is not supported by xsched run; drop it'),
@@ -164,15 +166,15 @@ def test_an_openai_batch_file_runs_and_fits_as_its_native_twin(tiny_dir, tmp_pat
                     url="/v1/completions") for i, t in enumerate(texts[:2])]
         + [openai_line("q2", {"messages": [{"role": "user", "content": texts[2]}], "max_tokens": 5, "seed": 2})])
     native = write_prompts(tmp_path / "native.jsonl", [
-        {"id": f"q{i}", "prompt": t, "max_new_tokens": 3 + i, "n": 2 if i == 1 else 1, "seed": i}
-        for i, t in enumerate(texts[:2])] + [{"id": "q2", "messages": [{"role": "user", "content": texts[2]}],
+        {"id": f"q{i}", "prompt": t, "max_new_tokens": 3 + i, "n": 2 if i == 1 else 1, "seed": i,
+         "chat_template": False} for i, t in enumerate(texts[:2])] + [{"id": "q2", "messages": [{"role": "user", "content": texts[2]}],
                                                "max_new_tokens": 5, "seed": 2}])
     from xrunner.loaders import open_model
 
     model = tmp_path / "model"  # the tiny model with a chat template
     shutil.copytree(tiny_dir, model)
     tok = open_model(model, dtype="float32").tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.chat_template = "{% for m in messages %}w1 {{ m['content'] }} {% endfor %}"  # w1 marks a templated turn
     tok.save_pretrained(model)
     plan = tiny_plan(model, tmp_path / "plan.json", Policy(gbs=2, nb=2))
     flags = ["--plan", str(plan), "--model", str(model), "--quiet", "--adapt", "none", "--temperature", "0.7"]
@@ -188,6 +190,8 @@ def test_an_openai_batch_file_runs_and_fits_as_its_native_twin(tiny_dir, tmp_pat
     assert q1["usage"]["completion_tokens"] == sum(c["xsched"]["output_tokens"] for c in q1["choices"])
     q2 = by_id["q2"]["response"]["body"]
     assert q2["object"] == "chat.completion" and q2["choices"][0]["message"]["role"] == "assistant"
+    # A completion continues its text as it is; a chat goes through the template (w1 + 4 words).
+    assert by_id["q0"]["response"]["body"]["usage"]["prompt_tokens"] == 3 and q2["usage"]["prompt_tokens"] == 5
     assert all(c["finish_reason"] == ("stop" if c["xsched"]["stopped_on_eos"] else "length")
                for line in lines for c in line["response"]["body"]["choices"])
     back = [row for line in lines for row in openai_result_rows(line, "test")]
@@ -197,6 +201,7 @@ def test_an_openai_batch_file_runs_and_fits_as_its_native_twin(tiny_dir, tmp_pat
                      "-o", str(tmp_path / f"{kind}.fit.json")]) == 0
     fits = [Workload.load(tmp_path / f"{k}.fit.json") for k in ("openai", "native")]
     assert fits[0].prompt == fits[1].prompt and fits[0].output == fits[1].output
+    assert fits[0].prompt.mean == pytest.approx((3 + 2 * 2 + 5) / 4)  # completions bare, q1 twice, the chat templated
     results = [Workload.from_file(outs[k]) for k in ("openai", "native")]
     assert results[0].prompt == results[1].prompt and results[0].output == results[1].output
 

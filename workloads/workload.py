@@ -289,8 +289,8 @@ def _prompt_length(row: dict[str, Any], count_tokens: Callable[[str | Messages],
         raise UserError(f"{where}: needs prompt_tokens (a count), prompt (non-empty text), messages (a chat) or "
                         "prompt_ids (token ids)")
     check_text(text, f"{where}: \"prompt\"")  # the byte estimate and the tokenizer raised tracebacks on it
-    if count_tokens is not None:
-        return max(1, int(count_tokens(text))), False
+    if count_tokens is not None:  # a request's own "chat_template": false (an OpenAI completion) counts it bare
+        return max(1, int(count_tokens(text) if row.get("chat_template", True) else count_tokens(text, False))), False
     return max(1, math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_ESTIMATE)), True
 
 

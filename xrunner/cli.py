@@ -152,14 +152,15 @@ def encode_prompt(tokenizer, prompt: str | Messages, chat: bool, template_kwargs
 
 
 def prompt_token_counter(model: str | None, chat: bool = True,
-                         template_kwargs: dict | None = None) -> Callable[[str | Messages], int]:
+                         template_kwargs: dict | None = None) -> Callable[..., int]:
     """Counts a prompt's tokens (text or chat messages) as ``xsched run --model MODEL`` will feed
-    them (the default model when None; the chat template unless ``chat`` is False), so that a
-    workload fitted to a file of prompts has the lengths the engine will see."""
+    them (the default model when None; the chat template unless ``chat`` is False, or the call's
+    second argument, a request's own ``"chat_template"``), so that a workload fitted to a file of
+    prompts has the lengths the engine will see."""
     from xrunner.loaders import open_model
 
     tokenizer = open_model(model).tokenizer()  # a random model's refuses with a one-line error
-    return lambda prompt: len(encode_prompt(tokenizer, prompt, chat, template_kwargs))
+    return lambda prompt, own=True: len(encode_prompt(tokenizer, prompt, chat and own, template_kwargs))
 
 
 def _generate(args: argparse.Namespace) -> int:

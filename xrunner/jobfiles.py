@@ -50,6 +50,7 @@ class PromptRecord:
     sampling: tuple[tuple[str, float | int], ...] = ()
     n: int | None = None  # "n": outputs to sample for this prompt (None: the command line's --n)
     openai: bool = False  # the line was an OpenAI Batch API request
+    chat_template: bool = True  # "chat_template": false feeds "prompt" text as it is (an OpenAI completion)
 
     def keys(self, default_n: int = 1) -> list[ResultKey]:
         """The result keys of this prompt: its id alone for one output, else ``(id, k)`` per sample."""
@@ -74,7 +75,8 @@ def _row_key(row: dict[str, Any]) -> str:
 
 def read_prompts(path: str | Path) -> list[PromptRecord]:
     """Parse a prompts JSONL file: ``{"id", "prompt" | "messages" | "prompt_ids", optional
-    "max_new_tokens", optional "n", optional "stop", optional "temperature" / "top_k" / "top_p" / "seed"}``;
+    "max_new_tokens", optional "n", optional "stop", optional "temperature" / "top_k" / "top_p" / "seed",
+    optional "chat_template": false (the text as it is, not as the user's turn)}``;
     ``"messages"`` is a chat (``[{"role", "content"}, ...]``) that the tokenizer's chat template
     formats; ``"stop"`` a string or a list of them.
 
@@ -128,13 +130,17 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
                     or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
                 raise UserError(f"{where}: \"prompt_ids\" must be a non-empty list of non-negative integers")
             ids = tuple(ids)
+        template = obj.get("chat_template", True)
+        if not isinstance(template, bool):
+            raise UserError(f"{where}: \"chat_template\" must be true or false, got {template!r}")
         mnt, n = obj.get("max_new_tokens"), obj.get("n")
         for name, value in (("max_new_tokens", mnt), ("n", n)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UserError(f"{where}: \"{name}\" must be an integer >= 1, got {value!r}")
         records.append(PromptRecord(id=rid, line=lineno, prompt=prompt, prompt_ids=ids, max_new_tokens=mnt,
                                     messages=messages, stop=_stop_strings(obj.get("stop"), where),
-                                    sampling=_sampling_overrides(obj, where), n=n, openai=openai))
+                                    sampling=_sampling_overrides(obj, where), n=n, openai=openai,
+                                    chat_template=template))
     if not records:
         raise UserError(f"{p}: no prompts in the file (one JSON object per line)")
     return records
@@ -168,9 +174,10 @@ def _sampling_overrides(obj: dict[str, Any], where: str) -> tuple[tuple[str, flo
     return tuple(out)
 
 
-def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str | Messages], list[int]] | None,
+def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str | Messages, bool], list[int]] | None,
                      vocab_size: int, where: str) -> list[tuple[int, ...]]:
-    """Token ids of every record: ``encode(prompt)`` for text or messages, the given ids otherwise.
+    """Token ids of every record: ``encode(prompt, chat_template)`` for text or messages, the
+    given ids otherwise.
 
     ``encode`` is None for a model without a tokenizer (``random:``), which then needs
     ``prompt_ids``; ids must be below the model's vocabulary size.
@@ -185,7 +192,7 @@ def tokenize_prompts(records: Iterable[PromptRecord], encode: Callable[[str | Me
                             "pass --tokenizer DIR")
         else:
             try:
-                ids = tuple(encode(r.prompt if r.messages is None else r.messages))
+                ids = tuple(encode(r.prompt if r.messages is None else r.messages, r.chat_template))
             except UserError as exc:
                 raise UserError(f"{where}:{r.line}: {exc}") from None
             if not ids:

@@ -356,8 +356,8 @@ def _run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.prompts}:{first.line}: \"stop\" strings need the model's tokenizer, and "
                             f"{source.spec.name} (random weights) has none; drop \"stop\" or pass --tokenizer DIR")
         if tokenizer is not None:
-            encode = lambda prompt: encode_prompt(tokenizer, prompt, not args.no_chat_template,  # noqa: E731
-                                                  args.chat_template_kwargs)
+            encode = lambda prompt, chat: encode_prompt(tokenizer, prompt,  # noqa: E731
+                                                        chat and not args.no_chat_template, args.chat_template_kwargs)
         prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
         default_new = args.max_new_tokens or plan.workload.output.max_len
         new_tokens = [r.max_new_tokens or default_new for r in records]

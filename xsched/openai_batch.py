@@ -32,7 +32,7 @@ def openai_batch_row(obj: dict[str, Any], where: str) -> dict[str, Any]:
     the request object ``xsched run`` reads, or ``obj`` itself if it is not one.
 
     ``custom_id`` becomes ``"id"``; a chat body's ``"messages"`` or a completion body's
-    ``"prompt"`` (text, or token ids) the prompt; ``"max_completion_tokens"`` or ``"max_tokens"``
+    ``"prompt"`` (text, fed without the chat template, or token ids) the prompt; ``"max_completion_tokens"`` or ``"max_tokens"``
     ``"max_new_tokens"``; ``"n"``, ``"stop"``, ``"temperature"``, ``"top_p"``, ``"seed"`` and
     vLLM's ``"top_k"`` keep their names. ``"model"`` and other fields are ignored, except those
     in :data:`OPENAI_NEUTRAL` set to something that would change the output: one-line error.
@@ -58,7 +58,7 @@ def openai_batch_row(obj: dict[str, Any], where: str) -> dict[str, Any]:
     elif isinstance(prompt, list):
         raise UserError(f"{where}: body \"prompt\" must be one text or one list of token ids (one prompt per line)")
     elif prompt is not None:
-        row["prompt"] = prompt
+        row["prompt"], row["chat_template"] = prompt, False  # a completion continues the text as it is
     if body.get("messages") is not None:
         row["messages"] = [_text_parts(m, where) for m in body["messages"]] \
             if isinstance(body["messages"], list) else body["messages"]
