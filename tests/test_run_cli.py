@@ -126,12 +126,12 @@ def test_an_openai_batch_file_reads_as_the_requests_it_holds(tmp_path):
         openai_line("a", {"messages": chat, "max_completion_tokens": 5, "max_tokens": 9, "n": 2, "stop": ["x"],
                           "temperature": 0.5, "top_p": 0.9, "seed": 3, "top_k": 4, "presence_penalty": 0,
                           "tool_choice": "auto", "stream": False, "metadata": {"k": 1}}),
-        openai_line("b", {"prompt": "w3 w4", "max_tokens": 2}, url="/v1/completions"),
+        openai_line("b", {"prompt": "w3 w4", "max_tokens": 2, "top_k": -1}, url="/v1/completions"),
         openai_line("c", {"prompt": [3, 4, 5]}, url="/v1/completions")])
     native = write_prompts(tmp_path / "native.jsonl", [
         {"id": "a", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}],
          "max_new_tokens": 5, "n": 2, "stop": ["x"], "temperature": 0.5, "top_p": 0.9, "seed": 3, "top_k": 4},
-        {"id": "b", "prompt": "w3 w4", "max_new_tokens": 2, "chat_template": False},
+        {"id": "b", "prompt": "w3 w4", "max_new_tokens": 2, "chat_template": False, "top_k": 0},
         {"id": "c", "prompt_ids": [3, 4, 5]}])
     assert [replace(r, openai=False) for r in read_prompts(openai)] == read_prompts(native)
     assert all(r.openai for r in read_prompts(openai))  # their results go out in OpenAI's format by default

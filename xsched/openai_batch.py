@@ -32,10 +32,11 @@ def openai_batch_row(obj: dict[str, Any], where: str) -> dict[str, Any]:
     the request object ``xsched run`` reads, or ``obj`` itself if it is not one.
 
     ``custom_id`` becomes ``"id"``; a chat body's ``"messages"`` or a completion body's
-    ``"prompt"`` (text, fed without the chat template, or token ids) the prompt; ``"max_completion_tokens"`` or ``"max_tokens"``
-    ``"max_new_tokens"``; ``"n"``, ``"stop"``, ``"temperature"``, ``"top_p"``, ``"seed"`` and
-    vLLM's ``"top_k"`` keep their names. ``"model"`` and other fields are ignored, except those
-    in :data:`OPENAI_NEUTRAL` set to something that would change the output: one-line error.
+    ``"prompt"`` (text, fed without the chat template, or token ids) the prompt;
+    ``"max_completion_tokens"`` or ``"max_tokens"`` ``"max_new_tokens"``; ``"n"``, ``"stop"``,
+    ``"temperature"``, ``"top_p"``, ``"seed"`` and vLLM's ``"top_k"`` (-1: off, xsched's 0)
+    keep their names. ``"model"`` and other fields are ignored, except those in
+    :data:`OPENAI_NEUTRAL` set to something that would change the output: one-line error.
     """
     if "custom_id" not in obj or "body" not in obj:
         return obj
@@ -68,6 +69,8 @@ def openai_batch_row(obj: dict[str, Any], where: str) -> dict[str, Any]:
     for key in ("n", "stop", "temperature", "top_p", "top_k", "seed"):
         if body.get(key) is not None:
             row[key] = body[key]
+    if row.get("top_k") == -1:  # vLLM's "no top-k"
+        row["top_k"] = 0
     return row
 
 
