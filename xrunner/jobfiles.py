@@ -329,6 +329,8 @@ class ResultsWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+        if exc[0] is None and self._waiting:  # a job that ended well has every prompt's samples
+            raise RuntimeError(f"{self.path}: samples of {sorted(self._waiting)[:3]} never completed their line")
 
 
 def _open_locked(p: Path) -> tuple[int, bool]:
