@@ -847,14 +847,16 @@ def test_n_samples_per_prompt_each_get_a_line_and_their_own_draws_and_resume(ran
     lines = out.read_text().splitlines(keepends=True)
     cut = tmp_path / "cut.jsonl"
     cut.write_text("".join(lines[:3]))
-    assert main(["run", *flags, "--out", str(cut), "--resume"]) == 0
+    with pytest.warns(UserWarning, match="plan with `--samples 2`"):
+        assert main(["run", *flags, "--out", str(cut), "--resume"]) == 0
 
     def strip(rows_: list[dict]) -> set[str]:
         return {json.dumps({k: v for k, v in r.items() if k != "latency_s"}, sort_keys=True) for r in rows_}
 
     assert strip(read_rows(cut)) == strip(got) and len(read_rows(cut)) == len(got)
-    with pytest.warns(UserWarning, match="under greedy decoding get n equal outputs"):  # --n 2, greedy (warned
-        assert main(["run", *flags[:-4], "--out", str(tmp_path / "greedy.jsonl"), "--model", "gpt-9"]) == 2  # first)
+    with pytest.warns(UserWarning) as warned:  # --n 2, greedy: warned first, before the unknown model stops it
+        assert main(["run", *flags[:-4], "--out", str(tmp_path / "greedy.jsonl"), "--model", "gpt-9"]) == 2
+    assert any("under greedy decoding get n equal outputs" in str(w.message) for w in warned)
 
 
 def test_default_tokenizer_counts_the_chat_template():
