@@ -173,6 +173,21 @@ def test_samples_of_one_prompt_share_its_prefill_and_keep_their_own_draws(llama,
     assert got == want and stats.padded_prompt_tokens < stats.prompt_tokens
 
 
+@pytest.mark.parametrize("spec", [MIXTRAL, GPTOSS], ids=["mixtral", "gpt-oss"])
+def test_shared_prefills_hold_for_experts_sinks_and_windows(tmp_path, spec):
+    """Repeated prompts computed once through routed experts, attention sinks and sliding windows
+    (prompts longer than the window): each sample equals the reference loop keyed by its id."""
+    src = RandomSource(spec, seed=4)
+    prompts = make_requests(3, seed=9, vocab=spec.vocab_size, min_prompt=7)
+    samples = [Request((r.id, k), r.prompt_ids, 6) for r in prompts for k in range(2)]
+    sampling = SamplingParams(temperature=1.0, seed=2)
+    weights = load_weights(src)
+    want = {r.id: generate(weights, [r.prompt_ids], 6, sampling, request_ids=[r.id]).tokens[0] for r in samples}
+    got, stats = run_engine(src, Policy(gbs=3, nb=2, cg=0.34, cc=0.66, cpu_attention=True), samples, tmp_path,
+                            sampling=sampling)
+    assert got == want and stats.padded_prompt_tokens < stats.prompt_tokens
+
+
 def test_each_request_samples_with_its_own_parameters(llama, tmp_path):
     """Requests with their own sampling parameters (greedy beside two kinds of sampling, in the same
     GPU batches) each get the tokens they get alone in the reference loop with those parameters."""
