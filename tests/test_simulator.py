@@ -15,7 +15,7 @@ from workloads import LengthDistribution, Workload, get_workload
 from xprofiler.profile import BandwidthCurve, LayerFit, layer_features
 from xprofiler.specs import get_model_spec
 from xsched.errors import UserError
-from xsimulator import PLACEMENT_VARS, CostModel, Policy, simulate, simulate_analytic, simulate_timeline
+from xsimulator import PLACEMENT_VARS, CostModel, Policy, simulate, simulate_analytic, simulate_timeline, trace_events
 from xsimulator.costmodel import (bandwidth_at, compression_ratio, parallel_groups,
                                   step_seconds)
 
@@ -1034,9 +1034,11 @@ def test_a_prompts_samples_are_prefilled_once_and_both_paths_agree(refill):
     des1 = simulate(spec, prof, pol, one, num_requests=3000, seed=1)
     des4 = simulate(spec, prof, pol, four, num_requests=3000, seed=1)
     saved = des4.padded_prompt_tokens / des1.padded_prompt_tokens
-    print(refill, saved, des4.throughput_tokens_per_s / des1.throughput_tokens_per_s)
     assert saved < 0.6
     assert des4.throughput_tokens_per_s > 1.2 * des1.throughput_tokens_per_s
+    _, tl = simulate_timeline(spec, prof, pol, four, num_requests=64, seed=1)  # the trace says what it computed
+    pre = [e.args for e in trace_events(CostModel.for_policy(spec, prof, pol), tl) if e.args.get("phase") == "prefill"]
+    assert pre and all(a["computed_rows"] < a["rows"] for a in pre)
     ana = simulate_analytic(spec, prof, pol, four, num_requests=3000)
     assert ana.throughput_tokens_per_s == pytest.approx(des4.throughput_tokens_per_s, rel=THROUGHPUT_TOL)
     assert ana.padded_prompt_tokens == pytest.approx(des4.padded_prompt_tokens, rel=0.15)

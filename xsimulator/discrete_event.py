@@ -374,9 +374,11 @@ def trace_events(cm: CostModel, timeline: Timeline) -> list[TraceEvent]:
         t_j = float(timeline.start_s[j])
         rows = int(timeline.prefill_rows[:, j].sum())
         if rows:
+            computed = int(timeline.prefill_computed[:, j].sum())  # a prompt's samples in one batch count once
             step(t_j, float(pre.seconds[j]), {k: float(v[j]) for k, v in pre_terms.items()}, float(pre_head[j]),
                  {"block": j, "step": 0, "phase": "prefill", "rows": rows, "layers": L,
-                  "padded_len": int(timeline.prefill_len[:, j].max())})
+                  "padded_len": int(timeline.prefill_len[:, j].max()),
+                  **({"computed_rows": computed} if computed != rows else {})})
         t_dec = t_j + float(pre.seconds[j])
         for u in np.flatnonzero(dec.seconds[j] > 0):
             step(t_dec + float(cum[j, u]), float(dec.seconds[j, u]), {k: float(v[j, u]) for k, v in dec_terms.items()},
