@@ -64,6 +64,38 @@ def test_no_replan_on_unshifted_streams_false_alarms_within_budget(setup, monkey
     print(f"false alarms: {alarms} of {seeds} streams of {n} requests")
 
 
+def test_a_prompts_samples_count_its_length_once_in_the_drift_tests(setup, monkeypatch, tmp_path):
+    """Prompts sampled 8 times each, lengths unchanged: told which request is a prompt's first
+    sample, the watcher (and `replan`, and the results file through `read_observed`) stays quiet;
+    fed 8 copies of every prompt length, it fired on every stream (20 of 20 at 4000 requests)."""
+    from xscheduler.replan import read_observed
+
+    prof, w, plan, _ = setup
+    monkeypatch.setattr("xscheduler.replan._respond", lambda *a, **k: SimpleNamespace(
+        new_plan=None, observed=plan.workload, fit_from=0, drifted=a[5].drifted))  # a[5]: the drift report
+    eight = replace(w, samples=8)
+    fired = {True: 0, False: 0}
+    for seed in range(3):
+        p, o = eight.sample(1000, seed=2000 + seed)
+        for flagged in fired:
+            watcher = DriftWatcher(plan, prof)
+            for i in range(len(p)):
+                watcher.observe(int(p[i]), int(o[i]), order=i, first=not flagged or i % 8 == 0)
+                if (i + 1) % 32 == 0 and watcher.check() is not None:
+                    fired[flagged] += 1
+                    break
+    assert fired == {True: 0, False: 3}, fired
+    p, o = eight.sample(4000, seed=1)
+    results = tmp_path / "results.jsonl"  # as `xsched run` writes a prompt's samples
+    results.write_text("".join(json.dumps({"id": i // 8, "sample": i % 8, "prompt_tokens": int(a),
+                                           "output_tokens": int(b), "stopped_on_eos": True}) + "\n"
+                               for i, (a, b) in enumerate(zip(p, o))))
+    prompts, outputs, capped, first = read_observed(results)
+    assert first.tolist() == [i % 8 == 0 for i in range(len(p))] and not capped.any()
+    assert not replan(plan, prompts, outputs, capped, first, profile=prof).drifted
+    assert replan(plan, prompts, outputs, capped, profile=prof).drifted
+
+
 def test_replan_after_a_30_percent_output_shift_meets_the_sla_the_old_plan_breaks(setup):
     prof, w, plan, _ = setup
     before, after = w.sample(1000, seed=7), shifted(w, 1.3).sample(1000, seed=8)

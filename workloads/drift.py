@@ -355,11 +355,13 @@ class CusumMonitor:
         return 1.0 / math.sqrt(reference_n)
 
     def update(self, prompt_lens: Any, output_lens: Any) -> None:
-        """Add settled lengths (in the order they settled)."""
+        """Add settled lengths (in the order they settled). The prompt lengths may be fewer than
+        the outputs: a prompt sampled n times is one prompt length (n copies would make its sums
+        move n times as far on one draw)."""
         p, o = np.atleast_1d(np.asarray(prompt_lens, np.int64)), np.atleast_1d(np.asarray(output_lens, np.int64))
-        if len(p) != len(o):
-            raise UserError("prompt and output lengths must be two equally long lists")
-        if not len(p):
+        if len(p) > len(o):
+            raise UserError("more prompt lengths than output lengths: each prompt has at least one output")
+        if not len(o):
             return
         for name, x in (("prompt", p), ("output", o)):
             st = self._streams[name]
@@ -373,7 +375,7 @@ class CusumMonitor:
                     else:
                         s, since, total = 0.0, 0, 0.0
                 st["s"][d], st["since"][d], st["total"][d] = s, since, total
-        self.count += len(p)
+        self.count += len(o)
 
     def stats(self) -> tuple[DriftStat, ...]:
         """One statistic per CUSUM: its value, the chance a null stream reaches it within the

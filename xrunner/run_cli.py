@@ -414,7 +414,8 @@ def _run(args: argparse.Namespace) -> int:
                     if watcher is not None:  # capped: ended at max_new_tokens without EOS (see xscheduler.replan)
                         capped = not args.ignore_eos and not f.stopped_on_eos and \
                             len(f.output_ids) >= new_tokens_of[f.id]
-                        watcher.observe(f.prompt_tokens, len(f.output_ids), capped, order=order_of[f.id])
+                        watcher.observe(f.prompt_tokens, len(f.output_ids), capped, order=order_of[f.id],
+                                        first=not isinstance(f.id, tuple) or f.id[1] == 0)  # a prompt's first sample
                     eos[0] += bool(f.stopped_on_eos)
                     unused = new_tokens_of[f.id] - len(f.output_ids)  # early stop: the bar counts budgets
                     if unused > 0:

@@ -319,8 +319,9 @@ def _monitors(reference: Workload, false_alarm_rate: float, min_samples: int, ho
             CusumMonitor(ref, false_alarm_rate * CUSUM_SHARE, horizon, min_shift, reference_samples=samples))
 
 
-def read_observed(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(prompt lengths, output lengths, capped flags) from a results JSONL or a lengths JSONL/CSV.
+def read_observed(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(prompt lengths, output lengths, capped flags, first-sample flags) from a results JSONL or
+    a lengths JSONL/CSV; a results line with a ``"sample"`` other than 0 repeats its prompt.
 
     ``stopped_on_eos`` false (as ``xsched run`` writes it) marks an output that ended at its
     ``max_new_tokens``; a file without that column has no capped outputs.
@@ -329,9 +330,12 @@ def read_observed(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     lengths = read_request_lengths(path, rows=rows)
     if lengths.outputs is None:
         raise UserError(f"{path}: no output lengths; each request needs output_tokens")
-    flags = [row.get("stopped_on_eos", "") for row in rows]
-    capped = np.array([str(f).strip().lower() in ("false", "0") for f in flags], bool)
-    return lengths.prompts, lengths.outputs, capped
+    capped, first = [], []
+    for row in rows:  # a lengths file's "n" counts a prompt n times, as read_request_lengths does
+        copies = row.get("n") if isinstance(row.get("n"), int) and row.get("n", 0) > 1 else 1
+        capped += [str(row.get("stopped_on_eos", "")).strip().lower() in ("false", "0")] * copies
+        first += [row.get("sample", 0) in (0, None)] + [False] * (copies - 1)
+    return lengths.prompts, lengths.outputs, np.array(capped, bool), np.array(first, bool)
 
 
 def _check_lengths(prompt_lens: Any, output_lens: Any, censored: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -403,7 +407,7 @@ def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray,
                   num_capped=int(capped.sum()), notes=tuple(notes))
 
 
-def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None, *,
+def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None, first: Any = None, *,
            profile: HardwareProfile | str | None = None, false_alarm_rate: float = FALSE_ALARM_RATE,
            min_samples: int = 30,
            windows: Sequence[int] = DEFAULT_WINDOWS, num_requests: int | None = None,
@@ -413,7 +417,9 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
 
     Lengths are in the order they were observed (a change in the middle of the list is located
     and only what follows it is fitted); ``censored[i]`` marks an output that stopped at its
-    ``max_new_tokens`` (see the module docstring for how it counts). The search uses the same
+    ``max_new_tokens`` (see the module docstring for how it counts); ``first[i]`` (default all)
+    that request ``i`` is the first of its prompt's samples: the drift tests count each prompt's
+    length once, while the re-plan's fit counts it per sample, as ``workload fit`` does. The search uses the same
     model, profile (``profile_for``) and SLA as ``plan``; ``evaluator`` prices its candidates
     and the chosen plan is priced by the discrete-event simulator on ``num_requests`` requests
     (default: the plan's own job size; a block near the job's size makes latency grow with it,
@@ -436,8 +442,9 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
     if len(p) < min_samples:
         raise UserError(f"only {len(p)} observed request(s); the drift test needs at least {min_samples}")
     monitor, cusum = _monitors(plan.workload, false_alarm_rate, min_samples, len(p), min_shift)
-    report = monitor.check(p, o, windows)
-    cusum.update(p, o)
+    once = p if first is None else p[np.asarray(first, bool)]
+    report = monitor.check(once, o, windows)
+    cusum.update(once, o)
     stats = cusum.stats()
     report = replace(report, stats=report.stats + stats,
                      drifted=report.drifted or any(s.fired_at(cusum.level) for s in stats))
@@ -487,7 +494,8 @@ class DriftWatcher:
         self._p: list[int] = []
         self._o: list[int] = []
         self._c: list[bool] = []
-        self._pending: dict[int, tuple[int, int, bool]] = {}
+        self._f: list[bool] = []  # the first of its prompt's samples
+        self._pending: dict[int, tuple[int, int, bool, bool]] = {}
         self._next = 0
         self._start = 0  # first settled request compared with the current reference
         self._fit_from: int | None = None  # first length of a re-plan's fitted reference (None: the plan's)
@@ -505,12 +513,15 @@ class DriftWatcher:
     def settled(self) -> int:
         return len(self._p)
 
-    def observe(self, prompt_len: int, output_len: int, censored: bool = False, order: int | None = None) -> None:
+    def observe(self, prompt_len: int, output_len: int, censored: bool = False, order: int | None = None,
+                first: bool = True) -> None:
         """One finished request. ``order`` (its position in the queue, from 0) holds it back until
-        every earlier request has finished, so the test never sees only the fast ones."""
+        every earlier request has finished, so the test never sees only the fast ones. ``first``:
+        it is the first of its prompt's samples (the drift tests count each prompt's length once;
+        8 copies of each made every one of 20 unchanged streams fire)."""
         if prompt_len < 1 or output_len < 1:
             raise UserError("observed prompt and output lengths must be >= 1 token")
-        item = (int(prompt_len), int(output_len), bool(censored))
+        item = (int(prompt_len), int(output_len), bool(censored), bool(first))
         if order is None:
             self._settle(item)
             return
@@ -519,10 +530,15 @@ class DriftWatcher:
             self._settle(self._pending.pop(self._next))
             self._next += 1
 
-    def _settle(self, item: tuple[int, int, bool]) -> None:
+    def _settle(self, item: tuple[int, int, bool, bool]) -> None:
         self._p.append(item[0])
         self._o.append(item[1])
         self._c.append(item[2])
+        self._f.append(item[3])
+
+    def _once(self, start: int) -> list[int]:
+        """The prompt lengths settled from ``start`` on, one per prompt."""
+        return [p for p, f in zip(self._p[start:], self._f[start:]) if f]
 
     def check(self, running: Policy | None = None) -> Replan | None:
         """The event if a CUSUM is over its threshold, or if ``look_every`` requests settled since
@@ -533,7 +549,7 @@ class DriftWatcher:
             return None
         t0 = time.perf_counter()
         fed = self._start + self._cusum.count  # feed the CUSUMs in one batch (numpy scores) per check
-        self._cusum.update(self._p[fed:], self._o[fed:])
+        self._cusum.update(self._once(fed), self._o[fed:])
         cusum = self._cusum.stats()
         sl = slice(self._start, None)
         # A CUSUM over its threshold waits until min_samples lengths lie after its change-point
@@ -546,7 +562,7 @@ class DriftWatcher:
             self._looked_at = self.settled
             self.looks += 1
             p, o, c = np.array(self._p[sl]), np.array(self._o[sl]), np.array(self._c[sl], bool)
-            report = self._monitor.check(p, o, self.windows)
+            report = self._monitor.check(self._once(self._start), o, self.windows)
             if not report.drifted:
                 self._refit()
                 return None
