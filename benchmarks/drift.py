@@ -20,6 +20,9 @@ reference. Every timing is printed beside the 1-minute load average: the machine
                                                  [--replan-samples 3] [--exhaustive]
                                                  [--event-seeds 20] [--reference-runs 200]
 
+``--samples K`` makes every prompt ask for K outputs (runs of K requests with one prompt length,
+each prompt's first told apart), as ``xsched run`` feeds a job with ``"n"``.
+
 ``--event-seeds`` adds a table of the events the online watcher raises per job of 3000 requests
 when it keeps watching after its re-plans (one shift of +30%; that and x1.8 or x1.495 later), and
 ``--reference-runs`` one of the CUSUMs against a reference fitted on 30-200 lengths (what they
@@ -57,9 +60,11 @@ def load() -> str:
     return f"{os.getloadavg()[0]:.1f}"
 
 
-def run_stream(watcher, p, o, hook_every):
+def run_stream(watcher, p, o, hook_every, samples=1):
+    """Feed the stream in order (requests come in runs of ``samples`` with one prompt); the
+    number of requests settled when the watcher first fired, or None."""
     for i in range(len(p)):
-        watcher.observe(int(p[i]), int(o[i]), order=i)
+        watcher.observe(int(p[i]), int(o[i]), order=i, first=i % samples == 0)
         if (i + 1) % hook_every == 0 and watcher.check() is not None:
             return i + 1
     return None
@@ -82,6 +87,8 @@ def main() -> None:
     ap.add_argument("--hook-every", type=int, default=32)
     ap.add_argument("--false-alarm-rate", type=float, default=0.005, help="the watcher's budget (its default)")
     ap.add_argument("--scope", choices=("local", "full"), default="full", help="the watcher's re-plan scope")
+    ap.add_argument("--samples", type=int, default=1,
+                    help="outputs per prompt: requests come in runs of this many with one prompt length")
     ap.add_argument("--replan-samples", type=int, default=3, help="shifted samples per shift size timed alone")
     ap.add_argument("--exhaustive", action="store_true", help="compare re-plans with exhaustive search (slow)")
     ap.add_argument("--exhaustive-requests", type=int, default=1000)
@@ -93,7 +100,7 @@ def main() -> None:
 
     prof = load_profile(args.profile)
     spec = prof.model_for(get_model_spec(args.model))
-    w = get_workload(args.workload)
+    w = replace(get_workload(args.workload), samples=args.samples)
     sla = SLA("p99", args.latency)
     t = time.perf_counter()
     plan = plan_search(spec, prof, w, sla, num_requests=1000, confirm_seeds=())
@@ -113,7 +120,7 @@ def main() -> None:
         p, o = np.concatenate((a[0], b[0])), np.concatenate((a[1], b[1]))
         watcher = DriftWatcher(plan, prof, false_alarm_rate=args.false_alarm_rate, horizon=args.requests,
                                scope=args.scope)
-        at = run_stream(watcher, p, o, args.hook_every)
+        at = run_stream(watcher, p, o, args.hook_every, args.samples)
         lat0, wall0, tok = segment(plan, prof, plan.policy, w, p, o)
         row = {"shift": f"{factor - 1:+.0%}", "seed": seed, "delay": None if at is None else at - half,
                "load": load(), "test": None,
@@ -143,7 +150,7 @@ def main() -> None:
     for seed in tqdm(range(args.seeds), desc="unshifted streams", leave=False):
         pp, oo = w.sample(args.requests, seed=100 + seed)
         watcher = DriftWatcher(plan, prof, false_alarm_rate=args.false_alarm_rate, horizon=args.requests)
-        alarms += run_stream(watcher, pp, oo, args.hook_every) is not None
+        alarms += run_stream(watcher, pp, oo, args.hook_every, args.samples) is not None
         looks.append(watcher.looks)
 
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
