@@ -185,7 +185,7 @@ def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None =
         n_prompt, est = _prompt_length(row, count_tokens, f"{path}: request {i}")
         estimated |= est
         length = _optional_length(row, OUTPUT_KEYS, f"{path}: request {i}")
-        copies = _optional_length(row, ("n",), f"{path}: request {i}") or 1  # `xsched run` samples "n" outputs
+        copies = request_copies(row, f"{path}: request {i}")
         prompts += [n_prompt] * copies
         outputs += [default_output if length is None else length] * copies
     known = [o for o in outputs if o is not None]
@@ -195,6 +195,11 @@ def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None =
                         "do; give it for every request or for none")
     return RequestLengths(np.array(prompts, np.int64), np.array(known, np.int64) if known else None, estimated,
                           len(rows))
+
+
+def request_copies(row: dict[str, Any], where: str) -> int:
+    """How many requests a row is: its ``"n"`` (``xsched run`` samples n outputs of it), else 1."""
+    return _optional_length(row, ("n",), where) or 1
 
 
 def spearman_to_copula(a: Any, b: Any) -> float:

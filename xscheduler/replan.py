@@ -43,7 +43,7 @@ from scipy import signal, special
 
 from workloads.drift import DEFAULT_HORIZON, DEFAULT_MIN_SHIFT, CusumMonitor, DriftMonitor, DriftReport, DriftStat
 from workloads.distributions import LengthDistribution
-from workloads.workload import Workload, read_request_lengths, read_rows, spearman_to_copula
+from workloads.workload import Workload, read_request_lengths, read_rows, request_copies, spearman_to_copula
 from xprofiler.profile import HardwareProfile
 from xsched.contract import Contract
 from xsched.errors import UserError
@@ -331,8 +331,8 @@ def read_observed(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
     if lengths.outputs is None:
         raise UserError(f"{path}: no output lengths; each request needs output_tokens")
     capped, first = [], []
-    for row in rows:  # a lengths file's "n" counts a prompt n times, as read_request_lengths does
-        copies = row.get("n") if isinstance(row.get("n"), int) and row.get("n", 0) > 1 else 1
+    for i, row in enumerate(rows, start=1):  # a lengths file's "n" counts a prompt n times, as its lengths do
+        copies = request_copies(row, f"{path}: request {i}")
         capped += [str(row.get("stopped_on_eos", "")).strip().lower() in ("false", "0")] * copies
         first += [row.get("sample", 0) in (0, None)] + [False] * (copies - 1)
     return lengths.prompts, lengths.outputs, np.array(capped, bool), np.array(first, bool)
@@ -419,8 +419,8 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
     and only what follows it is fitted); ``censored[i]`` marks an output that stopped at its
     ``max_new_tokens`` (see the module docstring for how it counts); ``first[i]`` (default all)
     that request ``i`` is the first of its prompt's samples: the drift tests count each prompt's
-    length once, while the re-plan's fit counts it per sample, as ``workload fit`` does. The search uses the same
-    model, profile (``profile_for``) and SLA as ``plan``; ``evaluator`` prices its candidates
+    length once, while the re-plan's fit counts it per sample, as ``workload fit`` does. The
+    search uses the same model, profile (``profile_for``) and SLA as ``plan``; ``evaluator`` prices its candidates
     and the chosen plan is priced by the discrete-event simulator on ``num_requests`` requests
     (default: the plan's own job size; a block near the job's size makes latency grow with it,
     so pricing a 2000-request plan on 1000 requests once passed a p99 that the real job missed
@@ -442,6 +442,8 @@ def replan(plan: Plan, prompt_lens: Any, output_lens: Any, censored: Any = None,
     if len(p) < min_samples:
         raise UserError(f"only {len(p)} observed request(s); the drift test needs at least {min_samples}")
     monitor, cusum = _monitors(plan.workload, false_alarm_rate, min_samples, len(p), min_shift)
+    if first is not None and np.shape(first) != p.shape:
+        raise UserError("the first-sample flags must have one entry per observed request")
     once = p if first is None else p[np.asarray(first, bool)]
     report = monitor.check(once, o, windows)
     cusum.update(once, o)
