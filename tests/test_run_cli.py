@@ -136,7 +136,8 @@ def test_an_openai_batch_file_reads_as_the_requests_it_holds(tmp_path):
     assert [replace(r, openai=False) for r in read_prompts(openai)] == read_prompts(native)
     assert all(r.openai for r in read_prompts(openai))  # their results go out in OpenAI's format by default
     bad = [({"frequency_penalty": 0.5}, 'body "frequency_penalty" = 0.5 is not supported by xsched run; drop it'),
-           ({"logprobs": True}, "pass --logprobs"),
+           ({"logprobs": True, "top_logprobs": 2}, '"top_logprobs" = 2'),
+           ({"prompt": "x", "logprobs": 3}, "the chosen tokens' log-probabilities only"),
            ({"response_format": {"type": "json_object"}}, '"response_format"'),
            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "text models"),
            ({"prompt": ["one", "two"]}, "one prompt per line")]
@@ -162,13 +163,16 @@ def test_an_openai_batch_file_runs_and_fits_as_its_native_twin(tiny_dir, tmp_pat
 
     texts = ["w3 w4 w5", "w9 w8", "w7 w7 w7 w6"]
     openai = write_prompts(tmp_path / "openai.jsonl", [
-        openai_line(f"q{i}", {"prompt": t, "max_tokens": 3 + i, "n": 2 if i == 1 else 1, "seed": i},
-                    url="/v1/completions") for i, t in enumerate(texts[:2])]
-        + [openai_line("q2", {"messages": [{"role": "user", "content": texts[2]}], "max_tokens": 5, "seed": 2})])
+        openai_line(f"q{i}", {"prompt": t, "max_tokens": 3 + i, "n": 2 if i == 1 else 1, "seed": i,
+                              **({"logprobs": 0} if i == 0 else {})}, url="/v1/completions")
+        for i, t in enumerate(texts[:2])]
+        + [openai_line("q2", {"messages": [{"role": "user", "content": texts[2]}], "max_tokens": 5, "seed": 2,
+                              "logprobs": True})])
     native = write_prompts(tmp_path / "native.jsonl", [
         {"id": f"q{i}", "prompt": t, "max_new_tokens": 3 + i, "n": 2 if i == 1 else 1, "seed": i,
-         "chat_template": False} for i, t in enumerate(texts[:2])] + [{"id": "q2", "messages": [{"role": "user", "content": texts[2]}],
-                                               "max_new_tokens": 5, "seed": 2}])
+         "chat_template": False, **({"logprobs": True} if i == 0 else {})} for i, t in enumerate(texts[:2])]
+        + [{"id": "q2", "messages": [{"role": "user", "content": texts[2]}], "max_new_tokens": 5, "seed": 2,
+            "logprobs": True}])
     from xrunner.loaders import open_model
 
     model = tmp_path / "model"  # the tiny model with a chat template
@@ -190,6 +194,14 @@ def test_an_openai_batch_file_runs_and_fits_as_its_native_twin(tiny_dir, tmp_pat
     assert q1["usage"]["completion_tokens"] == sum(c["xsched"]["output_tokens"] for c in q1["choices"])
     q2 = by_id["q2"]["response"]["body"]
     assert q2["object"] == "chat.completion" and q2["choices"][0]["message"]["role"] == "assistant"
+    # Log-probabilities where a request asked (OpenAI's shapes, the engine's values), nowhere else.
+    chosen = q2["choices"][0]
+    assert [c["logprob"] for c in chosen["logprobs"]["content"]] == chosen["xsched"]["logprobs"]
+    assert [c["token"] for c in chosen["logprobs"]["content"]] == [tok.decode([t]) for t in chosen["xsched"]["output_ids"]]
+    q0 = by_id["q0"]["response"]["body"]["choices"][0]
+    assert q0["logprobs"]["token_logprobs"] == q0["xsched"]["logprobs"] and len(q0["logprobs"]["tokens"]) == \
+        q0["xsched"]["output_tokens"] and all(x <= 0 for x in q0["xsched"]["logprobs"])
+    assert all(c["logprobs"] is None and "logprobs" not in c["xsched"] for c in q1["choices"])
     # A completion continues its text as it is; a chat goes through the template (w1 + 4 words).
     assert by_id["q0"]["response"]["body"]["usage"]["prompt_tokens"] == 3 and q2["usage"]["prompt_tokens"] == 5
     assert all(c["finish_reason"] == ("stop" if c["xsched"]["stopped_on_eos"] else "length")
@@ -205,11 +217,17 @@ def test_an_openai_batch_file_runs_and_fits_as_its_native_twin(tiny_dir, tmp_pat
     results = [Workload.from_file(outs[k]) for k in ("openai", "native")]
     assert results[0].prompt == results[1].prompt and results[0].output == results[1].output
 
-    def stable(rows: list[dict]) -> set[str]:  # what differs between runs: the time stamp and latencies
-        for line in rows:
+    def stable(rows: list[dict]) -> set[str]:  # what differs between runs: the time stamp, latencies, and
+        for line in rows:  # log-probabilities in their last bits (other batch shapes)
             line["response"]["body"]["created"] = 0
             for c in line["response"]["body"]["choices"]:
                 c["xsched"]["latency_s"] = 0
+                if "logprobs" in c["xsched"]:
+                    c["xsched"]["logprobs"] = [round(x, 4) for x in c["xsched"]["logprobs"]]
+                    for item in (c["logprobs"].get("content") or []):
+                        item["logprob"] = round(item["logprob"], 4)
+                    if "token_logprobs" in c["logprobs"]:
+                        c["logprobs"]["token_logprobs"] = [round(x, 4) for x in c["logprobs"]["token_logprobs"]]
         return {json.dumps(r, sort_keys=True) for r in rows}
 
     cut = tmp_path / "cut.jsonl"

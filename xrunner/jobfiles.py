@@ -51,6 +51,7 @@ class PromptRecord:
     n: int | None = None  # "n": outputs to sample for this prompt (None: the command line's --n)
     openai: bool = False  # the line was an OpenAI Batch API request
     chat_template: bool = True  # "chat_template": false feeds "prompt" text as it is (an OpenAI completion)
+    logprobs: bool = False  # "logprobs": true adds this request's output tokens' log-probabilities
 
     def keys(self, default_n: int = 1) -> list[ResultKey]:
         """The result keys of this prompt: its id alone for one output, else ``(id, k)`` per sample."""
@@ -76,7 +77,8 @@ def _row_key(row: dict[str, Any]) -> str:
 def read_prompts(path: str | Path) -> list[PromptRecord]:
     """Parse a prompts JSONL file: ``{"id", "prompt" | "messages" | "prompt_ids", optional
     "max_new_tokens", optional "n", optional "stop", optional "temperature" / "top_k" / "top_p" / "seed",
-    optional "chat_template": false (the text as it is, not as the user's turn)}``;
+    optional "chat_template": false (the text as it is, not as the user's turn), optional
+    "logprobs": true (this request's output tokens' log-probabilities)}``;
     ``"messages"`` is a chat (``[{"role", "content"}, ...]``) that the tokenizer's chat template
     formats; ``"stop"`` a string or a list of them.
 
@@ -130,9 +132,10 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
                     or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
                 raise UserError(f"{where}: \"prompt_ids\" must be a non-empty list of non-negative integers")
             ids = tuple(ids)
-        template = obj.get("chat_template", True)
-        if not isinstance(template, bool):
-            raise UserError(f"{where}: \"chat_template\" must be true or false, got {template!r}")
+        template, logprobs = obj.get("chat_template", True), obj.get("logprobs", False)
+        for name, value in (("chat_template", template), ("logprobs", logprobs)):
+            if not isinstance(value, bool):
+                raise UserError(f"{where}: \"{name}\" must be true or false, got {value!r}")
         mnt, n = obj.get("max_new_tokens"), obj.get("n")
         for name, value in (("max_new_tokens", mnt), ("n", n)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -140,7 +143,7 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         records.append(PromptRecord(id=rid, line=lineno, prompt=prompt, prompt_ids=ids, max_new_tokens=mnt,
                                     messages=messages, stop=_stop_strings(obj.get("stop"), where),
                                     sampling=_sampling_overrides(obj, where), n=n, openai=openai,
-                                    chat_template=template))
+                                    chat_template=template, logprobs=logprobs))
     if not records:
         raise UserError(f"{p}: no prompts in the file (one JSON object per line)")
     return records

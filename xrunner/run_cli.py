@@ -408,7 +408,12 @@ def _run(args: argparse.Namespace) -> int:
                 rows = []
                 for f in done:
                     text = tokenizer.decode(list(f.output_ids), skip_special_tokens=True) if tokenizer else None
-                    rows.append(result_row(f, text, stops_of.get(f.id, ())))
+                    row = result_row(f, text, stops_of.get(f.id, ()))
+                    if "logprobs" in row and not (args.logprobs or f.id in logprobs_of):  # another request asked
+                        del row["logprobs"]
+                    elif "logprobs" in row and writer.openai is not None and tokenizer is not None:
+                        row["tokens"] = [tokenizer.decode([t]) for t in f.output_ids]  # OpenAI's logprobs name them
+                    rows.append(row)
                     latencies.append(f.latency_s)
                     output_len[f.id] = len(f.output_ids)
                     if watcher is not None:  # capped: ended at max_new_tokens without EOS (see xscheduler.replan)
@@ -424,6 +429,7 @@ def _run(args: argparse.Namespace) -> int:
 
             new_tokens_of = {key: new_tokens[i] for i, key in pending}
             stops_of = {key: records[i].stop for i, key in pending if records[i].stop}
+            logprobs_of = {key for i, key in pending if records[i].logprobs}  # requests that asked for their own
             order_of = {key: k for k, (_, key) in enumerate(pending)}
             hook, watcher = _adapt_hook(args, covering(plan, max_prompt, max_output), capacity, profile, no_profile,
                                         horizon=len(pending), machine=machine)
@@ -433,7 +439,8 @@ def _run(args: argparse.Namespace) -> int:
                         progress=show, calibration_ids=_calibration(args, source, tokenizer),
                         notice=lambda work: print(f"xsched: reconfiguring: {work}; the job waits for it",
                                                   file=sys.stderr),
-                        stop_check=stop_checker(tokenizer, stops_of), logprobs=args.logprobs) as engine:
+                        stop_check=stop_checker(tokenizer, stops_of),
+                        logprobs=args.logprobs or bool(logprobs_of)) as engine:
                 stats = engine.run(requests, on_finished=on_finished, on_step=bar.update, between_blocks=hook)
 
     ran = [(i, key) for i, key in pending if key in output_len]  # in the order the engine took them

@@ -22,7 +22,7 @@ OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
     "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}), "stream": (None, False),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""), "min_tokens": (None, 0),
 }
 
@@ -49,10 +49,17 @@ def openai_batch_row(obj: dict[str, Any], where: str) -> dict[str, Any]:
         raise UserError(f"{where}: \"body\" must be a JSON object (the request), got {type(body).__name__}")
     for key, neutral in OPENAI_NEUTRAL.items():
         if key in body and body[key] not in neutral:
-            advice = "; pass --logprobs for every request's token log-probabilities" if key == "logprobs" else ""
             raise UserError(f"{where}: body \"{key}\" = {str(body[key])[:40]} is not supported by xsched run; drop "
-                            f"it{advice}")
+                            "it")
     row: dict[str, Any] = {"id": obj["custom_id"]}
+    asked, completion = body.get("logprobs"), body.get("prompt") is not None
+    # chat: true; completions: how many alternatives beside the chosen token, of which xsched gives 0
+    wants = (asked is True and not completion) or (completion and type(asked) is int and asked == 0)
+    if asked not in (None, False) and not wants:
+        raise UserError(f"{where}: body \"logprobs\" = {str(asked)[:20]} is not supported: xsched returns the "
+                        "chosen tokens' log-probabilities only (chat: true; completions: 0)")
+    if wants:
+        row["logprobs"] = True
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         row["prompt_ids"] = prompt
@@ -96,9 +103,9 @@ def openai_result_line(custom_id: Any, rows: Sequence[dict[str, Any]], *, model:
     for k, row in enumerate(rows):
         stopped = row.get("stopped_on_eos") or row.get("stop_string") is not None
         reply = {"message": {"role": "assistant", "content": row["text"]}} if chat else {"text": row["text"]}
-        own = {key: v for key, v in row.items() if key not in ("id", "text", "prompt_tokens")}
-        choices.append({"index": k, **reply, "logprobs": None, "finish_reason": "stop" if stopped else "length",
-                        "xsched": own})
+        own = {key: v for key, v in row.items() if key not in ("id", "text", "prompt_tokens", "tokens")}
+        choices.append({"index": k, **reply, "logprobs": _logprobs(row, chat),
+                        "finish_reason": "stop" if stopped else "length", "xsched": own})
         completion += row["output_tokens"]
     prompt = rows[0]["prompt_tokens"]
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest[:24]}",
@@ -107,6 +114,23 @@ def openai_result_line(custom_id: Any, rows: Sequence[dict[str, Any]], *, model:
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
     return {"id": f"batch_req_{digest[24:48]}", "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": digest[48:], "body": body}, "error": None}
+
+
+def _logprobs(row: dict[str, Any], chat: bool) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` of a choice from a results row's ``"logprobs"`` and ``"tokens"`` (the
+    output tokens' texts; their ids where the model has no tokenizer), or None without them."""
+    values = row.get("logprobs")
+    if values is None:
+        return None
+    tokens = row.get("tokens") or [str(t) for t in row["output_ids"]]
+    if chat:
+        return {"content": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "surrogateescape")),
+                             "top_logprobs": []} for t, v in zip(tokens, values)]}
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": list(tokens), "token_logprobs": list(values), "top_logprobs": None, "text_offset": offsets}
 
 
 def openai_result_rows(obj: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
