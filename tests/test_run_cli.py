@@ -197,7 +197,8 @@ def test_an_openai_batch_file_runs_and_fits_as_its_native_twin(tiny_dir, tmp_pat
     # Log-probabilities where a request asked (OpenAI's shapes, the engine's values), nowhere else.
     chosen = q2["choices"][0]
     assert [c["logprob"] for c in chosen["logprobs"]["content"]] == chosen["xsched"]["logprobs"]
-    assert [c["token"] for c in chosen["logprobs"]["content"]] == [tok.decode([t]) for t in chosen["xsched"]["output_ids"]]
+    texts = [tok.decode([t]) for t in chosen["xsched"]["output_ids"]]
+    assert [c["token"] for c in chosen["logprobs"]["content"]] == texts
     q0 = by_id["q0"]["response"]["body"]["choices"][0]
     assert q0["logprobs"]["token_logprobs"] == q0["xsched"]["logprobs"] and len(q0["logprobs"]["tokens"]) == \
         q0["xsched"]["output_tokens"] and all(x <= 0 for x in q0["xsched"]["logprobs"])
