@@ -1,4 +1,4 @@
-"""A prompt's samples computed once in prefill: repeated prompts against distinct ones.
+"""A prompt's samples, or prompts' common system prompt, computed once in prefill.
 
 ``xsched run`` turns a prompt's ``"n"`` into n adjacent requests with equal prompts. Those
 that join one GPU batch together share its prefill (``xrunner.engine._Work.share``): each
@@ -9,7 +9,12 @@ lengths, under a few placements, and prints the prefill phase's seconds (the eng
 trace, first prefill layer step to the last one's end) and the whole job's generated
 tokens/s. The ratio is what sharing buys; the decode phase does the same work in both jobs.
 
+With ``--system T`` it measures prefix sharing (``xrunner.prefix``) instead: ``--prompts * --n``
+distinct questions of the same lengths, each behind one common ``T``-token system prompt, run with
+the engine's prefix sharing on and off (``share_prefixes``).
+
     OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py [--model smollm2-135m --n 8]
+    OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py --system 512 --prompt 128
 """
 
 from __future__ import annotations
@@ -37,21 +42,23 @@ PLACEMENTS: dict[str, dict] = {
 
 
 def requests(args: argparse.Namespace, repeated: bool, vocab: int) -> list:
-    """``prompts x n`` requests keyed ``(prompt, sample)``; distinct: every one its own tokens."""
+    """``prompts x n`` requests keyed ``(prompt, sample)``; distinct: every one its own tokens,
+    behind the common ``--system`` tokens (if any)."""
     from xrunner.engine import Request
 
     rng = np.random.default_rng(0)
+    system = tuple(int(t) for t in rng.integers(0, vocab, args.system))
     lengths = rng.integers(args.prompt // 2, args.prompt + 1, args.prompts)
     out = []
     for p, length in enumerate(lengths):
         shared = tuple(int(t) for t in rng.integers(0, vocab, length))
         for k in range(args.n):
             ids = shared if repeated else tuple(int(t) for t in rng.integers(0, vocab, length))
-            out.append(Request((p, k), ids, args.new_tokens))
+            out.append(Request((p, k), system + ids, args.new_tokens))
     return out
 
 
-def run(spec, policy: Policy, reqs: list, args: argparse.Namespace) -> tuple[float, float, int]:
+def run(spec, policy: Policy, reqs: list, args: argparse.Namespace, share: bool = True) -> tuple[float, float, int]:
     """(prefill seconds, job wall seconds, prefill positions computed) of one job."""
     from xrunner.engine import Engine
     from xrunner.loaders import RandomSource
@@ -59,8 +66,9 @@ def run(spec, policy: Policy, reqs: list, args: argparse.Namespace) -> tuple[flo
 
     done: list = []
     with tempfile.TemporaryDirectory() as d, \
-            Engine(RandomSource(spec, seed=0), policy, max_prompt=args.prompt, max_output=args.new_tokens,
-                   offload_dir=Path(d), record_trace=True, sampling=SamplingParams(temperature=0.8, seed=1)) as eng:
+            Engine(RandomSource(spec, seed=0), policy, max_prompt=args.system + args.prompt,
+                   max_output=args.new_tokens, offload_dir=Path(d), record_trace=True,
+                   sampling=SamplingParams(temperature=0.8, seed=1), share_prefixes=share) as eng:
         t0 = time.perf_counter()
         stats = eng.run(reqs, on_finished=done.extend)
         wall = time.perf_counter() - t0
@@ -76,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")
     ap.add_argument("--prompt", type=int, default=256, help="longest prompt; lengths drawn from half of it up")
+    ap.add_argument("--system", type=int, default=0,
+                    help="tokens of a system prompt before every prompt: compare prefix sharing on and off")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--gbs", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
@@ -90,22 +100,29 @@ def main(argv: list[str] | None = None) -> int:
         spec = replace(spec, num_layers=args.layers)
     rows = args.prompts * args.n
     nb = -(-rows // args.gbs)
-    jobs = {"repeated": requests(args, True, spec.vocab_size), "distinct": requests(args, False, spec.vocab_size)}
-    print(f"{spec.name} shape, random weights, {spec.num_layers} layers, float32; {args.prompts} prompts x {args.n} "
-          f"samples, prompts of {args.prompt // 2}..{args.prompt} tokens, {args.new_tokens} new tokens; "
-          f"{nb} GPU batch(es) x {args.gbs}; {args.threads} threads\n")
-    print("| placement | prefill s, repeated | distinct | ratio | positions computed, repeated | distinct | "
-          "tok/s, repeated | distinct | ratio |")
+    if args.system:  # one job of distinct questions, prefix sharing on against off
+        distinct = requests(args, False, spec.vocab_size)
+        jobs = {"shared": (distinct, True), "not shared": (distinct, False)}
+        what = (f"{rows} distinct prompts of {args.prompt // 2}..{args.prompt} tokens behind one "
+                f"{args.system}-token system prompt")
+    else:
+        jobs = {"repeated": (requests(args, True, spec.vocab_size), True),
+                "distinct": (requests(args, False, spec.vocab_size), True)}
+        what = f"{args.prompts} prompts x {args.n} samples, prompts of {args.prompt // 2}..{args.prompt} tokens"
+    a, b = jobs
+    print(f"{spec.name} shape, random weights, {spec.num_layers} layers, float32; {what}, {args.new_tokens} new "
+          f"tokens; {nb} GPU batch(es) x {args.gbs}; {args.threads} threads\n")
+    print(f"| placement | prefill s, {a} | {b} | ratio | positions computed, {a} | {b} | tok/s, {a} | {b} | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     tokens = rows * args.new_tokens
     for name in args.placements.split(";"):
         policy = Policy(gbs=args.gbs, nb=nb, **PLACEMENTS[name])
         best = {k: (float("inf"), float("inf"), 0) for k in jobs}
         for _ in range(args.repeats):
-            for k, reqs in jobs.items():
-                p, w, n = run(spec, policy, reqs, args)
+            for k, (reqs, share) in jobs.items():
+                p, w, n = run(spec, policy, reqs, args, share)
                 best[k] = (min(best[k][0], p), min(best[k][1], w), n)
-        (rp, rw, rn), (dp, dw, dn) = best["repeated"], best["distinct"]
+        (rp, rw, rn), (dp, dw, dn) = best[a], best[b]
         print(f"| {name} | {rp:.2f} | {dp:.2f} | {dp / rp:.2f}x | {rn} | {dn} | {tokens / rw:.1f} | "
               f"{tokens / dw:.1f} | {dw / rw:.2f}x |", flush=True)
     return 0

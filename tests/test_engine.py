@@ -188,6 +188,60 @@ def test_shared_prefills_hold_for_experts_sinks_and_windows(tmp_path, spec):
     assert got == want and stats.padded_prompt_tokens < stats.prompt_tokens
 
 
+def system_prompt_requests(spec: ModelSpec, seed: int) -> list[Request]:
+    """Two "system prompts" (9 and 6 tokens) each before 4 different short questions, one prompt
+    asked twice, and a prompt of its own: the prefix sharing's groups, repeats and loners."""
+    rng = random.Random(seed)
+    systems = [tuple(rng.randrange(spec.vocab_size) for _ in range(n)) for n in (9, 6)]
+    prompts = [s + tuple(rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, 4))) for s in systems
+               for _ in range(4)]
+    prompts += [prompts[0], tuple(rng.randrange(spec.vocab_size) for _ in range(5))]
+    return [Request(f"s{i}", p, rng.randint(2, MAX_OUTPUT)) for i, p in enumerate(prompts)]
+
+
+def test_prompts_that_share_a_prefix_compute_it_once_and_generate_as_alone(llama, tmp_path, monkeypatch):
+    """Prompts behind a common system prompt: each layer computes the group's prefix once and each
+    row's own tokens, and every request still equals the reference loop (greedy) whatever the
+    placement, refill, or a 4-bit cache (against the reference that quantizes alike). The same job
+    with sharing off computes more positions and gives the same outputs."""
+    src = RandomSource(LLAMA, seed=3)
+    reqs = system_prompt_requests(LLAMA, seed=2)
+    weights = load_weights(src)
+    want = reference(weights, reqs)
+    policies = [Policy(gbs=10, nb=1, bucket=False), Policy(gbs=5, nb=2, cg=0.4, cc=0.6, cpu_attention=True),
+                Policy(gbs=4, nb=2, wg=0.0, wc=1.0, cg=0.0, cc=0.5, cd=0.5, hg=0.0, hc=0.5, hd=0.5, refill_every=2)]
+    for policy in policies:
+        got, stats = run_engine(src, policy, reqs, tmp_path, record_trace=True)
+        plain, plain_stats = run_engine(src, policy, reqs, tmp_path, share_prefixes=False)
+        assert got == want == plain, policy
+        assert stats.padded_prompt_tokens < plain_stats.padded_prompt_tokens, policy
+        shared = [e.args for e in stats.events if e.name == "prefill" and "positions" in e.args]
+        assert shared and all(a["positions"] < a["rows"] * a["length"] for a in shared)
+    # One batch of all ten: two groups (prefixes 9 + 6, padded to 9) and every row's last S columns.
+    _, stats = run_engine(src, policies[0], reqs, tmp_path, record_trace=True)
+    first = next(e.args for e in stats.events if e.name == "prefill")
+    suffix = max(len(r.prompt_ids) - (9 if i < 4 or i == 8 else 6 if i < 8 else 0) for i, r in enumerate(reqs))
+    assert first["rows"] == 9 and first["positions"] == 2 * 9 + 9 * suffix  # the repeat is computed once
+    monkeypatch.setattr(generate_module, "layer_forward", _layer_with_quantized_cache)
+    want = reference(weights, reqs)
+    monkeypatch.undo()
+    got, stats = run_engine(src, Policy(gbs=5, nb=2, cg=0.4, cc=0.6, compress_cache=True), reqs, tmp_path)
+    assert got == want
+
+
+@pytest.mark.parametrize("spec", [MIXTRAL, GPTOSS, GEMMA2], ids=["mixtral", "gpt-oss", "gemma2"])
+def test_shared_prefixes_hold_for_experts_sinks_softcaps_and_windows(tmp_path, spec):
+    """A shared prefix longer than the sliding window, through routed experts, sinks and soft caps:
+    each request equals the reference loop."""
+    src = RandomSource(spec, seed=4)
+    reqs = system_prompt_requests(spec, seed=5)
+    want = reference(load_weights(src), reqs)
+    policy = Policy(gbs=4, nb=3, bucket=False, cg=0.5, cc=0.5, cpu_attention=True)  # a system prompt per batch
+    got, stats = run_engine(src, policy, reqs, tmp_path)
+    _, plain = run_engine(src, policy, reqs, tmp_path, share_prefixes=False)
+    assert got == want and stats.padded_prompt_tokens < plain.padded_prompt_tokens
+
+
 def test_each_request_samples_with_its_own_parameters(llama, tmp_path):
     """Requests with their own sampling parameters (greedy beside two kinds of sampling, in the same
     GPU batches) each get the tokens they get alone in the reference loop with those parameters."""

@@ -42,6 +42,7 @@ from xrunner.loaders import ModelSource
 from xrunner.model import (attend_rows_on_cpu, attention, attn_in, attn_out_mlp, cpu_attention_chunk_rows,
                            cpu_head_layout, embed, final_logits, head_layout_of, is_range, lm_head_name,
                            layer_ropes, torch_dtype)
+from xrunner.prefix import PrefixPlan, plan_prefixes, prefill_layer
 from xrunner.sampling import SamplingParams, sample
 from xrunner.stored_forms import KVCodec, WeightLayout
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
@@ -85,7 +86,7 @@ class EngineStats:
     wall_s: float
     generated_tokens: int
     prompt_tokens: int
-    padded_prompt_tokens: int  # prefill positions computed incl. left padding (a repeated prompt once per prefill)
+    padded_prompt_tokens: int  # prefill positions computed incl. left padding (a repeated prompt or shared prefix once)
     num_prefill_steps: int
     num_decode_steps: int
     # Measured, per tier: during the run and since the policy in force at its start took effect (setup, or
@@ -389,6 +390,7 @@ class _Work:
     # Prefill: (positions computed, each row's index among them) when rows repeat a prompt (a prompt's
     # "n" samples): equal padded inputs give equal K, V and hidden states, so each is computed once.
     share: tuple[list[int], list[int]] | None = None
+    prefix: PrefixPlan | None = None  # prefill: prefixes the computed rows share (xrunner.prefix)
 
     @property
     def t(self) -> int:
@@ -429,7 +431,8 @@ class Engine:
                  calibration_ids: torch.Tensor | Callable[[], torch.Tensor] | None = None,
                  cuda_sync: str = "item", head_layout: str | None = None,
                  notice: Callable[[str], None] | None = None,
-                 stop_check: Callable[[Request, Sequence[int]], bool] | None = None, logprobs: bool = False):
+                 stop_check: Callable[[Request, Sequence[int]], bool] | None = None, logprobs: bool = False,
+                 share_prefixes: bool = True):
         spec = source.spec
         if head_layout not in (None, "rows", "transposed"):
             raise UserError(f"head_layout must be 'rows' or 'transposed', got {head_layout!r}")
@@ -454,6 +457,9 @@ class Engine:
         # Ends a request on its output so far (stop strings, which need the caller's tokenizer)
         self.stop_check = stop_check
         self.logprobs = logprobs  # record each output token's log-probability (Finished.logprobs)
+        # Compute a prefix that prompts of one prefill share (a system prompt) once (xrunner.prefix);
+        # off: every row computes all its columns (an ablation).
+        self.share_prefixes = share_prefixes
         # Token ids [sequences, length] of calibration text (or a function giving them, called the
         # first time a calibration pass runs, while weights load): 4-bit weights then get GPTQ codes
         # (xrunner.gptq) instead of nearest rounding, and a 4-bit KV cache is stored around each
@@ -1238,7 +1244,15 @@ class Engine:
         if work.share is not None:
             first = work.share[0]
             hidden, pos, mask = _take(hidden, first), _take(pos, first), None if mask is None else _take(mask, first)
-        q, k, v = attn_in(spec, w, hidden, pos, self.ropes[layer])
+        prefix = None if decode else work.prefix
+        if prefix is None:
+            q, k, v = attn_in(spec, w, hidden, pos, self.ropes[layer])
+        else:
+            # its q/k/v, attention and MLP in turn; the plain layer's largest (MLP) working set bounds them
+            with led.transient("gpu", "prefix", 2 * nbytes_of(hidden) + nbytes_of(hidden) // spec.hidden * spec.q_dim):
+                shared, k, v = prefill_layer(spec, w, hidden, pos, mask, self.ropes[layer], prefix,
+                                             sinks=w.get("sinks.weight"))
+            q = k.new_empty(0)
         n, t = hidden.shape[0], hidden.shape[1]
         homes = self.kv_home[work.batch][layer]
         cpu_s, inner0 = 0.0, self._inner_dequant_s
@@ -1246,8 +1260,9 @@ class Engine:
         with led.transient("gpu", "qkv", nbytes_of(hidden, q, k, v)):
             pass
         if not decode:
-            with led.transient("gpu", "attention", 2 * nbytes_of(q) + nbytes_of(k, v)):
-                attn = attention(spec, q, k, v, mask, causal=True, sinks=w.get("sinks.weight"))
+            if prefix is None:
+                with led.transient("gpu", "attention", 2 * nbytes_of(q) + nbytes_of(k, v)):
+                    attn = attention(spec, q, k, v, mask, causal=True, sinks=w.get("sinks.weight"))
             enc = self.codec.encode(k, v, layer)
             k_off = 0
             for tier, at, rows in self._groups(self.cache_split, work.slots):
@@ -1262,8 +1277,11 @@ class Engine:
             attn = torch.empty((n, 1, spec.q_dim), dtype=self.dtype, device=self.device)
             cpu_s = self._decode_attention(layer, work, homes, q, k, v, attn, slot, w.get("sinks.weight"))
         del q, k, v
-        with led.transient("gpu", "mlp", 2 * nbytes_of(hidden) + nbytes_of(attn)):
-            hidden = attn_out_mlp(spec, w, attn, hidden)
+        if prefix is None:
+            with led.transient("gpu", "mlp", 2 * nbytes_of(hidden) + nbytes_of(attn)):
+                hidden = attn_out_mlp(spec, w, attn, hidden)
+        else:
+            hidden = shared
         out = None
         if last:
             out = hidden[:, -1]
@@ -1271,7 +1289,8 @@ class Engine:
             self._hidden_out(work, hidden, slot)
         self._tock(start, "decode" if decode else "prefill",
                    {"layer": layer, "batch": work.batch, "rows": n,
-                    "length": work.col + 1 - work.first_col(spec.sliding_window) if decode else t},
+                    "length": work.col + 1 - work.first_col(spec.sliding_window) if decode else t,
+                    **({} if prefix is None else {"positions": prefix.positions})},
                    minus_s=cpu_s + self._inner_dequant_s - inner0)
         return out
 
@@ -1662,10 +1681,13 @@ class Engine:
             batch.end = end
             pos = (mask.long().cumsum(-1) - 1).clamp_(min=0)
             dev_mask = None if bool(mask.all()) else mask.to(self.device)
-            share = _repeats([r.prompt_ids for _s, r in new])
+            prompts = [r.prompt_ids for _s, r in new]
+            share = _repeats(prompts)
+            distinct = prompts if share is None else [prompts[i] for i in share[0]]
+            prefix = plan_prefixes(distinct, self.device) if self.share_prefixes else None
             works.append(_Work(j, [s for s, _r in new], ids.to(self.device), pos.to(self.device), c0, c0, dev_mask,
-                               share=share))
-            self.stats.padded_prompt_tokens += (len(new) if share is None else len(share[0])) * P
+                               share=share, prefix=prefix))
+            self.stats.padded_prompt_tokens += len(distinct) * P if prefix is None else prefix.positions
             self.stats.prompt_tokens += sum(len(r.prompt_ids) for _s, r in new)
         logits = self._step(works, decode=False)
         self.stats.num_prefill_steps += 1
