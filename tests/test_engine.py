@@ -24,7 +24,8 @@ from xrunner.compression import DEFAULT_CLIP_STEPS, KV_CLIP_STEPS
 from xrunner.engine import Engine, Request
 from xrunner.generate import generate
 from xrunner.loaders import ModelSource, RandomSource, load_weights
-from xrunner.model import attention, attn_in, attn_out_mlp
+from xrunner.model import attention, attn_in, attn_out_mlp, embed, layer_ropes
+from xrunner.prefix import plan_prefixes, prefill_layer
 from xrunner.sampling import SamplingParams
 from xsched.errors import UserError
 from xsimulator.discrete_event import simulate_timeline
@@ -227,6 +228,67 @@ def test_prompts_that_share_a_prefix_compute_it_once_and_generate_as_alone(llama
     monkeypatch.undo()
     got, stats = run_engine(src, Policy(gbs=5, nb=2, cg=0.4, cc=0.6, compress_cache=True), reqs, tmp_path)
     assert got == want
+
+
+@pytest.mark.parametrize("spec", [LLAMA, GEMMA2], ids=["llama", "gemma2"])
+def test_a_layer_with_shared_prefixes_equals_the_plain_layer(spec):
+    """``xrunner.prefix.prefill_layer`` against the plain layer (attn_in, attention, MLP) on random
+    prefills: groups of prompts behind 4-12 shared tokens, loners, prompts as short as their prefix
+    plus one, with Gemma 2's window and soft caps. Hidden states, keys and values of every real
+    column are equal (to float32 rounding), layer after layer."""
+    weights = load_weights(RandomSource(spec, seed=6))
+    ropes = layer_ropes(spec, 64)
+    rng = random.Random(8)
+    shared = 0
+    for _ in range(12):
+        heads = [tuple(rng.randrange(spec.vocab_size) for _ in range(rng.randint(4, 12))) for _ in range(3)]
+        prompts = [rng.choice(heads) + tuple(rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, 6)))
+                   for _ in range(rng.randint(2, 7))]
+        prompts += [tuple(rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, 8)))] * rng.randint(0, 1)
+        plan = plan_prefixes(prompts)
+        if plan is None:
+            continue
+        shared += 1
+        P = plan.columns
+        ids, mask = torch.zeros((len(prompts), P), dtype=torch.long), torch.zeros((len(prompts), P), dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, P - len(p):], mask[i, P - len(p):] = torch.tensor(p), True
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        h = h2 = embed(spec, weights.head, ids, pos)
+        for layer, (ls, w) in enumerate(zip(spec.layer_specs(), weights.layers)):
+            q, k, v = attn_in(ls, w, h, pos, ropes[layer])
+            h = attn_out_mlp(ls, w, attention(ls, q, k, v, mask, causal=True), h)
+            h2, k2, v2 = prefill_layer(ls, w, h2, pos, mask, ropes[layer], plan)
+            real = mask[:, None, :, None]
+            torch.testing.assert_close(h2[mask], h[mask], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(k2 * real, k * real, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v2 * real, v * real, atol=1e-4, rtol=1e-4)
+        assert plan.positions <= 0.8 * len(prompts) * P
+    assert shared >= 6
+
+
+def test_the_simulator_prices_a_shared_prefix_as_the_engine_computes_it(tmp_path):
+    """Every prompt begins with the same 4 tokens: the simulator, told so (Workload.prefix_tokens),
+    computes as many prompt positions as the engine, batch by batch, with and without refill;
+    both share the prefix in the batches of short prompts and not in those of long ones, where
+    it would save under a fifth of the positions."""
+    src = RandomSource(LLAMA, seed=3)
+    rng = random.Random(4)
+    system = tuple(rng.randrange(LLAMA.vocab_size) for _ in range(4))
+    reqs = [Request(f"q{i}", system + tuple(rng.randrange(LLAMA.vocab_size) for _ in range(rng.randint(1, 10))),
+                    rng.randint(1, MAX_OUTPUT)) for i in range(12)]
+    workload = replace(fixed_workload(14, MAX_OUTPUT), prefix_tokens=4)
+    lengths = ([len(r.prompt_ids) for r in reqs], [r.max_new_tokens for r in reqs])
+    want = reference(load_weights(src), reqs)
+    for policy in (Policy(gbs=2, nb=3), Policy(gbs=3, nb=2, refill_every=2)):
+        got, stats = run_engine(src, policy, reqs, tmp_path, record_trace=True)
+        _, plain = run_engine(src, policy, reqs, tmp_path, share_prefixes=False)
+        sim, _ = simulate_timeline(LLAMA, t4_like(), policy, workload, requests=lengths)
+        assert got == want
+        assert sim.padded_prompt_tokens == stats.padded_prompt_tokens < plain.padded_prompt_tokens, policy
+        layer0 = [e.args for e in stats.events if e.name == "prefill" and e.args["layer"] == 0]
+        shared = sum("positions" in a for a in layer0)
+        assert 0 < shared < sum(a["rows"] > 1 for a in layer0) or policy.refill_every, policy
 
 
 @pytest.mark.parametrize("spec", [MIXTRAL, GPTOSS, GEMMA2], ids=["mixtral", "gpt-oss", "gemma2"])

@@ -879,14 +879,15 @@ def test_n_samples_per_prompt_each_get_a_line_and_their_own_draws_and_resume(ran
 
 
 def test_default_tokenizer_counts_the_chat_template():
-    """The default model's count is transformers' own tokenization of the chat-wrapped prompt."""
-    from xrunner.cli import prompt_token_counter
+    """The default model's ids are transformers' own tokenization of the chat-wrapped prompt."""
+    from xrunner.cli import prompt_tokenizer
     from xrunner.loaders import open_model
 
     tok = open_model(None).tokenizer()
     text = "Who wrote Hamlet?"
     chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    assert prompt_token_counter(None)(text) == len(chat["input_ids"]) > len(tok(text)["input_ids"])
+    ids = prompt_tokenizer(None)(text)
+    assert ids == list(chat["input_ids"]) and len(ids) > len(tok(text)["input_ids"])
 
 
 @pytest.mark.slow

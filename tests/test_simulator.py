@@ -1043,3 +1043,28 @@ def test_a_prompts_samples_are_prefilled_once_and_both_paths_agree(refill):
     assert ana.throughput_tokens_per_s == pytest.approx(des4.throughput_tokens_per_s, rel=THROUGHPUT_TOL)
     assert ana.padded_prompt_tokens == pytest.approx(des4.padded_prompt_tokens, rel=0.15)
     assert ana.latency_mean_s == pytest.approx(des4.latency_mean_s, rel=MEAN_TOL)
+
+
+@pytest.mark.parametrize("refill", [0, 2])
+def test_a_shared_system_prompt_is_prefilled_once_and_both_paths_agree(refill):
+    """Every prompt begins with the same 150 tokens (Workload.prefix_tokens): the discrete-event
+    path computes them once per GPU batch's prefill (as the engine does, where that cuts the
+    positions to 0.8 or fewer), so the job computes fewer prompt positions and runs faster than the
+    same lengths without; the trace says how many positions each prefill computed, and the
+    analytic path prices it alike."""
+    spec, prof = get_model_spec("opt-1.3b"), t4_like()
+    plain = get_workload("S")
+    shared = replace(plain, prefix_tokens=150)
+    assert "the same 150 tokens" in shared.describe() and Workload.from_json(shared.to_json()) == shared
+    pol = Policy(gbs=64, nb=2, refill_every=refill)
+    des0 = simulate(spec, prof, pol, plain, num_requests=3000, seed=1)
+    des = simulate(spec, prof, pol, shared, num_requests=3000, seed=1)
+    assert des.padded_prompt_tokens < 0.75 * des0.padded_prompt_tokens
+    assert des.throughput_tokens_per_s > 1.2 * des0.throughput_tokens_per_s
+    _, tl = simulate_timeline(spec, prof, pol, shared, num_requests=256, seed=1)
+    pre = [e.args for e in trace_events(CostModel.for_policy(spec, prof, pol), tl) if e.args.get("phase") == "prefill"]
+    assert any(a["positions"] < a["rows"] * a["padded_len"] for a in pre)
+    ana = simulate_analytic(spec, prof, pol, shared, num_requests=3000)
+    assert ana.throughput_tokens_per_s == pytest.approx(des.throughput_tokens_per_s, rel=THROUGHPUT_TOL)
+    assert ana.padded_prompt_tokens == pytest.approx(des.padded_prompt_tokens, rel=0.05)
+    assert ana.latency_mean_s == pytest.approx(des.latency_mean_s, rel=MEAN_TOL)

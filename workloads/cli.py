@@ -76,9 +76,9 @@ def _fit(args: argparse.Namespace) -> int:
     path = Path(args.file)
     count_tokens = None
     if args.tokenizer is not None:
-        from xrunner.cli import prompt_token_counter
+        from xrunner.cli import prompt_tokenizer
 
-        count_tokens = prompt_token_counter(args.tokenizer or None, not args.no_chat_template,  # '': default
+        count_tokens = prompt_tokenizer(args.tokenizer or None, not args.no_chat_template,  # '': default
                                             args.chat_template_kwargs)
     elif args.no_chat_template or args.chat_template_kwargs is not None:
         raise UserError("--no-chat-template and --chat-template-kwargs only apply with --tokenizer")
@@ -93,7 +93,8 @@ def _fit(args: argparse.Namespace) -> int:
     fitted = Workload(name=f"{path.stem}-fit", prompt=prompt_fit.best, output=output_fit.best,
                       correlation=spearman_to_copula(lengths.prompts, lengths.outputs),
                       source=f"fitted to {len(lengths.prompts)} requests from {path.name}"
-                      + (f"; {ESTIMATE_NOTE}" if lengths.estimated else ""), samples=lengths.samples)
+                      + (f"; {ESTIMATE_NOTE}" if lengths.estimated else ""), samples=lengths.samples,
+                      prefix_tokens=lengths.prefix_tokens)
     if args.output:
         fitted.save(args.output)
     if args.json:

@@ -16,6 +16,8 @@ import csv
 import io
 import json
 import math
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -47,6 +49,8 @@ class Workload(Contract):
     (0 = independent, as ExeGPT §6 assumes; its translation task has 0.57-0.94). ``samples``
     is how many outputs each prompt asks for (a prompts file's ``"n"``): requests come in runs
     of that many with one prompt, and the runner computes a run's prefill once per GPU batch.
+    ``prefix_tokens`` is how many leading tokens every prompt shares (a system prompt, the same
+    few-shot examples; counted in the prompt lengths): the runner computes them once per GPU batch.
     """
 
     SCHEMA: ClassVar[str] = "xsched.Workload/1"
@@ -57,6 +61,7 @@ class Workload(Contract):
     correlation: float = 0.0
     source: str = ""
     samples: int = 1
+    prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not -1.0 < self.correlation < 1.0 and self.correlation != 0.0:
@@ -64,6 +69,9 @@ class Workload(Contract):
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
             raise UserError(f"workload {self.name}: samples {self.samples!r} must be a whole number >= 1 "
                             "(outputs per prompt)")
+        if isinstance(self.prefix_tokens, bool) or not isinstance(self.prefix_tokens, int) or self.prefix_tokens < 0:
+            raise UserError(f"workload {self.name}: prefix_tokens {self.prefix_tokens!r} must be a whole number >= 0 "
+                            "(leading tokens every prompt shares)")
 
     def sample(self, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """``n`` requests ``(prompt_lens, output_lens)``, int64 arrays; same seed, same requests.
@@ -100,11 +108,12 @@ class Workload(Contract):
 
     def scaled(self, factor: float) -> "Workload":
         return replace(self, name=f"{self.name}@{factor:g}", prompt=self.prompt.scaled(factor),
-                       output=self.output.scaled(factor))
+                       output=self.output.scaled(factor), prefix_tokens=round(self.prefix_tokens * factor))
 
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "prompt": self.prompt.summary(), "output": self.output.summary(),
-                "correlation": self.correlation, "source": self.source, "samples": self.samples}
+                "correlation": self.correlation, "source": self.source, "samples": self.samples,
+                "prefix_tokens": self.prefix_tokens}
 
     def context_note(self, model: str, max_positions: int) -> str | None:
         """A line when the longest prompt plus output passes the model's positions (the plan is
@@ -122,6 +131,8 @@ class Workload(Contract):
             lines.append(f"  prompt/output copula correlation {self.correlation:.2f}")
         if self.samples > 1:
             lines.append(f"  {self.samples} outputs per prompt (prefilled once per GPU batch)")
+        if self.prefix_tokens:
+            lines.append(f"  every prompt begins with the same {self.prefix_tokens} tokens (prefilled once per GPU batch)")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ files
@@ -135,6 +146,8 @@ class Workload(Contract):
         ``output_tokens`` (observed) or ``max_new_tokens``. If no request has an output length,
         ``output`` supplies the distribution. A request with ``"n"`` counts n times (``xsched
         run`` samples n outputs of it, each a request of its own), and ``samples`` is the mean n.
+        ``count_tokens`` may return the prompt's token ids instead of their count: ``prefix_tokens``
+        is then the leading tokens all prompts share.
         """
         p = Path(path)
         lengths = read_request_lengths(p, count_tokens)
@@ -152,7 +165,7 @@ class Workload(Contract):
         if lengths.estimated:
             note += f"; {ESTIMATE_NOTE}"
         return cls(name=p.stem, prompt=prompt_dist, output=output_dist, correlation=corr, source=note,
-                   samples=lengths.samples)
+                   samples=lengths.samples, prefix_tokens=lengths.prefix_tokens)
 
 
 @dataclass(frozen=True)
@@ -163,6 +176,9 @@ class RequestLengths:
     outputs: np.ndarray | None
     estimated: bool  # prompt text was sized without a tokenizer
     num_prompts: int = 0  # rows of the file; fewer than the requests when some ask for "n" outputs
+    # Leading tokens every prompt shares (kept below the shortest prompt); 0 unless every prompt's
+    # ids were known (token ids in the file, or a tokenizer that returns them)
+    prefix_tokens: int = 0
 
     @property
     def samples(self) -> int:
@@ -170,7 +186,7 @@ class RequestLengths:
         return max(1, round(len(self.prompts) / self.num_prompts)) if self.num_prompts else 1
 
 
-def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None = None,
+def read_request_lengths(path: Path, count_tokens: Callable[..., int | Sequence[int]] | None = None,
                          rows: list[dict[str, Any]] | None = None,
                          default_output: int | None = None) -> RequestLengths:
     """Prompt and output lengths of every request in a JSONL or CSV file (see ``from_file``);
@@ -181,9 +197,16 @@ def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None =
     if not rows:
         raise UserError(f"{path}: no requests in the file")
     prompts, outputs, estimated = [], [], False
+    common: Sequence[int] | None = None  # the leading ids all prompts so far share; () once one is unknown
     for i, row in enumerate(rows, start=1):
-        n_prompt, est = _prompt_length(row, count_tokens, f"{path}: request {i}")
+        n_prompt, est, ids = _prompt_length(row, count_tokens, f"{path}: request {i}")
         estimated |= est
+        if ids is None:
+            common = ()
+        elif common is None:
+            common = list(ids)
+        elif common:
+            common = common[:len(os.path.commonprefix([common, list(ids)]))]
         length = _optional_length(row, OUTPUT_KEYS, f"{path}: request {i}")
         copies = request_copies(row, f"{path}: request {i}")
         prompts += [n_prompt] * copies
@@ -194,7 +217,7 @@ def read_request_lengths(path: Path, count_tokens: Callable[[str], int] | None =
         raise UserError(f"{path}: request {first} has no output length ({' or '.join(OUTPUT_KEYS)}) while others "
                         "do; give it for every request or for none")
     return RequestLengths(np.array(prompts, np.int64), np.array(known, np.int64) if known else None, estimated,
-                          len(rows))
+                          len(rows), max(0, min(len(common or ()), min(prompts) - 1)))
 
 
 def request_copies(row: dict[str, Any], where: str) -> int:
@@ -272,31 +295,35 @@ def _optional_length(row: dict[str, Any], keys: tuple[str, ...], where: str) -> 
     return None
 
 
-def _prompt_length(row: dict[str, Any], count_tokens: Callable[[str | Messages], int] | None,
-                   where: str) -> tuple[int, bool]:
-    """(token count, whether it was estimated without a tokenizer). A chat (``"messages"``, as
-    ``xsched run`` takes it) counts through the template; estimated, by its contents' bytes."""
+def _prompt_length(row: dict[str, Any], count_tokens: Callable[..., int | Sequence[int]] | None,
+                   where: str) -> tuple[int, bool, Sequence[int] | None]:
+    """(token count, whether it was estimated without a tokenizer, the token ids where known). A
+    chat (``"messages"``, as ``xsched run`` takes it) counts through the template; estimated, by
+    its contents' bytes. ``count_tokens`` returns a count or the ids themselves."""
+    def counted(got: int | Sequence[int]) -> tuple[int, bool, Sequence[int] | None]:
+        return (max(1, int(got)), False, None) if isinstance(got, (int, np.integer)) else (max(1, len(got)), False, got)
+
     if row.get("prompt_tokens") not in (None, ""):
-        return _positive_int(row["prompt_tokens"], where, "prompt_tokens"), False
+        return _positive_int(row["prompt_tokens"], where, "prompt_tokens"), False, None
     ids = row.get("prompt_ids")
     if isinstance(ids, list) and ids and row.get("prompt") in (None, ""):  # `xsched run`'s pre-tokenized form
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):  # as xsched run refuses them
             raise UserError(f"{where}: prompt_ids must be token ids (whole numbers >= 0)")
-        return len(ids), False
+        return len(ids), False, ids
     if row.get("messages") is not None and row.get("prompt") in (None, ""):
         messages = chat_messages(row["messages"], where)
         if count_tokens is not None:
-            return max(1, int(count_tokens(messages))), False
+            return counted(count_tokens(messages))
         size = sum(len(content.encode("utf-8")) for _, content in messages)
-        return max(1, math.ceil(size / BYTES_PER_TOKEN_ESTIMATE)), True
+        return max(1, math.ceil(size / BYTES_PER_TOKEN_ESTIMATE)), True, None
     text = row.get("prompt")
     if not isinstance(text, str) or not text:
         raise UserError(f"{where}: needs prompt_tokens (a count), prompt (non-empty text), messages (a chat) or "
                         "prompt_ids (token ids)")
     check_text(text, f"{where}: \"prompt\"")  # the byte estimate and the tokenizer raised tracebacks on it
     if count_tokens is not None:  # a request's own "chat_template": false (an OpenAI completion) counts it bare
-        return max(1, int(count_tokens(text) if row.get("chat_template", True) else count_tokens(text, False))), False
-    return max(1, math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_ESTIMATE)), True
+        return counted(count_tokens(text) if row.get("chat_template", True) else count_tokens(text, False))
+    return max(1, math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_ESTIMATE)), True, None
 
 
 # ---------------------------------------------------------------------- presets and specs
@@ -329,9 +356,12 @@ def preset_workload(name: str, scale: float = 1.0) -> Workload:
                     source=f"ExeGPT Table 3, {task['task']}" + (f", lengths x{scale:g}" if scale != 1.0 else ""))
 
 
-def with_samples(workload: Workload, samples: int | None) -> Workload:
-    """``workload`` with ``samples`` outputs per prompt (a CLI's ``--samples``; None keeps its own)."""
-    return workload if samples is None else replace(workload, samples=samples)
+def with_samples(workload: Workload, samples: int | None, prefix_tokens: int | None = None) -> Workload:
+    """``workload`` with ``samples`` outputs per prompt and ``prefix_tokens`` shared leading tokens
+    (a CLI's ``--samples`` and ``--prefix-tokens``; None keeps its own)."""
+    if samples is not None:
+        workload = replace(workload, samples=samples)
+    return workload if prefix_tokens is None else replace(workload, prefix_tokens=prefix_tokens)
 
 
 def fixed_workload(prompt_len: int, output_len: int) -> Workload:

@@ -151,16 +151,16 @@ def encode_prompt(tokenizer, prompt: str | Messages, chat: bool, template_kwargs
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def prompt_token_counter(model: str | None, chat: bool = True,
-                         template_kwargs: dict | None = None) -> Callable[..., int]:
-    """Counts a prompt's tokens (text or chat messages) as ``xsched run --model MODEL`` will feed
-    them (the default model when None; the chat template unless ``chat`` is False, or the call's
-    second argument, a request's own ``"chat_template"``), so that a workload fitted to a file of
-    prompts has the lengths the engine will see."""
+def prompt_tokenizer(model: str | None, chat: bool = True,
+                     template_kwargs: dict | None = None) -> Callable[..., list[int]]:
+    """A prompt's token ids (text or chat messages) as ``xsched run --model MODEL`` will feed them
+    (the default model when None; the chat template unless ``chat`` is False, or the call's second
+    argument, a request's own ``"chat_template"``), so that a workload fitted to a file of prompts
+    has the lengths, and the shared leading tokens, that the engine will see."""
     from xrunner.loaders import open_model
 
     tokenizer = open_model(model).tokenizer()  # a random model's refuses with a one-line error
-    return lambda prompt, own=True: len(encode_prompt(tokenizer, prompt, chat and own, template_kwargs))
+    return lambda prompt, own=True: list(encode_prompt(tokenizer, prompt, chat and own, template_kwargs))
 
 
 def _generate(args: argparse.Namespace) -> int:

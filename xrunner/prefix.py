@@ -18,15 +18,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from xprofiler.specs import ModelSpec
 from xrunner.model import Rope, Weights, attention, attn_in, attn_out_mlp
-
-# Share prefixes only when the prefill computes at most this fraction of its positions: a second,
-# smaller set of GEMMs and the gathers cost something, and a few shared template tokens in front of
-# long, different questions save nothing worth it.
-SHARE_AT_MOST = 0.8
+from xsimulator.costmodel import SHARE_PREFIX_AT_MOST
 
 
 @dataclass(frozen=True)
@@ -58,15 +55,20 @@ class PrefixPlan:
 
 
 def plan_prefixes(prompts: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> PrefixPlan | None:
-    """Groups of rows sharing a prefix that cut the prefill's positions to :data:`SHARE_AT_MOST`
-    of ``rows x P`` or fewer, or None. Rows sorted by prompt put shared prefixes next to each other;
-    a group is a run whose neighbours share at least ``tau`` tokens, and ``tau`` is the one (among
-    the neighbours' common lengths) that computes the fewest positions. Each row keeps at least its
-    last token to itself (its logits come from the suffix)."""
+    """Groups of rows sharing a prefix that cut the prefill's positions to ``SHARE_PREFIX_AT_MOST``
+    of ``rows x P`` or fewer (``xsimulator.costmodel`` prices the same rule), or None.
+
+    Rows sorted by prompt put shared prefixes next to each other: a group is a run whose
+    neighbours share at least ``tau`` tokens, and ``tau`` is the one (among the neighbours' common
+    lengths) that computes the fewest positions. Each row keeps at least its last token to itself
+    (its logits come from the suffix). A row that shares with no other would need the suffix to
+    hold its whole prompt; when that costs more, it computes its first tokens as a group of its own.
+    """
     m = len(prompts)
     if m < 2:
         return None
-    P = max(len(p) for p in prompts)
+    n = np.array([len(p) for p in prompts])
+    P = int(n.max())
     order = sorted(range(m), key=lambda i: tuple(prompts[i]))
     common = [len(os.path.commonprefix([list(prompts[a]), list(prompts[b])])) for a, b in zip(order, order[1:])]
     best: tuple[int, list[list[int]], list[int]] | None = None
@@ -79,19 +81,28 @@ def plan_prefixes(prompts: Sequence[Sequence[int]], device: torch.device | str =
             else:
                 runs.append([i])
                 shared.append(P)
-        groups = [(run, min(s, min(len(prompts[i]) for i in run) - 1)) for run, s in zip(runs, shared) if len(run) > 1]
+        groups = [(run, min(s, int(n[run].min()) - 1)) for run, s in zip(runs, shared) if len(run) > 1]
         groups = [(run, s) for run, s in groups if s > 0]
         if not groups:
             continue
-        keep = [0] * m
-        for run, s in groups:
-            for i in run:
-                keep[i] = s
-        suffix = max(len(p) - k for p, k in zip(prompts, keep))
-        cost = len(groups) * max(s for _, s in groups) + m * suffix
-        if best is None or cost < best[0]:
-            best = (cost, [run for run, _ in groups], [s for _, s in groups])
-    if best is None or best[0] > SHARE_AT_MOST * m * P:
+        grouped = np.zeros(m, dtype=bool)
+        for run, _ in groups:
+            grouped[run] = True
+        width = max(s for _, s in groups)
+        floor = max(int(n[run].max()) - s for run, s in groups)  # the grouped rows' longest own part
+        loners = np.flatnonzero(~grouped)
+        # Suffix S >= floor: the loners longer than S compute their first n - S tokens as groups of one.
+        cands = np.unique(np.concatenate(([floor], n[loners][n[loners] > floor])))
+        over = n[loners][None, :] > cands[:, None]  # [candidates, loners]
+        head = np.where(over, n[loners][None, :] - cands[:, None], 0).max(axis=1, initial=0)
+        costs = (len(groups) + over.sum(axis=1)) * np.maximum(width, head) + m * cands
+        k = int(np.argmin(costs))
+        if best is None or costs[k] < best[0]:
+            S = int(cands[k])
+            singles = [int(i) for i in loners if n[i] > S]
+            best = (int(costs[k]), [run for run, _ in groups] + [[i] for i in singles],
+                    [s for _, s in groups] + [int(n[i]) - S for i in singles])
+    if best is None or best[0] > SHARE_PREFIX_AT_MOST * m * P:
         return None
     _, runs, lengths = best
     return _index_plan(prompts, runs, lengths, P, device)
@@ -111,7 +122,7 @@ def _index_plan(prompts: Sequence[Sequence[int]], runs: list[list[int]], lengths
         first = P - len(p)
         g = group_of[i]
         group_idx[i] = g
-        if keep[i]:  # its columns before the suffix hold the first of its prefix's tokens
+        if keep[i] and first < P - S:  # its columns before the suffix hold the first of its prefix's tokens
             col_idx[i, first:] = torch.arange(width - lengths[g], width - lengths[g] + P - S - first)
     reps = tuple(run[0] for run in runs)
     prefix_rows = torch.tensor([[r] * width for r in reps], dtype=torch.long)

@@ -75,6 +75,19 @@ SAMPLES_HELP = ('outputs sampled per prompt (`xsched run`\'s "n"): requests come
                 'prefilled once per GPU batch (default: the workload\'s own: a prompts file\'s mean "n", else 1)')
 
 
+PREFIX_HELP = ("leading tokens every prompt shares (a system prompt, the same few-shot examples; counted in the "
+               "prompt lengths): prefilled once per GPU batch (default: the workload's own: the tokens a prompts "
+               "file's prompts all begin with, as `xsched workload fit --tokenizer` finds them, else 0)")
+
+
+def prefix_arg(text: str) -> int:
+    """``--prefix-tokens``: a whole number >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {value}")
+    return value
+
+
 def samples_arg(text: str) -> int:
     """``--samples``: outputs per prompt, a whole number >= 1."""
     value = int(text)

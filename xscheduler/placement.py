@@ -38,7 +38,7 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import TIERS, CostModel, MemoryTerms
+from xsimulator.costmodel import TIERS, CostModel, MemoryTerms, shared_prefix_rows
 from xsimulator.policy import PLACEMENT_VARS, Policy, split_counts
 
 TRIOS: tuple[tuple[str, str, str], ...] = (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd"))
@@ -70,18 +70,24 @@ class Shape:
     max_prompt: int
     max_output: int
     samples: int = 1  # outputs per prompt (Workload.samples): a GPU batch prefills each prompt once
+    prefix_tokens: int = 0  # leading tokens all prompts share (Workload.prefix_tokens): prefilled once per batch
 
     @classmethod
     def of(cls, workload: Workload) -> "Shape":
         prompt = max(1, round(workload.prompt.mean))
         steps = max(1, round(workload.output.mean))
         return cls(prompt, steps, prompt + max(1, round(steps / 2)), workload.prompt.max_len,
-                   workload.output.max_len, workload.samples)
+                   workload.output.max_len, workload.samples, workload.prefix_tokens)
 
     def computed(self, phase: str, rows: int) -> float:
-        """Rows a GPU batch of ``rows`` computes in ``phase``: in prefill, one per prompt when its
-        samples fill the batch in whole runs (the fewest, so the LP's rate stays a bound)."""
-        return max(rows / self.samples, 1.0) if phase == "prefill" and self.samples > 1 else rows
+        """Rows' worth of positions a GPU batch of ``rows`` computes in ``phase``: in prefill, one
+        per prompt when its samples fill the batch in whole runs, and a shared prefix once wherever
+        that saves anything (the fewest, so the LP's rate stays a bound)."""
+        if phase != "prefill":
+            return rows
+        c = max(rows / self.samples, 1.0) if self.samples > 1 else rows
+        return float(shared_prefix_rows(c, self.prompt_len, self.prefix_tokens, bound=True)) if self.prefix_tokens \
+            else c
 
 
 @dataclass(frozen=True)

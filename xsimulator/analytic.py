@@ -144,6 +144,12 @@ class _Analytic:
             return rows / k
         return self.distinct(rows)
 
+    def positions(self, rows: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+        """Prompt positions a prefill of ``rows`` joining rows computes at each padded length of
+        ``nodes [..., Q]``: :meth:`computed_rows`, and a shared prefix once."""
+        computed = self.computed_rows(rows)[..., None]
+        return self.cm.layer_rows("prefill", computed, nodes, self.workload.prefix_tokens) * nodes
+
     def prefill(self, rows: np.ndarray, nodes: np.ndarray, weight: np.ndarray) -> BlockStep:
         """Expected prefill of GPU batches with ``rows`` each ([..., nb]); ``weight`` = P(batch runs).
 
@@ -153,12 +159,12 @@ class _Analytic:
         computed = self.computed_rows(rows)
         c = computed[..., None]
         cm = self.cm
-        bt = cm.batch_terms("prefill", r, nodes, self.placement, computed=c)
+        bt = cm.batch_terms("prefill", r, nodes, self.placement, computed=c, prefix=self.workload.prefix_tokens)
         shape = nodes.shape
         terms = StepTerms(*(np.mean(np.broadcast_to(v, shape), axis=-1) for v in bt.as_dict().values()))
         head = np.mean(np.broadcast_to(cm.head_seconds("prefill", c, nodes), shape), axis=-1)
         block = 1.0 - np.prod(1.0 - weight, axis=-1)
-        tokens = np.sum(weight * computed * nodes.mean(axis=-1), axis=-1) / np.maximum(block, 1e-300)  # if any runs
+        tokens = np.sum(weight * self.positions(rows, nodes).mean(axis=-1), axis=-1) / np.maximum(block, 1e-300)
         return cm.combine(terms, head, self.placement, weight, np.minimum(block, 1.0), tokens=tokens)
 
     def decode_conditional(self, rows: np.ndarray, p: np.ndarray, context: np.ndarray) -> tuple[BlockStep, np.ndarray]:
@@ -215,7 +221,7 @@ class _Analytic:
                 lo, hi = np.zeros(nb), np.ones(nb)
             nodes = self.prompt_nodes(rank, total)
             pre = self.prefill(rows, nodes, on)
-            padded += count * float(np.sum(self.computed_rows(rows) * nodes.mean(axis=-1) * on))
+            padded += count * float(np.sum(self.positions(rows, nodes).mean(axis=-1) * on))
             # Blocks differ in their prompts, so their prefills differ: price QUADRATURE
             # equally likely prefills (bucketed GPU batches rise and fall together; unsorted
             # ones independently, so their quantile levels are staggered).
@@ -224,7 +230,8 @@ class _Analytic:
                 level = (level + (np.arange(nb) * QUADRATURE) // nb) % QUADRATURE
             scenario_len = nodes[np.arange(nb)[None, :], level]  # [Q, nb]
             pre_scenarios = self.cm.block_step("prefill", rows[None, :], scenario_len, self.placement, on,
-                                               float(on.any()), computed=self.computed_rows(rows)[None, :]).seconds
+                                               float(on.any()), computed=self.computed_rows(rows)[None, :],
+                                               prefix=self.workload.prefix_tokens).seconds
             p = self.surv[u][:, None]  # [S, 1]
             qk = 1.0 - (1.0 - p) ** rows
             a = np.where(qk > 0, rows * p / np.maximum(qk, 1e-300), 0.0)
@@ -336,7 +343,7 @@ class _Analytic:
             rows[0], weight[0] = first_rows, (first_rows > 0)
             nodes[0] = self.prompt_nodes(np.maximum(first_rank, 1e-9), np.maximum(first_total, 1e-9))
         pre = self.prefill(rows, nodes, weight)
-        padded = float(np.sum(mult * np.sum(self.computed_rows(rows) * weight * nodes.mean(axis=-1), axis=1)))
+        padded = float(np.sum(mult * np.sum(weight * self.positions(rows, nodes).mean(axis=-1), axis=1)))
 
         # Decode: active rows per GPU batch and the padded context (prompt band + age).
         lo = np.arange(nb) / nb if pol.bucket else np.zeros(nb)

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from xsched.cli import SAMPLES_HELP, plan_requests, requests_arg, samples_arg, seed_arg
+from xsched.cli import (PREFIX_HELP, SAMPLES_HELP, plan_requests, prefix_arg, requests_arg, samples_arg,
+                        seed_arg)
 from xsched.fileio import json_error_text, path_exists
 
 DEFAULT_PROFILE = "t4"
@@ -31,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", help="preset S, T, G, C1, C2; fixed:PROMPT:OUTPUT; or a JSONL/CSV of requests or a "
                                       "Workload JSON; append @SCALE to scale all lengths (e.g. T@0.25)")
     p.add_argument("--samples", type=samples_arg, default=None, metavar="N", help=SAMPLES_HELP)
+    p.add_argument("--prefix-tokens", type=prefix_arg, default=None, metavar="N", help=PREFIX_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--policy", help="policy as JSON text or a JSON file, e.g. '{\"gbs\": 8, \"nb\": 4, \"wg\": 0.5, "
                                       "\"wc\": 0.5, \"wd\": 0}' (fractions 0..1; gbs and nb are required, the "
@@ -147,7 +149,7 @@ def _simulate(args: argparse.Namespace) -> int:
         workload = Workload.from_dict(plan["workload"], where="plan workload")
     else:
         raise UserError("give --workload (S, T, G, C1, C2, fixed:PROMPT:OUTPUT, or a file of requests)")
-    workload = with_samples(workload, args.samples)
+    workload = with_samples(workload, args.samples, args.prefix_tokens)
     if ESTIMATE_NOTE in workload.source:
         notes.append(f"note: {workload.source}")
     if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:

@@ -96,6 +96,24 @@ KV_PARTS_COMPRESSED = 6
 
 QUANT_BITS = 4
 QUANT_GROUP = 64
+# The engine computes a prefix its prompts share once per GPU batch only when that leaves at most
+# this fraction of the prefill's positions (``xrunner.prefix``): a second, smaller set of GEMMs and
+# the gathers cost something, and a few shared template tokens before long questions save little.
+SHARE_PREFIX_AT_MOST = 0.8
+
+
+def shared_prefix_rows(rows: Any, length: Any, prefix: Any, bound: bool = False) -> Any:
+    """Rows' worth of positions a prefill of ``rows`` distinct prompts (padded ``length``) computes
+    when all begin with the same ``prefix`` tokens: the prefix once, then each row's last
+    ``length - prefix`` columns (each row keeps at least one token). As the engine, only where
+    that cuts the positions to :data:`SHARE_PREFIX_AT_MOST` or fewer; ``bound``: wherever it cuts
+    them at all (the LP's rate must stay an upper bound)."""
+    r = np.asarray(rows, dtype=float)
+    n = np.maximum(np.asarray(length, dtype=float), 1.0)
+    p = np.clip(np.minimum(prefix, n - 1.0), 0.0, None)
+    positions = p + r * (n - p)
+    limit = r * n if bound else SHARE_PREFIX_AT_MOST * r * n
+    return np.where((r >= 2) & (p > 0) & (positions <= limit), positions / n, r)
 
 
 def compression_ratio(dtype_bytes: int, bits: int = QUANT_BITS, group: int = QUANT_GROUP) -> float:
@@ -476,6 +494,11 @@ class CostModel:
         return self.layer_matmul_bytes - idle * (spec.expert_params * self.dtype_bytes)
 
     @staticmethod
+    def layer_rows(phase: str, computed: Any, length: Any, prefix: Any) -> Any:
+        """Rows' worth of positions a layer computes (:func:`shared_prefix_rows` in a prefill)."""
+        return shared_prefix_rows(computed, length, prefix) if phase == "prefill" and np.any(prefix) else computed
+
+    @staticmethod
     def step_tokens(phase: str, rows: Any, length: Any) -> Any:
         """Tokens a GPU batch of ``rows`` passes through a layer in one step (prefill: padded prompts)."""
         return rows * length if phase == "prefill" else rows
@@ -592,13 +615,14 @@ class CostModel:
         return linear, attn
 
     def batch_terms(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any],
-                    computed: Any = None) -> StepTerms:
+                    computed: Any = None, prefix: Any = 0) -> StepTerms:
         """One layer for one GPU batch of ``rows`` sequences.
 
         ``length`` is the padded prompt length (prefill) or the padded context ``T`` including
         the token being generated (decode). Rows are split over tiers by the KV (cg/cc/cd) and
         activation (hg/hc/hd) fractions. ``computed`` (prefill): the rows actually computed when
         some repeat a prompt (its samples); every row still moves its own K/V and hidden state.
+        ``prefix`` (prefill): tokens every prompt begins with, computed once (:func:`shared_prefix_rows`).
         """
         if phase not in ("prefill", "decode"):
             raise ValueError(f"unknown phase {phase!r}")
@@ -628,7 +652,7 @@ class CostModel:
                     + rows_move(p["cd"], channel, nbytes, rows * parts))
 
         computed = rows if computed is None else computed
-        other_s, attn_s = self._compute_parts(phase, computed, length)
+        other_s, attn_s = self._compute_parts(phase, self.layer_rows(phase, computed, length, prefix), length)
         warm = self._warm_fit
         if not prefill and warm is not None:
             # Never below half the cold time: the saving was measured at one context (the decode
@@ -854,16 +878,17 @@ class CostModel:
         return parallel_groups(terms, self.profile.compute_device, self.overlap)
 
     def block_step(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any], batch_weight: Any,
-                   block_weight: Any, batch_axis: int = -1, computed: Any = None) -> "BlockStep":
+                   block_weight: Any, batch_axis: int = -1, computed: Any = None, prefix: Any = 0) -> "BlockStep":
         """A whole prefill or decode step of a block, GPU batches on ``batch_axis``.
 
         ``batch_weight`` says whether (1/0) each GPU batch takes part; ``block_weight`` whether
         any does, i.e. whether the layer's weights are fetched at all. ``computed``: see
-        :meth:`batch_terms`; the head and the experts reached count computed rows only.
+        :meth:`batch_terms`; the head counts computed rows, the experts reached their positions.
         """
         c = rows if computed is None else computed
-        tokens = np.sum(_times(batch_weight, self.step_tokens(phase, c, length)), axis=batch_axis)
-        return self.combine(self.batch_terms(phase, rows, length, placement, computed),
+        tokens = np.sum(_times(batch_weight, self.step_tokens(phase, self.layer_rows(phase, c, length, prefix), length)),
+                        axis=batch_axis)
+        return self.combine(self.batch_terms(phase, rows, length, placement, computed, prefix),
                             self.head_seconds(phase, c, length), placement, batch_weight, block_weight, batch_axis,
                             tokens)
 

@@ -103,6 +103,12 @@ class Timeline:
     decode_len: np.ndarray  # [nb, J, steps] padded context T
     start_s: np.ndarray  # [J] interval start times
     latency_s: np.ndarray  # [N]
+    prefix: int = 0  # leading tokens every prompt shares, computed once per prefill cell
+
+    @property
+    def prefill_positions(self) -> np.ndarray:
+        """[nb, J] prompt positions each prefill cell computes (padding, shared prefixes once)."""
+        return CostModel.layer_rows("prefill", self.prefill_computed, self.prefill_len, self.prefix) * self.prefill_len
 
     @property
     def wall_s(self) -> float:
@@ -110,11 +116,13 @@ class Timeline:
 
 
 def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np.ndarray,
-                   group: np.ndarray | None = None) -> Timeline:
+                   group: np.ndarray | None = None, prefix: int = 0) -> Timeline:
     """Simulate the requests (in queue order) under ``policy`` and price every step.
 
     ``group[i]``: the prompt request ``i`` is a sample of (:meth:`Workload.prompt_groups`); the
     rows of one group that join one GPU batch in one interval are computed once in prefill.
+    ``prefix``: leading tokens all prompts share (:attr:`Workload.prefix_tokens`), computed once
+    per GPU batch's prefill (:func:`xsimulator.costmodel.shared_prefix_rows`).
     """
     sched = assign_slots(prompt, output, policy)
     J, S = sched.num_intervals, sched.interval_steps
@@ -148,12 +156,12 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     decode_len = decode_len.reshape(nb, J, S)
 
     placement = policy.placement()
-    if computed is prefill_rows:
+    if computed is prefill_rows and not prefix:
         pre = price_steps(cm, "prefill", prefill_rows, prefill_len, placement)
     else:  # (rows, computed, length) triples: priced cell by cell, not from a table of pairs
         on = prefill_rows > 0
         pre = cm.block_step("prefill", prefill_rows, prefill_len, placement, on, np.logical_or.reduce(on, axis=0),
-                            batch_axis=0, computed=computed)
+                            batch_axis=0, computed=computed, prefix=prefix)
     dec = price_steps(cm, "decode", decode_rows, decode_len, placement)
 
     # Completion times: a request ends with the decode step that makes its last token.
@@ -165,7 +173,8 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     u_last = np.where(g > 0, g - (last - sched.join) * S, 0)
     finish = start[last] + pre.seconds[last] + cum_step[last, u_last]
     latency = finish - start[sched.join]
-    return Timeline(sched, pre, dec, prefill_rows, computed, prefill_len, decode_rows, decode_len, start, latency)
+    return Timeline(sched, pre, dec, prefill_rows, computed, prefill_len, decode_rows, decode_len, start, latency,
+                    prefix)
 
 
 def range_max(n: int, lo: np.ndarray, hi: np.ndarray, value: np.ndarray) -> np.ndarray:
@@ -319,12 +328,12 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
         prompt, output = check_requests(*requests)
     cm = CostModel.for_policy(spec, profile, policy)
     tl = build_timeline(cm, policy, prompt, output, workload.prompt_groups(len(prompt)) if workload.samples > 1
-                        else None)
+                        else None, workload.prefix_tokens)
     p99_len = workload.output.percentile(0.99)
     result = summarize(
         cm, policy, workload, method="discrete-event", profile=profile, num_requests=len(prompt),
         seed=seed if requests is None else None, wall_s=tl.wall_s, generated=float(output.sum()),
-        prompt_tokens=float(prompt.sum()), padded_prompt=float(np.sum(tl.prefill_computed * tl.prefill_len)),
+        prompt_tokens=float(prompt.sum()), padded_prompt=float(np.sum(tl.prefill_positions)),
         latencies=tl.latency_s, latency_weights=None, p99_length_s=p99_length_latency(tl, output, p99_len),
         prefill=tl.prefill, decode=tl.decode, prefill_steps=int(np.count_nonzero(tl.prefill_rows.sum(axis=0))),
         decode_steps=int(np.count_nonzero(tl.decode_rows.sum(axis=0))))
@@ -378,7 +387,8 @@ def trace_events(cm: CostModel, timeline: Timeline) -> list[TraceEvent]:
             step(t_j, float(pre.seconds[j]), {k: float(v[j]) for k, v in pre_terms.items()}, float(pre_head[j]),
                  {"block": j, "step": 0, "phase": "prefill", "rows": rows, "layers": L,
                   "padded_len": int(timeline.prefill_len[:, j].max()),
-                  **({"computed_rows": computed} if computed != rows else {})})
+                  **({"computed_rows": computed} if computed != rows else {}),
+                  **({"positions": round(float(timeline.prefill_positions[:, j].sum()))} if timeline.prefix else {})})
         t_dec = t_j + float(pre.seconds[j])
         for u in np.flatnonzero(dec.seconds[j] > 0):
             step(t_dec + float(cum[j, u]), float(dec.seconds[j, u]), {k: float(v[j, u]) for k, v in dec_terms.items()},
