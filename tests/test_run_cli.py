@@ -832,6 +832,41 @@ def test_a_request_samples_with_its_own_parameters(tiny_dir, tmp_path, capsys):
     assert f"{bad}:2: top-p is a fraction in (0, 1]" in capsys.readouterr().err
 
 
+def test_a_job_whose_prompts_share_a_prefix_warns_a_plan_priced_without_it(tmp_path):
+    """Prompts that all begin with the same 24 tokens under a plan whose workload does not know it:
+    `xsched run` says so and names the flag to plan with; the outputs equal the reference loop's;
+    a plan priced with that prefix runs without the warning."""
+    import warnings
+
+    from workloads.workload import fixed_workload
+    from xrunner.generate import generate
+    from xrunner.loaders import load_weights, open_model
+    from xscheduler.plan import Plan
+    from xsimulator.policy import Policy
+
+    rng = np.random.default_rng(5)
+    system = rng.integers(4, 50000, size=24).tolist()
+    rows = [{"id": i, "prompt_ids": system + rng.integers(4, 50000, size=int(rng.integers(1, 6))).tolist(),
+             "max_new_tokens": 4} for i in range(5)]
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    plan = make_plan(tmp_path / "plan.json", random_spec(), Policy(gbs=3, nb=2), 30, 4)
+    out = tmp_path / "out.jsonl"
+    flags = ["--model", RANDOM_MODEL, "--prompts", str(prompts), "--quiet", "--adapt", "none"]
+    with pytest.warns(UserWarning, match=r"begin with the same 24 tokens, the plan's workload with 0; .*"
+                                         r"plan with `--prefix-tokens 24`"):
+        assert main(["run", "--plan", str(plan), *flags, "--out", str(out)]) == 0
+    weights = load_weights(open_model(RANDOM_MODEL, dtype="float32"))
+    for r in read_rows(out):
+        want = generate(weights, [rows[r["id"]]["prompt_ids"]], 4, stop_token_ids=[2]).tokens[0]
+        assert r["output_ids"] == want, r["id"]
+    priced = Plan.load(plan)
+    priced = replace(priced, workload=replace(fixed_workload(30, 4), prefix_tokens=24))
+    priced.save(tmp_path / "priced.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["run", "--plan", str(tmp_path / "priced.json"), *flags, "--out", str(tmp_path / "o2.jsonl")]) == 0
+
+
 def test_n_samples_per_prompt_each_get_a_line_and_their_own_draws_and_resume(random_plan, tmp_path, capsys):
     """--n 2 (and a prompt's own "n": 3, or 1): one results line per sample, with the prompt's id
     and its "sample" index, each equal to the reference loop keyed by [id, sample]; the samples

@@ -197,16 +197,14 @@ def read_request_lengths(path: Path, count_tokens: Callable[..., int | Sequence[
     if not rows:
         raise UserError(f"{path}: no requests in the file")
     prompts, outputs, estimated = [], [], False
-    common: Sequence[int] | None = None  # the leading ids all prompts so far share; () once one is unknown
+    known_ids: list[Sequence[int]] | None = []  # every prompt's ids while all are known
     for i, row in enumerate(rows, start=1):
         n_prompt, est, ids = _prompt_length(row, count_tokens, f"{path}: request {i}")
         estimated |= est
         if ids is None:
-            common = ()
-        elif common is None:
-            common = list(ids)
-        elif common:
-            common = common[:len(os.path.commonprefix([common, list(ids)]))]
+            known_ids = None
+        elif known_ids is not None:
+            known_ids.append(ids)
         length = _optional_length(row, OUTPUT_KEYS, f"{path}: request {i}")
         copies = request_copies(row, f"{path}: request {i}")
         prompts += [n_prompt] * copies
@@ -217,7 +215,14 @@ def read_request_lengths(path: Path, count_tokens: Callable[..., int | Sequence[
         raise UserError(f"{path}: request {first} has no output length ({' or '.join(OUTPUT_KEYS)}) while others "
                         "do; give it for every request or for none")
     return RequestLengths(np.array(prompts, np.int64), np.array(known, np.int64) if known else None, estimated,
-                          len(rows), max(0, min(len(common or ()), min(prompts) - 1)))
+                          len(rows), shared_prefix(known_ids) if known_ids else 0)
+
+
+def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """Leading tokens all ``prompts`` share (:attr:`Workload.prefix_tokens`), kept below the
+    shortest prompt: the runner computes every prompt's last token itself."""
+    common = os.path.commonprefix([list(p) for p in prompts])
+    return max(0, min(len(common), min(len(p) for p in prompts) - 1))
 
 
 def request_copies(row: dict[str, Any], where: str) -> int:

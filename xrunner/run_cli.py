@@ -299,6 +299,7 @@ def _run(args: argparse.Namespace) -> int:
     from xrunner.loaders import open_model
     from dataclasses import replace
 
+    from workloads.workload import shared_prefix
     from xrunner.result import Adaptation, build_run_result
     from xscheduler.plan import Plan
     from xsched.errors import UserError
@@ -359,6 +360,12 @@ def _run(args: argparse.Namespace) -> int:
             encode = lambda prompt, chat: encode_prompt(tokenizer, prompt,  # noqa: E731
                                                         chat and not args.no_chat_template, args.chat_template_kwargs)
         prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
+        shared = shared_prefix(prompt_ids)
+        if abs(shared - plan.workload.prefix_tokens) > max(16, 0.1 * sum(map(len, prompt_ids)) / len(prompt_ids)):
+            warnings.warn(f"the job's prompts all begin with the same {shared} tokens, the plan's workload with "
+                          f"{plan.workload.prefix_tokens}; the engine computes them once per GPU batch, so the plan's "
+                          f"prediction and batch shape are for another job (plan with `--prefix-tokens {shared}`)",
+                          UserWarning, stacklevel=1)
         default_new = args.max_new_tokens or plan.workload.output.max_len
         new_tokens = [r.max_new_tokens or default_new for r in records]
         # Shapes from the whole file, resumed part included, so a resumed job sizes memory the same way.
