@@ -852,7 +852,7 @@ def test_a_job_whose_prompts_share_a_prefix_warns_a_plan_priced_without_it(tmp_p
     plan = make_plan(tmp_path / "plan.json", random_spec(), Policy(gbs=3, nb=2), 30, 4)
     out = tmp_path / "out.jsonl"
     flags = ["--model", RANDOM_MODEL, "--prompts", str(prompts), "--quiet", "--adapt", "none"]
-    with pytest.warns(UserWarning, match=r"begin with the same 24 tokens, the plan's workload with 0; .*"
+    with pytest.warns(UserWarning, match=r"begin with 24 tokens they share \(mean\), the plan's workload with 0; .*"
                                          r"plan with `--prefix-tokens 24`"):
         assert main(["run", "--plan", str(plan), *flags, "--out", str(out)]) == 0
     weights = load_weights(open_model(RANDOM_MODEL, dtype="float32"))

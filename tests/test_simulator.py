@@ -1055,7 +1055,7 @@ def test_a_shared_system_prompt_is_prefilled_once_and_both_paths_agree(refill):
     spec, prof = get_model_spec("opt-1.3b"), t4_like()
     plain = get_workload("S")
     shared = replace(plain, prefix_tokens=150)
-    assert "the same 150 tokens" in shared.describe() and Workload.from_json(shared.to_json()) == shared
+    assert "begin with 150 tokens they share" in shared.describe() and Workload.from_json(shared.to_json()) == shared
     pol = Policy(gbs=64, nb=2, refill_every=refill)
     des0 = simulate(spec, prof, pol, plain, num_requests=3000, seed=1)
     des = simulate(spec, prof, pol, shared, num_requests=3000, seed=1)

@@ -461,27 +461,31 @@ def test_probabilities_at_lengths_match_the_pmf_table():
 
 
 def test_a_files_shared_leading_tokens_become_the_workloads_prefix(tmp_path):
-    """Prompts that all begin with the same tokens (a system prompt) give the workload that many
-    ``prefix_tokens`` when their ids are known: given in the file, or from a tokenizer that
-    returns them; kept below the shortest prompt; 0 when any prompt's ids are unknown. It
-    survives JSON and scales with the lengths."""
-    ids = tmp_path / "ids.jsonl"
+    """Prompts that begin alike (a system prompt) give the workload's ``prefix_tokens``: the mean,
+    over prompts, of the leading tokens each shares with another, each kept below its own length,
+    when their ids are known (given in the file, or from a tokenizer that returns them); 0 when
+    any prompt's ids are unknown. Two system prompts give about their lengths, not the 0 tokens
+    all prompts share. It survives JSON and scales with the lengths."""
+    def ids_file(rows: list[list[int]], extra: str = "") -> Workload:
+        path = tmp_path / "ids.jsonl"
+        path.write_text("".join(json.dumps({"id": i, "prompt_ids": r, "max_new_tokens": 4}) + "\n"
+                                for i, r in enumerate(rows)) + extra)
+        return Workload.from_file(path)
+
     rows = [[9, 8, 7, 6, 1, 2], [9, 8, 7, 6, 3], [9, 8, 7, 6, 1, 5, 5, 5]]
-    ids.write_text("".join(json.dumps({"id": i, "prompt_ids": r, "max_new_tokens": 4}) + "\n"
-                           for i, r in enumerate(rows)))
-    w = Workload.from_file(ids)
-    assert w.prefix_tokens == 4 and Workload.from_json(w.to_json()) == w
-    assert w.scaled(0.5).prefix_tokens == 2 and "the same 4 tokens" in w.describe()
-    ids.write_text(ids.read_text() + json.dumps({"id": 3, "prompt_ids": [9, 8, 7], "max_new_tokens": 4}) + "\n")
-    assert Workload.from_file(ids).prefix_tokens == 2  # the shortest prompt keeps a token of its own
-    ids.write_text(ids.read_text() + json.dumps({"id": 4, "prompt_tokens": 9, "max_new_tokens": 4}) + "\n")
-    assert Workload.from_file(ids).prefix_tokens == 0  # a counted prompt's tokens are unknown
+    w = ids_file(rows)
+    assert w.prefix_tokens == 5 and Workload.from_json(w.to_json()) == w  # (5 + 4 + 5) / 3, rounded
+    assert w.scaled(0.5).prefix_tokens == 2 and "begin with 5 tokens they share" in w.describe()
+    assert ids_file(rows + [[9, 8, 7]]).prefix_tokens == 4  # the short prompt counts 2: it keeps a token
+    assert ids_file(rows, json.dumps({"id": 3, "prompt_tokens": 9, "max_new_tokens": 4}) + "\n").prefix_tokens == 0
+    two = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7], [8, 8, 8, 9], [8, 8, 8, 10]]
+    assert ids_file(two).prefix_tokens == 4 and ids_file(two[:1]).prefix_tokens == 0  # (5 + 5 + 3 + 3) / 4
     text = tmp_path / "text.jsonl"
     text.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": 3}) + "\n"
                             for p in ("you are terse . hi", "you are terse . what now", "you are kind . x")))
     words = {}
     by_word = Workload.from_file(text, count_tokens=lambda t, *a: [words.setdefault(x, len(words)) for x in t.split()])
-    assert by_word.prefix_tokens == 2 and by_word.prompt.max_len == 6
+    assert by_word.prefix_tokens == 3 and by_word.prompt.max_len == 6  # (4 + 4 + 2) / 3
     assert Workload.from_file(text, count_tokens=lambda t, *a: len(t.split())).prefix_tokens == 0
     with pytest.raises(UserError, match="prefix_tokens"):
         replace(w, prefix_tokens=-1)

@@ -49,8 +49,9 @@ class Workload(Contract):
     (0 = independent, as ExeGPT §6 assumes; its translation task has 0.57-0.94). ``samples``
     is how many outputs each prompt asks for (a prompts file's ``"n"``): requests come in runs
     of that many with one prompt, and the runner computes a run's prefill once per GPU batch.
-    ``prefix_tokens`` is how many leading tokens every prompt shares (a system prompt, the same
-    few-shot examples; counted in the prompt lengths): the runner computes them once per GPU batch.
+    ``prefix_tokens`` is how many leading tokens a prompt shares with the others (a system prompt,
+    the same few-shot examples; counted in the prompt lengths; :func:`shared_prefix`): the runner
+    computes them once per GPU batch, priced as one prefix that all of a batch's prompts share.
     """
 
     SCHEMA: ClassVar[str] = "xsched.Workload/1"
@@ -132,7 +133,7 @@ class Workload(Contract):
         if self.samples > 1:
             lines.append(f"  {self.samples} outputs per prompt (prefilled once per GPU batch)")
         if self.prefix_tokens:
-            lines.append(f"  every prompt begins with the same {self.prefix_tokens} tokens (prefilled once per GPU batch)")
+            lines.append(f"  prompts begin with {self.prefix_tokens} tokens they share (prefilled once per GPU batch)")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ files
@@ -147,7 +148,7 @@ class Workload(Contract):
         ``output`` supplies the distribution. A request with ``"n"`` counts n times (``xsched
         run`` samples n outputs of it, each a request of its own), and ``samples`` is the mean n.
         ``count_tokens`` may return the prompt's token ids instead of their count: ``prefix_tokens``
-        is then the leading tokens all prompts share.
+        is then the leading tokens prompts share (:func:`shared_prefix`).
         """
         p = Path(path)
         lengths = read_request_lengths(p, count_tokens)
@@ -176,8 +177,8 @@ class RequestLengths:
     outputs: np.ndarray | None
     estimated: bool  # prompt text was sized without a tokenizer
     num_prompts: int = 0  # rows of the file; fewer than the requests when some ask for "n" outputs
-    # Leading tokens every prompt shares (kept below the shortest prompt); 0 unless every prompt's
-    # ids were known (token ids in the file, or a tokenizer that returns them)
+    # Leading tokens a prompt shares with others (shared_prefix); 0 unless every prompt's ids were
+    # known (token ids in the file, or a tokenizer that returns them)
     prefix_tokens: int = 0
 
     @property
@@ -219,10 +220,19 @@ def read_request_lengths(path: Path, count_tokens: Callable[..., int | Sequence[
 
 
 def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
-    """Leading tokens all ``prompts`` share (:attr:`Workload.prefix_tokens`), kept below the
-    shortest prompt: the runner computes every prompt's last token itself."""
-    common = os.path.commonprefix([list(p) for p in prompts])
-    return max(0, min(len(common), min(len(p) for p in prompts) - 1))
+    """:attr:`Workload.prefix_tokens` of a job: the mean, over its prompts, of the leading tokens a
+    prompt shares with another (each kept below its own length: the runner computes a prompt's
+    last token itself). One system prompt before every question gives its length; a job mixing
+    a few gives about theirs, where the tokens all prompts share would give only the template's."""
+    if len(prompts) < 2:
+        return 0
+    seqs = [list(p) for p in prompts]
+    order = sorted(range(len(seqs)), key=seqs.__getitem__)  # shared starts end up next to each other
+    best = [0] * len(seqs)
+    for a, b in zip(order, order[1:]):
+        common = len(os.path.commonprefix([seqs[a], seqs[b]]))
+        best[a], best[b] = max(best[a], common), max(best[b], common)
+    return round(sum(min(c, len(s) - 1) for c, s in zip(best, seqs)) / len(seqs))
 
 
 def request_copies(row: dict[str, Any], where: str) -> int:

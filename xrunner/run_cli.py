@@ -362,8 +362,8 @@ def _run(args: argparse.Namespace) -> int:
         prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
         shared = shared_prefix(prompt_ids)
         if abs(shared - plan.workload.prefix_tokens) > max(16, 0.1 * sum(map(len, prompt_ids)) / len(prompt_ids)):
-            warnings.warn(f"the job's prompts all begin with the same {shared} tokens, the plan's workload with "
-                          f"{plan.workload.prefix_tokens}; the engine computes them once per GPU batch, so the plan's "
+            warnings.warn(f"the job's prompts begin with {shared} tokens they share (mean), the plan's workload "
+                          f"with {plan.workload.prefix_tokens}; the engine computes them once per GPU batch, so the plan's "
                           f"prediction and batch shape are for another job (plan with `--prefix-tokens {shared}`)",
                           UserWarning, stacklevel=1)
         default_new = args.max_new_tokens or plan.workload.output.max_len

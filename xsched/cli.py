@@ -75,9 +75,9 @@ SAMPLES_HELP = ('outputs sampled per prompt (`xsched run`\'s "n"): requests come
                 'prefilled once per GPU batch (default: the workload\'s own: a prompts file\'s mean "n", else 1)')
 
 
-PREFIX_HELP = ("leading tokens every prompt shares (a system prompt, the same few-shot examples; counted in the "
-               "prompt lengths): prefilled once per GPU batch (default: the workload's own: the tokens a prompts "
-               "file's prompts all begin with, as `xsched workload fit --tokenizer` finds them, else 0)")
+PREFIX_HELP = ("leading tokens the prompts share (a system prompt, the same few-shot examples; counted in the "
+               "prompt lengths): prefilled once per GPU batch (default: the workload's own: the mean leading tokens "
+               "a prompts file's prompt shares with another, as `xsched workload fit --tokenizer` finds them, else 0)")
 
 
 def prefix_arg(text: str) -> int:
