@@ -25,6 +25,7 @@ peak bytes <= planned on every tier. Prints a table and writes a PNG scatter.
     OMP_NUM_THREADS=1 python benchmarks/sim_vs_run.py --profile p.json      # calibrates, then runs
     OMP_NUM_THREADS=1 python benchmarks/sim_vs_run.py --profile p.json --calibrated cal.json  # reuse a fit
     ... --samples 4   # prompts asked for 4 outputs each: the shared prefill, run and predicted
+    ... --prefix 24   # the same 24 tokens put before every prompt (a system prompt): computed once per GPU batch
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=1,
                     help="outputs per prompt: requests come in runs of this many with one prompt, which the "
                          "engine prefills once per GPU batch and the simulator prices so (Workload.samples)")
+    ap.add_argument("--prefix", type=int, default=0,
+                    help="tokens of a system prompt put before every sampled prompt (its length grows by them), which "
+                         "the engine computes once per GPU batch and the simulator prices so (Workload.prefix_tokens)")
     ap.add_argument("--png", default="sim_vs_run.png", help="scatter of predicted vs measured")
     ap.add_argument("--json-out", default=None, help="write every row as JSON here")
     ap.add_argument("--reanchor", action=argparse.BooleanOptionalAction, default=True,
@@ -116,10 +120,12 @@ def main() -> int:
     spec, source_for = resolve_model(args.model, raw)
     if raw.compute_threads:
         torch.set_num_threads(raw.compute_threads)
-    workloads = [replace(get_workload(text), samples=args.samples) for text in (args.fixed, args.dist)]
+    workloads = [replace(get_workload(text), samples=args.samples, prefix_tokens=args.prefix)
+                 for text in (args.fixed, args.dist)]
     jobs = []
     for w in workloads:
         prompt, output = w.sample(args.requests, seed=0)
+        prompt = prompt + args.prefix  # the system prompt before each
         for name in args.plans.split(","):
             jobs.append((w, name, Policy(**PLANS[name]), prompt, output))
     # Without re-anchoring every plan runs --repeats times, round-robin (a neighbour's burst spreads
@@ -133,7 +139,7 @@ def main() -> int:
     def run(j: int, rep: int) -> None:
         w, name, policy, prompt, output = jobs[j]
         m = run_engine(source_for(spec), policy, prompt, output, offload_dir=args.offload_dir, profile=raw,
-                       samples=args.samples)
+                       samples=args.samples, prefix=args.prefix)
         runs[j].append(m)
         print(f"  ran {w.name:<14} {name:<22} {m.wall_s:6.1f} s (repeat {rep + 1})", file=sys.stderr)
 
@@ -162,7 +168,7 @@ def main() -> int:
         tps = [gen / m.wall_s for m in ms]
         p99 = [quantile(list(m.latency_s.values()), 0.99) for m in ms]
         m = sorted(ms, key=lambda x: x.wall_s)[len(ms) // 2]
-        wl = workload_of(prompt, output, name=w.name, samples=args.samples)
+        wl = workload_of(prompt, output, name=w.name, samples=args.samples, prefix=args.prefix)
         now = rescaled(cal, ratio)
         profiles = (("raw", raw), ("cal", cal)) + ((("now", now),) if args.reanchor else ())
         if other is not None:
@@ -176,7 +182,7 @@ def main() -> int:
             row[f"{k}_tps"] = r.throughput_tokens_per_s
             row[f"{k}_p99_s"] = r.latency_p99_s
         parts = predict(spec, now, RunDesign(name, policy, spec.num_layers, tuple(prompt), tuple(output), (),
-                                             args.samples))
+                                             args.samples, args.prefix))
         row["metrics_measured_s"] = {k: float(np.median([x.metrics[k] for x in ms])) for k in METRICS}
         row["metrics_predicted_s"] = parts
         row["peak_bytes"] = {t: max(x.peak_bytes[t] for x in ms) for t in m.peak_bytes}
@@ -193,7 +199,8 @@ def main() -> int:
     print()
     speed_note = ", 'speed' = its scale on the calibrated compute terms" if args.reanchor else ""
     print(f"model {spec.name} ({spec.dtype}), {args.requests} requests per run"
-          + (f" ({args.samples} per prompt)" if args.samples > 1 else "") + ", random weights, EOS ignored; "
+          + (f" ({args.samples} per prompt)" if args.samples > 1 else "")
+          + (f" (a shared {args.prefix}-token prefix)" if args.prefix else "") + ", random weights, EOS ignored; "
           f"'{best}' = {dict(kinds)[best]} prediction{speed_note}")
     print(f"{'workload':<14} {'plan':<22} {'tok/s meas':>10} {'raw':>7} {'cal':>7} {best:>7} {'err':>7} "
           f"{'p99 s meas':>10} {'raw':>7} {'cal':>7} {best:>7} {'err':>7} {'speed':>6} {'peak<=plan':>10} "

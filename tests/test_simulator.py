@@ -1047,13 +1047,15 @@ def test_a_prompts_samples_are_prefilled_once_and_both_paths_agree(refill):
 
 @pytest.mark.parametrize("refill", [0, 2])
 def test_a_shared_system_prompt_is_prefilled_once_and_both_paths_agree(refill):
-    """Every prompt begins with the same 150 tokens (Workload.prefix_tokens): the discrete-event
-    path computes them once per GPU batch's prefill (as the engine does, where that cuts the
-    positions to 0.8 or fewer), so the job computes fewer prompt positions and runs faster than the
-    same lengths without; the trace says how many positions each prefill computed, and the
-    analytic path prices it alike."""
+    """Every prompt begins with the same 150 tokens (Workload.prefix_tokens; S@0.5's prompts behind a
+    150-token system prompt): the discrete-event path computes them once per GPU batch's prefill
+    (as the engine does, where that cuts the positions to 0.8 or fewer), so the job computes fewer
+    prompt positions and runs faster than the same lengths without; the trace says how many
+    positions each prefill computed, and the analytic path prices it alike."""
     spec, prof = get_model_spec("opt-1.3b"), t4_like()
-    plain = get_workload("S")
+    s = get_workload("S@0.5").prompt
+    plain = replace(get_workload("S@0.5"), prompt=LengthDistribution.truncnorm(s.mean + 150, s.std, s.max_len + 150,
+                                                                                min_len=151))
     shared = replace(plain, prefix_tokens=150)
     assert "begin with 150 tokens they share" in shared.describe() and Workload.from_json(shared.to_json()) == shared
     pol = Policy(gbs=64, nb=2, refill_every=refill)

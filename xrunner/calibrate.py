@@ -115,6 +115,7 @@ class RunDesign:
     output_lens: tuple[int, ...]
     excites: tuple[str, ...]  # the terms this run is there for (documentation and the report)
     samples: int = 1  # requests come in runs of this many with one prompt (Workload.samples)
+    prefix: int = 0  # leading tokens all prompts share (Workload.prefix_tokens)
 
 
 def cut_spec(spec: ModelSpec, num_layers: int) -> ModelSpec:
@@ -210,9 +211,11 @@ def request_ids(n: int) -> list[str]:
 def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_lens: Sequence[int], *,
                offload_dir: str | Path | None = None, profile: HardwareProfile | None = None, seed: int = 0,
                max_prompt: int | None = None, max_output: int | None = None, warmup: bool = False,
-               head_layouts: dict[int, str] | None = None, samples: int = 1) -> Measurement:
+               head_layouts: dict[int, str] | None = None, samples: int = 1, prefix: int = 0) -> Measurement:
     """Run ``policy`` once over requests of exactly these lengths (random token ids, EOS ignored;
-    with ``samples`` k, requests come in runs of k with one prompt, as ``Workload.samples`` says).
+    with ``samples`` k, requests come in runs of k with one prompt, as ``Workload.samples`` says;
+    every prompt begins with the same ``prefix`` tokens, as ``Workload.prefix_tokens`` says, each
+    keeping at least one token of its own).
 
     Returns busy seconds per metric, per-step wall seconds, per-request latencies and peak
     bytes. ``max_prompt``/``max_output`` size the KV cache (default: the longest of the job),
@@ -229,9 +232,12 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
     rng = np.random.default_rng(seed)
     ids = request_ids(len(prompt_lens))
     prompts: list[tuple[int, ...]] = []
+    system = tuple(int(t) for t in rng.integers(0, spec.vocab_size, prefix))
     for k, p in enumerate(prompt_lens):
         shared = k % samples and len(prompts[-1]) == int(p)
-        prompts.append(prompts[-1] if shared else tuple(int(t) for t in rng.integers(0, spec.vocab_size, int(p))))
+        head = system[:min(prefix, int(p) - 1)]
+        prompts.append(prompts[-1] if shared else
+                       head + tuple(int(t) for t in rng.integers(0, spec.vocab_size, int(p) - len(head))))
     reqs = [Request(i, ids_, int(o)) for i, ids_, o in zip(ids, prompts, output_lens)]
     if offload_dir is None:
         import tempfile
@@ -301,7 +307,7 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
             for i, d in enumerate(runs):
                 got[i].append(run_engine(make(cut_spec(spec, d.num_layers)), d.policy, d.prompt_lens,
                                          d.output_lens, offload_dir=offload_dir, profile=profile, warmup=True,
-                                         head_layouts=layouts, samples=d.samples))
+                                         head_layouts=layouts, samples=d.samples, prefix=d.prefix))
                 bar.update(1)
     out = []
     for d, ms in zip(runs, got):
@@ -313,10 +319,11 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
 
 # --------------------------------------------------------------------------- predicting
 def workload_of(prompt_lens: Sequence[int], output_lens: Sequence[int], name: str = "calibration",
-                samples: int = 1) -> Workload:
+                samples: int = 1, prefix: int = 0) -> Workload:
     """The empirical workload of exactly these requests (its maxima size the KV cache)."""
     return Workload(name=name, prompt=LengthDistribution.empirical(list(prompt_lens)),
-                    output=LengthDistribution.empirical(list(output_lens)), source="measured run", samples=samples)
+                    output=LengthDistribution.empirical(list(output_lens)), source="measured run", samples=samples,
+                    prefix_tokens=prefix)
 
 
 def predict(spec: ModelSpec, profile: HardwareProfile, design: RunDesign) -> dict[str, float]:
@@ -327,7 +334,8 @@ def predict(spec: ModelSpec, profile: HardwareProfile, design: RunDesign) -> dic
     """
     s = cut_spec(spec, design.num_layers)
     prompt, output = np.asarray(design.prompt_lens), np.asarray(design.output_lens)
-    res, tl = simulate_timeline(s, profile, design.policy, workload_of(prompt, output, samples=design.samples),
+    res, tl = simulate_timeline(s, profile, design.policy,
+                                workload_of(prompt, output, samples=design.samples, prefix=design.prefix),
                                 requests=(prompt, output))
     batch_steps = float(np.count_nonzero(tl.prefill_rows) + np.count_nonzero(tl.decode_rows))
     cal = profile.calibration

@@ -102,18 +102,25 @@ QUANT_GROUP = 64
 SHARE_PREFIX_AT_MOST = 0.8
 
 
-def shared_prefix_rows(rows: Any, length: Any, prefix: Any, bound: bool = False) -> Any:
-    """Rows' worth of positions a prefill of ``rows`` distinct prompts (padded ``length``) computes
-    when all begin with the same ``prefix`` tokens: the prefix once, then each row's last
-    ``length - prefix`` columns (each row keeps at least one token). As the engine, only where
-    that cuts the positions to :data:`SHARE_PREFIX_AT_MOST` or fewer; ``bound``: wherever it cuts
-    them at all (the LP's rate must stay an upper bound)."""
+def shared_prefix_split(rows: Any, length: Any, prefix: Any, bound: bool = False) -> tuple[Any, Any]:
+    """(where the prefix is shared, its length there) for a prefill of ``rows`` distinct prompts
+    (padded ``length``) that all begin with the same ``prefix`` tokens: the engine then computes
+    the prefix once and each row's last ``length - prefix`` columns (each row keeps at least one
+    token), only where that cuts the positions to :data:`SHARE_PREFIX_AT_MOST` or fewer;
+    ``bound``: wherever it cuts them at all (the LP's rate must stay an upper bound)."""
     r = np.asarray(rows, dtype=float)
     n = np.maximum(np.asarray(length, dtype=float), 1.0)
     p = np.clip(np.minimum(prefix, n - 1.0), 0.0, None)
-    positions = p + r * (n - p)
     limit = r * n if bound else SHARE_PREFIX_AT_MOST * r * n
-    return np.where((r >= 2) & (p > 0) & (positions <= limit), positions / n, r)
+    return (r >= 2) & (p > 0) & (p + r * (n - p) <= limit), p
+
+
+def shared_prefix_rows(rows: Any, length: Any, prefix: Any, bound: bool = False) -> Any:
+    """Rows' worth of positions that prefill computes (:func:`shared_prefix_split`)."""
+    r = np.asarray(rows, dtype=float)
+    n = np.maximum(np.asarray(length, dtype=float), 1.0)
+    use, p = shared_prefix_split(rows, length, prefix, bound)
+    return np.where(use, (p + r * (n - p)) / n, r)
 
 
 def compression_ratio(dtype_bytes: int, bits: int = QUANT_BITS, group: int = QUANT_GROUP) -> float:
@@ -614,6 +621,22 @@ class CostModel:
         attn = _op_seconds(self.profile, "bmm", attn_flops, kv_read)
         return linear, attn
 
+    def _shared_prefix_parts(self, rows: Any, length: Any, prefix: Any, other_s: Any, attn_s: Any) -> tuple[Any, Any]:
+        """A prefill's (non-attention, attention) seconds where its ``rows`` share a prefix (else
+        ``other_s``, ``attn_s``, the plain layer's): two passes, as the engine runs them (each
+        pays its own read of the layer's weights), the prefix as one row of its own length, then
+        every row's suffix; the suffix's queries attend to the whole padded prompt."""
+        use, p = shared_prefix_split(rows, length, prefix)
+        if not np.any(use):
+            return other_s, attn_s
+        n = np.maximum(np.asarray(length, dtype=float), 1.0)
+        p = np.maximum(p, 1.0)
+        suffix = np.maximum(n - p, 1.0)
+        pre_other, pre_attn = self._compute_parts("prefill", 1.0, p)
+        suf_other, _ = self._compute_parts("prefill", rows, suffix)
+        return (np.where(use, pre_other + suf_other, other_s),
+                np.where(use, pre_attn + attn_s * (suffix / n), attn_s))
+
     def batch_terms(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any],
                     computed: Any = None, prefix: Any = 0) -> StepTerms:
         """One layer for one GPU batch of ``rows`` sequences.
@@ -622,7 +645,7 @@ class CostModel:
         the token being generated (decode). Rows are split over tiers by the KV (cg/cc/cd) and
         activation (hg/hc/hd) fractions. ``computed`` (prefill): the rows actually computed when
         some repeat a prompt (its samples); every row still moves its own K/V and hidden state.
-        ``prefix`` (prefill): tokens every prompt begins with, computed once (:func:`shared_prefix_rows`).
+        ``prefix`` (prefill): tokens every prompt begins with, computed once (:meth:`_shared_prefix_parts`).
         """
         if phase not in ("prefill", "decode"):
             raise ValueError(f"unknown phase {phase!r}")
@@ -652,7 +675,9 @@ class CostModel:
                     + rows_move(p["cd"], channel, nbytes, rows * parts))
 
         computed = rows if computed is None else computed
-        other_s, attn_s = self._compute_parts(phase, self.layer_rows(phase, computed, length, prefix), length)
+        other_s, attn_s = self._compute_parts(phase, computed, length)
+        if prefill and np.any(prefix):
+            other_s, attn_s = self._shared_prefix_parts(computed, length, prefix, other_s, attn_s)
         warm = self._warm_fit
         if not prefill and warm is not None:
             # Never below half the cold time: the saving was measured at one context (the decode

@@ -103,7 +103,7 @@ class Timeline:
     decode_len: np.ndarray  # [nb, J, steps] padded context T
     start_s: np.ndarray  # [J] interval start times
     latency_s: np.ndarray  # [N]
-    prefix: int = 0  # leading tokens every prompt shares, computed once per prefill cell
+    prefix: Any = 0  # [nb, J] leading tokens the prompts of each prefill cell share (or one number for all)
 
     @property
     def prefill_positions(self) -> np.ndarray:
@@ -122,7 +122,8 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     ``group[i]``: the prompt request ``i`` is a sample of (:meth:`Workload.prompt_groups`); the
     rows of one group that join one GPU batch in one interval are computed once in prefill.
     ``prefix``: leading tokens all prompts share (:attr:`Workload.prefix_tokens`), computed once
-    per GPU batch's prefill (:func:`xsimulator.costmodel.shared_prefix_rows`).
+    per GPU batch's prefill (:meth:`CostModel._shared_prefix_parts`); a cell's shortest prompt
+    keeps at least one token of its own, as in the engine.
     """
     sched = assign_slots(prompt, output, policy)
     J, S = sched.num_intervals, sched.interval_steps
@@ -139,6 +140,10 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     prefill_len = np.zeros(nb * J, np.int64)
     np.maximum.at(prefill_len, cell, prompt)
     prefill_len = prefill_len.reshape(nb, J)
+    if prefix:
+        shortest = np.full(nb * J, np.iinfo(np.int64).max)
+        np.minimum.at(shortest, cell, prompt)
+        prefix = np.minimum(prefix, shortest.reshape(nb, J) - 1)
 
     # Decode on the global step axis g = interval * S + (u - 1): a request is active from the
     # first step of its join interval for output - 1 steps. Active rows come from +1/-1
@@ -156,7 +161,7 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     decode_len = decode_len.reshape(nb, J, S)
 
     placement = policy.placement()
-    if computed is prefill_rows and not prefix:
+    if computed is prefill_rows and not np.any(prefix):
         pre = price_steps(cm, "prefill", prefill_rows, prefill_len, placement)
     else:  # (rows, computed, length) triples: priced cell by cell, not from a table of pairs
         on = prefill_rows > 0
@@ -388,7 +393,8 @@ def trace_events(cm: CostModel, timeline: Timeline) -> list[TraceEvent]:
                  {"block": j, "step": 0, "phase": "prefill", "rows": rows, "layers": L,
                   "padded_len": int(timeline.prefill_len[:, j].max()),
                   **({"computed_rows": computed} if computed != rows else {}),
-                  **({"positions": round(float(timeline.prefill_positions[:, j].sum()))} if timeline.prefix else {})})
+                  **({"positions": round(float(timeline.prefill_positions[:, j].sum()))}
+                     if np.any(timeline.prefix) else {})})
         t_dec = t_j + float(pre.seconds[j])
         for u in np.flatnonzero(dec.seconds[j] > 0):
             step(t_dec + float(cum[j, u]), float(dec.seconds[j, u]), {k: float(v[j, u]) for k, v in dec_terms.items()},
