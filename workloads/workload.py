@@ -72,7 +72,7 @@ class Workload(Contract):
                             "(outputs per prompt)")
         if isinstance(self.prefix_tokens, bool) or not isinstance(self.prefix_tokens, int) or self.prefix_tokens < 0:
             raise UserError(f"workload {self.name}: prefix_tokens {self.prefix_tokens!r} must be a whole number >= 0 "
-                            "(leading tokens every prompt shares)")
+                            "(leading tokens the prompts share)")
 
     def sample(self, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """``n`` requests ``(prompt_lens, output_lens)``, int64 arrays; same seed, same requests.

@@ -363,8 +363,9 @@ def _run(args: argparse.Namespace) -> int:
         shared = shared_prefix(prompt_ids)
         if abs(shared - plan.workload.prefix_tokens) > max(16, 0.1 * sum(map(len, prompt_ids)) / len(prompt_ids)):
             warnings.warn(f"the job's prompts begin with {shared} tokens they share (mean), the plan's workload "
-                          f"with {plan.workload.prefix_tokens}; the engine computes them once per GPU batch, so the plan's "
-                          f"prediction and batch shape are for another job (plan with `--prefix-tokens {shared}`)",
+                          f"with {plan.workload.prefix_tokens}; the engine computes them once per GPU batch, so the "
+                          f"plan's prediction and batch shape are for another job (plan with `--prefix-tokens "
+                          f"{shared}`)",
                           UserWarning, stacklevel=1)
         default_new = args.max_new_tokens or plan.workload.output.max_len
         new_tokens = [r.max_new_tokens or default_new for r in records]

@@ -911,8 +911,8 @@ class CostModel:
         :meth:`batch_terms`; the head counts computed rows, the experts reached their positions.
         """
         c = rows if computed is None else computed
-        tokens = np.sum(_times(batch_weight, self.step_tokens(phase, self.layer_rows(phase, c, length, prefix), length)),
-                        axis=batch_axis)
+        positions = self.step_tokens(phase, self.layer_rows(phase, c, length, prefix), length)
+        tokens = np.sum(_times(batch_weight, positions), axis=batch_axis)
         return self.combine(self.batch_terms(phase, rows, length, placement, computed, prefix),
                             self.head_seconds(phase, c, length), placement, batch_weight, block_weight, batch_axis,
                             tokens)
