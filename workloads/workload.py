@@ -226,13 +226,19 @@ def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
     a few gives about theirs, where the tokens all prompts share would give only the template's."""
     if len(prompts) < 2:
         return 0
+    order, common = sorted_neighbours(prompts)
+    best = [0] * len(prompts)
+    for a, b, c in zip(order, order[1:], common):
+        best[a], best[b] = max(best[a], c), max(best[b], c)
+    return round(sum(min(c, len(p) - 1) for c, p in zip(best, prompts)) / len(prompts))
+
+
+def sorted_neighbours(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Prompt indices sorted by their tokens (prompts that begin alike end up next to each other)
+    and the leading tokens each shares with the next one in that order."""
     seqs = [list(p) for p in prompts]
-    order = sorted(range(len(seqs)), key=seqs.__getitem__)  # shared starts end up next to each other
-    best = [0] * len(seqs)
-    for a, b in zip(order, order[1:]):
-        common = len(os.path.commonprefix([seqs[a], seqs[b]]))
-        best[a], best[b] = max(best[a], common), max(best[b], common)
-    return round(sum(min(c, len(s) - 1) for c, s in zip(best, seqs)) / len(seqs))
+    order = sorted(range(len(seqs)), key=seqs.__getitem__)
+    return order, [len(os.path.commonprefix([seqs[a], seqs[b]])) for a, b in zip(order, order[1:])]
 
 
 def request_copies(row: dict[str, Any], where: str) -> int:

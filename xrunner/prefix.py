@@ -14,7 +14,6 @@ columns ``P - n ..``; its prefix of ``L`` tokens takes the first ``L`` of them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from xprofiler.specs import ModelSpec
+from workloads.workload import sorted_neighbours
 from xrunner.model import Rope, Weights, attention, attn_in, attn_out_mlp
 from xsimulator.costmodel import SHARE_PREFIX_AT_MOST
 
@@ -69,8 +69,7 @@ def plan_prefixes(prompts: Sequence[Sequence[int]], device: torch.device | str =
         return None
     n = np.array([len(p) for p in prompts])
     P = int(n.max())
-    order = sorted(range(m), key=lambda i: tuple(prompts[i]))
-    common = [len(os.path.commonprefix([list(prompts[a]), list(prompts[b])])) for a, b in zip(order, order[1:])]
+    order, common = sorted_neighbours(prompts)
     best: tuple[int, list[list[int]], list[int]] | None = None
     for tau in sorted({c for c in common if c > 0}):
         runs, shared = [[order[0]]], [P]
