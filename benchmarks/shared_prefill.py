@@ -11,10 +11,14 @@ tokens/s. The ratio is what sharing buys; the decode phase does the same work in
 
 With ``--system T`` it measures prefix sharing (``xrunner.prefix``) instead: ``--prompts * --n``
 distinct questions of the same lengths, each behind one common ``T``-token system prompt, run with
-the engine's prefix sharing on and off (``share_prefixes``).
+the engine's prefix sharing on and off (``share_prefixes``). ``--groups G`` puts one of G system
+prompts (T tokens each, give or take a tenth) before each question, in random order, and adds a
+third run: sharing on with the block's prompts in length order only (``order_by_prefix=False``), so
+that every GPU batch holds most of the G prefixes.
 
     OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py [--model smollm2-135m --n 8]
     OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py --system 512 --prompt 128
+    OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py --system 256 --groups 8 --prompt 64
 """
 
 from __future__ import annotations
@@ -43,22 +47,25 @@ PLACEMENTS: dict[str, dict] = {
 
 def requests(args: argparse.Namespace, repeated: bool, vocab: int) -> list:
     """``prompts x n`` requests keyed ``(prompt, sample)``; distinct: every one its own tokens,
-    behind the common ``--system`` tokens (if any)."""
+    behind one of the ``--groups`` system prompts (``--system`` tokens; none if 0), drawn at random."""
     from xrunner.engine import Request
 
     rng = np.random.default_rng(0)
-    system = tuple(int(t) for t in rng.integers(0, vocab, args.system))
+    spread = args.system // 10 if args.groups > 1 else 0
+    systems = [tuple(int(t) for t in rng.integers(0, vocab, args.system + int(rng.integers(-spread, spread + 1))))
+               for _ in range(args.groups)]
     lengths = rng.integers(args.prompt // 2, args.prompt + 1, args.prompts)
     out = []
     for p, length in enumerate(lengths):
         shared = tuple(int(t) for t in rng.integers(0, vocab, length))
         for k in range(args.n):
             ids = shared if repeated else tuple(int(t) for t in rng.integers(0, vocab, length))
-            out.append(Request((p, k), system + ids, args.new_tokens))
+            out.append(Request((p, k), systems[int(rng.integers(args.groups))] + ids, args.new_tokens))
     return out
 
 
-def run(spec, policy: Policy, reqs: list, args: argparse.Namespace, share: bool = True) -> tuple[float, float, int]:
+def run(spec, policy: Policy, reqs: list, args: argparse.Namespace, share: bool = True,
+        order: bool = True) -> tuple[float, float, int]:
     """(prefill seconds, job wall seconds, prefill positions computed) of one job."""
     from xrunner.engine import Engine
     from xrunner.loaders import RandomSource
@@ -66,9 +73,10 @@ def run(spec, policy: Policy, reqs: list, args: argparse.Namespace, share: bool 
 
     done: list = []
     with tempfile.TemporaryDirectory() as d, \
-            Engine(RandomSource(spec, seed=0), policy, max_prompt=args.system + args.prompt,
+            Engine(RandomSource(spec, seed=0), policy, max_prompt=args.system * 11 // 10 + args.prompt,
                    max_output=args.new_tokens, offload_dir=Path(d), record_trace=True,
-                   sampling=SamplingParams(temperature=0.8, seed=1), share_prefixes=share) as eng:
+                   sampling=SamplingParams(temperature=0.8, seed=1), share_prefixes=share,
+                   order_by_prefix=order) as eng:
         t0 = time.perf_counter()
         stats = eng.run(reqs, on_finished=done.extend)
         wall = time.perf_counter() - t0
@@ -86,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=256, help="longest prompt; lengths drawn from half of it up")
     ap.add_argument("--system", type=int, default=0,
                     help="tokens of a system prompt before every prompt: compare prefix sharing on and off")
+    ap.add_argument("--groups", type=int, default=1, help="distinct system prompts, one drawn per prompt")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--gbs", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
@@ -102,29 +111,38 @@ def main(argv: list[str] | None = None) -> int:
     nb = -(-rows // args.gbs)
     if args.system:  # one job of distinct questions, prefix sharing on against off
         distinct = requests(args, False, spec.vocab_size)
-        jobs = {"shared": (distinct, True), "not shared": (distinct, False)}
+        jobs = {"shared": (distinct, True, True), "not shared": (distinct, False, True)}
         what = (f"{rows} distinct prompts of {args.prompt // 2}..{args.prompt} tokens behind one "
                 f"{args.system}-token system prompt")
+        if args.groups > 1:
+            jobs = {"by prefix": jobs["shared"], "length order": (distinct, True, False),
+                    "not shared": jobs["not shared"]}
+            what = what.replace("one ", f"one of {args.groups} ").replace("-token", "+-10%-token")
     else:
-        jobs = {"repeated": (requests(args, True, spec.vocab_size), True),
-                "distinct": (requests(args, False, spec.vocab_size), True)}
+        jobs = {"repeated": (requests(args, True, spec.vocab_size), True, True),
+                "distinct": (requests(args, False, spec.vocab_size), True, True)}
         what = f"{args.prompts} prompts x {args.n} samples, prompts of {args.prompt // 2}..{args.prompt} tokens"
-    a, b = jobs
+    first, *others = jobs
     print(f"{spec.name} shape, random weights, {spec.num_layers} layers, float32; {what}, {args.new_tokens} new "
           f"tokens; {nb} GPU batch(es) x {args.gbs}; {args.threads} threads\n")
-    print(f"| placement | prefill s, {a} | {b} | ratio | positions computed, {a} | {b} | tok/s, {a} | {b} | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    per_job = lambda what: " | ".join(f"{what}, {k}" for k in jobs)  # noqa: E731
+    ratios = lambda what: " | ".join(f"{what}, {k} / {first}" for k in others)  # noqa: E731
+    print(f"| placement | {per_job('prefill s')} | {ratios('prefill s')} | {per_job('positions')} | "
+          f"{per_job('tok/s')} | {ratios('job s')} |")
+    print("|---" * (1 + 3 * len(jobs) + 2 * len(others)) + "|")
     tokens = rows * args.new_tokens
     for name in args.placements.split(";"):
         policy = Policy(gbs=args.gbs, nb=nb, **PLACEMENTS[name])
         best = {k: (float("inf"), float("inf"), 0) for k in jobs}
         for _ in range(args.repeats):
-            for k, (reqs, share) in jobs.items():
-                p, w, n = run(spec, policy, reqs, args, share)
+            for k, (reqs, share, order) in jobs.items():
+                p, w, n = run(spec, policy, reqs, args, share, order)
                 best[k] = (min(best[k][0], p), min(best[k][1], w), n)
-        (rp, rw, rn), (dp, dw, dn) = best[a], best[b]
-        print(f"| {name} | {rp:.2f} | {dp:.2f} | {dp / rp:.2f}x | {rn} | {dn} | {tokens / rw:.1f} | "
-              f"{tokens / dw:.1f} | {dw / rw:.2f}x |", flush=True)
+        p0, w0, _ = best[first]
+        cells = ([f"{best[k][0]:.2f}" for k in jobs] + [f"{best[k][0] / p0:.2f}x" for k in others]
+                 + [str(best[k][2]) for k in jobs] + [f"{tokens / best[k][1]:.1f}" for k in jobs]
+                 + [f"{best[k][1] / w0:.2f}x" for k in others])
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 

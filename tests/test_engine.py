@@ -12,6 +12,7 @@ import random
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ from xrunner.engine import Engine, Request
 from xrunner.generate import generate
 from xrunner.loaders import ModelSource, RandomSource, load_weights
 from xrunner.model import attention, attn_in, attn_out_mlp, embed, layer_ropes
-from xrunner.prefix import plan_prefixes, prefill_layer
+from xrunner.prefix import plan_prefixes, prefill_layer, prefill_positions, prefix_order
 from xrunner.sampling import SamplingParams
 from xsched.errors import UserError
 from xsimulator.discrete_event import simulate_timeline
@@ -289,6 +290,69 @@ def test_the_simulator_prices_a_shared_prefix_as_the_engine_computes_it(tmp_path
         layer0 = [e.args for e in stats.events if e.name == "prefill" and e.args["layer"] == 0]
         shared = sum("positions" in a for a in layer0)
         assert 0 < shared < sum(a["rows"] > 1 for a in layer0) or policy.refill_every, policy
+
+
+def template_prompts(rng: random.Random, templates: int, count: int, head: tuple[int, int],
+                     question: tuple[int, int], vocab: int) -> list[tuple[int, ...]]:
+    """``count`` random questions, each behind one of ``templates`` random "task templates" (a
+    system prompt, few-shot examples) of ``head`` tokens, in random order."""
+    heads = [tuple(rng.randrange(vocab) for _ in range(rng.randint(*head))) for _ in range(templates)]
+    return [rng.choice(heads) + tuple(rng.randrange(vocab) for _ in range(rng.randint(*question)))
+            for _ in range(count)]
+
+
+def test_prompts_of_mixed_templates_join_a_gpu_batch_by_template(tmp_path):
+    """A job mixing four templates in random order: under bucketing the engine orders each block's
+    prompts so that those beginning alike join one GPU batch, which computes fewer prefill
+    positions than length order alone (``order_by_prefix=False``), also with refill; every request
+    still equals the reference loop. Without bucketing the engine keeps the queue's order."""
+    src = RandomSource(LLAMA, seed=3)
+    rng = random.Random(7)
+    reqs = [Request(f"m{i}", p, rng.randint(1, MAX_OUTPUT))
+            for i, p in enumerate(template_prompts(rng, 4, 16, (8, 10), (1, 4), LLAMA.vocab_size))]
+    want = reference(load_weights(src), reqs)
+    for policy in (Policy(gbs=4, nb=4), Policy(gbs=4, nb=3, refill_every=2, cg=0.5, cc=0.5, cpu_attention=True)):
+        got, stats = run_engine(src, policy, reqs, tmp_path)
+        by_length, plain = run_engine(src, policy, reqs, tmp_path, order_by_prefix=False)
+        assert got == want == by_length, policy
+        assert stats.padded_prompt_tokens < plain.padded_prompt_tokens, policy
+    unsorted = Policy(gbs=4, nb=4, bucket=False)
+    _, stats = run_engine(src, unsorted, reqs, tmp_path)
+    _, plain = run_engine(src, unsorted, reqs, tmp_path, order_by_prefix=False)
+    assert stats.padded_prompt_tokens == plain.padded_prompt_tokens
+
+
+def test_prefix_order_is_a_permutation_that_never_computes_more():
+    """``prefix_order`` on random blocks (1-6 templates, or none, before questions of 1-30 tokens,
+    cut into 2-4 GPU batches): None or a permutation of the block, and then the batches it cuts
+    compute fewer positions (``prefill_positions``, checked against a count of each batch's
+    distinct prompts x longest where nothing is shared) than length order; with several templates
+    it does reorder most blocks, and one GPU batch is never reordered."""
+    rng = random.Random(11)
+    reordered = 0
+    for trial in range(40):
+        templates = rng.randint(0, 6)
+        gbs, nb = rng.randint(2, 8), rng.randint(2, 4)
+        prompts = (template_prompts(rng, templates, gbs * nb, (10, 40), (1, 30), 1000) if templates else
+                   [tuple(rng.randrange(1000) for _ in range(rng.randint(1, 30))) for _ in range(gbs * nb)])
+        prompts.sort(key=len)
+        batch_of = [k // gbs for k in range(len(prompts))]
+
+        def cost(order):
+            cut = [[prompts[i] for k, i in enumerate(order) if batch_of[k] == b] for b in range(nb)]
+            return sum(prefill_positions(c) for c in cut)
+
+        order = prefix_order(prompts, batch_of)
+        assert prefix_order(prompts, [0] * len(prompts)) is None
+        if order is None:
+            continue
+        assert sorted(order) == list(range(len(prompts)))
+        assert cost(order) < cost(range(len(prompts)))
+        reordered += templates > 1
+        if not templates:
+            first = prompts[:gbs]
+            assert prefill_positions(first, share_prefixes=False) == len(set(first)) * len(first[-1])
+    assert reordered >= 15
 
 
 @pytest.mark.parametrize("spec", [MIXTRAL, GPTOSS, GEMMA2], ids=["mixtral", "gpt-oss", "gemma2"])

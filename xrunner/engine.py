@@ -42,7 +42,7 @@ from xrunner.loaders import ModelSource
 from xrunner.model import (attend_rows_on_cpu, attention, attn_in, attn_out_mlp, cpu_attention_chunk_rows,
                            cpu_head_layout, embed, final_logits, head_layout_of, is_range, lm_head_name,
                            layer_ropes, torch_dtype)
-from xrunner.prefix import PrefixPlan, plan_prefixes, prefill_layer
+from xrunner.prefix import PrefixPlan, plan_prefixes, prefill_layer, prefix_order
 from xrunner.sampling import SamplingParams, sample
 from xrunner.stored_forms import KVCodec, WeightLayout
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
@@ -432,7 +432,7 @@ class Engine:
                  cuda_sync: str = "item", head_layout: str | None = None,
                  notice: Callable[[str], None] | None = None,
                  stop_check: Callable[[Request, Sequence[int]], bool] | None = None, logprobs: bool = False,
-                 share_prefixes: bool = True):
+                 share_prefixes: bool = True, order_by_prefix: bool = True):
         spec = source.spec
         if head_layout not in (None, "rows", "transposed"):
             raise UserError(f"head_layout must be 'rows' or 'transposed', got {head_layout!r}")
@@ -460,6 +460,10 @@ class Engine:
         # Compute a prefix that prompts of one prefill share (a system prompt) once (xrunner.prefix);
         # off: every row computes all its columns (an ablation).
         self.share_prefixes = share_prefixes
+        # With bucketing and sharing: order a block's prompts so that those beginning alike join one
+        # GPU batch, where that computes fewer prefill positions than length order (prefix_order);
+        # off: length order only (an ablation).
+        self.order_by_prefix = order_by_prefix
         # Token ids [sequences, length] of calibration text (or a function giving them, called the
         # first time a calibration pass runs, while weights load): 4-bit weights then get GPTQ codes
         # (xrunner.gptq) instead of nearest rounding, and a 4-bit KV cache is stored around each
@@ -1591,7 +1595,7 @@ class Engine:
                             free = [s for s in range(gbs * nb) if batches[s // gbs].rows[s % gbs] is None]
                             reqs = [self._check(r) for r in queue.take(len(free))]
                             if p.bucket:
-                                reqs.sort(key=lambda r: len(r.prompt_ids))
+                                reqs = self._bucket(reqs, [s // gbs for s in free[:len(reqs)]])
                             joining = list(zip(free, reqs))
                         first = False
                         if not joining and not any(b.active() for b in batches):
@@ -1641,6 +1645,15 @@ class Engine:
         for rec in s.reconfigurations:  # the plan of every policy that was in force during the run
             s.planned_peak_bytes = {t: max(s.planned_peak_bytes[t], rec.planned_peak_bytes[t]) for t in TIERS}
         return s
+
+    def _bucket(self, reqs: list[Request], batch_of: list[int]) -> list[Request]:
+        """A block's joining requests sorted by prompt length (less padding), or in the order that
+        puts prompts beginning alike into one GPU batch when that computes fewer positions."""
+        reqs = sorted(reqs, key=lambda r: len(r.prompt_ids))
+        if not (self.share_prefixes and self.order_by_prefix):
+            return reqs
+        order = prefix_order([r.prompt_ids for r in reqs], batch_of)
+        return reqs if order is None else [reqs[i] for i in order]
 
     def _check(self, r: Request) -> Request:
         if not r.prompt_ids:

@@ -10,6 +10,10 @@ and the keys/values of all columns) so that the cache, the tiers and the next la
 
 Rows are left-padded to ``P`` columns (the engine's layout): a row with ``n`` tokens holds them in
 columns ``P - n ..``; its prefix of ``L`` tokens takes the first ``L`` of them.
+
+Sharing happens inside one GPU batch, so which prompts join which batch matters when a job mixes
+several prefixes (task templates): :func:`prefix_order` picks the block's order, by length or by
+prefix, that computes fewer positions (:func:`prefill_positions`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from xprofiler.specs import ModelSpec
 from workloads.workload import sorted_neighbours
 from xrunner.model import Rope, Weights, attention, attn_in, attn_out_mlp
 from xsimulator.costmodel import SHARE_PREFIX_AT_MOST
+
+# Grouping thresholds ``prefix_order`` tries per block (each costs one grouping of every GPU batch).
+ORDER_CANDIDATES = 12
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,62 @@ def plan_prefixes(prompts: Sequence[Sequence[int]], device: torch.device | str =
     (its logits come from the suffix). A row that shares with no other would need the suffix to
     hold its whole prompt; when that costs more, it computes its first tokens as a group of its own.
     """
+    best = _grouping(prompts)
+    if best is None:
+        return None
+    _, runs, lengths = best
+    return _index_plan(prompts, runs, lengths, max(len(p) for p in prompts), device)
+
+
+def prefill_positions(prompts: Sequence[Sequence[int]], share_prefixes: bool = True) -> int:
+    """Prompt positions one layer computes for a GPU batch's prefill of ``prompts``: its distinct
+    prompts (repeats are copies) padded to the longest, or fewer where they share prefixes."""
+    distinct = list(dict.fromkeys(tuple(p) for p in prompts))
+    best = _grouping(distinct) if share_prefixes else None
+    return len(distinct) * max(len(p) for p in distinct) if best is None else best[0]
+
+
+def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int]) -> list[int] | None:
+    """An order of a block's joining ``prompts`` (given sorted by length; ``batch_of[k]``: the GPU
+    batch that the ``k``-th of them joins) whose prefills compute fewer positions, or None.
+
+    Length order cuts padding but scatters prompts that begin alike over every GPU batch, where
+    each batch computes each prefix again (a job mixing a few task templates or system prompts).
+    A candidate order keeps runs of prompts that share at least ``tau`` leading tokens together
+    (sorted by length inside a run); the one computing the fewest positions
+    (:func:`prefill_positions`, summed over the batches) wins, if it beats length order.
+    """
+    m = len(prompts)
+    if m < 2 or len(set(batch_of)) < 2:
+        return None  # one GPU batch: its prefill groups whatever order its rows come in
+
+    def cost(order: Sequence[int]) -> int:
+        cut: dict[int, list[Sequence[int]]] = {}
+        for k, i in enumerate(order):
+            cut.setdefault(batch_of[k], []).append(prompts[i])
+        return sum(prefill_positions(b) for b in cut.values())
+
+    sorted_order, common = sorted_neighbours(prompts)
+    taus = sorted({c for c in common if c > 0})
+    if len(taus) > ORDER_CANDIDATES:  # spread the candidates over the common lengths seen
+        taus = [taus[i] for i in np.linspace(0, len(taus) - 1, ORDER_CANDIDATES).round().astype(int)]
+    best, best_cost = None, cost(range(m))
+    for tau in taus:
+        runs = [[sorted_order[0]]]
+        for c, i in zip(common, sorted_order[1:]):
+            if c >= tau:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        order = [i for run in runs for i in sorted(run, key=lambda i: (len(prompts[i]), i))]
+        c = cost(order)
+        if c < best_cost:
+            best, best_cost = order, c
+    return best
+
+
+def _grouping(prompts: Sequence[Sequence[int]]) -> tuple[int, list[list[int]], list[int]] | None:
+    """:func:`plan_prefixes`'s choice as (positions, runs of rows, their prefixes' lengths), or None."""
     m = len(prompts)
     if m < 2:
         return None
@@ -103,8 +166,7 @@ def plan_prefixes(prompts: Sequence[Sequence[int]], device: torch.device | str =
                     [s for _, s in groups] + [int(n[i]) - S for i in singles])
     if best is None or best[0] > SHARE_PREFIX_AT_MOST * m * P:
         return None
-    _, runs, lengths = best
-    return _index_plan(prompts, runs, lengths, P, device)
+    return best
 
 
 def _index_plan(prompts: Sequence[Sequence[int]], runs: list[list[int]], lengths: list[int], P: int,
