@@ -26,6 +26,7 @@ peak bytes <= planned on every tier. Prints a table and writes a PNG scatter.
     OMP_NUM_THREADS=1 python benchmarks/sim_vs_run.py --profile p.json --calibrated cal.json  # reuse a fit
     ... --samples 4   # prompts asked for 4 outputs each: the shared prefill, run and predicted
     ... --prefix 24   # the same 24 tokens put before every prompt (a system prompt): computed once per GPU batch
+    ... --prefix 48 --prefix-groups 8   # one of 8 such prefixes before each prompt (a job mixing templates)
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=0,
                     help="tokens of a system prompt put before every sampled prompt (its length grows by them), which "
                          "the engine computes once per GPU batch and the simulator prices so (Workload.prefix_tokens)")
+    ap.add_argument("--prefix-groups", type=int, default=1,
+                    help="distinct --prefix system prompts, one drawn per prompt (Workload.prefix_groups)")
     ap.add_argument("--png", default="sim_vs_run.png", help="scatter of predicted vs measured")
     ap.add_argument("--json-out", default=None, help="write every row as JSON here")
     ap.add_argument("--reanchor", action=argparse.BooleanOptionalAction, default=True,
@@ -120,7 +123,8 @@ def main() -> int:
     spec, source_for = resolve_model(args.model, raw)
     if raw.compute_threads:
         torch.set_num_threads(raw.compute_threads)
-    workloads = [replace(get_workload(text), samples=args.samples, prefix_tokens=args.prefix)
+    workloads = [replace(get_workload(text), samples=args.samples, prefix_tokens=args.prefix,
+                         prefix_groups=args.prefix_groups)
                  for text in (args.fixed, args.dist)]
     jobs = []
     for w in workloads:
@@ -139,7 +143,7 @@ def main() -> int:
     def run(j: int, rep: int) -> None:
         w, name, policy, prompt, output = jobs[j]
         m = run_engine(source_for(spec), policy, prompt, output, offload_dir=args.offload_dir, profile=raw,
-                       samples=args.samples, prefix=args.prefix)
+                       samples=args.samples, prefix=args.prefix, prefix_groups=args.prefix_groups)
         runs[j].append(m)
         print(f"  ran {w.name:<14} {name:<22} {m.wall_s:6.1f} s (repeat {rep + 1})", file=sys.stderr)
 
@@ -168,7 +172,8 @@ def main() -> int:
         tps = [gen / m.wall_s for m in ms]
         p99 = [quantile(list(m.latency_s.values()), 0.99) for m in ms]
         m = sorted(ms, key=lambda x: x.wall_s)[len(ms) // 2]
-        wl = workload_of(prompt, output, name=w.name, samples=args.samples, prefix=args.prefix)
+        wl = workload_of(prompt, output, name=w.name, samples=args.samples, prefix=args.prefix,
+                         prefix_groups=args.prefix_groups)
         now = rescaled(cal, ratio)
         profiles = (("raw", raw), ("cal", cal)) + ((("now", now),) if args.reanchor else ())
         if other is not None:
@@ -182,7 +187,7 @@ def main() -> int:
             row[f"{k}_tps"] = r.throughput_tokens_per_s
             row[f"{k}_p99_s"] = r.latency_p99_s
         parts = predict(spec, now, RunDesign(name, policy, spec.num_layers, tuple(prompt), tuple(output), (),
-                                             args.samples, args.prefix))
+                                             args.samples, args.prefix, args.prefix_groups))
         row["metrics_measured_s"] = {k: float(np.median([x.metrics[k] for x in ms])) for k in METRICS}
         row["metrics_predicted_s"] = parts
         row["peak_bytes"] = {t: max(x.peak_bytes[t] for x in ms) for t in m.peak_bytes}
@@ -200,7 +205,9 @@ def main() -> int:
     speed_note = ", 'speed' = its scale on the calibrated compute terms" if args.reanchor else ""
     print(f"model {spec.name} ({spec.dtype}), {args.requests} requests per run"
           + (f" ({args.samples} per prompt)" if args.samples > 1 else "")
-          + (f" (a shared {args.prefix}-token prefix)" if args.prefix else "") + ", random weights, EOS ignored; "
+          + (f" (a shared {args.prefix}-token prefix" + (f", one of {args.prefix_groups}" if args.prefix_groups > 1
+                                                         else "") + ")" if args.prefix else "")
+          + ", random weights, EOS ignored; "
           f"'{best}' = {dict(kinds)[best]} prediction{speed_note}")
     print(f"{'workload':<14} {'plan':<22} {'tok/s meas':>10} {'raw':>7} {'cal':>7} {best:>7} {'err':>7} "
           f"{'p99 s meas':>10} {'raw':>7} {'cal':>7} {best:>7} {'err':>7} {'speed':>6} {'peak<=plan':>10} "

@@ -355,6 +355,37 @@ def test_prefix_order_is_a_permutation_that_never_computes_more():
     assert reordered >= 15
 
 
+def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_them():
+    """512 prompts, each one of G templates before a question, in random order: ``shared_prefix``
+    finds G and the templates' length from the token ids, and the discrete-event simulator, told
+    so, computes within 7% of the prompt positions that the engine's own ordering and grouping
+    compute block by block (``prefix_order``, ``prefill_positions``), bucketed or not, where
+    pricing one prefix for all (G = 1) falls 20-60% short."""
+    from workloads.workload import shared_prefix
+
+    rng = random.Random(5)
+    for G, head, question in ((8, (64, 72), (10, 40)), (32, (100, 112), (10, 60)), (4, (200, 225), (20, 80))):
+        prompts = template_prompts(rng, G, 512, head, question, 50000)
+        tokens, groups = shared_prefix(prompts)
+        assert groups == G and head[0] <= tokens <= head[1]
+        lengths = np.array([len(p) for p in prompts])
+        workload = replace(fixed_workload(int(lengths.mean()), 8), prefix_tokens=tokens, prefix_groups=groups)
+        for policy in (Policy(gbs=16, nb=4), Policy(gbs=8, nb=8), Policy(gbs=16, nb=4, bucket=False)):
+            engine = 0
+            for b in range(0, len(prompts), policy.block_size):
+                block = prompts[b:b + policy.block_size]
+                if policy.bucket:
+                    block.sort(key=len)
+                    order = prefix_order(block, [k // policy.gbs for k in range(len(block))])
+                    block = block if order is None else [block[i] for i in order]
+                engine += sum(prefill_positions(block[k:k + policy.gbs]) for k in range(0, len(block), policy.gbs))
+            both = (lengths, np.full(len(prompts), 8))
+            sim, _ = simulate_timeline(LLAMA, t4_like(), policy, workload, requests=both)
+            one, _ = simulate_timeline(LLAMA, t4_like(), policy, replace(workload, prefix_groups=1), requests=both)
+            assert sim.padded_prompt_tokens == pytest.approx(engine, rel=0.07), (G, policy)
+            assert one.padded_prompt_tokens < 0.8 * engine, (G, policy)
+
+
 @pytest.mark.parametrize("spec", [MIXTRAL, GPTOSS, GEMMA2], ids=["mixtral", "gpt-oss", "gemma2"])
 def test_shared_prefixes_hold_for_experts_sinks_softcaps_and_windows(tmp_path, spec):
     """A shared prefix longer than the sliding window, through routed experts, sinks and soft caps:

@@ -834,8 +834,9 @@ def test_a_request_samples_with_its_own_parameters(tiny_dir, tmp_path, capsys):
 
 def test_a_job_whose_prompts_share_a_prefix_warns_a_plan_priced_without_it(tmp_path):
     """Prompts that all begin with the same 24 tokens under a plan whose workload does not know it:
-    `xsched run` says so and names the flag to plan with; the outputs equal the reference loop's;
-    a plan priced with that prefix runs without the warning."""
+    `xsched run` says so and names the flags to plan with; the outputs equal the reference loop's;
+    a plan priced with that prefix runs without the warning, one priced for eight such prefixes
+    (a job mixing templates) with it again."""
     import warnings
 
     from workloads.workload import fixed_workload
@@ -853,7 +854,7 @@ def test_a_job_whose_prompts_share_a_prefix_warns_a_plan_priced_without_it(tmp_p
     out = tmp_path / "out.jsonl"
     flags = ["--model", RANDOM_MODEL, "--prompts", str(prompts), "--quiet", "--adapt", "none"]
     with pytest.warns(UserWarning, match=r"begin with 24 tokens they share \(mean\), the plan's workload with 0; .*"
-                                         r"plan with `--prefix-tokens 24`"):
+                                         r"plan with `--prefix-tokens 24 --prefix-groups 1`"):
         assert main(["run", "--plan", str(plan), *flags, "--out", str(out)]) == 0
     weights = load_weights(open_model(RANDOM_MODEL, dtype="float32"))
     for r in read_rows(out):
@@ -865,6 +866,11 @@ def test_a_job_whose_prompts_share_a_prefix_warns_a_plan_priced_without_it(tmp_p
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert main(["run", "--plan", str(tmp_path / "priced.json"), *flags, "--out", str(tmp_path / "o2.jsonl")]) == 0
+    mixed = replace(priced, workload=replace(priced.workload, prefix_groups=8))  # planned for 8 templates, not 1
+    mixed.save(tmp_path / "mixed.json")
+    with pytest.warns(UserWarning, match=r"the plan's workload with 24, one of 8 prefixes; .*"
+                                         r"plan with `--prefix-tokens 24 --prefix-groups 1`"):
+        assert main(["run", "--plan", str(tmp_path / "mixed.json"), *flags, "--out", str(tmp_path / "o3.jsonl")]) == 0
 
 
 def test_n_samples_per_prompt_each_get_a_line_and_their_own_draws_and_resume(random_plan, tmp_path, capsys):

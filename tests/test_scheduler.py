@@ -734,10 +734,11 @@ def test_the_placement_lp_prices_row_copies_as_the_simulator_does():
     assert got.token_s == pytest.approx(float(token_seconds(sim, got.policy.placement(), 32, 4, Shape.of(w))))
 
 
-@pytest.mark.parametrize("shared", ["samples", "prefix"])
+@pytest.mark.parametrize("shared", ["samples", "prefix", "prefixes"])
 def test_shared_prefills_priced_as_such_and_branch_and_bound_still_finds_the_best(shared):
     """Prompts asking for 8 outputs each (Workload.samples), or all beginning with the same 48 of
-    their ~64 mean tokens (Workload.prefix_tokens), on a prefill-heavy workload and a compute-bound
+    their ~64 mean tokens (Workload.prefix_tokens; or with one of 8 such prefixes,
+    Workload.prefix_groups), on a prefill-heavy workload and a compute-bound
     model: the LP prices each GPU batch's prefill with the prompt (or prefix) computed once, so its
     rate stays a bound on what the simulator gives (priced per sample, the simulator beat it by
     4.4x and the search had to widen it), branch-and-bound reaches exhaustive search's throughput,
@@ -745,7 +746,8 @@ def test_shared_prefills_priced_as_such_and_branch_and_bound_still_finds_the_bes
     prof = t4_like()
     spec = prof.model_for(get_model_spec("opt-1.3b"))
     one = get_workload("S@0.25")
-    twin = replace(one, samples=8) if shared == "samples" else replace(one, prefix_tokens=48)
+    twin = (replace(one, samples=8) if shared == "samples" else
+            replace(one, prefix_tokens=48, prefix_groups=8 if shared == "prefixes" else 1))
     best, over = {}, {}
     for k, w in enumerate((one, twin)):
         full = Evaluator(spec, prof, w, num_requests=REQUESTS)
@@ -759,4 +761,8 @@ def test_shared_prefills_priced_as_such_and_branch_and_bound_still_finds_the_bes
         over[k] = max(e.throughput / fresh.bound(e.variant, e.gbs, e.nb) for e in full.cache.values() if e.fits)
         best[k] = exh.throughput
     assert over[0] <= 1.0 and over[1] <= 1.01, over  # 1.0003 with samples: within what the search's widening absorbs
+    if shared == "prefixes":  # eight prefixes bound the rate below one, at every shape the search met
+        one_prefix = Evaluator(spec, prof, replace(twin, prefix_groups=1), num_requests=REQUESTS)
+        assert all(fresh.bound(e.variant, e.gbs, e.nb) < one_prefix.bound(e.variant, e.gbs, e.nb)
+                   for e in full.cache.values() if e.gbs > 1), "the LP prices each batch's prefixes"
     assert best[1] > (3 if shared == "samples" else 1.3) * best[0], best

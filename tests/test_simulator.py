@@ -1046,6 +1046,36 @@ def test_a_prompts_samples_are_prefilled_once_and_both_paths_agree(refill):
 
 
 @pytest.mark.parametrize("refill", [0, 2])
+def test_prompts_mixing_system_prompts_compute_each_per_batch_and_both_paths_agree(refill):
+    """Every prompt begins with one of G 150-token system prompts (Workload.prefix_groups) before a
+    question of about 60 tokens: a GPU batch computes each of its prefixes once, so more of them
+    compute more positions, between one shared prefix and none; sorting a block's joiners by prefix
+    (as the engine does) keeps a full GPU batch to fewer than half as many prefixes as rows at
+    G = 64; the analytic path prices it within the DES's tolerances."""
+    spec, prof = get_model_spec("opt-1.3b"), t4_like()
+    plain = replace(get_workload("S@0.5"), prompt=LengthDistribution.truncnorm(210, 20, 280, min_len=151))
+    pol = Policy(gbs=32, nb=4, refill_every=refill)
+    des = {G: simulate(spec, prof, pol, replace(plain, prefix_tokens=150, prefix_groups=G), num_requests=3000, seed=1)
+           for G in (1, 4, 64)}
+    none = simulate(spec, prof, pol, plain, num_requests=3000, seed=1)
+    positions = [des[1].padded_prompt_tokens, des[4].padded_prompt_tokens, des[64].padded_prompt_tokens,
+                 none.padded_prompt_tokens]
+    assert positions == sorted(positions) and positions[0] < positions[1], positions
+    assert refill or positions[2] < 0.8 * positions[3], positions  # with refill, ~4 rows join a batch: few share
+    rates = [r.throughput_tokens_per_s for r in (des[1], des[4], des[64], none)]
+    assert rates[0] > rates[1] > rates[3] and rates[2] >= rates[3], rates
+    _, tl = simulate_timeline(spec, prof, pol, replace(plain, prefix_tokens=150, prefix_groups=64), num_requests=3000,
+                              seed=1)
+    full = tl.prefill_rows >= 16
+    assert np.mean(np.asarray(tl.prefix_groups)[full]) < 0.5 * np.mean(tl.prefill_rows[full]), "grouped by prefix"
+    for G in (4, 64):
+        ana = simulate_analytic(spec, prof, pol, replace(plain, prefix_tokens=150, prefix_groups=G), num_requests=3000)
+        assert ana.throughput_tokens_per_s == pytest.approx(des[G].throughput_tokens_per_s, rel=THROUGHPUT_TOL), G
+        assert ana.padded_prompt_tokens == pytest.approx(des[G].padded_prompt_tokens, rel=0.05), G
+        assert ana.latency_mean_s == pytest.approx(des[G].latency_mean_s, rel=MEAN_TOL), G
+
+
+@pytest.mark.parametrize("refill", [0, 2])
 def test_a_shared_system_prompt_is_prefilled_once_and_both_paths_agree(refill):
     """Every prompt begins with the same 150 tokens (Workload.prefix_tokens; S@0.5's prompts behind a
     150-token system prompt): the discrete-event path computes them once per GPU batch's prefill

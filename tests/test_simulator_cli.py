@@ -59,6 +59,7 @@ BAD_INPUT = [
     (["--workload", "T", "--policy", POLICY, "--seed", "-1"], "--seed: must be in [0, 2**64), got -1"),  # argparse: exits itself
     (["--workload", "T", "--policy", POLICY, "--requests", "0"], "--requests: must be from 1 to 10,000,000, got 0"),
     (["--workload", "T", "--policy", POLICY, "--samples", "0"], "--samples: must be a whole number >= 1, got 0"),
+    (["--workload", "T", "--policy", POLICY, "--prefix-groups", "0"], "--prefix-groups: must be a whole number >= 1"),
     # 3e7 requests was a MemoryError traceback under a 4 GB limit (review)
     (["--workload", "T", "--policy", POLICY, "--requests", "30000000"], "--requests: must be from 1 to 10,000,000"),
     (["--workload", "T", "--policy", '{"gbs": 8, "nb": 2, "wg": 0.5, "wc": 0.4, "wd": 0}'], "sum to 0.9"),
@@ -204,3 +205,23 @@ def test_samples_per_prompt_from_the_command_line_are_priced_in_simulate_and_pla
     assert got["8"].throughput_tokens_per_s > 2 * got["1"].throughput_tokens_per_s
     assert main(["plan", *base, "--samples", "8", "--latency", "inf", "--quiet"]) == 0
     assert "64 requests (8 per prompt, prefilled once per GPU batch)" in capsys.readouterr().out
+
+
+def test_prompts_mixing_prefixes_from_the_command_line_are_priced_in_simulate_and_plan(profile_path, capsys):
+    """--prefix-tokens 96 --prefix-groups G: every prompt begins with one of G 96-token prefixes;
+    simulate prices each GPU batch computing each of its prefixes once, so more prefixes compute
+    more prompt positions and run slower (never slower than sharing none), and plan says so."""
+    from xsched.cli import main
+
+    base = ["--profile", profile_path, "--model", "opt-1.3b", "--workload", "fixed:128:16", "--requests", "256"]
+    policy = json.dumps({"gbs": 16, "nb": 4})
+    got = {}
+    for flags in ([], ["--prefix-tokens", "96"], ["--prefix-tokens", "96", "--prefix-groups", "4"],
+                  ["--prefix-tokens", "96", "--prefix-groups", "64"]):
+        assert main(["simulate", *base, "--policy", policy, *flags, "--json"]) == 0
+        got[len(flags) and flags[-1]] = SimResult.from_json(capsys.readouterr().out)
+    positions = [got[k].padded_prompt_tokens for k in ("96", "4", "64", 0)]
+    assert positions == sorted(positions) and positions[0] < positions[1] < positions[3], positions
+    assert got["96"].throughput_tokens_per_s > got["4"].throughput_tokens_per_s > got[0].throughput_tokens_per_s
+    assert main(["plan", *base, "--prefix-tokens", "96", "--prefix-groups", "4", "--latency", "inf", "--quiet"]) == 0
+    assert "(a shared 96-token prefix, one of 4, prefilled once per GPU batch)" in capsys.readouterr().out

@@ -480,6 +480,10 @@ def test_a_files_shared_leading_tokens_become_the_workloads_prefix(tmp_path):
     assert ids_file(rows, json.dumps({"id": 3, "prompt_tokens": 9, "max_new_tokens": 4}) + "\n").prefix_tokens == 0
     two = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7], [8, 8, 8, 9], [8, 8, 8, 10]]
     assert ids_file(two).prefix_tokens == 4 and ids_file(two[:1]).prefix_tokens == 0  # (5 + 5 + 3 + 3) / 4
+    assert w.prefix_groups == 1 and ids_file(two).prefix_groups == 2 and ids_file(two[:1]).prefix_groups == 1
+    assert "share, one of 2 such prefixes" in ids_file(two).describe()
+    loner = ids_file(two + [[7, 7, 7, 7]])  # shares nothing: a prefix of its own
+    assert loner.prefix_groups == 3 and Workload.from_json(loner.to_json()) == loner
     text = tmp_path / "text.jsonl"
     text.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": 3}) + "\n"
                             for p in ("you are terse . hi", "you are terse . what now", "you are kind . x")))
@@ -489,3 +493,17 @@ def test_a_files_shared_leading_tokens_become_the_workloads_prefix(tmp_path):
     assert Workload.from_file(text, count_tokens=lambda t, *a: len(t.split())).prefix_tokens == 0
     with pytest.raises(UserError, match="prefix_tokens"):
         replace(w, prefix_tokens=-1)
+    with pytest.raises(UserError, match="prefix_groups"):
+        replace(w, prefix_groups=0)
+
+
+def test_requests_draw_their_prefix_per_prompt():
+    """``Workload.prefix_ids``: each request's prefix among ``prefix_groups``, the same for a
+    prompt's samples, every prefix about equally often, the same draw for the same seed."""
+    w = replace(get_workload("S"), samples=3, prefix_tokens=20, prefix_groups=5)
+    ids = w.prefix_ids(3001, seed=2)
+    assert ids.shape == (3001,) and set(ids.tolist()) == set(range(5))
+    assert all(len(set(ids[i:i + 3])) == 1 for i in range(0, 3001, 3))
+    counts = np.bincount(ids[::3], minlength=5)
+    assert counts.min() > 0.8 * 1001 / 5 and counts.max() < 1.2 * 1001 / 5, counts
+    assert np.array_equal(ids, w.prefix_ids(3001, seed=2)) and not np.array_equal(ids, w.prefix_ids(3001, seed=3))

@@ -50,8 +50,10 @@ class Workload(Contract):
     is how many outputs each prompt asks for (a prompts file's ``"n"``): requests come in runs
     of that many with one prompt, and the runner computes a run's prefill once per GPU batch.
     ``prefix_tokens`` is how many leading tokens a prompt shares with the others (a system prompt,
-    the same few-shot examples; counted in the prompt lengths; :func:`shared_prefix`): the runner
-    computes them once per GPU batch, priced as one prefix that all of a batch's prompts share.
+    the same few-shot examples; counted in the prompt lengths; :func:`shared_prefix`), and
+    ``prefix_groups`` among how many distinct such prefixes each prompt's is drawn (a job mixing
+    task templates): the runner computes each prefix once per GPU batch that holds it, after
+    ordering a block's prompts so that those beginning alike join one batch.
     """
 
     SCHEMA: ClassVar[str] = "xsched.Workload/1"
@@ -63,6 +65,7 @@ class Workload(Contract):
     source: str = ""
     samples: int = 1
     prefix_tokens: int = 0
+    prefix_groups: int = 1
 
     def __post_init__(self) -> None:
         if not -1.0 < self.correlation < 1.0 and self.correlation != 0.0:
@@ -73,6 +76,9 @@ class Workload(Contract):
         if isinstance(self.prefix_tokens, bool) or not isinstance(self.prefix_tokens, int) or self.prefix_tokens < 0:
             raise UserError(f"workload {self.name}: prefix_tokens {self.prefix_tokens!r} must be a whole number >= 0 "
                             "(leading tokens the prompts share)")
+        if isinstance(self.prefix_groups, bool) or not isinstance(self.prefix_groups, int) or self.prefix_groups < 1:
+            raise UserError(f"workload {self.name}: prefix_groups {self.prefix_groups!r} must be a whole number >= 1 "
+                            "(distinct prefixes the prompts begin with)")
 
     def sample(self, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """``n`` requests ``(prompt_lens, output_lens)``, int64 arrays; same seed, same requests.
@@ -102,6 +108,12 @@ class Workload(Contract):
         """Which prompt each of ``n`` requests (in queue order) is a sample of: runs of ``samples``."""
         return np.arange(n, dtype=np.int64) // self.samples
 
+    def prefix_ids(self, n: int, seed: int = 0) -> np.ndarray:
+        """Which of the ``prefix_groups`` prefixes each of ``n`` requests' prompt begins with,
+        drawn uniformly per prompt (a prompt's samples share it); same seed, same draw."""
+        rng = np.random.default_rng([seed, self.prefix_groups])
+        return rng.integers(self.prefix_groups, size=-(-n // self.samples))[self.prompt_groups(n)]
+
     @property
     def max_context(self) -> int:
         """Longest sequence a request can reach: longest prompt plus longest output."""
@@ -114,7 +126,7 @@ class Workload(Contract):
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "prompt": self.prompt.summary(), "output": self.output.summary(),
                 "correlation": self.correlation, "source": self.source, "samples": self.samples,
-                "prefix_tokens": self.prefix_tokens}
+                "prefix_tokens": self.prefix_tokens, "prefix_groups": self.prefix_groups}
 
     def context_note(self, model: str, max_positions: int) -> str | None:
         """A line when the longest prompt plus output passes the model's positions (the plan is
@@ -133,7 +145,9 @@ class Workload(Contract):
         if self.samples > 1:
             lines.append(f"  {self.samples} outputs per prompt (prefilled once per GPU batch)")
         if self.prefix_tokens:
-            lines.append(f"  prompts begin with {self.prefix_tokens} tokens they share (prefilled once per GPU batch)")
+            among = f", one of {self.prefix_groups} such prefixes" if self.prefix_groups > 1 else ""
+            lines.append(f"  prompts begin with {self.prefix_tokens} tokens they share{among} "
+                         "(prefilled once per GPU batch)")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ files
@@ -166,7 +180,7 @@ class Workload(Contract):
         if lengths.estimated:
             note += f"; {ESTIMATE_NOTE}"
         return cls(name=p.stem, prompt=prompt_dist, output=output_dist, correlation=corr, source=note,
-                   samples=lengths.samples, prefix_tokens=lengths.prefix_tokens)
+                   samples=lengths.samples, prefix_tokens=lengths.prefix_tokens, prefix_groups=lengths.prefix_groups)
 
 
 @dataclass(frozen=True)
@@ -180,6 +194,7 @@ class RequestLengths:
     # Leading tokens a prompt shares with others (shared_prefix); 0 unless every prompt's ids were
     # known (token ids in the file, or a tokenizer that returns them)
     prefix_tokens: int = 0
+    prefix_groups: int = 1  # distinct prefixes among them (shared_prefix)
 
     @property
     def samples(self) -> int:
@@ -216,21 +231,28 @@ def read_request_lengths(path: Path, count_tokens: Callable[..., int | Sequence[
         raise UserError(f"{path}: request {first} has no output length ({' or '.join(OUTPUT_KEYS)}) while others "
                         "do; give it for every request or for none")
     return RequestLengths(np.array(prompts, np.int64), np.array(known, np.int64) if known else None, estimated,
-                          len(rows), shared_prefix(known_ids) if known_ids else 0)
+                          len(rows), *(shared_prefix(known_ids) if known_ids else (0, 1)))
 
 
-def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
-    """:attr:`Workload.prefix_tokens` of a job: the mean, over its prompts, of the leading tokens a
-    prompt shares with another (each kept below its own length: the runner computes a prompt's
-    last token itself). One system prompt before every question gives its length; a job mixing
-    a few gives about theirs, where the tokens all prompts share would give only the template's."""
+def shared_prefix(prompts: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(:attr:`Workload.prefix_tokens`, :attr:`Workload.prefix_groups`) of a job.
+
+    Tokens: the mean, over its prompts, of the leading tokens a prompt shares with another (each
+    kept below its own length: the runner computes a prompt's last token itself). One system
+    prompt before every question gives its length; a job mixing a few gives about theirs, where
+    the tokens all prompts share would give only the template's. Groups: the runs of prompts
+    (sorted by their tokens) whose neighbours share at least half that mean; a prompt that shares
+    nothing is a run of its own, as the runner computes it."""
     if len(prompts) < 2:
-        return 0
+        return 0, 1
     order, common = sorted_neighbours(prompts)
     best = [0] * len(prompts)
     for a, b, c in zip(order, order[1:], common):
         best[a], best[b] = max(best[a], c), max(best[b], c)
-    return round(sum(min(c, len(p) - 1) for c, p in zip(best, prompts)) / len(prompts))
+    tokens = round(sum(min(c, len(p) - 1) for c, p in zip(best, prompts)) / len(prompts))
+    if tokens == 0:
+        return 0, 1
+    return tokens, 1 + sum(c < max(1, tokens / 2) for c in common)
 
 
 def sorted_neighbours(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -377,12 +399,13 @@ def preset_workload(name: str, scale: float = 1.0) -> Workload:
                     source=f"ExeGPT Table 3, {task['task']}" + (f", lengths x{scale:g}" if scale != 1.0 else ""))
 
 
-def with_samples(workload: Workload, samples: int | None, prefix_tokens: int | None = None) -> Workload:
-    """``workload`` with ``samples`` outputs per prompt and ``prefix_tokens`` shared leading tokens
-    (a CLI's ``--samples`` and ``--prefix-tokens``; None keeps its own)."""
-    if samples is not None:
-        workload = replace(workload, samples=samples)
-    return workload if prefix_tokens is None else replace(workload, prefix_tokens=prefix_tokens)
+def with_samples(workload: Workload, samples: int | None, prefix_tokens: int | None = None,
+                 prefix_groups: int | None = None) -> Workload:
+    """``workload`` with ``samples`` outputs per prompt, ``prefix_tokens`` shared leading tokens and
+    ``prefix_groups`` distinct prefixes (a CLI's ``--samples``, ``--prefix-tokens`` and
+    ``--prefix-groups``; None keeps its own)."""
+    given = dict(samples=samples, prefix_tokens=prefix_tokens, prefix_groups=prefix_groups)
+    return replace(workload, **{k: v for k, v in given.items() if v is not None})
 
 
 def fixed_workload(prompt_len: int, output_len: int) -> Workload:

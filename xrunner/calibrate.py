@@ -116,6 +116,7 @@ class RunDesign:
     excites: tuple[str, ...]  # the terms this run is there for (documentation and the report)
     samples: int = 1  # requests come in runs of this many with one prompt (Workload.samples)
     prefix: int = 0  # leading tokens all prompts share (Workload.prefix_tokens)
+    prefix_groups: int = 1  # distinct such prefixes, one drawn per prompt (Workload.prefix_groups)
 
 
 def cut_spec(spec: ModelSpec, num_layers: int) -> ModelSpec:
@@ -211,11 +212,13 @@ def request_ids(n: int) -> list[str]:
 def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_lens: Sequence[int], *,
                offload_dir: str | Path | None = None, profile: HardwareProfile | None = None, seed: int = 0,
                max_prompt: int | None = None, max_output: int | None = None, warmup: bool = False,
-               head_layouts: dict[int, str] | None = None, samples: int = 1, prefix: int = 0) -> Measurement:
+               head_layouts: dict[int, str] | None = None, samples: int = 1, prefix: int = 0,
+               prefix_groups: int = 1) -> Measurement:
     """Run ``policy`` once over requests of exactly these lengths (random token ids, EOS ignored;
     with ``samples`` k, requests come in runs of k with one prompt, as ``Workload.samples`` says;
     every prompt begins with the same ``prefix`` tokens, as ``Workload.prefix_tokens`` says, each
-    keeping at least one token of its own).
+    keeping at least one token of its own; with ``prefix_groups`` G, with one of G such prefixes,
+    the one ``Workload.prefix_ids`` draws for it, as the simulator does).
 
     Returns busy seconds per metric, per-step wall seconds, per-request latencies and peak
     bytes. ``max_prompt``/``max_output`` size the KV cache (default: the longest of the job),
@@ -232,10 +235,12 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
     rng = np.random.default_rng(seed)
     ids = request_ids(len(prompt_lens))
     prompts: list[tuple[int, ...]] = []
-    system = tuple(int(t) for t in rng.integers(0, spec.vocab_size, prefix))
+    systems = [tuple(int(t) for t in rng.integers(0, spec.vocab_size, prefix)) for _ in range(prefix_groups)]
+    which = workload_of(prompt_lens, output_lens, samples=samples, prefix=prefix,
+                        prefix_groups=prefix_groups).prefix_ids(len(prompt_lens))
     for k, p in enumerate(prompt_lens):
         shared = k % samples and len(prompts[-1]) == int(p)
-        head = system[:min(prefix, int(p) - 1)]
+        head = systems[which[k]][:min(prefix, int(p) - 1)]
         prompts.append(prompts[-1] if shared else
                        head + tuple(int(t) for t in rng.integers(0, spec.vocab_size, int(p) - len(head))))
     reqs = [Request(i, ids_, int(o)) for i, ids_, o in zip(ids, prompts, output_lens)]
@@ -307,7 +312,8 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
             for i, d in enumerate(runs):
                 got[i].append(run_engine(make(cut_spec(spec, d.num_layers)), d.policy, d.prompt_lens,
                                          d.output_lens, offload_dir=offload_dir, profile=profile, warmup=True,
-                                         head_layouts=layouts, samples=d.samples, prefix=d.prefix))
+                                         head_layouts=layouts, samples=d.samples, prefix=d.prefix,
+                                         prefix_groups=d.prefix_groups))
                 bar.update(1)
     out = []
     for d, ms in zip(runs, got):
@@ -319,11 +325,11 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
 
 # --------------------------------------------------------------------------- predicting
 def workload_of(prompt_lens: Sequence[int], output_lens: Sequence[int], name: str = "calibration",
-                samples: int = 1, prefix: int = 0) -> Workload:
+                samples: int = 1, prefix: int = 0, prefix_groups: int = 1) -> Workload:
     """The empirical workload of exactly these requests (its maxima size the KV cache)."""
     return Workload(name=name, prompt=LengthDistribution.empirical(list(prompt_lens)),
                     output=LengthDistribution.empirical(list(output_lens)), source="measured run", samples=samples,
-                    prefix_tokens=prefix)
+                    prefix_tokens=prefix, prefix_groups=prefix_groups)
 
 
 def predict(spec: ModelSpec, profile: HardwareProfile, design: RunDesign) -> dict[str, float]:
@@ -335,7 +341,8 @@ def predict(spec: ModelSpec, profile: HardwareProfile, design: RunDesign) -> dic
     s = cut_spec(spec, design.num_layers)
     prompt, output = np.asarray(design.prompt_lens), np.asarray(design.output_lens)
     res, tl = simulate_timeline(s, profile, design.policy,
-                                workload_of(prompt, output, samples=design.samples, prefix=design.prefix),
+                                workload_of(prompt, output, samples=design.samples, prefix=design.prefix,
+                                            prefix_groups=design.prefix_groups),
                                 requests=(prompt, output))
     batch_steps = float(np.count_nonzero(tl.prefill_rows) + np.count_nonzero(tl.decode_rows))
     cal = profile.calibration

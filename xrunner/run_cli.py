@@ -360,12 +360,16 @@ def _run(args: argparse.Namespace) -> int:
             encode = lambda prompt, chat: encode_prompt(tokenizer, prompt,  # noqa: E731
                                                         chat and not args.no_chat_template, args.chat_template_kwargs)
         prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
-        shared = shared_prefix(prompt_ids)
-        if abs(shared - plan.workload.prefix_tokens) > max(16, 0.1 * sum(map(len, prompt_ids)) / len(prompt_ids)):
-            warnings.warn(f"the job's prompts begin with {shared} tokens they share (mean), the plan's workload "
-                          f"with {plan.workload.prefix_tokens}; the engine computes them once per GPU batch, so the "
-                          f"plan's prediction and batch shape are for another job (plan with `--prefix-tokens "
-                          f"{shared}`)",
+        shared, groups = shared_prefix(prompt_ids)
+        planned = plan.workload
+        tokens_differ = abs(shared - planned.prefix_tokens) > max(16, 0.1 * sum(map(len, prompt_ids)) / len(prompt_ids))
+        groups_differ = shared > 0 and max(groups, planned.prefix_groups) > 2 * min(groups, planned.prefix_groups)
+        if tokens_differ or groups_differ:
+            among = lambda g: f", one of {g} prefixes" if g > 1 else ""  # noqa: E731
+            warnings.warn(f"the job's prompts begin with {shared} tokens they share (mean){among(groups)}, the plan's "
+                          f"workload with {planned.prefix_tokens}{among(planned.prefix_groups)}; the engine computes "
+                          "each once per GPU batch, so the plan's prediction and batch shape are for another job "
+                          f"(plan with `--prefix-tokens {shared} --prefix-groups {groups}`)",
                           UserWarning, stacklevel=1)
         default_new = args.max_new_tokens or plan.workload.output.max_len
         new_tokens = [r.max_new_tokens or default_new for r in records]

@@ -80,6 +80,11 @@ PREFIX_HELP = ("leading tokens the prompts share (a system prompt, the same few-
                "a prompts file's prompt shares with another, as `xsched workload fit --tokenizer` finds them, else 0)")
 
 
+PREFIX_GROUPS_HELP = ("distinct prefixes of --prefix-tokens tokens that the prompts begin with, one drawn per prompt "
+                      "(a job mixing task templates or system prompts): each is prefilled once per GPU batch that "
+                      "holds it (default: the workload's own, as `xsched workload fit --tokenizer` finds it, else 1)")
+
+
 def prefix_arg(text: str) -> int:
     """``--prefix-tokens``: a whole number >= 0."""
     value = int(text)

@@ -7,8 +7,8 @@ import math
 import sys
 
 from xprofiler.profile import MAX_AUTO_MARGIN
-from xsched.cli import (PREFIX_HELP, SAMPLES_HELP, plan_requests, prefix_arg, requests_arg, samples_arg,
-                        seed_arg)
+from xsched.cli import (PREFIX_GROUPS_HELP, PREFIX_HELP, SAMPLES_HELP, plan_requests, prefix_arg, requests_arg,
+                        samples_arg, seed_arg)
 
 DEFAULT_PROFILE = "t4"
 DEFAULT_MODEL = "opt-30b"
@@ -33,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"@SCALE scales lengths (default {DEFAULT_WORKLOAD})")
     p.add_argument("--samples", type=samples_arg, default=None, metavar="N", help=SAMPLES_HELP)
     p.add_argument("--prefix-tokens", type=prefix_arg, default=None, metavar="N", help=PREFIX_HELP)
+    p.add_argument("--prefix-groups", type=samples_arg, default=None, metavar="G", help=PREFIX_GROUPS_HELP)
     p.add_argument("--latency", type=float, default=None, metavar="SECONDS",
                    help=f"latency bound in seconds; 'inf' for pure throughput (default {DEFAULT_LATENCY_S:g})")
     p.add_argument("--sla", choices=("p99", "p99-length"), default="p99",
@@ -159,7 +160,8 @@ def _plan(args: argparse.Namespace) -> int:
             check_writable(path, flag)
     profile = load_profile(args.profile or DEFAULT_PROFILE)
     spec = profile.model_for(get_model_spec(args.model or DEFAULT_MODEL))
-    workload = with_samples(get_workload(args.workload or DEFAULT_WORKLOAD), args.samples, args.prefix_tokens)
+    workload = with_samples(get_workload(args.workload or DEFAULT_WORKLOAD), args.samples, args.prefix_tokens,
+                            args.prefix_groups)
     if ESTIMATE_NOTE in workload.source:
         assumed.append(f"workload {workload.source}")
     if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:
@@ -205,8 +207,9 @@ def describe(plan) -> str:  # noqa: ANN001
         f"workload {plan.workload.name}, {r.num_requests} requests"
         + (f" ({plan.workload.samples} per prompt, prefilled once per GPU batch)" if plan.workload.samples > 1
            else "")
-        + (f" (a shared {plan.workload.prefix_tokens}-token prefix, prefilled once per GPU batch)"
-           if plan.workload.prefix_tokens else ""),
+        + (f" (a shared {plan.workload.prefix_tokens}-token prefix"
+           + (f", one of {plan.workload.prefix_groups}" if plan.workload.prefix_groups > 1 else "")
+           + ", prefilled once per GPU batch)" if plan.workload.prefix_tokens else ""),
         "policy:",
         *("  " + line for line in plan.policy.describe().splitlines()),
         f"predicted ({r.method}, seed {r.seed}): {r.throughput_tokens_per_s:,.3f} generated tokens/s "

@@ -38,7 +38,7 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import TIERS, CostModel, MemoryTerms, shared_prefix_rows
+from xsimulator.costmodel import TIERS, CostModel, MemoryTerms, prefix_groups_in_batch, shared_prefix_rows
 from xsimulator.policy import PLACEMENT_VARS, Policy, split_counts
 
 TRIOS: tuple[tuple[str, str, str], ...] = (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd"))
@@ -71,23 +71,27 @@ class Shape:
     max_output: int
     samples: int = 1  # outputs per prompt (Workload.samples): a GPU batch prefills each prompt once
     prefix_tokens: int = 0  # leading tokens all prompts share (Workload.prefix_tokens): prefilled once per batch
+    prefix_groups: int = 1  # distinct such prefixes, one per prompt (Workload.prefix_groups)
 
     @classmethod
     def of(cls, workload: Workload) -> "Shape":
         prompt = max(1, round(workload.prompt.mean))
         steps = max(1, round(workload.output.mean))
         return cls(prompt, steps, prompt + max(1, round(steps / 2)), workload.prompt.max_len,
-                   workload.output.max_len, workload.samples, workload.prefix_tokens)
+                   workload.output.max_len, workload.samples, workload.prefix_tokens, workload.prefix_groups)
 
-    def computed(self, phase: str, rows: int) -> float:
-        """Rows' worth of positions a GPU batch of ``rows`` computes in ``phase``: in prefill, one
-        per prompt when its samples fill the batch in whole runs, and a shared prefix once wherever
-        that saves anything (the fewest, so the LP's rate stays a bound)."""
+    def computed(self, phase: str, rows: int, nb: int = 1) -> float:
+        """Rows' worth of positions a GPU batch of ``rows`` (of ``nb`` joining together) computes
+        in ``phase``: in prefill, one per prompt when its samples fill the batch in whole runs, and
+        each shared prefix once wherever that saves anything (the fewest, so the LP's rate stays a
+        bound), as many prefixes as the batch is expected to hold (``prefix_groups_in_batch``)."""
         if phase != "prefill":
             return rows
         c = max(rows / self.samples, 1.0) if self.samples > 1 else rows
-        return float(shared_prefix_rows(c, self.prompt_len, self.prefix_tokens, bound=True)) if self.prefix_tokens \
-            else c
+        if not self.prefix_tokens:
+            return c
+        groups = prefix_groups_in_batch(c, c * nb, self.prefix_groups)
+        return float(shared_prefix_rows(c, self.prompt_len, self.prefix_tokens, bound=True, groups=groups))
 
 
 @dataclass(frozen=True)
@@ -164,12 +168,12 @@ def token_seconds(cm: CostModel, placement: Mapping[str, Any], gbs: int, nb: int
     ``whole_layers``: as the runner places weights (``CostModel.mean_layer_seconds``); off, the
     LP's relaxation of the same fractions."""
     if phase_time is None:
-        pre, dec = (_layer_step_s(cm, placement, phase, gbs, length, nb, whole_layers, shape.computed(phase, gbs))
+        pre, dec = (_layer_step_s(cm, placement, phase, gbs, length, nb, whole_layers, shape.computed(phase, gbs, nb))
                     for phase, length in _phases(shape))
     else:
         pre, dec = phase_time
     n = shape.decode_steps
-    head = nb * (float(cm.head_seconds("prefill", shape.computed("prefill", gbs), shape.prompt_len))
+    head = nb * (float(cm.head_seconds("prefill", shape.computed("prefill", gbs, nb), shape.prompt_len))
                  + n * float(cm.head_seconds("decode", gbs, shape.decode_context)))
     block_s = cm.spec.num_layers * (pre + n * dec) + head
     return block_s * (1.0 / (gbs * nb * n))
@@ -186,8 +190,8 @@ def emptying_token_seconds(cm: CostModel, placement: Mapping[str, Any], gbs: int
     ``gbs``; equal to :func:`token_seconds` when more rows never cost more per row."""
     L = cm.spec.num_layers
     prefill, decode = (min((L * float(_layer_step_s(cm, placement, phase, r, length, nb,
-                                                    computed=shape.computed(phase, r)))
-                            + nb * float(cm.head_seconds(phase, shape.computed(phase, r), length))) / (r * nb)
+                                                    computed=shape.computed(phase, r, nb)))
+                            + nb * float(cm.head_seconds(phase, shape.computed(phase, r, nb), length))) / (r * nb)
                            for r in (2 ** k for k in range(gbs.bit_length())))
                        for phase, length in _phases(shape))
     return prefill / shape.decode_steps + decode
@@ -320,7 +324,7 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
     # layers, each weight tier's layers priced apart (exact for these fractions).
     phase_time = []
     for name, phase, length in (("pre", "prefill", shape.prompt_len), ("dec", "decode", shape.decode_context)):
-        computed = shape.computed(phase, gbs)
+        computed = shape.computed(phase, gbs, nb)
         tokens = nb * cm.step_tokens(phase, computed, length)
         classes = ([(1.0, cm.weight_terms(x, tokens))] if weights is None
                    else cm.weight_tier_terms({**{v: 0.0 for v in PLACEMENT_VARS}, **weights}, tokens))

@@ -253,7 +253,8 @@ def fit_workload(prompt_lens: Any, output_lens: Any, reference: Workload) -> Wor
     output = LengthDistribution.empirical(o, max(reference.output.max_len, int(o.max())))
     return Workload(name=f"observed({reference.name})", prompt=prompt, output=output,
                     correlation=spearman_to_copula(p, o), source=f"empirical, {len(p)} observed requests",
-                    samples=reference.samples, prefix_tokens=reference.prefix_tokens)
+                    samples=reference.samples, prefix_tokens=reference.prefix_tokens,
+                    prefix_groups=reference.prefix_groups)
 
 
 def _smoothed(x: np.ndarray, max_len: int) -> LengthDistribution:

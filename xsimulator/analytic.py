@@ -42,7 +42,7 @@ from scipy import signal, special, stats
 from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
-from xsimulator.costmodel import BlockStep, CostModel, StepTerms
+from xsimulator.costmodel import BlockStep, CostModel, StepTerms, prefix_groups_in_batch
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 from xsimulator.discrete_event import DEFAULT_REQUESTS, summarize
@@ -111,6 +111,11 @@ class _Analytic:
         e1 = np.concatenate(([0.0], np.cumsum(self.surv[1:])))
         e2 = np.concatenate(([0.0], np.cumsum((2 * x - 1) * self.surv[1:])))
         self.var_min = np.clip(e2 - e1**2, 0.0, None)
+        # Joiners sorted by prefix, then length (the engine's prefix order) when that computes fewer
+        # prefill positions in a full block: GPU batches then hold few prefixes but prompts of any
+        # length, so they are priced as not sorted by length. Else by length alone (``bucket``).
+        self.by_prefix = policy.bucket and self._prefix_first()
+        self.bucketed = policy.bucket and not self.by_prefix
 
     # ---------------------------------------------------------------- length expectations
     def distinct(self, requests: Any) -> Any:
@@ -144,27 +149,55 @@ class _Analytic:
             return rows / k
         return self.distinct(rows)
 
-    def positions(self, rows: np.ndarray, nodes: np.ndarray) -> np.ndarray:
-        """Prompt positions a prefill of ``rows`` joining rows computes at each padded length of
-        ``nodes [..., Q]``: :meth:`computed_rows`, and a shared prefix once."""
-        computed = self.computed_rows(rows)[..., None]
-        return self.cm.layer_rows("prefill", computed, nodes, self.workload.prefix_tokens) * nodes
+    def prefix_groups(self, rows: np.ndarray, by_prefix: Any = None, joining: Any = None) -> np.ndarray:
+        """Expected distinct prefixes among each GPU batch's computed rows (``rows [..., nb]``;
+        :func:`~xsimulator.costmodel.prefix_groups_in_batch`), the joiners (``joining [..., 1]``
+        computed rows in all; default: the batches' sum) sorted by prefix where ``by_prefix`` (a
+        bool, or one per leading index: ``[..., 1]``)."""
+        computed = self.computed_rows(rows)
+        if joining is None:
+            joining = np.sum(computed, axis=-1, keepdims=True)
+        by_prefix = self.by_prefix if by_prefix is None else by_prefix
+        groups = lambda ordered: prefix_groups_in_batch(computed, joining, self.workload.prefix_groups,  # noqa: E731
+                                                        ordered=ordered)
+        return groups(bool(by_prefix)) if np.ndim(by_prefix) == 0 else np.where(by_prefix, groups(True), groups(False))
 
-    def prefill(self, rows: np.ndarray, nodes: np.ndarray, weight: np.ndarray) -> BlockStep:
+    def positions(self, rows: np.ndarray, nodes: np.ndarray, by_prefix: Any = None, joining: Any = None) -> np.ndarray:
+        """Prompt positions a prefill of ``rows`` joining rows computes at each padded length of
+        ``nodes [..., Q]``: :meth:`computed_rows`, and each shared prefix once."""
+        computed = self.computed_rows(rows)[..., None]
+        return self.cm.layer_rows("prefill", computed, nodes, self.workload.prefix_tokens,
+                                  self.prefix_groups(rows, by_prefix, joining)[..., None]) * nodes
+
+    def _prefix_first(self) -> bool:
+        """Whether a full block's prefill computes fewer positions with its prompts sorted by
+        prefix (batches of few prefixes, any length) than by length (each batch meets most)."""
+        w, pol = self.workload, self.policy
+        if w.prefix_groups <= 1 or not w.prefix_tokens or pol.nb < 2:
+            return False
+        rows = np.full(pol.nb, float(pol.gbs))
+        by_length = self.positions(rows, self.prompt_nodes(np.cumsum(rows), np.full(pol.nb, rows.sum())), False)
+        return bool(np.sum(self.positions(rows, self.prompt_nodes(rows, rows), True)) < np.sum(by_length))
+
+    def prefill(self, rows: np.ndarray, nodes: np.ndarray, weight: np.ndarray, by_prefix: Any = None,
+                joining: Any = None) -> BlockStep:
         """Expected prefill of GPU batches with ``rows`` each ([..., nb]); ``weight`` = P(batch runs).
 
-        ``nodes`` [..., nb, Q] are quadrature nodes of each batch's padded prompt length.
+        ``nodes`` [..., nb, Q] are quadrature nodes of each batch's padded prompt length;
+        ``by_prefix``, ``joining``: see :meth:`prefix_groups`.
         """
         r = rows[..., None]
         computed = self.computed_rows(rows)
         c = computed[..., None]
         cm = self.cm
-        bt = cm.batch_terms("prefill", r, nodes, self.placement, computed=c, prefix=self.workload.prefix_tokens)
+        bt = cm.batch_terms("prefill", r, nodes, self.placement, computed=c, prefix=self.workload.prefix_tokens,
+                            prefix_groups=self.prefix_groups(rows, by_prefix, joining)[..., None])
         shape = nodes.shape
         terms = StepTerms(*(np.mean(np.broadcast_to(v, shape), axis=-1) for v in bt.as_dict().values()))
         head = np.mean(np.broadcast_to(cm.head_seconds("prefill", c, nodes), shape), axis=-1)
         block = 1.0 - np.prod(1.0 - weight, axis=-1)
-        tokens = np.sum(weight * self.positions(rows, nodes).mean(axis=-1), axis=-1) / np.maximum(block, 1e-300)
+        tokens = (np.sum(weight * self.positions(rows, nodes, by_prefix, joining).mean(axis=-1), axis=-1)
+                  / np.maximum(block, 1e-300))
         return cm.combine(terms, head, self.placement, weight, np.minimum(block, 1.0), tokens=tokens)
 
     def decode_conditional(self, rows: np.ndarray, p: np.ndarray, context: np.ndarray) -> tuple[BlockStep, np.ndarray]:
@@ -213,7 +246,7 @@ class _Analytic:
             rows = np.clip(m - gbs * np.arange(nb), 0, gbs).astype(float)
             cum = np.cumsum(rows)
             on = (rows > 0).astype(float)
-            if pol.bucket:
+            if self.bucketed:
                 rank, total = cum, np.full(nb, float(m))
                 lo, hi = (cum - rows) / m, cum / m
             else:
@@ -226,12 +259,13 @@ class _Analytic:
             # equally likely prefills (bucketed GPU batches rise and fall together; unsorted
             # ones independently, so their quantile levels are staggered).
             level = np.arange(QUADRATURE)[:, None] * np.ones(nb, np.int64)
-            if not pol.bucket:
+            if not self.bucketed:
                 level = (level + (np.arange(nb) * QUADRATURE) // nb) % QUADRATURE
             scenario_len = nodes[np.arange(nb)[None, :], level]  # [Q, nb]
             pre_scenarios = self.cm.block_step("prefill", rows[None, :], scenario_len, self.placement, on,
                                                float(on.any()), computed=self.computed_rows(rows)[None, :],
-                                               prefix=self.workload.prefix_tokens).seconds
+                                               prefix=self.workload.prefix_tokens,
+                                               prefix_groups=self.prefix_groups(rows)[None, :]).seconds
             p = self.surv[u][:, None]  # [S, 1]
             qk = 1.0 - (1.0 - p) ** rows
             a = np.where(qk > 0, rows * p / np.maximum(qk, 1e-300), 0.0)
@@ -328,26 +362,34 @@ class _Analytic:
         f_bar = np.where(runs > 0, gbs * q_u / np.maximum(runs, 1e-300), 1.0)
         order_k = np.arange(nb)[None, :]
         others = gbs * q_u[:, None]
-        if pol.bucket:
-            rank = f_bar[:, None] + order_k * others
-            total = f_bar[:, None] + (nb - 1) * others
-        else:
-            rank = total = f_bar[:, None] * np.ones(nb)
-        nodes = self.prompt_nodes(rank, total)[inv]
+        sorted_rank = (f_bar[:, None] + order_k * others, f_bar[:, None] + (nb - 1) * others)
+        nodes = self.prompt_nodes(*(sorted_rank if pol.bucket else (f_bar[:, None] * np.ones(nb),) * 2))[inv]
         rows = (f_bar[:, None] * np.ones(nb))[inv]
         weight = (runs[:, None] * np.ones(nb))[inv]
+        by_prefix = np.zeros((len(inv), 1), dtype=bool)
+        joining = np.maximum(self.distinct(nb * others), 1.0)[inv]  # expected joiners of a refill, computed
+        if pol.bucket and self.workload.prefix_groups > 1 and self.workload.prefix_tokens:
+            # Each refill's joiners go by prefix or by length, whichever computes fewer positions.
+            any_length = self.prompt_nodes(f_bar[:, None] * np.ones(nb), f_bar[:, None] * np.ones(nb))[inv]
+            def cost(nd: np.ndarray, ordered: bool) -> np.ndarray:
+                return np.sum(weight * self.positions(rows, nd, ordered, joining).mean(axis=-1), axis=-1)
+
+            by_prefix = (cost(any_length, True) < cost(nodes, False))[:, None]
+            nodes = np.where(by_prefix[..., None], any_length, nodes)
         if kept[0] == 0:
             first_rows = np.clip(r_join[0] - gbs * np.arange(nb), 0, gbs)
-            first_rank = np.cumsum(first_rows) if pol.bucket else first_rows
-            first_total = np.full(nb, r_join[0]) if pol.bucket else first_rows
-            rows[0], weight[0] = first_rows, (first_rows > 0)
+            first_rank = np.cumsum(first_rows) if self.bucketed else first_rows
+            first_total = np.full(nb, r_join[0]) if self.bucketed else first_rows
+            rows[0], weight[0], by_prefix[0] = first_rows, (first_rows > 0), self.by_prefix
+            joining[0] = np.sum(self.computed_rows(first_rows))
             nodes[0] = self.prompt_nodes(np.maximum(first_rank, 1e-9), np.maximum(first_total, 1e-9))
-        pre = self.prefill(rows, nodes, weight)
-        padded = float(np.sum(mult * np.sum(weight * self.positions(rows, nodes).mean(axis=-1), axis=1)))
+        pre = self.prefill(rows, nodes, weight, by_prefix, joining)
+        padded = float(np.sum(mult * np.sum(weight * self.positions(rows, nodes, by_prefix, joining).mean(axis=-1),
+                                            axis=1)))
 
         # Decode: active rows per GPU batch and the padded context (prompt band + age).
-        lo = np.arange(nb) / nb if pol.bucket else np.zeros(nb)
-        hi = lo + 1.0 / nb if pol.bucket else np.ones(nb)
+        lo = np.arange(nb) / nb if self.bucketed else np.zeros(nb)
+        hi = lo + 1.0 / nb if self.bucketed else np.ones(nb)
         rows_slot = np.full(nb, float(gbs))
         pj = pk[:, :, None]
         qk = 1.0 - (1.0 - pj) ** rows_slot
@@ -410,7 +452,7 @@ class _Analytic:
         pol = self.policy
         bls, nb, R = pol.block_size, pol.nb, pol.refill_every
         level = np.arange(QUADRATURE)[:, None] * np.ones(nb, np.int64)
-        if not pol.bucket:
+        if not self.bucketed:
             level = (level + (np.arange(nb) * QUADRATURE) // nb) % QUADRATURE
         scen_len = nodes[k][np.arange(nb)[None, :], level]
         scen = self.cm.block_step("prefill", rows[k][None, :], scen_len, self.placement, weight[k], 1.0).seconds
@@ -440,7 +482,7 @@ class _Analytic:
         w = surv_grid / np.maximum(surv_grid.sum(axis=0, keepdims=True), 1e-300)  # [dmax, R]
         xp, pp = self.prompt.pmf()
         cdf_p = np.cumsum(pp)
-        if self.policy.bucket and nb > 1:
+        if self.bucketed and nb > 1:
             spread = np.sqrt(np.clip(lo * (1 - lo), 0, None) / max(joiners, 1.0))
             spread_hi = np.sqrt(np.clip(hi * (1 - hi), 0, None) / max(joiners, 1.0))
             lo, hi = np.clip(lo - spread, 0.0, 1.0), np.clip(hi + spread_hi, 0.0, 1.0)

@@ -102,25 +102,46 @@ QUANT_GROUP = 64
 SHARE_PREFIX_AT_MOST = 0.8
 
 
-def shared_prefix_split(rows: Any, length: Any, prefix: Any, bound: bool = False) -> tuple[Any, Any]:
+def shared_prefix_split(rows: Any, length: Any, prefix: Any, bound: bool = False,
+                        groups: Any = 1.0) -> tuple[Any, Any]:
     """(where the prefix is shared, its length there) for a prefill of ``rows`` distinct prompts
-    (padded ``length``) that all begin with the same ``prefix`` tokens: the engine then computes
-    the prefix once and each row's last ``length - prefix`` columns (each row keeps at least one
-    token), only where that cuts the positions to :data:`SHARE_PREFIX_AT_MOST` or fewer;
-    ``bound``: wherever it cuts them at all (the LP's rate must stay an upper bound)."""
+    (padded ``length``) that begin with ``groups`` distinct prefixes of ``prefix`` tokens: the
+    engine then computes each prefix once and each row's last ``length - prefix`` columns (each
+    row keeps at least one token), only where that cuts the positions to
+    :data:`SHARE_PREFIX_AT_MOST` or fewer; ``bound``: wherever it cuts them at all (the LP's rate
+    must stay an upper bound)."""
     r = np.asarray(rows, dtype=float)
     n = np.maximum(np.asarray(length, dtype=float), 1.0)
     p = np.clip(np.minimum(prefix, n - 1.0), 0.0, None)
     limit = r * n if bound else SHARE_PREFIX_AT_MOST * r * n
-    return (r >= 2) & (p > 0) & (p + r * (n - p) <= limit), p
+    return (r >= 2) & (p > 0) & (groups * p + r * (n - p) <= limit), p
 
 
-def shared_prefix_rows(rows: Any, length: Any, prefix: Any, bound: bool = False) -> Any:
+def shared_prefix_rows(rows: Any, length: Any, prefix: Any, bound: bool = False, groups: Any = 1.0) -> Any:
     """Rows' worth of positions that prefill computes (:func:`shared_prefix_split`)."""
     r = np.asarray(rows, dtype=float)
     n = np.maximum(np.asarray(length, dtype=float), 1.0)
-    use, p = shared_prefix_split(rows, length, prefix, bound)
-    return np.where(use, (p + r * (n - p)) / n, r)
+    use, p = shared_prefix_split(rows, length, prefix, bound, groups)
+    return np.where(use, (groups * p + r * (n - p)) / n, r)
+
+
+def prefix_groups_in_batch(rows: Any, joining: Any, groups: int, ordered: bool = True) -> Any:
+    """Expected distinct prefixes among one GPU batch's ``rows`` prompts when each prompt begins
+    with one of ``groups`` equally likely prefixes (:attr:`Workload.prefix_groups`).
+
+    ``joining`` prompts (every GPU batch's) join in the same step. ``ordered``: the engine sorts
+    them so that prompts beginning alike join one GPU batch (``xrunner.prefix.prefix_order``, under
+    bucketing): the ``G_N`` prefixes that ``N`` joiners hold then lie in runs, and a batch of ``r``
+    consecutive joiners crosses ``(r - 1) (G_N - 1) / (N - 1)`` run boundaries. Not ordered: the
+    batch holds a random ``r`` of them, ``G (1 - (1 - 1/G)^r)`` prefixes."""
+    r = np.maximum(np.asarray(rows, dtype=float), 1.0)
+    if groups <= 1:
+        return np.ones_like(r)
+    seen = lambda k: groups * (1.0 - (1.0 - 1.0 / groups) ** k)  # noqa: E731
+    if not ordered:
+        return seen(r)
+    n = np.maximum(np.asarray(joining, dtype=float), r)
+    return np.minimum(1.0 + (r - 1.0) * (seen(n) - 1.0) / np.maximum(n - 1.0, 1.0), seen(r))
 
 
 def compression_ratio(dtype_bytes: int, bits: int = QUANT_BITS, group: int = QUANT_GROUP) -> float:
@@ -501,9 +522,11 @@ class CostModel:
         return self.layer_matmul_bytes - idle * (spec.expert_params * self.dtype_bytes)
 
     @staticmethod
-    def layer_rows(phase: str, computed: Any, length: Any, prefix: Any) -> Any:
+    def layer_rows(phase: str, computed: Any, length: Any, prefix: Any, prefix_groups: Any = 1.0) -> Any:
         """Rows' worth of positions a layer computes (:func:`shared_prefix_rows` in a prefill)."""
-        return shared_prefix_rows(computed, length, prefix) if phase == "prefill" and np.any(prefix) else computed
+        if phase == "prefill" and np.any(prefix):
+            return shared_prefix_rows(computed, length, prefix, groups=prefix_groups)
+        return computed
 
     @staticmethod
     def step_tokens(phase: str, rows: Any, length: Any) -> Any:
@@ -621,31 +644,33 @@ class CostModel:
         attn = _op_seconds(self.profile, "bmm", attn_flops, kv_read)
         return linear, attn
 
-    def _shared_prefix_parts(self, rows: Any, length: Any, prefix: Any, other_s: Any, attn_s: Any) -> tuple[Any, Any]:
-        """A prefill's (non-attention, attention) seconds where its ``rows`` share a prefix (else
-        ``other_s``, ``attn_s``, the plain layer's): two passes, as the engine runs them (each
-        pays its own read of the layer's weights), the prefix as one row of its own length, then
-        every row's suffix; the suffix's queries attend to the whole padded prompt."""
-        use, p = shared_prefix_split(rows, length, prefix)
+    def _shared_prefix_parts(self, rows: Any, length: Any, prefix: Any, other_s: Any, attn_s: Any,
+                             groups: Any = 1.0) -> tuple[Any, Any]:
+        """A prefill's (non-attention, attention) seconds where its ``rows`` share ``groups``
+        prefixes (else ``other_s``, ``attn_s``, the plain layer's): two passes, as the engine runs
+        them (each pays its own read of the layer's weights), the prefixes as rows of their own
+        length, then every row's suffix; the suffix's queries attend to the whole padded prompt."""
+        use, p = shared_prefix_split(rows, length, prefix, groups=groups)
         if not np.any(use):
             return other_s, attn_s
         n = np.maximum(np.asarray(length, dtype=float), 1.0)
         p = np.maximum(p, 1.0)
         suffix = np.maximum(n - p, 1.0)
-        pre_other, pre_attn = self._compute_parts("prefill", 1.0, p)
+        pre_other, pre_attn = self._compute_parts("prefill", groups, p)
         suf_other, _ = self._compute_parts("prefill", rows, suffix)
         return (np.where(use, pre_other + suf_other, other_s),
                 np.where(use, pre_attn + attn_s * (suffix / n), attn_s))
 
     def batch_terms(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any],
-                    computed: Any = None, prefix: Any = 0) -> StepTerms:
+                    computed: Any = None, prefix: Any = 0, prefix_groups: Any = 1.0) -> StepTerms:
         """One layer for one GPU batch of ``rows`` sequences.
 
         ``length`` is the padded prompt length (prefill) or the padded context ``T`` including
         the token being generated (decode). Rows are split over tiers by the KV (cg/cc/cd) and
         activation (hg/hc/hd) fractions. ``computed`` (prefill): the rows actually computed when
         some repeat a prompt (its samples); every row still moves its own K/V and hidden state.
-        ``prefix`` (prefill): tokens every prompt begins with, computed once (:meth:`_shared_prefix_parts`).
+        ``prefix`` (prefill): tokens every prompt begins with, computed once per distinct prefix
+        (``prefix_groups`` of them in the batch; :meth:`_shared_prefix_parts`).
         """
         if phase not in ("prefill", "decode"):
             raise ValueError(f"unknown phase {phase!r}")
@@ -677,7 +702,7 @@ class CostModel:
         computed = rows if computed is None else computed
         other_s, attn_s = self._compute_parts(phase, computed, length)
         if prefill and np.any(prefix):
-            other_s, attn_s = self._shared_prefix_parts(computed, length, prefix, other_s, attn_s)
+            other_s, attn_s = self._shared_prefix_parts(computed, length, prefix, other_s, attn_s, prefix_groups)
         warm = self._warm_fit
         if not prefill and warm is not None:
             # Never below half the cold time: the saving was measured at one context (the decode
@@ -903,7 +928,8 @@ class CostModel:
         return parallel_groups(terms, self.profile.compute_device, self.overlap)
 
     def block_step(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any], batch_weight: Any,
-                   block_weight: Any, batch_axis: int = -1, computed: Any = None, prefix: Any = 0) -> "BlockStep":
+                   block_weight: Any, batch_axis: int = -1, computed: Any = None, prefix: Any = 0,
+                   prefix_groups: Any = 1.0) -> "BlockStep":
         """A whole prefill or decode step of a block, GPU batches on ``batch_axis``.
 
         ``batch_weight`` says whether (1/0) each GPU batch takes part; ``block_weight`` whether
@@ -911,9 +937,9 @@ class CostModel:
         :meth:`batch_terms`; the head counts computed rows, the experts reached their positions.
         """
         c = rows if computed is None else computed
-        positions = self.step_tokens(phase, self.layer_rows(phase, c, length, prefix), length)
+        positions = self.step_tokens(phase, self.layer_rows(phase, c, length, prefix, prefix_groups), length)
         tokens = np.sum(_times(batch_weight, positions), axis=batch_axis)
-        return self.combine(self.batch_terms(phase, rows, length, placement, computed, prefix),
+        return self.combine(self.batch_terms(phase, rows, length, placement, computed, prefix, prefix_groups),
                             self.head_seconds(phase, c, length), placement, batch_weight, block_weight, batch_axis,
                             tokens)
 

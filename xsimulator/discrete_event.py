@@ -26,7 +26,7 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import BlockStep, CostModel, StepTerms, channel_groups, fits_in
+from xsimulator.costmodel import BlockStep, CostModel, StepTerms, channel_groups, fits_in, shared_prefix_rows
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 from xsimulator.trace import TraceEvent
@@ -45,13 +45,17 @@ class Schedule:
     interval_steps: int  # decode steps per interval (R, or the longest output - 1 when R = 0)
 
 
-def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy) -> Schedule:
+def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_of: np.ndarray | None = None,
+                 prefix: int = 0) -> Schedule:
     """Give queued requests to free slots at each interval start, in queue order.
 
     With ``bucket`` the requests joining together are sorted by prompt length before they fill
-    the free slots in slot order, so each GPU batch gets similar lengths. A request of ``n``
-    output tokens holds its slot for ``max(1, ceil((n - 1) / R))`` intervals (prefill makes the
-    first token, each decode step one more).
+    the free slots in slot order, so each GPU batch gets similar lengths. ``prefix_of[i]``: which
+    of several ``prefix``-token prefixes request ``i``'s prompt begins with; joiners are then
+    sorted by prefix first wherever that computes fewer prefill positions, as the engine does
+    (``xrunner.prefix.prefix_order``). A request of ``n`` output tokens holds its slot for
+    ``max(1, ceil((n - 1) / R))`` intervals (prefill makes the first token, each decode step one
+    more).
     """
     n = len(prompt)
     bls = policy.block_size
@@ -63,6 +67,7 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy) -> Sche
     # Sequential by nature (who gets a slot depends on when earlier requests finish), so this
     # loop does O(1) list operations per request; everything after it is vectorised.
     held_l, prompt_l = held.tolist(), prompt.tolist()
+    of_l = None if prefix_of is None or not prefix else prefix_of.tolist()
     slot_l, join_l = [0] * n, [0] * n
     free_by_interval: dict[int, list[int]] = {0: list(range(min(bls, n)))}  # slots past n stay empty
     pending = [0]
@@ -74,6 +79,8 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy) -> Sche
         ids = range(pos, pos + take)
         if policy.bucket and take > 1:
             ids = sorted(ids, key=prompt_l.__getitem__)
+            if of_l is not None and free[0] // policy.gbs != free[take - 1] // policy.gbs:
+                ids = _prefix_first(ids, free, prompt_l, of_l, prefix, policy.gbs)
         for s, i in zip(free, ids):
             slot_l[i] = s
             join_l[i] = j
@@ -87,6 +94,27 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy) -> Sche
         pos += take
     slot, join = np.array(slot_l, np.int64), np.array(join_l, np.int64)
     return Schedule(slot, join, held, int((join + held).max()), max(steps, 0))
+
+
+def _prefix_first(ids: list[int], free: list[int], prompt_l: list[int], of_l: list[int], prefix: int,
+                  gbs: int) -> list[int]:
+    """Joiners ``ids`` (sorted by length) sorted by their prefix, then length, when that computes
+    fewer prefill positions over the GPU batches they fill (each batch computes each of its
+    prefixes once, where that leaves at most SHARE_PREFIX_AT_MOST of its positions)."""
+    by_prefix = sorted(ids, key=lambda i: (of_l[i], prompt_l[i]))
+
+    def positions(order: list[int]) -> float:
+        batches: dict[int, list[int]] = {}
+        for s, i in zip(free, order):
+            batches.setdefault(s // gbs, []).append(i)
+        total = 0.0
+        for rows in batches.values():
+            lengths = [prompt_l[i] for i in rows]
+            total += float(shared_prefix_rows(len(rows), max(lengths), min(prefix, min(lengths) - 1),
+                                              groups=len({of_l[i] for i in rows}))) * max(lengths)
+        return total
+
+    return by_prefix if positions(by_prefix) < positions(ids) else ids
 
 
 @dataclass(frozen=True)
@@ -104,11 +132,13 @@ class Timeline:
     start_s: np.ndarray  # [J] interval start times
     latency_s: np.ndarray  # [N]
     prefix: Any = 0  # [nb, J] leading tokens the prompts of each prefill cell share (or one number for all)
+    prefix_groups: Any = 1  # [nb, J] distinct prefixes among each cell's prompts (or one number for all)
 
     @property
     def prefill_positions(self) -> np.ndarray:
         """[nb, J] prompt positions each prefill cell computes (padding, shared prefixes once)."""
-        return CostModel.layer_rows("prefill", self.prefill_computed, self.prefill_len, self.prefix) * self.prefill_len
+        return CostModel.layer_rows("prefill", self.prefill_computed, self.prefill_len, self.prefix,
+                                    self.prefix_groups) * self.prefill_len
 
     @property
     def wall_s(self) -> float:
@@ -116,16 +146,18 @@ class Timeline:
 
 
 def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np.ndarray,
-                   group: np.ndarray | None = None, prefix: int = 0) -> Timeline:
+                   group: np.ndarray | None = None, prefix: int = 0, prefix_of: np.ndarray | None = None) -> Timeline:
     """Simulate the requests (in queue order) under ``policy`` and price every step.
 
     ``group[i]``: the prompt request ``i`` is a sample of (:meth:`Workload.prompt_groups`); the
     rows of one group that join one GPU batch in one interval are computed once in prefill.
     ``prefix``: leading tokens all prompts share (:attr:`Workload.prefix_tokens`), computed once
     per GPU batch's prefill (:meth:`CostModel._shared_prefix_parts`); a cell's shortest prompt
-    keeps at least one token of its own, as in the engine.
+    keeps at least one token of its own, as in the engine. ``prefix_of[i]``: which of several
+    such prefixes request ``i``'s prompt begins with (:meth:`Workload.prefix_ids`); each cell
+    computes each of its prefixes once, after the joiners are ordered as in :func:`assign_slots`.
     """
-    sched = assign_slots(prompt, output, policy)
+    sched = assign_slots(prompt, output, policy, prefix_of, prefix)
     J, S = sched.num_intervals, sched.interval_steps
     nb, gbs = policy.nb, policy.gbs
     batch = sched.slot // gbs
@@ -144,6 +176,10 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
         shortest = np.full(nb * J, np.iinfo(np.int64).max)
         np.minimum.at(shortest, cell, prompt)
         prefix = np.minimum(prefix, shortest.reshape(nb, J) - 1)
+    groups: Any = 1
+    if prefix_of is not None and np.any(prefix):
+        pairs = np.unique(np.stack((cell, np.asarray(prefix_of, np.int64))), axis=1)[0]  # one per (cell, prefix)
+        groups = np.maximum(np.bincount(pairs, minlength=nb * J).reshape(nb, J), 1)
 
     # Decode on the global step axis g = interval * S + (u - 1): a request is active from the
     # first step of its join interval for output - 1 steps. Active rows come from +1/-1
@@ -166,7 +202,7 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     else:  # (rows, computed, length) triples: priced cell by cell, not from a table of pairs
         on = prefill_rows > 0
         pre = cm.block_step("prefill", prefill_rows, prefill_len, placement, on, np.logical_or.reduce(on, axis=0),
-                            batch_axis=0, computed=computed, prefix=prefix)
+                            batch_axis=0, computed=computed, prefix=prefix, prefix_groups=groups)
     dec = price_steps(cm, "decode", decode_rows, decode_len, placement)
 
     # Completion times: a request ends with the decode step that makes its last token.
@@ -179,7 +215,7 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     finish = start[last] + pre.seconds[last] + cum_step[last, u_last]
     latency = finish - start[sched.join]
     return Timeline(sched, pre, dec, prefill_rows, computed, prefill_len, decode_rows, decode_len, start, latency,
-                    prefix)
+                    prefix, groups)
 
 
 def range_max(n: int, lo: np.ndarray, hi: np.ndarray, value: np.ndarray) -> np.ndarray:
@@ -333,7 +369,8 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
         prompt, output = check_requests(*requests)
     cm = CostModel.for_policy(spec, profile, policy)
     tl = build_timeline(cm, policy, prompt, output, workload.prompt_groups(len(prompt)) if workload.samples > 1
-                        else None, workload.prefix_tokens)
+                        else None, workload.prefix_tokens,
+                        workload.prefix_ids(len(prompt), seed) if workload.prefix_groups > 1 else None)
     p99_len = workload.output.percentile(0.99)
     result = summarize(
         cm, policy, workload, method="discrete-event", profile=profile, num_requests=len(prompt),
