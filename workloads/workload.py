@@ -109,10 +109,12 @@ class Workload(Contract):
         return np.arange(n, dtype=np.int64) // self.samples
 
     def prefix_ids(self, n: int, seed: int = 0) -> np.ndarray:
-        """Which of the ``prefix_groups`` prefixes each of ``n`` requests' prompt begins with,
-        drawn uniformly per prompt (a prompt's samples share it); same seed, same draw."""
+        """Which of the ``prefix_groups`` prefixes each of ``n`` requests' prompt begins with:
+        each prefix as often as the others (to one prompt), in random order (a prompt's samples
+        share it); same seed, same draw."""
+        prompts = -(-n // self.samples)
         rng = np.random.default_rng([seed, self.prefix_groups])
-        return rng.integers(self.prefix_groups, size=-(-n // self.samples))[self.prompt_groups(n)]
+        return rng.permutation(np.arange(prompts) % self.prefix_groups)[self.prompt_groups(n)]
 
     @property
     def max_context(self) -> int:
