@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.groups > 1:
             jobs = {"by prefix": jobs["shared"], "length order": (distinct, True, False),
                     "not shared": jobs["not shared"]}
-            what = what.replace("one ", f"one of {args.groups} ").replace("-token", "+-10%-token")
+            what = what.replace("one ", f"one of {args.groups} ").replace("-token system prompt",
+                                                                           "-token (+-10%) system prompts")
     else:
         jobs = {"repeated": (requests(args, True, spec.vocab_size), True, True),
                 "distinct": (requests(args, False, spec.vocab_size), True, True)}

@@ -29,7 +29,7 @@ from workloads.workload import sorted_neighbours
 from xrunner.model import Rope, Weights, attention, attn_in, attn_out_mlp
 from xsimulator.costmodel import SHARE_PREFIX_AT_MOST
 
-# Grouping thresholds ``prefix_order`` tries per block (each costs one grouping of every GPU batch).
+# Grouping thresholds ``prefix_order`` tries per block (each costs two groupings of every GPU batch).
 ORDER_CANDIDATES = 12
 
 
@@ -93,7 +93,8 @@ def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int]) -> l
     Length order cuts padding but scatters prompts that begin alike over every GPU batch, where
     each batch computes each prefix again (a job mixing a few task templates or system prompts).
     A candidate order keeps runs of prompts that share at least ``tau`` leading tokens together
-    (sorted by length inside a run); the one computing the fewest positions
+    (sorted by length inside a run), the runs in token order or by their mean length (runs of
+    like lengths then meet where a batch holds two); the one computing the fewest positions
     (:func:`prefill_positions`, summed over the batches) wins, if it beats length order.
     """
     m = len(prompts)
@@ -118,10 +119,13 @@ def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int]) -> l
                 runs[-1].append(i)
             else:
                 runs.append([i])
-        order = [i for run in runs for i in sorted(run, key=lambda i: (len(prompts[i]), i))]
-        c = cost(order)
-        if c < best_cost:
-            best, best_cost = order, c
+        runs = [sorted(run, key=lambda i: (len(prompts[i]), i)) for run in runs]
+        by_length = sorted(runs, key=lambda run: sum(len(prompts[i]) for i in run) / len(run))
+        for arrangement in (runs, by_length):
+            order = [i for run in arrangement for i in run]
+            c = cost(order)
+            if c < best_cost:
+                best, best_cost = order, c
     return best
 
 

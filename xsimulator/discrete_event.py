@@ -98,10 +98,14 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
 
 def _prefix_first(ids: list[int], free: list[int], prompt_l: list[int], of_l: list[int], prefix: int,
                   gbs: int) -> list[int]:
-    """Joiners ``ids`` (sorted by length) sorted by their prefix, then length, when that computes
-    fewer prefill positions over the GPU batches they fill (each batch computes each of its
-    prefixes once, where that leaves at most SHARE_PREFIX_AT_MOST of its positions)."""
-    by_prefix = sorted(ids, key=lambda i: (of_l[i], prompt_l[i]))
+    """Joiners ``ids`` (sorted by length) sorted by their prefix (the prefixes in turn, or by
+    their joiners' mean length), then length, when that computes fewer prefill positions over
+    the GPU batches they fill (each batch computes each of its prefixes once, where that leaves
+    at most SHARE_PREFIX_AT_MOST of its positions): the engine's candidates."""
+    members: dict[int, list[int]] = {}
+    for i in ids:
+        members.setdefault(of_l[i], []).append(prompt_l[i])
+    mean = {g: sum(v) / len(v) for g, v in members.items()}
 
     def positions(order: list[int]) -> float:
         batches: dict[int, list[int]] = {}
@@ -114,7 +118,9 @@ def _prefix_first(ids: list[int], free: list[int], prompt_l: list[int], of_l: li
                                               groups=len({of_l[i] for i in rows}))) * max(lengths)
         return total
 
-    return by_prefix if positions(by_prefix) < positions(ids) else ids
+    orders = [sorted(ids, key=lambda i: (of_l[i], prompt_l[i])),
+              sorted(ids, key=lambda i: (mean[of_l[i]], of_l[i], prompt_l[i]))]
+    return min([ids] + orders, key=positions)  # length order where no other is cheaper
 
 
 @dataclass(frozen=True)
