@@ -362,8 +362,9 @@ def _run(args: argparse.Namespace) -> int:
         prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
         shared, groups = shared_prefix(prompt_ids)
         planned = plan.workload
-        tokens_differ = abs(shared - planned.prefix_tokens) > max(16, 0.1 * sum(map(len, prompt_ids)) / len(prompt_ids))
-        groups_differ = shared > 0 and max(groups, planned.prefix_groups) > 2 * min(groups, planned.prefix_groups)
+        worth = max(16, 0.1 * sum(map(len, prompt_ids)) / len(prompt_ids))  # shared tokens that change a price
+        tokens_differ = abs(shared - planned.prefix_tokens) > worth
+        groups_differ = shared > worth and max(groups, planned.prefix_groups) > 2 * min(groups, planned.prefix_groups)
         if tokens_differ or groups_differ:
             among = lambda g: f", one of {g} prefixes" if g > 1 else ""  # noqa: E731
             warnings.warn(f"the job's prompts begin with {shared} tokens they share (mean){among(groups)}, the plan's "
