@@ -60,6 +60,7 @@ BAD_INPUT = [
     (["--workload", "T", "--policy", POLICY, "--requests", "0"], "--requests: must be from 1 to 10,000,000, got 0"),
     (["--workload", "T", "--policy", POLICY, "--samples", "0"], "--samples: must be a whole number >= 1, got 0"),
     (["--workload", "T", "--policy", POLICY, "--prefix-groups", "0"], "--prefix-groups: must be a whole number >= 1"),
+    (["--workload", "T", "--policy", POLICY, "--prefix-groups", "x"], "--prefix-groups: must be a whole number, got 'x'"),
     # 3e7 requests was a MemoryError traceback under a 4 GB limit (review)
     (["--workload", "T", "--policy", POLICY, "--requests", "30000000"], "--requests: must be from 1 to 10,000,000"),
     (["--workload", "T", "--policy", '{"gbs": 8, "nb": 2, "wg": 0.5, "wc": 0.4, "wd": 0}'], "sum to 0.9"),

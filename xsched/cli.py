@@ -37,9 +37,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"xsched: error: {message}; see `{self.prog} --help`\n")
 
 
+def whole_number(text: str) -> int:
+    """An integer option's value; not one: argparse's "invalid <function name> value" said less."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+
+
 def seed_arg(text: str) -> int:
     """``--seed``: numpy's generators take only seeds >= 0, torch's only seeds below 2**64."""
-    value = int(text)
+    value = whole_number(text)
     if not 0 <= value < 2**64:
         raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
     return value
@@ -87,7 +95,7 @@ PREFIX_GROUPS_HELP = ("distinct prefixes of --prefix-tokens tokens that the prom
 
 def prefix_arg(text: str) -> int:
     """``--prefix-tokens``: a whole number >= 0."""
-    value = int(text)
+    value = whole_number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {value}")
     return value
@@ -95,7 +103,7 @@ def prefix_arg(text: str) -> int:
 
 def samples_arg(text: str) -> int:
     """``--samples``: outputs per prompt, a whole number >= 1."""
-    value = int(text)
+    value = whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
     return value
@@ -103,7 +111,7 @@ def samples_arg(text: str) -> int:
 
 def requests_arg(text: str) -> int:
     """``--requests``: a job size the simulator can price, 1 to ``MAX_REQUESTS``."""
-    value = int(text)
+    value = whole_number(text)
     if not 1 <= value <= MAX_REQUESTS:
         raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_REQUESTS:,}, got {value}")
     return value
