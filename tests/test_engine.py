@@ -1196,6 +1196,39 @@ def test_smollm2_chat_prompts_offloaded_match_reference(tmp_path):
         assert stats.peak_bytes[tier] <= stats.planned_peak_bytes[tier]
 
 
+@pytest.mark.slow  # ~60 s on 2 cores, 20 of them building the tokenizer from the GGUF
+def test_smollm2_prompts_behind_two_system_messages_share_them_and_match_reference(tmp_path):
+    """Real weights and tokenizer: six chat questions, each behind one of two system messages,
+    alternating in the queue. With bucketing the engine orders them by system message (two GPU
+    batches of three), computes each batch's prefix once, and every request equals the model
+    core's loop (greedy); length order and no sharing compute more positions for the same tokens."""
+    from xrunner.cli import encode_prompt
+    from xrunner.loaders import default_model_path, open_model
+
+    gguf = open_model(default_model_path())
+    tok = gguf.tokenizer()
+    weights = load_weights(gguf)
+    src = InMemorySource(weights)
+    systems = ["You are a terse assistant. Answer in one short sentence, with no preamble and no lists.",
+               "You are a patient tutor for children. Explain with a small everyday example and kind words."]
+    questions = ["What is the capital of France?", "Name three primary colors.", "Who wrote Hamlet?",
+                 "Why is the sky blue?", "What do bees make?", "How many legs does a spider have?"]
+    reqs = [Request(f"q{i}", tuple(encode_prompt(tok, [("system", systems[i % 2]), ("user", q)], chat=True)), 6)
+            for i, q in enumerate(questions)]
+    want = {r.id: generate(weights, [r.prompt_ids], r.max_new_tokens).tokens[0] for r in reqs}
+    policy = Policy(gbs=3, nb=2)
+    max_prompt = max(len(r.prompt_ids) for r in reqs)
+    positions = {}
+    for name, kw in (("ordered", {}), ("length order", dict(order_by_prefix=False)),
+                     ("not shared", dict(share_prefixes=False))):
+        got = {}
+        with Engine(src, policy, max_prompt=max_prompt, max_output=6, offload_dir=tmp_path, **kw) as eng:
+            stats = eng.run(reqs, on_finished=lambda fs: got.update({f.id: list(f.output_ids) for f in fs}))
+        assert got == want, name
+        positions[name] = stats.padded_prompt_tokens
+    assert positions["ordered"] < positions["length order"] < positions["not shared"], positions
+
+
 def test_long_refill_job_compacts_kv_columns_on_every_tier(tmp_path, monkeypatch):
     """With refill a GPU batch outlives its requests; when its columns reach capacity they shift left."""
     src = RandomSource(LLAMA, seed=11)
