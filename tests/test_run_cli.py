@@ -495,6 +495,32 @@ def test_the_simulated_column_prices_the_placement_the_engine_runs(tmp_path):
     assert got.policy == placed and got.peak_bytes == want.peak_bytes
 
 
+def test_the_simulated_column_prices_the_prefixes_the_jobs_prompts_share(tmp_path, capsys):
+    """Prompts behind one of two 40-token system prompts, alternating, under a plan priced without
+    any shared prefix: the run's like-for-like simulation takes the prefixes from the prompts
+    themselves (the tokens they share, and which prompt begins with which), so its prefill
+    positions are the engine's to within 5%; the plan's workload would price 1.5x as many."""
+    from xprofiler.presets import load_profile
+    from xrunner.result import RunResult
+    from xrunner.run_cli import simulate_job
+    from xscheduler.plan import Plan
+    from xsimulator.policy import Policy
+
+    rng = np.random.default_rng(8)
+    systems = [rng.integers(4, 50000, size=40).tolist() for _ in range(2)]
+    rows = [{"id": i, "prompt_ids": systems[i % 2] + rng.integers(4, 50000, size=int(rng.integers(2, 12))).tolist(),
+             "max_new_tokens": 3} for i in range(16)]
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    plan = make_plan(tmp_path / "plan.json", random_spec(), Policy(gbs=4, nb=2), 52, 3)
+    with pytest.warns(UserWarning, match="begin with"):
+        assert main(["run", "--plan", str(plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--out",
+                     str(tmp_path / "out.jsonl"), "--quiet", "--adapt", "none", "--ignore-eos", "--json"]) == 0
+    result = RunResult.from_json(capsys.readouterr().out)
+    assert result.simulated.padded_prompt_tokens == pytest.approx(result.padded_prompt_tokens, rel=0.05)
+    guess = simulate_job(Plan.load(plan), load_profile("t4"), [len(r["prompt_ids"]) for r in rows], [3] * 16)
+    assert guess.padded_prompt_tokens > 1.5 * result.padded_prompt_tokens
+
+
 def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
     ok = write_prompts(tmp_path / "ok.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7]}])
     bad_json = tmp_path / "bad.jsonl"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import math
 import os
@@ -237,24 +238,33 @@ def read_request_lengths(path: Path, count_tokens: Callable[..., int | Sequence[
 
 
 def shared_prefix(prompts: Sequence[Sequence[int]]) -> tuple[int, int]:
-    """(:attr:`Workload.prefix_tokens`, :attr:`Workload.prefix_groups`) of a job.
+    """(:attr:`Workload.prefix_tokens`, :attr:`Workload.prefix_groups`) of a job (:func:`prefix_runs`)."""
+    tokens, runs = prefix_runs(prompts)
+    return tokens, max(runs, default=0) + 1
+
+
+def prefix_runs(prompts: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
+    """A job's shared leading tokens and which prefix each prompt begins with.
 
     Tokens: the mean, over its prompts, of the leading tokens a prompt shares with another (each
     kept below its own length: the runner computes a prompt's last token itself). One system
     prompt before every question gives its length; a job mixing a few gives about theirs, where
-    the tokens all prompts share would give only the template's. Groups: the runs of prompts
-    (sorted by their tokens) whose neighbours share at least half that mean; a prompt that shares
-    nothing is a run of its own, as the runner computes it."""
+    the tokens all prompts share would give only the template's. Prefixes: the runs of prompts
+    (sorted by their tokens) whose neighbours share at least half that mean, numbered 0, 1, ...;
+    a prompt that shares nothing is a run of its own, as the runner computes it. No shared
+    tokens: one run."""
+    runs = [0] * len(prompts)
     if len(prompts) < 2:
-        return 0, 1
+        return 0, runs
     order, common = sorted_neighbours(prompts)
     best = [0] * len(prompts)
     for a, b, c in zip(order, order[1:], common):
         best[a], best[b] = max(best[a], c), max(best[b], c)
     tokens = round(sum(min(c, len(p) - 1) for c, p in zip(best, prompts)) / len(prompts))
-    if tokens == 0:
-        return 0, 1
-    return tokens, 1 + sum(c < max(1, tokens / 2) for c in common)
+    if tokens:
+        for i, c in zip(order[1:], itertools.accumulate(int(c < max(1, tokens / 2)) for c in common)):
+            runs[i] = c
+    return tokens, runs
 
 
 def sorted_neighbours(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:

@@ -458,7 +458,8 @@ def _run(args: argparse.Namespace) -> int:
 
     ran = [(i, key) for i, key in pending if key in output_len]  # in the order the engine took them
     simulated = None if stats.reconfigurations or profile is None else simulate_job(
-        plan, profile, [len(prompt_ids[i]) for i, _ in ran], [output_len[key] for _, key in ran])
+        plan, profile, [len(prompt_ids[i]) for i, _ in ran], [output_len[key] for _, key in ran],
+        [prompt_ids[i] for i, _ in ran])
     result = build_run_result(model=source.spec.name, policy=plan.policy, device=device, dtype=source.spec.dtype,
                               stats=stats, latencies_s=latencies, num_stopped_on_eos=eos[0],
                               num_skipped=len(units) - len(pending), capacity_bytes=capacity,
@@ -536,20 +537,33 @@ def _plan_profile(plan: Any, profile_arg: str | None) -> tuple[Any, Any]:
         return None, exc
 
 
-def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_lens: Sequence[int]) -> Any:
+def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_lens: Sequence[int],
+                 prompts: Sequence[Sequence[int]] | None = None) -> Any:
     """The simulator's prediction for exactly the requests a job ran (in the order it ran them,
     output lengths as generated), with the plan's policy as the engine placed it (whole layers and
-    rows) on the plan's profile; None for no requests."""
+    rows) on the plan's profile; None for no requests. ``prompts`` (their token ids): price the
+    prefixes they share, and which each begins with (``prefix_runs``), not the plan's guess."""
+    from dataclasses import replace
+
     import numpy as np
 
+    from workloads.workload import prefix_runs
     from xrunner.engine import rounded_policy
     from xsimulator.discrete_event import simulate
 
     if not prompt_lens:
         return None
     workload = covering(plan, max(prompt_lens), max(output_lens)).workload  # memory for the job's longest
+    prefix_of = None
+    if prompts is not None:  # a prompt's samples are one prompt: its repeats would read as a shared prefix
+        distinct = list(dict.fromkeys(tuple(p) for p in prompts))
+        tokens, runs = prefix_runs(distinct)
+        run_of = dict(zip(distinct, runs))
+        workload = replace(workload, prefix_tokens=tokens, prefix_groups=max(runs, default=0) + 1)
+        prefix_of = [run_of[tuple(p)] for p in prompts]
     return simulate(plan.model, profile, rounded_policy(plan.policy, plan.model.num_layers), workload,
-                    requests=(np.asarray(prompt_lens, np.int64), np.asarray(output_lens, np.int64)))
+                    requests=(np.asarray(prompt_lens, np.int64), np.asarray(output_lens, np.int64)),
+                    prefix_of=prefix_of)
 
 
 def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float], profile: Any, no_profile: Any,

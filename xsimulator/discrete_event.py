@@ -356,27 +356,36 @@ def check_requests(prompt: Any, output: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def simulate(spec: ModelSpec, profile: HardwareProfile, policy: Policy, workload: Workload,
              num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
-             requests: tuple[Any, Any] | None = None) -> SimResult:
+             requests: tuple[Any, Any] | None = None, prefix_of: Any = None) -> SimResult:
     """Discrete-event prediction for ``num_requests`` requests sampled from ``workload``.
 
-    ``requests = (prompt_lens, output_lens)`` simulates exactly those requests instead.
+    ``requests = (prompt_lens, output_lens)`` simulates exactly those requests instead, and
+    ``prefix_of`` (one per request) says which of the workload's ``prefix_groups`` prefixes each
+    begins with (a job's own, ``workloads.workload.prefix_runs``; default: drawn by
+    :meth:`Workload.prefix_ids`).
     """
-    result, _ = simulate_timeline(spec, profile, policy, workload, num_requests, seed, requests)
+    result, _ = simulate_timeline(spec, profile, policy, workload, num_requests, seed, requests, prefix_of)
     return result
 
 
 def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy, workload: Workload,
                       num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
-                      requests: tuple[Any, Any] | None = None) -> tuple[SimResult, Timeline]:
+                      requests: tuple[Any, Any] | None = None,
+                      prefix_of: Any = None) -> tuple[SimResult, Timeline]:
     """Like :func:`simulate`, also returning the :class:`Timeline` (for traces and tests)."""
     if requests is None:
         prompt, output = workload.sample(num_requests, seed)
     else:
         prompt, output = check_requests(*requests)
+    if prefix_of is not None:
+        prefix_of = np.asarray(prefix_of, np.int64)
+        if prefix_of.shape != prompt.shape:
+            raise UserError(f"prefix_of gives {prefix_of.size} prefixes for {prompt.size} requests")
+    elif workload.prefix_groups > 1:
+        prefix_of = workload.prefix_ids(len(prompt), seed)
     cm = CostModel.for_policy(spec, profile, policy)
     tl = build_timeline(cm, policy, prompt, output, workload.prompt_groups(len(prompt)) if workload.samples > 1
-                        else None, workload.prefix_tokens,
-                        workload.prefix_ids(len(prompt), seed) if workload.prefix_groups > 1 else None)
+                        else None, workload.prefix_tokens, prefix_of)
     p99_len = workload.output.percentile(0.99)
     result = summarize(
         cm, policy, workload, method="discrete-event", profile=profile, num_requests=len(prompt),
