@@ -98,8 +98,8 @@ def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int]) -> l
     (:func:`prefill_positions`, summed over the batches) wins, if it beats length order.
     """
     m = len(prompts)
-    if m < 2 or len(set(batch_of)) < 2:
-        return None  # one GPU batch: its prefill groups whatever order its rows come in
+    if not 1 < len(set(batch_of)) < m:
+        return None  # one GPU batch groups whatever order its rows come in; one row per batch shares nothing
 
     def cost(order: Sequence[int]) -> int:
         cut: dict[int, list[Sequence[int]]] = {}

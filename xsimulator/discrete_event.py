@@ -79,7 +79,8 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
         ids = range(pos, pos + take)
         if policy.bucket and take > 1:
             ids = sorted(ids, key=prompt_l.__getitem__)
-            if of_l is not None and free[0] // policy.gbs != free[take - 1] // policy.gbs:
+            batches = len({s // policy.gbs for s in free[:take]})
+            if of_l is not None and 1 < batches < take:  # one batch, or one joiner per batch: nothing to move
                 ids = _prefix_first(ids, free, prompt_l, of_l, prefix, policy.gbs)
         for s, i in zip(free, ids):
             slot_l[i] = s
@@ -107,20 +108,18 @@ def _prefix_first(ids: list[int], free: list[int], prompt_l: list[int], of_l: li
         members.setdefault(of_l[i], []).append(prompt_l[i])
     mean = {g: sum(v) / len(v) for g, v in members.items()}
 
-    def positions(order: list[int]) -> float:
+    orders = [ids, sorted(ids, key=lambda i: (of_l[i], prompt_l[i])),
+              sorted(ids, key=lambda i: (mean[of_l[i]], of_l[i], prompt_l[i]))]
+    cells: list[tuple[int, int, int, int, int]] = []  # (order, rows, longest, shortest, prefixes) per batch
+    for k, order in enumerate(orders):
         batches: dict[int, list[int]] = {}
         for s, i in zip(free, order):
             batches.setdefault(s // gbs, []).append(i)
-        total = 0.0
-        for rows in batches.values():
-            lengths = [prompt_l[i] for i in rows]
-            total += float(shared_prefix_rows(len(rows), max(lengths), min(prefix, min(lengths) - 1),
-                                              groups=len({of_l[i] for i in rows}))) * max(lengths)
-        return total
-
-    orders = [sorted(ids, key=lambda i: (of_l[i], prompt_l[i])),
-              sorted(ids, key=lambda i: (mean[of_l[i]], of_l[i], prompt_l[i]))]
-    return min([ids] + orders, key=positions)  # length order where no other is cheaper
+        cells += [(k, len(b), max(prompt_l[i] for i in b), min(prompt_l[i] for i in b), len({of_l[i] for i in b}))
+                  for b in batches.values()]
+    which, rows, longest, shortest, groups = np.array(cells).T
+    positions = shared_prefix_rows(rows, longest, np.minimum(prefix, shortest - 1), groups=groups) * longest
+    return orders[int(np.argmin(np.bincount(which, positions)))]  # ties: length order, then the first
 
 
 @dataclass(frozen=True)
