@@ -79,9 +79,8 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
         ids = range(pos, pos + take)
         if policy.bucket and take > 1:
             ids = sorted(ids, key=prompt_l.__getitem__)
-            batches = len({s // policy.gbs for s in free[:take]})
-            if of_l is not None and 1 < batches < take:  # one batch, or one joiner per batch: nothing to move
-                ids = _prefix_first(ids, free, prompt_l, of_l, prefix, policy.gbs)
+            if of_l is not None and 1 < len({s // policy.gbs for s in free[:take]}) < take:
+                ids = _prefix_first(ids, free, prompt_l, of_l, prefix, policy.gbs)  # (else one batch, or one row each)
         for s, i in zip(free, ids):
             slot_l[i] = s
             join_l[i] = j
