@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import io
-import itertools
 import json
 import math
 import os
@@ -262,8 +261,9 @@ def prefix_runs(prompts: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
         best[a], best[b] = max(best[a], c), max(best[b], c)
     tokens = round(sum(min(c, len(p) - 1) for c, p in zip(best, prompts)) / len(prompts))
     if tokens:
-        for i, c in zip(order[1:], itertools.accumulate(int(c < max(1, tokens / 2)) for c in common)):
-            runs[i] = c
+        for k, run in enumerate(neighbour_runs(order, common, max(1, tokens / 2))[0]):
+            for i in run:
+                runs[i] = k
     return tokens, runs
 
 
@@ -273,6 +273,20 @@ def sorted_neighbours(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list
     seqs = [list(p) for p in prompts]
     order = sorted(range(len(seqs)), key=seqs.__getitem__)
     return order, [len(os.path.commonprefix([seqs[a], seqs[b]])) for a, b in zip(order, order[1:])]
+
+
+def neighbour_runs(order: Sequence[int], common: Sequence[int], tau: float) -> tuple[list[list[int]], list[int]]:
+    """:func:`sorted_neighbours`' ``order`` cut into runs whose neighbours share at least ``tau``
+    leading tokens, and the tokens each run's prompts all share (-1 for a run of one)."""
+    runs, shared = [[order[0]]], [-1]
+    for c, i in zip(common, order[1:]):
+        if c >= tau:
+            runs[-1].append(i)
+            shared[-1] = c if shared[-1] < 0 else min(shared[-1], c)
+        else:
+            runs.append([i])
+            shared.append(-1)
+    return runs, shared
 
 
 def request_copies(row: dict[str, Any], where: str) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from xprofiler.specs import ModelSpec
-from workloads.workload import sorted_neighbours
+from workloads.workload import neighbour_runs, sorted_neighbours
 from xrunner.model import Rope, Weights, attention, attn_in, attn_out_mlp
 from xsimulator.costmodel import SHARE_PREFIX_AT_MOST
 
@@ -113,13 +113,7 @@ def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int]) -> l
         taus = [taus[i] for i in np.linspace(0, len(taus) - 1, ORDER_CANDIDATES).round().astype(int)]
     best, best_cost = None, cost(range(m))
     for tau in taus:
-        runs = [[sorted_order[0]]]
-        for c, i in zip(common, sorted_order[1:]):
-            if c >= tau:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        runs = [sorted(run, key=lambda i: (len(prompts[i]), i)) for run in runs]
+        runs = [sorted(run, key=lambda i: (len(prompts[i]), i)) for run in neighbour_runs(sorted_order, common, tau)[0]]
         by_length = sorted(runs, key=lambda run: sum(len(prompts[i]) for i in run) / len(run))
         for arrangement in (runs, by_length):
             order = [i for run in arrangement for i in run]
@@ -139,14 +133,7 @@ def _grouping(prompts: Sequence[Sequence[int]]) -> tuple[int, list[list[int]], l
     order, common = sorted_neighbours(prompts)
     best: tuple[int, list[list[int]], list[int]] | None = None
     for tau in sorted({c for c in common if c > 0}):
-        runs, shared = [[order[0]]], [P]
-        for c, i in zip(common, order[1:]):
-            if c >= tau:
-                runs[-1].append(i)
-                shared[-1] = min(shared[-1], c)
-            else:
-                runs.append([i])
-                shared.append(P)
+        runs, shared = neighbour_runs(order, common, tau)
         groups = [(run, min(s, int(n[run].min()) - 1)) for run, s in zip(runs, shared) if len(run) > 1]
         groups = [(run, s) for run, s in groups if s > 0]
         if not groups:
