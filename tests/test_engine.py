@@ -26,7 +26,7 @@ from xrunner.engine import Engine, Request
 from xrunner.generate import generate
 from xrunner.loaders import ModelSource, RandomSource, load_weights
 from xrunner.model import attention, attn_in, attn_out_mlp, embed, layer_ropes
-from xrunner.prefix import plan_prefixes, prefill_layer, prefill_positions, prefix_order
+from xrunner.prefix import block_positions, plan_block, plan_prefixes, prefill_layer, prefix_order
 from xrunner.sampling import SamplingParams
 from xsched.errors import UserError
 from xsimulator.discrete_event import simulate_timeline
@@ -259,13 +259,114 @@ def test_a_layer_with_shared_prefixes_equals_the_plain_layer(spec):
         for layer, (ls, w) in enumerate(zip(spec.layer_specs(), weights.layers)):
             q, k, v = attn_in(ls, w, h, pos, ropes[layer])
             h = attn_out_mlp(ls, w, attention(ls, q, k, v, mask, causal=True), h)
-            h2, k2, v2 = prefill_layer(ls, w, h2, pos, mask, ropes[layer], plan)
+            h2, k2, v2, _ = prefill_layer(ls, w, h2, pos, mask, ropes[layer], plan)
             real = mask[:, None, :, None]
             torch.testing.assert_close(h2[mask], h[mask], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(k2 * real, k * real, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(v2 * real, v * real, atol=1e-4, rtol=1e-4)
         assert plan.positions <= 0.8 * len(prompts) * P
     assert shared >= 6
+
+
+def test_a_block_takes_prefixes_earlier_batches_computed_and_equals_the_plain_layer():
+    """``plan_block`` on random blocks of 2-5 GPU batches behind 1-3 shared heads: a batch takes a
+    prefix only from an earlier batch that holds one beginning with its tokens, never more than
+    ``hold_positions`` are held at once, each is released once after its last taker, and every
+    batch's layer (``prefill_layer`` with the held results) equals the plain layer, layer after
+    layer. Holding nothing takes nothing; with room, later batches compute fewer positions."""
+    spec = LLAMA
+    weights = load_weights(RandomSource(spec, seed=6))
+    ropes = layer_ropes(spec, 64)
+    rng = random.Random(9)
+    taken_total = 0
+    for trial in range(16):
+        heads = [tuple(rng.randrange(spec.vocab_size) for _ in range(rng.randint(4, 12))) for _ in range(rng.randint(1, 3))]
+        batches = [[rng.choice(heads) + tuple(rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, 5)))
+                    for _ in range(rng.randint(2, 4))] for _ in range(rng.randint(2, 5))]
+        hold = rng.choice([8, 12, 40])
+        plans = plan_block(batches, hold)
+        assert all(src is None for pl in plan_block(batches, 0) if pl for src in pl.sources)
+        assert block_positions(batches, hold) == sum(
+            pl.positions if pl else len(b) * max(map(len, b)) for b, pl in zip(batches, plans))
+        assert block_positions(batches, hold) <= block_positions(batches, 0)
+        live: dict[int, tuple[int, ...]] = {}
+        released: set[int] = set()
+        for b, pl in zip(batches, plans):
+            if pl is None:
+                continue
+            for g, src in enumerate(pl.sources):
+                key = tuple(b[pl.reps[g]][:pl.lengths[g]])
+                if src is not None:
+                    assert live[src][:len(key)] == key
+                    taken_total += 1
+            for g, ident in pl.lends:
+                live[ident] = tuple(b[pl.reps[g]][:pl.lengths[g]])
+            assert sum(map(len, live.values())) <= hold
+            for ident in pl.releases:
+                assert ident not in released
+                released.add(ident)
+                del live[ident]
+        assert not live
+        # Each batch through every layer, the held results passed from batch to batch.
+        states = []
+        for b in batches:
+            P = max(map(len, b))
+            ids, mask = torch.zeros((len(b), P), dtype=torch.long), torch.zeros((len(b), P), dtype=torch.bool)
+            for i, p in enumerate(b):
+                ids[i, P - len(p):], mask[i, P - len(p):] = torch.tensor(p), True
+            pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            h = embed(spec, weights.head, ids, pos)
+            states.append([h, h, pos, mask])
+        for layer, (ls, w) in enumerate(zip(spec.layer_specs(), weights.layers)):
+            held = {}
+            for st, pl in zip(states, plans):
+                h, h2, pos, mask = st
+                q, k, v = attn_in(ls, w, h, pos, ropes[layer])
+                st[0] = attn_out_mlp(ls, w, attention(ls, q, k, v, mask, causal=True), h)
+                if pl is None:
+                    st[1] = st[0]
+                    continue
+                st[1], k2, v2, lent = prefill_layer(ls, w, h2, pos, mask, ropes[layer], pl, held=held)
+                held.update(lent)
+                for ident in pl.releases:
+                    del held[ident]
+                real = mask[:, None, :, None]
+                torch.testing.assert_close(st[1][mask], st[0][mask], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(k2 * real, k * real, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(v2 * real, v * real, atol=1e-4, rtol=1e-4)
+            assert not held
+    assert taken_total >= 10
+
+
+def test_later_gpu_batches_take_the_system_prompt_the_first_computed(tmp_path):
+    """One system prompt before twelve questions in four GPU batches: the first batch computes it,
+    the other three take it (``prefixes_across_batches``), so the prefill computes exactly three
+    system prompts' positions fewer than batch by batch, which computes fewer than no sharing.
+    Every request equals the reference loop whatever the placement, overlap or refill, and with a
+    4-bit cache equals the same job computed batch by batch; the held results are all freed."""
+    src = RandomSource(LLAMA, seed=3)
+    rng = random.Random(12)
+    system = tuple(rng.randrange(LLAMA.vocab_size) for _ in range(10))
+    firsts = rng.sample(range(LLAMA.vocab_size), 12)  # no two questions begin alike
+    reqs = [Request(f"q{i}", system + (f,) + tuple(rng.randrange(LLAMA.vocab_size) for _ in range(rng.randint(0, 3))),
+                    rng.randint(1, MAX_OUTPUT)) for i, f in enumerate(firsts)]
+    want = reference(load_weights(src), reqs)
+    for policy in (Policy(gbs=3, nb=4), Policy(gbs=3, nb=4, overlap=False, cg=0.5, cc=0.5, cpu_attention=True),
+                   Policy(gbs=3, nb=4, wg=0.0, wc=0.5, wd=0.5, hg=0.5, hc=0.5, refill_every=2)):
+        got, stats = run_engine(src, policy, reqs, tmp_path)
+        per_batch, batch_stats = run_engine(src, policy, reqs, tmp_path, prefixes_across_batches=False)
+        _, plain = run_engine(src, policy, reqs, tmp_path, share_prefixes=False)
+        assert got == want == per_batch, policy
+        assert stats.padded_prompt_tokens < batch_stats.padded_prompt_tokens < plain.padded_prompt_tokens, policy
+        if not policy.refill_every:  # one prefill of four batches, each behind exactly the system prompt
+            assert stats.padded_prompt_tokens == batch_stats.padded_prompt_tokens - 3 * len(system)
+    compressed = Policy(gbs=3, nb=4, cg=0.5, cc=0.5, compress_cache=True)
+    with Engine(src, compressed, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path) as eng:
+        got = {}
+        stats = eng.run(reqs, on_finished=lambda fs: got.update({f.id: list(f.output_ids) for f in fs}))
+        assert eng.ledger.by_name["gpu", "prefix_held"] == 0  # held, then freed
+    per_batch, _ = run_engine(src, compressed, reqs, tmp_path, prefixes_across_batches=False)
+    assert got == per_batch
 
 
 def test_the_simulator_prices_a_shared_prefix_as_the_engine_computes_it(tmp_path):
@@ -325,7 +426,7 @@ def test_prompts_of_mixed_templates_join_a_gpu_batch_by_template(tmp_path):
 def test_prefix_order_is_a_permutation_that_never_computes_more():
     """``prefix_order`` on random blocks (1-6 templates, or none, before questions of 1-30 tokens,
     cut into 2-4 GPU batches): None or a permutation of the block, and then the batches it cuts
-    compute fewer positions (``prefill_positions``, checked against a count of each batch's
+    compute fewer positions (``block_positions``, checked against a count of each batch's
     distinct prompts x longest where nothing is shared) than length order; with several templates
     it does reorder most blocks, and one GPU batch is never reordered."""
     rng = random.Random(11)
@@ -340,7 +441,7 @@ def test_prefix_order_is_a_permutation_that_never_computes_more():
 
         def cost(order):
             cut = [[prompts[i] for k, i in enumerate(order) if batch_of[k] == b] for b in range(nb)]
-            return sum(prefill_positions(c) for c in cut)
+            return block_positions(cut)
 
         order = prefix_order(prompts, batch_of)
         assert prefix_order(prompts, [0] * len(prompts)) is None
@@ -351,7 +452,7 @@ def test_prefix_order_is_a_permutation_that_never_computes_more():
         reordered += templates > 1
         if not templates:
             first = prompts[:gbs]
-            assert prefill_positions(first, share_prefixes=False) == len(set(first)) * len(first[-1])
+            assert block_positions([first], share_prefixes=False) == len(set(first)) * len(first[-1])
     assert reordered >= 15
 
 
@@ -359,7 +460,7 @@ def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_th
     """512 prompts, each one of G templates before a question, in random order: ``shared_prefix``
     finds G and the templates' length from the token ids, and the discrete-event simulator, told
     so, computes within 7% of the prompt positions that the engine's own ordering and grouping
-    compute block by block (``prefix_order``, ``prefill_positions``), bucketed or not, where
+    compute block by block (``prefix_order``, ``block_positions``), bucketed or not, where
     pricing one prefix for all (G = 1) falls 20-60% short."""
     from workloads.workload import shared_prefix
 
@@ -371,14 +472,14 @@ def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_th
         lengths = np.array([len(p) for p in prompts])
         workload = replace(fixed_workload(int(lengths.mean()), 8), prefix_tokens=tokens, prefix_groups=groups)
         for policy in (Policy(gbs=16, nb=4), Policy(gbs=8, nb=8), Policy(gbs=16, nb=4, bucket=False)):
-            engine = 0
+            engine, hold = 0, int(lengths.max())  # (the engine holds one prompt's worth of prefixes)
             for b in range(0, len(prompts), policy.block_size):
                 block = prompts[b:b + policy.block_size]
                 if policy.bucket:
                     block.sort(key=len)
-                    order = prefix_order(block, [k // policy.gbs for k in range(len(block))])
+                    order = prefix_order(block, [k // policy.gbs for k in range(len(block))], hold)
                     block = block if order is None else [block[i] for i in order]
-                engine += sum(prefill_positions(block[k:k + policy.gbs]) for k in range(0, len(block), policy.gbs))
+                engine += block_positions([block[k:k + policy.gbs] for k in range(0, len(block), policy.gbs)], hold)
             both = (lengths, np.full(len(prompts), 8))
             sim, _ = simulate_timeline(LLAMA, t4_like(), policy, workload, requests=both)
             one, _ = simulate_timeline(LLAMA, t4_like(), policy, replace(workload, prefix_groups=1), requests=both)

@@ -9,7 +9,8 @@ previous batch's. ``policy.overlap=False`` runs the very same tasks inline (abla
 
 Buffers (names and sizes of ``CostModel.memory``), all allocated up front except transients:
 gpu ``weights_home head_weights kv_home act_home weight_stage weight_dequant kv_stage kv_dequant
-act_stage`` + transients ``qkv attention attention_decode mlp logits``; cpu ``weights_home
+act_stage`` + transients ``qkv attention attention_decode mlp logits`` (in a prefill beside
+``prefix_held``, the prefixes later GPU batches take); cpu ``weights_home
 kv_home act_home weight_relay kv_relay act_relay`` + transient ``cpu_attention``; disk
 ``weights_home kv_home act_home``. Placement: weights by whole layers
 (``Policy.layer_counts``), KV cache and hidden states by fixed row slots of each GPU batch
@@ -42,7 +43,7 @@ from xrunner.loaders import ModelSource
 from xrunner.model import (attend_rows_on_cpu, attention, attn_in, attn_out_mlp, cpu_attention_chunk_rows,
                            cpu_head_layout, embed, final_logits, head_layout_of, is_range, lm_head_name,
                            layer_ropes, torch_dtype)
-from xrunner.prefix import PrefixPlan, plan_prefixes, prefill_layer, prefix_order
+from xrunner.prefix import Held, PrefixPlan, plan_block, prefill_layer, prefix_order
 from xrunner.sampling import SamplingParams, sample
 from xrunner.stored_forms import KVCodec, WeightLayout
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
@@ -432,7 +433,7 @@ class Engine:
                  cuda_sync: str = "item", head_layout: str | None = None,
                  notice: Callable[[str], None] | None = None,
                  stop_check: Callable[[Request, Sequence[int]], bool] | None = None, logprobs: bool = False,
-                 share_prefixes: bool = True, order_by_prefix: bool = True):
+                 share_prefixes: bool = True, order_by_prefix: bool = True, prefixes_across_batches: bool = True):
         spec = source.spec
         if head_layout not in (None, "rows", "transposed"):
             raise UserError(f"head_layout must be 'rows' or 'transposed', got {head_layout!r}")
@@ -464,6 +465,11 @@ class Engine:
         # GPU batch, where that computes fewer prefill positions than length order (prefix_order);
         # off: length order only (an ablation).
         self.order_by_prefix = order_by_prefix
+        # A later GPU batch of the block takes a prefix an earlier one computed in the same layer
+        # (xrunner.prefix.plan_block), holding at most max_prompt positions of them at a time;
+        # off: each batch computes its own (an ablation).
+        self.prefixes_across_batches = prefixes_across_batches
+        self._held: dict[int, Held] = {}  # the current layer's prefix results held for later batches
         # Token ids [sequences, length] of calibration text (or a function giving them, called the
         # first time a calibration pass runs, while weights load): 4-bit weights then get GPTQ codes
         # (xrunner.gptq) instead of nearest rounding, and a 4-bit KV cache is stored around each
@@ -1254,8 +1260,12 @@ class Engine:
         else:
             # its q/k/v, attention and MLP in turn; the plain layer's largest (MLP) working set bounds them
             with led.transient("gpu", "prefix", 2 * nbytes_of(hidden) + nbytes_of(hidden) // spec.hidden * spec.q_dim):
-                shared, k, v = prefill_layer(spec, w, hidden, pos, mask, self.ropes[layer], prefix,
-                                             sinks=w.get("sinks.weight"))
+                shared, k, v, lent = prefill_layer(spec, w, hidden, pos, mask, self.ropes[layer], prefix,
+                                                   sinks=w.get("sinks.weight"), held=self._held)
+            for ident, results in lent.items():  # kept until the last batch taking them has computed
+                led.add("gpu", "prefix_held", results.nbytes)
+                self._held[ident] = results
+            self._release_held(prefix.releases)
             q = k.new_empty(0)
         n, t = hidden.shape[0], hidden.shape[1]
         homes = self.kv_home[work.batch][layer]
@@ -1538,11 +1548,16 @@ class Engine:
                 f.result()
             self._sync()  # the step's one wait for its kernels; books their intervals
         finally:  # never leave a load task waiting after an error (close() joins the queues)
+            self._release_held(list(self._held))  # (each layer releases its own; an error leaves some)
             for e in compute_done:
                 e.set()
             for f in store_done:
                 _settle(f, RuntimeError("step aborted"))
         return [x for x in logits if x is not None]
+
+    def _release_held(self, ids: Sequence[int]) -> None:
+        for ident in ids:
+            self.ledger.sub("gpu", "prefix_held", self._held.pop(ident).nbytes)
 
     def _head(self, hidden_last: torch.Tensor) -> torch.Tensor:
         with self.ledger.transient("gpu", "logits", nbytes_of(hidden_last) + hidden_last.shape[0] *
@@ -1652,8 +1667,14 @@ class Engine:
         reqs = sorted(reqs, key=lambda r: len(r.prompt_ids))
         if not (self.share_prefixes and self.order_by_prefix):
             return reqs
-        order = prefix_order([r.prompt_ids for r in reqs], batch_of)
+        order = prefix_order([r.prompt_ids for r in reqs], batch_of, self._hold_positions)
         return reqs if order is None else [reqs[i] for i in order]
+
+    @property
+    def _hold_positions(self) -> int:
+        """Prefix positions a block's GPU batches may hold for later ones (``CostModel.memory``'s
+        ``prefix_held``: one prompt's worth)."""
+        return self.max_prompt if self.share_prefixes and self.prefixes_across_batches else 0
 
     def _check(self, r: Request) -> Request:
         if not r.prompt_ids:
@@ -1670,7 +1691,7 @@ class Engine:
                  on_step: Callable[[int], None] | None) -> None:
         gbs = self.policy.gbs
         start = self._clock()
-        works = []
+        works, distinct = [], []
         for j, batch in enumerate(batches):
             new = sorted((s % gbs, r) for s, r in joining if s // gbs == j)
             if not new:
@@ -1696,12 +1717,14 @@ class Engine:
             dev_mask = None if bool(mask.all()) else mask.to(self.device)
             prompts = [r.prompt_ids for _s, r in new]
             share = _repeats(prompts)
-            distinct = prompts if share is None else [prompts[i] for i in share[0]]
-            prefix = plan_prefixes(distinct, self.device) if self.share_prefixes else None
+            distinct.append(prompts if share is None else [prompts[i] for i in share[0]])
             works.append(_Work(j, [s for s, _r in new], ids.to(self.device), pos.to(self.device), c0, c0, dev_mask,
-                               share=share, prefix=prefix))
-            self.stats.padded_prompt_tokens += len(distinct) * P if prefix is None else prefix.positions
+                               share=share))
             self.stats.prompt_tokens += sum(len(r.prompt_ids) for _s, r in new)
+        plans = plan_block(distinct, self._hold_positions, self.device) if self.share_prefixes else [None] * len(works)
+        for work, rows, prefix in zip(works, distinct, plans):
+            work.prefix = prefix
+            self.stats.padded_prompt_tokens += len(rows) * work.t if prefix is None else prefix.positions
         logits = self._step(works, decode=False)
         self.stats.num_prefill_steps += 1
         self._finish_step(batches, works, logits, finished, on_step)

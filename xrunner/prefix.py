@@ -11,15 +11,21 @@ and the keys/values of all columns) so that the cache, the tiers and the next la
 Rows are left-padded to ``P`` columns (the engine's layout): a row with ``n`` tokens holds them in
 columns ``P - n ..``; its prefix of ``L`` tokens takes the first ``L`` of them.
 
-Sharing happens inside one GPU batch, so which prompts join which batch matters when a job mixes
-several prefixes (task templates): :func:`prefix_order` picks the block's order, by length or by
-prefix, that computes fewer positions (:func:`prefill_positions`).
+A block's GPU batches prefill one after another within each layer, so a prefix that an earlier
+batch of the block computed is not computed again: :func:`plan_block` has the first batch holding
+it keep its results (hidden states, keys and values of one layer; at most one prompt's worth of
+positions, released after the last batch taking them) and later batches take them. Which prompts
+join which batch still matters when a job mixes several prefixes (task templates): each batch's
+suffix spans its longest prompt's own part. :func:`prefix_order` picks the block's order, by
+length or by prefix, that computes fewer positions (:func:`block_positions`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,10 +41,15 @@ ORDER_CANDIDATES = 12
 
 @dataclass(frozen=True)
 class PrefixPlan:
-    """How ``m`` rows of one prefill (``P`` columns) share prefixes: group ``g`` computes row
+    """How ``m`` rows of one prefill (``P`` columns) share prefixes: group ``g`` holds row
     ``reps[g]``'s first ``lengths[g]`` tokens; every row computes its last ``suffix`` columns. The
     index tensors (built once per prefill, used in every layer) say, for each row and each column
-    before the suffix, which group holds it and where (``width``: the zero column of padding)."""
+    before the suffix, which group holds it and where (``width``: the zero column of padding).
+
+    The groups in ``own`` are computed here (the ``prefix_*`` tensors index them, padded to
+    ``own_width``); group ``g`` with ``sources[g]`` set takes its results from that held prefix,
+    which an earlier GPU batch of the block computed. ``lends``: (group, id) results to hold for
+    later batches; ``releases``: held ids no later batch takes."""
 
     reps: tuple[int, ...]
     lengths: tuple[int, ...]
@@ -46,19 +57,49 @@ class PrefixPlan:
     suffix: int  # S
     group_idx: torch.Tensor  # [m, P - S] long
     col_idx: torch.Tensor  # [m, P - S] long, into a group's ``width + 1`` columns
-    prefix_rows: torch.Tensor  # [G, width] long: the row each group reads its input from
-    prefix_cols: torch.Tensor  # [G, width] long: and the column
-    prefix_pos: torch.Tensor  # [G, width] long: position ids
-    prefix_mask: torch.Tensor | None  # [G, width] bool; None when every group's prefix is as long
+    prefix_rows: torch.Tensor  # [len(own), own_width] long: the row each computed group reads its input from
+    prefix_cols: torch.Tensor  # [len(own), own_width] long: and the column
+    prefix_pos: torch.Tensor  # [len(own), own_width] long: position ids
+    prefix_mask: torch.Tensor | None  # [len(own), own_width] bool; None when every such prefix is as long
+    own: tuple[int, ...] = ()
+    sources: tuple[int | None, ...] = ()
+    lends: tuple[tuple[int, int], ...] = ()
+    releases: tuple[int, ...] = ()
 
     @property
     def width(self) -> int:
         return max(self.lengths)
 
     @property
+    def own_width(self) -> int:
+        return max((self.lengths[g] for g in self.own), default=0)
+
+    @property
     def positions(self) -> int:
-        """Prompt positions one layer computes: each group's padded prefix, each row's suffix."""
-        return len(self.reps) * self.width + int(self.group_idx.shape[0]) * self.suffix
+        """Prompt positions one layer computes: each computed group's padded prefix, each row's suffix."""
+        return len(self.own) * self.own_width + int(self.group_idx.shape[0]) * self.suffix
+
+
+class Held(NamedTuple):
+    """One prefix's results in one layer, kept for later GPU batches of the block."""
+
+    hidden: torch.Tensor  # [n, d], the layer's output
+    k: torch.Tensor  # [Hkv, n, hd]
+    v: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self)
+
+
+@dataclass(frozen=True)
+class _Sharing:
+    """One GPU batch's share of a block's prefixes (:func:`_share_block`)."""
+
+    own: tuple[int, ...]
+    sources: tuple[int | None, ...]
+    lends: tuple[tuple[int, int], ...]
+    releases: tuple[int, ...]
 
 
 def plan_prefixes(prompts: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> PrefixPlan | None:
@@ -71,22 +112,79 @@ def plan_prefixes(prompts: Sequence[Sequence[int]], device: torch.device | str =
     (its logits come from the suffix). A row that shares with no other would need the suffix to
     hold its whole prompt; when that costs more, it computes its first tokens as a group of its own.
     """
-    best = _grouping(prompts)
-    if best is None:
-        return None
-    _, runs, lengths = best
-    return _index_plan(prompts, runs, lengths, max(len(p) for p in prompts), device)
+    return plan_block([prompts], 0, device)[0]
 
 
-def prefill_positions(prompts: Sequence[Sequence[int]], share_prefixes: bool = True) -> int:
-    """Prompt positions one layer computes for a GPU batch's prefill of ``prompts``: its distinct
-    prompts (repeats are copies) padded to the longest, or fewer where they share prefixes."""
-    distinct = list(dict.fromkeys(tuple(p) for p in prompts))
-    best = _grouping(distinct) if share_prefixes else None
-    return len(distinct) * max(len(p) for p in distinct) if best is None else best[0]
+def plan_block(batches: Sequence[Sequence[Sequence[int]]], hold_positions: int,
+               device: torch.device | str = "cpu") -> list[PrefixPlan | None]:
+    """:func:`plan_prefixes` for each of a block's GPU batches (in the order they compute), where a
+    batch takes a prefix an earlier one computed (the same tokens, or a longer run of them) instead
+    of computing it again. At most ``hold_positions`` prefix positions are held at a time (each
+    one layer's hidden states, keys and values); 0 shares nothing across batches."""
+    groupings = [_grouping(b) for b in batches]
+    shares = _share_block(batches, groupings, hold_positions)
+    return [None if g is None else _index_plan(b, g[1], g[2], max(len(p) for p in b), sh, device)
+            for b, g, sh in zip(batches, groupings, shares)]
 
 
-def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int]) -> list[int] | None:
+def block_positions(batches: Sequence[Sequence[Sequence[int]]], hold_positions: int = 0,
+                    share_prefixes: bool = True) -> int:
+    """Prompt positions one layer computes for a block's prefills (:func:`plan_block`): each
+    batch's distinct prompts (repeats are copies) padded to its longest, or fewer where they share
+    prefixes."""
+    distinct = [list(dict.fromkeys(tuple(p) for p in b)) for b in batches]
+    groupings = [_grouping(b) if share_prefixes else None for b in distinct]
+    total = 0
+    for b, g, sh in zip(distinct, groupings, _share_block(distinct, groupings, hold_positions)):
+        if g is None:
+            total += len(b) * max(len(p) for p in b)
+        else:
+            total += len(sh.own) * max((g[2][k] for k in sh.own), default=0) + len(b) * g[3]
+    return total
+
+
+def _share_block(batches: Sequence[Sequence[Sequence[int]]], groupings: Sequence[tuple | None],
+                 hold_positions: int) -> list[_Sharing]:
+    """Which of each batch's groups it computes and which it takes from an earlier batch.
+
+    A computed prefix is held only when a later batch has a group it covers (its tokens begin
+    the held ones), while ``hold_positions`` allow, and released after the last such batch."""
+    keys = [[] if g is None else [_key(b[run[0]][:n]) for run, n in zip(g[1], g[2])]
+            for b, g in zip(batches, groupings)]
+    held: dict[int, tuple[bytes, int]] = {}  # id -> (key, the last batch that may take it)
+    used, out, ids = 0, [], itertools.count()
+    for j, ks in enumerate(keys):
+        own, sources, lends = [], [], []
+        for g, key in enumerate(ks):
+            src = next((i for i, (k, _) in held.items() if k.startswith(key)), None)
+            sources.append(src)
+            if src is not None:
+                continue
+            own.append(g)
+            last = max((j2 for j2 in range(j + 1, len(keys)) if any(key.startswith(k2) for k2 in keys[j2])),
+                       default=None)
+            n = len(key) // _KEY_BYTES
+            if last is not None and used + n <= hold_positions:
+                ident = next(ids)
+                held[ident] = (key, last)
+                lends.append((g, ident))
+                used += n
+        releases = tuple(i for i, (_, last) in held.items() if last == j)
+        for i in releases:
+            used -= len(held.pop(i)[0]) // _KEY_BYTES
+        out.append(_Sharing(tuple(own), tuple(sources), tuple(lends), releases))
+    return out
+
+
+_KEY_BYTES = 4
+
+
+def _key(tokens: Sequence[int]) -> bytes:
+    """Prefix tokens as bytes: ``a.startswith(b)`` says ``b``'s tokens begin ``a``'s."""
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int], hold_positions: int = 0) -> list[int] | None:
     """An order of a block's joining ``prompts`` (given sorted by length; ``batch_of[k]``: the GPU
     batch that the ``k``-th of them joins) whose prefills compute fewer positions, or None.
 
@@ -95,7 +193,8 @@ def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int]) -> l
     A candidate order keeps runs of prompts that share at least ``tau`` leading tokens together
     (sorted by length inside a run), the runs in token order or by their mean length (runs of
     like lengths then meet where a batch holds two); the one computing the fewest positions
-    (:func:`prefill_positions`, summed over the batches) wins, if it beats length order.
+    (:func:`block_positions`, a later batch taking what an earlier one computed within
+    ``hold_positions``) wins, if it beats length order.
     """
     m = len(prompts)
     if not 1 < len(set(batch_of)) < m:
@@ -105,7 +204,7 @@ def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int]) -> l
         cut: dict[int, list[Sequence[int]]] = {}
         for k, i in enumerate(order):
             cut.setdefault(batch_of[k], []).append(prompts[i])
-        return sum(prefill_positions(b) for b in cut.values())
+        return block_positions([cut[j] for j in sorted(cut)], hold_positions)
 
     sorted_order, common = sorted_neighbours(prompts)
     taus = sorted({c for c in common if c > 0})
@@ -123,15 +222,16 @@ def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int]) -> l
     return best
 
 
-def _grouping(prompts: Sequence[Sequence[int]]) -> tuple[int, list[list[int]], list[int]] | None:
-    """:func:`plan_prefixes`'s choice as (positions, runs of rows, their prefixes' lengths), or None."""
+def _grouping(prompts: Sequence[Sequence[int]]) -> tuple[int, list[list[int]], list[int], int] | None:
+    """:func:`plan_prefixes`'s choice as (positions, runs of rows, their prefixes' lengths, suffix),
+    or None."""
     m = len(prompts)
     if m < 2:
         return None
     n = np.array([len(p) for p in prompts])
     P = int(n.max())
     order, common = sorted_neighbours(prompts)
-    best: tuple[int, list[list[int]], list[int]] | None = None
+    best: tuple[int, list[list[int]], list[int], int] | None = None
     for tau in sorted({c for c in common if c > 0}):
         runs, shared = neighbour_runs(order, common, tau)
         groups = [(run, min(s, int(n[run].min()) - 1)) for run, s in zip(runs, shared) if len(run) > 1]
@@ -154,14 +254,14 @@ def _grouping(prompts: Sequence[Sequence[int]]) -> tuple[int, list[list[int]], l
             S = int(cands[k])
             singles = [int(i) for i in loners if n[i] > S]
             best = (int(costs[k]), [run for run, _ in groups] + [[i] for i in singles],
-                    [s for _, s in groups] + [int(n[i]) - S for i in singles])
+                    [s for _, s in groups] + [int(n[i]) - S for i in singles], S)
     if best is None or best[0] > SHARE_PREFIX_AT_MOST * m * P:
         return None
     return best
 
 
 def _index_plan(prompts: Sequence[Sequence[int]], runs: list[list[int]], lengths: list[int], P: int,
-                device: torch.device | str) -> PrefixPlan:
+                sharing: _Sharing, device: torch.device | str) -> PrefixPlan:
     m, G, width = len(prompts), len(runs), max(lengths)
     keep, group_of = [0] * m, [0] * m
     for g, (run, s) in enumerate(zip(runs, lengths)):
@@ -177,20 +277,23 @@ def _index_plan(prompts: Sequence[Sequence[int]], runs: list[list[int]], lengths
         if keep[i] and first < P - S:  # its columns before the suffix hold the first of its prefix's tokens
             col_idx[i, first:] = torch.arange(width - lengths[g], width - lengths[g] + P - S - first)
     reps = tuple(run[0] for run in runs)
-    prefix_rows = torch.tensor([[r] * width for r in reps], dtype=torch.long)
-    prefix_cols = torch.zeros((G, width), dtype=torch.long)
-    prefix_pos = torch.zeros((G, width), dtype=torch.long)
-    prefix_mask = torch.zeros((G, width), dtype=torch.bool)
-    for g, (r, s) in enumerate(zip(reps, lengths)):
-        first = P - len(prompts[r])
-        prefix_cols[g, width - s:] = torch.arange(first, first + s)
-        prefix_cols[g, :width - s] = first  # padding reads any real column; the mask hides it
-        prefix_pos[g, width - s:] = torch.arange(s)
-        prefix_mask[g, width - s:] = True
+    own = sharing.own
+    w_own = max((lengths[g] for g in own), default=0)
+    prefix_rows = torch.tensor([[reps[g]] * w_own for g in own], dtype=torch.long).reshape(len(own), w_own)
+    prefix_cols = torch.zeros((len(own), w_own), dtype=torch.long)
+    prefix_pos = torch.zeros((len(own), w_own), dtype=torch.long)
+    prefix_mask = torch.zeros((len(own), w_own), dtype=torch.bool)
+    for o, g in enumerate(own):
+        first, s = P - len(prompts[reps[g]]), lengths[g]
+        prefix_cols[o, w_own - s:] = torch.arange(first, first + s)
+        prefix_cols[o, :w_own - s] = first  # padding reads any real column; the mask hides it
+        prefix_pos[o, w_own - s:] = torch.arange(s)
+        prefix_mask[o, w_own - s:] = True
     return PrefixPlan(reps=reps, lengths=tuple(lengths), columns=P, suffix=S, group_idx=group_idx.to(device),
                       col_idx=col_idx.to(device), prefix_rows=prefix_rows.to(device),
                       prefix_cols=prefix_cols.to(device), prefix_pos=prefix_pos.to(device),
-                      prefix_mask=None if bool(prefix_mask.all()) else prefix_mask.to(device))
+                      prefix_mask=None if bool(prefix_mask.all()) else prefix_mask.to(device),
+                      own=own, sources=sharing.sources, lends=sharing.lends, releases=sharing.releases)
 
 
 def _spread(plan: PrefixPlan, shared: torch.Tensor, own: torch.Tensor, dim: int) -> torch.Tensor:
@@ -207,18 +310,45 @@ def _spread(plan: PrefixPlan, shared: torch.Tensor, own: torch.Tensor, dim: int)
 
 
 def prefill_layer(spec: ModelSpec, w: Weights, hidden: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None,
-                  rope: Rope | None, plan: PrefixPlan, sinks: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  rope: Rope | None, plan: PrefixPlan, sinks: torch.Tensor | None = None,
+                  held: dict[int, Held] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, Held]]:
     """One decoder layer's prefill of ``hidden [m, P, d]`` computing shared prefixes once; returns
-    (hidden out ``[m, P, d]``, k, v ``[m, Hkv, P, hd]``) as the plain layer computes them."""
+    (hidden out ``[m, P, d]``, k, v ``[m, Hkv, P, hd]``) as the plain layer computes them, and the
+    prefix results ``plan.lends`` asks to hold for later GPU batches (``held``: those earlier
+    batches hold, by id)."""
     S, P = plan.suffix, plan.columns
-    xp = hidden[plan.prefix_rows, plan.prefix_cols]  # [G, width, d]
-    q, k_p, v_p = attn_in(spec, w, xp, plan.prefix_pos, rope)
-    attn = attention(spec, q, k_p, v_p, plan.prefix_mask, causal=True, sinks=sinks)
-    hp = attn_out_mlp(spec, w, attn, xp)
+    parts: tuple[torch.Tensor, ...] = ()
+    if plan.own:
+        xp = hidden[plan.prefix_rows, plan.prefix_cols]  # [own, own_width, d]
+        q, k_p, v_p = attn_in(spec, w, xp, plan.prefix_pos, rope)
+        attn = attention(spec, q, k_p, v_p, plan.prefix_mask, causal=True, sinks=sinks)
+        parts = (attn_out_mlp(spec, w, attn, xp), k_p, v_p)
+    wo, slot = plan.own_width, {g: o for o, g in enumerate(plan.own)}
+    lent = {ident: Held(*(_cols(t, slot[g], wo - plan.lengths[g], wo).clone() for t in parts))
+            for g, ident in plan.lends}
+    if any(src is not None for src in plan.sources):  # every group's results, right-aligned to width
+        assert held is not None, "a plan that takes prefixes needs the held ones"
+        wd, G = plan.width, len(plan.reps)
+        ref = next(held[src] for src in plan.sources if src is not None)
+        full = [r.new_zeros((G, wd, r.shape[-1]) if r.dim() == 2 else (G, r.shape[0], wd, r.shape[-1])) for r in ref]
+        for g, (n, src) in enumerate(zip(plan.lengths, plan.sources)):
+            pieces = (_cols(t, slot[g], wo - n, wo) for t in parts) if src is None else \
+                (_cols(t, None, 0, n) for t in held[src])
+            for dst, piece in zip(full, pieces):
+                _cols(dst, g, wd - n, wd).copy_(piece)
+        parts = tuple(full)
+    hp, k_p, v_p = parts
     xs = hidden[:, P - S:]
     q, k_s, v_s = attn_in(spec, w, xs, pos[:, P - S:], rope)
     k, v = _spread(plan, k_p, k_s, 2), _spread(plan, v_p, v_s, 2)
     attn = attention(spec, q, k, v, mask, causal=True, sinks=sinks)
     hs = attn_out_mlp(spec, w, attn, xs)
-    return _spread(plan, hp, hs, 1), k, v
+    return _spread(plan, hp, hs, 1), k, v, lent
+
+
+def _cols(t: torch.Tensor, group: int | None, a: int, b: int) -> torch.Tensor:
+    """Columns ``a:b`` of one group of a prefix result (``[G, width, d]`` or ``[G, h, width, hd]``),
+    or of a held one (``group`` None: ``[width, d]`` or ``[h, width, hd]``)."""
+    if group is not None:
+        t = t[group]
+    return t[a:b] if t.dim() == 2 else t[:, a:b]

@@ -84,14 +84,17 @@ class Shape:
         """Rows' worth of positions a GPU batch of ``rows`` (of ``nb`` joining together) computes
         in ``phase``: in prefill, one per prompt when its samples fill the batch in whole runs, and
         each shared prefix once wherever that saves anything (the fewest, so the LP's rate stays a
-        bound), as many prefixes as the batch is expected to hold (``prefix_groups_in_batch``)."""
+        bound), as many prefixes as the batch is expected to hold (``prefix_groups_in_batch``),
+        computing its share of the block's distinct ones (later batches take what earlier ones
+        computed: ``xrunner.prefix.plan_block``)."""
         if phase != "prefill":
             return rows
         c = max(rows / self.samples, 1.0) if self.samples > 1 else rows
         if not self.prefix_tokens:
             return c
         groups = prefix_groups_in_batch(c, c * nb, self.prefix_groups)
-        return float(shared_prefix_rows(c, self.prompt_len, self.prefix_tokens, bound=True, groups=groups))
+        own = min(groups, prefix_groups_in_batch(c * nb, c * nb, self.prefix_groups, ordered=False) / nb)
+        return float(shared_prefix_rows(c, self.prompt_len, self.prefix_tokens, bound=True, groups=groups, own=own))
 
 
 @dataclass(frozen=True)

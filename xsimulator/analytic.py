@@ -149,25 +149,44 @@ class _Analytic:
             return rows / k
         return self.distinct(rows)
 
-    def prefix_groups(self, rows: np.ndarray, by_prefix: Any = None, joining: Any = None) -> np.ndarray:
+    def prefix_groups(self, rows: np.ndarray, by_prefix: Any = None, joining: Any = None,
+                      weight: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Expected distinct prefixes among each GPU batch's computed rows (``rows [..., nb]``;
-        :func:`~xsimulator.costmodel.prefix_groups_in_batch`), the joiners (``joining [..., 1]``
-        computed rows in all; default: the batches' sum) sorted by prefix where ``by_prefix`` (a
-        bool, or one per leading index: ``[..., 1]``)."""
+        :func:`~xsimulator.costmodel.prefix_groups_in_batch`), and how many of them it computes
+        itself (the others an earlier batch of the prefill did: ``xrunner.prefix.plan_block``).
+        The joiners (``joining [..., 1]`` computed rows in all; default: the batches' sum) are
+        sorted by prefix where ``by_prefix`` (a bool, or one per leading index: ``[..., 1]``);
+        ``weight``: P(batch runs), default whether it has rows.
+
+        The block computes the ``G (1 - (1 - 1/G)^N)`` distinct prefixes of its ``N`` joiners
+        once each, every batch its share. Joiners in length order spread each prefix over the
+        batches, which hold ``max_prompt`` positions of prefixes at a time, so that share of
+        the distinct ones is taken, the rest computed again."""
+        w = self.workload
         computed = self.computed_rows(rows)
         if joining is None:
             joining = np.sum(computed, axis=-1, keepdims=True)
         by_prefix = self.by_prefix if by_prefix is None else by_prefix
-        groups = lambda ordered: prefix_groups_in_batch(computed, joining, self.workload.prefix_groups,  # noqa: E731
-                                                        ordered=ordered)
-        return groups(bool(by_prefix)) if np.ndim(by_prefix) == 0 else np.where(by_prefix, groups(True), groups(False))
+        count = lambda ordered: prefix_groups_in_batch(computed, joining, w.prefix_groups,  # noqa: E731
+                                                       ordered=ordered)
+        groups = (count(bool(by_prefix)) if np.ndim(by_prefix) == 0
+                  else np.where(by_prefix, count(True), count(False)))
+        weight = (computed > 0) if weight is None else weight
+        total = np.sum(weight * groups, axis=-1, keepdims=True)
+        distinct = np.minimum(prefix_groups_in_batch(joining, joining, w.prefix_groups, ordered=False), total)
+        taken = np.clip(1.0 - distinct / np.maximum(total, 1e-300), 0.0, 1.0)
+        held = np.minimum(1.0, w.prompt.max_len / max(w.prefix_tokens, 1) / np.maximum(distinct, 1.0))
+        taken = taken * np.where(by_prefix, 1.0, held)
+        return groups, groups * (1.0 - taken)
 
-    def positions(self, rows: np.ndarray, nodes: np.ndarray, by_prefix: Any = None, joining: Any = None) -> np.ndarray:
+    def positions(self, rows: np.ndarray, nodes: np.ndarray, by_prefix: Any = None, joining: Any = None,
+                  weight: Any = None) -> np.ndarray:
         """Prompt positions a prefill of ``rows`` joining rows computes at each padded length of
         ``nodes [..., Q]``: :meth:`computed_rows`, and each shared prefix once."""
         computed = self.computed_rows(rows)[..., None]
-        return self.cm.layer_rows("prefill", computed, nodes, self.workload.prefix_tokens,
-                                  self.prefix_groups(rows, by_prefix, joining)[..., None]) * nodes
+        groups, own = self.prefix_groups(rows, by_prefix, joining, weight)
+        return self.cm.layer_rows("prefill", computed, nodes, self.workload.prefix_tokens, groups[..., None],
+                                  own[..., None]) * nodes
 
     def _prefix_first(self) -> bool:
         """Whether a full block's prefill computes fewer positions with its prompts sorted by
@@ -190,13 +209,14 @@ class _Analytic:
         computed = self.computed_rows(rows)
         c = computed[..., None]
         cm = self.cm
+        groups, own = self.prefix_groups(rows, by_prefix, joining, weight)
         bt = cm.batch_terms("prefill", r, nodes, self.placement, computed=c, prefix=self.workload.prefix_tokens,
-                            prefix_groups=self.prefix_groups(rows, by_prefix, joining)[..., None])
+                            prefix_groups=groups[..., None], prefix_own=own[..., None])
         shape = nodes.shape
         terms = StepTerms(*(np.mean(np.broadcast_to(v, shape), axis=-1) for v in bt.as_dict().values()))
         head = np.mean(np.broadcast_to(cm.head_seconds("prefill", c, nodes), shape), axis=-1)
         block = 1.0 - np.prod(1.0 - weight, axis=-1)
-        tokens = (np.sum(weight * self.positions(rows, nodes, by_prefix, joining).mean(axis=-1), axis=-1)
+        tokens = (np.sum(weight * self.positions(rows, nodes, by_prefix, joining, weight).mean(axis=-1), axis=-1)
                   / np.maximum(block, 1e-300))
         return cm.combine(terms, head, self.placement, weight, np.minimum(block, 1.0), tokens=tokens)
 
@@ -262,10 +282,11 @@ class _Analytic:
             if not self.bucketed:
                 level = (level + (np.arange(nb) * QUADRATURE) // nb) % QUADRATURE
             scenario_len = nodes[np.arange(nb)[None, :], level]  # [Q, nb]
+            groups, own = self.prefix_groups(rows)
             pre_scenarios = self.cm.block_step("prefill", rows[None, :], scenario_len, self.placement, on,
                                                float(on.any()), computed=self.computed_rows(rows)[None, :],
                                                prefix=self.workload.prefix_tokens,
-                                               prefix_groups=self.prefix_groups(rows)[None, :]).seconds
+                                               prefix_groups=groups[None, :], prefix_own=own[None, :]).seconds
             p = self.surv[u][:, None]  # [S, 1]
             qk = 1.0 - (1.0 - p) ** rows
             a = np.where(qk > 0, rows * p / np.maximum(qk, 1e-300), 0.0)
@@ -372,7 +393,7 @@ class _Analytic:
             # Each refill's joiners go by prefix or by length, whichever computes fewer positions.
             any_length = self.prompt_nodes(f_bar[:, None] * np.ones(nb), f_bar[:, None] * np.ones(nb))[inv]
             def cost(nd: np.ndarray, ordered: bool) -> np.ndarray:
-                return np.sum(weight * self.positions(rows, nd, ordered, joining).mean(axis=-1), axis=-1)
+                return np.sum(weight * self.positions(rows, nd, ordered, joining, weight).mean(axis=-1), axis=-1)
 
             by_prefix = (cost(any_length, True) < cost(nodes, False))[:, None]
             nodes = np.where(by_prefix[..., None], any_length, nodes)
@@ -384,8 +405,8 @@ class _Analytic:
             joining[0] = np.sum(self.computed_rows(first_rows))
             nodes[0] = self.prompt_nodes(np.maximum(first_rank, 1e-9), np.maximum(first_total, 1e-9))
         pre = self.prefill(rows, nodes, weight, by_prefix, joining)
-        padded = float(np.sum(mult * np.sum(weight * self.positions(rows, nodes, by_prefix, joining).mean(axis=-1),
-                                            axis=1)))
+        padded = float(np.sum(mult * np.sum(weight * self.positions(rows, nodes, by_prefix, joining, weight)
+                                            .mean(axis=-1), axis=1)))
 
         # Decode: active rows per GPU batch and the padded context (prompt band + age).
         lo = np.arange(nb) / nb if self.bucketed else np.zeros(nb)

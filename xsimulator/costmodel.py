@@ -117,12 +117,15 @@ def shared_prefix_split(rows: Any, length: Any, prefix: Any, bound: bool = False
     return (r >= 2) & (p > 0) & (groups * p + r * (n - p) <= limit), p
 
 
-def shared_prefix_rows(rows: Any, length: Any, prefix: Any, bound: bool = False, groups: Any = 1.0) -> Any:
-    """Rows' worth of positions that prefill computes (:func:`shared_prefix_split`)."""
+def shared_prefix_rows(rows: Any, length: Any, prefix: Any, bound: bool = False, groups: Any = 1.0,
+                       own: Any = None) -> Any:
+    """Rows' worth of positions that prefill computes (:func:`shared_prefix_split`), where ``own``
+    of the ``groups`` prefixes are computed here (the rest an earlier GPU batch of the block
+    computed in the same layer: ``xrunner.prefix.plan_block``; None: all of them)."""
     r = np.asarray(rows, dtype=float)
     n = np.maximum(np.asarray(length, dtype=float), 1.0)
     use, p = shared_prefix_split(rows, length, prefix, bound, groups)
-    return np.where(use, (groups * p + r * (n - p)) / n, r)
+    return np.where(use, ((groups if own is None else own) * p + r * (n - p)) / n, r)
 
 
 def prefix_groups_in_batch(rows: Any, joining: Any, groups: int, ordered: bool = True) -> Any:
@@ -522,10 +525,11 @@ class CostModel:
         return self.layer_matmul_bytes - idle * (spec.expert_params * self.dtype_bytes)
 
     @staticmethod
-    def layer_rows(phase: str, computed: Any, length: Any, prefix: Any, prefix_groups: Any = 1.0) -> Any:
+    def layer_rows(phase: str, computed: Any, length: Any, prefix: Any, prefix_groups: Any = 1.0,
+                   prefix_own: Any = None) -> Any:
         """Rows' worth of positions a layer computes (:func:`shared_prefix_rows` in a prefill)."""
         if phase == "prefill" and np.any(prefix):
-            return shared_prefix_rows(computed, length, prefix, groups=prefix_groups)
+            return shared_prefix_rows(computed, length, prefix, groups=prefix_groups, own=prefix_own)
         return computed
 
     @staticmethod
@@ -645,24 +649,30 @@ class CostModel:
         return linear, attn
 
     def _shared_prefix_parts(self, rows: Any, length: Any, prefix: Any, other_s: Any, attn_s: Any,
-                             groups: Any = 1.0) -> tuple[Any, Any]:
+                             groups: Any = 1.0, own: Any = None) -> tuple[Any, Any]:
         """A prefill's (non-attention, attention) seconds where its ``rows`` share ``groups``
         prefixes (else ``other_s``, ``attn_s``, the plain layer's): two passes, as the engine runs
-        them (each pays its own read of the layer's weights), the prefixes as rows of their own
-        length, then every row's suffix; the suffix's queries attend to the whole padded prompt."""
+        them (each pays its own read of the layer's weights), the ``own`` prefixes it computes
+        (default all; :func:`shared_prefix_rows`) as rows of their own length, then every row's
+        suffix; the suffix's queries attend to the whole padded prompt. An ``own`` below 1 (an
+        expectation) prices that share of one prefix's pass."""
         use, p = shared_prefix_split(rows, length, prefix, groups=groups)
         if not np.any(use):
             return other_s, attn_s
         n = np.maximum(np.asarray(length, dtype=float), 1.0)
         p = np.maximum(p, 1.0)
         suffix = np.maximum(n - p, 1.0)
-        pre_other, pre_attn = self._compute_parts("prefill", groups, p)
+        own = np.asarray(groups if own is None else own, dtype=float)
+        pre_other, pre_attn = self._compute_parts("prefill", np.maximum(own, 1.0), p)
+        part = np.minimum(own, 1.0)
+        pre_other, pre_attn = pre_other * part, pre_attn * part
         suf_other, _ = self._compute_parts("prefill", rows, suffix)
         return (np.where(use, pre_other + suf_other, other_s),
                 np.where(use, pre_attn + attn_s * (suffix / n), attn_s))
 
     def batch_terms(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any],
-                    computed: Any = None, prefix: Any = 0, prefix_groups: Any = 1.0) -> StepTerms:
+                    computed: Any = None, prefix: Any = 0, prefix_groups: Any = 1.0,
+                    prefix_own: Any = None) -> StepTerms:
         """One layer for one GPU batch of ``rows`` sequences.
 
         ``length`` is the padded prompt length (prefill) or the padded context ``T`` including
@@ -670,7 +680,8 @@ class CostModel:
         activation (hg/hc/hd) fractions. ``computed`` (prefill): the rows actually computed when
         some repeat a prompt (its samples); every row still moves its own K/V and hidden state.
         ``prefix`` (prefill): tokens every prompt begins with, computed once per distinct prefix
-        (``prefix_groups`` of them in the batch; :meth:`_shared_prefix_parts`).
+        (``prefix_groups`` of them in the batch, ``prefix_own`` of those computed by this batch;
+        :meth:`_shared_prefix_parts`).
         """
         if phase not in ("prefill", "decode"):
             raise ValueError(f"unknown phase {phase!r}")
@@ -702,7 +713,8 @@ class CostModel:
         computed = rows if computed is None else computed
         other_s, attn_s = self._compute_parts(phase, computed, length)
         if prefill and np.any(prefix):
-            other_s, attn_s = self._shared_prefix_parts(computed, length, prefix, other_s, attn_s, prefix_groups)
+            other_s, attn_s = self._shared_prefix_parts(computed, length, prefix, other_s, attn_s, prefix_groups,
+                                                        prefix_own)
         warm = self._warm_fit
         if not prefill and warm is not None:
             # Never below half the cold time: the saving was measured at one context (the decode
@@ -929,7 +941,7 @@ class CostModel:
 
     def block_step(self, phase: str, rows: Any, length: Any, placement: Mapping[str, Any], batch_weight: Any,
                    block_weight: Any, batch_axis: int = -1, computed: Any = None, prefix: Any = 0,
-                   prefix_groups: Any = 1.0) -> "BlockStep":
+                   prefix_groups: Any = 1.0, prefix_own: Any = None) -> "BlockStep":
         """A whole prefill or decode step of a block, GPU batches on ``batch_axis``.
 
         ``batch_weight`` says whether (1/0) each GPU batch takes part; ``block_weight`` whether
@@ -937,9 +949,11 @@ class CostModel:
         :meth:`batch_terms`; the head counts computed rows, the experts reached their positions.
         """
         c = rows if computed is None else computed
-        positions = self.step_tokens(phase, self.layer_rows(phase, c, length, prefix, prefix_groups), length)
+        positions = self.step_tokens(phase, self.layer_rows(phase, c, length, prefix, prefix_groups, prefix_own),
+                                     length)
         tokens = np.sum(_times(batch_weight, positions), axis=batch_axis)
-        return self.combine(self.batch_terms(phase, rows, length, placement, computed, prefix, prefix_groups),
+        return self.combine(self.batch_terms(phase, rows, length, placement, computed, prefix, prefix_groups,
+                                             prefix_own),
                             self.head_seconds(phase, c, length), placement, batch_weight, block_weight, batch_axis,
                             tokens)
 
@@ -1039,7 +1053,10 @@ class CostModel:
                              is stored around (compress_cache; real models)
           ``act_stage``      offloaded hidden states of the batch computing and the batch loading
           transients (one at a time, for one GPU batch): ``qkv`` projections, ``attention``
-          (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32)
+          (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32);
+          each but decode's attention beside ``prefix_held``, one layer's results of prefixes
+          that later GPU batches of the block take instead of computing them
+          (``xrunner.prefix.plan_block``; at most max_prompt positions)
           alone (before anything else): ``head_weights`` and, on a CPU host, ``head_layout``,
                              the LM head's layouts being timed (:func:`head_layout_bytes`)
         cpu tier
@@ -1103,14 +1120,15 @@ class CostModel:
             groups = spec.num_kv_heads * -(-spec.head_dim // QUANT_GROUP)
             convert = ctx * 2 * groups * 2 * 4 if dt < 4 else 0.0
             decode_attn = gbs * (8 * q * 4 + ctx * spec.kv_bytes_per_token_per_layer * self.kv_stored_ratio + convert)
+        held = float(max_prompt * (h + 2 * kvd) * dt if nb > 1 else 0)
         gpu_tr = {
-            "qkv": float(gbs * s * (h + q + 2 * kvd) * dt),
-            "attention": float(prefill_attn),
+            "qkv": float(gbs * s * (h + q + 2 * kvd) * dt) + held,
+            "attention": float(prefill_attn) + held,
             "attention_decode": attn_gpu * float(decode_attn),
             # (a mixture of experts: one expert's rows at a time, at most every token, and the
             # router's float32 logits and softmax)
-            "mlp": float(gbs * s * ((2 * h + ffn_width) * dt + 2 * spec.num_experts * 4)),
-            "logits": float(gbs * (spec.vocab_size * 4 + h * dt)),
+            "mlp": float(gbs * s * ((2 * h + ffn_width) * dt + 2 * spec.num_experts * 4)) + held,
+            "logits": float(gbs * (spec.vocab_size * 4 + h * dt)) + held,
         }
         # The runner's first allocation: the head, and on a CPU host its LM head re-laid out.
         gpu_alone = {"head_weights": float(spec.head_weight_bytes),

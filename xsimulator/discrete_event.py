@@ -26,7 +26,8 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import BlockStep, CostModel, StepTerms, channel_groups, fits_in, shared_prefix_rows
+from xsimulator.costmodel import (BlockStep, CostModel, StepTerms, channel_groups, fits_in, shared_prefix_rows,
+                                  shared_prefix_split)
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 from xsimulator.trace import TraceEvent
@@ -46,14 +47,15 @@ class Schedule:
 
 
 def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_of: np.ndarray | None = None,
-                 prefix: int = 0) -> Schedule:
+                 prefix: int = 0, hold_positions: int | None = None) -> Schedule:
     """Give queued requests to free slots at each interval start, in queue order.
 
     With ``bucket`` the requests joining together are sorted by prompt length before they fill
     the free slots in slot order, so each GPU batch gets similar lengths. ``prefix_of[i]``: which
     of several ``prefix``-token prefixes request ``i``'s prompt begins with; joiners are then
     sorted by prefix first wherever that computes fewer prefill positions, as the engine does
-    (``xrunner.prefix.prefix_order``). A request of ``n`` output tokens holds its slot for
+    (``xrunner.prefix.prefix_order``; a batch takes a prefix an earlier one computed, within
+    ``hold_positions``: :func:`build_timeline`). A request of ``n`` output tokens holds its slot for
     ``max(1, ceil((n - 1) / R))`` intervals (prefill makes the first token, each decode step one
     more).
     """
@@ -80,7 +82,8 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
         if policy.bucket and take > 1:
             ids = sorted(ids, key=prompt_l.__getitem__)
             if of_l is not None and 1 < len({s // policy.gbs for s in free[:take]}) < take:
-                ids = _prefix_first(ids, free, prompt_l, of_l, prefix, policy.gbs)  # (else one batch, or one row each)
+                ids = _prefix_first(ids, free, prompt_l, of_l, prefix, policy.gbs,  # (else one batch, or one row each)
+                                    hold_positions)
         for s, i in zip(free, ids):
             slot_l[i] = s
             join_l[i] = j
@@ -97,11 +100,12 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
 
 
 def _prefix_first(ids: list[int], free: list[int], prompt_l: list[int], of_l: list[int], prefix: int,
-                  gbs: int) -> list[int]:
+                  gbs: int, hold_positions: int | None) -> list[int]:
     """Joiners ``ids`` (sorted by length) sorted by their prefix (the prefixes in turn, or by
     their joiners' mean length), then length, when that computes fewer prefill positions over
     the GPU batches they fill (each batch computes each of its prefixes once, where that leaves
-    at most SHARE_PREFIX_AT_MOST of its positions): the engine's candidates."""
+    at most SHARE_PREFIX_AT_MOST of its positions, unless an earlier batch did): the engine's
+    candidates."""
     members: dict[int, list[int]] = {}
     for i in ids:
         members.setdefault(of_l[i], []).append(prompt_l[i])
@@ -110,14 +114,21 @@ def _prefix_first(ids: list[int], free: list[int], prompt_l: list[int], of_l: li
     orders = [ids, sorted(ids, key=lambda i: (of_l[i], prompt_l[i])),
               sorted(ids, key=lambda i: (mean[of_l[i]], of_l[i], prompt_l[i]))]
     cells: list[tuple[int, int, int, int, int]] = []  # (order, rows, longest, shortest, prefixes) per batch
+    pairs: list[tuple[int, int, int]] = []  # (cell, order, prefix)
     for k, order in enumerate(orders):
         batches: dict[int, list[int]] = {}
         for s, i in zip(free, order):
             batches.setdefault(s // gbs, []).append(i)
-        cells += [(k, len(b), max(prompt_l[i] for i in b), min(prompt_l[i] for i in b), len({of_l[i] for i in b}))
-                  for b in batches.values()]
+        for _, b in sorted(batches.items()):  # in the order they compute
+            held = sorted({of_l[i] for i in b})
+            pairs += [(len(cells), k, g) for g in held]
+            cells.append((k, len(b), max(prompt_l[i] for i in b), min(prompt_l[i] for i in b), len(held)))
     which, rows, longest, shortest, groups = np.array(cells).T
-    positions = shared_prefix_rows(rows, longest, np.minimum(prefix, shortest - 1), groups=groups) * longest
+    p = np.minimum(prefix, shortest - 1)
+    use = shared_prefix_split(rows, longest, p, groups=groups)[0]
+    cell, k, g = np.array(pairs).T
+    own = _own_prefixes(cell, cell, k, g, np.where(use[cell], p[cell], -1), p[cell], len(cells), hold_positions)
+    positions = shared_prefix_rows(rows, longest, p, groups=groups, own=own) * longest
     return orders[int(np.argmin(np.bincount(which, positions)))]  # ties: length order, then the first
 
 
@@ -137,12 +148,13 @@ class Timeline:
     latency_s: np.ndarray  # [N]
     prefix: Any = 0  # [nb, J] leading tokens the prompts of each prefill cell share (or one number for all)
     prefix_groups: Any = 1  # [nb, J] distinct prefixes among each cell's prompts (or one number for all)
+    prefix_own: Any = None  # [nb, J] of them computed there (others an earlier GPU batch did); None: all
 
     @property
     def prefill_positions(self) -> np.ndarray:
         """[nb, J] prompt positions each prefill cell computes (padding, shared prefixes once)."""
         return CostModel.layer_rows("prefill", self.prefill_computed, self.prefill_len, self.prefix,
-                                    self.prefix_groups) * self.prefill_len
+                                    self.prefix_groups, self.prefix_own) * self.prefill_len
 
     @property
     def wall_s(self) -> float:
@@ -150,7 +162,8 @@ class Timeline:
 
 
 def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np.ndarray,
-                   group: np.ndarray | None = None, prefix: int = 0, prefix_of: np.ndarray | None = None) -> Timeline:
+                   group: np.ndarray | None = None, prefix: int = 0, prefix_of: np.ndarray | None = None,
+                   hold_positions: int | None = None) -> Timeline:
     """Simulate the requests (in queue order) under ``policy`` and price every step.
 
     ``group[i]``: the prompt request ``i`` is a sample of (:meth:`Workload.prompt_groups`); the
@@ -160,8 +173,10 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     keeps at least one token of its own, as in the engine. ``prefix_of[i]``: which of several
     such prefixes request ``i``'s prompt begins with (:meth:`Workload.prefix_ids`); each cell
     computes each of its prefixes once, after the joiners are ordered as in :func:`assign_slots`.
+    A cell takes a prefix that an earlier GPU batch computed in the same prefill, holding at most
+    ``hold_positions`` of them at a time (the engine's ``plan_block``; None: no limit).
     """
-    sched = assign_slots(prompt, output, policy, prefix_of, prefix)
+    sched = assign_slots(prompt, output, policy, prefix_of, prefix, hold_positions)
     J, S = sched.num_intervals, sched.interval_steps
     nb, gbs = policy.nb, policy.gbs
     batch = sched.slot // gbs
@@ -181,9 +196,17 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
         np.minimum.at(shortest, cell, prompt)
         prefix = np.minimum(prefix, shortest.reshape(nb, J) - 1)
     groups: Any = 1
-    if prefix_of is not None and np.any(prefix):
-        pairs = np.unique(np.stack((cell, np.asarray(prefix_of, np.int64))), axis=1)[0]  # one per (cell, prefix)
-        groups = np.maximum(np.bincount(pairs, minlength=nb * J).reshape(nb, J), 1)
+    own: Any = None
+    if np.any(prefix):
+        of = np.zeros(len(prompt), np.int64) if prefix_of is None else np.asarray(prefix_of, np.int64)
+        pairs, which = np.unique(np.stack((cell, of)), axis=1)  # one per (cell, prefix)
+        if prefix_of is not None:
+            groups = np.maximum(np.bincount(pairs, minlength=nb * J).reshape(nb, J), 1)
+        # A batch takes a prefix that an earlier batch of the same prefill computed (the engine's plan_block)
+        use, p = shared_prefix_split(computed, prefill_len, prefix, groups=groups)
+        p_cell = np.broadcast_to(p, (nb, J)).ravel()[pairs]
+        lend = np.where(use.ravel()[pairs], p_cell, -1)
+        own = _own_prefixes(pairs, pairs // J, pairs % J, which, lend, p_cell, nb * J, hold_positions).reshape(nb, J)
 
     # Decode on the global step axis g = interval * S + (u - 1): a request is active from the
     # first step of its join interval for output - 1 steps. Active rows come from +1/-1
@@ -206,7 +229,7 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     else:  # (rows, computed, length) triples: priced cell by cell, not from a table of pairs
         on = prefill_rows > 0
         pre = cm.block_step("prefill", prefill_rows, prefill_len, placement, on, np.logical_or.reduce(on, axis=0),
-                            batch_axis=0, computed=computed, prefix=prefix, prefix_groups=groups)
+                            batch_axis=0, computed=computed, prefix=prefix, prefix_groups=groups, prefix_own=own)
     dec = price_steps(cm, "decode", decode_rows, decode_len, placement)
 
     # Completion times: a request ends with the decode step that makes its last token.
@@ -219,7 +242,68 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     finish = start[last] + pre.seconds[last] + cum_step[last, u_last]
     latency = finish - start[sched.join]
     return Timeline(sched, pre, dec, prefill_rows, computed, prefill_len, decode_rows, decode_len, start, latency,
-                    prefix, groups)
+                    prefix, groups, own)
+
+
+def _within_hold(batch: np.ndarray, interval: np.ndarray, which: np.ndarray, lend: np.ndarray, need: np.ndarray,
+                 computes: np.ndarray, hold_positions: int) -> np.ndarray:
+    """:func:`_first_computes` where a prefill's batches hold at most ``hold_positions`` lent prefix
+    positions at a time, as the engine does: each computed prefix that a later batch wants is
+    held while they fit, until the last such batch. Replayed only for the prefills whose lent
+    prefixes could exceed the limit."""
+    lent = np.bincount(interval, weights=np.where(computes & (lend >= 0), lend, 0))
+    over = np.flatnonzero(lent > hold_positions)
+    if not len(over):
+        return computes
+    computes = computes.copy()
+    for j in over:
+        at = np.flatnonzero(interval == j)
+        at = at[np.argsort(batch[at], kind="stable")]
+        b_l, w_l, lend_l, need_l = batch[at].tolist(), which[at].tolist(), lend[at].tolist(), need[at].tolist()
+        held: dict[tuple[int, int], int] = {}  # (prefix, tokens) -> the last batch that wants it
+        used = 0
+        for k, (b, w, n) in enumerate(zip(b_l, w_l, need_l)):
+            took = any(pw == w and pn >= n for pw, pn in held)
+            computes[at[k]] = not took
+            if not took and lend_l[k] >= 0:
+                last = max((b_l[k2] for k2 in range(k + 1, len(at)) if w_l[k2] == w and need_l[k2] <= lend_l[k]),
+                           default=None)
+                if last is not None and used + lend_l[k] <= hold_positions:
+                    held[(w, lend_l[k])] = last
+                    used += lend_l[k]
+            if k + 1 == len(at) or b_l[k + 1] != b:  # the batch is done: release what no later one wants
+                for key in [key for key, last in held.items() if last == b]:
+                    used -= key[1]
+                    del held[key]
+    return computes
+
+
+def _own_prefixes(cell: np.ndarray, batch: np.ndarray, prefill: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray,
+                  need: np.ndarray, cells: int, hold_positions: int | None) -> np.ndarray:
+    """Per cell, how many of its prefixes it computes, from one entry per (cell, prefix): the
+    cell's GPU ``batch``, the ``prefill`` it belongs to, the tokens it computes of the prefix
+    (``lend``; -1 where it shares none) and wants of it (``need``). A prefix is taken where an
+    earlier batch of the same prefill computed at least as many of its tokens
+    (:func:`_first_computes`), within ``hold_positions`` (:func:`_within_hold`; None: no limit)."""
+    computes = _first_computes(batch, prefill * (int(prefix_id.max()) + 1) + prefix_id, lend, need)
+    if hold_positions is not None:
+        computes = _within_hold(batch, prefill, prefix_id, lend, need, computes, hold_positions)
+    return np.bincount(cell, weights=computes, minlength=cells)
+
+
+def _first_computes(batch: np.ndarray, key: np.ndarray, lend: np.ndarray, need: np.ndarray) -> np.ndarray:
+    """Whether each (GPU batch, prefix ``key``) pair computes its prefix: no earlier batch with
+    the same key computed (``lend``; -1: did not) at least the ``need`` tokens it wants."""
+    order = np.lexsort((batch, key))
+    k, v = key[order], np.asarray(lend, np.int64)[order] + 1
+    start = np.concatenate(([True], k[1:] != k[:-1]))
+    seg = np.cumsum(start) - 1
+    span = int(v.max(initial=0)) + 1  # each segment's values in its own band: one running max for all
+    run = np.maximum.accumulate(seg * span + v)
+    before = np.where(start, 0, np.concatenate(([0], run[:-1])) - seg * span) - 1  # best lent before
+    out = np.empty(len(order), bool)
+    out[order] = before < np.asarray(need)[order]
+    return out
 
 
 def range_max(n: int, lo: np.ndarray, hi: np.ndarray, value: np.ndarray) -> np.ndarray:
@@ -383,7 +467,8 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
         prefix_of = workload.prefix_ids(len(prompt), seed)
     cm = CostModel.for_policy(spec, profile, policy)
     tl = build_timeline(cm, policy, prompt, output, workload.prompt_groups(len(prompt)) if workload.samples > 1
-                        else None, workload.prefix_tokens, prefix_of)
+                        else None, workload.prefix_tokens, prefix_of,
+                        hold_positions=max(workload.prompt.max_len, int(prompt.max())))  # the engine's max_prompt
     p99_len = workload.output.percentile(0.99)
     result = summarize(
         cm, policy, workload, method="discrete-event", profile=profile, num_requests=len(prompt),
