@@ -11,10 +11,11 @@ tokens/s. The ratio is what sharing buys; the decode phase does the same work in
 
 With ``--system T`` it measures prefix sharing (``xrunner.prefix``) instead: ``--prompts * --n``
 distinct questions of the same lengths, each behind one common ``T``-token system prompt, run with
-the engine's prefix sharing on and off (``share_prefixes``). ``--groups G`` puts one of G system
-prompts (T tokens each, give or take a tenth) before each question, in random order, and adds a
-third run: sharing on with the block's prompts in length order only (``order_by_prefix=False``), so
-that every GPU batch holds most of the G prefixes.
+the engine's prefix sharing on, on but batch by batch (each GPU batch computes the prefix again:
+``prefixes_across_batches=False``), and off (``share_prefixes``). ``--groups G`` puts one of G
+system prompts (T tokens each, give or take a tenth) before each question, in random order, and
+adds a run with the block's prompts in length order only (``order_by_prefix=False``), so that
+every GPU batch holds most of the G prefixes.
 
     OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py [--model smollm2-135m --n 8]
     OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py --system 512 --prompt 128
@@ -64,9 +65,9 @@ def requests(args: argparse.Namespace, repeated: bool, vocab: int) -> list:
     return out
 
 
-def run(spec, policy: Policy, reqs: list, args: argparse.Namespace, share: bool = True,
-        order: bool = True) -> tuple[float, float, int]:
-    """(prefill seconds, job wall seconds, prefill positions computed) of one job."""
+def run(spec, policy: Policy, reqs: list, args: argparse.Namespace, **engine_kw: bool) -> tuple[float, float, int]:
+    """(prefill seconds, job wall seconds, prefill positions computed) of one job (``engine_kw``:
+    the engine's sharing switches)."""
     from xrunner.engine import Engine
     from xrunner.loaders import RandomSource
     from xrunner.sampling import SamplingParams
@@ -75,8 +76,7 @@ def run(spec, policy: Policy, reqs: list, args: argparse.Namespace, share: bool 
     with tempfile.TemporaryDirectory() as d, \
             Engine(RandomSource(spec, seed=0), policy, max_prompt=args.system * 11 // 10 + args.prompt,
                    max_output=args.new_tokens, offload_dir=Path(d), record_trace=True,
-                   sampling=SamplingParams(temperature=0.8, seed=1), share_prefixes=share,
-                   order_by_prefix=order) as eng:
+                   sampling=SamplingParams(temperature=0.8, seed=1), **engine_kw) as eng:
         t0 = time.perf_counter()
         stats = eng.run(reqs, on_finished=done.extend)
         wall = time.perf_counter() - t0
@@ -111,17 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     nb = -(-rows // args.gbs)
     if args.system:  # one job of distinct questions, prefix sharing on against off
         distinct = requests(args, False, spec.vocab_size)
-        jobs = {"shared": (distinct, True, True), "not shared": (distinct, False, True)}
+        jobs = {"shared": (distinct, {}), "batch by batch": (distinct, dict(prefixes_across_batches=False)),
+                "not shared": (distinct, dict(share_prefixes=False))}
         what = (f"{rows} distinct prompts of {args.prompt // 2}..{args.prompt} tokens behind one "
                 f"{args.system}-token system prompt")
         if args.groups > 1:
-            jobs = {"by prefix": jobs["shared"], "length order": (distinct, True, False),
-                    "not shared": jobs["not shared"]}
+            jobs = {"by prefix": jobs["shared"], "length order": (distinct, dict(order_by_prefix=False)),
+                    **{k: v for k, v in jobs.items() if k != "shared"}}
             what = what.replace("one ", f"one of {args.groups} ").replace("-token system prompt",
                                                                            "-token (+-10%) system prompts")
     else:
-        jobs = {"repeated": (requests(args, True, spec.vocab_size), True, True),
-                "distinct": (requests(args, False, spec.vocab_size), True, True)}
+        jobs = {"repeated": (requests(args, True, spec.vocab_size), {}),
+                "distinct": (requests(args, False, spec.vocab_size), {})}
         what = f"{args.prompts} prompts x {args.n} samples, prompts of {args.prompt // 2}..{args.prompt} tokens"
     first, *others = jobs
     print(f"{spec.name} shape, random weights, {spec.num_layers} layers, float32; {what}, {args.new_tokens} new "
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         policy = Policy(gbs=args.gbs, nb=nb, **PLACEMENTS[name])
         best = {k: (float("inf"), float("inf"), 0) for k in jobs}
         for _ in range(args.repeats):
-            for k, (reqs, share, order) in jobs.items():
-                p, w, n = run(spec, policy, reqs, args, share, order)
+            for k, (reqs, kw) in jobs.items():
+                p, w, n = run(spec, policy, reqs, args, **kw)
                 best[k] = (min(best[k][0], p), min(best[k][1], w), n)
         p0, w0, _ = best[first]
         cells = ([f"{best[k][0]:.2f}" for k in jobs] + [f"{best[k][0] / p0:.2f}x" for k in others]
