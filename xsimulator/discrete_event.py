@@ -114,20 +114,23 @@ def _prefix_first(ids: list[int], free: list[int], prompt_l: list[int], of_l: li
     orders = [ids, sorted(ids, key=lambda i: (of_l[i], prompt_l[i])),
               sorted(ids, key=lambda i: (mean[of_l[i]], of_l[i], prompt_l[i]))]
     cells: list[tuple[int, int, int, int, int]] = []  # (order, rows, longest, shortest, prefixes) per batch
-    pairs: list[tuple[int, int, int]] = []  # (cell, order, prefix)
+    held: list[list[int]] = []  # each cell's prefixes
     for k, order in enumerate(orders):
         batches: dict[int, list[int]] = {}
         for s, i in zip(free, order):
             batches.setdefault(s // gbs, []).append(i)
         for _, b in sorted(batches.items()):  # in the order they compute
-            held = sorted({of_l[i] for i in b})
-            pairs += [(len(cells), k, g) for g in held]
-            cells.append((k, len(b), max(prompt_l[i] for i in b), min(prompt_l[i] for i in b), len(held)))
+            held.append(sorted({of_l[i] for i in b}))
+            cells.append((k, len(b), max(prompt_l[i] for i in b), min(prompt_l[i] for i in b), len(held[-1])))
     which, rows, longest, shortest, groups = np.array(cells).T
     p = np.minimum(prefix, shortest - 1)
-    use = shared_prefix_split(rows, longest, p, groups=groups)[0]
-    cell, k, g = np.array(pairs).T
-    own = _own_prefixes(cell, cell, k, g, np.where(use[cell], p[cell], -1), p[cell], len(cells), hold_positions)
+    lend = np.where(shared_prefix_split(rows, longest, p, groups=groups)[0], p, -1).tolist()
+    own = np.zeros(len(cells))
+    for k in range(len(orders)):  # each candidate's batches in turn (a few cells: plain Python)
+        at = [c for c in range(len(cells)) if cells[c][0] == k for _ in held[c]]
+        ids = [g for c in range(len(cells)) if cells[c][0] == k for g in held[c]]
+        computes = _replay_prefixes(at, ids, [lend[c] for c in at], [int(p[c]) for c in at], hold_positions)
+        np.add.at(own, at, computes)
     positions = shared_prefix_rows(rows, longest, p, groups=groups, own=own) * longest
     return orders[int(np.argmin(np.bincount(which, positions)))]  # ties: length order, then the first
 
@@ -199,7 +202,8 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     own: Any = None
     if np.any(prefix):
         of = np.zeros(len(prompt), np.int64) if prefix_of is None else np.asarray(prefix_of, np.int64)
-        pairs, which = np.unique(np.stack((cell, of)), axis=1)  # one per (cell, prefix)
+        span = int(of.max()) + 1
+        pairs, which = np.divmod(np.unique(cell * span + of), span)  # one per (cell, prefix)
         if prefix_of is not None:
             groups = np.maximum(np.bincount(pairs, minlength=nb * J).reshape(nb, J), 1)
         # A batch takes a prefix that an earlier batch of the same prefill computed (the engine's plan_block)
@@ -259,23 +263,33 @@ def _within_hold(batch: np.ndarray, interval: np.ndarray, which: np.ndarray, len
     for j in over:
         at = np.flatnonzero(interval == j)
         at = at[np.argsort(batch[at], kind="stable")]
-        b_l, w_l, lend_l, need_l = batch[at].tolist(), which[at].tolist(), lend[at].tolist(), need[at].tolist()
-        held: dict[tuple[int, int], int] = {}  # (prefix, tokens) -> the last batch that wants it
-        used = 0
-        for k, (b, w, n) in enumerate(zip(b_l, w_l, need_l)):
-            took = any(pw == w and pn >= n for pw, pn in held)
-            computes[at[k]] = not took
-            if not took and lend_l[k] >= 0:
-                last = max((b_l[k2] for k2 in range(k + 1, len(at)) if w_l[k2] == w and need_l[k2] <= lend_l[k]),
-                           default=None)
-                if last is not None and used + lend_l[k] <= hold_positions:
-                    held[(w, lend_l[k])] = last
-                    used += lend_l[k]
-            if k + 1 == len(at) or b_l[k + 1] != b:  # the batch is done: release what no later one wants
-                for key in [key for key, last in held.items() if last == b]:
-                    used -= key[1]
-                    del held[key]
+        computes[at] = _replay_prefixes(batch[at].tolist(), which[at].tolist(), lend[at].tolist(), need[at].tolist(),
+                                        hold_positions)
     return computes
+
+
+def _replay_prefixes(batch: list[int], which: list[int], lend: list[int], need: list[int],
+                     hold_positions: int | None) -> list[bool]:
+    """The engine's ``plan_block`` on one prefill's (GPU batch, prefix) entries in batch order:
+    whether each computes its prefix (else it takes the tokens an earlier batch computed and
+    holds), holding a computed one (``lend`` tokens; -1: not shared there) only when a later
+    batch wants it and ``hold_positions`` allow (None: no limit), until that batch is done."""
+    held: dict[tuple[int, int], int] = {}  # (prefix, tokens) -> the last batch that wants it
+    used, out = 0, []
+    for k, (b, w, n) in enumerate(zip(batch, which, need)):
+        took = any(pw == w and pn >= n for pw, pn in held)
+        out.append(not took)
+        if not took and lend[k] >= 0:
+            last = max((batch[k2] for k2 in range(k + 1, len(batch)) if which[k2] == w and need[k2] <= lend[k]),
+                       default=None)
+            if last is not None and (hold_positions is None or used + lend[k] <= hold_positions):
+                held[(w, lend[k])] = last
+                used += lend[k]
+        if k + 1 == len(batch) or batch[k + 1] != b:  # the batch is done: release what no later one wants
+            for key in [key for key, last in held.items() if last == b]:
+                used -= key[1]
+                del held[key]
+    return out
 
 
 def _own_prefixes(cell: np.ndarray, batch: np.ndarray, prefill: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray,
