@@ -52,8 +52,9 @@ class Workload(Contract):
     ``prefix_tokens`` is how many leading tokens a prompt shares with the others (a system prompt,
     the same few-shot examples; counted in the prompt lengths; :func:`shared_prefix`), and
     ``prefix_groups`` among how many distinct such prefixes each prompt's is drawn (a job mixing
-    task templates): the runner computes each prefix once per GPU batch that holds it, after
-    ordering a block's prompts so that those beginning alike join one batch.
+    task templates): the runner computes each prefix once per block (the first GPU batch holding it
+    computes it, later ones take it), after ordering a block's prompts so that those beginning
+    alike join one batch.
     """
 
     SCHEMA: ClassVar[str] = "xsched.Workload/1"
@@ -149,7 +150,7 @@ class Workload(Contract):
         if self.prefix_tokens:
             among = f", one of {self.prefix_groups} such prefixes" if self.prefix_groups > 1 else ""
             lines.append(f"  prompts begin with {self.prefix_tokens} tokens they share{among} "
-                         "(prefilled once per GPU batch)")
+                         "(prefilled once per block)")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ files

@@ -96,7 +96,7 @@ KV_PARTS_COMPRESSED = 6
 
 QUANT_BITS = 4
 QUANT_GROUP = 64
-# The engine computes a prefix its prompts share once per GPU batch only when that leaves at most
+# A GPU batch's prefill shares the prefixes its prompts begin with only when that leaves at most
 # this fraction of the prefill's positions (``xrunner.prefix``): a second, smaller set of GEMMs and
 # the gathers cost something, and a few shared template tokens before long questions save little.
 SHARE_PREFIX_AT_MOST = 0.8
