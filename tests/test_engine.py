@@ -285,7 +285,7 @@ def test_a_block_takes_prefixes_earlier_batches_computed_and_equals_the_plain_la
                     for _ in range(rng.randint(2, 4))] for _ in range(rng.randint(2, 5))]
         hold = rng.choice([8, 12, 40])
         plans = plan_block(batches, hold)
-        assert all(src is None for pl in plan_block(batches, 0) if pl for src in pl.sources)
+        assert all(src is None for pl in plan_block(batches, 0) if pl for src in pl.share.sources)
         assert block_positions(batches, hold) == sum(
             pl.positions if pl else len(b) * max(map(len, b)) for b, pl in zip(batches, plans))
         assert block_positions(batches, hold) <= block_positions(batches, 0)
@@ -294,15 +294,15 @@ def test_a_block_takes_prefixes_earlier_batches_computed_and_equals_the_plain_la
         for b, pl in zip(batches, plans):
             if pl is None:
                 continue
-            for g, src in enumerate(pl.sources):
+            for g, src in enumerate(pl.share.sources):
                 key = tuple(b[pl.reps[g]][:pl.lengths[g]])
                 if src is not None:
                     assert live[src][:len(key)] == key
                     taken_total += 1
-            for g, ident in pl.lends:
+            for g, ident in pl.share.lends:
                 live[ident] = tuple(b[pl.reps[g]][:pl.lengths[g]])
             assert sum(map(len, live.values())) <= hold
-            for ident in pl.releases:
+            for ident in pl.share.releases:
                 assert ident not in released
                 released.add(ident)
                 del live[ident]
@@ -328,7 +328,7 @@ def test_a_block_takes_prefixes_earlier_batches_computed_and_equals_the_plain_la
                     continue
                 st[1], k2, v2, lent = prefill_layer(ls, w, h2, pos, mask, ropes[layer], pl, held=held)
                 held.update(lent)
-                for ident in pl.releases:
+                for ident in pl.share.releases:
                     del held[ident]
                 real = mask[:, None, :, None]
                 torch.testing.assert_close(st[1][mask], st[0][mask], atol=1e-4, rtol=1e-4)

@@ -1265,7 +1265,7 @@ class Engine:
             for ident, results in lent.items():  # kept until the last batch taking them has computed
                 led.add("gpu", "prefix_held", results.nbytes)
                 self._held[ident] = results
-            self._release_held(prefix.releases)
+            self._release_held(prefix.share.releases)
             q = k.new_empty(0)
         n, t = hidden.shape[0], hidden.shape[1]
         homes = self.kv_home[work.batch][layer]

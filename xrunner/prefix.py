@@ -40,16 +40,27 @@ ORDER_CANDIDATES = 12
 
 
 @dataclass(frozen=True)
+class Sharing:
+    """Which of one GPU batch's prefix groups it computes (``own``) and which it takes from a
+    prefix an earlier batch of the block computes and holds (``sources[g]``, its id; None: its
+    own); ``lends``: (group, id) results to hold for later batches; ``releases``: held ids no
+    later batch takes (:func:`_share_block`)."""
+
+    own: tuple[int, ...]
+    sources: tuple[int | None, ...]
+    lends: tuple[tuple[int, int], ...]
+    releases: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class PrefixPlan:
     """How ``m`` rows of one prefill (``P`` columns) share prefixes: group ``g`` holds row
     ``reps[g]``'s first ``lengths[g]`` tokens; every row computes its last ``suffix`` columns. The
     index tensors (built once per prefill, used in every layer) say, for each row and each column
     before the suffix, which group holds it and where (``width``: the zero column of padding).
 
-    The groups in ``own`` are computed here (the ``prefix_*`` tensors index them, padded to
-    ``own_width``); group ``g`` with ``sources[g]`` set takes its results from that held prefix,
-    which an earlier GPU batch of the block computed. ``lends``: (group, id) results to hold for
-    later batches; ``releases``: held ids no later batch takes."""
+    ``share`` says which groups are computed here (the ``prefix_*`` tensors index them, padded to
+    ``own_width``) and which take an earlier GPU batch's results."""
 
     reps: tuple[int, ...]
     lengths: tuple[int, ...]
@@ -61,10 +72,7 @@ class PrefixPlan:
     prefix_cols: torch.Tensor  # [len(own), own_width] long: and the column
     prefix_pos: torch.Tensor  # [len(own), own_width] long: position ids
     prefix_mask: torch.Tensor | None  # [len(own), own_width] bool; None when every such prefix is as long
-    own: tuple[int, ...] = ()
-    sources: tuple[int | None, ...] = ()
-    lends: tuple[tuple[int, int], ...] = ()
-    releases: tuple[int, ...] = ()
+    share: Sharing
 
     @property
     def width(self) -> int:
@@ -72,12 +80,12 @@ class PrefixPlan:
 
     @property
     def own_width(self) -> int:
-        return max((self.lengths[g] for g in self.own), default=0)
+        return max((self.lengths[g] for g in self.share.own), default=0)
 
     @property
     def positions(self) -> int:
         """Prompt positions one layer computes: each computed group's padded prefix, each row's suffix."""
-        return len(self.own) * self.own_width + int(self.group_idx.shape[0]) * self.suffix
+        return len(self.share.own) * self.own_width + int(self.group_idx.shape[0]) * self.suffix
 
 
 class Held(NamedTuple):
@@ -90,16 +98,6 @@ class Held(NamedTuple):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self)
-
-
-@dataclass(frozen=True)
-class _Sharing:
-    """One GPU batch's share of a block's prefixes (:func:`_share_block`)."""
-
-    own: tuple[int, ...]
-    sources: tuple[int | None, ...]
-    lends: tuple[tuple[int, int], ...]
-    releases: tuple[int, ...]
 
 
 def plan_prefixes(prompts: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> PrefixPlan | None:
@@ -144,7 +142,7 @@ def block_positions(batches: Sequence[Sequence[Sequence[int]]], hold_positions: 
 
 
 def _share_block(batches: Sequence[Sequence[Sequence[int]]], groupings: Sequence[tuple | None],
-                 hold_positions: int) -> list[_Sharing]:
+                 hold_positions: int) -> list[Sharing]:
     """Which of each batch's groups it computes and which it takes from an earlier batch.
 
     A computed prefix is held only when a later batch has a group it covers (its tokens begin
@@ -172,7 +170,7 @@ def _share_block(batches: Sequence[Sequence[Sequence[int]]], groupings: Sequence
         releases = tuple(i for i, (_, last) in held.items() if last == j)
         for i in releases:
             used -= len(held.pop(i)[0]) // _KEY_BYTES
-        out.append(_Sharing(tuple(own), tuple(sources), tuple(lends), releases))
+        out.append(Sharing(tuple(own), tuple(sources), tuple(lends), releases))
     return out
 
 
@@ -261,7 +259,7 @@ def _grouping(prompts: Sequence[Sequence[int]]) -> tuple[int, list[list[int]], l
 
 
 def _index_plan(prompts: Sequence[Sequence[int]], runs: list[list[int]], lengths: list[int], P: int,
-                sharing: _Sharing, device: torch.device | str) -> PrefixPlan:
+                sharing: Sharing, device: torch.device | str) -> PrefixPlan:
     m, G, width = len(prompts), len(runs), max(lengths)
     keep, group_of = [0] * m, [0] * m
     for g, (run, s) in enumerate(zip(runs, lengths)):
@@ -293,7 +291,7 @@ def _index_plan(prompts: Sequence[Sequence[int]], runs: list[list[int]], lengths
                       col_idx=col_idx.to(device), prefix_rows=prefix_rows.to(device),
                       prefix_cols=prefix_cols.to(device), prefix_pos=prefix_pos.to(device),
                       prefix_mask=None if bool(prefix_mask.all()) else prefix_mask.to(device),
-                      own=own, sources=sharing.sources, lends=sharing.lends, releases=sharing.releases)
+                      share=sharing)
 
 
 def _spread(plan: PrefixPlan, shared: torch.Tensor, own: torch.Tensor, dim: int) -> torch.Tensor:
@@ -314,24 +312,25 @@ def prefill_layer(spec: ModelSpec, w: Weights, hidden: torch.Tensor, pos: torch.
                   held: dict[int, Held] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, Held]]:
     """One decoder layer's prefill of ``hidden [m, P, d]`` computing shared prefixes once; returns
     (hidden out ``[m, P, d]``, k, v ``[m, Hkv, P, hd]``) as the plain layer computes them, and the
-    prefix results ``plan.lends`` asks to hold for later GPU batches (``held``: those earlier
+    prefix results ``plan.share.lends`` asks to hold for later GPU batches (``held``: those earlier
     batches hold, by id)."""
     S, P = plan.suffix, plan.columns
+    share = plan.share
     parts: tuple[torch.Tensor, ...] = ()
-    if plan.own:
+    if share.own:
         xp = hidden[plan.prefix_rows, plan.prefix_cols]  # [own, own_width, d]
         q, k_p, v_p = attn_in(spec, w, xp, plan.prefix_pos, rope)
         attn = attention(spec, q, k_p, v_p, plan.prefix_mask, causal=True, sinks=sinks)
         parts = (attn_out_mlp(spec, w, attn, xp), k_p, v_p)
-    wo, slot = plan.own_width, {g: o for o, g in enumerate(plan.own)}
+    wo, slot = plan.own_width, {g: o for o, g in enumerate(share.own)}
     lent = {ident: Held(*(_cols(t, slot[g], wo - plan.lengths[g], wo).clone() for t in parts))
-            for g, ident in plan.lends}
-    if any(src is not None for src in plan.sources):  # every group's results, right-aligned to width
+            for g, ident in share.lends}
+    if any(src is not None for src in share.sources):  # every group's results, right-aligned to width
         assert held is not None, "a plan that takes prefixes needs the held ones"
         wd, G = plan.width, len(plan.reps)
-        ref = next(held[src] for src in plan.sources if src is not None)
+        ref = next(held[src] for src in share.sources if src is not None)
         full = [r.new_zeros((G, wd, r.shape[-1]) if r.dim() == 2 else (G, r.shape[0], wd, r.shape[-1])) for r in ref]
-        for g, (n, src) in enumerate(zip(plan.lengths, plan.sources)):
+        for g, (n, src) in enumerate(zip(plan.lengths, share.sources)):
             pieces = (_cols(t, slot[g], wo - n, wo) for t in parts) if src is None else \
                 (_cols(t, None, 0, n) for t in held[src])
             for dst, piece in zip(full, pieces):
