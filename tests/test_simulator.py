@@ -1108,3 +1108,28 @@ def test_a_shared_system_prompt_is_prefilled_once_and_both_paths_agree(refill):
     assert ana.throughput_tokens_per_s == pytest.approx(des.throughput_tokens_per_s, rel=THROUGHPUT_TOL)
     assert ana.padded_prompt_tokens == pytest.approx(des.padded_prompt_tokens, rel=0.05)
     assert ana.latency_mean_s == pytest.approx(des.latency_mean_s, rel=MEAN_TOL)
+
+
+def test_the_vectorised_prefix_taking_agrees_with_the_engines_replay():
+    """``discrete_event._first_computes`` (every prefill at once) against ``_replay_prefixes`` (the
+    engine's ``plan_block`` rule, one prefill's entries in batch order, no hold limit) on random
+    prefills: 1-6 batches, 1-4 prefixes each, cells that share none (-1) or fewer tokens than a
+    later one wants. Both say the same pair computes; a hold limit only ever adds computations."""
+    from xsimulator.discrete_event import _first_computes, _replay_prefixes
+
+    rng = np.random.default_rng(3)
+    taken = 0
+    for _ in range(200):
+        batch, which, lend, need = [], [], [], []
+        for b in range(rng.integers(1, 7)):
+            cell_tokens = int(rng.integers(1, 9))
+            shares = rng.random() < 0.8
+            for w in sorted(rng.choice(5, rng.integers(1, 5), replace=False).tolist()):
+                batch.append(b), which.append(w), need.append(cell_tokens)
+                lend.append(cell_tokens if shares else -1)
+        vec = _first_computes(np.array(batch), np.array(which), np.array(lend), np.array(need))
+        assert vec.tolist() == _replay_prefixes(batch, which, lend, need, None)
+        limited = _replay_prefixes(batch, which, lend, need, 6)
+        assert all(a or not b for a, b in zip(limited, vec))
+        taken += int((~vec).sum())
+    assert taken > 100

@@ -114,21 +114,22 @@ def _prefix_first(ids: list[int], free: list[int], prompt_l: list[int], of_l: li
     orders = [ids, sorted(ids, key=lambda i: (of_l[i], prompt_l[i])),
               sorted(ids, key=lambda i: (mean[of_l[i]], of_l[i], prompt_l[i]))]
     cells: list[tuple[int, int, int, int, int]] = []  # (order, rows, longest, shortest, prefixes) per batch
-    held: list[list[int]] = []  # each cell's prefixes
+    entries: list[tuple[list[int], list[int]]] = []  # per order: (cell, prefix) of each batch's prefixes
     for k, order in enumerate(orders):
         batches: dict[int, list[int]] = {}
         for s, i in zip(free, order):
             batches.setdefault(s // gbs, []).append(i)
+        entries.append(([], []))
         for _, b in sorted(batches.items()):  # in the order they compute
-            held.append(sorted({of_l[i] for i in b}))
-            cells.append((k, len(b), max(prompt_l[i] for i in b), min(prompt_l[i] for i in b), len(held[-1])))
+            held = sorted({of_l[i] for i in b})
+            entries[k][0].extend([len(cells)] * len(held))
+            entries[k][1].extend(held)
+            cells.append((k, len(b), max(prompt_l[i] for i in b), min(prompt_l[i] for i in b), len(held)))
     which, rows, longest, shortest, groups = np.array(cells).T
     p = np.minimum(prefix, shortest - 1)
     lend = np.where(shared_prefix_split(rows, longest, p, groups=groups)[0], p, -1).tolist()
     own = np.zeros(len(cells))
-    for k in range(len(orders)):  # each candidate's batches in turn (a few cells: plain Python)
-        at = [c for c in range(len(cells)) if cells[c][0] == k for _ in held[c]]
-        ids = [g for c in range(len(cells)) if cells[c][0] == k for g in held[c]]
+    for at, ids in entries:  # each candidate's batches in turn (a few cells: plain Python)
         computes = _replay_prefixes(at, ids, [lend[c] for c in at], [int(p[c]) for c in at], hold_positions)
         np.add.at(own, at, computes)
     positions = shared_prefix_rows(rows, longest, p, groups=groups, own=own) * longest
@@ -307,7 +308,8 @@ def _own_prefixes(cell: np.ndarray, batch: np.ndarray, prefill: np.ndarray, pref
 
 def _first_computes(batch: np.ndarray, key: np.ndarray, lend: np.ndarray, need: np.ndarray) -> np.ndarray:
     """Whether each (GPU batch, prefix ``key``) pair computes its prefix: no earlier batch with
-    the same key computed (``lend``; -1: did not) at least the ``need`` tokens it wants."""
+    the same key computed (``lend``; -1: did not) at least the ``need`` tokens it wants.
+    :func:`_replay_prefixes` without a hold limit, vectorised over every prefill at once."""
     order = np.lexsort((batch, key))
     k, v = key[order], np.asarray(lend, np.int64)[order] + 1
     start = np.concatenate(([True], k[1:] != k[:-1]))
