@@ -25,7 +25,7 @@ peak bytes <= planned on every tier. Prints a table and writes a PNG scatter.
     OMP_NUM_THREADS=1 python benchmarks/sim_vs_run.py --profile p.json      # calibrates, then runs
     OMP_NUM_THREADS=1 python benchmarks/sim_vs_run.py --profile p.json --calibrated cal.json  # reuse a fit
     ... --samples 4   # prompts asked for 4 outputs each: the shared prefill, run and predicted
-    ... --prefix 24   # the same 24 tokens put before every prompt (a system prompt): computed once per block
+    ... --prefix 24   # the same 24 tokens put before every prompt (a system prompt): computed once per run
     ... --prefix 48 --prefix-groups 8   # one of 8 such prefixes before each prompt (a job mixing templates)
 """
 
@@ -82,7 +82,7 @@ def main() -> int:
                          "engine prefills once per GPU batch and the simulator prices so (Workload.samples)")
     ap.add_argument("--prefix", type=int, default=0,
                     help="tokens of a system prompt put before every sampled prompt (its length grows by them), which "
-                         "the engine computes once per block and the simulator prices so (Workload.prefix_tokens)")
+                         "the engine computes once per run and the simulator prices so (Workload.prefix_tokens)")
     ap.add_argument("--prefix-groups", type=int, default=1,
                     help="distinct --prefix system prompts, one drawn per prompt (Workload.prefix_groups)")
     ap.add_argument("--png", default="sim_vs_run.png", help="scatter of predicted vs measured")

@@ -22,11 +22,12 @@ from quant_reference import reference_roundtrip
 from sim_profiles import t4_like
 from workloads.workload import fixed_workload
 from xrunner.compression import DEFAULT_CLIP_STEPS, KV_CLIP_STEPS
-from xrunner.engine import Engine, Request
+from xrunner.engine import Engine, EngineStats, Request
 from xrunner.generate import generate
 from xrunner.loaders import ModelSource, RandomSource, load_weights
 from xrunner.model import attention, attn_in, attn_out_mlp, embed, layer_ropes
-from xrunner.prefix import block_positions, plan_block, plan_prefixes, prefill_layer, prefix_order
+from xrunner.prefix import (PrefixCache, _key, block_positions, plan_block, plan_prefixes, prefill_layer,
+                            prefix_order)
 from xrunner.sampling import SamplingParams
 from xsched.errors import UserError
 from xsimulator.discrete_event import simulate_timeline
@@ -343,7 +344,7 @@ def test_later_gpu_batches_take_the_system_prompt_the_first_computed(tmp_path):
     the other three take it (``prefixes_across_batches``), so the prefill computes exactly three
     system prompts' positions fewer than batch by batch, which computes fewer than no sharing.
     Every request equals the reference loop whatever the placement, overlap or refill, and with a
-    4-bit cache equals the same job computed batch by batch; the held results are all freed."""
+    4-bit cache equals the same job computed batch by batch; the kept results are all freed."""
     src = RandomSource(LLAMA, seed=3)
     rng = random.Random(12)
     system = tuple(rng.randrange(LLAMA.vocab_size) for _ in range(10))
@@ -364,16 +365,76 @@ def test_later_gpu_batches_take_the_system_prompt_the_first_computed(tmp_path):
     with Engine(src, compressed, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path) as eng:
         got = {}
         stats = eng.run(reqs, on_finished=lambda fs: got.update({f.id: list(f.output_ids) for f in fs}))
-        assert eng.ledger.by_name["gpu", "prefix_held"] == 0  # held, then freed
+        assert eng.ledger.by_name.get(("gpu", "prefix_held"), 0) == 0  # any held, then freed
+        assert eng.ledger.by_name["cpu", "prefix_cache"] == 0  # kept for the run (it was), freed at its end
     per_batch, _ = run_engine(src, compressed, reqs, tmp_path, prefixes_across_batches=False)
     assert got == per_batch
 
 
+def test_the_prefix_cache_keeps_the_first_prefixes_and_a_longer_run_replaces_a_shorter():
+    """``PrefixCache``: first come first kept within its capacity, an entry covering a key keeps it
+    out, a longer run of an entry's tokens replaces it (counted until the step is done), and a
+    prompt takes the most leading tokens an entry shares with it, its own limit allowing."""
+    cache = PrefixCache(10)
+    a = cache.admit(_key([1, 2, 3]))
+    assert a is not None and cache.admit(_key([1, 2])) is None  # covered by a
+    b = cache.admit(_key([1, 2, 3, 4, 5]))
+    assert b is not None and a not in cache.keys and cache.used == 8  # a retired, still counted
+    assert cache.admit(_key([7, 8, 9])) is None  # 8 + 3 > 10
+    assert cache.drop_retired() == [a] and cache.used == 5 and cache.drop_retired() == []
+    assert cache.admit(_key([7, 8, 9])) is not None and cache.used == 8
+    assert cache.longest_start(_key([1, 2, 3, 9, 9]), 4) == (b, 3)  # shares 3 tokens with b
+    assert cache.longest_start(_key([1, 2, 3, 4, 5, 6]), 5) == (b, 5)
+    assert cache.longest_start(_key([1, 2, 3, 4, 5, 6]), 4) == (b, 4)  # keeps a token of its own
+    assert cache.longest_start(_key([7, 8, 1]), 2) == (cache.covering(_key([7, 8])), 2)
+    assert cache.longest_start(_key([5, 1]), 1) == (None, 0)
+    copy = cache.index_copy()
+    assert copy.admit(_key([6, 6])) is not None and cache.covering(_key([6, 6])) is None
+
+
+def test_the_runs_later_prefills_take_the_system_prompt_its_first_computed(tmp_path):
+    """One system prompt before 16 questions. Without refill, every block after the first takes
+    it from the run's prefix cache: the job computes exactly one system prompt per later block
+    fewer positions than with the cache off. With refill every step, each refill of one row
+    computes only its own tokens, also for prompts that share only the system prompt's first
+    tokens; every request equals the reference loop either way."""
+    src = RandomSource(LLAMA, seed=3)
+    rng = random.Random(13)
+    system = tuple(rng.randrange(LLAMA.vocab_size) for _ in range(10))
+    firsts = rng.sample(range(LLAMA.vocab_size), 18)  # no two questions begin alike
+    prompts = [system + (f,) + tuple(rng.randrange(LLAMA.vocab_size) for _ in range(rng.randint(0, 3)))
+               for f in firsts[:16]]
+    prompts[9:9] = [system[:6] + (firsts[16],)]  # the system prompt's first tokens only
+    prompts[12:12] = [system[:3] + (firsts[17], 5)]
+    reqs = [Request(f"c{i}", p, rng.randint(1, MAX_OUTPUT)) for i, p in enumerate(prompts)]
+    want = reference(load_weights(src), reqs)
+    behind = [r for r in reqs if r.prompt_ids[:len(system)] == system]
+    blocks = Policy(gbs=2, nb=2)
+    got, stats = run_engine(src, blocks, behind, tmp_path)
+    again, uncached = run_engine(src, blocks, behind, tmp_path, prefix_cache=False)
+    assert got == again == {r.id: want[r.id] for r in behind}
+    assert stats.padded_prompt_tokens == uncached.padded_prompt_tokens - (16 // blocks.block_size - 1) * len(system)
+
+    refill = Policy(gbs=2, nb=2, refill_every=1, cg=0.5, cc=0.5, cpu_attention=True)
+    got, stats = run_engine(src, refill, reqs, tmp_path, record_trace=True)
+    _, uncached = run_engine(src, refill, reqs, tmp_path, prefix_cache=False)
+    assert got == want and stats.padded_prompt_tokens < uncached.padded_prompt_tokens
+    layer0 = [e.args for e in stats.events if e.name == "prefill" and e.args["layer"] == 0]
+    singles = [a for a in layer0[2:] if a["rows"] == 1]  # refills after the first step
+    assert len(singles) >= 8
+    taken = {7: 6, 5: 3}  # (the short prompts' lengths: the system prompt's first 6 or 3 tokens, then their own)
+    for a in singles:  # a row behind the system prompt computes its own 1-4 tokens (or 1-2)
+        assert a.get("positions") == a["length"] - taken.get(a["length"], len(system)), a
+    assert {a["length"] for a in singles} >= {7, 5}
+
+
 def test_the_simulator_prices_a_shared_prefix_as_the_engine_computes_it(tmp_path):
     """Every prompt begins with the same 4 tokens: the simulator, told so (Workload.prefix_tokens),
-    computes as many prompt positions as the engine, batch by batch, with and without refill;
-    both share the prefix in the batches of short prompts and not in those of long ones, where
-    it would save under a fifth of the positions."""
+    computes as many prompt positions as the engine, batch by batch, with and without refill.
+    Without the run's prefix cache the engine shares the prefix in the batches of short prompts
+    only (in long ones it would save under a fifth of the positions); with it, every later
+    prefill takes the prefix a batch of short prompts computed first, in long prompts and in a
+    refill's single rows too, and computes fewer positions."""
     src = RandomSource(LLAMA, seed=3)
     rng = random.Random(4)
     system = tuple(rng.randrange(LLAMA.vocab_size) for _ in range(4))
@@ -384,13 +445,20 @@ def test_the_simulator_prices_a_shared_prefix_as_the_engine_computes_it(tmp_path
     want = reference(load_weights(src), reqs)
     for policy in (Policy(gbs=2, nb=3), Policy(gbs=3, nb=2, refill_every=2)):
         got, stats = run_engine(src, policy, reqs, tmp_path, record_trace=True)
+        uncached, per_prefill = run_engine(src, policy, reqs, tmp_path, record_trace=True, prefix_cache=False)
         _, plain = run_engine(src, policy, reqs, tmp_path, share_prefixes=False)
         sim, _ = simulate_timeline(LLAMA, t4_like(), policy, workload, requests=lengths)
-        assert got == want
-        assert sim.padded_prompt_tokens == stats.padded_prompt_tokens < plain.padded_prompt_tokens, policy
-        layer0 = [e.args for e in stats.events if e.name == "prefill" and e.args["layer"] == 0]
-        shared = sum("positions" in a for a in layer0)
-        assert 0 < shared < sum(a["rows"] > 1 for a in layer0) or policy.refill_every, policy
+        assert got == want == uncached
+        assert sim.padded_prompt_tokens == stats.padded_prompt_tokens < per_prefill.padded_prompt_tokens \
+            < plain.padded_prompt_tokens, policy
+
+        def shared(s: EngineStats) -> tuple[int, int]:  # (prefills sharing, prefills of two or more rows)
+            layer0 = [e.args for e in s.events if e.name == "prefill" and e.args["layer"] == 0]
+            return sum("positions" in a for a in layer0), sum(a["rows"] > 1 for a in layer0)
+
+        alone, several = shared(per_prefill)
+        assert 0 < alone < several or policy.refill_every, policy
+        assert shared(stats)[0] > alone, policy
 
 
 def template_prompts(rng: random.Random, templates: int, count: int, head: tuple[int, int],
@@ -459,9 +527,11 @@ def test_prefix_order_is_a_permutation_that_never_computes_more():
 def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_them():
     """512 prompts, each one of G templates before a question, in random order: ``shared_prefix``
     finds G and the templates' length from the token ids, and the discrete-event simulator, told
-    so, computes within 7% of the prompt positions that the engine's own ordering and grouping
-    compute block by block (``prefix_order``, ``block_positions``), bucketed or not, where
-    pricing one prefix for all (G = 1) falls 20-60% short."""
+    so, computes within 8% of the prompt positions that the engine's own ordering and grouping
+    compute block by block (``prefix_order``, ``plan_block``, the run's prefix cache carried from
+    block to block), bucketed or not, where pricing one prefix for all (G = 1) falls 20-60% short.
+    (The simulator gives all G one length, the templates' mean: G = 4 templates of 200-225 tokens
+    come out 7.2% high, most where a GPU batch mixes templates of unlike lengths.)"""
     from workloads.workload import shared_prefix
 
     rng = random.Random(5)
@@ -472,18 +542,24 @@ def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_th
         lengths = np.array([len(p) for p in prompts])
         workload = replace(fixed_workload(int(lengths.mean()), 8), prefix_tokens=tokens, prefix_groups=groups)
         for policy in (Policy(gbs=16, nb=4), Policy(gbs=8, nb=8), Policy(gbs=16, nb=4, bucket=False)):
-            engine, hold = 0, int(lengths.max())  # (the engine holds one prompt's worth of prefixes)
+            engine, hold = 0, int(lengths.max())  # (the engine holds and keeps one prompt's worth of prefixes)
+            cache = PrefixCache(hold)  # the run's, across blocks
             for b in range(0, len(prompts), policy.block_size):
                 block = prompts[b:b + policy.block_size]
                 if policy.bucket:
                     block.sort(key=len)
-                    order = prefix_order(block, [k // policy.gbs for k in range(len(block))], hold)
+                    order = prefix_order(block, [k // policy.gbs for k in range(len(block))], hold, cache)
                     block = block if order is None else [block[i] for i in order]
-                engine += block_positions([block[k:k + policy.gbs] for k in range(0, len(block), policy.gbs)], hold)
+                batches = [block[k:k + policy.gbs] for k in range(0, len(block), policy.gbs)]
+                counted = block_positions(batches, hold, cache=cache)
+                plans = plan_block(batches, hold, cache=cache)
+                cache.drop_retired()
+                engine += sum(pl.positions if pl else len(bt) * max(map(len, bt)) for bt, pl in zip(batches, plans))
+                assert counted == sum(pl.positions if pl else len(bt) * max(map(len, bt)) for bt, pl in zip(batches, plans))
             both = (lengths, np.full(len(prompts), 8))
             sim, _ = simulate_timeline(LLAMA, t4_like(), policy, workload, requests=both)
             one, _ = simulate_timeline(LLAMA, t4_like(), policy, replace(workload, prefix_groups=1), requests=both)
-            assert sim.padded_prompt_tokens == pytest.approx(engine, rel=0.07), (G, policy)
+            assert sim.padded_prompt_tokens == pytest.approx(engine, rel=0.08), (G, policy)
             assert one.padded_prompt_tokens < 0.8 * engine, (G, policy)
 
 

@@ -128,8 +128,10 @@ def test_lp_charges_no_weight_staging_when_every_layer_is_resident():
     peak = CostModel(spec, base).peak_bytes(all_gpu, shape.max_prompt, shape.max_output)
     layer = CostModel(spec, base).layer_stored_bytes
     # Tight GPU and CPU: the CPU holds only the all-gpu policy's peak (one layer read and staged
-    # while loading), so it could not take two disk relay records beside it either.
-    assert peak["cpu"] == 2 * layer  # the layer as read and its packed record staged for the GPU
+    # while loading, beside the run's prefix cache), so it could not take two disk relay records
+    # beside it either.
+    kept = 2 * spec.num_layers * shape.max_prompt * spec.kv_dim * spec.dtype_bytes
+    assert peak["cpu"] == 2 * layer + kept  # the layer as read and its packed record staged for the GPU
     prof = replace(base, gpu_bytes=int(peak["gpu"]) + 1, cpu_bytes=int(peak["cpu"]))
     lp = place(spec, prof, w, 4, 2)
     assert lp is not None

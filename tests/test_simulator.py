@@ -1068,12 +1068,16 @@ def test_prompts_mixing_system_prompts_compute_each_per_batch_and_both_paths_agr
                               seed=1)
     full = tl.prefill_rows >= 16
     assert np.mean(np.asarray(tl.prefix_groups)[full]) < 0.5 * np.mean(tl.prefill_rows[full]), "grouped by prefix"
-    # A job's own prefixes, one per request (unsorted batches keep them where they are), or a one-line refusal.
+    # A job's own prefixes, one per request (unsorted batches keep them where they are), or a one-line refusal:
+    # two prefixes, each computed once however the two batches hold them (the second batch takes what the
+    # first computed: one from the run's cache, one held), against a prefix of its own for every prompt.
     lengths, mine, queue = (np.full(64, 210), np.full(64, 16)), replace(plain, prefix_tokens=150, prefix_groups=2), \
         Policy(gbs=32, nb=2, bucket=False)
     ordered = simulate(spec, prof, queue, mine, requests=lengths, prefix_of=np.arange(64) // 32)
     mixed = simulate(spec, prof, queue, mine, requests=lengths, prefix_of=np.arange(64) % 2)
-    assert ordered.padded_prompt_tokens == 2 * (150 + 32 * 60) < mixed.padded_prompt_tokens < 64 * 210
+    alone = simulate(spec, prof, queue, mine, requests=lengths, prefix_of=np.arange(64))
+    assert ordered.padded_prompt_tokens == mixed.padded_prompt_tokens == 2 * 150 + 64 * 60
+    assert alone.padded_prompt_tokens == 64 * 210
     with pytest.raises(UserError, match="prefix_of gives 3 prefixes for 64 requests"):
         simulate(spec, prof, pol, mine, requests=lengths, prefix_of=[0, 1, 0])
     for G in (4, 64):

@@ -225,4 +225,4 @@ def test_prompts_mixing_prefixes_from_the_command_line_are_priced_in_simulate_an
     assert positions == sorted(positions) and positions[0] < positions[1] < positions[3], positions
     assert got["96"].throughput_tokens_per_s > got["4"].throughput_tokens_per_s > got[0].throughput_tokens_per_s
     assert main(["plan", *base, "--prefix-tokens", "96", "--prefix-groups", "4", "--latency", "inf", "--quiet"]) == 0
-    assert "(a shared 96-token prefix, one of 4, prefilled once per block)" in capsys.readouterr().out
+    assert "(a shared 96-token prefix, one of 4, prefilled once per run)" in capsys.readouterr().out

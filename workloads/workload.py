@@ -54,7 +54,7 @@ class Workload(Contract):
     ``prefix_groups`` among how many distinct such prefixes each prompt's is drawn (a job mixing
     task templates): the runner computes each prefix once per block (the first GPU batch holding it
     computes it, later ones take it), after ordering a block's prompts so that those beginning
-    alike join one batch.
+    alike join one batch, and keeps the first ones it computes for the run's later prefills.
     """
 
     SCHEMA: ClassVar[str] = "xsched.Workload/1"
@@ -150,7 +150,7 @@ class Workload(Contract):
         if self.prefix_tokens:
             among = f", one of {self.prefix_groups} such prefixes" if self.prefix_groups > 1 else ""
             lines.append(f"  prompts begin with {self.prefix_tokens} tokens they share{among} "
-                         "(prefilled once per block)")
+                         "(prefilled once per run, as the prefix cache allows)")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ files

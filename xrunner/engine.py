@@ -11,7 +11,8 @@ Buffers (names and sizes of ``CostModel.memory``), all allocated up front except
 gpu ``weights_home head_weights kv_home act_home weight_stage weight_dequant kv_stage kv_dequant
 act_stage`` + transients ``qkv attention attention_decode mlp logits`` (in a prefill beside
 ``prefix_held``, the prefixes later GPU batches take); cpu ``weights_home
-kv_home act_home weight_relay kv_relay act_relay`` + transient ``cpu_attention``; disk
+kv_home act_home weight_relay kv_relay act_relay`` + transient ``cpu_attention``, and
+``prefix_cache``, filled as prefills compute prefixes that later ones take; disk
 ``weights_home kv_home act_home``. Placement: weights by whole layers
 (``Policy.layer_counts``), KV cache and hidden states by fixed row slots of each GPU batch
 (``Policy.row_counts`` of ``gbs``: the first slots on gpu, then cpu, then disk).
@@ -43,7 +44,7 @@ from xrunner.loaders import ModelSource
 from xrunner.model import (attend_rows_on_cpu, attention, attn_in, attn_out_mlp, cpu_attention_chunk_rows,
                            cpu_head_layout, embed, final_logits, head_layout_of, is_range, lm_head_name,
                            layer_ropes, torch_dtype)
-from xrunner.prefix import Held, PrefixPlan, plan_block, prefill_layer, prefix_order
+from xrunner.prefix import Held, PrefixCache, PrefixPlan, plan_block, prefill_layer, prefix_order
 from xrunner.sampling import SamplingParams, sample
 from xrunner.stored_forms import KVCodec, WeightLayout
 from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
@@ -433,7 +434,8 @@ class Engine:
                  cuda_sync: str = "item", head_layout: str | None = None,
                  notice: Callable[[str], None] | None = None,
                  stop_check: Callable[[Request, Sequence[int]], bool] | None = None, logprobs: bool = False,
-                 share_prefixes: bool = True, order_by_prefix: bool = True, prefixes_across_batches: bool = True):
+                 share_prefixes: bool = True, order_by_prefix: bool = True, prefixes_across_batches: bool = True,
+                 prefix_cache: bool = True):
         spec = source.spec
         if head_layout not in (None, "rows", "transposed"):
             raise UserError(f"head_layout must be 'rows' or 'transposed', got {head_layout!r}")
@@ -470,6 +472,11 @@ class Engine:
         # off: each batch computes its own (an ablation).
         self.prefixes_across_batches = prefixes_across_batches
         self._held: dict[int, Held] = {}  # the current layer's prefix results held for later batches
+        # The run's later prefills (refills, later blocks) take the prefixes its first ones computed
+        # (xrunner.prefix.PrefixCache: keys and values of every layer, max_prompt positions, on the
+        # cpu tier); off: each prefill computes its own (an ablation).
+        self.prefix_cache = prefix_cache
+        self._cache = PrefixCache(0)
         # Token ids [sequences, length] of calibration text (or a function giving them, called the
         # first time a calibration pass runs, while weights load): 4-bit weights then get GPTQ codes
         # (xrunner.gptq) instead of nearest rounding, and a 4-bit KV cache is stored around each
@@ -889,6 +896,7 @@ class Engine:
         peak_before = self.ledger.reset_window()  # the old policy's peak since the run or the last change
         old = self.policy
         self._free_buffers()
+        self._clear_cache()  # (new weights or a new dtype of them would compute other keys and values)
         moved: dict[str, int] = {}
         reloaded = 0
         if reload:  # the stored form changes: read from the source
@@ -1259,12 +1267,20 @@ class Engine:
             q, k, v = attn_in(spec, w, hidden, pos, self.ropes[layer])
         else:
             # its q/k/v, attention and MLP in turn; the plain layer's largest (MLP) working set bounds them
-            with led.transient("gpu", "prefix", 2 * nbytes_of(hidden) + nbytes_of(hidden) // spec.hidden * spec.q_dim):
+            taken = self._sources(layer, prefix)
+            copies = sum(e.nbytes for i, e in taken.items() if i not in self._held) if self.device.type == "cuda" else 0
+            with led.transient("gpu", "prefix", 2 * nbytes_of(hidden) + nbytes_of(hidden) // spec.hidden * spec.q_dim
+                               + copies):
                 shared, k, v, lent = prefill_layer(spec, w, hidden, pos, mask, self.ropes[layer], prefix,
-                                                   sinks=w.get("sinks.weight"), held=self._held)
+                                                   sinks=w.get("sinks.weight"), held=taken)
+            del taken
+            stores = {ident for _g, ident in prefix.share.stores}
             for ident, results in lent.items():  # kept until the last batch taking them has computed
-                led.add("gpu", "prefix_held", results.nbytes)
-                self._held[ident] = results
+                if ident in stores:  # kept for the run's later prefills
+                    self._keep(layer, ident, results)
+                else:
+                    led.add("gpu", "prefix_held", results.nbytes)
+                    self._held[ident] = results
             self._release_held(prefix.share.releases)
             q = k.new_empty(0)
         n, t = hidden.shape[0], hidden.shape[1]
@@ -1559,6 +1575,38 @@ class Engine:
         for ident in ids:
             self.ledger.sub("gpu", "prefix_held", self._held.pop(ident).nbytes)
 
+    def _sources(self, layer: int, plan: PrefixPlan) -> dict[int, Held]:
+        """The held and cached prefix results ``plan`` takes in ``layer`` (cached ones on the
+        compute device: on CUDA a copy for this layer, within ``prefix_held``'s room)."""
+        kept = self._cache.layers.get(layer, {})
+        out = {}
+        for src in plan.share.sources:
+            if src is None or src in out:
+                continue
+            if src in self._held:
+                out[src] = self._held[src]
+            else:
+                e = kept[src]
+                out[src] = e if self.device.type != "cuda" else \
+                    Held(None, e.k.to(self.device, non_blocking=True), e.v.to(self.device, non_blocking=True))
+        return out
+
+    def _keep(self, layer: int, ident: int, results: Held) -> None:
+        """Keep one layer's keys and values of a prefix in the run's cache (cpu tier)."""
+        k, v = results.k, results.v
+        if self.device.type == "cuda":
+            k, v = k.to("cpu").pin_memory(), v.to("cpu").pin_memory()
+        entry = Held(None, k, v)
+        self.ledger.add("cpu", "prefix_cache", entry.nbytes)
+        self._cache.layers.setdefault(layer, {})[ident] = entry
+
+    def _clear_cache(self) -> None:
+        """Forget the run's kept prefixes (a new run, or new weights or policy)."""
+        for entries in self._cache.layers.values():
+            for entry in entries.values():
+                self.ledger.sub("cpu", "prefix_cache", entry.nbytes)
+        self._cache = PrefixCache(self.max_prompt if self.share_prefixes and self.prefix_cache else 0)
+
     def _head(self, hidden_last: torch.Tensor) -> torch.Tensor:
         with self.ledger.transient("gpu", "logits", nbytes_of(hidden_last) + hidden_last.shape[0] *
                                    self.spec.vocab_size * 4):
@@ -1596,6 +1644,7 @@ class Engine:
         peak = self.ledger.reset_window()
         first_change = len(self.reconfigurations)
         self.stats = EngineStats(0.0, 0, 0, 0, 0, 0, {}, dict(self.planned_peak_bytes), {}, [], [])
+        self._clear_cache()
         boundary = 0
         try:
             with torch.inference_mode():
@@ -1644,6 +1693,8 @@ class Engine:
                 pool.submit(lambda: None).result()
             self._in_flight = False
             raise
+        finally:
+            self._clear_cache()
         s = self.stats
         s.wall_s = self._clock()
         s.peak_bytes_since_change = dict(self.ledger.window_peak)
@@ -1667,7 +1718,7 @@ class Engine:
         reqs = sorted(reqs, key=lambda r: len(r.prompt_ids))
         if not (self.share_prefixes and self.order_by_prefix):
             return reqs
-        order = prefix_order([r.prompt_ids for r in reqs], batch_of, self._hold_positions)
+        order = prefix_order([r.prompt_ids for r in reqs], batch_of, self._hold_positions, self._cache)
         return reqs if order is None else [reqs[i] for i in order]
 
     @property
@@ -1721,11 +1772,15 @@ class Engine:
             works.append(_Work(j, [s for s, _r in new], ids.to(self.device), pos.to(self.device), c0, c0, dev_mask,
                                share=share))
             self.stats.prompt_tokens += sum(len(r.prompt_ids) for _s, r in new)
-        plans = plan_block(distinct, self._hold_positions, self.device) if self.share_prefixes else [None] * len(works)
+        plans = (plan_block(distinct, self._hold_positions, self.device, self._cache) if self.share_prefixes
+                 else [None] * len(works))
         for work, rows, prefix in zip(works, distinct, plans):
             work.prefix = prefix
             self.stats.padded_prompt_tokens += len(rows) * work.t if prefix is None else prefix.positions
         logits = self._step(works, decode=False)
+        for ident in self._cache.drop_retired():  # replaced by a longer run of their tokens
+            for entries in self._cache.layers.values():
+                self.ledger.sub("cpu", "prefix_cache", entries.pop(ident).nbytes)
         self.stats.num_prefill_steps += 1
         self._finish_step(batches, works, logits, finished, on_step)
 

@@ -18,11 +18,17 @@ positions, released after the last batch taking them) and later batches take the
 join which batch still matters when a job mixes several prefixes (task templates): each batch's
 suffix spans its longest prompt's own part. :func:`prefix_order` picks the block's order, by
 length or by prefix, that computes fewer positions (:func:`block_positions`).
+
+A run's later prefills (each refill, each later block) meet the same system prompts again: a
+:class:`PrefixCache` keeps the keys and values of every layer of the first prefixes a run
+computes (those two or more rows share; at most one prompt's worth of positions, first come
+first kept) and a later batch takes them, a row alone too, computing only the rest of each prompt.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -42,14 +48,16 @@ ORDER_CANDIDATES = 12
 @dataclass(frozen=True)
 class Sharing:
     """Which of one GPU batch's prefix groups it computes (``own``) and which it takes from a
-    prefix an earlier batch of the block computes and holds (``sources[g]``, its id; None: its
-    own); ``lends``: (group, id) results to hold for later batches; ``releases``: held ids no
-    later batch takes (:func:`_share_block`)."""
+    prefix an earlier batch of the block computes and holds, or the run's :class:`PrefixCache`
+    keeps (``sources[g]``, its id; None: its own); ``lends``: (group, id) results to hold for
+    later batches; ``stores``: (group, id) results the cache keeps from now on; ``releases``:
+    held ids no later batch takes (:func:`_share_block`)."""
 
     own: tuple[int, ...]
     sources: tuple[int | None, ...]
     lends: tuple[tuple[int, int], ...]
     releases: tuple[int, ...]
+    stores: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,15 +97,79 @@ class PrefixPlan:
 
 
 class Held(NamedTuple):
-    """One prefix's results in one layer, kept for later GPU batches of the block."""
+    """One prefix's results in one layer, kept for later GPU batches of the block (or the run)."""
 
-    hidden: torch.Tensor  # [n, d], the layer's output
+    hidden: torch.Tensor | None  # [n, d], the layer's output; None in the cache (a taker never reads it)
     k: torch.Tensor  # [Hkv, n, hd]
     v: torch.Tensor
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self)
+        return sum(t.numel() * t.element_size() for t in self if t is not None)
+
+
+class PrefixCache:
+    """Prefixes a run's earlier prefills computed, kept for its later ones (a refill, a later block).
+
+    ``keys`` (id -> tokens as bytes) is what planning sees: :func:`plan_block` admits a computed
+    prefix that two or more rows share while ``capacity`` positions allow (first come first
+    kept; a longer run of an entry's tokens replaces it), and a row takes the most leading
+    tokens any entry shares with its prompt. ``layers[l][id]`` holds an entry's keys and values
+    in layer ``l`` once that layer computed them (the engine fills it); a replaced entry stays
+    there, and in ``used``, until the step that replaced it is done (``retired``: an earlier
+    batch of that step may take it). Ids come from one counter shared with the held prefixes."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.keys: dict[int, bytes] = {}
+        self.sizes: dict[int, int] = {}  # id -> positions, entries and retired ones
+        self.retired: list[int] = []
+        self.ids = itertools.count()
+        self.layers: dict[int, dict[int, Held]] = {}
+
+    @property
+    def used(self) -> int:
+        return sum(self.sizes.values())
+
+    def covering(self, key: bytes) -> int | None:
+        """An entry whose tokens begin with ``key``'s (a taker takes its first ones), or None."""
+        return next((i for i, k in self.keys.items() if k.startswith(key)), None)
+
+    def longest_start(self, prompt: bytes, limit: int) -> tuple[int | None, int]:
+        """(id, tokens): the entry sharing the most leading tokens with ``prompt``, at most ``limit``."""
+        best: tuple[int | None, int] = (None, 0)
+        for i, k in self.keys.items():
+            n = min(len(os.path.commonprefix([k, prompt])) // _KEY_BYTES, limit)
+            if n > best[1]:
+                best = (i, n)
+        return best
+
+    def admit(self, key: bytes) -> int | None:
+        """A new entry's id for ``key`` (retiring the entries it extends), or None when an entry
+        covers it already or it does not fit."""
+        n = len(key) // _KEY_BYTES
+        if self.covering(key) is not None or self.used + n > self.capacity:
+            return None
+        for i in [i for i, k in self.keys.items() if key.startswith(k)]:
+            del self.keys[i]
+            self.retired.append(i)
+        ident = next(self.ids)
+        self.keys[ident] = key
+        self.sizes[ident] = n
+        return ident
+
+    def drop_retired(self) -> list[int]:
+        """Forget the entries replaced during the step just done; returns their ids."""
+        out, self.retired = self.retired, []
+        for i in out:
+            del self.sizes[i]
+        return out
+
+    def index_copy(self) -> "PrefixCache":
+        """The keys alone (planning a candidate order must not admit anything)."""
+        out = PrefixCache(self.capacity)
+        out.keys, out.sizes, out.ids = dict(self.keys), dict(self.sizes), itertools.count(10 ** 9)
+        return out
 
 
 def plan_prefixes(prompts: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> PrefixPlan | None:
@@ -114,64 +186,128 @@ def plan_prefixes(prompts: Sequence[Sequence[int]], device: torch.device | str =
 
 
 def plan_block(batches: Sequence[Sequence[Sequence[int]]], hold_positions: int,
-               device: torch.device | str = "cpu") -> list[PrefixPlan | None]:
+               device: torch.device | str = "cpu", cache: PrefixCache | None = None) -> list[PrefixPlan | None]:
     """:func:`plan_prefixes` for each of a block's GPU batches (in the order they compute), where a
     batch takes a prefix an earlier one computed (the same tokens, or a longer run of them) instead
     of computing it again. At most ``hold_positions`` prefix positions are held at a time (each
-    one layer's hidden states, keys and values); 0 shares nothing across batches."""
-    groupings = [_grouping(b) for b in batches]
-    shares = _share_block(batches, groupings, hold_positions)
-    return [None if g is None else _index_plan(b, g[1], g[2], max(len(p) for p in b), sh, device)
-            for b, g, sh in zip(batches, groupings, shares)]
+    one layer's hidden states, keys and values); 0 shares nothing across batches. ``cache``: the
+    run's kept prefixes, which batches take too and which admits the ones computed here."""
+    chosen = _share_block(batches, [_grouping(b) for b in batches], hold_positions,
+                          PrefixCache(0) if cache is None else cache)
+    return [None if c is None else _index_plan(b, c[0][1], c[0][2], max(len(p) for p in b), c[1], device)
+            for b, c in zip(batches, chosen)]
 
 
 def block_positions(batches: Sequence[Sequence[Sequence[int]]], hold_positions: int = 0,
-                    share_prefixes: bool = True) -> int:
-    """Prompt positions one layer computes for a block's prefills (:func:`plan_block`): each
-    batch's distinct prompts (repeats are copies) padded to its longest, or fewer where they share
-    prefixes."""
+                    share_prefixes: bool = True, cache: PrefixCache | None = None) -> int:
+    """Prompt positions one layer computes for a block's prefills (:func:`plan_block`; ``cache``
+    is not changed): each batch's distinct prompts (repeats are copies) padded to its longest, or
+    fewer where they share prefixes."""
     distinct = [list(dict.fromkeys(tuple(p) for p in b)) for b in batches]
-    groupings = [_grouping(b) if share_prefixes else None for b in distinct]
+    if not share_prefixes:
+        return sum(len(b) * max(len(p) for p in b) for b in distinct)
+    cache = PrefixCache(0) if cache is None else cache.index_copy()
     total = 0
-    for b, g, sh in zip(distinct, groupings, _share_block(distinct, groupings, hold_positions)):
-        if g is None:
-            total += len(b) * max(len(p) for p in b)
-        else:
-            total += len(sh.own) * max((g[2][k] for k in sh.own), default=0) + len(b) * g[3]
+    for b, c in zip(distinct, _share_block(distinct, [_grouping(b) for b in distinct], hold_positions, cache)):
+        total += len(b) * max(len(p) for p in b) if c is None else _positions(c[0], c[1].own, len(b))
     return total
 
 
-def _share_block(batches: Sequence[Sequence[Sequence[int]]], groupings: Sequence[tuple | None],
-                 hold_positions: int) -> list[Sharing]:
-    """Which of each batch's groups it computes and which it takes from an earlier batch.
+def _positions(grouping: tuple[int, list[list[int]], list[int], int], own: Sequence[int], rows: int) -> int:
+    """A batch's prompt positions (:attr:`PrefixPlan.positions`) before its index tensors exist."""
+    lengths, S = grouping[2], grouping[3]
+    return len(own) * max((lengths[g] for g in own), default=0) + rows * S
 
-    A computed prefix is held only when a later batch has a group it covers (its tokens begin
-    the held ones), while ``hold_positions`` allow, and released after the last such batch."""
+
+def _held_covering(held: dict[int, tuple[bytes, int]], key: bytes) -> int | None:
+    return next((i for i, (k, _) in held.items() if k.startswith(key)), None)
+
+
+def _share_block(batches: Sequence[Sequence[Sequence[int]]], groupings: Sequence[tuple | None],
+                 hold_positions: int, cache: PrefixCache) -> list[tuple[tuple, Sharing] | None]:
+    """Each batch's grouping (its own, or :func:`_cached_grouping` where the cache's prefixes cost
+    fewer positions) and which of its groups it computes, takes from an earlier batch or the
+    cache, lends or stores.
+
+    A computed prefix that two or more rows share goes to the cache while it has room; another is
+    held only when a later batch has a group it covers (its tokens begin the held ones), while
+    ``hold_positions`` allow, and released after the last such batch. Holding nothing
+    (``hold_positions`` 0), the cache shows what this step admits to the later steps only."""
     keys = [[] if g is None else [_key(b[run[0]][:n]) for run, n in zip(g[1], g[2])]
             for b, g in zip(batches, groupings)]
     held: dict[int, tuple[bytes, int]] = {}  # id -> (key, the last batch that may take it)
-    used, out, ids = 0, [], itertools.count()
-    for j, ks in enumerate(keys):
-        own, sources, lends = [], [], []
-        for g, key in enumerate(ks):
-            src = next((i for i, (k, _) in held.items() if k.startswith(key)), None)
-            sources.append(src)
+    used, out = 0, []
+    planning = cache.index_copy() if hold_positions == 0 else cache  # (what later batches see)
+    for j, b in enumerate(batches):
+        plain = len(b) * max(len(p) for p in b)
+        options = []
+        if groupings[j] is not None:
+            sources = [_held_covering(held, key) for key in keys[j]]
+            options.append((groupings[j], [planning.covering(k) if s is None else s
+                                           for k, s in zip(keys[j], sources)]))
+        if planning.keys:
+            cached = _cached_grouping(b, planning)
+            if cached is not None and cached[0][0] < plain:
+                options.append(cached)
+        if not options:
+            out.append(None)
+            continue
+        grouping, sources = min(options, key=lambda o: _positions(o[0], [g for g, s in enumerate(o[1]) if s is None],
+                                                                  len(b)))
+        runs, lengths = grouping[1], grouping[2]
+        own, lends, stores = [], [], []
+        for g, src in enumerate(sources):
             if src is not None:
                 continue
             own.append(g)
+            key = _key(b[runs[g][0]][:lengths[g]])
+            ident = cache.admit(key) if len(runs[g]) > 1 else None
+            if ident is not None:
+                stores.append((g, ident))
+                continue
             last = max((j2 for j2 in range(j + 1, len(keys)) if any(key.startswith(k2) for k2 in keys[j2])),
                        default=None)
-            n = len(key) // _KEY_BYTES
+            n = lengths[g]
             if last is not None and used + n <= hold_positions:
-                ident = next(ids)
+                ident = next(cache.ids)
                 held[ident] = (key, last)
                 lends.append((g, ident))
                 used += n
         releases = tuple(i for i, (_, last) in held.items() if last == j)
         for i in releases:
             used -= len(held.pop(i)[0]) // _KEY_BYTES
-        out.append(Sharing(tuple(own), tuple(sources), tuple(lends), releases))
+        out.append((grouping, Sharing(tuple(own), tuple(sources), tuple(lends), releases, tuple(stores))))
     return out
+
+
+def _cached_grouping(prompts: Sequence[Sequence[int]], cache: PrefixCache
+                     ) -> tuple[tuple[int, list[list[int]], list[int], int], list[int | None]] | None:
+    """A batch's grouping around the cache: each row takes the most leading tokens an entry
+    shares with its prompt (keeping a token of its own), rows taking as many of one entry forming
+    a group; the others compute their first tokens as groups of one where the suffix is shorter
+    than their prompt. With the sources (cache ids, None for those groups), or None when no row
+    takes anything."""
+    m = len(prompts)
+    n = np.array([len(p) for p in prompts])
+    takes = [cache.longest_start(_key(p), len(p) - 1) for p in prompts]
+    by_entry: dict[tuple[int, int], list[int]] = {}
+    for i, (ident, t) in enumerate(takes):
+        if ident is not None:
+            by_entry.setdefault((ident, t), []).append(i)
+    if not by_entry:
+        return None
+    floor = max(int(n[i]) - takes[i][1] for rows in by_entry.values() for i in rows)
+    loners = np.array([i for i, (ident, _) in enumerate(takes) if ident is None], dtype=np.int64)
+    cands = np.unique(np.concatenate(([floor], n[loners][n[loners] > floor])))
+    over = n[loners][None, :] > cands[:, None]
+    head = np.where(over, n[loners][None, :] - cands[:, None], 0).max(axis=1, initial=0)
+    costs = over.sum(axis=1) * head + m * cands
+    k = int(np.argmin(costs))
+    S = int(cands[k])
+    singles = [int(i) for i in loners if n[i] > S]
+    runs = list(by_entry.values()) + [[i] for i in singles]
+    lengths = [t for _, t in by_entry] + [int(n[i]) - S for i in singles]
+    return (int(costs[k]), runs, lengths, S), [ident for ident, _ in by_entry] + [None] * len(singles)
 
 
 _KEY_BYTES = 4
@@ -182,7 +318,8 @@ def _key(tokens: Sequence[int]) -> bytes:
     return np.asarray(tokens, dtype="<u4").tobytes()
 
 
-def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int], hold_positions: int = 0) -> list[int] | None:
+def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int], hold_positions: int = 0,
+                 cache: PrefixCache | None = None) -> list[int] | None:
     """An order of a block's joining ``prompts`` (given sorted by length; ``batch_of[k]``: the GPU
     batch that the ``k``-th of them joins) whose prefills compute fewer positions, or None.
 
@@ -192,7 +329,7 @@ def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int], hold
     (sorted by length inside a run), the runs in token order or by their mean length (runs of
     like lengths then meet where a batch holds two); the one computing the fewest positions
     (:func:`block_positions`, a later batch taking what an earlier one computed within
-    ``hold_positions``) wins, if it beats length order.
+    ``hold_positions`` or what the run's ``cache`` keeps) wins, if it beats length order.
     """
     m = len(prompts)
     if not 1 < len(set(batch_of)) < m:
@@ -202,7 +339,7 @@ def prefix_order(prompts: Sequence[Sequence[int]], batch_of: Sequence[int], hold
         cut: dict[int, list[Sequence[int]]] = {}
         for k, i in enumerate(order):
             cut.setdefault(batch_of[k], []).append(prompts[i])
-        return block_positions([cut[j] for j in sorted(cut)], hold_positions)
+        return block_positions([cut[j] for j in sorted(cut)], hold_positions, cache=cache)
 
     sorted_order, common = sorted_neighbours(prompts)
     taus = sorted({c for c in common if c > 0})
@@ -260,7 +397,7 @@ def _grouping(prompts: Sequence[Sequence[int]]) -> tuple[int, list[list[int]], l
 
 def _index_plan(prompts: Sequence[Sequence[int]], runs: list[list[int]], lengths: list[int], P: int,
                 sharing: Sharing, device: torch.device | str) -> PrefixPlan:
-    m, G, width = len(prompts), len(runs), max(lengths)
+    m, width = len(prompts), max(lengths)
     keep, group_of = [0] * m, [0] * m
     for g, (run, s) in enumerate(zip(runs, lengths)):
         for i in run:
@@ -311,9 +448,11 @@ def prefill_layer(spec: ModelSpec, w: Weights, hidden: torch.Tensor, pos: torch.
                   rope: Rope | None, plan: PrefixPlan, sinks: torch.Tensor | None = None,
                   held: dict[int, Held] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, Held]]:
     """One decoder layer's prefill of ``hidden [m, P, d]`` computing shared prefixes once; returns
-    (hidden out ``[m, P, d]``, k, v ``[m, Hkv, P, hd]``) as the plain layer computes them, and the
-    prefix results ``plan.share.lends`` asks to hold for later GPU batches (``held``: those earlier
-    batches hold, by id)."""
+    (hidden out ``[m, P, d]``, k, v ``[m, Hkv, P, hd]``) as the plain layer computes them (a taken
+    prefix's hidden states are zero where the source kept none: no later layer reads them), and
+    the prefix results ``plan.share.lends`` asks to hold for later GPU batches and ``stores`` for
+    the run's cache, without hidden states (``held``: those earlier batches or the cache hold, by
+    id)."""
     S, P = plan.suffix, plan.columns
     share = plan.share
     parts: tuple[torch.Tensor, ...] = ()
@@ -325,16 +464,20 @@ def prefill_layer(spec: ModelSpec, w: Weights, hidden: torch.Tensor, pos: torch.
     wo, slot = plan.own_width, {g: o for o, g in enumerate(share.own)}
     lent = {ident: Held(*(_cols(t, slot[g], wo - plan.lengths[g], wo).clone() for t in parts))
             for g, ident in share.lends}
+    lent.update({ident: Held(None, *(_cols(t, slot[g], wo - plan.lengths[g], wo).clone() for t in parts[1:]))
+                 for g, ident in share.stores})
     if any(src is not None for src in share.sources):  # every group's results, right-aligned to width
         assert held is not None, "a plan that takes prefixes needs the held ones"
         wd, G = plan.width, len(plan.reps)
         ref = next(held[src] for src in share.sources if src is not None)
-        full = [r.new_zeros((G, wd, r.shape[-1]) if r.dim() == 2 else (G, r.shape[0], wd, r.shape[-1])) for r in ref]
+        full = [hidden.new_zeros((G, wd, hidden.shape[-1]))] + [r.new_zeros((G, r.shape[0], wd, r.shape[-1]))
+                                                                for r in (ref.k, ref.v)]
         for g, (n, src) in enumerate(zip(plan.lengths, share.sources)):
             pieces = (_cols(t, slot[g], wo - n, wo) for t in parts) if src is None else \
-                (_cols(t, None, 0, n) for t in held[src])
+                (None if t is None else _cols(t, None, 0, n) for t in held[src])
             for dst, piece in zip(full, pieces):
-                _cols(dst, g, wd - n, wd).copy_(piece)
+                if piece is not None:
+                    _cols(dst, g, wd - n, wd).copy_(piece)
         parts = tuple(full)
     hp, k_p, v_p = parts
     xs = hidden[:, P - S:]

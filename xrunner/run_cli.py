@@ -369,7 +369,7 @@ def _run(args: argparse.Namespace) -> int:
             among = lambda g: f", one of {g} prefixes" if g > 1 else ""  # noqa: E731
             warnings.warn(f"the job's prompts begin with {shared} tokens they share (mean){among(groups)}, the plan's "
                           f"workload with {planned.prefix_tokens}{among(planned.prefix_groups)}; the engine computes "
-                          "each once per block, so the plan's prediction and batch shape are for another job "
+                          "each once per run, so the plan's prediction and batch shape are for another job "
                           f"(plan with `--prefix-tokens {shared} --prefix-groups {groups}`)",
                           UserWarning, stacklevel=1)
         default_new = args.max_new_tokens or plan.workload.output.max_len

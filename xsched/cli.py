@@ -84,13 +84,13 @@ SAMPLES_HELP = ('outputs sampled per prompt (`xsched run`\'s "n"): requests come
 
 
 PREFIX_HELP = ("leading tokens the prompts share (a system prompt, the same few-shot examples; counted in the "
-               "prompt lengths): prefilled once per block (default: the workload's own: the mean leading tokens "
+               "prompt lengths): prefilled once per run (default: the workload's own: the mean leading tokens "
                "a prompts file's prompt shares with another, as `xsched workload fit --tokenizer` finds them, else 0)")
 
 
 PREFIX_GROUPS_HELP = ("distinct prefixes of --prefix-tokens tokens that the prompts begin with, one drawn per prompt "
                       "(a job mixing task templates or system prompts): each is prefilled once per block that "
-                      "holds it (default: the workload's own, as `xsched workload fit --tokenizer` finds it, else 1)")
+                      "holds it, once per run while the run's prefix cache has room (default: the workload's own, as `xsched workload fit --tokenizer` finds it, else 1)")
 
 
 def prefix_arg(text: str) -> int:

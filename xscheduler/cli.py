@@ -209,7 +209,7 @@ def describe(plan) -> str:  # noqa: ANN001
            else "")
         + (f" (a shared {plan.workload.prefix_tokens}-token prefix"
            + (f", one of {plan.workload.prefix_groups}" if plan.workload.prefix_groups > 1 else "")
-           + ", prefilled once per block)" if plan.workload.prefix_tokens else ""),
+           + ", prefilled once per run)" if plan.workload.prefix_tokens else ""),
         "policy:",
         *("  " + line for line in plan.policy.describe().splitlines()),
         f"predicted ({r.method}, seed {r.seed}): {r.throughput_tokens_per_s:,.3f} generated tokens/s "

@@ -38,7 +38,8 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import TIERS, CostModel, MemoryTerms, prefix_groups_in_batch, shared_prefix_rows
+from xsimulator.costmodel import (TIERS, CostModel, MemoryTerms, prefix_groups_in_batch, shared_prefix_rows,
+                                  uncached_prefix_share)
 from xsimulator.policy import PLACEMENT_VARS, Policy, split_counts
 
 TRIOS: tuple[tuple[str, str, str], ...] = (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd"))
@@ -70,7 +71,7 @@ class Shape:
     max_prompt: int
     max_output: int
     samples: int = 1  # outputs per prompt (Workload.samples): a GPU batch prefills each prompt once
-    prefix_tokens: int = 0  # leading tokens all prompts share (Workload.prefix_tokens): prefilled once per batch
+    prefix_tokens: int = 0  # leading tokens all prompts share (Workload.prefix_tokens): prefilled once per run
     prefix_groups: int = 1  # distinct such prefixes, one per prompt (Workload.prefix_groups)
 
     @classmethod
@@ -86,7 +87,7 @@ class Shape:
         each shared prefix once wherever that saves anything (the fewest, so the LP's rate stays a
         bound), as many prefixes as the batch is expected to hold (``prefix_groups_in_batch``),
         computing its share of the block's distinct ones (later batches take what earlier ones
-        computed: ``xrunner.prefix.plan_block``)."""
+        computed: ``xrunner.prefix.plan_block``) that the run's prefix cache does not keep."""
         if phase != "prefill":
             return rows
         c = max(rows / self.samples, 1.0) if self.samples > 1 else rows
@@ -94,6 +95,7 @@ class Shape:
             return c
         groups = prefix_groups_in_batch(c, c * nb, self.prefix_groups)
         own = min(groups, prefix_groups_in_batch(c * nb, c * nb, self.prefix_groups, ordered=False) / nb)
+        own *= uncached_prefix_share(self.max_prompt, self.prefix_tokens, self.prefix_groups)
         return float(shared_prefix_rows(c, self.prompt_len, self.prefix_tokens, bound=True, groups=groups, own=own))
 
 

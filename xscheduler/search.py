@@ -644,26 +644,39 @@ def polish(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, others: I
     return best
 
 
+# How far below the best so far a doubling of nb past the knee cap may price and the walk go on.
+EXTEND_TOL = 0.01
+
+
 def extend_past_cap(ev: Evaluator, space: Space, kind: str, bound_s: float,
                     best: Evaluation | None) -> Evaluation | None:
     """Grow the block past the knee cap while that keeps paying, for this space's own best point.
 
     The cap comes from the LP's mean shapes and can be too cautious; when the best point the
-    search priced in this space sits at the cap, double nb while the simulator says throughput
-    rises and the bound holds (one or two evaluations per space).
+    search priced in this space sits at the cap, double nb while the bound allows a gain and the
+    simulator's throughput stays within ``EXTEND_TOL`` of the best so far (a small dip can come
+    before a rise: refill and the run's prefix cache flatten the curve), keeping the best (one or
+    two evaluations per space, more along such a plateau).
     """
     mine = [e for e in ev.cache.values() if e.variant == space.variant and e.refill_every in space.refill
             and e.meets(kind, bound_s) and e.gbs * e.nb >= space.block_cap]
     if not mine:
         return best
-    cur = max(mine, key=lambda e: e.throughput)
-    job_cap = ev.job_cap
-    while cur.gbs * cur.nb * 2 <= job_cap and ev.bound(cur.variant, cur.gbs, cur.nb * 2) > cur.throughput:
+    top = grow_nb(ev, max(mine, key=lambda e: e.throughput), kind, bound_s)
+    return top if _better(top, best, kind) else best
+
+
+def grow_nb(ev: Evaluator, start: Evaluation, kind: str, bound_s: float) -> Evaluation:
+    """Double ``start``'s nb while the bound allows a gain and the simulator's throughput stays
+    within ``EXTEND_TOL`` of the best so far (meeting the latency bound); the best seen."""
+    cur = top = start
+    while cur.gbs * cur.nb * 2 <= ev.job_cap and ev.bound(cur.variant, cur.gbs, cur.nb * 2) > top.throughput:
         nxt = ev(cur.variant, cur.gbs, cur.nb * 2, cur.refill_every)
-        if not (nxt.meets(kind, bound_s) and nxt.throughput > cur.throughput):
+        if not (nxt.meets(kind, bound_s) and nxt.throughput > top.throughput * (1 - EXTEND_TOL)):
             break
         cur = nxt
-    return cur if _better(cur, best, kind) else best
+        top = max(top, nxt, key=lambda e: e.throughput)
+    return top
 
 
 def exhaustive(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float) -> Evaluation | None:
@@ -898,8 +911,8 @@ def search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, method
             cand = polish(ev, start, kind, bound_s, variants_, refills)
             if _better(cand, best, kind) or best is None:
                 best = cand
-        if best is not None:
-            best = _jump(ev, best, kind, bound_s, refills, others=variants_)
+        if best is not None:  # (a climb stops at a dip that larger blocks climb out of: look past it)
+            best = _jump(ev, grow_nb(ev, best, kind, bound_s), kind, bound_s, refills, others=variants_)
     elif method == "exhaustive":
         best = exhaustive(ev, spaces, kind, bound_s)
     elif method == "optuna":

@@ -42,7 +42,7 @@ from scipy import signal, special, stats
 from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
-from xsimulator.costmodel import BlockStep, CostModel, StepTerms, prefix_groups_in_batch
+from xsimulator.costmodel import BlockStep, CostModel, StepTerms, prefix_groups_in_batch, uncached_prefix_share
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 from xsimulator.discrete_event import DEFAULT_REQUESTS, summarize
@@ -149,14 +149,22 @@ class _Analytic:
             return rows / k
         return self.distinct(rows)
 
+    @property
+    def uncached(self) -> float:
+        """Share of the workload's prefixes that the run's prefix cache does not keep
+        (:func:`~xsimulator.costmodel.uncached_prefix_share`)."""
+        w = self.workload
+        return uncached_prefix_share(w.prompt.max_len, w.prefix_tokens, w.prefix_groups)
+
     def prefix_groups(self, rows: np.ndarray, by_prefix: Any = None, joining: Any = None,
-                      weight: Any = None) -> tuple[np.ndarray, np.ndarray]:
+                      weight: Any = None, fresh: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Expected distinct prefixes among each GPU batch's computed rows (``rows [..., nb]``;
         :func:`~xsimulator.costmodel.prefix_groups_in_batch`), and how many of them it computes
         itself (the others an earlier batch of the prefill did: ``xrunner.prefix.plan_block``).
         The joiners (``joining [..., 1]`` computed rows in all; default: the batches' sum) are
         sorted by prefix where ``by_prefix`` (a bool, or one per leading index: ``[..., 1]``);
-        ``weight``: P(batch runs), default whether it has rows.
+        ``weight``: P(batch runs), default whether it has rows. ``fresh``: the share of them not in
+        the run's cache yet (default :attr:`uncached`, a later prefill's; 1: the run's first).
 
         The block computes the ``G (1 - (1 - 1/G)^N)`` distinct prefixes of its ``N`` joiners
         once each, every batch its share. Joiners in length order spread each prefix over the
@@ -177,14 +185,14 @@ class _Analytic:
         taken = np.clip(1.0 - distinct / np.maximum(total, 1e-300), 0.0, 1.0)
         held = np.minimum(1.0, w.prompt.max_len / max(w.prefix_tokens, 1) / np.maximum(distinct, 1.0))
         taken = taken * np.where(by_prefix, 1.0, held)
-        return groups, groups * (1.0 - taken)
+        return groups, groups * (1.0 - taken) * (self.uncached if fresh is None else fresh)
 
     def positions(self, rows: np.ndarray, nodes: np.ndarray, by_prefix: Any = None, joining: Any = None,
-                  weight: Any = None) -> np.ndarray:
+                  weight: Any = None, fresh: Any = None) -> np.ndarray:
         """Prompt positions a prefill of ``rows`` joining rows computes at each padded length of
         ``nodes [..., Q]``: :meth:`computed_rows`, and each shared prefix once."""
         computed = self.computed_rows(rows)[..., None]
-        groups, own = self.prefix_groups(rows, by_prefix, joining, weight)
+        groups, own = self.prefix_groups(rows, by_prefix, joining, weight, fresh)
         return self.cm.layer_rows("prefill", computed, nodes, self.workload.prefix_tokens, groups[..., None],
                                   own[..., None]) * nodes
 
@@ -199,24 +207,24 @@ class _Analytic:
         return bool(np.sum(self.positions(rows, self.prompt_nodes(rows, rows), True)) < np.sum(by_length))
 
     def prefill(self, rows: np.ndarray, nodes: np.ndarray, weight: np.ndarray, by_prefix: Any = None,
-                joining: Any = None) -> BlockStep:
+                joining: Any = None, fresh: Any = None) -> BlockStep:
         """Expected prefill of GPU batches with ``rows`` each ([..., nb]); ``weight`` = P(batch runs).
 
         ``nodes`` [..., nb, Q] are quadrature nodes of each batch's padded prompt length;
-        ``by_prefix``, ``joining``: see :meth:`prefix_groups`.
+        ``by_prefix``, ``joining``, ``fresh``: see :meth:`prefix_groups`.
         """
         r = rows[..., None]
         computed = self.computed_rows(rows)
         c = computed[..., None]
         cm = self.cm
-        groups, own = self.prefix_groups(rows, by_prefix, joining, weight)
+        groups, own = self.prefix_groups(rows, by_prefix, joining, weight, fresh)
         bt = cm.batch_terms("prefill", r, nodes, self.placement, computed=c, prefix=self.workload.prefix_tokens,
                             prefix_groups=groups[..., None], prefix_own=own[..., None])
         shape = nodes.shape
         terms = StepTerms(*(np.mean(np.broadcast_to(v, shape), axis=-1) for v in bt.as_dict().values()))
         head = np.mean(np.broadcast_to(cm.head_seconds("prefill", c, nodes), shape), axis=-1)
         block = 1.0 - np.prod(1.0 - weight, axis=-1)
-        tokens = (np.sum(weight * self.positions(rows, nodes, by_prefix, joining, weight).mean(axis=-1), axis=-1)
+        tokens = (np.sum(weight * self.positions(rows, nodes, by_prefix, joining, weight, fresh).mean(axis=-1), axis=-1)
                   / np.maximum(block, 1e-300))
         return cm.combine(terms, head, self.placement, weight, np.minimum(block, 1.0), tokens=tokens)
 
@@ -262,6 +270,8 @@ class _Analytic:
         wall, steps = 0.0, 0.0
         padded = 0.0
         n99 = self.workload.output.percentile(0.99)
+        blocks = sum(c for _, c in kinds)  # the first computes every prefix it meets; later ones the uncached
+        fresh = (1.0 + (blocks - 1) * self.uncached) / blocks
         for m, count in kinds:
             rows = np.clip(m - gbs * np.arange(nb), 0, gbs).astype(float)
             cum = np.cumsum(rows)
@@ -273,8 +283,8 @@ class _Analytic:
                 rank, total = rows, rows
                 lo, hi = np.zeros(nb), np.ones(nb)
             nodes = self.prompt_nodes(rank, total)
-            pre = self.prefill(rows, nodes, on)
-            padded += count * float(np.sum(self.positions(rows, nodes).mean(axis=-1) * on))
+            pre = self.prefill(rows, nodes, on, fresh=fresh)
+            padded += count * float(np.sum(self.positions(rows, nodes, fresh=fresh).mean(axis=-1) * on))
             # Blocks differ in their prompts, so their prefills differ: price QUADRATURE
             # equally likely prefills (bucketed GPU batches rise and fall together; unsorted
             # ones independently, so their quantile levels are staggered).
@@ -282,7 +292,7 @@ class _Analytic:
             if not self.bucketed:
                 level = (level + (np.arange(nb) * QUADRATURE) // nb) % QUADRATURE
             scenario_len = nodes[np.arange(nb)[None, :], level]  # [Q, nb]
-            groups, own = self.prefix_groups(rows)
+            groups, own = self.prefix_groups(rows, fresh=fresh)
             pre_scenarios = self.cm.block_step("prefill", rows[None, :], scenario_len, self.placement, on,
                                                float(on.any()), computed=self.computed_rows(rows)[None, :],
                                                prefix=self.workload.prefix_tokens,
@@ -404,8 +414,11 @@ class _Analytic:
             rows[0], weight[0], by_prefix[0] = first_rows, (first_rows > 0), self.by_prefix
             joining[0] = np.sum(self.computed_rows(first_rows))
             nodes[0] = self.prompt_nodes(np.maximum(first_rank, 1e-9), np.maximum(first_total, 1e-9))
-        pre = self.prefill(rows, nodes, weight, by_prefix, joining)
-        padded = float(np.sum(mult * np.sum(weight * self.positions(rows, nodes, by_prefix, joining, weight)
+        fresh = np.full((len(rows), 1), self.uncached)
+        if kept[0] == 0:
+            fresh[0] = 1.0  # the run's first prefill computes every prefix it meets
+        pre = self.prefill(rows, nodes, weight, by_prefix, joining, fresh)
+        padded = float(np.sum(mult * np.sum(weight * self.positions(rows, nodes, by_prefix, joining, weight, fresh)
                                             .mean(axis=-1), axis=1)))
 
         # Decode: active rows per GPU batch and the padded context (prompt band + age).

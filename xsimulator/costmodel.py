@@ -103,18 +103,23 @@ SHARE_PREFIX_AT_MOST = 0.8
 
 
 def shared_prefix_split(rows: Any, length: Any, prefix: Any, bound: bool = False,
-                        groups: Any = 1.0) -> tuple[Any, Any]:
+                        groups: Any = 1.0, own: Any = None) -> tuple[Any, Any]:
     """(where the prefix is shared, its length there) for a prefill of ``rows`` distinct prompts
     (padded ``length``) that begin with ``groups`` distinct prefixes of ``prefix`` tokens: the
     engine then computes each prefix once and each row's last ``length - prefix`` columns (each
     row keeps at least one token), only where that cuts the positions to
     :data:`SHARE_PREFIX_AT_MOST` or fewer; ``bound``: wherever it cuts them at all (the LP's rate
-    must stay an upper bound)."""
+    must stay an upper bound). A batch that computes fewer than its ``groups`` prefixes (``own``:
+    it takes the others, which the run's cache keeps, ``xrunner.prefix.PrefixCache``) shares them
+    whatever its rows."""
     r = np.asarray(rows, dtype=float)
     n = np.maximum(np.asarray(length, dtype=float), 1.0)
     p = np.clip(np.minimum(prefix, n - 1.0), 0.0, None)
     limit = r * n if bound else SHARE_PREFIX_AT_MOST * r * n
-    return (r >= 2) & (p > 0) & (groups * p + r * (n - p) <= limit), p
+    use = (r >= 2) & (groups * p + r * (n - p) <= limit)
+    if own is not None:
+        use = use | (np.asarray(own) < groups)
+    return use & (p > 0), p
 
 
 def shared_prefix_rows(rows: Any, length: Any, prefix: Any, bound: bool = False, groups: Any = 1.0,
@@ -124,8 +129,17 @@ def shared_prefix_rows(rows: Any, length: Any, prefix: Any, bound: bool = False,
     computed in the same layer: ``xrunner.prefix.plan_block``; None: all of them)."""
     r = np.asarray(rows, dtype=float)
     n = np.maximum(np.asarray(length, dtype=float), 1.0)
-    use, p = shared_prefix_split(rows, length, prefix, bound, groups)
+    use, p = shared_prefix_split(rows, length, prefix, bound, groups, own)
     return np.where(use, ((groups if own is None else own) * p + r * (n - p)) / n, r)
+
+
+def uncached_prefix_share(max_prompt: int, prefix: int, groups: int) -> float:
+    """Share of ``groups`` distinct ``prefix``-token prefixes that the run's prefix cache does not
+    keep: it keeps the first ``max_prompt // prefix`` that prefills compute
+    (``xrunner.prefix.PrefixCache``), and later prefills take those instead of computing them."""
+    if prefix <= 0:
+        return 1.0
+    return max(0.0, 1.0 - (max_prompt // prefix) / max(groups, 1))
 
 
 def prefix_groups_in_batch(rows: Any, joining: Any, groups: int, ordered: bool = True) -> Any:
@@ -656,7 +670,7 @@ class CostModel:
         (default all; :func:`shared_prefix_rows`) as rows of their own length, then every row's
         suffix; the suffix's queries attend to the whole padded prompt. An ``own`` below 1 (an
         expectation) prices that share of one prefix's pass."""
-        use, p = shared_prefix_split(rows, length, prefix, groups=groups)
+        use, p = shared_prefix_split(rows, length, prefix, groups=groups, own=own)
         if not np.any(use):
             return other_s, attn_s
         n = np.maximum(np.asarray(length, dtype=float), 1.0)
@@ -1056,7 +1070,8 @@ class CostModel:
           (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32);
           each but decode's attention beside ``prefix_held``, one layer's results of prefixes
           that later GPU batches of the block take instead of computing them
-          (``xrunner.prefix.plan_block``; at most max_prompt positions)
+          (``xrunner.prefix.plan_block``; at most max_prompt positions; on CUDA also a layer's
+          copy of the cpu tier's ``prefix_cache``)
           alone (before anything else): ``head_weights`` and, on a CPU host, ``head_layout``,
                              the LM head's layouts being timed (:func:`head_layout_bytes`)
         cpu tier
@@ -1066,6 +1081,9 @@ class CostModel:
                              min(2, disk layers) slots of a 4 KiB-rounded layer (O_DIRECT)
           ``kv_relay``       disk-resident KV rows of one batch in each direction
           ``act_relay``      disk-resident hidden states of one batch in each direction
+          ``prefix_cache``   keys and values of every layer of the prefixes a run's first prefills
+                             computed, which its later ones take (``xrunner.prefix.PrefixCache``;
+                             at most max_prompt positions)
           transient ``cpu_attention``: the offloaded rows' query, output and new K/V, in place a
                              copy of their context, and a float32 chunk of rows
                              (``cpu_attention_scratch_bytes``)
@@ -1120,7 +1138,9 @@ class CostModel:
             groups = spec.num_kv_heads * -(-spec.head_dim // QUANT_GROUP)
             convert = ctx * 2 * groups * 2 * 4 if dt < 4 else 0.0
             decode_attn = gbs * (8 * q * 4 + ctx * spec.kv_bytes_per_token_per_layer * self.kv_stored_ratio + convert)
-        held = float(max_prompt * (h + 2 * kvd) * dt if nb > 1 else 0)
+        cuda = self.profile.compute_device == "cuda"
+        # (and on CUDA, one layer's copy of the prefixes the run's cache keeps, which a prefill takes)
+        held = float(max_prompt * (h + 2 * kvd) * dt if nb > 1 else 0) + float(max_prompt * 2 * kvd * dt if cuda else 0)
         gpu_tr = {
             "qkv": float(gbs * s * (h + q + 2 * kvd) * dt) + held,
             "attention": float(prefill_attn) + held,
@@ -1140,6 +1160,7 @@ class CostModel:
             "weight_relay": _stage_slots(p["wd"], L) * w_record if self.profile.compute_device == "cuda" else 0.0,
             "kv_relay": p["cd"] * (2 * gbs * kv_row),
             "act_relay": p["hd"] * (2 * gbs * act_row),
+            "prefix_cache": float(L * max_prompt * 2 * kvd * dt),
         }
         # CPU attention (``cpu_attention_scratch_bytes``): per offloaded row its query, output and
         # new K/V on the host, and in place (float32) a copy of its context; and one float32 chunk

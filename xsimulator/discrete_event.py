@@ -17,6 +17,7 @@ Semantics: docs/ARCHITECTURE.md "Shared execution semantics".
 from __future__ import annotations
 
 import heapq
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,9 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
     free_by_interval: dict[int, list[int]] = {0: list(range(min(bls, n)))}  # slots past n stay empty
     pending = [0]
     pos = 0
+    # The prefixes the run's cache keeps by now (the first that fit max_prompt: _cache_takes has the detail)
+    cached: dict[int, None] = {}
+    room = n if hold_positions is None or not prefix else hold_positions // prefix
     while pos < n:
         j = heapq.heappop(pending)
         free = sorted(free_by_interval.pop(j))
@@ -83,7 +87,7 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
             ids = sorted(ids, key=prompt_l.__getitem__)
             if of_l is not None and 1 < len({s // policy.gbs for s in free[:take]}) < take:
                 ids = _prefix_first(ids, free, prompt_l, of_l, prefix, policy.gbs,  # (else one batch, or one row each)
-                                    hold_positions)
+                                    hold_positions, cached)
         for s, i in zip(free, ids):
             slot_l[i] = s
             join_l[i] = j
@@ -95,17 +99,21 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
             else:
                 group.append(s)
         pos += take
+        if of_l is not None:
+            for i in ids:
+                if len(cached) < room:
+                    cached.setdefault(of_l[i])
     slot, join = np.array(slot_l, np.int64), np.array(join_l, np.int64)
     return Schedule(slot, join, held, int((join + held).max()), max(steps, 0))
 
 
 def _prefix_first(ids: list[int], free: list[int], prompt_l: list[int], of_l: list[int], prefix: int,
-                  gbs: int, hold_positions: int | None) -> list[int]:
+                  gbs: int, hold_positions: int | None, cached: Container[int] = ()) -> list[int]:
     """Joiners ``ids`` (sorted by length) sorted by their prefix (the prefixes in turn, or by
     their joiners' mean length), then length, when that computes fewer prefill positions over
     the GPU batches they fill (each batch computes each of its prefixes once, where that leaves
-    at most SHARE_PREFIX_AT_MOST of its positions, unless an earlier batch did): the engine's
-    candidates."""
+    at most SHARE_PREFIX_AT_MOST of its positions, unless an earlier batch did or the run's
+    cache keeps it: ``cached``): the engine's candidates."""
     members: dict[int, list[int]] = {}
     for i in ids:
         members.setdefault(of_l[i], []).append(prompt_l[i])
@@ -130,8 +138,9 @@ def _prefix_first(ids: list[int], free: list[int], prompt_l: list[int], of_l: li
     lend = np.where(shared_prefix_split(rows, longest, p, groups=groups)[0], p, -1).tolist()
     own = np.zeros(len(cells))
     for at, ids in entries:  # each candidate's batches in turn (a few cells: plain Python)
-        computes = _replay_prefixes(at, ids, [lend[c] for c in at], [int(p[c]) for c in at], hold_positions)
-        np.add.at(own, at, computes)
+        computes = _replay_prefixes(at, ids, [-1 if w in cached else lend[c] for c, w in zip(at, ids)],
+                                    [int(p[c]) for c in at], hold_positions)  # (the cache's are not held too)
+        np.add.at(own, at, [c and w not in cached for c, w in zip(computes, ids)])
     positions = shared_prefix_rows(rows, longest, p, groups=groups, own=own) * longest
     return orders[int(np.argmin(np.bincount(which, positions)))]  # ties: length order, then the first
 
@@ -195,6 +204,7 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     prefill_len = np.zeros(nb * J, np.int64)
     np.maximum.at(prefill_len, cell, prompt)
     prefill_len = prefill_len.reshape(nb, J)
+    base = prefix
     if prefix:
         shortest = np.full(nb * J, np.iinfo(np.int64).max)
         np.minimum.at(shortest, cell, prompt)
@@ -204,14 +214,28 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     if np.any(prefix):
         of = np.zeros(len(prompt), np.int64) if prefix_of is None else np.asarray(prefix_of, np.int64)
         span = int(of.max()) + 1
-        pairs, which = np.divmod(np.unique(cell * span + of), span)  # one per (cell, prefix)
+        keys, pair_of, members = np.unique(cell * span + of, return_inverse=True, return_counts=True)
+        pairs, which = np.divmod(keys, span)  # one per (cell, prefix)
+        pair_short = np.full(len(keys), np.iinfo(np.int64).max)
+        np.minimum.at(pair_short, pair_of, prompt)
         if prefix_of is not None:
             groups = np.maximum(np.bincount(pairs, minlength=nb * J).reshape(nb, J), 1)
         # A batch takes a prefix that an earlier batch of the same prefill computed (the engine's plan_block)
         use, p = shared_prefix_split(computed, prefill_len, prefix, groups=groups)
         p_cell = np.broadcast_to(p, (nb, J)).ravel()[pairs]
         lend = np.where(use.ravel()[pairs], p_cell, -1)
-        own = _own_prefixes(pairs, pairs // J, pairs % J, which, lend, p_cell, nb * J, hold_positions).reshape(nb, J)
+        own, kept = _own_prefixes(pairs, pairs // J, pairs % J, which, lend, p_cell, nb * J, hold_positions,
+                                  members, nb, np.minimum(base, pair_short - 1))
+        own, kept = own.reshape(nb, J), kept.reshape(nb, J)
+        # A cell whose every prefix the cache keeps (some of): each row takes what it keeps (its
+        # own length allowing), so the suffix spans the longest prompt's rest (the engine's
+        # _cached_grouping), where that computes fewer positions than the cell's own sharing
+        now = shared_prefix_rows(computed, prefill_len, prefix, groups=groups, own=own)
+        cached = np.minimum(kept, prefill_len - 1)
+        take = (kept > 0) & (computed * (prefill_len - cached) < now * prefill_len)
+        if take.any():
+            prefix = np.where(take, cached, prefix)
+            own = np.where(take, 0, own)
 
     # Decode on the global step axis g = interval * S + (u - 1): a request is active from the
     # first step of its join interval for output - 1 steps. Active rows come from +1/-1
@@ -294,32 +318,80 @@ def _replay_prefixes(batch: list[int], which: list[int], lend: list[int], need: 
 
 
 def _own_prefixes(cell: np.ndarray, batch: np.ndarray, prefill: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray,
-                  need: np.ndarray, cells: int, hold_positions: int | None) -> np.ndarray:
+                  need: np.ndarray, cells: int, hold_positions: int | None, members: np.ndarray | None = None,
+                  nb: int = 1, own_need: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per cell, how many of its prefixes it computes, from one entry per (cell, prefix): the
     cell's GPU ``batch``, the ``prefill`` it belongs to, the tokens it computes of the prefix
     (``lend``; -1 where it shares none) and wants of it (``need``). A prefix is taken where an
     earlier batch of the same prefill computed at least as many of its tokens
-    (:func:`_first_computes`), within ``hold_positions`` (:func:`_within_hold`; None: no limit)."""
+    (:func:`_first_computes`), within ``hold_positions`` (:func:`_within_hold`; None: no limit),
+    or where the run's cache keeps it (:func:`_cache_takes`; ``members``: the entry's prompts,
+    None: no cache), whose entries the batches do not hold as well. Also per cell, the fewest
+    tokens the cache keeps of any of its prefixes (0: one it keeps nothing of)."""
+    taken = np.zeros(len(cell), bool)
+    avail = np.zeros(len(cell), np.int64)
+    if members is not None:
+        mine = need if own_need is None else own_need
+        taken, stored, avail = _cache_takes(prefill * nb + batch, prefix_id, np.where(lend >= 0, mine, -1), mine,
+                                            members, hold_positions)
+        lend = np.where(stored | taken, -1, lend)  # (the cache's are not held as well; a taken one is not computed)
     computes = _first_computes(batch, prefill * (int(prefix_id.max()) + 1) + prefix_id, lend, need)
     if hold_positions is not None:
         computes = _within_hold(batch, prefill, prefix_id, lend, need, computes, hold_positions)
-    return np.bincount(cell, weights=computes, minlength=cells)
+    own = np.bincount(cell, weights=computes & ~taken, minlength=cells)
+    kept = np.full(cells, np.iinfo(np.int64).max)
+    np.minimum.at(kept, cell, avail)
+    return own, np.where(kept == np.iinfo(np.int64).max, 0, kept)
+
+
+def _cache_takes(time: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray, need: np.ndarray, members: np.ndarray,
+                 capacity: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The engine's run-wide prefix cache (``xrunner.prefix.PrefixCache``) on (cell, prefix)
+    entries at ``time`` (prefill, then GPU batch): a prefix enters it where two or more prompts
+    of a cell share more of it (``lend`` tokens) than it keeps, first come first kept within
+    ``capacity`` positions (None: no limit; a longer run replaces a shorter one), and a later
+    entry takes what it keeps then. Returns (taken whole: it keeps the ``need`` tokens, the
+    entries that stored one, the tokens kept for each entry's prefix before it)."""
+    ids = prefix_id.astype(np.int64)
+    value = np.where((lend >= 0) & (members >= 2), lend, -1) + 1
+    order, before = _best_before(ids, time, value)
+    records = order[value[order] > before]  # a prefix shared further than ever before (a few per prefix)
+    stored = np.zeros(len(time), bool)
+    kept: dict[int, int] = {}
+    for e in sorted(records.tolist(), key=lambda e: (time[e], ids[e])):
+        w, n = int(ids[e]), int(lend[e])
+        if capacity is None or sum(kept.values()) + n <= capacity:
+            stored[e] = True
+            kept[w] = n
+    rec = np.flatnonzero(stored)
+    rec = rec[np.lexsort((time[rec], ids[rec]))]
+    scale = int(time.max()) + 2
+    at = np.searchsorted(ids[rec] * scale + time[rec], ids * scale + time, side="left") - 1
+    same = (at >= 0) & (ids[rec][np.maximum(at, 0)] == ids) if len(rec) else np.zeros(len(time), bool)
+    avail = np.where(same, lend[rec][np.maximum(at, 0)] if len(rec) else 0, 0)
+    return same & (need <= avail), stored, avail
 
 
 def _first_computes(batch: np.ndarray, key: np.ndarray, lend: np.ndarray, need: np.ndarray) -> np.ndarray:
     """Whether each (GPU batch, prefix ``key``) pair computes its prefix: no earlier batch with
     the same key computed (``lend``; -1: did not) at least the ``need`` tokens it wants.
     :func:`_replay_prefixes` without a hold limit, vectorised over every prefill at once."""
-    order = np.lexsort((batch, key))
-    k, v = key[order], np.asarray(lend, np.int64)[order] + 1
+    order, before = _best_before(key, batch, np.asarray(lend, np.int64) + 1)
+    out = np.empty(len(order), bool)
+    out[order] = before - 1 < np.asarray(need)[order]  # (the best lent before it)
+    return out
+
+
+def _best_before(key: np.ndarray, when: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The entries in (``key``, ``when``) order, and before each the largest ``value`` (>= 0) among
+    the earlier entries of its key (0 where none): one running maximum for every key at once."""
+    order = np.lexsort((when, key))
+    k, v = key[order], value[order]
     start = np.concatenate(([True], k[1:] != k[:-1]))
     seg = np.cumsum(start) - 1
-    span = int(v.max(initial=0)) + 1  # each segment's values in its own band: one running max for all
+    span = int(v.max(initial=0)) + 1  # each key's values in a band of their own
     run = np.maximum.accumulate(seg * span + v)
-    before = np.where(start, 0, np.concatenate(([0], run[:-1])) - seg * span) - 1  # best lent before
-    out = np.empty(len(order), bool)
-    out[order] = before < np.asarray(need)[order]
-    return out
+    return order, np.where(start, 0, np.concatenate(([0], run[:-1])) - seg * span)
 
 
 def range_max(n: int, lo: np.ndarray, hi: np.ndarray, value: np.ndarray) -> np.ndarray:
