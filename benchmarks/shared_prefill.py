@@ -11,15 +11,20 @@ tokens/s. The ratio is what sharing buys; the decode phase does the same work in
 
 With ``--system T`` it measures prefix sharing (``xrunner.prefix``) instead: ``--prompts * --n``
 distinct questions of the same lengths, each behind one common ``T``-token system prompt, run with
-the engine's prefix sharing on, on but batch by batch (each GPU batch computes the prefix again:
-``prefixes_across_batches=False``), and off (``share_prefixes``). ``--groups G`` puts one of G
+the engine's prefix sharing on, on without the run's prefix cache (each prefill step computes the
+prefixes again: ``prefix_cache=False``), on but batch by batch (each GPU batch computes them again
+too: ``prefixes_across_batches=False``), and off (``share_prefixes``). ``--groups G`` puts one of G
 system prompts (T tokens each, give or take a tenth) before each question, in random order, and
 adds a run with the block's prompts in length order only (``order_by_prefix=False``), so that
-every GPU batch holds most of the G prefixes.
+every GPU batch holds most of the G prefixes. ``--nb`` smaller than the rows need runs several
+blocks; ``--refill R`` refills free slots every R decode steps, with ``--varied`` output lengths
+(1..``--new-tokens``) so that rows finish apart and refills bring a few rows each. The prefill
+seconds are then the prefill steps' wall time summed.
 
     OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py [--model smollm2-135m --n 8]
     OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py --system 512 --prompt 128
     OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py --system 256 --groups 8 --prompt 64
+    OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py --system 256 --prompt 64 --refill 2 --varied --nb 2
 """
 
 from __future__ import annotations
@@ -61,8 +66,21 @@ def requests(args: argparse.Namespace, repeated: bool, vocab: int) -> list:
         shared = tuple(int(t) for t in rng.integers(0, vocab, length))
         for k in range(args.n):
             ids = shared if repeated else tuple(int(t) for t in rng.integers(0, vocab, length))
-            out.append(Request((p, k), systems[int(rng.integers(args.groups))] + ids, args.new_tokens))
+            new = int(rng.integers(1, args.new_tokens + 1)) if args.varied else args.new_tokens
+            out.append(Request((p, k), systems[int(rng.integers(args.groups))] + ids, new))
     return out
+
+
+def prefill_seconds(events: list) -> float:
+    """The prefill steps' wall time: each run of prefill events (between decode steps), first start
+    to last end, summed."""
+    total, span = 0.0, None
+    for e in sorted((e for e in events if e.name in ("prefill", "decode")), key=lambda e: e.start_s):
+        if e.name == "prefill":
+            span = (e.start_s if span is None else span[0], e.start_s + e.dur_s)
+        elif span is not None:
+            total, span = total + span[1] - span[0], None
+    return total + (0.0 if span is None else span[1] - span[0])
 
 
 def run(spec, policy: Policy, reqs: list, args: argparse.Namespace, **engine_kw: bool) -> tuple[float, float, int]:
@@ -81,8 +99,7 @@ def run(spec, policy: Policy, reqs: list, args: argparse.Namespace, **engine_kw:
         stats = eng.run(reqs, on_finished=done.extend)
         wall = time.perf_counter() - t0
     assert len(done) == len(reqs)
-    spans = [(e.start_s, e.start_s + e.dur_s) for e in stats.events if e.name == "prefill"]
-    return max(b for _, b in spans) - min(a for a, _ in spans), wall, stats.padded_prompt_tokens
+    return prefill_seconds(stats.events), wall, stats.padded_prompt_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=1, help="distinct system prompts, one drawn per prompt")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--gbs", type=int, default=16)
+    ap.add_argument("--nb", type=int, default=None, help="GPU batches per block (default: one block for all rows)")
+    ap.add_argument("--refill", type=int, default=0, help="refill free slots every R decode steps (0: none)")
+    ap.add_argument("--varied", action="store_true", help="output lengths drawn from 1..--new-tokens")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--placements", default=";".join(PLACEMENTS), help="';'-separated names from the table")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each job, alternating; the fastest counts")
@@ -108,10 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers:
         spec = replace(spec, num_layers=args.layers)
     rows = args.prompts * args.n
-    nb = -(-rows // args.gbs)
+    nb = args.nb or -(-rows // args.gbs)
     if args.system:  # one job of distinct questions, prefix sharing on against off
         distinct = requests(args, False, spec.vocab_size)
-        jobs = {"shared": (distinct, {}), "batch by batch": (distinct, dict(prefixes_across_batches=False)),
+        jobs = {"shared": (distinct, {}), "no cache": (distinct, dict(prefix_cache=False)),
+                "batch by batch": (distinct, dict(prefixes_across_batches=False, prefix_cache=False)),
                 "not shared": (distinct, dict(share_prefixes=False))}
         what = (f"{rows} distinct prompts of {args.prompt // 2}..{args.prompt} tokens behind one "
                 f"{args.system}-token system prompt")
@@ -125,17 +146,19 @@ def main(argv: list[str] | None = None) -> int:
                 "distinct": (requests(args, False, spec.vocab_size), {})}
         what = f"{args.prompts} prompts x {args.n} samples, prompts of {args.prompt // 2}..{args.prompt} tokens"
     first, *others = jobs
-    print(f"{spec.name} shape, random weights, {spec.num_layers} layers, float32; {what}, {args.new_tokens} new "
-          f"tokens; {nb} GPU batch(es) x {args.gbs}; {args.threads} threads\n")
+    refill = f", refilled every {args.refill} steps" if args.refill else ""
+    new = f"1..{args.new_tokens}" if args.varied else str(args.new_tokens)
+    print(f"{spec.name} shape, random weights, {spec.num_layers} layers, float32; {what}, {new} new "
+          f"tokens; {nb} GPU batch(es) x {args.gbs}{refill}; {args.threads} threads\n")
     per_job = lambda what: " | ".join(f"{what}, {k}" for k in jobs)  # noqa: E731
     ratios = lambda what: " | ".join(f"{what}, {k} / {first}" for k in others)  # noqa: E731
     print(f"| placement | {per_job('prefill s')} | {ratios('prefill s')} | {per_job('positions')} | "
           f"{per_job('tok/s')} | {ratios('job s')} |")
     print("|---" * (1 + 3 * len(jobs) + 2 * len(others)) + "|")
-    tokens = rows * args.new_tokens
     for name in args.placements.split(";"):
-        policy = Policy(gbs=args.gbs, nb=nb, **PLACEMENTS[name])
+        policy = Policy(gbs=args.gbs, nb=nb, refill_every=args.refill, **PLACEMENTS[name])
         best = {k: (float("inf"), float("inf"), 0) for k in jobs}
+        tokens = sum(r.max_new_tokens for r in next(iter(jobs.values()))[0])
         for _ in range(args.repeats):
             for k, (reqs, kw) in jobs.items():
                 p, w, n = run(spec, policy, reqs, args, **kw)
