@@ -554,8 +554,9 @@ def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_th
                 counted = block_positions(batches, hold, cache=cache)
                 plans = plan_block(batches, hold, cache=cache)
                 cache.drop_retired()
-                engine += sum(pl.positions if pl else len(bt) * max(map(len, bt)) for bt, pl in zip(batches, plans))
-                assert counted == sum(pl.positions if pl else len(bt) * max(map(len, bt)) for bt, pl in zip(batches, plans))
+                planned = sum(pl.positions if pl else len(bt) * max(map(len, bt)) for bt, pl in zip(batches, plans))
+                assert counted == planned  # (block_positions prices what plan_block then plans)
+                engine += planned
             both = (lengths, np.full(len(prompts), 8))
             sim, _ = simulate_timeline(LLAMA, t4_like(), policy, workload, requests=both)
             one, _ = simulate_timeline(LLAMA, t4_like(), policy, replace(workload, prefix_groups=1), requests=both)

@@ -159,7 +159,7 @@ class Timeline:
     decode_len: np.ndarray  # [nb, J, steps] padded context T
     start_s: np.ndarray  # [J] interval start times
     latency_s: np.ndarray  # [N]
-    prefix: Any = 0  # [nb, J] leading tokens the prompts of each prefill cell share (or one number for all)
+    prefix: Any = 0  # [nb, J] leading tokens each prefill cell's prompts share, or take from the run's cache
     prefix_groups: Any = 1  # [nb, J] distinct prefixes among each cell's prompts (or one number for all)
     prefix_own: Any = None  # [nb, J] of them computed there (others an earlier GPU batch did); None: all
 
