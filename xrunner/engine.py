@@ -1594,8 +1594,8 @@ class Engine:
     def _keep(self, layer: int, ident: int, results: Held) -> None:
         """Keep one layer's keys and values of a prefix in the run's cache (cpu tier)."""
         k, v = results.k, results.v
-        if self.device.type == "cuda":
-            k, v = k.to("cpu").pin_memory(), v.to("cpu").pin_memory()
+        if self.device.type == "cuda":  # one copy each, straight into pinned memory
+            k, v = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in (k, v))
         entry = Held(None, k, v)
         self.ledger.add("cpu", "prefix_cache", entry.nbytes)
         self._cache.layers.setdefault(layer, {})[ident] = entry

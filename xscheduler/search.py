@@ -662,7 +662,10 @@ def extend_past_cap(ev: Evaluator, space: Space, kind: str, bound_s: float,
             and e.meets(kind, bound_s) and e.gbs * e.nb >= space.block_cap]
     if not mine:
         return best
-    top = grow_nb(ev, max(mine, key=lambda e: e.throughput), kind, bound_s)
+    start = None
+    for e in mine:
+        start = e if _better(e, start, kind) else start
+    top = grow_nb(ev, start, kind, bound_s)
     return top if _better(top, best, kind) else best
 
 
@@ -675,7 +678,8 @@ def grow_nb(ev: Evaluator, start: Evaluation, kind: str, bound_s: float) -> Eval
         if not (nxt.meets(kind, bound_s) and nxt.throughput > top.throughput * (1 - EXTEND_TOL)):
             break
         cur = nxt
-        top = max(top, nxt, key=lambda e: e.throughput)
+        if _better(nxt, top, kind):
+            top = nxt
     return top
 
 
