@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from xrunner.generate import generate
 from xrunner.loaders import load_weights, open_model
