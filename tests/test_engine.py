@@ -525,22 +525,31 @@ def test_prefix_order_is_a_permutation_that_never_computes_more():
 
 
 def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_them():
-    """512 prompts, each one of G templates before a question, in random order: ``shared_prefix``
-    finds G and the templates' length from the token ids, and the discrete-event simulator, told
-    so, computes within 8% of the prompt positions that the engine's own ordering and grouping
-    compute block by block (``prefix_order``, ``plan_block``, the run's prefix cache carried from
-    block to block), bucketed or not, where pricing one prefix for all (G = 1) falls 20-60% short.
-    (The simulator gives all G one length, the templates' mean: G = 4 templates of 200-225 tokens
-    come out 7.2% high, most where a GPU batch mixes templates of unlike lengths.)"""
+    """512 prompts, each one of G templates before a question, in random order, some with a
+    quarter of prompts that share nothing: ``shared_prefix`` finds G, the templates' length and
+    the share of prompts behind one from the token ids, and the discrete-event simulator, told so,
+    computes within 8% of the prompt positions that the engine's own ordering and grouping compute
+    block by block (``prefix_order``, ``plan_block``, the run's prefix cache carried from block to
+    block), bucketed or not, where pricing one prefix for all (G = 1) falls 20-60% short. (The
+    simulator gives all G one length, the templates' mean: G = 4 templates of 200-225 tokens come
+    out 7.2% high, most where a GPU batch mixes templates of unlike lengths.) Counting each prompt
+    that shares nothing as a prefix of its own priced 1.7-2.9x the engine's positions."""
     from workloads.workload import shared_prefix
 
     rng = random.Random(5)
-    for G, head, question in ((8, (64, 72), (10, 40)), (32, (100, 112), (10, 60)), (4, (200, 225), (20, 80))):
-        prompts = template_prompts(rng, G, 512, head, question, 50000)
-        tokens, groups = shared_prefix(prompts)
-        assert groups == G and head[0] <= tokens <= head[1]
+    for G, head, question, loners in ((8, (64, 72), (10, 40), 0), (32, (100, 112), (10, 60), 0),
+                                      (4, (200, 225), (20, 80), 0), (1, (150, 160), (10, 60), 128),
+                                      (4, (64, 72), (10, 40), 128)):
+        prompts = template_prompts(rng, G, 512 - loners, head, question, 50000)
+        prompts += [tuple(rng.randrange(50000) for _ in range(rng.randint(head[0] + question[0], head[1] + question[1])))
+                    for _ in range(loners)]
+        if loners:
+            rng.shuffle(prompts)
+        tokens, groups, share = shared_prefix(prompts)
+        assert groups == G and head[0] <= tokens <= head[1] and share == 1 - loners / 512
         lengths = np.array([len(p) for p in prompts])
-        workload = replace(fixed_workload(int(lengths.mean()), 8), prefix_tokens=tokens, prefix_groups=groups)
+        workload = replace(fixed_workload(int(lengths.mean()), 8), prefix_tokens=tokens, prefix_groups=groups,
+                           prefix_share=share)
         for policy in (Policy(gbs=16, nb=4), Policy(gbs=8, nb=8), Policy(gbs=16, nb=4, bucket=False)):
             engine, hold = 0, int(lengths.max())  # (the engine holds and keeps one prompt's worth of prefixes)
             cache = PrefixCache(hold)  # the run's, across blocks
@@ -560,8 +569,9 @@ def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_th
             both = (lengths, np.full(len(prompts), 8))
             sim, _ = simulate_timeline(LLAMA, t4_like(), policy, workload, requests=both)
             one, _ = simulate_timeline(LLAMA, t4_like(), policy, replace(workload, prefix_groups=1), requests=both)
-            assert sim.padded_prompt_tokens == pytest.approx(engine, rel=0.08), (G, policy)
-            assert one.padded_prompt_tokens < 0.8 * engine, (G, policy)
+            assert sim.padded_prompt_tokens == pytest.approx(engine, rel=0.08), (G, loners, policy)
+            if G > 1 and not loners:
+                assert one.padded_prompt_tokens < 0.8 * engine, (G, policy)
 
 
 @pytest.mark.parametrize("spec", [MIXTRAL, GPTOSS, GEMMA2], ids=["mixtral", "gpt-oss", "gemma2"])
@@ -1001,7 +1011,6 @@ def test_4bit_sizes_with_a_partial_last_group_are_planned(tmp_path, what):
     100 values (open_llama_3b's) takes two groups of the cache, a 200-row projection four groups of
     the record. The cost model planned the unpadded 4.5 bits per value, 28% short for such a cache,
     so the measured peaks passed the planned ones (found by a differential fuzz)."""
-    from xrunner.stored_forms import KVCodec
     from xsimulator.costmodel import CostModel
 
     spec = replace(LLAMA, hidden=200, num_heads=2, num_kv_heads=2, head_dim=100, ffn=256)

@@ -879,8 +879,8 @@ def test_a_job_whose_prompts_share_a_prefix_warns_a_plan_priced_without_it(tmp_p
     plan = make_plan(tmp_path / "plan.json", random_spec(), Policy(gbs=3, nb=2), 30, 4)
     out = tmp_path / "out.jsonl"
     flags = ["--model", RANDOM_MODEL, "--prompts", str(prompts), "--quiet", "--adapt", "none"]
-    with pytest.warns(UserWarning, match=r"begin with 24 tokens they share \(mean\), the plan's workload with 0; .*"
-                                         r"plan with `--prefix-tokens 24 --prefix-groups 1`"):
+    with pytest.warns(UserWarning, match=r"begin with 24 tokens they share, the plan's workload's prompts with 0 tokens "
+                                         r"they share; .*plan with `--prefix-tokens 24 --prefix-groups 1 --prefix-share 1`"):
         assert main(["run", "--plan", str(plan), *flags, "--out", str(out)]) == 0
     weights = load_weights(open_model(RANDOM_MODEL, dtype="float32"))
     for r in read_rows(out):
@@ -894,8 +894,8 @@ def test_a_job_whose_prompts_share_a_prefix_warns_a_plan_priced_without_it(tmp_p
         assert main(["run", "--plan", str(tmp_path / "priced.json"), *flags, "--out", str(tmp_path / "o2.jsonl")]) == 0
     mixed = replace(priced, workload=replace(priced.workload, prefix_groups=8))  # planned for 8 templates, not 1
     mixed.save(tmp_path / "mixed.json")
-    with pytest.warns(UserWarning, match=r"the plan's workload with 24, one of 8 prefixes; .*"
-                                         r"plan with `--prefix-tokens 24 --prefix-groups 1`"):
+    with pytest.warns(UserWarning, match=r"the plan's workload's prompts with 24 tokens they share, one of 8 prefixes; "
+                                         r".*plan with `--prefix-tokens 24 --prefix-groups 1 --prefix-share 1`"):
         assert main(["run", "--plan", str(tmp_path / "mixed.json"), *flags, "--out", str(tmp_path / "o3.jsonl")]) == 0
 
 

@@ -1051,7 +1051,8 @@ def test_prompts_mixing_system_prompts_compute_each_per_batch_and_both_paths_agr
     question of about 60 tokens: a GPU batch computes each of its prefixes once, so more of them
     compute more positions, between one shared prefix and none; sorting a block's joiners by prefix
     (as the engine does) keeps a full GPU batch to fewer than half as many prefixes as rows at
-    G = 64; the analytic path prices it within the DES's tolerances."""
+    G = 64; the analytic path prices it within the DES's tolerances, also with half the prompts
+    behind none of them."""
     spec, prof = get_model_spec("opt-1.3b"), t4_like()
     plain = replace(get_workload("S@0.5"), prompt=LengthDistribution.truncnorm(210, 20, 280, min_len=151))
     pol = Policy(gbs=32, nb=4, refill_every=refill)
@@ -1080,8 +1081,13 @@ def test_prompts_mixing_system_prompts_compute_each_per_batch_and_both_paths_agr
     assert alone.padded_prompt_tokens == 64 * 210
     with pytest.raises(UserError, match="prefix_of gives 3 prefixes for 64 requests"):
         simulate(spec, prof, pol, mine, requests=lengths, prefix_of=[0, 1, 0])
-    for G in (4, 64):
-        ana = simulate_analytic(spec, prof, pol, replace(plain, prefix_tokens=150, prefix_groups=G), num_requests=3000)
+    # Half the prompts behind one of the 4, the rest sharing nothing (Workload.prefix_share): between the two.
+    half = replace(plain, prefix_tokens=150, prefix_groups=4, prefix_share=0.5)
+    des["half"] = simulate(spec, prof, pol, half, num_requests=3000, seed=1)
+    assert positions[1] < des["half"].padded_prompt_tokens < positions[3]
+    for G in (4, 64, "half"):
+        workload = half if G == "half" else replace(plain, prefix_tokens=150, prefix_groups=G)
+        ana = simulate_analytic(spec, prof, pol, workload, num_requests=3000)
         assert ana.throughput_tokens_per_s == pytest.approx(des[G].throughput_tokens_per_s, rel=THROUGHPUT_TOL), G
         assert ana.padded_prompt_tokens == pytest.approx(des[G].padded_prompt_tokens, rel=0.05), G
         assert ana.latency_mean_s == pytest.approx(des[G].latency_mean_s, rel=MEAN_TOL), G

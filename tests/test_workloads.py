@@ -462,10 +462,11 @@ def test_probabilities_at_lengths_match_the_pmf_table():
 
 def test_a_files_shared_leading_tokens_become_the_workloads_prefix(tmp_path):
     """Prompts that begin alike (a system prompt) give the workload's ``prefix_tokens``: the mean,
-    over prompts, of the leading tokens each shares with another, each kept below its own length,
-    when their ids are known (given in the file, or from a tokenizer that returns them); 0 when
-    any prompt's ids are unknown. Two system prompts give about their lengths, not the 0 tokens
-    all prompts share. It survives JSON and scales with the lengths."""
+    over the prompts that share, of the leading tokens each shares with another, each kept below
+    its own length, when their ids are known (given in the file, or from a tokenizer that returns
+    them); 0 when any prompt's ids are unknown. Two system prompts give about their lengths, not
+    the 0 tokens all prompts share. A prompt that shares nothing is no prefix of its own; it lowers
+    ``prefix_share``. It survives JSON and scales with the lengths."""
     def ids_file(rows: list[list[int]], extra: str = "") -> Workload:
         path = tmp_path / "ids.jsonl"
         path.write_text("".join(json.dumps({"id": i, "prompt_ids": r, "max_new_tokens": 4}) + "\n"
@@ -482,8 +483,12 @@ def test_a_files_shared_leading_tokens_become_the_workloads_prefix(tmp_path):
     assert ids_file(two).prefix_tokens == 4 and ids_file(two[:1]).prefix_tokens == 0  # (5 + 5 + 3 + 3) / 4
     assert w.prefix_groups == 1 and ids_file(two).prefix_groups == 2 and ids_file(two[:1]).prefix_groups == 1
     assert "share, one of 2 such prefixes" in ids_file(two).describe()
-    loner = ids_file(two + [[7, 7, 7, 7]])  # shares nothing: a prefix of its own
-    assert loner.prefix_groups == 3 and Workload.from_json(loner.to_json()) == loner
+    loner = ids_file(two + [[7, 7, 7, 7]])  # shares nothing: not a prefix, and outside the share
+    assert (loner.prefix_tokens, loner.prefix_groups, loner.prefix_share) == (4, 2, 0.8)
+    assert Workload.from_json(loner.to_json()) == loner and "80% of the prompts begin with 4" in loner.describe()
+    old = loner.to_dict()
+    del old["prefix_share"]  # a workload saved before the field: every prompt behind a prefix
+    assert Workload.from_dict(old).prefix_share == 1.0
     text = tmp_path / "text.jsonl"
     text.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": 3}) + "\n"
                             for p in ("you are terse . hi", "you are terse . what now", "you are kind . x")))
@@ -495,6 +500,9 @@ def test_a_files_shared_leading_tokens_become_the_workloads_prefix(tmp_path):
         replace(w, prefix_tokens=-1)
     with pytest.raises(UserError, match="prefix_groups"):
         replace(w, prefix_groups=0)
+    for share in (0.0, 1.5, 25):
+        with pytest.raises(UserError, match="prefix_share"):
+            replace(w, prefix_share=share)
 
 
 def test_requests_draw_their_prefix_per_prompt():
@@ -509,3 +517,8 @@ def test_requests_draw_their_prefix_per_prompt():
     assert counts.max() - counts.min() <= 1 and counts.sum() == 1001, counts
     assert len(np.flatnonzero(np.diff(ids[::3]))) > 600  # shuffled, not in runs
     assert np.array_equal(ids, w.prefix_ids(3001, seed=2)) and not np.array_equal(ids, w.prefix_ids(3001, seed=3))
+    some = replace(w, prefix_share=0.25).prefix_ids(3001, seed=2)  # a quarter of the prompts behind one of 5
+    assert all(len(set(some[i:i + 3])) == 1 for i in range(0, 3001, 3))
+    first = some[::3]
+    assert np.count_nonzero(first < 5) == 250 and np.bincount(first[first < 5]).tolist() == [50] * 5
+    assert sorted(first[first >= 5].tolist()) == list(range(5, 5 + 751))  # the others: one prefix each

@@ -29,7 +29,7 @@ from scipy import special, stats
 from workloads.distributions import MAX_LEN_TOKENS, LengthDistribution
 from xsched.contract import Contract
 from xsched.errors import UserError
-from xsched.fileio import Messages, chat_messages, check_text, jsonl_lines, path_exists, read_text
+from xsched.fileio import chat_messages, check_text, jsonl_lines, path_exists, read_text
 from xsched.openai_batch import openai_batch_row, openai_result_rows
 
 PROMPT_KEYS = ("prompt_tokens", "prompt")
@@ -52,7 +52,8 @@ class Workload(Contract):
     ``prefix_tokens`` is how many leading tokens a prompt shares with the others (a system prompt,
     the same few-shot examples; counted in the prompt lengths; :func:`shared_prefix`), and
     ``prefix_groups`` among how many distinct such prefixes each prompt's is drawn (a job mixing
-    task templates): the runner computes each prefix once per block (the first GPU batch holding it
+    task templates), and ``prefix_share`` which fraction of the prompts begins with one (the others
+    share nothing): the runner computes each prefix once per block (the first GPU batch holding it
     computes it, later ones take it), after ordering a block's prompts so that those beginning
     alike join one batch, and keeps the first ones it computes for the run's later prefills.
     """
@@ -67,6 +68,7 @@ class Workload(Contract):
     samples: int = 1
     prefix_tokens: int = 0
     prefix_groups: int = 1
+    prefix_share: float = 1.0
 
     def __post_init__(self) -> None:
         if not -1.0 < self.correlation < 1.0 and self.correlation != 0.0:
@@ -80,6 +82,10 @@ class Workload(Contract):
         if isinstance(self.prefix_groups, bool) or not isinstance(self.prefix_groups, int) or self.prefix_groups < 1:
             raise UserError(f"workload {self.name}: prefix_groups {self.prefix_groups!r} must be a whole number >= 1 "
                             "(distinct prefixes the prompts begin with)")
+        if isinstance(self.prefix_share, bool) or not isinstance(self.prefix_share, (int, float)) \
+                or not 0.0 < self.prefix_share <= 1.0:
+            raise UserError(f"workload {self.name}: prefix_share {self.prefix_share!r} must lie in (0, 1] "
+                            "(the fraction of prompts that begin with a shared prefix)")
 
     def sample(self, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """``n`` requests ``(prompt_lens, output_lens)``, int64 arrays; same seed, same requests.
@@ -111,11 +117,21 @@ class Workload(Contract):
 
     def prefix_ids(self, n: int, seed: int = 0) -> np.ndarray:
         """Which of the ``prefix_groups`` prefixes each of ``n`` requests' prompt begins with:
-        each prefix as often as the others (to one prompt), in random order (a prompt's samples
-        share it); same seed, same draw."""
+        ``prefix_share`` of the prompts one of them, each prefix as often as the others (to one
+        prompt), the rest one of their own (``prefix_groups`` and up), in random order (a prompt's
+        samples share it); same seed, same draw."""
         prompts = -(-n // self.samples)
+        sharing = round(self.prefix_share * prompts)
+        ids = np.concatenate([np.arange(sharing) % self.prefix_groups,
+                              self.prefix_groups + np.arange(prompts - sharing)])
         rng = np.random.default_rng([seed, self.prefix_groups])
-        return rng.permutation(np.arange(prompts) % self.prefix_groups)[self.prompt_groups(n)]
+        return rng.permutation(ids)[self.prompt_groups(n)]
+
+    @property
+    def mean_prefix_tokens(self) -> int:
+        """Leading tokens the mean prompt shares (``prefix_tokens`` times ``prefix_share``): what
+        the analytic path and the LP price, which draw no prompt's prefix."""
+        return round(self.prefix_tokens * self.prefix_share)
 
     @property
     def max_context(self) -> int:
@@ -129,7 +145,8 @@ class Workload(Contract):
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "prompt": self.prompt.summary(), "output": self.output.summary(),
                 "correlation": self.correlation, "source": self.source, "samples": self.samples,
-                "prefix_tokens": self.prefix_tokens, "prefix_groups": self.prefix_groups}
+                "prefix_tokens": self.prefix_tokens, "prefix_groups": self.prefix_groups,
+                "prefix_share": self.prefix_share}
 
     def context_note(self, model: str, max_positions: int) -> str | None:
         """A line when the longest prompt plus output passes the model's positions (the plan is
@@ -149,7 +166,8 @@ class Workload(Contract):
             lines.append(f"  {self.samples} outputs per prompt (prefilled once per GPU batch)")
         if self.prefix_tokens:
             among = f", one of {self.prefix_groups} such prefixes" if self.prefix_groups > 1 else ""
-            lines.append(f"  prompts begin with {self.prefix_tokens} tokens they share{among} "
+            which = "prompts" if self.prefix_share == 1.0 else f"{self.prefix_share:.0%} of the prompts"
+            lines.append(f"  {which} begin with {self.prefix_tokens} tokens they share{among} "
                          "(prefilled once per run, as the prefix cache allows)")
         return "\n".join(lines)
 
@@ -183,7 +201,8 @@ class Workload(Contract):
         if lengths.estimated:
             note += f"; {ESTIMATE_NOTE}"
         return cls(name=p.stem, prompt=prompt_dist, output=output_dist, correlation=corr, source=note,
-                   samples=lengths.samples, prefix_tokens=lengths.prefix_tokens, prefix_groups=lengths.prefix_groups)
+                   samples=lengths.samples, prefix_tokens=lengths.prefix_tokens, prefix_groups=lengths.prefix_groups,
+                   prefix_share=lengths.prefix_share)
 
 
 @dataclass(frozen=True)
@@ -198,6 +217,7 @@ class RequestLengths:
     # known (token ids in the file, or a tokenizer that returns them)
     prefix_tokens: int = 0
     prefix_groups: int = 1  # distinct prefixes among them (shared_prefix)
+    prefix_share: float = 1.0  # the prompts that begin with one (shared_prefix)
 
     @property
     def samples(self) -> int:
@@ -234,25 +254,34 @@ def read_request_lengths(path: Path, count_tokens: Callable[..., int | Sequence[
         raise UserError(f"{path}: request {first} has no output length ({' or '.join(OUTPUT_KEYS)}) while others "
                         "do; give it for every request or for none")
     return RequestLengths(np.array(prompts, np.int64), np.array(known, np.int64) if known else None, estimated,
-                          len(rows), *(shared_prefix(known_ids) if known_ids else (0, 1)))
+                          len(rows), *(shared_prefix(known_ids) if known_ids else (0, 1, 1.0)))
 
 
-def shared_prefix(prompts: Sequence[Sequence[int]]) -> tuple[int, int]:
-    """(:attr:`Workload.prefix_tokens`, :attr:`Workload.prefix_groups`) of a job (:func:`prefix_runs`)."""
-    tokens, runs = prefix_runs(prompts)
-    return tokens, max(runs, default=0) + 1
+def shared_prefix(prompts: Sequence[Sequence[int]]) -> tuple[int, int, float]:
+    """(:attr:`Workload.prefix_tokens`, :attr:`Workload.prefix_groups`,
+    :attr:`Workload.prefix_share`) of a job (:func:`prefix_runs`): the leading tokens the prompts
+    in runs of two or more share (their mean), how many such runs, and which fraction of the
+    prompts they hold. A prompt that shares nothing is not a prefix: counted as one, a job of one
+    system prompt and a few such prompts read as many equally likely prefixes, and the simulator
+    priced 1.7-2.9x the positions the engine computes."""
+    tokens, runs = prefix_runs(prompts, sharing_only=True)
+    sizes = np.bincount(runs) if runs else np.zeros(0, np.int64)
+    sharing = sizes[sizes > 1]
+    if not tokens or not sharing.size:
+        return 0, 1, 1.0
+    return tokens, int(sharing.size), float(sharing.sum() / len(prompts))
 
 
-def prefix_runs(prompts: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
+def prefix_runs(prompts: Sequence[Sequence[int]], sharing_only: bool = False) -> tuple[int, list[int]]:
     """A job's shared leading tokens and which prefix each prompt begins with.
 
     Tokens: the mean, over its prompts, of the leading tokens a prompt shares with another (each
-    kept below its own length: the runner computes a prompt's last token itself). One system
-    prompt before every question gives its length; a job mixing a few gives about theirs, where
-    the tokens all prompts share would give only the template's. Prefixes: the runs of prompts
-    (sorted by their tokens) whose neighbours share at least half that mean, numbered 0, 1, ...;
-    a prompt that shares nothing is a run of its own, as the runner computes it. No shared
-    tokens: one run."""
+    kept below its own length: the runner computes a prompt's last token itself); ``sharing_only``:
+    over the prompts in runs of two or more. One system prompt before every question gives its
+    length; a job mixing a few gives about theirs, where the tokens all prompts share would give only
+    the template's. Prefixes: the runs of prompts (sorted by their tokens) whose neighbours share at
+    least half the mean over all, numbered 0, 1, ...; a prompt that shares nothing is a run of its
+    own, as the runner computes it. No shared tokens: one run."""
     runs = [0] * len(prompts)
     if len(prompts) < 2:
         return 0, runs
@@ -260,11 +289,17 @@ def prefix_runs(prompts: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
     best = [0] * len(prompts)
     for a, b, c in zip(order, order[1:], common):
         best[a], best[b] = max(best[a], c), max(best[b], c)
-    tokens = round(sum(min(c, len(p) - 1) for c, p in zip(best, prompts)) / len(prompts))
-    if tokens:
-        for k, run in enumerate(neighbour_runs(order, common, max(1, tokens / 2))[0]):
-            for i in run:
-                runs[i] = k
+    shared = [min(c, len(p) - 1) for c, p in zip(best, prompts)]
+    tokens = round(sum(shared) / len(prompts))
+    if not tokens:
+        return tokens, runs
+    for k, run in enumerate(neighbour_runs(order, common, max(1, tokens / 2))[0]):
+        for i in run:
+            runs[i] = k
+    if sharing_only:
+        sizes = np.bincount(runs)
+        among = [s for s, r in zip(shared, runs) if sizes[r] > 1]
+        tokens = round(sum(among) / len(among)) if among else 0
     return tokens, runs
 
 
@@ -427,11 +462,13 @@ def preset_workload(name: str, scale: float = 1.0) -> Workload:
 
 
 def with_samples(workload: Workload, samples: int | None, prefix_tokens: int | None = None,
-                 prefix_groups: int | None = None) -> Workload:
-    """``workload`` with ``samples`` outputs per prompt, ``prefix_tokens`` shared leading tokens and
-    ``prefix_groups`` distinct prefixes (a CLI's ``--samples``, ``--prefix-tokens`` and
-    ``--prefix-groups``; None keeps its own)."""
-    given = dict(samples=samples, prefix_tokens=prefix_tokens, prefix_groups=prefix_groups)
+                 prefix_groups: int | None = None, prefix_share: float | None = None) -> Workload:
+    """``workload`` with ``samples`` outputs per prompt, ``prefix_tokens`` shared leading tokens,
+    ``prefix_groups`` distinct prefixes and ``prefix_share`` of the prompts behind one (a CLI's
+    ``--samples``, ``--prefix-tokens``, ``--prefix-groups`` and ``--prefix-share``; None keeps its
+    own)."""
+    given = dict(samples=samples, prefix_tokens=prefix_tokens, prefix_groups=prefix_groups,
+                 prefix_share=prefix_share)
     return replace(workload, **{k: v for k, v in given.items() if v is not None})
 
 

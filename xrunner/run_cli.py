@@ -360,17 +360,20 @@ def _run(args: argparse.Namespace) -> int:
             encode = lambda prompt, chat: encode_prompt(tokenizer, prompt,  # noqa: E731
                                                         chat and not args.no_chat_template, args.chat_template_kwargs)
         prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
-        shared, groups = shared_prefix(prompt_ids)
+        shared, groups, share = shared_prefix(prompt_ids)
         planned = plan.workload
         worth = max(16, 0.1 * sum(map(len, prompt_ids)) / len(prompt_ids))  # shared tokens that change a price
-        tokens_differ = abs(shared - planned.prefix_tokens) > worth
+        tokens_differ = abs(shared - planned.prefix_tokens) > worth or \
+            abs(round(shared * share) - planned.mean_prefix_tokens) > worth
         groups_differ = shared > worth and max(groups, planned.prefix_groups) > 2 * min(groups, planned.prefix_groups)
         if tokens_differ or groups_differ:
-            among = lambda g: f", one of {g} prefixes" if g > 1 else ""  # noqa: E731
-            warnings.warn(f"the job's prompts begin with {shared} tokens they share (mean){among(groups)}, the plan's "
-                          f"workload with {planned.prefix_tokens}{among(planned.prefix_groups)}; the engine computes "
-                          "each once per run, so the plan's prediction and batch shape are for another job "
-                          f"(plan with `--prefix-tokens {shared} --prefix-groups {groups}`)",
+            def among(tokens: int, g: int, f: float) -> str:
+                return (f"{tokens} tokens they share" + (f", one of {g} prefixes" if g > 1 else "")
+                        + (f", {f:.0%} of them" if f < 1 else ""))
+            warnings.warn(f"the job's prompts begin with {among(shared, groups, share)}, the plan's workload's prompts "
+                          f"with {among(planned.prefix_tokens, planned.prefix_groups, planned.prefix_share)}; the engine "
+                          "computes each once per run, so the plan's prediction and batch shape are for another job "
+                          f"(plan with `--prefix-tokens {shared} --prefix-groups {groups} --prefix-share {share:.3g}`)",
                           UserWarning, stacklevel=1)
         default_new = args.max_new_tokens or plan.workload.output.max_len
         new_tokens = [r.max_new_tokens or default_new for r in records]
@@ -557,7 +560,7 @@ def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_len
     prefix_of = None
     if prompts is not None:  # a prompt's samples are one prompt: its repeats would read as a shared prefix
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))
-        tokens, runs = prefix_runs(distinct)
+        tokens, runs = prefix_runs(distinct, sharing_only=True)  # the loners' runs compute their own
         run_of = dict(zip(distinct, runs))
         workload = replace(workload, prefix_tokens=tokens, prefix_groups=max(runs, default=0) + 1)
         prefix_of = [run_of[tuple(p)] for p in prompts]

@@ -85,12 +85,17 @@ SAMPLES_HELP = ('outputs sampled per prompt (`xsched run`\'s "n"): requests come
 
 PREFIX_HELP = ("leading tokens the prompts share (a system prompt, the same few-shot examples; counted in the "
                "prompt lengths): prefilled once per run (default: the workload's own: the mean leading tokens "
-               "a prompts file's prompt shares with another, as `xsched workload fit --tokenizer` finds them, else 0)")
+               "a prompts file's prompts share with others, as `xsched workload fit --tokenizer` finds them, else 0)")
 
 
 PREFIX_GROUPS_HELP = ("distinct prefixes of --prefix-tokens tokens that the prompts begin with, one drawn per prompt "
                       "(a job mixing task templates or system prompts): each is prefilled once per block that "
-                      "holds it, once per run while the run's prefix cache has room (default: the workload's own, as `xsched workload fit --tokenizer` finds it, else 1)")
+                      "holds it, once per run while the run's prefix cache has room (default: the workload's own, "
+                      "as `xsched workload fit --tokenizer` finds it, else 1)")
+
+
+PREFIX_SHARE_HELP = ("fraction (0..1] of the prompts that begin with one of the prefixes; the others share nothing "
+                     "(default: the workload's own, as `xsched workload fit --tokenizer` finds it, else 1)")
 
 
 def prefix_arg(text: str) -> int:
@@ -98,6 +103,17 @@ def prefix_arg(text: str) -> int:
     value = whole_number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {value}")
+    return value
+
+
+def share_arg(text: str) -> float:
+    """``--prefix-share``: a fraction in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1] (0.25, not 25), got {text}")
     return value
 
 

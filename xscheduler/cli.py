@@ -7,8 +7,8 @@ import math
 import sys
 
 from xprofiler.profile import MAX_AUTO_MARGIN
-from xsched.cli import (PREFIX_GROUPS_HELP, PREFIX_HELP, SAMPLES_HELP, plan_requests, prefix_arg, requests_arg,
-                        samples_arg, seed_arg)
+from xsched.cli import (PREFIX_GROUPS_HELP, PREFIX_HELP, PREFIX_SHARE_HELP, SAMPLES_HELP, plan_requests, prefix_arg,
+                        requests_arg, samples_arg, seed_arg, share_arg)
 
 DEFAULT_PROFILE = "t4"
 DEFAULT_MODEL = "opt-30b"
@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=samples_arg, default=None, metavar="N", help=SAMPLES_HELP)
     p.add_argument("--prefix-tokens", type=prefix_arg, default=None, metavar="N", help=PREFIX_HELP)
     p.add_argument("--prefix-groups", type=samples_arg, default=None, metavar="G", help=PREFIX_GROUPS_HELP)
+    p.add_argument("--prefix-share", type=share_arg, default=None, metavar="FRACTION", help=PREFIX_SHARE_HELP)
     p.add_argument("--latency", type=float, default=None, metavar="SECONDS",
                    help=f"latency bound in seconds; 'inf' for pure throughput (default {DEFAULT_LATENCY_S:g})")
     p.add_argument("--sla", choices=("p99", "p99-length"), default="p99",
@@ -161,7 +162,7 @@ def _plan(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile or DEFAULT_PROFILE)
     spec = profile.model_for(get_model_spec(args.model or DEFAULT_MODEL))
     workload = with_samples(get_workload(args.workload or DEFAULT_WORKLOAD), args.samples, args.prefix_tokens,
-                            args.prefix_groups)
+                            args.prefix_groups, args.prefix_share)
     if ESTIMATE_NOTE in workload.source:
         assumed.append(f"workload {workload.source}")
     if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:
@@ -209,6 +210,7 @@ def describe(plan) -> str:  # noqa: ANN001
            else "")
         + (f" (a shared {plan.workload.prefix_tokens}-token prefix"
            + (f", one of {plan.workload.prefix_groups}" if plan.workload.prefix_groups > 1 else "")
+           + (f", before {plan.workload.prefix_share:.0%} of the prompts" if plan.workload.prefix_share < 1 else "")
            + ", prefilled once per run)" if plan.workload.prefix_tokens else ""),
         "policy:",
         *("  " + line for line in plan.policy.describe().splitlines()),

@@ -71,7 +71,7 @@ class Shape:
     max_prompt: int
     max_output: int
     samples: int = 1  # outputs per prompt (Workload.samples): a GPU batch prefills each prompt once
-    prefix_tokens: int = 0  # leading tokens all prompts share (Workload.prefix_tokens): prefilled once per run
+    prefix_tokens: int = 0  # leading tokens the mean prompt shares (Workload.mean_prefix_tokens): prefilled once per run
     prefix_groups: int = 1  # distinct such prefixes, one per prompt (Workload.prefix_groups)
 
     @classmethod
@@ -79,7 +79,7 @@ class Shape:
         prompt = max(1, round(workload.prompt.mean))
         steps = max(1, round(workload.output.mean))
         return cls(prompt, steps, prompt + max(1, round(steps / 2)), workload.prompt.max_len,
-                   workload.output.max_len, workload.samples, workload.prefix_tokens, workload.prefix_groups)
+                   workload.output.max_len, workload.samples, workload.mean_prefix_tokens, workload.prefix_groups)
 
     def computed(self, phase: str, rows: int, nb: int = 1) -> float:
         """Rows' worth of positions a GPU batch of ``rows`` (of ``nb`` joining together) computes

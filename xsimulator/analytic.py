@@ -193,7 +193,7 @@ class _Analytic:
         ``nodes [..., Q]``: :meth:`computed_rows`, and each shared prefix once."""
         computed = self.computed_rows(rows)[..., None]
         groups, own = self.prefix_groups(rows, by_prefix, joining, weight, fresh)
-        return self.cm.layer_rows("prefill", computed, nodes, self.workload.prefix_tokens, groups[..., None],
+        return self.cm.layer_rows("prefill", computed, nodes, self.workload.mean_prefix_tokens, groups[..., None],
                                   own[..., None]) * nodes
 
     def _prefix_first(self) -> bool:
@@ -218,7 +218,7 @@ class _Analytic:
         c = computed[..., None]
         cm = self.cm
         groups, own = self.prefix_groups(rows, by_prefix, joining, weight, fresh)
-        bt = cm.batch_terms("prefill", r, nodes, self.placement, computed=c, prefix=self.workload.prefix_tokens,
+        bt = cm.batch_terms("prefill", r, nodes, self.placement, computed=c, prefix=self.workload.mean_prefix_tokens,
                             prefix_groups=groups[..., None], prefix_own=own[..., None])
         shape = nodes.shape
         terms = StepTerms(*(np.mean(np.broadcast_to(v, shape), axis=-1) for v in bt.as_dict().values()))
@@ -295,7 +295,7 @@ class _Analytic:
             groups, own = self.prefix_groups(rows, fresh=fresh)
             pre_scenarios = self.cm.block_step("prefill", rows[None, :], scenario_len, self.placement, on,
                                                float(on.any()), computed=self.computed_rows(rows)[None, :],
-                                               prefix=self.workload.prefix_tokens,
+                                               prefix=self.workload.mean_prefix_tokens,
                                                prefix_groups=groups[None, :], prefix_own=own[None, :]).seconds
             p = self.surv[u][:, None]  # [S, 1]
             qk = 1.0 - (1.0 - p) ** rows

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from xsched.cli import (PREFIX_GROUPS_HELP, PREFIX_HELP, SAMPLES_HELP, plan_requests, prefix_arg, requests_arg,
-                        samples_arg, seed_arg)
+from xsched.cli import (PREFIX_GROUPS_HELP, PREFIX_HELP, PREFIX_SHARE_HELP, SAMPLES_HELP, plan_requests, prefix_arg,
+                        requests_arg, samples_arg, seed_arg, share_arg)
 from xsched.fileio import json_error_text, path_exists
 
 DEFAULT_PROFILE = "t4"
@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=samples_arg, default=None, metavar="N", help=SAMPLES_HELP)
     p.add_argument("--prefix-tokens", type=prefix_arg, default=None, metavar="N", help=PREFIX_HELP)
     p.add_argument("--prefix-groups", type=samples_arg, default=None, metavar="G", help=PREFIX_GROUPS_HELP)
+    p.add_argument("--prefix-share", type=share_arg, default=None, metavar="FRACTION", help=PREFIX_SHARE_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--policy", help="policy as JSON text or a JSON file, e.g. '{\"gbs\": 8, \"nb\": 4, \"wg\": 0.5, "
                                       "\"wc\": 0.5, \"wd\": 0}' (fractions 0..1; gbs and nb are required, the "
@@ -150,7 +151,7 @@ def _simulate(args: argparse.Namespace) -> int:
         workload = Workload.from_dict(plan["workload"], where="plan workload")
     else:
         raise UserError("give --workload (S, T, G, C1, C2, fixed:PROMPT:OUTPUT, or a file of requests)")
-    workload = with_samples(workload, args.samples, args.prefix_tokens, args.prefix_groups)
+    workload = with_samples(workload, args.samples, args.prefix_tokens, args.prefix_groups, args.prefix_share)
     if ESTIMATE_NOTE in workload.source:
         notes.append(f"note: {workload.source}")
     if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:

@@ -551,7 +551,7 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
         prefix_of = np.asarray(prefix_of, np.int64)
         if prefix_of.shape != prompt.shape:
             raise UserError(f"prefix_of gives {prefix_of.size} prefixes for {prompt.size} requests")
-    elif workload.prefix_groups > 1:
+    elif workload.prefix_groups > 1 or workload.prefix_share < 1.0:
         prefix_of = workload.prefix_ids(len(prompt), seed)
     cm = CostModel.for_policy(spec, profile, policy)
     tl = build_timeline(cm, policy, prompt, output, workload.prompt_groups(len(prompt)) if workload.samples > 1

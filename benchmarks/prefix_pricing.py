@@ -1,0 +1,106 @@
+"""How well a workload's description of shared prefixes prices what the engine computes.
+
+``xsched workload fit --tokenizer`` reduces a job's prompts to three numbers
+(``workloads.workload.shared_prefix``): the leading tokens the sharing prompts share
+(``prefix_tokens``), how many distinct prefixes (``prefix_groups``) and which fraction of the
+prompts begin with one (``prefix_share``). ``plan`` and ``simulate`` price a job from those alone.
+This script builds jobs of random token ids (G task templates before random questions, and some
+prompts that share nothing), counts the prefill positions the engine's own planning computes for
+them block by block (``xrunner.prefix``: ``prefix_order``, ``plan_block``, the run's prefix cache
+carried across blocks; no refill), and prints the simulators' positions from the description
+over the engine's. "as before" is the description stop 58 gave: every prompt that shares nothing
+a prefix of its own, the shared tokens a mean over all prompts, no share.
+
+    python benchmarks/prefix_pricing.py [--prompts 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from workloads.distributions import LengthDistribution  # noqa: E402
+from workloads.workload import fixed_workload, prefix_runs, shared_prefix  # noqa: E402
+from xprofiler.presets import load_profile  # noqa: E402
+from xprofiler.specs import get_model_spec  # noqa: E402
+from xrunner.prefix import PrefixCache, block_positions, plan_block, prefix_order  # noqa: E402
+from xsimulator.analytic import simulate_analytic  # noqa: E402
+from xsimulator.discrete_event import simulate  # noqa: E402
+from xsimulator.policy import Policy  # noqa: E402
+
+# (templates, their lengths, the questions' lengths)
+JOBS = ((1, (150, 160), (10, 60)), (2, (100, 110), (10, 60)), (4, (64, 72), (10, 40)), (8, (64, 72), (10, 40)))
+POLICIES = (Policy(gbs=16, nb=4), Policy(gbs=8, nb=8), Policy(gbs=16, nb=4, bucket=False))
+
+
+def job(rng: random.Random, templates: int, count: int, loners: float, head: tuple[int, int],
+        question: tuple[int, int], vocab: int = 50000) -> list[tuple[int, ...]]:
+    """``count`` prompts in random order: ``1 - loners`` of them one of ``templates`` random
+    templates before a random question, the rest random tokens as long."""
+    heads = [tuple(rng.randrange(vocab) for _ in range(rng.randint(*head))) for _ in range(templates)]
+    sharing = round(count * (1 - loners))
+    out = [rng.choice(heads) + tuple(rng.randrange(vocab) for _ in range(rng.randint(*question)))
+           for _ in range(sharing)]
+    span = (head[0] + question[0], head[1] + question[1])
+    out += [tuple(rng.randrange(vocab) for _ in range(rng.randint(*span))) for _ in range(count - sharing)]
+    rng.shuffle(out)
+    return out
+
+
+def engine_positions(prompts: list[tuple[int, ...]], policy: Policy) -> int:
+    """Prefill positions one layer computes over the job, as the engine plans its blocks."""
+    hold = max(map(len, prompts))  # the engine holds and keeps one prompt's worth of prefixes
+    cache, total = PrefixCache(hold), 0
+    for b in range(0, len(prompts), policy.block_size):
+        block = sorted(prompts[b:b + policy.block_size], key=len) if policy.bucket else prompts[b:b + policy.block_size]
+        if policy.bucket:
+            order = prefix_order(block, [k // policy.gbs for k in range(len(block))], hold, cache)
+            block = block if order is None else [block[i] for i in order]
+        batches = [block[k:k + policy.gbs] for k in range(0, len(block), policy.gbs)]
+        total += block_positions(batches, hold, cache=cache)
+        plan_block(batches, hold, cache=cache)  # admits what this block computes
+        cache.drop_retired()
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=5)
+    args = ap.parse_args()
+    spec, profile = get_model_spec("opt-1.3b"), load_profile("t4")
+    rng = random.Random(args.seed)
+    print("| G | no prefix | fit: tokens, groups, share | policy | engine positions | discrete-event / engine "
+          "| analytic / engine | as before: groups | as before: discrete-event / engine |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for templates, head, question in JOBS:
+        for loners in (0.0, 0.1, 0.25, 0.5):
+            prompts = job(rng, templates, args.prompts, loners, head, question)
+            lengths = np.array([len(p) for p in prompts])
+            tokens, groups, share = shared_prefix(prompts)
+            base = replace(fixed_workload(int(lengths.mean()), 8), prompt=LengthDistribution.empirical(lengths))
+            now = replace(base, prefix_tokens=tokens, prefix_groups=groups, prefix_share=share)
+            old_tokens, runs = prefix_runs(prompts)
+            before = replace(base, prefix_tokens=old_tokens, prefix_groups=max(runs) + 1)
+            both = (lengths, np.full(len(prompts), 8))
+            for policy in POLICIES:
+                engine = engine_positions(prompts, policy)
+                des = simulate(spec, profile, policy, now, requests=both).padded_prompt_tokens
+                ana = simulate_analytic(spec, profile, policy, now, num_requests=len(prompts)).padded_prompt_tokens
+                old = simulate(spec, profile, policy, before, requests=both).padded_prompt_tokens
+                label = f"{policy.gbs} x {policy.nb}" + ("" if policy.bucket else ", queue order")
+                print(f"| {templates} | {loners:.0%} | {tokens}, {groups}, {share:.2f} | {label} | {engine} "
+                      f"| {des / engine:.3f} | {ana / engine:.3f} | {before.prefix_groups} | {old / engine:.3f} |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
