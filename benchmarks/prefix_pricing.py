@@ -33,6 +33,7 @@ from xprofiler.presets import load_profile  # noqa: E402
 from xprofiler.specs import get_model_spec  # noqa: E402
 from xrunner.prefix import PrefixCache, block_positions, plan_block, prefix_order  # noqa: E402
 from xsimulator.analytic import simulate_analytic  # noqa: E402
+from xsimulator.costmodel import prefix_cache_positions  # noqa: E402
 from xsimulator.discrete_event import simulate  # noqa: E402
 from xsimulator.policy import Policy  # noqa: E402
 
@@ -55,10 +56,11 @@ def job(rng: random.Random, templates: int, count: int, loners: float, head: tup
     return out
 
 
-def engine_positions(prompts: list[tuple[int, ...]], policy: Policy) -> int:
-    """Prefill positions one layer computes over the job, as the engine plans its blocks."""
-    hold = max(map(len, prompts))  # the engine holds and keeps one prompt's worth of prefixes
-    cache, total = PrefixCache(hold), 0
+def engine_positions(prompts: list[tuple[int, ...]], policy: Policy, cache_positions: int) -> int:
+    """Prefill positions one layer computes over the job, as the engine plans its blocks (its
+    prefix cache sized as ``xsched run`` sizes it for the plan's workload)."""
+    hold = max(map(len, prompts))  # the engine holds one prompt's worth of prefixes
+    cache, total = PrefixCache(cache_positions), 0
     for b in range(0, len(prompts), policy.block_size):
         block = sorted(prompts[b:b + policy.block_size], key=len) if policy.bucket else prompts[b:b + policy.block_size]
         if policy.bucket:
@@ -92,7 +94,7 @@ def main() -> None:
             before = replace(base, prefix_tokens=old_tokens, prefix_groups=max(runs) + 1)
             both = (lengths, np.full(len(prompts), 8))
             for policy in POLICIES:
-                engine = engine_positions(prompts, policy)
+                engine = engine_positions(prompts, policy, prefix_cache_positions(int(lengths.max()), tokens, groups))
                 des = simulate(spec, profile, policy, now, requests=both).padded_prompt_tokens
                 ana = simulate_analytic(spec, profile, policy, now, num_requests=len(prompts)).padded_prompt_tokens
                 old = simulate(spec, profile, policy, before, requests=both).padded_prompt_tokens

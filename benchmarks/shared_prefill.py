@@ -16,7 +16,10 @@ prefixes again: ``prefix_cache=False``), on but batch by batch (each GPU batch c
 too: ``prefixes_across_batches=False``), and off (``share_prefixes``). ``--groups G`` puts one of G
 system prompts (T tokens each, give or take a tenth) before each question, in random order, and
 adds a run with the block's prompts in length order only (``order_by_prefix=False``), so that
-every GPU batch holds most of the G prefixes. ``--nb`` smaller than the rows need runs several
+every GPU batch holds most of the G prefixes; the run's prefix cache is then sized for the G
+prefixes (``xsimulator.costmodel.prefix_cache_positions``, as ``xsched run`` sizes it for a plan's
+workload), against "cache of one prompt" (one prompt's worth of positions, the engine's default).
+``--jobs`` runs only the named ones. ``--nb`` smaller than the rows need runs several
 blocks; ``--refill R`` refills free slots every R decode steps, with ``--varied`` output lengths
 (1..``--new-tokens``) so that rows finish apart and refills bring a few rows each. The prefill
 seconds are then the prefill steps' wall time summed.
@@ -25,6 +28,8 @@ seconds are then the prefill steps' wall time summed.
     OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py --system 512 --prompt 128
     OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py --system 256 --groups 8 --prompt 64
     OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py --system 256 --prompt 64 --refill 2 --varied --nb 2
+    OMP_NUM_THREADS=2 python benchmarks/shared_prefill.py --system 128 --groups 4 --prompt 64 --refill 2 --varied \
+        --nb 2 --gbs 8 --prompts 8 --n 8 --jobs "by prefix,cache of one prompt,no cache"
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from xprofiler.specs import get_model_spec  # noqa: E402
+from xsimulator.costmodel import prefix_cache_positions  # noqa: E402
 from xsimulator.policy import Policy  # noqa: E402
 
 PLACEMENTS: dict[str, dict] = {
@@ -83,16 +90,20 @@ def prefill_seconds(events: list) -> float:
     return total + (0.0 if span is None else span[1] - span[0])
 
 
-def run(spec, policy: Policy, reqs: list, args: argparse.Namespace, **engine_kw: bool) -> tuple[float, float, int]:
+def max_prompt(args: argparse.Namespace) -> int:
+    return args.system * 11 // 10 + args.prompt
+
+
+def run(spec, policy: Policy, reqs: list, args: argparse.Namespace, **engine_kw: Any) -> tuple[float, float, int]:
     """(prefill seconds, job wall seconds, prefill positions computed) of one job (``engine_kw``:
-    the engine's sharing switches)."""
+    the engine's sharing switches and its prefix cache's size)."""
     from xrunner.engine import Engine
     from xrunner.loaders import RandomSource
     from xrunner.sampling import SamplingParams
 
     done: list = []
     with tempfile.TemporaryDirectory() as d, \
-            Engine(RandomSource(spec, seed=0), policy, max_prompt=args.system * 11 // 10 + args.prompt,
+            Engine(RandomSource(spec, seed=0), policy, max_prompt=max_prompt(args),
                    max_output=args.new_tokens, offload_dir=Path(d), record_trace=True,
                    sampling=SamplingParams(temperature=0.8, seed=1), **engine_kw) as eng:
         t0 = time.perf_counter()
@@ -120,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--placements", default=";".join(PLACEMENTS), help="';'-separated names from the table")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each job, alternating; the fastest counts")
+    ap.add_argument("--jobs", default=None, help="','-separated names of the jobs to run (default: all)")
     args = ap.parse_args(argv)
     import torch
 
@@ -136,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                 "not shared": (distinct, dict(share_prefixes=False))}
         what = (f"{rows} distinct prompts of {args.prompt // 2}..{args.prompt} tokens behind one "
                 f"{args.system}-token system prompt")
-        if args.groups > 1:
-            jobs = {"by prefix": jobs["shared"], "length order": (distinct, dict(order_by_prefix=False)),
+        if args.groups > 1:  # the cache sized for the G prefixes, as `xsched run` sizes it for a plan's workload
+            sized = dict(prefix_cache_positions=prefix_cache_positions(max_prompt(args), args.system, args.groups))
+            jobs = {"by prefix": (distinct, sized), "cache of one prompt": jobs["shared"],
+                    "length order": (distinct, dict(order_by_prefix=False, **sized)),
                     **{k: v for k, v in jobs.items() if k != "shared"}}
             what = what.replace("one ", f"one of {args.groups} ").replace("-token system prompt",
                                                                            "-token (+-10%) system prompts")
@@ -145,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         jobs = {"repeated": (requests(args, True, spec.vocab_size), {}),
                 "distinct": (requests(args, False, spec.vocab_size), {})}
         what = f"{args.prompts} prompts x {args.n} samples, prompts of {args.prompt // 2}..{args.prompt} tokens"
+    if args.jobs:
+        unknown = set(args.jobs.split(",")) - set(jobs)
+        if unknown:
+            ap.error(f"--jobs: unknown {sorted(unknown)}; choose from {list(jobs)}")
+        jobs = {k: v for k, v in jobs.items() if k in args.jobs.split(",")}
     first, *others = jobs
     refill = f", refilled every {args.refill} steps" if args.refill else ""
     new = f"1..{args.new_tokens}" if args.varied else str(args.new_tokens)

@@ -27,6 +27,7 @@ peak bytes <= planned on every tier. Prints a table and writes a PNG scatter.
     ... --samples 4   # prompts asked for 4 outputs each: the shared prefill, run and predicted
     ... --prefix 24   # the same 24 tokens put before every prompt (a system prompt): computed once per run
     ... --prefix 48 --prefix-groups 8   # one of 8 such prefixes before each prompt (a job mixing templates)
+    ... --prefix 48 --prefix-share 0.5  # before half the prompts; the others as long, all their own tokens
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def main() -> int:
                          "the engine computes once per run and the simulator prices so (Workload.prefix_tokens)")
     ap.add_argument("--prefix-groups", type=int, default=1,
                     help="distinct --prefix system prompts, one drawn per prompt (Workload.prefix_groups)")
+    ap.add_argument("--prefix-share", type=float, default=1.0,
+                    help="fraction of the prompts behind a --prefix system prompt; the others get as many tokens "
+                         "of their own (Workload.prefix_share)")
     ap.add_argument("--png", default="sim_vs_run.png", help="scatter of predicted vs measured")
     ap.add_argument("--json-out", default=None, help="write every row as JSON here")
     ap.add_argument("--reanchor", action=argparse.BooleanOptionalAction, default=True,
@@ -124,7 +128,7 @@ def main() -> int:
     if raw.compute_threads:
         torch.set_num_threads(raw.compute_threads)
     workloads = [replace(get_workload(text), samples=args.samples, prefix_tokens=args.prefix,
-                         prefix_groups=args.prefix_groups)
+                         prefix_groups=args.prefix_groups, prefix_share=args.prefix_share)
                  for text in (args.fixed, args.dist)]
     jobs = []
     for w in workloads:
@@ -143,7 +147,8 @@ def main() -> int:
     def run(j: int, rep: int) -> None:
         w, name, policy, prompt, output = jobs[j]
         m = run_engine(source_for(spec), policy, prompt, output, offload_dir=args.offload_dir, profile=raw,
-                       samples=args.samples, prefix=args.prefix, prefix_groups=args.prefix_groups)
+                       samples=args.samples, prefix=args.prefix, prefix_groups=args.prefix_groups,
+                       prefix_share=args.prefix_share)
         runs[j].append(m)
         print(f"  ran {w.name:<14} {name:<22} {m.wall_s:6.1f} s (repeat {rep + 1})", file=sys.stderr)
 
@@ -173,7 +178,7 @@ def main() -> int:
         p99 = [quantile(list(m.latency_s.values()), 0.99) for m in ms]
         m = sorted(ms, key=lambda x: x.wall_s)[len(ms) // 2]
         wl = workload_of(prompt, output, name=w.name, samples=args.samples, prefix=args.prefix,
-                         prefix_groups=args.prefix_groups)
+                         prefix_groups=args.prefix_groups, prefix_share=args.prefix_share)
         now = rescaled(cal, ratio)
         profiles = (("raw", raw), ("cal", cal)) + ((("now", now),) if args.reanchor else ())
         if other is not None:
@@ -187,7 +192,7 @@ def main() -> int:
             row[f"{k}_tps"] = r.throughput_tokens_per_s
             row[f"{k}_p99_s"] = r.latency_p99_s
         parts = predict(spec, now, RunDesign(name, policy, spec.num_layers, tuple(prompt), tuple(output), (),
-                                             args.samples, args.prefix, args.prefix_groups))
+                                             args.samples, args.prefix, args.prefix_groups, args.prefix_share))
         row["metrics_measured_s"] = {k: float(np.median([x.metrics[k] for x in ms])) for k in METRICS}
         row["metrics_predicted_s"] = parts
         row["peak_bytes"] = {t: max(x.peak_bytes[t] for x in ms) for t in m.peak_bytes}
@@ -206,7 +211,9 @@ def main() -> int:
     print(f"model {spec.name} ({spec.dtype}), {args.requests} requests per run"
           + (f" ({args.samples} per prompt)" if args.samples > 1 else "")
           + (f" (a shared {args.prefix}-token prefix" + (f", one of {args.prefix_groups}" if args.prefix_groups > 1
-                                                         else "") + ")" if args.prefix else "")
+                                                         else "")
+             + (f", before {args.prefix_share:.0%} of the prompts" if args.prefix_share < 1 else "") + ")"
+             if args.prefix else "")
           + ", random weights, EOS ignored; "
           f"'{best}' = {dict(kinds)[best]} prediction{speed_note}")
     print(f"{'workload':<14} {'plan':<22} {'tok/s meas':>10} {'raw':>7} {'cal':>7} {best:>7} {'err':>7} "

@@ -763,8 +763,11 @@ def test_shared_prefills_priced_as_such_and_branch_and_bound_still_finds_the_bes
         over[k] = max(e.throughput / fresh.bound(e.variant, e.gbs, e.nb) for e in full.cache.values() if e.fits)
         best[k] = exh.throughput
     assert over[0] <= 1.0 and over[1] <= 1.01, over  # 1.0003 with samples: within what the search's widening absorbs
-    if shared == "prefixes":  # eight prefixes bound the rate below one, at every shape the search met
+    if shared == "prefixes":  # the run's cache keeps all eight: the LP prices them as one, at every shape met;
+        # 32 of them, more than it keeps, bound the rate below one
         one_prefix = Evaluator(spec, prof, replace(twin, prefix_groups=1), num_requests=REQUESTS)
-        assert all(fresh.bound(e.variant, e.gbs, e.nb) < one_prefix.bound(e.variant, e.gbs, e.nb)
-                   for e in full.cache.values() if e.gbs > 1), "the LP prices each batch's prefixes"
+        many = Evaluator(spec, prof, replace(twin, prefix_groups=32), num_requests=REQUESTS)
+        shapes = [(e.variant, e.gbs, e.nb) for e in full.cache.values() if e.gbs > 1]
+        assert all(fresh.bound(*x) == pytest.approx(one_prefix.bound(*x)) for x in shapes)
+        assert all(many.bound(*x) < one_prefix.bound(*x) for x in shapes), "the LP prices each batch's prefixes"
     assert best[1] > (3 if shared == "samples" else 1.3) * best[0], best

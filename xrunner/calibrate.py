@@ -70,7 +70,7 @@ from workloads.workload import Workload
 from xprofiler.profile import MARGIN_QUANTILE, CalibrationError, HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import FACTOR_TERMS, INTERFERENCE_TERMS, OVERHEAD_TERMS
+from xsimulator.costmodel import FACTOR_TERMS, INTERFERENCE_TERMS, OVERHEAD_TERMS, prefix_cache_positions
 from xsimulator.discrete_event import simulate_timeline
 from xsimulator.policy import Policy
 
@@ -117,6 +117,7 @@ class RunDesign:
     samples: int = 1  # requests come in runs of this many with one prompt (Workload.samples)
     prefix: int = 0  # leading tokens all prompts share (Workload.prefix_tokens)
     prefix_groups: int = 1  # distinct such prefixes, one drawn per prompt (Workload.prefix_groups)
+    prefix_share: float = 1.0  # the prompts behind one; the others share nothing (Workload.prefix_share)
 
 
 def cut_spec(spec: ModelSpec, num_layers: int) -> ModelSpec:
@@ -213,12 +214,13 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
                offload_dir: str | Path | None = None, profile: HardwareProfile | None = None, seed: int = 0,
                max_prompt: int | None = None, max_output: int | None = None, warmup: bool = False,
                head_layouts: dict[int, str] | None = None, samples: int = 1, prefix: int = 0,
-               prefix_groups: int = 1) -> Measurement:
+               prefix_groups: int = 1, prefix_share: float = 1.0) -> Measurement:
     """Run ``policy`` once over requests of exactly these lengths (random token ids, EOS ignored;
     with ``samples`` k, requests come in runs of k with one prompt, as ``Workload.samples`` says;
     every prompt begins with the same ``prefix`` tokens, as ``Workload.prefix_tokens`` says, each
     keeping at least one token of its own; with ``prefix_groups`` G, with one of G such prefixes,
-    the one ``Workload.prefix_ids`` draws for it, as the simulator does).
+    the one ``Workload.prefix_ids`` draws for it, as the simulator does; ``prefix_share`` of the
+    prompts only, the others all their own tokens).
 
     Returns busy seconds per metric, per-step wall seconds, per-request latencies and peak
     bytes. ``max_prompt``/``max_output`` size the KV cache (default: the longest of the job),
@@ -236,11 +238,11 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
     ids = request_ids(len(prompt_lens))
     prompts: list[tuple[int, ...]] = []
     systems = [tuple(int(t) for t in rng.integers(0, spec.vocab_size, prefix)) for _ in range(prefix_groups)]
-    which = workload_of(prompt_lens, output_lens, samples=samples, prefix=prefix,
-                        prefix_groups=prefix_groups).prefix_ids(len(prompt_lens))
+    which = workload_of(prompt_lens, output_lens, samples=samples, prefix=prefix, prefix_groups=prefix_groups,
+                        prefix_share=prefix_share).prefix_ids(len(prompt_lens))
     for k, p in enumerate(prompt_lens):
         shared = k % samples and len(prompts[-1]) == int(p)
-        head = systems[which[k]][:min(prefix, int(p) - 1)]
+        head = systems[which[k]][:min(prefix, int(p) - 1)] if which[k] < prefix_groups else ()
         prompts.append(prompts[-1] if shared else
                        head + tuple(int(t) for t in rng.integers(0, spec.vocab_size, int(p) - len(head))))
     reqs = [Request(i, ids_, int(o)) for i, ids_, o in zip(ids, prompts, output_lens)]
@@ -254,8 +256,9 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
     stamps: list[float] = []
     kinds: list[bool] = []
     layouts = {} if head_layouts is None else head_layouts
+    cache = prefix_cache_positions(mp, prefix, prefix_groups)  # as the simulator sizes it
     with Engine(source, policy, max_prompt=mp, max_output=mo, offload_dir=offload_dir, record_trace=True,
-                profile=profile, head_layout=layouts.get(policy.gbs)) as eng:
+                profile=profile, head_layout=layouts.get(policy.gbs), prefix_cache_positions=cache) as eng:
         layouts.setdefault(policy.gbs, eng.head_layout)
         seen = [0]
 
@@ -313,7 +316,7 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
                 got[i].append(run_engine(make(cut_spec(spec, d.num_layers)), d.policy, d.prompt_lens,
                                          d.output_lens, offload_dir=offload_dir, profile=profile, warmup=True,
                                          head_layouts=layouts, samples=d.samples, prefix=d.prefix,
-                                         prefix_groups=d.prefix_groups))
+                                         prefix_groups=d.prefix_groups, prefix_share=d.prefix_share))
                 bar.update(1)
     out = []
     for d, ms in zip(runs, got):
@@ -325,11 +328,11 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
 
 # --------------------------------------------------------------------------- predicting
 def workload_of(prompt_lens: Sequence[int], output_lens: Sequence[int], name: str = "calibration",
-                samples: int = 1, prefix: int = 0, prefix_groups: int = 1) -> Workload:
+                samples: int = 1, prefix: int = 0, prefix_groups: int = 1, prefix_share: float = 1.0) -> Workload:
     """The empirical workload of exactly these requests (its maxima size the KV cache)."""
     return Workload(name=name, prompt=LengthDistribution.empirical(list(prompt_lens)),
                     output=LengthDistribution.empirical(list(output_lens)), source="measured run", samples=samples,
-                    prefix_tokens=prefix, prefix_groups=prefix_groups)
+                    prefix_tokens=prefix, prefix_groups=prefix_groups, prefix_share=prefix_share)
 
 
 def predict(spec: ModelSpec, profile: HardwareProfile, design: RunDesign) -> dict[str, float]:
@@ -342,7 +345,7 @@ def predict(spec: ModelSpec, profile: HardwareProfile, design: RunDesign) -> dic
     prompt, output = np.asarray(design.prompt_lens), np.asarray(design.output_lens)
     res, tl = simulate_timeline(s, profile, design.policy,
                                 workload_of(prompt, output, samples=design.samples, prefix=design.prefix,
-                                            prefix_groups=design.prefix_groups),
+                                            prefix_groups=design.prefix_groups, prefix_share=design.prefix_share),
                                 requests=(prompt, output))
     batch_steps = float(np.count_nonzero(tl.prefill_rows) + np.count_nonzero(tl.decode_rows))
     cal = profile.calibration

@@ -435,7 +435,7 @@ class Engine:
                  notice: Callable[[str], None] | None = None,
                  stop_check: Callable[[Request, Sequence[int]], bool] | None = None, logprobs: bool = False,
                  share_prefixes: bool = True, order_by_prefix: bool = True, prefixes_across_batches: bool = True,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, prefix_cache_positions: int | None = None):
         spec = source.spec
         if head_layout not in (None, "rows", "transposed"):
             raise UserError(f"head_layout must be 'rows' or 'transposed', got {head_layout!r}")
@@ -473,9 +473,13 @@ class Engine:
         self.prefixes_across_batches = prefixes_across_batches
         self._held: dict[int, Held] = {}  # the current layer's prefix results held for later batches
         # The run's later prefills (refills, later blocks) take the prefixes its first ones computed
-        # (xrunner.prefix.PrefixCache: keys and values of every layer, max_prompt positions, on the
-        # cpu tier); off: each prefill computes its own (an ablation).
+        # (xrunner.prefix.PrefixCache: keys and values of every layer, on the cpu tier; room for
+        # prefix_cache_positions, default max_prompt: xsimulator.costmodel.prefix_cache_positions
+        # sizes it to a plan's workload); off: each prefill computes its own (an ablation).
         self.prefix_cache = prefix_cache
+        if prefix_cache_positions is not None and prefix_cache_positions < 1:
+            raise UserError(f"prefix_cache_positions must be >= 1, got {prefix_cache_positions}")
+        self.cache_positions = max_prompt if prefix_cache_positions is None else prefix_cache_positions
         self._cache = PrefixCache(0)
         # Token ids [sequences, length] of calibration text (or a function giving them, called the
         # first time a calibration pass runs, while weights load): 4-bit weights then get GPTQ codes
@@ -536,7 +540,7 @@ class Engine:
         that is checked after the plan itself, so the error can say that no pass would fit.
         """
         mem = CostModel.for_policy(self.spec, self.profile, rounded).memory(
-            rounded.placement(), rounded.gbs, rounded.nb, self.max_prompt, self.max_output)
+            rounded.placement(), rounded.gbs, rounded.nb, self.max_prompt, self.max_output, self.cache_positions)
         peaks = {tier: m.peak_bytes() for tier, m in mem.items()}
         _refuse_over_capacity(peaks, caps)
         if scratch:
@@ -1605,7 +1609,7 @@ class Engine:
         for entries in self._cache.layers.values():
             for entry in entries.values():
                 self.ledger.sub("cpu", "prefix_cache", entry.nbytes)
-        self._cache = PrefixCache(self.max_prompt if self.share_prefixes and self.prefix_cache else 0)
+        self._cache = PrefixCache(self.cache_positions if self.share_prefixes and self.prefix_cache else 0)
 
     def _head(self, hidden_last: torch.Tensor) -> torch.Tensor:
         with self.ledger.transient("gpu", "logits", nbytes_of(hidden_last) + hidden_last.shape[0] *

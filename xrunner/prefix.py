@@ -21,8 +21,9 @@ length or by prefix, that computes fewer positions (:func:`block_positions`).
 
 A run's later prefills (each refill, each later block) meet the same system prompts again: a
 :class:`PrefixCache` keeps the keys and values of every layer of the first prefixes a run
-computes (those two or more rows share; at most one prompt's worth of positions, first come
-first kept) and a later batch takes them, a row alone too, computing only the rest of each prompt.
+computes (those two or more rows share, within its capacity in positions, first come first
+kept: ``xsched run`` sizes it for the plan's workload's prefixes) and a later batch takes them, a
+row alone too, computing only the rest of each prompt.
 """
 
 from __future__ import annotations

@@ -290,21 +290,20 @@ def stop_checker(tokenizer: Any, stops: dict[Any, tuple[str, ...]]) -> Callable[
 # ----------------------------------------------------------------------------- the command
 def _run(args: argparse.Namespace) -> int:
     import tempfile
+    from dataclasses import replace
 
     from tqdm import tqdm
 
+    from workloads.workload import shared_prefix
     from xprofiler.presets import load_preset, preset_names
     from xrunner.cli import encode_prompt, resolve_device, sampling_from_args, stop_token_ids
     from xrunner.jobfiles import OpenAIOutput, ResultsWriter, read_prompts, tokenize_prompts
     from xrunner.loaders import open_model
-    from dataclasses import replace
-
-    from workloads.workload import shared_prefix
     from xrunner.result import Adaptation, build_run_result
     from xscheduler.plan import Plan
     from xsched.errors import UserError
     from xsched.fileio import atomic_write_all, check_writable, file_or_none, separate_files
-    from xsimulator.costmodel import CostModel
+    from xsimulator.costmodel import CostModel, prefix_cache_positions
 
     plan = Plan.load(args.plan)
     profile, no_profile = _plan_profile(plan, args.profile)
@@ -403,10 +402,12 @@ def _run(args: argparse.Namespace) -> int:
         # The engine refuses a tier that does not fit; without CUDA two tiers share the RAM, so check the sum.
         # (Memory terms do not depend on the machine's speeds, so any profile prices them.)
         rounded = rounded_policy(plan.policy, source.spec.num_layers)
-        planned = CostModel.for_policy(source.spec, load_preset(preset_names()[0]), rounded).peak_bytes(
-            rounded, max_prompt, max_output)
+        # The run's prefix cache: room for the plan's workload's prefixes (as the plan priced it).
+        cache_positions = prefix_cache_positions(max_prompt, plan.workload.prefix_tokens, plan.workload.prefix_groups)
+        planned_peak = CostModel.for_policy(source.spec, load_preset(preset_names()[0]), rounded).peak_bytes(
+            rounded, max_prompt, max_output, cache_positions)
         machine = machine_capacity_bytes(device, offload_root)
-        check_machine_room(device, planned, machine)
+        check_machine_room(device, planned_peak, machine)
         capacity = {t: min(float(plan.predicted.capacity_bytes.get(t, float("inf"))), machine[t]) for t in machine}
 
         requests = (Request(id=key, prompt_ids=tuple(prompt_ids[i]), max_new_tokens=new_tokens[i],
@@ -456,13 +457,14 @@ def _run(args: argparse.Namespace) -> int:
                         notice=lambda work: print(f"xsched: reconfiguring: {work}; the job waits for it",
                                                   file=sys.stderr),
                         stop_check=stop_checker(tokenizer, stops_of),
-                        logprobs=args.logprobs or bool(logprobs_of)) as engine:
+                        logprobs=args.logprobs or bool(logprobs_of),
+                        prefix_cache_positions=cache_positions) as engine:
                 stats = engine.run(requests, on_finished=on_finished, on_step=bar.update, between_blocks=hook)
 
     ran = [(i, key) for i, key in pending if key in output_len]  # in the order the engine took them
     simulated = None if stats.reconfigurations or profile is None else simulate_job(
         plan, profile, [len(prompt_ids[i]) for i, _ in ran], [output_len[key] for _, key in ran],
-        [prompt_ids[i] for i, _ in ran])
+        [prompt_ids[i] for i, _ in ran], cache_positions)
     result = build_run_result(model=source.spec.name, policy=plan.policy, device=device, dtype=source.spec.dtype,
                               stats=stats, latencies_s=latencies, num_stopped_on_eos=eos[0],
                               num_skipped=len(units) - len(pending), capacity_bytes=capacity,
@@ -541,22 +543,27 @@ def _plan_profile(plan: Any, profile_arg: str | None) -> tuple[Any, Any]:
 
 
 def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_lens: Sequence[int],
-                 prompts: Sequence[Sequence[int]] | None = None) -> Any:
+                 prompts: Sequence[Sequence[int]] | None = None, cache_positions: int | None = None) -> Any:
     """The simulator's prediction for exactly the requests a job ran (in the order it ran them,
     output lengths as generated), with the plan's policy as the engine placed it (whole layers and
     rows) on the plan's profile; None for no requests. ``prompts`` (their token ids): price the
-    prefixes they share, and which each begins with (``prefix_runs``), not the plan's guess."""
+    prefixes they share, and which each begins with (``prefix_runs``), not the plan's guess;
+    ``cache_positions``: the engine's prefix cache (default: sized for the plan's workload)."""
     from dataclasses import replace
 
     import numpy as np
 
     from workloads.workload import prefix_runs
     from xrunner.engine import rounded_policy
+    from xsimulator.costmodel import prefix_cache_positions
     from xsimulator.discrete_event import simulate
 
     if not prompt_lens:
         return None
     workload = covering(plan, max(prompt_lens), max(output_lens)).workload  # memory for the job's longest
+    # The engine's prefix cache (given: what `run` gave it), sized for the plan's workload, not the job's prefixes
+    cache = cache_positions or prefix_cache_positions(workload.prompt.max_len, workload.prefix_tokens,
+                                                      workload.prefix_groups)
     prefix_of = None
     if prompts is not None:  # a prompt's samples are one prompt: its repeats would read as a shared prefix
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))
@@ -566,7 +573,7 @@ def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_len
         prefix_of = [run_of[tuple(p)] for p in prompts]
     return simulate(plan.model, profile, rounded_policy(plan.policy, plan.model.num_layers), workload,
                     requests=(np.asarray(prompt_lens, np.int64), np.asarray(output_lens, np.int64)),
-                    prefix_of=prefix_of)
+                    prefix_of=prefix_of, cache_positions=cache)
 
 
 def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float], profile: Any, no_profile: Any,

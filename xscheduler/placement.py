@@ -38,8 +38,8 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import (TIERS, CostModel, MemoryTerms, prefix_groups_in_batch, shared_prefix_rows,
-                                  uncached_prefix_share)
+from xsimulator.costmodel import (TIERS, CostModel, MemoryTerms, prefix_cache_positions, prefix_groups_in_batch,
+                                  shared_prefix_rows, uncached_prefix_share)
 from xsimulator.policy import PLACEMENT_VARS, Policy, split_counts
 
 TRIOS: tuple[tuple[str, str, str], ...] = (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd"))
@@ -73,13 +73,15 @@ class Shape:
     samples: int = 1  # outputs per prompt (Workload.samples): a GPU batch prefills each prompt once
     prefix_tokens: int = 0  # leading tokens the mean prompt shares (Workload.mean_prefix_tokens): prefilled once per run
     prefix_groups: int = 1  # distinct such prefixes, one per prompt (Workload.prefix_groups)
+    cache_positions: int | None = None  # the run's prefix cache (costmodel.prefix_cache_positions); None: max_prompt
 
     @classmethod
     def of(cls, workload: Workload) -> "Shape":
         prompt = max(1, round(workload.prompt.mean))
         steps = max(1, round(workload.output.mean))
         return cls(prompt, steps, prompt + max(1, round(steps / 2)), workload.prompt.max_len,
-                   workload.output.max_len, workload.samples, workload.mean_prefix_tokens, workload.prefix_groups)
+                   workload.output.max_len, workload.samples, workload.mean_prefix_tokens, workload.prefix_groups,
+                   prefix_cache_positions(workload.prompt.max_len, workload.prefix_tokens, workload.prefix_groups))
 
     def computed(self, phase: str, rows: int, nb: int = 1) -> float:
         """Rows' worth of positions a GPU batch of ``rows`` (of ``nb`` joining together) computes
@@ -95,7 +97,8 @@ class Shape:
             return c
         groups = prefix_groups_in_batch(c, c * nb, self.prefix_groups)
         own = min(groups, prefix_groups_in_batch(c * nb, c * nb, self.prefix_groups, ordered=False) / nb)
-        own *= uncached_prefix_share(self.max_prompt, self.prefix_tokens, self.prefix_groups)
+        own *= uncached_prefix_share(self.max_prompt if self.cache_positions is None else self.cache_positions,
+                                     self.prefix_tokens, self.prefix_groups)
         return float(shared_prefix_rows(c, self.prompt_len, self.prefix_tokens, bound=True, groups=groups, own=own))
 
 
@@ -227,7 +230,7 @@ def _layer_step_s(cm: CostModel, placement: Mapping[str, Any], phase: str, rows:
 
 def fits(cm: CostModel, profile: HardwareProfile, policy: Policy, shape: Shape) -> dict[str, float]:
     """Bytes by which each tier is over its capacity (empty when everything fits)."""
-    peaks = cm.peak_bytes(policy, shape.max_prompt, shape.max_output)
+    peaks = cm.peak_bytes(policy, shape.max_prompt, shape.max_output, shape.cache_positions)
     return {t: peaks[t] - profile.capacity_bytes(t) for t in TIERS if peaks[t] > profile.capacity_bytes(t)}
 
 
@@ -240,7 +243,7 @@ STAGED: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
 def _slot_bytes(cm: CostModel, shape: Shape) -> dict[str, float]:
     """Bytes of one staging slot per buffer (from the cost model's own memory list)."""
     off_all = {v: (1.0 if v.endswith("d") else 0.0) for v in PLACEMENT_VARS}  # every layer on disk
-    full = cm.memory(off_all, 1, 1, shape.max_prompt, shape.max_output)
+    full = cm.memory(off_all, 1, 1, shape.max_prompt, shape.max_output, shape.cache_positions)
     return {name: float(full[tier].resident[name]) / min(2, cm.spec.num_layers) for tier, name, _, _ in STAGED}
 
 
@@ -297,7 +300,7 @@ def _needs_exact_staging(cm: CostModel, profile: HardwareProfile, status: str, f
     L = cm.spec.num_layers
     slot = _slot_bytes(cm, shape)
     peaks = cm.peak_bytes(_knob_policy(gbs, nb, cm.compress_weight, cm.compress_cache, cm.cpu_attention,
-                                       cm.overlap, frac), shape.max_prompt, shape.max_output)
+                                       cm.overlap, frac), shape.max_prompt, shape.max_output, shape.cache_positions)
     for tier, name, off, _ in STAGED:
         exact = min(2, math.ceil(L * sum(frac[v] for v in off) - 1e-9))
         over = (2 - exact) * slot[name]  # what the LP charged beyond the runner's buffers
@@ -342,7 +345,7 @@ def _solve(cm: CostModel, profile: HardwareProfile, gbs: int, nb: int, shape: Sh
         phase_time.append(total)
     t_pre, t_dec = phase_time
 
-    mem = cm.memory(x, gbs, nb, shape.max_prompt, shape.max_output)
+    mem = cm.memory(x, gbs, nb, shape.max_prompt, shape.max_output, shape.cache_positions)
     if exact_staging:
         mem = _exact_staging(prob, cm, profile, x, mem, shape)
     short = {}  # elastic: bytes over capacity, in units of the tier's capacity
@@ -411,7 +414,7 @@ def round_placement(cm: CostModel, profile: HardwareProfile, policy: Policy, sha
         if src == len(TIERS) - 1:
             return None  # the disk is full: nothing slower to move to
         base_s = float(token_seconds(cm, current.placement(), gbs, current.nb, shape))
-        base_peak = cm.peak_bytes(current, shape.max_prompt, shape.max_output)[tier]
+        base_peak = cm.peak_bytes(current, shape.max_prompt, shape.max_output, shape.cache_positions)[tier]
         best: tuple[float, dict[str, list[int]]] | None = None
         for k in units:
             if counts[k][src] == 0 or (keep_weights and k == "w"):
@@ -420,7 +423,7 @@ def round_placement(cm: CostModel, profile: HardwareProfile, policy: Policy, sha
             trial[k][src] -= 1
             trial[k][src + 1] += 1
             cand = make(trial)
-            freed = base_peak - cm.peak_bytes(cand, shape.max_prompt, shape.max_output)[tier]
+            freed = base_peak - cm.peak_bytes(cand, shape.max_prompt, shape.max_output, shape.cache_positions)[tier]
             if freed <= 0:
                 continue
             cost = (float(token_seconds(cm, cand.placement(), gbs, cand.nb, shape)) - base_s) / freed

@@ -42,7 +42,8 @@ from scipy import signal, special, stats
 from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
-from xsimulator.costmodel import BlockStep, CostModel, StepTerms, prefix_groups_in_batch, uncached_prefix_share
+from xsimulator.costmodel import (BlockStep, CostModel, StepTerms, prefix_cache_positions, prefix_groups_in_batch,
+                                  uncached_prefix_share)
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 from xsimulator.discrete_event import DEFAULT_REQUESTS, summarize
@@ -154,7 +155,8 @@ class _Analytic:
         """Share of the workload's prefixes that the run's prefix cache does not keep
         (:func:`~xsimulator.costmodel.uncached_prefix_share`)."""
         w = self.workload
-        return uncached_prefix_share(w.prompt.max_len, w.prefix_tokens, w.prefix_groups)
+        cache = prefix_cache_positions(w.prompt.max_len, w.prefix_tokens, w.prefix_groups)
+        return uncached_prefix_share(cache, w.prefix_tokens, w.prefix_groups)
 
     def prefix_groups(self, rows: np.ndarray, by_prefix: Any = None, joining: Any = None,
                       weight: Any = None, fresh: Any = None) -> tuple[np.ndarray, np.ndarray]:

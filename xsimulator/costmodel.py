@@ -133,13 +133,29 @@ def shared_prefix_rows(rows: Any, length: Any, prefix: Any, bound: bool = False,
     return np.where(use, ((groups if own is None else own) * p + r * (n - p)) / n, r)
 
 
-def uncached_prefix_share(max_prompt: int, prefix: int, groups: int) -> float:
+# The run's prefix cache keeps at most this many prompts' worth of positions (each layer's keys and
+# values on the cpu tier): beside a block's KV cache of gbs x nb whole contexts, a few prompts'.
+PREFIX_CACHE_PROMPTS = 8
+# ``prefix_tokens`` is the prefixes' mean length: room for a quarter more keeps the longer ones too.
+PREFIX_CACHE_SLACK = 1.25
+
+
+def prefix_cache_positions(max_prompt: int, prefix: int, groups: int) -> int:
+    """Positions the run's prefix cache keeps (``xrunner.prefix.PrefixCache``): room for the
+    workload's ``groups`` prefixes of ``prefix`` tokens, at least one prompt's worth (prefixes a
+    workload does not describe) and at most ``PREFIX_CACHE_PROMPTS``. One prompt's worth kept one
+    of two or more templates, and every refill computed the others again."""
+    room = math.ceil(PREFIX_CACHE_SLACK * max(prefix, 0) * max(groups, 1))
+    return min(PREFIX_CACHE_PROMPTS * max_prompt, max(max_prompt, room))
+
+
+def uncached_prefix_share(cache_positions: int, prefix: int, groups: int) -> float:
     """Share of ``groups`` distinct ``prefix``-token prefixes that the run's prefix cache does not
-    keep: it keeps the first ``max_prompt // prefix`` that prefills compute
+    keep: it keeps the first ``cache_positions // prefix`` that prefills compute
     (``xrunner.prefix.PrefixCache``), and later prefills take those instead of computing them."""
     if prefix <= 0:
         return 1.0
-    return max(0.0, 1.0 - (max_prompt // prefix) / max(groups, 1))
+    return max(0.0, 1.0 - (cache_positions // prefix) / max(groups, 1))
 
 
 def prefix_groups_in_batch(rows: Any, joining: Any, groups: int, ordered: bool = True) -> Any:
@@ -1045,8 +1061,9 @@ class CostModel:
 
     # ----------------------------------------------------------------- memory
     def memory(self, placement: Mapping[str, Any], gbs: int, nb: int, max_prompt: int,
-               max_output: int) -> dict[str, MemoryTerms]:
-        """Peak bytes per tier of a block of ``nb`` GPU batches of ``gbs`` rows.
+               max_output: int, cache_positions: int | None = None) -> dict[str, MemoryTerms]:
+        """Peak bytes per tier of a block of ``nb`` GPU batches of ``gbs`` rows; ``cache_positions``:
+        the run's prefix cache's (:func:`prefix_cache_positions`; default one prompt's worth).
 
         Every buffer the runner allocates, by name (each must be allocated exactly so):
 
@@ -1071,7 +1088,7 @@ class CostModel:
           each but decode's attention beside ``prefix_held``, one layer's results of prefixes
           that later GPU batches of the block take instead of computing them
           (``xrunner.prefix.plan_block``; at most max_prompt positions; on CUDA also a layer's
-          copy of the cpu tier's ``prefix_cache``)
+          copy of the cpu tier's ``prefix_cache``, cache_positions)
           alone (before anything else): ``head_weights`` and, on a CPU host, ``head_layout``,
                              the LM head's layouts being timed (:func:`head_layout_bytes`)
         cpu tier
@@ -1083,7 +1100,7 @@ class CostModel:
           ``act_relay``      disk-resident hidden states of one batch in each direction
           ``prefix_cache``   keys and values of every layer of the prefixes a run's first prefills
                              computed, which its later ones take (``xrunner.prefix.PrefixCache``;
-                             at most max_prompt positions)
+                             at most cache_positions)
           transient ``cpu_attention``: the offloaded rows' query, output and new K/V, in place a
                              copy of their context, and a float32 chunk of rows
                              (``cpu_attention_scratch_bytes``)
@@ -1140,7 +1157,8 @@ class CostModel:
             decode_attn = gbs * (8 * q * 4 + ctx * spec.kv_bytes_per_token_per_layer * self.kv_stored_ratio + convert)
         cuda = self.profile.compute_device == "cuda"
         # (and on CUDA, one layer's copy of the prefixes the run's cache keeps, which a prefill takes)
-        held = float(max_prompt * (h + 2 * kvd) * dt if nb > 1 else 0) + float(max_prompt * 2 * kvd * dt if cuda else 0)
+        cache = max_prompt if cache_positions is None else cache_positions
+        held = float(max_prompt * (h + 2 * kvd) * dt if nb > 1 else 0) + float(cache * 2 * kvd * dt if cuda else 0)
         gpu_tr = {
             "qkv": float(gbs * s * (h + q + 2 * kvd) * dt) + held,
             "attention": float(prefill_attn) + held,
@@ -1160,7 +1178,7 @@ class CostModel:
             "weight_relay": _stage_slots(p["wd"], L) * w_record if self.profile.compute_device == "cuda" else 0.0,
             "kv_relay": p["cd"] * (2 * gbs * kv_row),
             "act_relay": p["hd"] * (2 * gbs * act_row),
-            "prefix_cache": float(L * max_prompt * 2 * kvd * dt),
+            "prefix_cache": float(L * cache * 2 * kvd * dt),
         }
         # CPU attention (``cpu_attention_scratch_bytes``): per offloaded row its query, output and
         # new K/V on the host, and in place (float32) a copy of its context; and one float32 chunk
@@ -1187,9 +1205,10 @@ class CostModel:
         return {"gpu": MemoryTerms("gpu", gpu_res, gpu_tr, gpu_alone), "cpu": MemoryTerms("cpu", cpu_res, cpu_tr),
                 "disk": MemoryTerms("disk", disk_res, {})}
 
-    def peak_bytes(self, policy: Policy, max_prompt: int, max_output: int) -> dict[str, float]:
+    def peak_bytes(self, policy: Policy, max_prompt: int, max_output: int,
+                   cache_positions: int | None = None) -> dict[str, float]:
         """Numeric peak bytes per tier for a concrete policy."""
-        mem = self.memory(policy.placement(), policy.gbs, policy.nb, max_prompt, max_output)
+        mem = self.memory(policy.placement(), policy.gbs, policy.nb, max_prompt, max_output, cache_positions)
         return {tier: m.peak_bytes() for tier, m in mem.items()}
 
 

@@ -27,8 +27,8 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import (BlockStep, CostModel, StepTerms, channel_groups, fits_in, shared_prefix_rows,
-                                  shared_prefix_split)
+from xsimulator.costmodel import (BlockStep, CostModel, StepTerms, channel_groups, fits_in, prefix_cache_positions,
+                                  shared_prefix_rows, shared_prefix_split)
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 from xsimulator.trace import TraceEvent
@@ -48,7 +48,8 @@ class Schedule:
 
 
 def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_of: np.ndarray | None = None,
-                 prefix: int = 0, hold_positions: int | None = None) -> Schedule:
+                 prefix: int = 0, hold_positions: int | None = None,
+                 cache_positions: int | None = None) -> Schedule:
     """Give queued requests to free slots at each interval start, in queue order.
 
     With ``bucket`` the requests joining together are sorted by prompt length before they fill
@@ -56,7 +57,8 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
     of several ``prefix``-token prefixes request ``i``'s prompt begins with; joiners are then
     sorted by prefix first wherever that computes fewer prefill positions, as the engine does
     (``xrunner.prefix.prefix_order``; a batch takes a prefix an earlier one computed, within
-    ``hold_positions``: :func:`build_timeline`). A request of ``n`` output tokens holds its slot for
+    ``hold_positions``, or the run's cache keeps within ``cache_positions``: :func:`build_timeline`).
+    A request of ``n`` output tokens holds its slot for
     ``max(1, ceil((n - 1) / R))`` intervals (prefill makes the first token, each decode step one
     more).
     """
@@ -75,9 +77,12 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
     free_by_interval: dict[int, list[int]] = {0: list(range(min(bls, n)))}  # slots past n stay empty
     pending = [0]
     pos = 0
-    # The prefixes the run's cache keeps by now (the first that fit max_prompt: _cache_takes has the detail)
+    # The prefixes the run's cache keeps by now (the first that fit: _cache_takes has the detail)
     cached: dict[int, None] = {}
-    room = n if hold_positions is None or not prefix else hold_positions // prefix
+    # (only a prefix two or more prompts begin with enters it; one alone is a prompt sharing nothing)
+    shared = set() if of_l is None else set(np.flatnonzero(np.bincount(prefix_of) > 1).tolist())
+    cache_positions = hold_positions if cache_positions is None else cache_positions
+    room = n if cache_positions is None or not prefix else cache_positions // prefix
     while pos < n:
         j = heapq.heappop(pending)
         free = sorted(free_by_interval.pop(j))
@@ -101,7 +106,7 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
         pos += take
         if of_l is not None:
             for i in ids:
-                if len(cached) < room:
+                if len(cached) < room and of_l[i] in shared:
                     cached.setdefault(of_l[i])
     slot, join = np.array(slot_l, np.int64), np.array(join_l, np.int64)
     return Schedule(slot, join, held, int((join + held).max()), max(steps, 0))
@@ -176,7 +181,7 @@ class Timeline:
 
 def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np.ndarray,
                    group: np.ndarray | None = None, prefix: int = 0, prefix_of: np.ndarray | None = None,
-                   hold_positions: int | None = None) -> Timeline:
+                   hold_positions: int | None = None, cache_positions: int | None = None) -> Timeline:
     """Simulate the requests (in queue order) under ``policy`` and price every step.
 
     ``group[i]``: the prompt request ``i`` is a sample of (:meth:`Workload.prompt_groups`); the
@@ -187,9 +192,10 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     such prefixes request ``i``'s prompt begins with (:meth:`Workload.prefix_ids`); each cell
     computes each of its prefixes once, after the joiners are ordered as in :func:`assign_slots`.
     A cell takes a prefix that an earlier GPU batch computed in the same prefill, holding at most
-    ``hold_positions`` of them at a time (the engine's ``plan_block``; None: no limit).
+    ``hold_positions`` of them at a time (the engine's ``plan_block``; None: no limit), and one
+    that the run's cache keeps, within ``cache_positions`` (default ``hold_positions``).
     """
-    sched = assign_slots(prompt, output, policy, prefix_of, prefix, hold_positions)
+    sched = assign_slots(prompt, output, policy, prefix_of, prefix, hold_positions, cache_positions)
     J, S = sched.num_intervals, sched.interval_steps
     nb, gbs = policy.nb, policy.gbs
     batch = sched.slot // gbs
@@ -225,7 +231,7 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
         p_cell = np.broadcast_to(p, (nb, J)).ravel()[pairs]
         lend = np.where(use.ravel()[pairs], p_cell, -1)
         own, kept = _own_prefixes(pairs, pairs // J, pairs % J, which, lend, p_cell, nb * J, hold_positions,
-                                  members, nb, np.minimum(base, pair_short - 1))
+                                  members, nb, np.minimum(base, pair_short - 1), cache_positions)
         own, kept = own.reshape(nb, J), kept.reshape(nb, J)
         # A cell whose every prefix the cache keeps (some of): each row takes what it keeps (its
         # own length allowing), so the suffix spans the longest prompt's rest (the engine's
@@ -319,21 +325,23 @@ def _replay_prefixes(batch: list[int], which: list[int], lend: list[int], need: 
 
 def _own_prefixes(cell: np.ndarray, batch: np.ndarray, prefill: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray,
                   need: np.ndarray, cells: int, hold_positions: int | None, members: np.ndarray | None = None,
-                  nb: int = 1, own_need: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  nb: int = 1, own_need: np.ndarray | None = None,
+                  cache_positions: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per cell, how many of its prefixes it computes, from one entry per (cell, prefix): the
     cell's GPU ``batch``, the ``prefill`` it belongs to, the tokens it computes of the prefix
     (``lend``; -1 where it shares none) and wants of it (``need``). A prefix is taken where an
     earlier batch of the same prefill computed at least as many of its tokens
     (:func:`_first_computes`), within ``hold_positions`` (:func:`_within_hold`; None: no limit),
-    or where the run's cache keeps it (:func:`_cache_takes`; ``members``: the entry's prompts,
-    None: no cache), whose entries the batches do not hold as well. Also per cell, the fewest
-    tokens the cache keeps of any of its prefixes (0: one it keeps nothing of)."""
+    or where the run's cache keeps it (:func:`_cache_takes`, within ``cache_positions``, default
+    ``hold_positions``; ``members``: the entry's prompts, None: no cache), whose entries the
+    batches do not hold as well. Also per cell, the fewest tokens the cache keeps of any of its
+    prefixes (0: one it keeps nothing of)."""
     taken = np.zeros(len(cell), bool)
     avail = np.zeros(len(cell), np.int64)
     if members is not None:
         mine = need if own_need is None else own_need
         taken, stored, avail = _cache_takes(prefill * nb + batch, prefix_id, np.where(lend >= 0, mine, -1), mine,
-                                            members, hold_positions)
+                                            members, hold_positions if cache_positions is None else cache_positions)
         lend = np.where(stored | taken, -1, lend)  # (the cache's are not held as well; a taken one is not computed)
     computes = _first_computes(batch, prefill * (int(prefix_id.max()) + 1) + prefix_id, lend, need)
     if hold_positions is not None:
@@ -487,15 +495,19 @@ def summarize(cm: CostModel, policy: Policy, workload: Workload, *, method: str,
               num_requests: int, seed: int | None, wall_s: float, generated: float, prompt_tokens: float,
               padded_prompt: float, latencies: np.ndarray, latency_weights: np.ndarray | None,
               p99_length_s: float, prefill: BlockStep, decode: BlockStep, prefill_steps: int,
-              decode_steps: int) -> SimResult:
-    """Turn priced steps and request latencies into a SimResult (shared by both paths)."""
+              decode_steps: int, cache_positions: int | None = None) -> SimResult:
+    """Turn priced steps and request latencies into a SimResult (shared by both paths);
+    ``cache_positions``: the run's prefix cache (default: sized for the workload)."""
     L = cm.spec.num_layers
     busy: dict[str, float] = {}
     for name in StepTerms().as_dict():
         busy[name] = float(L * (np.sum(getattr(prefill.terms, name)) + np.sum(getattr(decode.terms, name))))
     busy["head"] = float(np.sum(prefill.head_s) + np.sum(decode.head_s))
     compute_busy = busy["gpu_compute"] + busy["cpu_compute"] + busy["dequant"] + busy["quant"] + busy["head"]
-    peaks = cm.peak_bytes(policy, workload.prompt.max_len, workload.output.max_len)
+    if cache_positions is None:
+        cache_positions = prefix_cache_positions(workload.prompt.max_len, workload.prefix_tokens,
+                                                 workload.prefix_groups)
+    peaks = cm.peak_bytes(policy, workload.prompt.max_len, workload.output.max_len, cache_positions)
     caps = {t: float(profile.capacity_bytes(t)) for t in peaks}
     mean_lat = float(np.average(latencies, weights=latency_weights))
     return SimResult(
@@ -526,22 +538,26 @@ def check_requests(prompt: Any, output: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def simulate(spec: ModelSpec, profile: HardwareProfile, policy: Policy, workload: Workload,
              num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
-             requests: tuple[Any, Any] | None = None, prefix_of: Any = None) -> SimResult:
+             requests: tuple[Any, Any] | None = None, prefix_of: Any = None,
+             cache_positions: int | None = None) -> SimResult:
     """Discrete-event prediction for ``num_requests`` requests sampled from ``workload``.
 
     ``requests = (prompt_lens, output_lens)`` simulates exactly those requests instead, and
     ``prefix_of`` (one per request) says which of the workload's ``prefix_groups`` prefixes each
     begins with (a job's own, ``workloads.workload.prefix_runs``; default: drawn by
-    :meth:`Workload.prefix_ids`).
+    :meth:`Workload.prefix_ids`). ``cache_positions``: the run's prefix cache
+    (``costmodel.prefix_cache_positions``; default: sized for ``workload``, as ``xsched run``
+    sizes it for a plan's).
     """
-    result, _ = simulate_timeline(spec, profile, policy, workload, num_requests, seed, requests, prefix_of)
+    result, _ = simulate_timeline(spec, profile, policy, workload, num_requests, seed, requests, prefix_of,
+                                  cache_positions)
     return result
 
 
 def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy, workload: Workload,
                       num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
                       requests: tuple[Any, Any] | None = None,
-                      prefix_of: Any = None) -> tuple[SimResult, Timeline]:
+                      prefix_of: Any = None, cache_positions: int | None = None) -> tuple[SimResult, Timeline]:
     """Like :func:`simulate`, also returning the :class:`Timeline` (for traces and tests)."""
     if requests is None:
         prompt, output = workload.sample(num_requests, seed)
@@ -554,9 +570,11 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
     elif workload.prefix_groups > 1 or workload.prefix_share < 1.0:
         prefix_of = workload.prefix_ids(len(prompt), seed)
     cm = CostModel.for_policy(spec, profile, policy)
+    max_prompt = max(workload.prompt.max_len, int(prompt.max()))  # the engine's
+    cache = prefix_cache_positions(max_prompt, workload.prefix_tokens, workload.prefix_groups) \
+        if cache_positions is None else cache_positions
     tl = build_timeline(cm, policy, prompt, output, workload.prompt_groups(len(prompt)) if workload.samples > 1
-                        else None, workload.prefix_tokens, prefix_of,
-                        hold_positions=max(workload.prompt.max_len, int(prompt.max())))  # the engine's max_prompt
+                        else None, workload.prefix_tokens, prefix_of, hold_positions=max_prompt, cache_positions=cache)
     p99_len = workload.output.percentile(0.99)
     result = summarize(
         cm, policy, workload, method="discrete-event", profile=profile, num_requests=len(prompt),
@@ -564,7 +582,7 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
         prompt_tokens=float(prompt.sum()), padded_prompt=float(np.sum(tl.prefill_positions)),
         latencies=tl.latency_s, latency_weights=None, p99_length_s=p99_length_latency(tl, output, p99_len),
         prefill=tl.prefill, decode=tl.decode, prefill_steps=int(np.count_nonzero(tl.prefill_rows.sum(axis=0))),
-        decode_steps=int(np.count_nonzero(tl.decode_rows.sum(axis=0))))
+        decode_steps=int(np.count_nonzero(tl.decode_rows.sum(axis=0))), cache_positions=cache_positions)
     return result, tl
 
 
