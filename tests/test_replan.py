@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -292,6 +293,21 @@ def test_a_file_whose_outputs_hit_the_cap_does_not_drift_against_itself(setup, t
     for seed in (100, 101):
         r = replan(from_file, *from_file.workload.sample(2000, seed=seed), profile=prof)
         assert not r.drifted, r.describe()
+
+
+def test_outputs_stopped_at_their_own_limit_are_reported_as_such(setup):
+    """A third of the outputs ran to their requests' own max_new_tokens, past the plan's longest
+    output, without EOS: the note says they stopped at their token limit (a walkthrough read "cut
+    at the longest planned output (T tokens)" for outputs that ran to T + 4)."""
+    prof, _, plan, _ = setup
+    p, o = plan.workload.sample(600, seed=3)
+    top = plan.workload.output.max_len
+    capped = np.arange(600) % 3 == 0
+    o = np.where(capped, top + 4, np.minimum(o, top - 1))
+    r = replan(plan, p, o, capped, profile=prof)
+    note = next(n for n in r.notes if "token limit" in n)
+    assert re.match(r"\d+ of \d+ outputs stopped at their token limit without EOS", note), note
+    assert f"at or past the longest planned output ({top} tokens)" in note and "cut at" not in note
 
 
 def test_a_cusum_against_a_few_lengths_can_still_fire():

@@ -858,6 +858,57 @@ def test_a_request_samples_with_its_own_parameters(tiny_dir, tmp_path, capsys):
     assert f"{bad}:2: top-p is a fraction in (0, 1]" in capsys.readouterr().err
 
 
+def test_a_job_smaller_than_the_plans_block_runs_in_buffers_for_its_own_rows(tmp_path, capsys):
+    """A plan of 4 GPU batches x 8 rows and a job of 5 requests (a walkthrough: a plan priced for
+    2000 requests refused 40 for memory): the run says so and runs one batch of 5, the rows the
+    full block would have run, in buffers for 5 rows; the outputs equal the reference loop's and
+    the planned peak is the smaller policy's. 12 requests fill 2 batches of 8."""
+    from xrunner.generate import generate
+    from xprofiler.presets import load_profile
+    from xrunner.loaders import load_weights, open_model
+    from xrunner.result import RunResult
+    from xsimulator.costmodel import CostModel
+    from xsimulator.policy import Policy
+
+    rng = np.random.default_rng(9)
+    rows = [{"id": i, "prompt_ids": rng.integers(4, 50000, size=int(rng.integers(3, 9))).tolist(),
+             "max_new_tokens": 4} for i in range(12)]
+    plan = make_plan(tmp_path / "plan.json", random_spec(), Policy(gbs=8, nb=4, cg=0.5, cc=0.5), 30, 4)
+    flags = ["--plan", str(plan), "--model", RANDOM_MODEL, "--adapt", "none", "--json"]
+    for n, want_policy in ((5, (5, 1)), (12, (8, 2))):
+        prompts = write_prompts(tmp_path / f"p{n}.jsonl", rows[:n])
+        out = tmp_path / f"out{n}.jsonl"
+        assert main(["run", *flags, "--prompts", str(prompts), "--out", str(out)]) == 0
+        captured = capsys.readouterr()
+        result = RunResult.from_json(captured.out)
+        assert (result.policy.gbs, result.policy.nb) == want_policy
+        assert f"the job's {n} requests fill {want_policy[1]} GPU batch(es) of {want_policy[0]}" in captured.err
+        full = CostModel(random_spec(), load_profile("t4")).peak_bytes(Policy(gbs=8, nb=4, cg=0.5, cc=0.5),
+                                                                       result.max_prompt, result.max_output)
+        assert result.planned_peak_bytes["cpu"] < full["cpu"]
+        weights = load_weights(open_model(RANDOM_MODEL, dtype="float32"))
+        for r in read_rows(out):
+            want = generate(weights, [rows[r["id"]]["prompt_ids"]], 4, stop_token_ids=[2]).tokens[0]
+            assert r["output_ids"] == want, r["id"]
+
+
+def test_a_run_beside_busy_cores_says_so(tmp_path, capsys, monkeypatch):
+    """Other processes busy on the cores during the run (a walkthrough on 2 busy cores ran 17x
+    slower than planned, silently): the summary names the cores they kept busy; not when idle."""
+    from xprofiler import measure
+    from xsimulator.policy import Policy
+
+    rows = [{"id": i, "prompt_ids": [5 + i, 6, 7], "max_new_tokens": 2} for i in range(3)]
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    plan = make_plan(tmp_path / "plan.json", random_spec(), Policy(gbs=3, nb=1), 30, 4)
+    flags = ["run", "--plan", str(plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--adapt", "none"]
+    for busy, said in ((1.3, True), (0.0, False)):
+        monkeypatch.setattr(measure.LoadMeter, "others_cores", lambda self, b=busy: b)
+        assert main([*flags, "--out", str(tmp_path / f"o{busy}.jsonl")]) == 0
+        err = capsys.readouterr().err
+        assert ("other processes kept 1.30 of" in err and "--threads 1" in err) == said, err
+
+
 def test_a_job_whose_prompts_share_a_prefix_warns_a_plan_priced_without_it(tmp_path):
     """Prompts that all begin with the same 24 tokens under a plan whose workload does not know it:
     `xsched run` says so and names the flags to plan with; the outputs equal the reference loop's;
@@ -1295,6 +1346,28 @@ def test_an_offload_dir_that_takes_no_files_is_refused_up_front(tmp_path, monkey
     monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
     with pytest.raises(UserError, match="cannot create files there \\(Read-only file system\\)"):
         check_offload_dir(str(tmp_path))
+
+
+def test_an_output_path_that_takes_no_files_is_refused_before_the_job(tmp_path, monkeypatch):
+    """`run --result /proc/r.json` ran the whole job, then failed to write the summary (as root,
+    os.access passes /proc): `check_writable` now creates a file to find out, before the job."""
+    import errno
+    import tempfile
+
+    from xsched.fileio import check_writable
+
+    check_writable(tmp_path / "r.json", "--result")
+    assert list(tmp_path.iterdir()) == []  # (the probe is removed)
+    if Path("/proc/self").is_dir():
+        with pytest.raises(UserError, match=r"/proc/r.json: cannot create a file in /proc .*pass another --result"):
+            check_writable("/proc/r.json", "--result")
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(UserError, match=r"cannot create a file in .* \(Read-only file system\); pass another --trace"):
+        check_writable(tmp_path / "t.json", "--trace")
 
 
 def test_a_plan_for_a_dense_model_is_refused_for_a_mixture_of_experts_of_its_shape():

@@ -292,9 +292,11 @@ def _run(args: argparse.Namespace) -> int:
     import tempfile
     from dataclasses import replace
 
+    import torch
     from tqdm import tqdm
 
     from workloads.workload import shared_prefix
+    from xprofiler.measure import BUSY_WARN_CORES, LoadMeter
     from xprofiler.presets import load_preset, preset_names
     from xrunner.cli import encode_prompt, resolve_device, sampling_from_args, stop_token_ids
     from xrunner.jobfiles import OpenAIOutput, ResultsWriter, read_prompts, tokenize_prompts
@@ -336,6 +338,15 @@ def _run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.out} has {unknown} result(s) whose ids (and samples) are not in {args.prompts}; "
                             "resume with the prompt file and --n of that job or pass another --out")
         warn_if_plan_from_other_machine(plan, args.offload_dir)
+        # A job smaller than the plan's block runs as the block would (its other slots stay empty)
+        # in buffers for its own rows: a plan priced for 2000 requests no longer refuses 40 for memory.
+        fitted = plan.policy.for_job(len(units))
+        if fitted != plan.policy:
+            if not args.quiet:
+                print(f"xsched: the job's {len(units)} requests fill {fitted.nb} GPU batch(es) of {fitted.gbs} of the "
+                      f"plan's {plan.policy.nb} x {plan.policy.gbs}; running {fitted.nb} x {fitted.gbs}",
+                      file=sys.stderr)
+            plan = replace(plan, policy=fitted)
         sampling = sampling_from_args(args)
         own = request_sampling(records, sampling, args.prompts)
         if any(len(r.keys(args.n)) > 1 and own.get(i, sampling).greedy for i, r in enumerate(records)):
@@ -459,7 +470,9 @@ def _run(args: argparse.Namespace) -> int:
                         stop_check=stop_checker(tokenizer, stops_of),
                         logprobs=args.logprobs or bool(logprobs_of),
                         prefix_cache_positions=cache_positions) as engine:
+                meter = LoadMeter()
                 stats = engine.run(requests, on_finished=on_finished, on_step=bar.update, between_blocks=hook)
+                others = meter.others_cores()
 
     ran = [(i, key) for i, key in pending if key in output_len]  # in the order the engine took them
     simulated = None if stats.reconfigurations or profile is None else simulate_job(
@@ -474,6 +487,11 @@ def _run(args: argparse.Namespace) -> int:
         Adaptation(at_s=r.at_s, stall_s=r.stall_s, reason=r.reason, old_policy=r.old_policy, new_policy=r.new_policy)
         for r in stats.reconfigurations))
     notes, outputs = [], []
+    if others > BUSY_WARN_CORES:  # (the profiler's threshold for a noisy measurement)
+        notes.append(f"other processes kept {others:.2f} of {os.cpu_count()} cores busy during the run, beside its "
+                     f"{torch.get_num_threads()} compute thread(s): the measured times include that (a walkthrough "
+                     "on 2 busy cores with 2 threads ran 17x slower than planned); on a shared machine profile "
+                     "with --threads 1, which the run then uses")
     if args.trace:
         from xsimulator.trace import chrome_trace_text
 

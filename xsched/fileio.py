@@ -6,6 +6,7 @@ import errno
 import os
 import secrets
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -44,6 +45,13 @@ def check_writable(path: Path | str, flag: str) -> None:
         raise UserError(f"{path}: directory {parent} does not exist; create it or pass another {flag}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"{path}: directory {parent} is not writable; pass another {flag}")
+    try:  # permission bits do not tell for root, a read-only mount or a pseudo-filesystem (/proc)
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".xsched-check-")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot create a file in {parent} ({exc.strerror or exc}); "
+                        f"pass another {flag}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def atomic_write_all(files: Sequence[tuple[Path | str, bytes]]) -> None:

@@ -377,8 +377,9 @@ def _respond(plan: Plan, profile: HardwareProfile, p: np.ndarray, o: np.ndarray,
     n_fit = len(o) - start
     q = float(reference.output.pmf()[1][-1])  # planned mass at the longest output
     if at_top > n_fit * q + 3 * math.sqrt(max(n_fit * q * (1 - q), 1.0)):
-        notes.append(f"{at_top} of {n_fit} outputs were cut at the longest planned output ({top} tokens) without "
-                     f"EOS, more than the {q:.1%} the plan expects: the cap binds; the model would write more")
+        notes.append(f"{at_top} of {n_fit} outputs stopped at their token limit without EOS, at or past the "
+                     f"longest planned output ({top} tokens), more than the {q:.1%} the plan expects: the cap "
+                     "binds; the model would write more")
     pol = plan.policy if running is None else running  # the policy in force (a budget change may have moved it)
     old_on = simulate(plan.model, profile, pol, observed, num_requests, seed=0)
     if not old_on.fits:

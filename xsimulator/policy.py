@@ -6,7 +6,7 @@ Fractions are 0..1 and each of the three placement triples sums to 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from xsched.contract import Contract
@@ -102,6 +102,16 @@ class Policy(Contract):
                 or min_output >= max_output):
             return 0
         return self.refill_every
+
+    def for_job(self, job_rows: int) -> "Policy":
+        """This policy cut to a job of ``job_rows`` requests that does not fill one block: as many
+        GPU batches as it fills (or one of ``job_rows`` rows). The rows run as they would in the
+        full block, whose other slots would stay empty; the buffers are sized for fewer rows."""
+        if job_rows >= self.block_size or job_rows < 1:
+            return self
+        if job_rows >= self.gbs:
+            return replace(self, nb=-(-job_rows // self.gbs))
+        return replace(self, gbs=job_rows, nb=1)
 
     def layer_counts(self, num_layers: int) -> tuple[int, int, int]:
         """Layers whose weights live on gpu, cpu, disk (see :func:`split_counts`)."""
