@@ -553,6 +553,23 @@ def test_prefix_order_is_a_permutation_that_never_computes_more():
     assert reordered >= 15
 
 
+def test_prompts_sharing_nothing_do_not_split_the_shared_runs():
+    """16 prompts of 96 tokens, half behind one of two 48-token templates, half sharing nothing,
+    interleaved, in two GPU batches of 8: ``prefix_order`` puts the shared runs together in the
+    first batch (two prefixes computed once, every row's own 48 tokens) and the others in the
+    second. Token order and mean-length order (all lengths equal) spread the loners over both
+    batches, where no batch passed the sharing rule: stop 59's sim_vs_run computed every position."""
+    rng = random.Random(3)
+    heads = [tuple(rng.randrange(50000) for _ in range(48)) for _ in range(2)]
+    prompts = [heads[i % 2] + tuple(rng.randrange(50000) for _ in range(48)) if i % 4 < 2 else
+               tuple(rng.randrange(50000) for _ in range(96)) for i in range(16)]
+    order = prefix_order(prompts, [k // 8 for k in range(16)])
+    assert order is not None and sorted(order) == list(range(16))
+    ordered = [prompts[i] for i in order]
+    assert block_positions([ordered[:8], ordered[8:]]) == 2 * 48 + 8 * 48 + 8 * 96
+    assert block_positions([prompts[:8], prompts[8:]]) == 16 * 96  # (the queue's order shares nothing)
+
+
 def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_them():
     """512 prompts, each one of G templates before a question, in random order, some with a
     quarter of prompts that share nothing: ``shared_prefix`` finds G, the templates' length and
