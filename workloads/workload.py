@@ -263,7 +263,7 @@ def shared_prefix(prompts: Sequence[Sequence[int]]) -> tuple[int, int, float]:
     in runs of two or more share (their mean), how many such runs, and which fraction of the
     prompts they hold. A prompt that shares nothing is not a prefix: counted as one, a job of one
     system prompt and a few such prompts read as many equally likely prefixes, and the simulator
-    priced 1.7-2.9x the positions the engine computes."""
+    priced 1.2-3.0x the positions the engine computes (benchmarks/prefix_pricing.py)."""
     tokens, runs = prefix_runs(prompts, sharing_only=True)
     sizes = np.bincount(runs) if runs else np.zeros(0, np.int64)
     sharing = sizes[sizes > 1]
