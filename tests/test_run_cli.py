@@ -1186,6 +1186,14 @@ def test_sigkill_then_resume_and_ctrl_c(tiny_dir, tmp_path, capsys):
         stopped = tmp_path / f"{word}.jsonl"
         assert main(common + ["--out", str(stopped), "--offload-dir", str(tmp_path / f"off-{word}"), "--resume"]) == 0
         assert without_timing(read_rows(stopped)) == without_timing(read_rows(fresh))
+    # Resuming a finished job says so without loading the model (a path with no model proves it).
+    done = killed.read_bytes()
+    capsys.readouterr()
+    assert main(["run", "--plan", str(plan), "--model", str(tmp_path / "no-model"), "--prompts", str(prompts),
+                 "--out", str(killed), "--resume", "--result", str(tmp_path / "r.json")]) == 0
+    err = capsys.readouterr().err
+    assert f"all {n} requests are already in {killed}; nothing to run (--result not written" in err, err
+    assert killed.read_bytes() == done and not (tmp_path / "r.json").exists()
 
 
 @pytest.fixture

@@ -337,6 +337,13 @@ def _run(args: argparse.Namespace) -> int:
         if unknown:
             raise UserError(f"{args.out} has {unknown} result(s) whose ids (and samples) are not in {args.prompts}; "
                             "resume with the prompt file and --n of that job or pass another --out")
+        if not pending:  # a finished job: say so without loading the model (a 70B one takes minutes)
+            unwritten = [flag for flag, path in (("--trace", args.trace), ("--result", args.result)) if path]
+            if not args.quiet:
+                print(f"xsched: all {len(units)} requests are already in {args.out}; nothing to run"
+                      + (f" ({' and '.join(unwritten)} not written: no run to measure)" if unwritten else ""),
+                      file=sys.stderr)
+            return 0
         warn_if_plan_from_other_machine(plan, args.offload_dir)
         # A job smaller than the plan's block runs as the block would (its other slots stay empty)
         # in buffers for its own rows: a plan priced for 2000 requests no longer refuses 40 for memory.
