@@ -97,6 +97,26 @@ def test_a_prompts_samples_count_its_length_once_in_the_drift_tests(setup, monke
     assert replan(plan, prompts, outputs, capped, profile=prof).drifted
 
 
+def test_results_of_another_model_are_named_in_a_warning(tmp_path):
+    """`replan --observed` with the results of another model's run (its outputs have that model's
+    lengths) warns and names both; the plan's own model's lines, and lengths files, pass quietly."""
+    import warnings
+
+    from xscheduler.replan import read_observed
+
+    rows = [{"id": i, "prompt_tokens": 10 + i, "output_tokens": 5, "stopped_on_eos": True, "model": m}
+            for i, m in enumerate(["opt-125m", "opt-125m", "llama-7b"])]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning, match="holds results of llama-7b, the plan is for opt-125m"):
+        prompts, _, _, _ = read_observed(results, "opt-125m")
+    assert prompts.tolist() == [10, 11, 12]
+    results.write_text("".join(json.dumps({**r, "model": "opt-125m"}) + "\n" for r in rows))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        read_observed(results, "opt-125m")
+
+
 def test_replan_after_a_30_percent_output_shift_meets_the_sla_the_old_plan_breaks(setup):
     prof, w, plan, _ = setup
     before, after = w.sample(1000, seed=7), shifted(w, 1.3).sample(1000, seed=8)

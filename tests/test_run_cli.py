@@ -283,6 +283,29 @@ def test_results_writer_refuses_old_file_and_drops_a_torn_line_on_resume(tmp_pat
         ResultsWriter.open(out, resume=True)
 
 
+def test_resume_refuses_results_of_another_model_in_either_format(tmp_path):
+    """Resumed, one file would hold two models' outputs (a plan for another model given by
+    mistake): lines naming another model are refused and kept; lines of the same model, or
+    written before lines named their model, resume."""
+    from xrunner.jobfiles import OpenAIOutput, ResultsWriter
+
+    row = {"id": "a", "text": "x", "prompt_tokens": 3, "output_tokens": 1, "stopped_on_eos": True, "output_ids": [5]}
+    for fmt, openai in (("xsched", None), ("openai", OpenAIOutput("opt-125m", frozenset(), {'"a"': 1, '"b"': 1}))):
+        out = tmp_path / f"{fmt}.jsonl"
+        with ResultsWriter.open(out, resume=False, openai=openai, model="opt-125m") as w:
+            w.write([{**row, "model": "opt-125m"}])
+        kept = out.read_bytes()
+        with pytest.raises(UserError, match="holds results of model opt-125m, this job runs opt-350m"):
+            ResultsWriter.open(out, resume=True, openai=openai, model="opt-350m")
+        assert out.read_bytes() == kept
+        with ResultsWriter.open(out, resume=True, openai=openai, model="opt-125m") as w:
+            assert w.is_done("a") and w.done['"a"']["model"] == "opt-125m"
+    old = tmp_path / "old.jsonl"  # no "model" on its lines
+    old.write_text(json.dumps(row) + "\n")
+    with ResultsWriter.open(old, resume=True, model="opt-350m") as w:
+        assert w.is_done("a")
+
+
 def test_resume_refuses_a_file_that_is_not_results_and_keeps_it(tmp_path):
     """A torn tail is the start of a row without its newline; any other line that is not a results
     row says the file is not ours. A one-line notes file given as --out --resume was truncated to
@@ -1194,6 +1217,9 @@ def test_sigkill_then_resume_and_ctrl_c(tiny_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"all {n} requests are already in {killed}; nothing to run (--result not written" in err, err
     assert killed.read_bytes() == done and not (tmp_path / "r.json").exists()
+    from xscheduler.plan import Plan
+
+    assert {r["model"] for r in resumed} == {Plan.load(plan).model.name}  # what --resume and replan check
 
 
 @pytest.fixture

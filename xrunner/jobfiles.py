@@ -240,9 +240,11 @@ class ResultsWriter:
         self._waiting: dict[str, list[dict[str, Any]]] = {}  # prompt id key -> its samples' rows so far
 
     @classmethod
-    def open(cls, path: str | Path, resume: bool, openai: OpenAIOutput | None = None) -> "ResultsWriter":
+    def open(cls, path: str | Path, resume: bool, openai: OpenAIOutput | None = None,
+             model: str | None = None) -> "ResultsWriter":
         """Open and lock ``path`` for appending; refuse a non-empty file unless ``resume``, and a
-        file another job holds, or one in the other format."""
+        file another job holds, one in the other format, or one whose lines name a ``model``
+        other than this job's (resumed, one file would hold two models' outputs)."""
         p = Path(path).expanduser()  # as check_writable takes it
         if p.exists() and not p.is_file() and not p.is_dir():
             raise UserError(f"{p}: not a regular file; pass another --out")
@@ -255,6 +257,10 @@ class ResultsWriter:
             done: dict[str, dict[str, Any]] = {}
             if size:
                 done, keep = _read_done(p, openai is not None)
+                other = next((r["model"] for r in done.values() if r.get("model", model) != model), None)
+                if model is not None and other is not None:
+                    raise UserError(f"{p} holds results of model {other}, this job runs {model}; resume with that "
+                                    "model's plan or pass another --out")
                 if keep < size:  # a torn last line from a crash: drop it
                     try:
                         os.ftruncate(fd, keep)

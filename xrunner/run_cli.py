@@ -233,8 +233,9 @@ def check_offload_dir(path: str) -> None:
                         "--offload-dir") from None
 
 
-def result_row(f: Any, text: str | None, stop: Sequence[str] = ()) -> dict[str, Any]:
-    """One results line: what the user asked for plus the token ids (exact, tokenizer-free). A
+def result_row(f: Any, text: str | None, stop: Sequence[str] = (), model: str | None = None) -> dict[str, Any]:
+    """One results line: what the user asked for plus the token ids (exact, tokenizer-free) and
+    the ``model`` that wrote it (``--resume`` and ``replan`` check it). A
     request with ``stop`` strings also gets ``"stop_string"``, the one it ended on (None if it
     ended otherwise), and its text ends just before it, as OpenAI's ``stop`` does; ``output_ids``
     keep every generated token, the stop string's included, and so do ``"logprobs"`` (one per
@@ -243,6 +244,8 @@ def result_row(f: Any, text: str | None, stop: Sequence[str] = ()) -> dict[str, 
     row = {"id": rid, **({} if sample is None else {"sample": sample}), "text": text,
            "output_tokens": len(f.output_ids), "prompt_tokens": f.prompt_tokens,
            "latency_s": f.latency_s, "stopped_on_eos": f.stopped_on_eos, "output_ids": list(f.output_ids)}
+    if model is not None:
+        row["model"] = model
     if f.logprobs is not None:
         row["logprobs"] = list(f.logprobs)
     if stop:
@@ -328,7 +331,8 @@ def _run(args: argparse.Namespace) -> int:
     offload_root = args.offload_dir or tempfile.gettempdir()
     openai = args.out_format == "openai" or (args.out_format == "auto" and all(r.openai for r in records))
     writer = ResultsWriter.open(args.out, resume=args.resume,  # refuses an old --out early, before loading
-                                openai=OpenAIOutput.of(records, args.n, plan.model.name) if openai else None)
+                                openai=OpenAIOutput.of(records, args.n, plan.model.name) if openai else None,
+                                model=plan.model.name)
     with writer:
         # One unit per output asked for: (record index, its result key), a prompt's "n" samples each
         units = [(i, key) for i, r in enumerate(records) for key in r.keys(args.n)]
@@ -443,7 +447,7 @@ def _run(args: argparse.Namespace) -> int:
                 rows = []
                 for f in done:
                     text = tokenizer.decode(list(f.output_ids), skip_special_tokens=True) if tokenizer else None
-                    row = result_row(f, text, stops_of.get(f.id, ()))
+                    row = result_row(f, text, stops_of.get(f.id, ()), plan.model.name)
                     if "logprobs" in row and not (args.logprobs or f.id in logprobs_of):  # another request asked
                         del row["logprobs"]
                     elif "logprobs" in row and writer.openai is not None and tokenizer is not None:

@@ -103,7 +103,7 @@ def openai_result_line(custom_id: Any, rows: Sequence[dict[str, Any]], *, model:
     for k, row in enumerate(rows):
         stopped = row.get("stopped_on_eos") or row.get("stop_string") is not None
         reply = {"message": {"role": "assistant", "content": row["text"]}} if chat else {"text": row["text"]}
-        own = {key: v for key, v in row.items() if key not in ("id", "text", "prompt_tokens", "tokens")}
+        own = {key: v for key, v in row.items() if key not in ("id", "text", "prompt_tokens", "tokens", "model")}
         choices.append({"index": k, **reply, "logprobs": _logprobs(row, chat),
                         "finish_reason": "stop" if stopped else "length", "xsched": own})
         completion += row["output_tokens"]
@@ -144,6 +144,7 @@ def openai_result_rows(obj: dict[str, Any], where: str) -> list[dict[str, Any]] 
         for choice in body["choices"]:
             text = choice["message"]["content"] if "message" in choice else choice["text"]
             rows.append({"id": obj["custom_id"], "text": text, "prompt_tokens": body["usage"]["prompt_tokens"],
+                         **({"model": body["model"]} if isinstance(body.get("model"), str) else {}),
                          **choice["xsched"]})
         return rows
     except (KeyError, TypeError):

@@ -108,7 +108,7 @@ def _replan(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     if args.requests is None:  # the old and new plans are priced on the plan's own job
         plan_requests(plan.predicted.num_requests, args.plan)
-    prompts, outputs, capped, first = read_observed(Path(args.observed))
+    prompts, outputs, capped, first = read_observed(Path(args.observed), plan.model.name)
     longest = int(max(prompts) + max(outputs)) if len(prompts) else 0
     if (beyond := context_note("the observed requests'", longest, plan.model.name, plan.model.max_positions)):
         print(f"xsched: note: {beyond}", file=sys.stderr)  # as `plan` and `simulate` say of a workload

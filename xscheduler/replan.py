@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
@@ -320,14 +321,21 @@ def _monitors(reference: Workload, false_alarm_rate: float, min_samples: int, ho
             CusumMonitor(ref, false_alarm_rate * CUSUM_SHARE, horizon, min_shift, reference_samples=samples))
 
 
-def read_observed(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def read_observed(path: Path, model: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(prompt lengths, output lengths, capped flags, first-sample flags) from a results JSONL or
     a lengths JSONL/CSV; a results line with a ``"sample"`` other than 0 repeats its prompt.
 
     ``stopped_on_eos`` false (as ``xsched run`` writes it) marks an output that ended at its
-    ``max_new_tokens``; a file without that column has no capped outputs.
+    ``max_new_tokens``; a file without that column has no capped outputs. Lines naming another
+    ``model`` than the plan's (``xsched run`` writes its name) get a warning: another model
+    writes outputs of other lengths, and a re-plan from them is for that model's job.
     """
     rows = read_rows(path)
+    others = sorted({str(r["model"]) for r in rows if r.get("model") not in (None, model)})
+    if model is not None and others:
+        warnings.warn(f"{path} holds results of {', '.join(others)}, the plan is for {model}; the re-plan assumes "
+                      f"{model} writes outputs as long (replan that model's plan, or run {model} on the prompts "
+                      "first)", UserWarning, stacklevel=2)
     lengths = read_request_lengths(path, rows=rows)
     if lengths.outputs is None:
         raise UserError(f"{path}: no output lengths; each request needs output_tokens")
