@@ -1,17 +1,23 @@
 """How well a workload's description of shared prefixes prices what the engine computes.
 
-``xsched workload fit --tokenizer`` reduces a job's prompts to three numbers
-(``workloads.workload.shared_prefix``): the leading tokens the sharing prompts share
-(``prefix_tokens``), how many distinct prefixes (``prefix_groups``) and which fraction of the
-prompts begin with one (``prefix_share``). ``plan`` and ``simulate`` price a job from those alone.
-This script builds jobs of random token ids (G task templates before random questions, and some
-prompts that share nothing), counts the prefill positions the engine's own planning computes for
-them block by block (``xrunner.prefix``: ``prefix_order``, ``plan_block``, the run's prefix cache
-carried across blocks; no refill), and prints the simulators' positions from the description
-over the engine's. "as before" is the description stop 58 gave: every prompt that shares nothing
-a prefix of its own, the shared tokens a mean over all prompts, no share.
+``xsched workload fit --tokenizer`` reduces a job's prompts to a few numbers
+(``workloads.workload.prefix_fields``): the leading tokens the sharing prompts share
+(``prefix_tokens``), how many distinct prefixes (``prefix_groups``), which fraction of the
+prompts begin with one (``prefix_share``) and, where the prefixes differ, each one's length and
+share (``prefix_lengths``, ``prefix_weights``). ``plan`` and ``simulate`` price a job from those
+alone. This script builds jobs of random token ids (G task templates before random questions,
+and some prompts that share nothing), counts the prefill positions the engine's own planning
+computes for them block by block (``xrunner.prefix``: ``prefix_order``, ``plan_block``, the
+run's prefix cache carried across blocks; no refill), and prints the simulators' positions from
+the description over the engine's.
 
-    python benchmarks/prefix_pricing.py [--prompts 512]
+The first table has templates of like lengths, equally common; "as before" is the description
+stop 58 gave (every prompt that shares nothing a prefix of its own, the shared tokens a mean over
+all prompts, no share). The second has templates of unlike lengths and popularity (weights 1 /
+rank^zipf); "one length" drops the per-prefix lists (every prefix the mean length, equally common:
+the description before stop 60).
+
+    python benchmarks/prefix_pricing.py [--prompts 512] [--only like|unlike]
 """
 
 from __future__ import annotations
@@ -28,18 +34,21 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from workloads.distributions import LengthDistribution  # noqa: E402
-from workloads.workload import fixed_workload, prefix_runs, shared_prefix  # noqa: E402
+from workloads.workload import fixed_workload, prefix_fields, prefix_runs  # noqa: E402
 from xprofiler.presets import load_profile  # noqa: E402
 from xprofiler.specs import get_model_spec  # noqa: E402
 from xrunner.prefix import PrefixCache, block_positions, plan_block, prefix_order  # noqa: E402
 from xsimulator.analytic import simulate_analytic  # noqa: E402
-from xsimulator.costmodel import prefix_cache_positions  # noqa: E402
+from xsimulator.costmodel import workload_cache_positions  # noqa: E402
 from xsimulator.discrete_event import simulate  # noqa: E402
 from xsimulator.policy import Policy  # noqa: E402
 
 # (templates, their lengths, the questions' lengths)
 JOBS = ((1, (150, 160), (10, 60)), (2, (100, 110), (10, 60)), (4, (64, 72), (10, 40)), (8, (64, 72), (10, 40)))
 POLICIES = (Policy(gbs=16, nb=4), Policy(gbs=8, nb=8), Policy(gbs=16, nb=4, bucket=False))
+# (template lengths, popularity exponent): unlike templates, most common first
+UNLIKE = (((200, 20, 100, 40), 0.0), ((200, 20, 100, 40), 1.2), ((20, 200, 40, 100), 1.2),
+          ((300,) + (20,) * 7, 1.0), ((20,) * 7 + (300,), 1.0), (tuple(range(20, 340, 20)), 1.0))
 
 
 def job(rng: random.Random, templates: int, count: int, loners: float, head: tuple[int, int],
@@ -52,6 +61,20 @@ def job(rng: random.Random, templates: int, count: int, loners: float, head: tup
            for _ in range(sharing)]
     span = (head[0] + question[0], head[1] + question[1])
     out += [tuple(rng.randrange(vocab) for _ in range(rng.randint(*span))) for _ in range(count - sharing)]
+    rng.shuffle(out)
+    return out
+
+
+def unlike_job(rng: random.Random, lengths: tuple[int, ...], zipf: float, count: int, loners: float,
+               question: tuple[int, int] = (10, 40), vocab: int = 50000) -> list[tuple[int, ...]]:
+    """``count`` prompts: ``1 - loners`` of them a template of ``lengths[k]`` random tokens with
+    weight ``1 / (k + 1)^zipf`` before a random question, the rest random tokens of 40-200."""
+    heads = [tuple(rng.randrange(vocab) for _ in range(n)) for n in lengths]
+    weights = [1 / (k + 1) ** zipf for k in range(len(lengths))]
+    sharing = round(count * (1 - loners))
+    out = [rng.choices(heads, weights)[0] + tuple(rng.randrange(vocab) for _ in range(rng.randint(*question)))
+           for _ in range(sharing)]
+    out += [tuple(rng.randrange(vocab) for _ in range(rng.randint(40, 200))) for _ in range(count - sharing)]
     rng.shuffle(out)
     return out
 
@@ -73,35 +96,61 @@ def engine_positions(prompts: list[tuple[int, ...]], policy: Policy, cache_posit
     return total
 
 
+def ratios(prompts: list[tuple[int, ...]], policy: Policy, workloads: list, spec, profile) -> tuple[int, list[float]]:
+    """The engine's positions (its cache sized for the first workload) and each workload's
+    discrete-event positions over them, then the first's analytic ones."""
+    lengths = np.array([len(p) for p in prompts])
+    engine = engine_positions(prompts, policy, workload_cache_positions(workloads[0], int(lengths.max())))
+    both = (lengths, np.full(len(prompts), 8))
+    out = [simulate(spec, profile, policy, w, requests=both).padded_prompt_tokens / engine for w in workloads]
+    out.append(simulate_analytic(spec, profile, policy, workloads[0], num_requests=len(prompts)).padded_prompt_tokens
+               / engine)
+    return engine, out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--only", choices=("like", "unlike"))
     args = ap.parse_args()
     spec, profile = get_model_spec("opt-1.3b"), load_profile("t4")
     rng = random.Random(args.seed)
-    print("| G | no prefix | fit: tokens, groups, share | policy | engine positions | discrete-event / engine "
-          "| analytic / engine | as before: groups | as before: discrete-event / engine |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for templates, head, question in JOBS:
-        for loners in (0.0, 0.1, 0.25, 0.5):
-            prompts = job(rng, templates, args.prompts, loners, head, question)
-            lengths = np.array([len(p) for p in prompts])
-            tokens, groups, share = shared_prefix(prompts)
-            base = replace(fixed_workload(int(lengths.mean()), 8), prompt=LengthDistribution.empirical(lengths))
-            now = replace(base, prefix_tokens=tokens, prefix_groups=groups, prefix_share=share)
-            old_tokens, runs = prefix_runs(prompts)
-            before = replace(base, prefix_tokens=old_tokens, prefix_groups=max(runs) + 1)
-            both = (lengths, np.full(len(prompts), 8))
-            for policy in POLICIES:
-                engine = engine_positions(prompts, policy, prefix_cache_positions(int(lengths.max()), tokens, groups))
-                des = simulate(spec, profile, policy, now, requests=both).padded_prompt_tokens
-                ana = simulate_analytic(spec, profile, policy, now, num_requests=len(prompts)).padded_prompt_tokens
-                old = simulate(spec, profile, policy, before, requests=both).padded_prompt_tokens
-                label = f"{policy.gbs} x {policy.nb}" + ("" if policy.bucket else ", queue order")
-                print(f"| {templates} | {loners:.0%} | {tokens}, {groups}, {share:.2f} | {label} | {engine} "
-                      f"| {des / engine:.3f} | {ana / engine:.3f} | {before.prefix_groups} | {old / engine:.3f} |",
-                      flush=True)
+    label = lambda p: f"{p.gbs} x {p.nb}" + ("" if p.bucket else ", queue order")  # noqa: E731
+    if args.only != "unlike":
+        print("| G | no prefix | fit: tokens, groups, share | policy | engine positions | discrete-event / engine "
+              "| analytic / engine | as before: groups | as before: discrete-event / engine |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for templates, head, question in JOBS:
+            for loners in (0.0, 0.1, 0.25, 0.5):
+                prompts = job(rng, templates, args.prompts, loners, head, question)
+                lengths = np.array([len(p) for p in prompts])
+                base = replace(fixed_workload(int(lengths.mean()), 8), prompt=LengthDistribution.empirical(lengths))
+                now = replace(base, **prefix_fields(prompts))
+                old_tokens, runs = prefix_runs(prompts)
+                before = replace(base, prefix_tokens=old_tokens, prefix_groups=max(runs) + 1)
+                for policy in POLICIES:
+                    engine, (des, old, ana) = ratios(prompts, policy, [now, before], spec, profile)
+                    print(f"| {templates} | {loners:.0%} | {now.prefix_tokens}, {now.prefix_groups}, "
+                          f"{now.prefix_share:.2f} | {label(policy)} | {engine} | {des:.3f} | {ana:.3f} "
+                          f"| {before.prefix_groups} | {old:.3f} |", flush=True)
+    if args.only != "like":
+        print("\n| template lengths | zipf | no prefix | fit: tokens, groups, share | policy | engine positions "
+              "| discrete-event / engine | analytic / engine | one length: discrete-event / engine |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for heads, zipf in UNLIKE:
+            for loners in (0.0, 0.25):
+                prompts = unlike_job(rng, heads, zipf, args.prompts, loners)
+                lengths = np.array([len(p) for p in prompts])
+                base = replace(fixed_workload(int(lengths.mean()), 8), prompt=LengthDistribution.empirical(lengths))
+                now = replace(base, **prefix_fields(prompts))
+                alike = replace(now, prefix_lengths=(), prefix_weights=())
+                shown = ",".join(map(str, heads[:4])) + (",..." if len(heads) > 4 else "")
+                for policy in POLICIES:
+                    engine, (des, one, ana) = ratios(prompts, policy, [now, alike], spec, profile)
+                    print(f"| {shown} | {zipf:g} | {loners:.0%} | {now.prefix_tokens}, {now.prefix_groups}, "
+                          f"{now.prefix_share:.2f} | {label(policy)} | {engine} | {des:.3f} | {ana:.3f} | {one:.3f} |",
+                          flush=True)
 
 
 if __name__ == "__main__":

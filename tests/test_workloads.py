@@ -487,7 +487,8 @@ def test_a_files_shared_leading_tokens_become_the_workloads_prefix(tmp_path):
     assert (loner.prefix_tokens, loner.prefix_groups, loner.prefix_share) == (4, 2, 0.8)
     assert Workload.from_json(loner.to_json()) == loner and "80% of the prompts begin with 4" in loner.describe()
     old = loner.to_dict()
-    del old["prefix_share"]  # a workload saved before the field: every prompt behind a prefix
+    for key in ("prefix_share", "prefix_lengths", "prefix_weights"):
+        del old[key]  # a workload saved before the fields: every prompt behind a prefix, all alike
     assert Workload.from_dict(old).prefix_share == 1.0
     text = tmp_path / "text.jsonl"
     text.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": 3}) + "\n"
@@ -522,3 +523,41 @@ def test_requests_draw_their_prefix_per_prompt():
     first = some[::3]
     assert np.count_nonzero(first < 5) == 250 and np.bincount(first[first < 5]).tolist() == [50] * 5
     assert sorted(first[first >= 5].tolist()) == list(range(5, 5 + 751))  # the others: one prefix each
+
+
+def test_templates_of_unlike_lengths_and_popularity_get_a_table_that_the_draws_follow(tmp_path):
+    """A file of prompts behind a 30-token template (half of them), a 6-token one (a third) and a
+    12-token one (the rest): the fit lists each template's length and share (``prefix_lengths``,
+    ``prefix_weights``), with ``prefix_tokens`` and ``prefix_share`` their weighted mean and sum,
+    through JSON and ``@scale``; the short templates are runs of their own (a cut at half the job's
+    mean took them for prompts sharing nothing). Drawn prefixes come as often as their weights say,
+    and, given the prompts' lengths, the long template goes to the long prompts. Lists that
+    disagree with the summary fields are refused; a CLI's ``--prefix-tokens`` drops them."""
+    from workloads.workload import with_samples
+
+    rng = np.random.default_rng(4)
+    heads = {30: list(range(1000, 1030)), 6: list(range(2000, 2006)), 12: list(range(3000, 3012))}
+    which = [30] * 60 + [6] * 40 + [12] * 20
+    rows = [heads[n] + rng.integers(5, 900, size=int(rng.integers(3, 8))).tolist() for n in which]
+    path = tmp_path / "ids.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt_ids": r, "max_new_tokens": 4}) + "\n"
+                            for i, r in enumerate(rows)))
+    w = Workload.from_file(path)
+    table = dict(zip(w.prefix_lengths, w.prefix_weights))
+    assert w.prefix_groups == 3 and w.prefix_share == 1.0 and set(table) == {30, 6, 12}, table
+    assert table[30] == pytest.approx(0.5) and table[6] == pytest.approx(1 / 3) and table[12] == pytest.approx(1 / 6)
+    assert w.prefix_tokens == round(0.5 * 30 + 6 / 3 + 12 / 6)  # 19
+    assert Workload.from_json(w.to_json()) == w and "30: 50%" in w.describe()
+    half = w.scaled(0.5)
+    assert sorted(half.prefix_lengths) == [3, 6, 15] and half.prefix_tokens == round(7.5 + 1 + 1)
+    ids = w.prefix_ids(1200, seed=1)
+    assert np.bincount(ids, minlength=3)[[w.prefix_lengths.index(n) for n in (30, 6, 12)]].tolist() == [600, 400, 200]
+    lengths = np.array([n + 5 for n in which] * 10)  # each template's prompts 5 tokens past it
+    coupled = w.prefix_ids(1200, seed=1, prompt_lens=lengths)
+    assert np.array_equal(w.prefix_lengths_of(coupled), lengths - 5)
+    with pytest.raises(UserError, match="one entry per prefix"):
+        replace(w, prefix_lengths=w.prefix_lengths[:2])
+    with pytest.raises(UserError, match="make them agree"):
+        replace(w, prefix_tokens=40)
+    plain = with_samples(w, None, prefix_tokens=40)
+    assert plain.prefix_tokens == 40 and plain.prefix_lengths == () and plain.prefix_groups == 3

@@ -94,8 +94,7 @@ def _fit(args: argparse.Namespace) -> int:
                       correlation=spearman_to_copula(lengths.prompts, lengths.outputs),
                       source=f"fitted to {len(lengths.prompts)} requests from {path.name}"
                       + (f"; {ESTIMATE_NOTE}" if lengths.estimated else ""), samples=lengths.samples,
-                      prefix_tokens=lengths.prefix_tokens, prefix_groups=lengths.prefix_groups,
-                      prefix_share=lengths.prefix_share)
+                      **lengths.prefix)
     if args.output:
         fitted.save(args.output)
     if args.json:

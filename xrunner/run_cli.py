@@ -308,7 +308,7 @@ def _run(args: argparse.Namespace) -> int:
     from xscheduler.plan import Plan
     from xsched.errors import UserError
     from xsched.fileio import atomic_write_all, check_writable, file_or_none, separate_files
-    from xsimulator.costmodel import CostModel, prefix_cache_positions
+    from xsimulator.costmodel import CostModel, workload_cache_positions
 
     plan = Plan.load(args.plan)
     profile, no_profile = _plan_profile(plan, args.profile)
@@ -425,7 +425,7 @@ def _run(args: argparse.Namespace) -> int:
         # (Memory terms do not depend on the machine's speeds, so any profile prices them.)
         rounded = rounded_policy(plan.policy, source.spec.num_layers)
         # The run's prefix cache: room for the plan's workload's prefixes (as the plan priced it).
-        cache_positions = prefix_cache_positions(max_prompt, plan.workload.prefix_tokens, plan.workload.prefix_groups)
+        cache_positions = workload_cache_positions(plan.workload, max_prompt)
         planned_peak = CostModel.for_policy(source.spec, load_preset(preset_names()[0]), rounded).peak_bytes(
             rounded, max_prompt, max_output, cache_positions)
         machine = machine_capacity_bytes(device, offload_root)
@@ -582,27 +582,29 @@ def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_len
 
     import numpy as np
 
-    from workloads.workload import prefix_runs
+    from workloads.workload import prefix_runs, run_prefix_lengths
     from xrunner.engine import rounded_policy
-    from xsimulator.costmodel import prefix_cache_positions
+    from xsimulator.costmodel import workload_cache_positions
     from xsimulator.discrete_event import simulate
 
     if not prompt_lens:
         return None
     workload = covering(plan, max(prompt_lens), max(output_lens)).workload  # memory for the job's longest
     # The engine's prefix cache (given: what `run` gave it), sized for the plan's workload, not the job's prefixes
-    cache = cache_positions or prefix_cache_positions(workload.prompt.max_len, workload.prefix_tokens,
-                                                      workload.prefix_groups)
-    prefix_of = None
+    cache = cache_positions or workload_cache_positions(workload)
+    prefix_of = prefix_len = None
     if prompts is not None:  # a prompt's samples are one prompt: its repeats would read as a shared prefix
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))
-        tokens, runs = prefix_runs(distinct, sharing_only=True)  # the loners' runs compute their own
+        tokens, _ = prefix_runs(distinct, sharing_only=True)
+        runs, lengths = run_prefix_lengths(distinct)  # the loners' runs compute their own
         run_of = dict(zip(distinct, runs))
-        workload = replace(workload, prefix_tokens=tokens, prefix_groups=max(runs, default=0) + 1)
+        workload = replace(workload, prefix_tokens=tokens, prefix_groups=max(runs, default=0) + 1, prefix_share=1.0,
+                           prefix_lengths=(), prefix_weights=())
         prefix_of = [run_of[tuple(p)] for p in prompts]
+        prefix_len = [lengths[k] for k in prefix_of]
     return simulate(plan.model, profile, rounded_policy(plan.policy, plan.model.num_layers), workload,
                     requests=(np.asarray(prompt_lens, np.int64), np.asarray(output_lens, np.int64)),
-                    prefix_of=prefix_of, cache_positions=cache)
+                    prefix_of=prefix_of, cache_positions=cache, prefix_len=prefix_len)
 
 
 def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float], profile: Any, no_profile: Any,

@@ -38,7 +38,7 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import (TIERS, CostModel, MemoryTerms, prefix_cache_positions, prefix_groups_in_batch,
+from xsimulator.costmodel import (TIERS, CostModel, MemoryTerms, prefix_groups_in_batch, workload_cache_positions,
                                   shared_prefix_rows, uncached_prefix_share)
 from xsimulator.policy import PLACEMENT_VARS, Policy, split_counts
 
@@ -72,16 +72,17 @@ class Shape:
     max_output: int
     samples: int = 1  # outputs per prompt (Workload.samples): a GPU batch prefills each prompt once
     prefix_tokens: int = 0  # leading tokens the mean prompt shares (Workload.mean_prefix_tokens): prefilled once per run
-    prefix_groups: int = 1  # distinct such prefixes, one per prompt (Workload.prefix_groups)
-    cache_positions: int | None = None  # the run's prefix cache (costmodel.prefix_cache_positions); None: max_prompt
+    prefix_groups: float = 1  # distinct such prefixes, one per prompt (Workload.effective_prefix_groups)
+    cache_positions: int | None = None  # the run's prefix cache (costmodel.workload_cache_positions); None: max_prompt
+    prefix_lengths: tuple[int, ...] = ()  # each prefix's length where they differ (Workload.prefix_lengths)
 
     @classmethod
     def of(cls, workload: Workload) -> "Shape":
         prompt = max(1, round(workload.prompt.mean))
         steps = max(1, round(workload.output.mean))
         return cls(prompt, steps, prompt + max(1, round(steps / 2)), workload.prompt.max_len,
-                   workload.output.max_len, workload.samples, workload.mean_prefix_tokens, workload.prefix_groups,
-                   prefix_cache_positions(workload.prompt.max_len, workload.prefix_tokens, workload.prefix_groups))
+                   workload.output.max_len, workload.samples, workload.mean_prefix_tokens,
+                   workload.effective_prefix_groups, workload_cache_positions(workload), workload.prefix_lengths)
 
     def computed(self, phase: str, rows: int, nb: int = 1) -> float:
         """Rows' worth of positions a GPU batch of ``rows`` (of ``nb`` joining together) computes
@@ -98,7 +99,7 @@ class Shape:
         groups = prefix_groups_in_batch(c, c * nb, self.prefix_groups)
         own = min(groups, prefix_groups_in_batch(c * nb, c * nb, self.prefix_groups, ordered=False) / nb)
         own *= uncached_prefix_share(self.max_prompt if self.cache_positions is None else self.cache_positions,
-                                     self.prefix_tokens, self.prefix_groups)
+                                     self.prefix_tokens, round(self.prefix_groups), self.prefix_lengths or None)
         return float(shared_prefix_rows(c, self.prompt_len, self.prefix_tokens, bound=True, groups=groups, own=own))
 
 

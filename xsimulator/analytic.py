@@ -42,7 +42,7 @@ from scipy import signal, special, stats
 from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
-from xsimulator.costmodel import (BlockStep, CostModel, StepTerms, prefix_cache_positions, prefix_groups_in_batch,
+from xsimulator.costmodel import (BlockStep, CostModel, StepTerms, prefix_groups_in_batch, workload_cache_positions,
                                   uncached_prefix_share)
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
@@ -155,8 +155,8 @@ class _Analytic:
         """Share of the workload's prefixes that the run's prefix cache does not keep
         (:func:`~xsimulator.costmodel.uncached_prefix_share`)."""
         w = self.workload
-        cache = prefix_cache_positions(w.prompt.max_len, w.prefix_tokens, w.prefix_groups)
-        return uncached_prefix_share(cache, w.prefix_tokens, w.prefix_groups)
+        cache = workload_cache_positions(w)
+        return uncached_prefix_share(cache, w.prefix_tokens, w.prefix_groups, w.prefix_table[0])
 
     def prefix_groups(self, rows: np.ndarray, by_prefix: Any = None, joining: Any = None,
                       weight: Any = None, fresh: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -177,13 +177,14 @@ class _Analytic:
         if joining is None:
             joining = np.sum(computed, axis=-1, keepdims=True)
         by_prefix = self.by_prefix if by_prefix is None else by_prefix
-        count = lambda ordered: prefix_groups_in_batch(computed, joining, w.prefix_groups,  # noqa: E731
+        count = lambda ordered: prefix_groups_in_batch(computed, joining, w.effective_prefix_groups,  # noqa: E731
                                                        ordered=ordered)
         groups = (count(bool(by_prefix)) if np.ndim(by_prefix) == 0
                   else np.where(by_prefix, count(True), count(False)))
         weight = (computed > 0) if weight is None else weight
         total = np.sum(weight * groups, axis=-1, keepdims=True)
-        distinct = np.minimum(prefix_groups_in_batch(joining, joining, w.prefix_groups, ordered=False), total)
+        distinct = np.minimum(prefix_groups_in_batch(joining, joining, w.effective_prefix_groups, ordered=False),
+                              total)
         taken = np.clip(1.0 - distinct / np.maximum(total, 1e-300), 0.0, 1.0)
         held = np.minimum(1.0, w.prompt.max_len / max(w.prefix_tokens, 1) / np.maximum(distinct, 1.0))
         taken = taken * np.where(by_prefix, 1.0, held)

@@ -149,12 +149,25 @@ def prefix_cache_positions(max_prompt: int, prefix: int, groups: int) -> int:
     return min(PREFIX_CACHE_PROMPTS * max_prompt, max(max_prompt, room))
 
 
-def uncached_prefix_share(cache_positions: int, prefix: int, groups: int) -> float:
+def workload_cache_positions(workload: Any, max_prompt: int | None = None) -> int:
+    """:func:`prefix_cache_positions` for ``workload``'s prefixes (its ``prefix_lengths`` summed
+    where it lists them) and prompts up to ``max_prompt`` (default: its longest)."""
+    lengths, _ = workload.prefix_table
+    top = workload.prompt.max_len if max_prompt is None else max_prompt
+    return prefix_cache_positions(top, math.ceil(lengths.sum() / max(len(lengths), 1)), len(lengths))
+
+
+def uncached_prefix_share(cache_positions: int, prefix: int, groups: int, lengths: Any = None) -> float:
     """Share of ``groups`` distinct ``prefix``-token prefixes that the run's prefix cache does not
     keep: it keeps the first ``cache_positions // prefix`` that prefills compute
-    (``xrunner.prefix.PrefixCache``), and later prefills take those instead of computing them."""
+    (``xrunner.prefix.PrefixCache``), and later prefills take those instead of computing them.
+    ``lengths``: each prefix's (``Workload.prefix_table``), of which it keeps as many as fit,
+    shortest first (the most it can keep: the share stays a lower bound for the LP)."""
     if prefix <= 0:
         return 1.0
+    if lengths is not None and len(lengths):
+        kept = int(np.searchsorted(np.cumsum(np.sort(np.asarray(lengths))), cache_positions, side="right"))
+        return max(0.0, 1.0 - kept / len(lengths))
     return max(0.0, 1.0 - (cache_positions // prefix) / max(groups, 1))
 
 

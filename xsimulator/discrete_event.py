@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Container
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,8 +27,8 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import (BlockStep, CostModel, StepTerms, channel_groups, fits_in, prefix_cache_positions,
-                                  shared_prefix_rows, shared_prefix_split)
+from xsimulator.costmodel import (SHARE_PREFIX_AT_MOST, BlockStep, CostModel, StepTerms, channel_groups, fits_in,
+                                  workload_cache_positions)
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 from xsimulator.trace import TraceEvent
@@ -48,13 +48,14 @@ class Schedule:
 
 
 def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_of: np.ndarray | None = None,
-                 prefix: int = 0, hold_positions: int | None = None,
+                 prefix: Any = 0, hold_positions: int | None = None,
                  cache_positions: int | None = None) -> Schedule:
     """Give queued requests to free slots at each interval start, in queue order.
 
     With ``bucket`` the requests joining together are sorted by prompt length before they fill
     the free slots in slot order, so each GPU batch gets similar lengths. ``prefix_of[i]``: which
-    of several ``prefix``-token prefixes request ``i``'s prompt begins with; joiners are then
+    of several prefixes request ``i``'s prompt begins with (``prefix`` tokens long: one number,
+    or one per request); joiners are then
     sorted by prefix first wherever that computes fewer prefill positions, as the engine does
     (``xrunner.prefix.prefix_order``; a batch takes a prefix an earlier one computed, within
     ``hold_positions``, or the run's cache keeps within ``cache_positions``: :func:`build_timeline`).
@@ -72,7 +73,9 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
     # Sequential by nature (who gets a slot depends on when earlier requests finish), so this
     # loop does O(1) list operations per request; everything after it is vectorised.
     held_l, prompt_l = held.tolist(), prompt.tolist()
-    of_l = None if prefix_of is None or not prefix else prefix_of.tolist()
+    prefix_len = np.broadcast_to(np.asarray(prefix, np.int64), prompt.shape)
+    of_l = None if prefix_of is None or not prefix_len.any() else prefix_of.tolist()
+    len_l = prefix_len.tolist()
     slot_l, join_l = [0] * n, [0] * n
     free_by_interval: dict[int, list[int]] = {0: list(range(min(bls, n)))}  # slots past n stay empty
     pending = [0]
@@ -82,7 +85,7 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
     # (only a prefix two or more prompts begin with enters it; one alone is a prompt sharing nothing)
     shared = set() if of_l is None else set(np.flatnonzero(np.bincount(prefix_of) > 1).tolist())
     cache_positions = hold_positions if cache_positions is None else cache_positions
-    room = n if cache_positions is None or not prefix else cache_positions // prefix
+    room = n * int(prefix_len.max(initial=0)) if cache_positions is None else cache_positions  # positions left
     while pos < n:
         j = heapq.heappop(pending)
         free = sorted(free_by_interval.pop(j))
@@ -91,7 +94,7 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
         if policy.bucket and take > 1:
             ids = sorted(ids, key=prompt_l.__getitem__)
             if of_l is not None and 1 < len({s // policy.gbs for s in free[:take]}) < take:
-                ids = _prefix_first(ids, free, prompt_l, of_l, prefix, policy.gbs,  # (else one batch, or one row each)
+                ids = _prefix_first(ids, free, prompt_l, of_l, len_l, policy.gbs,  # (else one batch, or one row each)
                                     hold_positions, cached)
         for s, i in zip(free, ids):
             slot_l[i] = s
@@ -106,48 +109,111 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
         pos += take
         if of_l is not None:
             for i in ids:
-                if len(cached) < room and of_l[i] in shared:
-                    cached.setdefault(of_l[i])
+                w = of_l[i]
+                if w in shared and w not in cached and len_l[i] <= room:
+                    cached[w] = None
+                    room -= len_l[i]
     slot, join = np.array(slot_l, np.int64), np.array(join_l, np.int64)
     return Schedule(slot, join, held, int((join + held).max()), max(steps, 0))
 
 
-def _prefix_first(ids: list[int], free: list[int], prompt_l: list[int], of_l: list[int], prefix: int,
+def _prefix_first(ids: list[int], free: list[int], prompt_l: list[int], of_l: list[int], len_l: list[int],
                   gbs: int, hold_positions: int | None, cached: Container[int] = ()) -> list[int]:
     """Joiners ``ids`` (sorted by length) sorted by their prefix (the prefixes in turn, or by
     their joiners' mean length), then length, when that computes fewer prefill positions over
-    the GPU batches they fill (each batch computes each of its prefixes once, where that leaves
-    at most SHARE_PREFIX_AT_MOST of its positions, unless an earlier batch did or the run's
+    the GPU batches they fill (each batch groups its prompts as the engine does,
+    :func:`_groupings`, and computes each group once unless an earlier batch did or the run's
     cache keeps it: ``cached``): the engine's candidates."""
     members: dict[int, list[int]] = {}
     for i in ids:
         members.setdefault(of_l[i], []).append(prompt_l[i])
     mean = {g: sum(v) / len(v) for g, v in members.items()}
-
     orders = [ids, sorted(ids, key=lambda i: (of_l[i], prompt_l[i])),
               sorted(ids, key=lambda i: (mean[of_l[i]], of_l[i], prompt_l[i]))]
-    cells: list[tuple[int, int, int, int, int]] = []  # (order, rows, longest, shortest, prefixes) per batch
-    entries: list[tuple[list[int], list[int]]] = []  # per order: (cell, prefix) of each batch's prefixes
-    for k, order in enumerate(orders):
-        batches: dict[int, list[int]] = {}
-        for s, i in zip(free, order):
-            batches.setdefault(s // gbs, []).append(i)
-        entries.append(([], []))
-        for _, b in sorted(batches.items()):  # in the order they compute
-            held = sorted({of_l[i] for i in b})
-            entries[k][0].extend([len(cells)] * len(held))
-            entries[k][1].extend(held)
-            cells.append((k, len(b), max(prompt_l[i] for i in b), min(prompt_l[i] for i in b), len(held)))
-    which, rows, longest, shortest, groups = np.array(cells).T
-    p = np.minimum(prefix, shortest - 1)
-    lend = np.where(shared_prefix_split(rows, longest, p, groups=groups)[0], p, -1).tolist()
-    own = np.zeros(len(cells))
-    for at, ids in entries:  # each candidate's batches in turn (a few cells: plain Python)
-        computes = _replay_prefixes(at, ids, [-1 if w in cached else lend[c] for c, w in zip(at, ids)],
-                                    [int(p[c]) for c in at], hold_positions)  # (the cache's are not held too)
-        np.add.at(own, at, [c and w not in cached for c, w in zip(computes, ids)])
-    positions = shared_prefix_rows(rows, longest, p, groups=groups, own=own) * longest
-    return orders[int(np.argmin(np.bincount(which, positions)))]  # ties: length order, then the first
+    batches = sorted({s // gbs for s in free[:len(ids)]})
+    at = {b: k for k, b in enumerate(batches)}
+    cell = np.array([k * len(batches) + at[s // gbs] for k in range(len(orders)) for s in free[:len(ids)]])
+    req = [i for order in orders for i in order]
+    prompt = np.array([prompt_l[i] for i in req])
+    cells = len(orders) * len(batches)
+    rows = np.bincount(cell, minlength=cells)
+    longest = np.zeros(cells, np.int64)
+    np.maximum.at(longest, cell, prompt)
+    g = _groupings(cell, prompt, np.array([of_l[i] for i in req]), np.array([len_l[i] for i in req]), None, rows,
+                   longest)
+    lend = np.where(g.ok[g.entry_cell] & (g.length > 0), g.length, -1)
+    mine = np.array([w in cached for w in g.which.tolist()], bool)
+    computes = np.zeros(len(lend), bool)
+    for k in range(len(orders)):  # each candidate's batches in turn (a few cells: plain Python)
+        e = np.flatnonzero(g.entry_cell // len(batches) == k)
+        computes[e] = _replay_prefixes((g.entry_cell[e] % len(batches)).tolist(), g.which[e].tolist(),
+                                       np.where(mine[e], -1, lend[e]).tolist(), g.length[e].tolist(), hold_positions)
+    own = np.bincount(g.entry_cell, weights=computes & ~mine & (g.length > 0), minlength=cells)
+    positions = _cell_prices(g, own, np.where(mine, g.wanted, 0), rows, longest)[0]
+    return orders[int(np.argmin(positions.reshape(len(orders), -1).sum(axis=1)))]  # ties: length order, then the first
+
+
+class _Grouped(NamedTuple):
+    """:func:`_groupings`' answer: per (cell, prefix) entry and per cell."""
+
+    entry_of: np.ndarray  # [N] each request's entry
+    entry_cell: np.ndarray  # [E] each entry's cell
+    which: np.ndarray  # [E] its prefix id
+    prompts: np.ndarray  # [E] distinct prompts in it
+    longest: np.ndarray  # [E] its longest prompt
+    wanted: np.ndarray  # [E] its prefix's tokens
+    length: np.ndarray  # [E] tokens it computes as a group: its prompts' shared prefix, a lone prompt's head, or 0
+    suffix: np.ndarray  # [C] columns every row computes itself
+    width: np.ndarray  # [C] the longest group
+    groups: np.ndarray  # [C] groups computed (the engine's runs and groups of one)
+    ok: np.ndarray  # [C] the grouping cuts the cell's positions to SHARE_PREFIX_AT_MOST or fewer
+
+
+def _groupings(cell: np.ndarray, prompt: np.ndarray, prefix_of: np.ndarray, prefix_len: np.ndarray,
+               group: np.ndarray | None, computed: np.ndarray, longest: np.ndarray) -> _Grouped:
+    """How the engine groups each prefill cell's prompts (``xrunner.prefix._grouping``): the
+    prompts of one prefix id (two or more distinct ones) share its ``prefix_len`` tokens (each
+    keeping a token of its own); every row computes the longest own part among them, the
+    suffix; a prompt of an id no other prompt of the cell has is alone, and computes the tokens
+    it has beyond the suffix as a group of one, or the suffix grows to hold it, whichever costs
+    fewer positions. All cells at once; ``computed`` and ``longest``: each cell's distinct
+    prompts and longest prompt; ``group``: each request's prompt (samples), None: its own."""
+    cells = len(computed)
+    span = int(prefix_of.max()) + 1
+    keys, entry_of = np.unique(cell * span + prefix_of, return_inverse=True)
+    entry_cell, which = np.divmod(keys, span)
+    E = len(keys)
+    distinct = entry_of if group is None else np.unique(np.stack((entry_of, np.asarray(group, np.int64))), axis=1)[0]
+    prompts = np.bincount(distinct, minlength=E)
+    short = np.full(E, np.iinfo(np.int64).max)
+    np.minimum.at(short, entry_of, prompt)
+    long = np.zeros(E, np.int64)
+    np.maximum.at(long, entry_of, prompt)
+    wanted = np.zeros(E, np.int64)
+    np.maximum.at(wanted, entry_of, prefix_len)
+    need = np.where(prompts >= 2, np.minimum(wanted, short - 1), 0)
+    run = need > 0
+    floor = np.zeros(cells, np.int64)  # the runs' longest own part
+    np.maximum.at(floor, entry_cell[run], (long - need)[run])
+    runs = np.bincount(entry_cell[run], minlength=cells)
+    run_width = np.zeros(cells, np.int64)
+    np.maximum.at(run_width, entry_cell[run], need[run])
+    alone = np.zeros(cells, np.int64)  # the longest prompt outside the runs
+    np.maximum.at(alone, entry_cell[~run], long[~run])
+    head = np.where(run, 0, np.maximum(long - floor[entry_cell], 0))
+    singles = np.bincount(entry_cell, weights=head > 0, minlength=cells)
+    head_width = np.zeros(cells, np.int64)
+    np.maximum.at(head_width, entry_cell, head)
+    cost_heads = (runs + singles) * np.maximum(run_width, head_width) + computed * floor
+    wide = np.maximum(floor, alone)  # (the suffix holding every lone prompt)
+    cost_wide = runs * run_width + computed * wide
+    widen = cost_wide < cost_heads
+    suffix = np.where(widen, wide, floor)
+    ok = (runs > 0) & (computed >= 2) & (np.minimum(cost_heads, cost_wide) <= SHARE_PREFIX_AT_MOST * computed * longest)
+    return _Grouped(entry_of, entry_cell, which, prompts, long, wanted,
+                    np.where(run, need, np.where(widen[entry_cell], 0, head)),
+                    suffix, np.where(widen, run_width, np.maximum(run_width, head_width)),
+                    np.where(widen, runs, runs + singles), ok)
 
 
 @dataclass(frozen=True)
@@ -159,7 +225,9 @@ class Timeline:
     decode: BlockStep  # arrays over [J, interval_steps]
     prefill_rows: np.ndarray  # [nb, J] new rows per GPU batch and interval
     prefill_computed: np.ndarray  # [nb, J] of them computed: a prompt's samples joining together once
-    prefill_len: np.ndarray  # [nb, J] padded prompt length of each GPU batch's new rows
+    # [nb, J] padded prompt length of each GPU batch's new rows; where they share prefixes, their
+    # groups' width plus their own parts' (the engine's layout: _price_prefixes)
+    prefill_len: np.ndarray
     decode_rows: np.ndarray  # [nb, J, steps] active rows
     decode_len: np.ndarray  # [nb, J, steps] padded context T
     start_s: np.ndarray  # [J] interval start times
@@ -180,16 +248,17 @@ class Timeline:
 
 
 def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np.ndarray,
-                   group: np.ndarray | None = None, prefix: int = 0, prefix_of: np.ndarray | None = None,
+                   group: np.ndarray | None = None, prefix: Any = 0, prefix_of: np.ndarray | None = None,
                    hold_positions: int | None = None, cache_positions: int | None = None) -> Timeline:
     """Simulate the requests (in queue order) under ``policy`` and price every step.
 
     ``group[i]``: the prompt request ``i`` is a sample of (:meth:`Workload.prompt_groups`); the
     rows of one group that join one GPU batch in one interval are computed once in prefill.
-    ``prefix``: leading tokens all prompts share (:attr:`Workload.prefix_tokens`), computed once
-    per GPU batch's prefill (:meth:`CostModel._shared_prefix_parts`); a cell's shortest prompt
-    keeps at least one token of its own, as in the engine. ``prefix_of[i]``: which of several
-    such prefixes request ``i``'s prompt begins with (:meth:`Workload.prefix_ids`); each cell
+    ``prefix``: leading tokens the prompts share (one number, or one per request:
+    :meth:`Workload.prefix_lengths_of`), computed once per GPU batch's prefill
+    (:meth:`CostModel._shared_prefix_parts`, :func:`_price_prefixes`); each prompt keeps at
+    least one token of its own, as in the engine. ``prefix_of[i]``: which of several such
+    prefixes request ``i``'s prompt begins with (:meth:`Workload.prefix_ids`); each cell
     computes each of its prefixes once, after the joiners are ordered as in :func:`assign_slots`.
     A cell takes a prefix that an earlier GPU batch computed in the same prefill, holding at most
     ``hold_positions`` of them at a time (the engine's ``plan_block``; None: no limit), and one
@@ -210,38 +279,13 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     prefill_len = np.zeros(nb * J, np.int64)
     np.maximum.at(prefill_len, cell, prompt)
     prefill_len = prefill_len.reshape(nb, J)
-    base = prefix
-    if prefix:
-        shortest = np.full(nb * J, np.iinfo(np.int64).max)
-        np.minimum.at(shortest, cell, prompt)
-        prefix = np.minimum(prefix, shortest.reshape(nb, J) - 1)
-    groups: Any = 1
-    own: Any = None
-    if np.any(prefix):
-        of = np.zeros(len(prompt), np.int64) if prefix_of is None else np.asarray(prefix_of, np.int64)
-        span = int(of.max()) + 1
-        keys, pair_of, members = np.unique(cell * span + of, return_inverse=True, return_counts=True)
-        pairs, which = np.divmod(keys, span)  # one per (cell, prefix)
-        pair_short = np.full(len(keys), np.iinfo(np.int64).max)
-        np.minimum.at(pair_short, pair_of, prompt)
-        if prefix_of is not None:
-            groups = np.maximum(np.bincount(pairs, minlength=nb * J).reshape(nb, J), 1)
-        # A batch takes a prefix that an earlier batch of the same prefill computed (the engine's plan_block)
-        use, p = shared_prefix_split(computed, prefill_len, prefix, groups=groups)
-        p_cell = np.broadcast_to(p, (nb, J)).ravel()[pairs]
-        lend = np.where(use.ravel()[pairs], p_cell, -1)
-        own, kept = _own_prefixes(pairs, pairs // J, pairs % J, which, lend, p_cell, nb * J, hold_positions,
-                                  members, nb, np.minimum(base, pair_short - 1), cache_positions)
-        own, kept = own.reshape(nb, J), kept.reshape(nb, J)
-        # A cell whose every prefix the cache keeps (some of): each row takes what it keeps (its
-        # own length allowing), so the suffix spans the longest prompt's rest (the engine's
-        # _cached_grouping), where that computes fewer positions than the cell's own sharing
-        now = shared_prefix_rows(computed, prefill_len, prefix, groups=groups, own=own)
-        cached = np.minimum(kept, prefill_len - 1)
-        take = (kept > 0) & (computed * (prefill_len - cached) < now * prefill_len)
-        if take.any():
-            prefix = np.where(take, cached, prefix)
-            own = np.where(take, 0, own)
+    prefix_len = np.broadcast_to(np.asarray(prefix, np.int64), prompt.shape)
+    prefix, groups, own = 0, 1, None
+    if prefix_len.any():
+        prefix, groups, own, prefill_len = _price_prefixes(
+            cell, prompt, np.zeros(len(prompt), np.int64) if prefix_of is None else np.asarray(prefix_of, np.int64),
+            prefix_len, group if computed is not prefill_rows else None, computed, prefill_len, nb, J,
+            hold_positions, cache_positions)
 
     # Decode on the global step axis g = interval * S + (u - 1): a request is active from the
     # first step of its join interval for output - 1 steps. Active rows come from +1/-1
@@ -278,6 +322,56 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     latency = finish - start[sched.join]
     return Timeline(sched, pre, dec, prefill_rows, computed, prefill_len, decode_rows, decode_len, start, latency,
                     prefix, groups, own)
+
+
+def _price_prefixes(cell: np.ndarray, prompt: np.ndarray, prefix_of: np.ndarray, prefix_len: np.ndarray,
+                    group: np.ndarray | None, computed: np.ndarray, longest: np.ndarray, nb: int, J: int,
+                    hold_positions: int | None, cache_positions: int | None) -> tuple[Any, Any, Any, np.ndarray]:
+    """Each prefill cell's (prefix, groups, own, length) for the cost model's shared-prefix
+    price (``own * prefix + rows * (length - prefix)`` positions), as the engine plans it
+    (``xrunner.prefix.plan_block``): the cell's grouping (:func:`_groupings`), its groups taken
+    from an earlier GPU batch of the prefill or from the run's cache where they keep them
+    (:func:`_own_prefixes`), or each row taking what the cache keeps of its prefix (the engine's
+    ``_cached_grouping``), whichever computes the fewest positions; else the plain prefill.
+    A cell's groups are padded to its longest and its rows' own parts to the longest, as the
+    engine lays them out, so its priced length is that width plus that suffix."""
+    g = _groupings(cell, prompt, prefix_of, prefix_len, group, computed.ravel(), longest.ravel())
+    lend = np.where(g.ok[g.entry_cell] & (g.length > 0), g.length, -1)
+    own, avail = _own_prefixes(g.entry_cell, g.entry_cell // J, g.entry_cell % J, g.which, lend, g.length, nb * J,
+                               hold_positions, g.prompts, nb, cache_positions)
+    _, prefix, length, own, groups = _cell_prices(g, own, avail, computed.ravel(), longest.ravel())
+    shape = (nb, J)
+    return prefix.reshape(shape), groups.reshape(shape), own.reshape(shape), length.reshape(shape)
+
+
+def _cell_prices(g: _Grouped, own: np.ndarray, avail: np.ndarray, rows: np.ndarray, longest: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per cell, the engine's choice among its grouping (``own`` groups computed there), each
+    row taking the ``avail`` tokens the cache keeps of its entry's prefix (``_cached_grouping``:
+    the rest of the longest is the suffix, and the prompts it keeps nothing of compute their
+    heads beyond it as groups of one) and the plain prefill: (positions, and the cost model's
+    prefix, length, own and groups for them)."""
+    rows, P = rows.astype(float), longest
+    takes = np.minimum(avail, g.longest - 1) > 0
+    floor = np.zeros(len(P), np.int64)
+    np.maximum.at(floor, g.entry_cell[takes], np.maximum(g.longest - avail, 1)[takes])
+    head = np.where(takes, 0, np.maximum(g.longest - floor[g.entry_cell], 0))
+    lone = np.bincount(g.entry_cell, weights=np.where(head > 0, g.prompts, 0), minlength=len(P))
+    head_width = np.zeros(len(P), np.int64)
+    np.maximum.at(head_width, g.entry_cell, head)
+    taking = np.bincount(g.entry_cell, weights=takes, minlength=len(P)) > 0
+    cost_take = np.where(taking, lone * head_width + rows * floor, np.inf)
+    cost_take = np.where(cost_take < rows * P, cost_take, np.inf)
+    cost_own = np.where(g.ok, own * g.width + rows * g.suffix, np.inf)
+    use_own = (cost_own <= cost_take) & np.isfinite(cost_own)
+    use_take = ~use_own & np.isfinite(cost_take)
+    with_heads = use_take & (head_width > 0)
+    prefix = np.select([use_own, with_heads, use_take], [g.width, head_width, P - floor], 0)
+    length = np.select([use_own, with_heads], [g.width + g.suffix, head_width + floor], P)
+    computes = np.select([use_own, use_take], [own, np.where(with_heads, lone, 0)], 0.0)
+    groups = np.select([use_own, use_take], [g.groups, computes + 1], 1)  # (a taking cell computes fewer than it holds)
+    positions = np.select([use_own, use_take], [cost_own, cost_take], rows * P)
+    return positions, prefix, length, computes, groups
 
 
 def _within_hold(batch: np.ndarray, interval: np.ndarray, which: np.ndarray, lend: np.ndarray, need: np.ndarray,
@@ -324,32 +418,23 @@ def _replay_prefixes(batch: list[int], which: list[int], lend: list[int], need: 
 
 
 def _own_prefixes(cell: np.ndarray, batch: np.ndarray, prefill: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray,
-                  need: np.ndarray, cells: int, hold_positions: int | None, members: np.ndarray | None = None,
-                  nb: int = 1, own_need: np.ndarray | None = None,
+                  need: np.ndarray, cells: int, hold_positions: int | None, members: np.ndarray, nb: int = 1,
                   cache_positions: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per cell, how many of its prefixes it computes, from one entry per (cell, prefix): the
     cell's GPU ``batch``, the ``prefill`` it belongs to, the tokens it computes of the prefix
-    (``lend``; -1 where it shares none) and wants of it (``need``). A prefix is taken where an
-    earlier batch of the same prefill computed at least as many of its tokens
+    (``lend``; -1 where it shares none) and wants of it (``need``; 0: none). A prefix is taken
+    where an earlier batch of the same prefill computed at least as many of its tokens
     (:func:`_first_computes`), within ``hold_positions`` (:func:`_within_hold`; None: no limit),
     or where the run's cache keeps it (:func:`_cache_takes`, within ``cache_positions``, default
-    ``hold_positions``; ``members``: the entry's prompts, None: no cache), whose entries the
-    batches do not hold as well. Also per cell, the fewest tokens the cache keeps of any of its
-    prefixes (0: one it keeps nothing of)."""
-    taken = np.zeros(len(cell), bool)
-    avail = np.zeros(len(cell), np.int64)
-    if members is not None:
-        mine = need if own_need is None else own_need
-        taken, stored, avail = _cache_takes(prefill * nb + batch, prefix_id, np.where(lend >= 0, mine, -1), mine,
-                                            members, hold_positions if cache_positions is None else cache_positions)
-        lend = np.where(stored | taken, -1, lend)  # (the cache's are not held as well; a taken one is not computed)
+    ``hold_positions``; ``members``: the entry's distinct prompts), whose entries the batches do
+    not hold as well. Also per entry, the tokens the cache keeps of its prefix by then."""
+    taken, stored, avail = _cache_takes(prefill * nb + batch, prefix_id, np.where(lend >= 0, need, -1), need,
+                                        members, hold_positions if cache_positions is None else cache_positions)
+    lend = np.where(stored | taken, -1, lend)  # (the cache's are not held as well; a taken one is not computed)
     computes = _first_computes(batch, prefill * (int(prefix_id.max()) + 1) + prefix_id, lend, need)
     if hold_positions is not None:
         computes = _within_hold(batch, prefill, prefix_id, lend, need, computes, hold_positions)
-    own = np.bincount(cell, weights=computes & ~taken, minlength=cells)
-    kept = np.full(cells, np.iinfo(np.int64).max)
-    np.minimum.at(kept, cell, avail)
-    return own, np.where(kept == np.iinfo(np.int64).max, 0, kept)
+    return np.bincount(cell, weights=computes & ~taken & (need > 0), minlength=cells), avail
 
 
 def _cache_takes(time: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray, need: np.ndarray, members: np.ndarray,
@@ -505,8 +590,7 @@ def summarize(cm: CostModel, policy: Policy, workload: Workload, *, method: str,
     busy["head"] = float(np.sum(prefill.head_s) + np.sum(decode.head_s))
     compute_busy = busy["gpu_compute"] + busy["cpu_compute"] + busy["dequant"] + busy["quant"] + busy["head"]
     if cache_positions is None:
-        cache_positions = prefix_cache_positions(workload.prompt.max_len, workload.prefix_tokens,
-                                                 workload.prefix_groups)
+        cache_positions = workload_cache_positions(workload)
     peaks = cm.peak_bytes(policy, workload.prompt.max_len, workload.output.max_len, cache_positions)
     caps = {t: float(profile.capacity_bytes(t)) for t in peaks}
     mean_lat = float(np.average(latencies, weights=latency_weights))
@@ -539,25 +623,27 @@ def check_requests(prompt: Any, output: Any) -> tuple[np.ndarray, np.ndarray]:
 def simulate(spec: ModelSpec, profile: HardwareProfile, policy: Policy, workload: Workload,
              num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
              requests: tuple[Any, Any] | None = None, prefix_of: Any = None,
-             cache_positions: int | None = None) -> SimResult:
+             cache_positions: int | None = None, prefix_len: Any = None) -> SimResult:
     """Discrete-event prediction for ``num_requests`` requests sampled from ``workload``.
 
     ``requests = (prompt_lens, output_lens)`` simulates exactly those requests instead, and
     ``prefix_of`` (one per request) says which of the workload's ``prefix_groups`` prefixes each
     begins with (a job's own, ``workloads.workload.prefix_runs``; default: drawn by
-    :meth:`Workload.prefix_ids`). ``cache_positions``: the run's prefix cache
-    (``costmodel.prefix_cache_positions``; default: sized for ``workload``, as ``xsched run``
-    sizes it for a plan's).
+    :meth:`Workload.prefix_ids`), and ``prefix_len`` how long each one's is (default: the
+    workload's ``prefix_lengths``, or ``prefix_tokens``). ``cache_positions``: the run's prefix
+    cache (``costmodel.workload_cache_positions``; default: sized for ``workload``, as ``xsched
+    run`` sizes it for a plan's).
     """
     result, _ = simulate_timeline(spec, profile, policy, workload, num_requests, seed, requests, prefix_of,
-                                  cache_positions)
+                                  cache_positions, prefix_len)
     return result
 
 
 def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy, workload: Workload,
                       num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
                       requests: tuple[Any, Any] | None = None,
-                      prefix_of: Any = None, cache_positions: int | None = None) -> tuple[SimResult, Timeline]:
+                      prefix_of: Any = None, cache_positions: int | None = None,
+                      prefix_len: Any = None) -> tuple[SimResult, Timeline]:
     """Like :func:`simulate`, also returning the :class:`Timeline` (for traces and tests)."""
     if requests is None:
         prompt, output = workload.sample(num_requests, seed)
@@ -568,13 +654,18 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
         if prefix_of.shape != prompt.shape:
             raise UserError(f"prefix_of gives {prefix_of.size} prefixes for {prompt.size} requests")
     elif workload.prefix_groups > 1 or workload.prefix_share < 1.0:
-        prefix_of = workload.prefix_ids(len(prompt), seed)
+        prefix_of = workload.prefix_ids(len(prompt), seed, prompt_lens=prompt)
+    prefix = workload.prefix_tokens if prefix_len is not None or prefix_of is None or not workload.prefix_lengths \
+        else workload.prefix_lengths_of(prefix_of)
+    if prefix_len is not None:
+        prefix = np.asarray(prefix_len, np.int64)
+        if prefix.shape != prompt.shape:
+            raise UserError(f"prefix_len gives {prefix.size} lengths for {prompt.size} requests")
     cm = CostModel.for_policy(spec, profile, policy)
     max_prompt = max(workload.prompt.max_len, int(prompt.max()))  # the engine's
-    cache = prefix_cache_positions(max_prompt, workload.prefix_tokens, workload.prefix_groups) \
-        if cache_positions is None else cache_positions
+    cache = workload_cache_positions(workload, max_prompt) if cache_positions is None else cache_positions
     tl = build_timeline(cm, policy, prompt, output, workload.prompt_groups(len(prompt)) if workload.samples > 1
-                        else None, workload.prefix_tokens, prefix_of, hold_positions=max_prompt, cache_positions=cache)
+                        else None, prefix, prefix_of, hold_positions=max_prompt, cache_positions=cache)
     p99_len = workload.output.percentile(0.99)
     result = summarize(
         cm, policy, workload, method="discrete-event", profile=profile, num_requests=len(prompt),
