@@ -15,9 +15,12 @@ The first table has templates of like lengths, equally common; "as before" is th
 stop 58 gave (every prompt that shares nothing a prefix of its own, the shared tokens a mean over
 all prompts, no share). The second has templates of unlike lengths and popularity (weights 1 /
 rank^zipf); "one length" drops the per-prefix lists (every prefix the mean length, equally common:
-the description before stop 60).
+the description before stop 60). The third refills slots as outputs end: the simulator is told
+each prompt's own prefix and its length (as ``xsched run``'s simulated column is), and the engine's
+planning replays the simulator's assignment of prompts to GPU batches and refills, so the table
+checks the pricing of a given assignment.
 
-    python benchmarks/prefix_pricing.py [--prompts 512] [--only like|unlike]
+    python benchmarks/prefix_pricing.py [--prompts 512] [--only like|unlike|refill]
 """
 
 from __future__ import annotations
@@ -34,13 +37,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from workloads.distributions import LengthDistribution  # noqa: E402
-from workloads.workload import fixed_workload, prefix_fields, prefix_runs  # noqa: E402
+from workloads.workload import fixed_workload, prefix_fields, prefix_runs, run_prefix_lengths  # noqa: E402
 from xprofiler.presets import load_profile  # noqa: E402
 from xprofiler.specs import get_model_spec  # noqa: E402
 from xrunner.prefix import PrefixCache, block_positions, plan_block, prefix_order  # noqa: E402
 from xsimulator.analytic import simulate_analytic  # noqa: E402
 from xsimulator.costmodel import workload_cache_positions  # noqa: E402
-from xsimulator.discrete_event import simulate  # noqa: E402
+from xsimulator.discrete_event import simulate, simulate_timeline  # noqa: E402
 from xsimulator.policy import Policy  # noqa: E402
 
 # (templates, their lengths, the questions' lengths)
@@ -96,6 +99,41 @@ def engine_positions(prompts: list[tuple[int, ...]], policy: Policy, cache_posit
     return total
 
 
+def replayed_positions(prompts: list[tuple[int, ...]], schedule, gbs: int, cache_positions: int) -> int:
+    """The engine's prefill positions for the GPU batches the discrete-event path filled at each
+    refill (its ``schedule``: which prompts joined which batch when), planned by ``plan_block``
+    with the run's prefix cache carried from refill to refill: the pricing of a given
+    assignment, apart from how the joiners are assigned."""
+    hold = max(map(len, prompts))
+    cache, total = PrefixCache(cache_positions), 0
+    for j in range(schedule.num_intervals):
+        at = np.flatnonzero(schedule.join == j)
+        batches: dict[int, list[tuple[int, ...]]] = {}
+        for i in at[np.argsort(schedule.slot[at], kind="stable")]:
+            batches.setdefault(int(schedule.slot[i]) // gbs, []).append(prompts[i])
+        if batches:
+            block = [batches[b] for b in sorted(batches)]
+            total += block_positions(block, hold, cache=cache)
+            plan_block(block, hold, cache=cache)
+            cache.drop_retired()
+    return total
+
+
+def refilled(prompts: list[tuple[int, ...]], workload, policy: Policy, spec, profile) -> tuple[int, float]:
+    """(the engine's positions, the discrete-event path's over them) for a refilled policy, the
+    simulator told each prompt's own prefix and its length (as ``xsched run``'s simulated column
+    is), the engine replaying the simulator's assignment."""
+    lengths = np.array([len(p) for p in prompts])
+    outputs = np.random.default_rng(0).integers(4, 40, len(prompts))  # unlike outputs free slots at unlike steps
+    runs, run_len = run_prefix_lengths(prompts)
+    own = replace(workload, prefix_groups=max(runs) + 1, prefix_share=1.0, prefix_lengths=(), prefix_weights=())
+    cache = workload_cache_positions(workload, int(lengths.max()))
+    sim, tl = simulate_timeline(spec, profile, policy, own, requests=(lengths, outputs), prefix_of=runs,
+                                prefix_len=[run_len[k] for k in runs], cache_positions=cache)
+    engine = replayed_positions(prompts, tl.schedule, policy.gbs, cache)
+    return engine, sim.padded_prompt_tokens / engine
+
+
 def ratios(prompts: list[tuple[int, ...]], policy: Policy, workloads: list, spec, profile) -> tuple[int, list[float]]:
     """The engine's positions (its cache sized for the first workload) and each workload's
     discrete-event positions over them, then the first's analytic ones."""
@@ -112,12 +150,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--seed", type=int, default=5)
-    ap.add_argument("--only", choices=("like", "unlike"))
+    ap.add_argument("--only", choices=("like", "unlike", "refill"))
     args = ap.parse_args()
     spec, profile = get_model_spec("opt-1.3b"), load_profile("t4")
     rng = random.Random(args.seed)
     label = lambda p: f"{p.gbs} x {p.nb}" + ("" if p.bucket else ", queue order")  # noqa: E731
-    if args.only != "unlike":
+    if args.only in (None, "like"):
         print("| G | no prefix | fit: tokens, groups, share | policy | engine positions | discrete-event / engine "
               "| analytic / engine | as before: groups | as before: discrete-event / engine |")
         print("|---|---|---|---|---|---|---|---|---|")
@@ -134,7 +172,26 @@ def main() -> None:
                     print(f"| {templates} | {loners:.0%} | {now.prefix_tokens}, {now.prefix_groups}, "
                           f"{now.prefix_share:.2f} | {label(policy)} | {engine} | {des:.3f} | {ana:.3f} "
                           f"| {before.prefix_groups} | {old:.3f} |", flush=True)
-    if args.only != "like":
+    if args.only in (None, "refill"):
+        print("\n| jobs | no prefix | policy | engine positions (the simulator's assignment) "
+              "| discrete-event / engine |")
+        print("|---|---|---|---|---|")
+        for name, make in (("8 like templates", lambda lon: job(rng, 8, args.prompts, lon, (64, 72), (10, 40))),
+                           ("300 + 7 x 20 tokens, zipf 1", lambda lon: unlike_job(rng, UNLIKE[3][0], 1.0, args.prompts,
+                                                                                  lon)),
+                           ("20..320 tokens, zipf 1", lambda lon: unlike_job(rng, UNLIKE[5][0], 1.0, args.prompts,
+                                                                            lon))):
+            for loners in (0.0, 0.25):
+                prompts = make(loners)
+                lengths = np.array([len(p) for p in prompts])
+                workload = replace(fixed_workload(int(lengths.mean()), 8), prompt=LengthDistribution.empirical(lengths),
+                                   **prefix_fields(prompts))
+                for policy in (Policy(gbs=8, nb=8, refill_every=1), Policy(gbs=8, nb=8, refill_every=4),
+                               Policy(gbs=4, nb=16, refill_every=2)):
+                    engine, r = refilled(prompts, workload, policy, spec, profile)
+                    print(f"| {name} | {loners:.0%} | {policy.gbs} x {policy.nb}, refill every {policy.refill_every} "
+                          f"| {engine} | {r:.3f} |", flush=True)
+    if args.only in (None, "unlike"):
         print("\n| template lengths | zipf | no prefix | fit: tokens, groups, share | policy | engine positions "
               "| discrete-event / engine | analytic / engine | one length: discrete-event / engine |")
         print("|---|---|---|---|---|---|---|---|---|")
