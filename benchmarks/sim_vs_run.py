@@ -28,6 +28,7 @@ peak bytes <= planned on every tier. Prints a table and writes a PNG scatter.
     ... --prefix 24   # the same 24 tokens put before every prompt (a system prompt): computed once per run
     ... --prefix 48 --prefix-groups 8   # one of 8 such prefixes before each prompt (a job mixing templates)
     ... --prefix 48 --prefix-share 0.5  # before half the prompts; the others as long, all their own tokens
+    ... --prefix-lengths 160,12,12,12 --prefix-weights 0.2,0.4,0.2,0.2  # templates of unlike lengths and shares
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def main() -> int:
     ap.add_argument("--prefix-share", type=float, default=1.0,
                     help="fraction of the prompts behind a --prefix system prompt; the others get as many tokens "
                          "of their own (Workload.prefix_share)")
+    ap.add_argument("--prefix-lengths", default="",
+                    help="comma-separated lengths of system prompts of unlike lengths, one drawn per prompt "
+                         "(Workload.prefix_lengths; replaces --prefix and --prefix-groups)")
+    ap.add_argument("--prefix-weights", default="",
+                    help="their comma-separated shares of the prompts (default: --prefix-share split evenly)")
     ap.add_argument("--png", default="sim_vs_run.png", help="scatter of predicted vs measured")
     ap.add_argument("--json-out", default=None, help="write every row as JSON here")
     ap.add_argument("--reanchor", action=argparse.BooleanOptionalAction, default=True,
@@ -127,13 +133,25 @@ def main() -> int:
     spec, source_for = resolve_model(args.model, raw)
     if raw.compute_threads:
         torch.set_num_threads(raw.compute_threads)
-    workloads = [replace(get_workload(text), samples=args.samples, prefix_tokens=args.prefix,
-                         prefix_groups=args.prefix_groups, prefix_share=args.prefix_share)
-                 for text in (args.fixed, args.dist)]
+    lengths = tuple(int(x) for x in args.prefix_lengths.split(",") if x.strip())
+    weights = tuple(float(x) for x in args.prefix_weights.split(",") if x.strip())
+    pfx = dict(prefix=args.prefix, prefix_groups=args.prefix_groups, prefix_share=args.prefix_share,
+               prefix_lengths=lengths, prefix_weights=weights)
+    table = workload_of([1], [1], **pfx)  # the prefix fields as the runs and the simulator take them
+    fields = {k: getattr(table, k) for k in ("prefix_tokens", "prefix_groups", "prefix_share", "prefix_lengths",
+                                             "prefix_weights")}
+    if lengths:
+        pfx.update(prefix=table.prefix_tokens, prefix_groups=table.prefix_groups, prefix_share=table.prefix_share,
+                   prefix_weights=table.prefix_weights)
+    workloads = [replace(get_workload(text), samples=args.samples, **fields) for text in (args.fixed, args.dist)]
     jobs = []
     for w in workloads:
         prompt, output = w.sample(args.requests, seed=0)
-        prompt = prompt + args.prefix  # the system prompt before each
+        if lengths:  # each system prompt before the sampled ones it is drawn for; the others as long as the mean
+            which = w.prefix_ids(args.requests, seed=0)
+            prompt = prompt + np.where(which < len(lengths), w.prefix_lengths_of(which), table.prefix_tokens)
+        else:
+            prompt = prompt + args.prefix  # the system prompt before each
         for name in args.plans.split(","):
             jobs.append((w, name, Policy(**PLANS[name]), prompt, output))
     # Without re-anchoring every plan runs --repeats times, round-robin (a neighbour's burst spreads
@@ -147,8 +165,7 @@ def main() -> int:
     def run(j: int, rep: int) -> None:
         w, name, policy, prompt, output = jobs[j]
         m = run_engine(source_for(spec), policy, prompt, output, offload_dir=args.offload_dir, profile=raw,
-                       samples=args.samples, prefix=args.prefix, prefix_groups=args.prefix_groups,
-                       prefix_share=args.prefix_share)
+                       samples=args.samples, **pfx)
         runs[j].append(m)
         print(f"  ran {w.name:<14} {name:<22} {m.wall_s:6.1f} s (repeat {rep + 1})", file=sys.stderr)
 
@@ -177,8 +194,7 @@ def main() -> int:
         tps = [gen / m.wall_s for m in ms]
         p99 = [quantile(list(m.latency_s.values()), 0.99) for m in ms]
         m = sorted(ms, key=lambda x: x.wall_s)[len(ms) // 2]
-        wl = workload_of(prompt, output, name=w.name, samples=args.samples, prefix=args.prefix,
-                         prefix_groups=args.prefix_groups, prefix_share=args.prefix_share)
+        wl = workload_of(prompt, output, name=w.name, samples=args.samples, **pfx)
         now = rescaled(cal, ratio)
         profiles = (("raw", raw), ("cal", cal)) + ((("now", now),) if args.reanchor else ())
         if other is not None:
@@ -192,7 +208,7 @@ def main() -> int:
             row[f"{k}_tps"] = r.throughput_tokens_per_s
             row[f"{k}_p99_s"] = r.latency_p99_s
         parts = predict(spec, now, RunDesign(name, policy, spec.num_layers, tuple(prompt), tuple(output), (),
-                                             args.samples, args.prefix, args.prefix_groups, args.prefix_share))
+                                             args.samples, **pfx))
         row["metrics_measured_s"] = {k: float(np.median([x.metrics[k] for x in ms])) for k in METRICS}
         row["metrics_predicted_s"] = parts
         row["peak_bytes"] = {t: max(x.peak_bytes[t] for x in ms) for t in m.peak_bytes}
@@ -213,7 +229,9 @@ def main() -> int:
           + (f" (a shared {args.prefix}-token prefix" + (f", one of {args.prefix_groups}" if args.prefix_groups > 1
                                                          else "")
              + (f", before {args.prefix_share:.0%} of the prompts" if args.prefix_share < 1 else "") + ")"
-             if args.prefix else "")
+             if args.prefix and not lengths else "")
+          + (f" (system prompts of {args.prefix_lengths} tokens, shares "
+             + ", ".join(f"{x:.2f}" for x in pfx["prefix_weights"]) + ")" if lengths else "")
           + ", random weights, EOS ignored; "
           f"'{best}' = {dict(kinds)[best]} prediction{speed_note}")
     print(f"{'workload':<14} {'plan':<22} {'tok/s meas':>10} {'raw':>7} {'cal':>7} {best:>7} {'err':>7} "

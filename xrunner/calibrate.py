@@ -70,7 +70,7 @@ from workloads.workload import Workload
 from xprofiler.profile import MARGIN_QUANTILE, CalibrationError, HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import FACTOR_TERMS, INTERFERENCE_TERMS, OVERHEAD_TERMS, prefix_cache_positions
+from xsimulator.costmodel import FACTOR_TERMS, INTERFERENCE_TERMS, OVERHEAD_TERMS, workload_cache_positions
 from xsimulator.discrete_event import simulate_timeline
 from xsimulator.policy import Policy
 
@@ -118,6 +118,8 @@ class RunDesign:
     prefix: int = 0  # leading tokens all prompts share (Workload.prefix_tokens)
     prefix_groups: int = 1  # distinct such prefixes, one drawn per prompt (Workload.prefix_groups)
     prefix_share: float = 1.0  # the prompts behind one; the others share nothing (Workload.prefix_share)
+    prefix_lengths: tuple[int, ...] = ()  # each prefix's length and share, where they differ (Workload.prefix_lengths)
+    prefix_weights: tuple[float, ...] = ()
 
 
 def cut_spec(spec: ModelSpec, num_layers: int) -> ModelSpec:
@@ -214,13 +216,16 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
                offload_dir: str | Path | None = None, profile: HardwareProfile | None = None, seed: int = 0,
                max_prompt: int | None = None, max_output: int | None = None, warmup: bool = False,
                head_layouts: dict[int, str] | None = None, samples: int = 1, prefix: int = 0,
-               prefix_groups: int = 1, prefix_share: float = 1.0) -> Measurement:
+               prefix_groups: int = 1, prefix_share: float = 1.0, prefix_lengths: Sequence[int] = (),
+               prefix_weights: Sequence[float] = ()) -> Measurement:
     """Run ``policy`` once over requests of exactly these lengths (random token ids, EOS ignored;
     with ``samples`` k, requests come in runs of k with one prompt, as ``Workload.samples`` says;
     every prompt begins with the same ``prefix`` tokens, as ``Workload.prefix_tokens`` says, each
     keeping at least one token of its own; with ``prefix_groups`` G, with one of G such prefixes,
     the one ``Workload.prefix_ids`` draws for it, as the simulator does; ``prefix_share`` of the
-    prompts only, the others all their own tokens).
+    prompts only, the others all their own tokens; ``prefix_lengths`` and ``prefix_weights``:
+    prefixes of these lengths and shares instead, drawn as the simulator draws them for these
+    prompt lengths).
 
     Returns busy seconds per metric, per-step wall seconds, per-request latencies and peak
     bytes. ``max_prompt``/``max_output`` size the KV cache (default: the longest of the job),
@@ -237,12 +242,13 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
     rng = np.random.default_rng(seed)
     ids = request_ids(len(prompt_lens))
     prompts: list[tuple[int, ...]] = []
-    systems = [tuple(int(t) for t in rng.integers(0, spec.vocab_size, prefix)) for _ in range(prefix_groups)]
-    which = workload_of(prompt_lens, output_lens, samples=samples, prefix=prefix, prefix_groups=prefix_groups,
-                        prefix_share=prefix_share).prefix_ids(len(prompt_lens))
+    wl = workload_of(prompt_lens, output_lens, samples=samples, prefix=prefix, prefix_groups=prefix_groups,
+                     prefix_share=prefix_share, prefix_lengths=prefix_lengths, prefix_weights=prefix_weights)
+    systems = [tuple(int(t) for t in rng.integers(0, spec.vocab_size, n)) for n in wl.prefix_table[0].tolist()]
+    which = wl.prefix_ids(len(prompt_lens), prompt_lens=np.asarray(prompt_lens))
     for k, p in enumerate(prompt_lens):
         shared = k % samples and len(prompts[-1]) == int(p)
-        head = systems[which[k]][:min(prefix, int(p) - 1)] if which[k] < prefix_groups else ()
+        head = systems[which[k]][:int(p) - 1] if which[k] < wl.prefix_groups else ()
         prompts.append(prompts[-1] if shared else
                        head + tuple(int(t) for t in rng.integers(0, spec.vocab_size, int(p) - len(head))))
     reqs = [Request(i, ids_, int(o)) for i, ids_, o in zip(ids, prompts, output_lens)]
@@ -256,7 +262,7 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
     stamps: list[float] = []
     kinds: list[bool] = []
     layouts = {} if head_layouts is None else head_layouts
-    cache = prefix_cache_positions(mp, prefix, prefix_groups)  # as the simulator sizes it
+    cache = workload_cache_positions(wl, mp)  # as the simulator sizes it
     with Engine(source, policy, max_prompt=mp, max_output=mo, offload_dir=offload_dir, record_trace=True,
                 profile=profile, head_layout=layouts.get(policy.gbs), prefix_cache_positions=cache) as eng:
         layouts.setdefault(policy.gbs, eng.head_layout)
@@ -316,7 +322,8 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
                 got[i].append(run_engine(make(cut_spec(spec, d.num_layers)), d.policy, d.prompt_lens,
                                          d.output_lens, offload_dir=offload_dir, profile=profile, warmup=True,
                                          head_layouts=layouts, samples=d.samples, prefix=d.prefix,
-                                         prefix_groups=d.prefix_groups, prefix_share=d.prefix_share))
+                                         prefix_groups=d.prefix_groups, prefix_share=d.prefix_share,
+                                         prefix_lengths=d.prefix_lengths, prefix_weights=d.prefix_weights))
                 bar.update(1)
     out = []
     for d, ms in zip(runs, got):
@@ -328,11 +335,20 @@ def measure_design(spec: ModelSpec, runs: Sequence[RunDesign], *, profile: Hardw
 
 # --------------------------------------------------------------------------- predicting
 def workload_of(prompt_lens: Sequence[int], output_lens: Sequence[int], name: str = "calibration",
-                samples: int = 1, prefix: int = 0, prefix_groups: int = 1, prefix_share: float = 1.0) -> Workload:
-    """The empirical workload of exactly these requests (its maxima size the KV cache)."""
+                samples: int = 1, prefix: int = 0, prefix_groups: int = 1, prefix_share: float = 1.0,
+                prefix_lengths: Sequence[int] = (), prefix_weights: Sequence[float] = ()) -> Workload:
+    """The empirical workload of exactly these requests (its maxima size the KV cache); with
+    ``prefix_lengths`` (and ``prefix_weights``, default equal shares of ``prefix_share``), its
+    prefixes are those, ``prefix`` and ``prefix_groups`` following from them."""
+    if prefix_lengths:
+        weights = tuple(prefix_weights) or (prefix_share / len(prefix_lengths),) * len(prefix_lengths)
+        prefix_share = float(sum(weights))
+        prefix = round(sum(n * w for n, w in zip(prefix_lengths, weights)) / prefix_share)
+        prefix_groups, prefix_lengths, prefix_weights = len(prefix_lengths), tuple(prefix_lengths), weights
     return Workload(name=name, prompt=LengthDistribution.empirical(list(prompt_lens)),
                     output=LengthDistribution.empirical(list(output_lens)), source="measured run", samples=samples,
-                    prefix_tokens=prefix, prefix_groups=prefix_groups, prefix_share=prefix_share)
+                    prefix_tokens=prefix, prefix_groups=prefix_groups, prefix_share=prefix_share,
+                    prefix_lengths=tuple(prefix_lengths), prefix_weights=tuple(prefix_weights))
 
 
 def predict(spec: ModelSpec, profile: HardwareProfile, design: RunDesign) -> dict[str, float]:
@@ -345,7 +361,9 @@ def predict(spec: ModelSpec, profile: HardwareProfile, design: RunDesign) -> dic
     prompt, output = np.asarray(design.prompt_lens), np.asarray(design.output_lens)
     res, tl = simulate_timeline(s, profile, design.policy,
                                 workload_of(prompt, output, samples=design.samples, prefix=design.prefix,
-                                            prefix_groups=design.prefix_groups, prefix_share=design.prefix_share),
+                                            prefix_groups=design.prefix_groups, prefix_share=design.prefix_share,
+                                            prefix_lengths=design.prefix_lengths,
+                                            prefix_weights=design.prefix_weights),
                                 requests=(prompt, output))
     batch_steps = float(np.count_nonzero(tl.prefill_rows) + np.count_nonzero(tl.decode_rows))
     cal = profile.calibration
