@@ -34,6 +34,7 @@ after refills and the normal approximation of how latency spreads between blocks
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -190,13 +191,35 @@ class _Analytic:
         taken = taken * np.where(by_prefix, 1.0, held)
         return groups, groups * (1.0 - taken) * (self.uncached if fresh is None else fresh)
 
+    def prefix_at(self, nodes: np.ndarray) -> Any:
+        """Shared tokens priced for a batch whose longest prompt is ``nodes``: the workload's mean
+        (``prefix_tokens x prefix_share``), or, where its prefixes differ in length
+        (``prefix_lengths``), ``prefix_share`` times the expected length of the prefix behind a
+        prompt of that length. A prompt is a prefix plus an own part, normal with the prompts'
+        mean less the prefixes' and the variance left over; the longest is taken one standard
+        deviation up. Priced at the mean, a 300-token template's prompts read as a few shared
+        tokens before hundreds of their own (1.4-4.8x the engine's positions on such jobs)."""
+        w = self.workload
+        lengths, weights = w.prefix_table
+        if not w.prefix_lengths or np.ptp(lengths) == 0:
+            return w.mean_prefix_tokens
+        mean = float(np.sum(lengths * weights) / weights.sum())
+        spread = math.sqrt(max(self.prompt.std ** 2 - float(np.sum(weights * (lengths - mean) ** 2) / weights.sum()),
+                               1.0))
+        own = max(self.prompt.mean - mean, 1.0) + spread
+        z = (np.asarray(nodes, float)[..., None] - lengths - own) / spread
+        like = weights * np.exp(-0.5 * z * z) * (lengths < np.asarray(nodes, float)[..., None])
+        total = like.sum(axis=-1)
+        expected = np.where(total > 0, (like * lengths).sum(axis=-1) / np.maximum(total, 1e-300), 0.0)
+        return w.prefix_share * expected
+
     def positions(self, rows: np.ndarray, nodes: np.ndarray, by_prefix: Any = None, joining: Any = None,
                   weight: Any = None, fresh: Any = None) -> np.ndarray:
         """Prompt positions a prefill of ``rows`` joining rows computes at each padded length of
         ``nodes [..., Q]``: :meth:`computed_rows`, and each shared prefix once."""
         computed = self.computed_rows(rows)[..., None]
         groups, own = self.prefix_groups(rows, by_prefix, joining, weight, fresh)
-        return self.cm.layer_rows("prefill", computed, nodes, self.workload.mean_prefix_tokens, groups[..., None],
+        return self.cm.layer_rows("prefill", computed, nodes, self.prefix_at(nodes), groups[..., None],
                                   own[..., None]) * nodes
 
     def _prefix_first(self) -> bool:
@@ -221,7 +244,7 @@ class _Analytic:
         c = computed[..., None]
         cm = self.cm
         groups, own = self.prefix_groups(rows, by_prefix, joining, weight, fresh)
-        bt = cm.batch_terms("prefill", r, nodes, self.placement, computed=c, prefix=self.workload.mean_prefix_tokens,
+        bt = cm.batch_terms("prefill", r, nodes, self.placement, computed=c, prefix=self.prefix_at(nodes),
                             prefix_groups=groups[..., None], prefix_own=own[..., None])
         shape = nodes.shape
         terms = StepTerms(*(np.mean(np.broadcast_to(v, shape), axis=-1) for v in bt.as_dict().values()))
@@ -298,7 +321,7 @@ class _Analytic:
             groups, own = self.prefix_groups(rows, fresh=fresh)
             pre_scenarios = self.cm.block_step("prefill", rows[None, :], scenario_len, self.placement, on,
                                                float(on.any()), computed=self.computed_rows(rows)[None, :],
-                                               prefix=self.workload.mean_prefix_tokens,
+                                               prefix=self.prefix_at(scenario_len),
                                                prefix_groups=groups[None, :], prefix_own=own[None, :]).seconds
             p = self.surv[u][:, None]  # [S, 1]
             qk = 1.0 - (1.0 - p) ** rows
