@@ -64,7 +64,7 @@ class Workload(Contract):
     ``prefix_tokens`` long and as common as the others) describe templates of unlike lengths and
     popularity, as ``workload fit`` finds them; ``prefix_tokens`` and ``prefix_share`` are then
     their weighted mean and sum. A job of a 300-token template among seven 20-token ones read as
-    eight 36-token prefixes, and the simulator priced 1.4-4x the engine's prefill positions: the
+    eight 36-token prefixes, and the simulator priced 1.5-7x the engine's prefill positions: the
     long template's prompts looked like 36 shared tokens before 300 of their own.
     """
 
@@ -358,7 +358,7 @@ def prefix_fields(prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
     """A job's shared prefixes as :class:`Workload` fields (:func:`prefix_runs`): each run of two
     or more prompts is a prefix, as long as the mean of the leading tokens its prompts share and
     as common as its share of the prompts (``prefix_lengths``, ``prefix_weights``, listed only
-    where the lengths differ); ``prefix_tokens`` is their weighted mean, ``prefix_groups`` their
+    where the lengths or shares differ); ``prefix_tokens`` is their weighted mean, ``prefix_groups`` their
     number and ``prefix_share`` their sum. A prompt that shares nothing is not a prefix: counted
     as one, a job of one system prompt and a few such prompts read as many equally likely
     prefixes, and the simulator priced 1.2-3.0x the positions the engine computes
