@@ -298,7 +298,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from workloads.workload import shared_prefix
+    from workloads.workload import prefix_fields
     from xprofiler.measure import BUSY_WARN_CORES, LoadMeter
     from xprofiler.presets import load_preset, preset_names
     from xrunner.cli import encode_prompt, resolve_device, sampling_from_args, stop_token_ids
@@ -381,33 +381,37 @@ def _run(args: argparse.Namespace) -> int:
             encode = lambda prompt, chat: encode_prompt(tokenizer, prompt,  # noqa: E731
                                                         chat and not args.no_chat_template, args.chat_template_kwargs)
         prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
-        shared, groups, share = shared_prefix(prompt_ids)
+        default_new = args.max_new_tokens or plan.workload.output.max_len
+        new_tokens = [r.max_new_tokens or default_new for r in records]
+        fit = " ".join(["xsched workload fit", args.prompts, *(["--tokenizer"] if texts else []),
+                        *([args.model] if args.model and texts else []),
+                        *(["--no-chat-template"] if args.no_chat_template else []),
+                        *([f"--chat-template-kwargs '{json.dumps(args.chat_template_kwargs)}'"]
+                          if args.chat_template_kwargs else []),
+                        *([f"--max-new-tokens {default_new}"] if any(not r.max_new_tokens for r in records) else [])])
+        job = prefix_fields(prompt_ids)
+        shared, groups, share = job["prefix_tokens"], job["prefix_groups"], job["prefix_share"]
         planned = plan.workload
         worth = max(16, 0.1 * sum(map(len, prompt_ids)) / len(prompt_ids))  # shared tokens that change a price
         tokens_differ = abs(shared - planned.prefix_tokens) > worth or \
             abs(round(shared * share) - planned.mean_prefix_tokens) > worth
         groups_differ = shared > worth and max(groups, planned.prefix_groups) > 2 * min(groups, planned.prefix_groups)
-        if tokens_differ or groups_differ:
-            def among(tokens: int, g: int, f: float) -> str:
+        unlike = job["prefix_lengths"] and max(job["prefix_lengths"]) - min(job["prefix_lengths"]) > worth
+        lengths_differ = bool(unlike) and not planned.prefix_lengths
+        if tokens_differ or groups_differ or lengths_differ:
+            def among(tokens: int, g: int, f: float, lengths: Sequence[int] = ()) -> str:
                 return (f"{tokens} tokens they share" + (f", one of {g} prefixes" if g > 1 else "")
-                        + (f", {f:.0%} of them" if f < 1 else ""))
-            warnings.warn(f"the job's prompts begin with {among(shared, groups, share)}, the plan's workload's prompts "
-                          f"with {among(planned.prefix_tokens, planned.prefix_groups, planned.prefix_share)}; the engine "
-                          "computes each once per run, so the plan's prediction and batch shape are for another job "
-                          f"(plan with `--prefix-tokens {shared} --prefix-groups {groups} --prefix-share {share:.3g}`)",
-                          UserWarning, stacklevel=1)
-        default_new = args.max_new_tokens or plan.workload.output.max_len
-        new_tokens = [r.max_new_tokens or default_new for r in records]
+                        + (f" of {min(lengths)}-{max(lengths)} tokens" if lengths and min(lengths) < max(lengths)
+                           else "") + (f", {f:.0%} of them" if f < 1 else ""))
+            how = (f"fit the job with `{fit}` and plan with `xsched plan --workload`" if unlike else
+                   f"plan with `--prefix-tokens {shared} --prefix-groups {groups} --prefix-share {share:.3g}`")
+            theirs = among(planned.prefix_tokens, planned.prefix_groups, planned.prefix_share, planned.prefix_lengths)
+            warnings.warn(f"the job's prompts begin with {among(shared, groups, share, job['prefix_lengths'])}, the "
+                          f"plan's workload's prompts with {theirs}; the engine computes each once per run, so the "
+                          f"plan's prediction and batch shape are for another job ({how})", UserWarning, stacklevel=1)
         # Shapes from the whole file, resumed part included, so a resumed job sizes memory the same way.
         max_prompt, max_output = max(len(p) for p in prompt_ids), max(new_tokens)
         if max_prompt > plan.workload.prompt.max_len or max_output > plan.workload.output.max_len:
-            fit = " ".join(["xsched workload fit", args.prompts, *(["--tokenizer"] if texts else []),
-                            *([args.model] if args.model and texts else []),
-                            *(["--no-chat-template"] if args.no_chat_template else []),
-                            *([f"--chat-template-kwargs '{json.dumps(args.chat_template_kwargs)}'"]
-                              if args.chat_template_kwargs else []),
-                            *([f"--max-new-tokens {default_new}"] if any(not r.max_new_tokens for r in records)
-                              else [])])
             warnings.warn(f"the job has prompts up to {max_prompt} and outputs up to {max_output} tokens, the plan's "
                           f"workload at most {plan.workload.prompt.max_len} and {plan.workload.output.max_len}; "
                           f"memory and predictions are for the job's lengths (plan for them with `{fit}` and "
