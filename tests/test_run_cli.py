@@ -972,12 +972,12 @@ def test_a_job_whose_prompts_share_a_prefix_warns_a_plan_priced_without_it(tmp_p
     with pytest.warns(UserWarning, match=r"the plan's workload's prompts with 24 tokens they share, one of 8 prefixes; "
                                          r".*plan with `--prefix-tokens 24 --prefix-groups 1 --prefix-share 1`"):
         assert main(["run", "--plan", str(tmp_path / "mixed.json"), *flags, "--out", str(tmp_path / "o3.jsonl")]) == 0
-    # Templates of 40 and 8 tokens under a plan of two 24-token ones: the flags cannot say that, the fit can.
-    heads = [rng.integers(4, 50000, size=n).tolist() for n in (40, 8)]
+    # Templates of 24 and 4 tokens under a plan of two 24-token ones: the flags cannot say that, the fit can.
+    heads = [rng.integers(4, 50000, size=n).tolist() for n in (24, 4)]
     unlike = write_prompts(tmp_path / "u.jsonl", [{"id": i, "prompt_ids": heads[i % 2] + rng.integers(4, 50000, size=3)
                                                    .tolist(), "max_new_tokens": 4} for i in range(6)])
     replace(priced, workload=replace(priced.workload, prefix_groups=2)).save(tmp_path / "two.json")
-    with pytest.warns(UserWarning, match=r"one of 2 prefixes of 8-40 tokens, the plan's workload's prompts with 24 "
+    with pytest.warns(UserWarning, match=r"one of 2 prefixes of 4-24 tokens, the plan's workload's prompts with 24 "
                                          r"tokens they share, one of 2 prefixes;.*fit the job with `xsched workload "
                                          r"fit .*u\.jsonl` and plan with `xsched plan --workload`"):
         assert main(["run", "--plan", str(tmp_path / "two.json"), "--model", RANDOM_MODEL, "--prompts", str(unlike),
