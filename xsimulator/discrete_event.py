@@ -404,11 +404,11 @@ def _cell_prices(g: _Grouped, own: np.ndarray, avail: np.ndarray, rows: np.ndarr
     use_own = (cost_own <= cost_take) & np.isfinite(cost_own)
     use_take = ~use_own & np.isfinite(cost_take)
     with_heads = use_take & (head_width > 0)
-    prefix = np.select([use_own, with_heads, use_take], [g.width, head_width, P - floor], 0)
-    length = np.select([use_own, with_heads], [g.width + g.suffix, head_width + floor], P)
-    computes = np.select([use_own, use_take], [own, np.where(with_heads, lone, 0)], 0.0)
-    groups = np.select([use_own, use_take], [g.groups, computes + 1], 1)  # (a taking cell computes fewer than it holds)
-    positions = np.select([use_own, use_take], [cost_own, cost_take], rows * P)
+    prefix = np.where(use_own, g.width, np.where(with_heads, head_width, np.where(use_take, P - floor, 0)))
+    length = np.where(use_own, g.width + g.suffix, np.where(with_heads, head_width + floor, P))
+    computes = np.where(use_own, own, np.where(with_heads, lone, 0.0))
+    groups = np.where(use_own, g.groups, np.where(use_take, computes + 1, 1))  # (a taking cell computes fewer than it holds)
+    positions = np.where(use_own, cost_own, np.where(use_take, cost_take, rows * P))
     return positions, prefix, length, computes, groups
 
 
