@@ -595,7 +595,7 @@ def engine_prefill_positions(prompts: list[tuple[int, ...]], policy: Policy, cac
 
 def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_them():
     """512 prompts, each one of G templates before a question, in random order, some with a
-    quarter of prompts that share nothing: ``shared_prefix`` finds G, the templates' length and
+    quarter of prompts that share nothing: ``prefix_fields`` finds G, the templates' length and
     the share of prompts behind one from the token ids, and the discrete-event simulator, told so,
     computes within 8% of the prompt positions that the engine's own ordering and grouping compute
     block by block (``prefix_order``, ``plan_block``, the run's prefix cache carried from block to
@@ -608,7 +608,7 @@ def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_th
     templates' mean length, finds too few such batches and prices 1.20x (before the cache was
     sized to the templates, it kept one of them and priced 1.05x). It errs high there, and
     stays within 25%."""
-    from workloads.workload import shared_prefix
+    from workloads.workload import prefix_fields
 
     rng = random.Random(5)
     for G, head, question, loners in ((8, (64, 72), (10, 40), 0), (32, (100, 112), (10, 60), 0),
@@ -619,7 +619,8 @@ def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_th
         prompts += [tuple(rng.randrange(50000) for _ in range(rng.randint(*span))) for _ in range(loners)]
         if loners:
             rng.shuffle(prompts)
-        tokens, groups, share = shared_prefix(prompts)
+        fields = prefix_fields(prompts)
+        tokens, groups, share = fields["prefix_tokens"], fields["prefix_groups"], fields["prefix_share"]
         assert groups == G and head[0] <= tokens <= head[1] and share == 1 - loners / 512
         lengths = np.array([len(p) for p in prompts])
         workload = replace(fixed_workload(int(lengths.mean()), 8), prefix_tokens=tokens, prefix_groups=groups,

@@ -54,7 +54,7 @@ class Workload(Contract):
     is how many outputs each prompt asks for (a prompts file's ``"n"``): requests come in runs
     of that many with one prompt, and the runner computes a run's prefill once per GPU batch.
     ``prefix_tokens`` is how many leading tokens a prompt shares with the others (a system prompt,
-    the same few-shot examples; counted in the prompt lengths; :func:`shared_prefix`), and
+    the same few-shot examples; counted in the prompt lengths; :func:`prefix_fields`), and
     ``prefix_groups`` among how many distinct such prefixes each prompt's is drawn (a job mixing
     task templates), and ``prefix_share`` which fraction of the prompts begins with one (the others
     share nothing): the runner computes each prefix once per block (the first GPU batch holding it
@@ -265,7 +265,7 @@ class Workload(Contract):
         ``output`` supplies the distribution. A request with ``"n"`` counts n times (``xsched
         run`` samples n outputs of it, each a request of its own), and ``samples`` is the mean n.
         ``count_tokens`` may return the prompt's token ids instead of their count: ``prefix_tokens``
-        is then the leading tokens prompts share (:func:`shared_prefix`).
+        is then the leading tokens prompts share (:func:`prefix_fields`).
         """
         p = Path(path)
         lengths = read_request_lengths(p, count_tokens)
@@ -294,11 +294,11 @@ class RequestLengths:
     outputs: np.ndarray | None
     estimated: bool  # prompt text was sized without a tokenizer
     num_prompts: int = 0  # rows of the file; fewer than the requests when some ask for "n" outputs
-    # Leading tokens a prompt shares with others (shared_prefix); 0 unless every prompt's ids were
+    # Leading tokens a prompt shares with others (prefix_fields); 0 unless every prompt's ids were
     # known (token ids in the file, or a tokenizer that returns them)
     prefix_tokens: int = 0
-    prefix_groups: int = 1  # distinct prefixes among them (shared_prefix)
-    prefix_share: float = 1.0  # the prompts that begin with one (shared_prefix)
+    prefix_groups: int = 1  # distinct prefixes among them (prefix_fields)
+    prefix_share: float = 1.0  # the prompts that begin with one (prefix_fields)
     prefix_lengths: tuple[int, ...] = ()  # each prefix's length and share, where they differ (prefix_fields)
     prefix_weights: tuple[float, ...] = ()
 
@@ -347,13 +347,6 @@ def read_request_lengths(path: Path, count_tokens: Callable[..., int | Sequence[
                           len(rows), **(prefix_fields(known_ids) if known_ids else {}))
 
 
-def shared_prefix(prompts: Sequence[Sequence[int]]) -> tuple[int, int, float]:
-    """(:attr:`Workload.prefix_tokens`, :attr:`Workload.prefix_groups`,
-    :attr:`Workload.prefix_share`) of a job (:func:`prefix_fields`)."""
-    fields = prefix_fields(prompts)
-    return fields["prefix_tokens"], fields["prefix_groups"], fields["prefix_share"]
-
-
 def prefix_fields(prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
     """A job's shared prefixes as :class:`Workload` fields (:func:`prefix_runs`): each run of two
     or more prompts is a prefix, as long as the mean of the leading tokens its prompts share and
@@ -380,23 +373,16 @@ def prefix_fields(prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
                 prefix_lengths=lengths if table else (), prefix_weights=weights if table else ())
 
 
-def prefix_runs(prompts: Sequence[Sequence[int]], sharing_only: bool = False) -> tuple[int, list[int]]:
+def prefix_runs(prompts: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
     """A job's shared leading tokens and which prefix each prompt begins with.
 
     Tokens: the mean, over its prompts, of the leading tokens a prompt shares with another (each
-    kept below its own length: the runner computes a prompt's last token itself); ``sharing_only``:
-    over the prompts in runs of two or more. Prefixes: the runs of prompts (sorted by their
+    kept below its own length: the runner computes a prompt's last token itself). Prefixes: the runs of prompts (sorted by their
     tokens) whose neighbours share at least half of what either shares with any prompt and a
     fifth of their tokens, numbered 0, 1, ...; a prompt that shares nothing is a run of its own,
     as the runner computes it. No shared tokens: one run."""
     runs, shared = _runs(prompts)
-    if not runs:
-        return 0, runs
-    if sharing_only:
-        sizes = np.bincount(runs)
-        among = [n for n, r in zip(shared, runs) if sizes[r] > 1]
-        return (round(sum(among) / len(among)) if among else 0), runs
-    return round(sum(shared) / len(prompts)), runs
+    return (round(sum(shared) / len(prompts)) if runs else 0), runs
 
 
 def run_prefix_lengths(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:

@@ -586,7 +586,7 @@ def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_len
 
     import numpy as np
 
-    from workloads.workload import prefix_runs, run_prefix_lengths
+    from workloads.workload import run_prefix_lengths
     from xrunner.engine import rounded_policy
     from xsimulator.costmodel import workload_cache_positions
     from xsimulator.discrete_event import simulate
@@ -599,11 +599,12 @@ def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_len
     prefix_of = prefix_len = None
     if prompts is not None:  # a prompt's samples are one prompt: its repeats would read as a shared prefix
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))
-        tokens, _ = prefix_runs(distinct, sharing_only=True)
         runs, lengths = run_prefix_lengths(distinct)  # the loners' runs compute their own
         run_of = dict(zip(distinct, runs))
-        workload = replace(workload, prefix_tokens=tokens, prefix_groups=max(runs, default=0) + 1, prefix_share=1.0,
-                           prefix_lengths=(), prefix_weights=())
+        sharing = [lengths[k] for k in runs if lengths[k]]
+        workload = replace(workload, prefix_tokens=round(sum(sharing) / len(sharing)) if sharing else 0,
+                           prefix_groups=max(runs, default=0) + 1, prefix_share=1.0, prefix_lengths=(),
+                           prefix_weights=())
         prefix_of = [run_of[tuple(p)] for p in prompts]
         prefix_len = [lengths[k] for k in prefix_of]
     return simulate(plan.model, profile, rounded_policy(plan.policy, plan.model.num_layers), workload,

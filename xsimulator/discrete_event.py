@@ -208,6 +208,7 @@ def _groupings(cell: np.ndarray, prompt: np.ndarray, prefix_of: np.ndarray, pref
     rank = np.empty(E, np.int64)
     first = np.searchsorted(entry_cell[by], entry_cell[by])
     rank[by] = np.arange(E) - first
+    band = int(long.max()) + 1  # (cell, length) keys: cell * band + length
     best = np.full(cells, np.inf)
     keep = np.zeros(cells, np.int64)  # the shortest run kept
     suffix = np.zeros(cells, np.int64)
@@ -224,11 +225,11 @@ def _groupings(cell: np.ndarray, prompt: np.ndarray, prefix_of: np.ndarray, pref
         lone = ~kept & (long > floor[entry_cell])
         cand_cell = np.concatenate((np.arange(cells), entry_cell[lone]))
         cand = np.concatenate((floor, long[lone]))
-        key = entry_cell[lone] * (int(long.max()) + 1) + long[lone]
+        key = entry_cell[lone] * band + long[lone]
         order = np.argsort(key, kind="stable")
         above = np.concatenate((np.cumsum(prompts[lone][order][::-1])[::-1], [0]))  # prompts at or past each
-        at = np.searchsorted(key[order], cand_cell * (int(long.max()) + 1) + cand, side="right")
-        end = np.searchsorted(key[order], cand_cell * (int(long.max()) + 1) + int(long.max()), side="right")
+        at = np.searchsorted(key[order], cand_cell * band + cand, side="right")
+        end = np.searchsorted(key[order], cand_cell * band + band - 1, side="right")
         over = above[at] - above[end]  # the cell's lone prompts longer than the candidate
         top = np.zeros(cells, np.int64)
         np.maximum.at(top, entry_cell[lone], long[lone])
