@@ -20,7 +20,11 @@ each prompt's own prefix and its length (as ``xsched run``'s simulated column is
 planning replays the simulator's assignment of prompts to GPU batches and refills, so the table
 checks the pricing of a given assignment.
 
-    python benchmarks/prefix_pricing.py [--prompts 512] [--only like|unlike|refill]
+The fourth has more templates than the run's prefix cache has room for (``--prompts`` x 4 of
+them, so that many blocks meet the cache): the engine's positions with the cache keeping the
+most used prefixes (stop 61), the first that fit (before), and with room for all.
+
+    python benchmarks/prefix_pricing.py [--prompts 512] [--only like|unlike|refill|many]
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ from xsimulator.policy import Policy  # noqa: E402
 JOBS = ((1, (150, 160), (10, 60)), (2, (100, 110), (10, 60)), (4, (64, 72), (10, 40)), (8, (64, 72), (10, 40)))
 POLICIES = (Policy(gbs=16, nb=4), Policy(gbs=8, nb=8), Policy(gbs=16, nb=4, bucket=False))
 # (template lengths, popularity exponent): unlike templates, most common first
+# (templates, their length, popularity exponent): more templates than the run's cache has room for
+MANY = ((32, 100, 1.0), (32, 100, 1.2), (64, 60, 1.0), (16, 200, 1.0), (16, 200, 0.0))
 UNLIKE = (((200, 20, 100, 40), 0.0), ((200, 20, 100, 40), 1.2), ((20, 200, 40, 100), 1.2),
           ((300,) + (20,) * 7, 1.0), ((20,) * 7 + (300,), 1.0), (tuple(range(20, 340, 20)), 1.0))
 
@@ -82,11 +88,13 @@ def unlike_job(rng: random.Random, lengths: tuple[int, ...], zipf: float, count:
     return out
 
 
-def engine_positions(prompts: list[tuple[int, ...]], policy: Policy, cache_positions: int) -> int:
+def engine_positions(prompts: list[tuple[int, ...]], policy: Policy, cache_positions: int,
+                     first_come: bool = False) -> int:
     """Prefill positions one layer computes over the job, as the engine plans its blocks (its
-    prefix cache sized as ``xsched run`` sizes it for the plan's workload)."""
+    prefix cache sized as ``xsched run`` sizes it for the plan's workload; ``first_come``: it
+    keeps the first prefixes that fit, as before stop 61, not the most used)."""
     hold = max(map(len, prompts))  # the engine holds one prompt's worth of prefixes
-    cache, total = PrefixCache(cache_positions), 0
+    cache, total = PrefixCache(cache_positions, float("inf")) if first_come else PrefixCache(cache_positions), 0
     for b in range(0, len(prompts), policy.block_size):
         block = sorted(prompts[b:b + policy.block_size], key=len) if policy.bucket else prompts[b:b + policy.block_size]
         if policy.bucket:
@@ -150,7 +158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--seed", type=int, default=5)
-    ap.add_argument("--only", choices=("like", "unlike", "refill"))
+    ap.add_argument("--only", choices=("like", "unlike", "refill", "many"))
     args = ap.parse_args()
     spec, profile = get_model_spec("opt-1.3b"), load_profile("t4")
     rng = random.Random(args.seed)
@@ -208,6 +216,23 @@ def main() -> None:
                     print(f"| {shown} | {zipf:g} | {loners:.0%} | {now.prefix_tokens}, {now.prefix_groups}, "
                           f"{now.prefix_share:.2f} | {label(policy)} | {engine} | {des:.3f} | {ana:.3f} | {one:.3f} |",
                           flush=True)
+
+    if args.only in (None, "many"):
+        print("\n| templates x tokens | zipf | cache positions | policy | engine positions: most used "
+              "| first come / most used | room for all / most used | discrete-event / engine | analytic / engine |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for templates, tokens, zipf in MANY:
+            prompts = unlike_job(rng, (tokens,) * templates, zipf, 4 * args.prompts, 0.0)
+            lengths = np.array([len(p) for p in prompts])
+            workload = replace(fixed_workload(int(lengths.mean()), 8), prompt=LengthDistribution.empirical(lengths),
+                               **prefix_fields(prompts))
+            cache = workload_cache_positions(workload, int(lengths.max()))
+            for policy in POLICIES[:2]:
+                engine, (des, ana) = ratios(prompts, policy, [workload], spec, profile)
+                first = engine_positions(prompts, policy, cache, first_come=True)
+                every = engine_positions(prompts, policy, 10 ** 9)
+                print(f"| {templates} x {tokens} | {zipf:g} | {cache} | {label(policy)} | {engine} "
+                      f"| {first / engine:.3f} | {every / engine:.3f} | {des:.3f} | {ana:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

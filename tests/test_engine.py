@@ -373,8 +373,8 @@ def test_later_gpu_batches_take_the_system_prompt_the_first_computed(tmp_path):
     assert got == per_batch
 
 
-def test_the_prefix_cache_keeps_the_first_prefixes_and_a_longer_run_replaces_a_shorter():
-    """``PrefixCache``: first come first kept within its capacity, an entry covering a key keeps it
+def test_the_prefix_cache_keeps_prefixes_within_its_capacity_and_a_longer_run_replaces_a_shorter():
+    """``PrefixCache``: prefixes kept within its capacity, an entry covering a key keeps it
     out, a longer run of an entry's tokens replaces it (counted until the step is done), and a
     prompt takes the most leading tokens an entry shares with it, its own limit allowing."""
     cache = PrefixCache(10)
@@ -392,6 +392,36 @@ def test_the_prefix_cache_keeps_the_first_prefixes_and_a_longer_run_replaces_a_s
     assert cache.longest_start(_key([5, 1]), 1) == (None, 0)
     copy = cache.index_copy()
     assert copy.admit(_key([6, 6])) is not None and cache.covering(_key([6, 6])) is None
+
+
+def test_a_full_prefix_cache_keeps_the_most_used_prefixes_not_the_first():
+    """A job with more templates than the cache has room for: a prefix that more rows computed
+    (now and in earlier steps) than took or computed the least used entry, by the margin, has
+    that entry leave when the step is done (takeable until then) and enters at its next
+    computation, its rows counted, the room kept for it against other prefixes in that step; one
+    about as common does not (two trading places would both be computed again). Kept first come
+    when the margin is infinite."""
+    cache = PrefixCache(6, displace_margin=1.5)
+    a = cache.admit(_key([1, 1, 1]), rows=2)
+    b = cache.admit(_key([2, 2, 2]), rows=4)
+    cache.took(b, 3)
+    assert cache.used == 6 and cache.uses == {a: 2, b: 7}
+    c = _key([3, 3, 3])
+    assert cache.admit(c, rows=2) is None and cache.leaving == []  # 2 rows do not outweigh a's 2 x 1.5
+    assert cache.admit(c, rows=2) is None and cache.leaving == [a]  # 4 rows over two steps do
+    assert cache.covering(_key([1, 1])) == a and cache.index_copy().leaving == [a]  # takeable until the step ends
+    assert cache.drop_retired() == [a] and a not in cache.keys and cache.used == 3
+    assert cache.admit(_key([4, 4, 4]), rows=2) is None  # the room is c's for this step
+    ident = cache.admit(c, rows=2)
+    assert ident is not None and cache.uses[ident] == 6 and cache.used == 6
+    cache.took(ident, 1)
+    assert cache.admit(_key([1, 1, 1]), rows=2) is None and cache.leaving == []  # a's 2 + 2 < b's 7 x 1.5
+    first_come = PrefixCache(3, displace_margin=float("inf"))
+    kept = first_come.admit(_key([1, 1, 1]), rows=2)
+    for _ in range(5):
+        assert first_come.admit(_key([2, 2, 2]), rows=16) is None
+        assert first_come.drop_retired() == []
+    assert list(first_come.keys) == [kept]
 
 
 def test_the_runs_later_prefills_take_the_system_prompt_its_first_computed(tmp_path):
@@ -456,6 +486,49 @@ def test_a_prefix_cache_sized_for_the_templates_keeps_them_all(tmp_path):
     layer0 = [e.args for e in every.events if e.name == "prefill" and e.args["layer"] == 0]
     later = layer0[3:]  # the refills after the first block's three batches
     assert later and all(a.get("positions", 0) <= a["rows"] * 3 for a in later), later
+
+
+def test_a_common_template_displaces_a_rare_one_from_a_full_cache(tmp_path, monkeypatch):
+    """Three templates of 10 tokens, one of them behind 22 of 26 prompts, in blocks of three GPU
+    batches of 2, with room for one template in the run's cache: the first block keeps a rare
+    one, the common one displaces it in the second (it leaves when that step is done, its keys
+    and values freed) and is kept from the third on, so the job computes fewer prompt positions
+    than keeping the first that fit; every request equals the reference loop either way, with
+    the kept bytes within the planned cpu tier (``run_engine``)."""
+    import xrunner.engine as engine_module
+
+    src = RandomSource(LLAMA, seed=3)
+    rng = random.Random(8)
+    heads = [tuple(rng.randrange(LLAMA.vocab_size) for _ in range(10)) for _ in range(3)]
+    firsts = rng.sample(range(LLAMA.vocab_size), 26)  # no two questions begin alike
+    which = [1, 1, 2, 2] + [0] * 22
+    prompts = [heads[k] + (f,) + tuple(rng.randrange(LLAMA.vocab_size) for _ in range(rng.randint(0, 2)))
+               for k, f in zip(which, firsts)]
+    reqs = [Request(f"d{i}", p, rng.randint(1, MAX_OUTPUT)) for i, p in enumerate(prompts)]
+    want = reference(load_weights(src), reqs)
+    kept: list[list[bytes]] = []  # the cache's keys after each step
+
+    def watched(margin: float) -> type:
+        class Watched(PrefixCache):
+            def __init__(self, capacity: int):
+                super().__init__(capacity, margin)
+
+            def drop_retired(self):
+                out = super().drop_retired()
+                kept.append([k[:40] for k in self.keys.values()])
+                return out
+        return Watched
+
+    policy = Policy(gbs=2, nb=3)
+    monkeypatch.setattr(engine_module, "PrefixCache", watched(float("inf")))
+    first_come, first_stats = run_engine(src, policy, reqs, tmp_path, prefix_cache_positions=12)
+    assert kept[0] != [_key(heads[0])] and kept[-1] == kept[0]
+    kept.clear()
+    monkeypatch.setattr(engine_module, "PrefixCache", watched(PrefixCache(1).displace_margin))
+    got, stats = run_engine(src, policy, reqs, tmp_path, prefix_cache_positions=12)
+    assert got == first_come == want
+    assert kept[0] != [_key(heads[0])] and kept[1] == [] and kept[2:] == [[_key(heads[0])]] * (len(kept) - 2)
+    assert stats.padded_prompt_tokens < first_stats.padded_prompt_tokens
 
 
 def test_the_simulator_prices_a_shared_prefix_as_the_engine_computes_it(tmp_path):
@@ -571,12 +644,14 @@ def test_prompts_sharing_nothing_do_not_split_the_shared_runs():
     assert block_positions([prompts[:8], prompts[8:]]) == 16 * 96  # (the queue's order shares nothing)
 
 
-def engine_prefill_positions(prompts: list[tuple[int, ...]], policy: Policy, cache_positions: int) -> int:
+def engine_prefill_positions(prompts: list[tuple[int, ...]], policy: Policy, cache_positions: int,
+                             first_come: bool = False) -> int:
     """Prompt positions one layer computes over a job as the engine plans its blocks (no refill):
     ``prefix_order`` under bucketing, ``plan_block`` holding one prompt's worth of prefixes, the
-    run's prefix cache of ``cache_positions`` carried from block to block."""
+    run's prefix cache of ``cache_positions`` carried from block to block (``first_come``: it
+    keeps the first prefixes that fit, not the most used)."""
     engine, hold = 0, max(map(len, prompts))
-    cache = PrefixCache(cache_positions)
+    cache = PrefixCache(cache_positions, float("inf")) if first_come else PrefixCache(cache_positions)
     for b in range(0, len(prompts), policy.block_size):
         block = list(prompts[b:b + policy.block_size])
         if policy.bucket:
@@ -637,6 +712,33 @@ def test_the_simulator_prices_mixed_templates_as_the_engine_orders_and_groups_th
                 assert sim.padded_prompt_tokens == pytest.approx(engine, rel=0.08), (G, loners, policy)
             if G == 32:  # more templates than the cache keeps
                 assert one.padded_prompt_tokens < 0.6 * engine, policy
+
+
+def test_a_job_with_more_templates_than_the_cache_holds_keeps_its_most_common():
+    """2048 prompts behind 32 templates of 100 tokens, template k drawn with weight 1 / (k + 1),
+    where the run's cache has room for 11: keeping the most used templates, not the first that
+    fit, computes fewer prefill positions over the job (7% here; ``benchmarks/prefix_pricing.py
+    --only many``: 0-8% fewer where templates differ in popularity, up to 1.5% more where all are
+    alike), and the discrete-event simulator, which replays the same rule, stays within 10% of
+    the engine (1.03-1.10 measured; 1.05 here)."""
+    from workloads.workload import prefix_fields
+
+    rng = random.Random(3)
+    heads = [tuple(rng.randrange(50000) for _ in range(100)) for _ in range(32)]
+    weights = [1 / (k + 1) for k in range(32)]
+    prompts = [rng.choices(heads, weights)[0] + tuple(rng.randrange(50000) for _ in range(rng.randint(10, 40)))
+               for _ in range(2048)]
+    lengths = np.array([len(p) for p in prompts])
+    workload = replace(fixed_workload(int(lengths.mean()), 8), prompt=LengthDistribution.empirical(lengths),
+                       **prefix_fields(prompts))
+    cache = workload_cache_positions(workload, int(lengths.max()))
+    assert cache < 12 * 100
+    policy = Policy(gbs=16, nb=4)
+    most = engine_prefill_positions(prompts, policy, cache)
+    first = engine_prefill_positions(prompts, policy, cache, first_come=True)
+    assert most < 0.98 * first
+    sim, _ = simulate_timeline(LLAMA, t4_like(), policy, workload, requests=(lengths, np.full(len(prompts), 8)))
+    assert sim.padded_prompt_tokens == pytest.approx(most, rel=0.10)
 
 
 def test_templates_of_unlike_lengths_and_popularity_are_priced_each_as_it_is():

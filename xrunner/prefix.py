@@ -20,10 +20,10 @@ suffix spans its longest prompt's own part. :func:`prefix_order` picks the block
 length or by prefix, that computes fewer positions (:func:`block_positions`).
 
 A run's later prefills (each refill, each later block) meet the same system prompts again: a
-:class:`PrefixCache` keeps the keys and values of every layer of the first prefixes a run
-computes (those two or more rows share, within its capacity in positions, first come first
-kept: ``xsched run`` sizes it for the plan's workload's prefixes) and a later batch takes them, a
-row alone too, computing only the rest of each prompt.
+:class:`PrefixCache` keeps the keys and values of every layer of the prefixes a run computes
+(those two or more rows share, within its capacity in positions, the most used where they do
+not all fit: ``xsched run`` sizes it for the plan's workload's prefixes) and a later batch takes
+them, a row alone too, computing only the rest of each prompt.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 from xprofiler.specs import ModelSpec
 from workloads.workload import neighbour_runs, sorted_neighbours
 from xrunner.model import Rope, Weights, attention, attn_in, attn_out_mlp
-from xsimulator.costmodel import SHARE_PREFIX_AT_MOST
+from xsimulator.costmodel import PREFIX_CACHE_DISPLACE_MARGIN, PREFIX_CACHE_SEEN, SHARE_PREFIX_AT_MOST
 
 # Grouping thresholds ``prefix_order`` tries per block (each costs two groupings of every GPU batch).
 ORDER_CANDIDATES = 12
@@ -113,18 +113,30 @@ class PrefixCache:
     """Prefixes a run's earlier prefills computed, kept for its later ones (a refill, a later block).
 
     ``keys`` (id -> tokens as bytes) is what planning sees: :func:`plan_block` admits a computed
-    prefix that two or more rows share while ``capacity`` positions allow (first come first
-    kept; a longer run of an entry's tokens replaces it), and a row takes the most leading
-    tokens any entry shares with its prompt. ``layers[l][id]`` holds an entry's keys and values
-    in layer ``l`` once that layer computed them (the engine fills it); a replaced entry stays
-    there, and in ``used``, until the step that replaced it is done (``retired``: an earlier
-    batch of that step may take it). Ids come from one counter shared with the held prefixes."""
+    prefix that two or more rows share while ``capacity`` positions allow (a longer run of an
+    entry's tokens replaces it), and a row takes the most leading tokens any entry shares with its
+    prompt. When a prefix does not fit, the rows that computed it (now and before: ``seen``) are
+    weighed against the rows that took or computed the least used entries (``uses``): where it
+    has ``displace_margin`` times more, those leave when the step is done and it
+    enters when a prefill next computes it, so a job with more templates than room keeps its
+    most common ones, not its first.
 
-    def __init__(self, capacity: int):
+    ``layers[l][id]`` holds an entry's keys and values in layer ``l`` once that layer computed
+    them (the engine fills it); a replaced or leaving entry stays there, and in ``used``, until
+    the step is done (``retired``: an earlier batch of that step may take it). Ids come from one
+    counter shared with the held prefixes. ``displace_margin`` inf keeps the first that fit."""
+
+    def __init__(self, capacity: int, displace_margin: float = PREFIX_CACHE_DISPLACE_MARGIN):
         self.capacity = capacity
+        self.displace_margin = displace_margin
         self.keys: dict[int, bytes] = {}
         self.sizes: dict[int, int] = {}  # id -> positions, entries and retired ones
+        self.uses: dict[int, int] = {}  # id -> rows that computed or took it
+        self.seen: dict[bytes, int] = {}  # rows that computed a prefix the cache did not keep
         self.retired: list[int] = []
+        self.leaving: list[int] = []  # entries a more used prefix displaces when the step is done
+        self.claims: dict[bytes, int] = {}  # prefix -> the room its displacing frees, for the next step
+        self.promised: dict[bytes, int] = {}  # (the claims of the step before: this step's)
         self.ids = itertools.count()
         self.layers: dict[int, dict[int, Held]] = {}
 
@@ -145,31 +157,75 @@ class PrefixCache:
                 best = (i, n)
         return best
 
-    def admit(self, key: bytes) -> int | None:
-        """A new entry's id for ``key`` (retiring the entries it extends), or None when an entry
-        covers it already or it does not fit."""
+    def took(self, ident: int, rows: int) -> None:
+        """``rows`` of a prefill took entry ``ident``."""
+        if ident in self.uses:
+            self.uses[ident] += rows
+
+    def _room(self, key: bytes) -> int:
+        """Positions free for ``key`` now: the room promised to other prefixes is not."""
+        return self.capacity - self.used - sum(n for k, n in self.promised.items() if k != key)
+
+    def admit(self, key: bytes, rows: int = 2) -> int | None:
+        """A new entry's id for ``key``, which ``rows`` of a prefill compute (retiring the entries
+        it extends), or None when an entry covers it already or it does not fit (then the least
+        used entries may be marked to leave for it: see the class)."""
         n = len(key) // _KEY_BYTES
-        if self.covering(key) is not None or self.used + n > self.capacity:
+        if self.covering(key) is not None:
             return None
+        count = self.seen.pop(key, 0) + rows
+        if n > self._room(key):
+            self._displace(key, n, count)
+            return None
+        self.promised.pop(key, None)
         for i in [i for i, k in self.keys.items() if key.startswith(k)]:
             del self.keys[i]
             self.retired.append(i)
+            count += self.uses.pop(i)
+            if i in self.leaving:
+                self.leaving.remove(i)
         ident = next(self.ids)
         self.keys[ident] = key
         self.sizes[ident] = n
+        self.uses[ident] = count
         return ident
 
+    def _displace(self, key: bytes, n: int, count: int) -> None:
+        """Mark the least used entries to leave where ``count`` rows outweigh theirs and their
+        room makes ``n`` fit, the room claimed for ``key`` in the next step (another prefix
+        fitting in it first would undo the trade), and remember ``count`` for its next computation."""
+        free = (self._room(key) + sum(self.sizes[i] for i in self.leaving)
+                - sum(m for k, m in self.claims.items() if k != key))
+        victims, weight = [], 0
+        for i in sorted((i for i in self.keys if i not in self.leaving), key=lambda i: (self.uses[i], i)):
+            if free >= n:
+                break
+            victims.append(i)
+            weight += self.uses[i]
+            free += self.sizes[i]
+        if free >= n and weight * self.displace_margin < count:
+            self.leaving += victims
+            self.claims[key] = n
+        self.seen[key] = count
+        if len(self.seen) > PREFIX_CACHE_SEEN:  # forget the least seen
+            del self.seen[min(self.seen, key=self.seen.__getitem__)]
+
     def drop_retired(self) -> list[int]:
-        """Forget the entries replaced during the step just done; returns their ids."""
-        out, self.retired = self.retired, []
+        """Forget the entries replaced or displaced during the step just done; returns their ids."""
+        for i in self.leaving:
+            self.seen[self.keys.pop(i)] = self.uses.pop(i)
+        out, self.retired, self.leaving = self.retired + self.leaving, [], []
+        self.promised, self.claims = self.claims, {}
         for i in out:
             del self.sizes[i]
         return out
 
     def index_copy(self) -> "PrefixCache":
-        """The keys alone (planning a candidate order must not admit anything)."""
-        out = PrefixCache(self.capacity)
+        """The keys and counts alone (planning a candidate order must not admit anything)."""
+        out = PrefixCache(self.capacity, self.displace_margin)
         out.keys, out.sizes, out.ids = dict(self.keys), dict(self.sizes), itertools.count(10 ** 9)
+        out.uses, out.seen, out.leaving = dict(self.uses), dict(self.seen), list(self.leaving)
+        out.claims, out.promised = dict(self.claims), dict(self.promised)
         return out
 
 
@@ -259,10 +315,11 @@ def _share_block(batches: Sequence[Sequence[Sequence[int]]], groupings: Sequence
         own, lends, stores = [], [], []
         for g, src in enumerate(sources):
             if src is not None:
+                cache.took(src, len(runs[g]))
                 continue
             own.append(g)
             key = _key(b[runs[g][0]][:lengths[g]])
-            ident = cache.admit(key) if len(runs[g]) > 1 else None
+            ident = cache.admit(key, len(runs[g])) if len(runs[g]) > 1 else None
             if ident is not None:
                 stores.append((g, ident))
                 continue

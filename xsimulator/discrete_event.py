@@ -27,8 +27,8 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import (SHARE_PREFIX_AT_MOST, BlockStep, CostModel, StepTerms, channel_groups, fits_in,
-                                  workload_cache_positions)
+from xsimulator.costmodel import (PREFIX_CACHE_DISPLACE_MARGIN, PREFIX_CACHE_SEEN, SHARE_PREFIX_AT_MOST, BlockStep,
+                                  CostModel, StepTerms, channel_groups, fits_in, workload_cache_positions)
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 from xsimulator.trace import TraceEvent
@@ -80,7 +80,8 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
     free_by_interval: dict[int, list[int]] = {0: list(range(min(bls, n)))}  # slots past n stay empty
     pending = [0]
     pos = 0
-    # The prefixes the run's cache keeps by now (the first that fit: _cache_takes has the detail)
+    # The prefixes the run's cache keeps by now, for ordering the joiners: the first that fit
+    # (_cache_takes prices what it keeps, the most used where they do not all fit)
     cached: dict[int, None] = {}
     # (only a prefix two or more prompts begin with enters it; one alone is a prompt sharing nothing)
     shared = set() if of_l is None else set(np.flatnonzero(np.bincount(prefix_of) > 1).tolist())
@@ -468,7 +469,7 @@ def _own_prefixes(cell: np.ndarray, batch: np.ndarray, prefill: np.ndarray, pref
     ``hold_positions``; ``members``: the entry's distinct prompts), whose entries the batches do
     not hold as well. Also per entry, the tokens the cache keeps of its prefix by then."""
     taken, stored, avail = _cache_takes(prefill * nb + batch, prefix_id, np.where(lend >= 0, need, -1), need,
-                                        members, hold_positions if cache_positions is None else cache_positions)
+                                        members, hold_positions if cache_positions is None else cache_positions, nb)
     lend = np.where(stored | taken, -1, lend)  # (the cache's are not held as well; a taken one is not computed)
     computes = _first_computes(batch, prefill * (int(prefix_id.max()) + 1) + prefix_id, lend, need)
     if hold_positions is not None:
@@ -477,31 +478,74 @@ def _own_prefixes(cell: np.ndarray, batch: np.ndarray, prefill: np.ndarray, pref
 
 
 def _cache_takes(time: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray, need: np.ndarray, members: np.ndarray,
-                 capacity: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 capacity: int | None, nb: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The engine's run-wide prefix cache (``xrunner.prefix.PrefixCache``) on (cell, prefix)
-    entries at ``time`` (prefill, then GPU batch): a prefix enters it where two or more prompts
-    of a cell share more of it (``lend`` tokens) than it keeps, first come first kept within
+    entries at ``time`` (prefill, then GPU batch, ``nb`` batches a prefill): a prefix enters it
+    where two or more prompts of a cell share more of it (``lend`` tokens) than it keeps, within
     ``capacity`` positions (None: no limit; a longer run replaces a shorter one), and a later
-    entry takes what it keeps then. Returns (taken whole: it keeps the ``need`` tokens, the
-    entries that stored one, the tokens kept for each entry's prefix before it)."""
+    entry takes what it keeps then. Where one does not fit, its prompts so far weigh against the
+    least used entries' (:meth:`PrefixCache._displace`: they leave when the prefill is done).
+    Returns (taken whole: it keeps the ``need`` tokens, the entries that stored one, the tokens
+    kept for each entry's prefix before it)."""
     ids = prefix_id.astype(np.int64)
-    value = np.where((lend >= 0) & (members >= 2), lend, -1) + 1
-    order, before = _best_before(ids, time, value)
-    records = order[value[order] > before]  # a prefix shared further than ever before (a few per prefix)
-    stored = np.zeros(len(time), bool)
-    kept: dict[int, int] = {}
-    for e in sorted(records.tolist(), key=lambda e: (time[e], ids[e])):
-        w, n = int(ids[e]), int(lend[e])
-        if capacity is None or sum(kept.values()) + n <= capacity:
-            stored[e] = True
-            kept[w] = n
-    rec = np.flatnonzero(stored)
-    rec = rec[np.lexsort((time[rec], ids[rec]))]
-    scale = int(time.max()) + 2
-    at = np.searchsorted(ids[rec] * scale + time[rec], ids * scale + time, side="left") - 1
-    same = (at >= 0) & (ids[rec][np.maximum(at, 0)] == ids) if len(rec) else np.zeros(len(time), bool)
-    avail = np.where(same, lend[rec][np.maximum(at, 0)] if len(rec) else 0, 0)
-    return same & (need <= avail), stored, avail
+    order = np.lexsort((ids, time))
+    taken, stored = np.zeros(len(time), bool), np.zeros(len(time), bool)
+    avail = np.zeros(len(time), np.int64)
+    limit = float("inf") if capacity is None else capacity
+    kept: dict[int, int] = {}  # prefix -> tokens kept
+    uses: dict[int, int] = {}
+    since: dict[int, int] = {}  # prefix -> admission order (the engine's ids)
+    seen: dict[int, int] = {}
+    leaving: list[int] = []
+    claims: dict[int, int] = {}  # prefix -> room its displacing frees for the next prefill
+    promised: dict[int, int] = {}
+    used, retired, step, tick = 0, 0, -1, 0
+    for e, t, w, n, want, rows in zip(order.tolist(), time[order].tolist(), ids[order].tolist(), lend[order].tolist(),
+                                       need[order].tolist(), members[order].tolist()):
+        if t // nb != step:  # the prefill before is done: replaced and displaced entries go
+            step = t // nb
+            for v in leaving:
+                seen[v] = uses.pop(v)
+                used -= kept.pop(v)
+            used -= retired
+            leaving, retired, promised, claims = [], 0, claims, {}
+        have = kept.get(w, 0)
+        avail[e] = have
+        if want > 0 and have >= want:
+            taken[e] = True
+            uses[w] += rows
+            continue
+        if n < 0 or rows < 2 or n <= have:
+            continue
+        count = seen.pop(w, 0) + rows
+        room = limit - used - sum(m for v, m in promised.items() if v != w)
+        if n > room:  # PrefixCache._displace
+            free = room + sum(kept[v] for v in leaving) - sum(m for v, m in claims.items() if v != w)
+            victims, weight = [], 0
+            for v in sorted((v for v in kept if v not in leaving), key=lambda v: (uses[v], since[v])):
+                if free >= n:
+                    break
+                victims.append(v)
+                weight += uses[v]
+                free += kept[v]
+            if free >= n and weight * PREFIX_CACHE_DISPLACE_MARGIN < count:
+                leaving += victims
+                claims[w] = n
+            seen[w] = count
+            if len(seen) > PREFIX_CACHE_SEEN:
+                del seen[min(seen, key=seen.__getitem__)]
+            continue
+        promised.pop(w, None)
+        if w in kept:  # a longer run replaces it (counted until the prefill is done)
+            retired += have
+            count += uses[w]
+            if w in leaving:
+                leaving.remove(w)
+        stored[e] = True
+        kept[w], uses[w], since[w] = n, count, tick
+        used += n
+        tick += 1
+    return taken, stored, avail
 
 
 def _first_computes(batch: np.ndarray, key: np.ndarray, lend: np.ndarray, need: np.ndarray) -> np.ndarray:
