@@ -24,7 +24,12 @@ The fourth has more templates than the run's prefix cache has room for (``--prom
 them, so that many blocks meet the cache): the engine's positions with the cache keeping the
 most used prefixes (stop 61), the first that fit (before), and with room for all.
 
-    python benchmarks/prefix_pricing.py [--prompts 512] [--only like|unlike|refill|many]
+The fifth is an evaluation suite (57 few-shot templates of 550-650 tokens before 30-110 token
+questions, 4 output tokens, ``--prompts`` x 4 of them): ``xsched plan``'s policy on the t4 preset
+with its prefix cache grown into free memory (``xscheduler.search.grow_prefix_cache``) and the
+same policy with the default room, the engine's positions for both and the simulator's over them.
+
+    python benchmarks/prefix_pricing.py [--prompts 512] [--only like|unlike|refill|many|suite]
 """
 
 from __future__ import annotations
@@ -158,7 +163,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--seed", type=int, default=5)
-    ap.add_argument("--only", choices=("like", "unlike", "refill", "many"))
+    ap.add_argument("--only", choices=("like", "unlike", "refill", "many", "suite"))
     args = ap.parse_args()
     spec, profile = get_model_spec("opt-1.3b"), load_profile("t4")
     rng = random.Random(args.seed)
@@ -233,6 +238,34 @@ def main() -> None:
                 every = engine_positions(prompts, policy, 10 ** 9)
                 print(f"| {templates} x {tokens} | {zipf:g} | {cache} | {label(policy)} | {engine} "
                       f"| {first / engine:.3f} | {every / engine:.3f} | {des:.3f} | {ana:.3f} |", flush=True)
+
+    if args.only in (None, "suite"):
+        suite(rng, 4 * args.prompts, spec, profile)
+
+
+def suite(rng: random.Random, count: int, spec, profile) -> None:
+    """The fifth table: a plan's grown prefix cache against the default room on an evaluation suite."""
+    from xscheduler import SLA, plan_search
+    from xsimulator.costmodel import run_cache_positions
+
+    print("\n| model | policy | cache positions | engine positions | discrete-event / engine "
+          "| predicted tokens/s | predicted peak cpu GiB |")
+    print("|---|---|---|---|---|---|---|")
+    lengths = [rng.randint(550, 650) for _ in range(57)]
+    prompts = unlike_job(rng, tuple(lengths), 0.0, count, 0.0, question=(30, 110))
+    sizes = np.array([len(p) for p in prompts])
+    workload = replace(fixed_workload(int(sizes.mean()), 4), prompt=LengthDistribution.empirical(sizes),
+                       **prefix_fields(prompts))
+    both = (sizes, np.full(count, 4))
+    for name in ("opt-1.3b", "opt-6.7b"):
+        model = profile.model_for(get_model_spec(name))
+        plan = plan_search(model, profile, workload, SLA("p99", 3600), confirm_seeds=())
+        for policy in (plan.policy, replace(plan.policy, prefix_cache_positions=None)):
+            cache = run_cache_positions(policy, workload, int(sizes.max()))
+            engine = engine_positions(prompts, policy, cache)
+            sim = simulate(model, profile, policy, workload, requests=both)
+            print(f"| {name} | {policy.gbs} x {policy.nb} | {cache} | {engine} | {sim.padded_prompt_tokens / engine:.3f} "
+                  f"| {sim.throughput_tokens_per_s:.1f} | {sim.peak_bytes['cpu'] / 2 ** 30:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -544,6 +544,39 @@ def test_the_simulated_column_prices_the_prefixes_the_jobs_prompts_share(tmp_pat
     assert guess.padded_prompt_tokens > 1.5 * result.padded_prompt_tokens
 
 
+def test_a_plans_prefix_cache_size_is_the_runs(tmp_path, capsys):
+    """Prompts behind six 20-token templates, two by two, under two plans for a workload that describes no
+    prefix: one with the default room (one prompt's worth: one template kept) and one whose
+    policy sets the cache to 150 positions (``Policy.prefix_cache_positions``, which the planner
+    sets where memory allows). The run gives the engine the plan's room: the same outputs, fewer
+    prefill positions, its planned cpu peak larger by the cache's bytes and the measured peaks
+    within it; the simulated column prices the same cache."""
+    from dataclasses import replace
+
+    from xrunner.result import RunResult
+    from xsimulator.policy import Policy
+
+    rng = np.random.default_rng(3)
+    heads = [rng.integers(4, 50000, size=20).tolist() for _ in range(6)]
+    rows = [{"id": i, "prompt_ids": heads[i // 2 % 6] + rng.integers(4, 50000, size=int(rng.integers(2, 10))).tolist(),
+             "max_new_tokens": 2} for i in range(36)]
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    policy = Policy(gbs=4, nb=1)
+    results = {}
+    for name, pol in (("default", policy), ("grown", replace(policy, prefix_cache_positions=150))):
+        plan = make_plan(tmp_path / f"{name}.json", random_spec(), pol, 30, 2)
+        with pytest.warns(UserWarning, match="begin with"):
+            assert main(["run", "--plan", str(plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--out",
+                         str(tmp_path / f"{name}.jsonl"), "--quiet", "--adapt", "none", "--ignore-eos", "--json"]) == 0
+        results[name] = RunResult.from_json(capsys.readouterr().out)
+        assert results[name].fits
+    default, grown = results["default"], results["grown"]
+    assert without_timing(read_rows(tmp_path / "default.jsonl")) == without_timing(read_rows(tmp_path / "grown.jsonl"))
+    assert grown.padded_prompt_tokens < default.padded_prompt_tokens
+    assert grown.planned_peak_bytes["cpu"] > default.planned_peak_bytes["cpu"]
+    assert grown.simulated.padded_prompt_tokens < default.simulated.padded_prompt_tokens
+
+
 def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
     ok = write_prompts(tmp_path / "ok.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7]}])
     bad_json = tmp_path / "bad.jsonl"

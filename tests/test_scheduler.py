@@ -771,3 +771,44 @@ def test_shared_prefills_priced_as_such_and_branch_and_bound_still_finds_the_bes
         assert all(fresh.bound(*x) == pytest.approx(one_prefix.bound(*x)) for x in shapes)
         assert all(many.bound(*x) < one_prefix.bound(*x) for x in shapes), "the LP prices each batch's prefixes"
     assert best[1] > (3 if shared == "samples" else 1.3) * best[0], best
+
+
+def test_a_plan_grows_the_prefix_cache_into_free_memory_for_many_templates():
+    """An evaluation-suite job: every prompt one of 57 few-shot templates of 550-650 tokens before
+    a short question, 4 output tokens. The run's default cache keeps eight prompts' worth (9 of
+    the templates); the plan grows it toward room for all 57, within half of what each tier
+    leaves free, and keeps that where the simulator prices it faster: the plan's policy carries
+    the size, its prediction beats the same policy with the default room, and its peaks fit.
+    A workload whose prefixes fit the default room keeps the default; a plan's policy written
+    without the field reads as the default."""
+    from workloads.distributions import LengthDistribution
+    from workloads.workload import fixed_workload
+    from xsimulator.costmodel import PREFIX_CACHE_SLACK, workload_cache_positions
+    from xscheduler.search import CACHE_ROOM_SHARE
+
+    prof = load_profile("t4")
+    spec = prof.model_for(get_model_spec("opt-1.3b"))
+    lengths = np.random.default_rng(0).integers(550, 650, 57)
+    suite = replace(fixed_workload(700, 4), prompt=LengthDistribution.empirical(np.arange(620, 760)),
+                    prefix_tokens=int(round(lengths.mean())), prefix_groups=57, prefix_share=1.0,
+                    prefix_lengths=tuple(int(x) for x in lengths), prefix_weights=(1 / 57,) * 57)
+    plan = plan_search(spec, prof, suite, SLA("p99", 3600), num_requests=REQUESTS, confirm_seeds=())
+    base = workload_cache_positions(suite)
+    grown = plan.policy.prefix_cache_positions
+    assert grown is not None and base < grown <= math.ceil(PREFIX_CACHE_SLACK * lengths.sum())
+    default = simulate(spec, prof, replace(plan.policy, prefix_cache_positions=None), suite, REQUESTS)
+    assert plan.predicted.throughput_tokens_per_s > default.throughput_tokens_per_s
+    assert plan.predicted.padded_prompt_tokens < default.padded_prompt_tokens
+    for tier in TIERS:
+        free = prof.capacity_bytes(tier) - default.peak_bytes[tier]
+        assert plan.predicted.peak_bytes[tier] <= default.peak_bytes[tier] + CACHE_ROOM_SHARE * free + 1
+    assert any("prefix cache grown" in n for n in plan.notes)
+    again = Plan.from_json(plan.to_json())
+    assert again.policy == plan.policy
+    data = json.loads(plan.policy.to_json())
+    del data["prefix_cache_positions"]
+    assert Policy.from_dict(data) == replace(plan.policy, prefix_cache_positions=None)
+    few = replace(suite, prefix_groups=4, prefix_lengths=tuple(int(x) for x in lengths[:4]), prefix_weights=(0.25,) * 4,
+                  prefix_tokens=int(round(lengths[:4].mean())))
+    assert plan_search(spec, prof, few, SLA("p99", 3600), num_requests=REQUESTS,
+                       confirm_seeds=()).policy.prefix_cache_positions is None

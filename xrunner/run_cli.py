@@ -308,7 +308,7 @@ def _run(args: argparse.Namespace) -> int:
     from xscheduler.plan import Plan
     from xsched.errors import UserError
     from xsched.fileio import atomic_write_all, check_writable, file_or_none, separate_files
-    from xsimulator.costmodel import CostModel, workload_cache_positions
+    from xsimulator.costmodel import CostModel, run_cache_positions
 
     plan = Plan.load(args.plan)
     profile, no_profile = _plan_profile(plan, args.profile)
@@ -428,8 +428,8 @@ def _run(args: argparse.Namespace) -> int:
         # The engine refuses a tier that does not fit; without CUDA two tiers share the RAM, so check the sum.
         # (Memory terms do not depend on the machine's speeds, so any profile prices them.)
         rounded = rounded_policy(plan.policy, source.spec.num_layers)
-        # The run's prefix cache: room for the plan's workload's prefixes (as the plan priced it).
-        cache_positions = workload_cache_positions(plan.workload, max_prompt)
+        # The run's prefix cache: the plan's, or room for its workload's prefixes (as the plan priced it).
+        cache_positions = run_cache_positions(plan.policy, plan.workload, max_prompt)
         planned_peak = CostModel.for_policy(source.spec, load_preset(preset_names()[0]), rounded).peak_bytes(
             rounded, max_prompt, max_output, cache_positions)
         machine = machine_capacity_bytes(device, offload_root)
@@ -581,21 +581,21 @@ def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_len
     output lengths as generated), with the plan's policy as the engine placed it (whole layers and
     rows) on the plan's profile; None for no requests. ``prompts`` (their token ids): price the
     prefixes they share, and which each begins with (``prefix_runs``), not the plan's guess;
-    ``cache_positions``: the engine's prefix cache (default: sized for the plan's workload)."""
+    ``cache_positions``: the engine's prefix cache (default: the plan's, as ``run`` gives it)."""
     from dataclasses import replace
 
     import numpy as np
 
     from workloads.workload import run_prefix_lengths
     from xrunner.engine import rounded_policy
-    from xsimulator.costmodel import workload_cache_positions
+    from xsimulator.costmodel import run_cache_positions
     from xsimulator.discrete_event import simulate
 
     if not prompt_lens:
         return None
     workload = covering(plan, max(prompt_lens), max(output_lens)).workload  # memory for the job's longest
-    # The engine's prefix cache (given: what `run` gave it), sized for the plan's workload, not the job's prefixes
-    cache = cache_positions or workload_cache_positions(workload)
+    # The engine's prefix cache (given: what `run` gave it): the plan's, for its workload, not the job's prefixes
+    cache = cache_positions or run_cache_positions(plan.policy, workload)
     prefix_of = prefix_len = None
     if prompts is not None:  # a prompt's samples are one prompt: its repeats would read as a shared prefix
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))

@@ -34,6 +34,7 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xscheduler.placement import Placement, place
+from xsimulator.costmodel import PREFIX_CACHE_SLACK, CostModel, fits_in, workload_cache_positions
 from xsimulator.policy import MAX_GBS, MAX_NB, Policy
 from xsimulator.result import SimResult
 
@@ -97,6 +98,9 @@ JUMP_WITHIN = 0.9
 # point was 0.977 of the answer; one-knob steps change the variant or the shape, not both).
 POLISH_WITHIN = 0.95
 JUMP_ROUNDS = 4
+# A grown prefix cache takes at most this share of the room a plan leaves free on each tier: the
+# rest stays for what the cost model does not count (allocator slack, the process itself).
+CACHE_ROOM_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -935,6 +939,40 @@ def search(ev: Evaluator, spaces: list[Space], kind: str, bound_s: float, method
     else:
         raise ValueError(f"unknown search method {method!r}")
     return SearchOutcome(best, method, ev.evaluations - e0, grid, ev.lp_solves - l0, time.perf_counter() - t0)
+
+
+def grow_prefix_cache(ev: Evaluator, best: Evaluation, kind: str, bound_s: float) -> Evaluation:
+    """``best`` with the run's prefix cache grown past its default room (at most
+    ``PREFIX_CACHE_PROMPTS`` prompts' worth) toward room for every prefix of the workload, within
+    ``CACHE_ROOM_SHARE`` of what each tier leaves free; kept where the simulator prices it at
+    least as fast and within the bound. A job of many task templates (an evaluation suite's
+    few-shot prompts) otherwise computes every template the cache cannot keep again at each
+    refill and block."""
+    w, policy = ev.workload, best.policy
+    if policy is None or not best.fits or not w.prefix_tokens or w.prefix_share <= 0:
+        return best
+    base = workload_cache_positions(w)
+    want = math.ceil(PREFIX_CACHE_SLACK * float(w.prefix_table[0].sum()))
+    if want <= base:
+        return best
+    cm = CostModel.for_policy(ev.spec, ev.profile, policy)
+    peak = functools.partial(cm.peak_bytes, policy, w.prompt.max_len, w.output.max_len)
+    now = peak(base)
+    room = {t: now[t] + CACHE_ROOM_SHARE * (ev.profile.capacity_bytes(t) - now[t]) for t in now}
+    fits = lambda c: all(v <= room[t] for t, v in peak(c).items())  # noqa: E731
+    lo, hi = base, want
+    if not fits(hi):
+        while hi - lo > 1:  # peak bytes grow with the positions: the largest that fits
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        hi = lo
+    if hi <= base:
+        return best
+    grown = replace(policy, prefix_cache_positions=hi)
+    cand = Evaluation(best.variant, best.gbs, best.nb, best.refill_every, grown, ev.simulate(grown))
+    if not all(fits_in(cand.result.peak_bytes, ev.profile).values()):
+        return best
+    return cand if cand.meets(kind, bound_s) and cand.throughput >= best.throughput else best
 
 
 def _bnb_order(ev: Evaluator, spaces: list[Space]) -> list[Space]:

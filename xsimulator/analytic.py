@@ -43,7 +43,7 @@ from scipy import signal, special, stats
 from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
-from xsimulator.costmodel import (BlockStep, CostModel, StepTerms, prefix_groups_in_batch, workload_cache_positions,
+from xsimulator.costmodel import (BlockStep, CostModel, StepTerms, prefix_groups_in_batch, run_cache_positions,
                                   uncached_prefix_share)
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
@@ -156,7 +156,7 @@ class _Analytic:
         """Share of the workload's prefixes that the run's prefix cache does not keep
         (:func:`~xsimulator.costmodel.uncached_prefix_share`)."""
         w = self.workload
-        cache = workload_cache_positions(w)
+        cache = run_cache_positions(self.policy, w)
         return uncached_prefix_share(cache, w.prefix_tokens, w.prefix_groups, w.prefix_table[0])
 
     def prefix_groups(self, rows: np.ndarray, by_prefix: Any = None, joining: Any = None,

@@ -163,6 +163,14 @@ def workload_cache_positions(workload: Any, max_prompt: int | None = None) -> in
     return prefix_cache_positions(top, math.ceil(lengths.sum() / max(len(lengths), 1)), len(lengths))
 
 
+def run_cache_positions(policy: Any, workload: Any, max_prompt: int | None = None) -> int:
+    """Positions the run's prefix cache keeps under ``policy``: its own where it sets them, else
+    :func:`workload_cache_positions` (what ``xsched run`` gives the engine)."""
+    if policy.prefix_cache_positions is not None:
+        return policy.prefix_cache_positions
+    return workload_cache_positions(workload, max_prompt)
+
+
 def uncached_prefix_share(cache_positions: int, prefix: int, groups: int, lengths: Any = None) -> float:
     """Share of ``groups`` distinct ``prefix``-token prefixes that the run's prefix cache does not
     keep: it keeps ``cache_positions // prefix`` of those prefills compute (the most used,

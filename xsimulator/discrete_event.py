@@ -28,7 +28,7 @@ from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
 from xsimulator.costmodel import (PREFIX_CACHE_DISPLACE_MARGIN, PREFIX_CACHE_SEEN, SHARE_PREFIX_AT_MOST, BlockStep,
-                                  CostModel, StepTerms, channel_groups, fits_in, workload_cache_positions)
+                                  CostModel, StepTerms, channel_groups, fits_in, run_cache_positions)
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 from xsimulator.trace import TraceEvent
@@ -673,7 +673,7 @@ def summarize(cm: CostModel, policy: Policy, workload: Workload, *, method: str,
     busy["head"] = float(np.sum(prefill.head_s) + np.sum(decode.head_s))
     compute_busy = busy["gpu_compute"] + busy["cpu_compute"] + busy["dequant"] + busy["quant"] + busy["head"]
     if cache_positions is None:
-        cache_positions = workload_cache_positions(workload)
+        cache_positions = run_cache_positions(policy, workload)
     peaks = cm.peak_bytes(policy, workload.prompt.max_len, workload.output.max_len, cache_positions)
     caps = {t: float(profile.capacity_bytes(t)) for t in peaks}
     mean_lat = float(np.average(latencies, weights=latency_weights))
@@ -714,8 +714,8 @@ def simulate(spec: ModelSpec, profile: HardwareProfile, policy: Policy, workload
     begins with (a job's own, ``workloads.workload.prefix_runs``; default: drawn by
     :meth:`Workload.prefix_ids`), and ``prefix_len`` how long each one's is (default: the
     workload's ``prefix_lengths``, or ``prefix_tokens``). ``cache_positions``: the run's prefix
-    cache (``costmodel.workload_cache_positions``; default: sized for ``workload``, as ``xsched
-    run`` sizes it for a plan's).
+    cache (default: the policy's, or sized for ``workload``: ``costmodel.run_cache_positions``, as
+    ``xsched run`` sizes it for a plan's).
     """
     result, _ = simulate_timeline(spec, profile, policy, workload, num_requests, seed, requests, prefix_of,
                                   cache_positions, prefix_len)
@@ -746,7 +746,7 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
             raise UserError(f"prefix_len gives {prefix.size} lengths for {prompt.size} requests")
     cm = CostModel.for_policy(spec, profile, policy)
     max_prompt = max(workload.prompt.max_len, int(prompt.max()))  # the engine's
-    cache = workload_cache_positions(workload, max_prompt) if cache_positions is None else cache_positions
+    cache = run_cache_positions(policy, workload, max_prompt) if cache_positions is None else cache_positions
     tl = build_timeline(cm, policy, prompt, output, workload.prompt_groups(len(prompt)) if workload.samples > 1
                         else None, prefix, prefix_of, hold_positions=max_prompt, cache_positions=cache)
     p99_len = workload.output.percentile(0.99)

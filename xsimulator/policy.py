@@ -63,6 +63,10 @@ class Policy(Contract):
     refill_every: int = 0  # decode steps between refills of finished slots; 0 = never
     bucket: bool = True  # sort prompts by length inside a block before cutting GPU batches
     overlap: bool = True  # overlap I/O with compute (FlexGen Alg. 1); off only for ablation
+    # Positions the run's prefix cache keeps (every layer's keys and values, cpu tier); None: sized
+    # for the workload's prefixes (``costmodel.workload_cache_positions``). The planner sets it where
+    # a job has more prefixes than that room and memory is left (``xscheduler.search.grow_prefix_cache``).
+    prefix_cache_positions: int | None = None
 
     def __post_init__(self) -> None:
         if self.gbs < 1 or self.nb < 1:
@@ -71,6 +75,8 @@ class Policy(Contract):
             raise ValueError(f"gbs and nb must be at most {MAX_GBS} and {MAX_NB}, got gbs={self.gbs} nb={self.nb}")
         if self.refill_every < 0:
             raise ValueError(f"refill_every must be >= 0, got {self.refill_every}")
+        if self.prefix_cache_positions is not None and self.prefix_cache_positions < 1:
+            raise ValueError(f"prefix_cache_positions must be >= 1 (or absent), got {self.prefix_cache_positions}")
         for var in PLACEMENT_VARS:
             v = getattr(self, var)
             if not -_SUM_TOLERANCE <= v <= 1.0 + _SUM_TOLERANCE:
@@ -150,4 +156,6 @@ class Policy(Contract):
             else "attention on the compute device",  # with every KV row on the gpu tier, CPU attention has nothing
             f"refill finished slots every {self.refill_every} decode steps" if self.refill_every else "no refill",
         ]
+        if self.prefix_cache_positions is not None:
+            lines.append(f"prefix cache: {self.prefix_cache_positions:,} positions")
         return "\n".join(lines)
