@@ -387,3 +387,20 @@ def test_a_budget_above_the_machine_is_capped_at_what_it_had():
     with pytest.warns(BudgetWarning, match="above what this machine had"):
         answer = hook(_info(policy, {"gpu": 80.0, "cpu": 0.0, "disk": 0.0}))
     assert seen == [{"gpu": 400.0, "cpu": 50.0}] and answer[2] == {"gpu": 400.0, "cpu": 50.0}
+
+
+def test_a_missing_budget_file_is_said_at_the_start_once(tmp_path):
+    """A job of one block never reads the budget file, so a typo in its name went unsaid: the run
+    checks it at the start, with the words (and the one warning) a poll would give."""
+    source = FileBudget(tmp_path / "budjet.json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        source.check_exists()
+        assert source.poll() is None
+    msgs = [str(w.message) for w in caught if issubclass(w.category, BudgetWarning)]
+    assert msgs == [f"budget file {tmp_path / 'budjet.json'}: not found; keeping the budget as it was"]
+    (tmp_path / "there.json").write_text("{}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FileBudget(tmp_path / "there.json").check_exists()
+    assert not caught

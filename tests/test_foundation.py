@@ -668,3 +668,16 @@ def test_the_experts_a_steps_tokens_reach_match_uniform_routing_drawn_at_random(
         assert spec.experts_reached(1) == pytest.approx(k)
         assert np.allclose(spec.experts_reached(np.array([0.0, 1e6])), [0.0, e])
     assert get_model_spec("smollm2-135m").experts_reached(8) == 0.0
+
+
+def test_an_os_error_reads_as_what_to_do_about_the_path(tmp_path):
+    """ENOENT from creating a file names a missing directory, except where the directory exists
+    and takes no files (/proc said "directory does not exist; create it first")."""
+    import errno
+
+    from xsched.fileio import describe_os_error
+
+    missing = OSError(errno.ENOENT, "No such file or directory")
+    assert describe_os_error(missing, tmp_path / "nope") == f"{tmp_path / 'nope'}: directory does not exist; create it first"
+    assert describe_os_error(missing, tmp_path).startswith(f"{tmp_path}: files cannot be created there")
+    assert "no space left" in describe_os_error(OSError(errno.ENOSPC, "full"), tmp_path)

@@ -84,9 +84,13 @@ def test_prompt_file_errors_name_the_line(tmp_path):
         ('{"id": "a", "prompt": "x", "max_new_tokens": 0}\n', "max_new_tokens"),
         ('{"id": "a", "prompt": "x", "n": 0}\n', ':1: "n" must be an integer >= 1, got 0'),
         ('{"id": "a", "prompt": "x", "n": "2"}\n', '"n" must be an integer'),
+        # 10^12 outputs of one prompt filled the 24 GiB machine before the job began (stop 61's audit)
+        ('{"id": "a", "prompt": "x", "n": 1000000000000}\n', ':1: "n" asks for 1,000,000,000,000 outputs of one prompt; at most 4,096'),
         ('{"id": "a", "prompt_ids": [1, -2]}\n', "non-negative integers"),
         ('{"id": "a", "prompt": "x", "chat_template": "no"}\n', ':1: "chat_template" must be true or false'),
         ('[1, 2]\n', "JSON object"),
+        ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions"}\n',  # (said: "id" must be a string)
+         ':1: an OpenAI batch line (it has "custom_id") needs a "body"'),
         ('{"id": 1.5, "prompt": "x"}\n', '"id" must be a string or an integer'),
         ('\n\n', "no prompts"),
     ]

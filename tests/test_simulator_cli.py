@@ -58,11 +58,16 @@ def test_simulate_json_trace_and_plan(profile_path, tmp_path):
 BAD_INPUT = [
     (["--workload", "T", "--policy", POLICY, "--seed", "-1"], "--seed: must be in [0, 2**64), got -1"),  # argparse: exits itself
     (["--workload", "T", "--policy", POLICY, "--requests", "0"], "--requests: must be from 1 to 10,000,000, got 0"),
-    (["--workload", "T", "--policy", POLICY, "--samples", "0"], "--samples: must be a whole number >= 1, got 0"),
-    (["--workload", "T", "--policy", POLICY, "--prefix-groups", "0"], "--prefix-groups: must be a whole number >= 1"),
+    (["--workload", "T", "--policy", POLICY, "--samples", "0"], "--samples: must be a whole number from 1 to 4,096, got 0"),
+    (["--workload", "T", "--policy", POLICY, "--prefix-groups", "0"], "--prefix-groups: must be a whole number from 1"),
     (["--workload", "T", "--policy", POLICY, "--prefix-groups", "x"], "--prefix-groups: must be a whole number, got 'x'"),
     # 3e7 requests was a MemoryError traceback under a 4 GB limit (review)
     (["--workload", "T", "--policy", POLICY, "--requests", "30000000"], "--requests: must be from 1 to 10,000,000"),
+    # 10^20 samples, prefix tokens or prefixes were tracebacks (OverflowError; 10^12 samples a 7 TiB array: stop 61's audit)
+    (["--workload", "T", "--policy", POLICY, "--samples", "1" + "0" * 20], "--samples: must be a whole number from 1 to 4,096"),
+    (["--workload", "T", "--policy", POLICY, "--prefix-tokens", "1" + "0" * 20], "--prefix-tokens: must be a whole number from 0"),
+    (["--workload", "T", "--policy", POLICY, "--prefix-tokens", "5", "--prefix-groups", "1" + "0" * 20],
+     "--prefix-groups: must be a whole number from 1 to 1,048,576"),
     (["--workload", "T", "--policy", '{"gbs": 8, "nb": 2, "wg": 0.5, "wc": 0.4, "wd": 0}'], "sum to 0.9"),
     (["--workload", "Q", "--policy", POLICY], "unknown workload preset 'Q'"),
     (["--workload", "fixed:0:8", "--policy", POLICY], ">= 1"),
@@ -71,10 +76,14 @@ BAD_INPUT = [
     (["--workload", "T", "--policy", POLICY, "--method", "analytic", "--trace", "x.json"], "discrete-event"),
     (["--workload", "T", "--policy", POLICY, "--output", "/nonexistent-dir/r.json"], "does not exist"),
     (["--workload", "T", "--policy", POLICY, "--output", ""], "-o needs a file path"),  # wrote nothing, exit 0
+    (["--workload", "T", "--policy", POLICY, "--prefix-tokens", "300"],  # T's prompts end at 256 tokens
+     "prefix_tokens 300 must be a whole number from 0 to the longest prompt's 256 tokens"),
+    (["--workload", "T", "--policy", "[1]"], "--policy must be a JSON object"),  # (said: neither JSON nor a file)
+    (["--workload", "", "--policy", POLICY], "give --workload"),
 ]
 
 
-@pytest.mark.parametrize("args,message", BAD_INPUT[:6])
+@pytest.mark.parametrize("args,message", BAD_INPUT[:9])
 def test_simulate_bad_input_exits_2_with_one_line(profile_path, args, message):
     out = run("simulate", "--profile", profile_path, "--model", "opt-1.3b", *args)
     assert out.returncode == 2
@@ -82,7 +91,7 @@ def test_simulate_bad_input_exits_2_with_one_line(profile_path, args, message):
     assert len(lines) == 1 and lines[0].startswith("xsched: error:") and message in lines[0], out.stderr
 
 
-@pytest.mark.parametrize("args,message", BAD_INPUT[6:])
+@pytest.mark.parametrize("args,message", BAD_INPUT[9:])
 def test_simulate_bad_input_in_process(profile_path, args, message, capsys):
     """The same CLI entry point in-process (the subprocess cases above check the interpreter exit)."""
     from xsched.cli import main

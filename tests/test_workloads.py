@@ -558,6 +558,36 @@ def test_templates_of_unlike_lengths_and_popularity_get_a_table_that_the_draws_f
     with pytest.raises(UserError, match="one entry per prefix"):
         replace(w, prefix_lengths=w.prefix_lengths[:2])
     with pytest.raises(UserError, match="make them agree"):
-        replace(w, prefix_tokens=40)
-    plain = with_samples(w, None, prefix_tokens=40)
-    assert plain.prefix_tokens == 40 and plain.prefix_lengths == () and plain.prefix_groups == 3
+        replace(w, prefix_tokens=36)
+    plain = with_samples(w, None, prefix_tokens=36)
+    assert plain.prefix_tokens == 36 and plain.prefix_lengths == () and plain.prefix_groups == 3
+
+
+def test_counts_past_what_the_simulators_can_hold_are_refused_in_one_line(tmp_path):
+    """Outputs per prompt, prefix tokens and prefixes each have an upper bound (10^20 of any was
+    a traceback, 10^12 samples a 7 TiB array); a prefix longer than the longest prompt cannot be;
+    a count given as text in JSON is refused as `xsched run` refuses it (a CSV cell is text by
+    nature and is read as the number it spells); an empty workload name says what to give."""
+    from workloads.workload import MAX_PREFIX_GROUPS, MAX_SAMPLES
+
+    t = get_workload("T")
+    for change, message in ((dict(samples=MAX_SAMPLES + 1), "samples 4097 must be a whole number from 1 to 4096"),
+                            (dict(samples=10 ** 300), r"samples 10000000000000000000\.\.\. must be"),
+                            (dict(prefix_tokens=t.prompt.max_len + 1), "from 0 to the longest prompt's 256 tokens"),
+                            (dict(prefix_groups=MAX_PREFIX_GROUPS + 1), "from 1 to 1,048,576")):
+        with pytest.raises(UserError, match=message):
+            replace(t, **change)
+    assert replace(t, samples=MAX_SAMPLES, prefix_tokens=t.prompt.max_len).samples == MAX_SAMPLES
+    with pytest.raises(UserError, match="got an empty name; give a preset"):
+        get_workload(" ")
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"prompt_tokens": "12", "max_new_tokens": 4}\n')
+    with pytest.raises(UserError, match=r"request 1: prompt_tokens='12' must be a JSON number, not text"):
+        Workload.from_file(text)
+    cells = tmp_path / "cells.csv"
+    cells.write_text("prompt_tokens,max_new_tokens,n\n12,4,2\n15,8,1\n")
+    w = Workload.from_file(cells)
+    assert w.prompt.max_len == 15 and w.output.max_len == 8
+    cells.write_text("prompt_tokens,max_new_tokens\n12,four\n")
+    with pytest.raises(UserError, match="max_new_tokens='four' is not a number"):
+        Workload.from_file(cells)

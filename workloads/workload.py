@@ -38,11 +38,22 @@ PROMPT_KEYS = ("prompt_tokens", "prompt")
 # by 1 - xsimulator.costmodel.SHARE_PREFIX_AT_MOST or more).
 RUN_SHARE_AT_LEAST = 0.2
 OUTPUT_KEYS = ("output_tokens", "max_new_tokens")
+# Outputs one prompt may ask for (OpenAI's batch API allows 128): the samplers draw a prompt per
+# output, and a request asking for 10^12 filled the machine's memory.
+MAX_SAMPLES = 4096
+# Distinct prefixes a workload may describe: the simulators keep per-prefix arrays.
+MAX_PREFIX_GROUPS = 2**20
 # Without a tokenizer, prompt text is sized with the common rule of thumb for BPE tokenizers on
 # English text: about 4 UTF-8 bytes per token. The workload's ``source`` says so when it is used.
 BYTES_PER_TOKEN_ESTIMATE = 4
 ESTIMATE_NOTE = (f"prompt lengths estimated at {BYTES_PER_TOKEN_ESTIMATE} bytes/token (no tokenizer; "
                  "`xsched workload fit FILE --tokenizer [MODEL]` counts them as `xsched run` will)")
+
+
+def _shown(value: Any) -> str:
+    """A value for an error line: its repr, cut where it runs long (a 300-digit count)."""
+    text = repr(value)
+    return text if len(text) <= 24 else text[:20] + "..."
 
 
 @dataclass(frozen=True)
@@ -85,15 +96,18 @@ class Workload(Contract):
     def __post_init__(self) -> None:
         if not -1.0 < self.correlation < 1.0 and self.correlation != 0.0:
             raise UserError(f"workload {self.name}: correlation {self.correlation} must lie strictly inside -1..1")
-        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
-            raise UserError(f"workload {self.name}: samples {self.samples!r} must be a whole number >= 1 "
-                            "(outputs per prompt)")
-        if isinstance(self.prefix_tokens, bool) or not isinstance(self.prefix_tokens, int) or self.prefix_tokens < 0:
-            raise UserError(f"workload {self.name}: prefix_tokens {self.prefix_tokens!r} must be a whole number >= 0 "
-                            "(leading tokens the prompts share)")
-        if isinstance(self.prefix_groups, bool) or not isinstance(self.prefix_groups, int) or self.prefix_groups < 1:
-            raise UserError(f"workload {self.name}: prefix_groups {self.prefix_groups!r} must be a whole number >= 1 "
-                            "(distinct prefixes the prompts begin with)")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or not 1 <= self.samples <= MAX_SAMPLES:
+            raise UserError(f"workload {self.name}: samples {_shown(self.samples)} must be a whole number from 1 to "
+                            f"{MAX_SAMPLES} (outputs per prompt)")
+        longest = self.prompt.max_len
+        if isinstance(self.prefix_tokens, bool) or not isinstance(self.prefix_tokens, int) \
+                or not 0 <= self.prefix_tokens <= longest:
+            raise UserError(f"workload {self.name}: prefix_tokens {_shown(self.prefix_tokens)} must be a whole number from 0 "
+                            f"to the longest prompt's {longest:,} tokens (leading tokens the prompts share)")
+        if isinstance(self.prefix_groups, bool) or not isinstance(self.prefix_groups, int) \
+                or not 1 <= self.prefix_groups <= MAX_PREFIX_GROUPS:
+            raise UserError(f"workload {self.name}: prefix_groups {_shown(self.prefix_groups)} must be a whole number from 1 "
+                            f"to {MAX_PREFIX_GROUPS:,} (distinct prefixes the prompts begin with)")
         if isinstance(self.prefix_share, bool) or not isinstance(self.prefix_share, (int, float)) \
                 or not 0.0 < self.prefix_share <= 1.0:
             raise UserError(f"workload {self.name}: prefix_share {self.prefix_share!r} must lie in (0, 1] "
@@ -108,9 +122,10 @@ class Workload(Contract):
         if len(lengths) != len(weights) or len(lengths) != self.prefix_groups:
             raise UserError(f"{where} need one entry per prefix ({self.prefix_groups}), got {len(lengths)} and "
                             f"{len(weights)}; give both or neither")
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths) or \
+        if any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.prompt.max_len for n in lengths) or \
                 any(isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 < w <= 1.0 for w in weights):
-            raise UserError(f"{where}: lengths must be whole numbers >= 1 and weights fractions in (0, 1]")
+            raise UserError(f"{where}: lengths must be whole numbers from 1 to the longest prompt's "
+                            f"{self.prompt.max_len:,} tokens and weights fractions in (0, 1]")
         share = float(sum(weights))
         tokens = round(sum(n * w for n, w in zip(lengths, weights)) / share)
         if abs(share - self.prefix_share) > 1e-6 or abs(tokens - self.prefix_tokens) > 1:
@@ -472,7 +487,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         if not reader.fieldnames or not set(reader.fieldnames) & set(PROMPT_KEYS):
             raise UserError(f"{path}: CSV needs a header with {' or '.join(PROMPT_KEYS)} "
                             f"and {' or '.join(OUTPUT_KEYS)}")
-        return [dict(r) for r in reader]
+        counts = ("prompt_tokens", "n") + OUTPUT_KEYS  # numbers in a CSV cell; in JSON they must be numbers
+        return [{k: _cell_number(v) if k in counts else v for k, v in r.items()} for r in reader]
     rows = []
     for lineno, line in jsonl_lines(text):
         try:
@@ -492,9 +508,25 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _cell_number(text: Any) -> Any:
+    """A CSV cell as the number it spells, else as it is (for the one-line error after)."""
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        try:
+            return float(text)
+        except (TypeError, ValueError):
+            return text
+
+
 def _positive_int(value: Any, where: str, key: str) -> int:
+    what = "outputs" if key == "n" else "tokens"
     if isinstance(value, bool):  # float(True) is 1.0
-        raise UserError(f"{where}: {key}={value!r} must be a whole number of tokens >= 1")
+        raise UserError(f"{where}: {key}={value!r} must be a whole number of {what} >= 1")
+    if isinstance(value, str) and value.strip():  # (CSV cells and fixed:P:N arrive as numbers: _cell_number)
+        if _cell_number(value) is not value:  # `xsched run` refuses "4" too
+            raise UserError(f"{where}: {key}={value!r} must be a JSON number, not text")
+        raise UserError(f"{where}: {key}={value!r} is not a number")
     try:
         f = float(value)
     except OverflowError:  # a JSON integer too large for a float
@@ -502,7 +534,7 @@ def _positive_int(value: Any, where: str, key: str) -> int:
     except (TypeError, ValueError):
         raise UserError(f"{where}: {key}={value!r} is not a number") from None
     if not math.isfinite(f) or f != int(f) or f < 1:
-        raise UserError(f"{where}: {key}={value!r} must be a whole number of tokens >= 1")
+        raise UserError(f"{where}: {key}={value!r} must be a whole number of {what} >= 1")
     if f > MAX_LEN_TOKENS:  # before numpy's int64 arrays, which overflow at 2^63
         raise UserError(f"{where}: {key}={value!r} is beyond any model's context (at most {MAX_LEN_TOKENS:,} tokens)")
     return int(f)
@@ -596,6 +628,9 @@ def fixed_workload(prompt_len: int, output_len: int) -> Workload:
 
 def get_workload(text: str) -> Workload:
     """Resolve a preset name, ``fixed:P:N``, or a file path, each optionally with ``@SCALE``."""
+    if not text.strip():
+        raise UserError(f"workload: got an empty name; give a preset ({', '.join(preset_names())}), "
+                        "fixed:PROMPT:OUTPUT or a file")
     spec, scale = text, 1.0
     if "@" in text and not path_exists(text):
         spec, _, raw = text.rpartition("@")
@@ -609,8 +644,8 @@ def get_workload(text: str) -> Workload:
         parts = spec.split(":")
         if len(parts) != 3:
             raise UserError(f"workload {text!r}: write fixed:PROMPT_TOKENS:OUTPUT_TOKENS, e.g. fixed:512:32")
-        p_len = _positive_int(parts[1], f"workload {text!r}", "prompt length")
-        o_len = _positive_int(parts[2], f"workload {text!r}", "output length")
+        p_len = _positive_int(_cell_number(parts[1]), f"workload {text!r}", "prompt length")
+        o_len = _positive_int(_cell_number(parts[2]), f"workload {text!r}", "output length")
         w = fixed_workload(p_len, o_len)
         return w.scaled(scale) if scale != 1.0 else w
     path = Path(spec)

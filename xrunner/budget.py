@@ -89,6 +89,11 @@ class FileBudget:
             warnings.warn(f"budget file {self.path}: {problem}; keeping the budget as it was", BudgetWarning,
                           stacklevel=3)
 
+    def check_exists(self) -> None:
+        """Warn now if the file is missing (the run reads it between blocks only)."""
+        if not self.path.exists():
+            self._warn("not found")  # (the same words as poll's: warned once)
+
     def poll(self) -> dict[str, float] | None:
         try:
             data = json.loads(self.path.read_text())

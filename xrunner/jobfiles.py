@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from workloads.workload import MAX_SAMPLES
 from xsched.errors import UserError
 from xsched.fileio import Messages, chat_messages, check_text, check_writable, describe_os_error, jsonl_lines
 from xsched.openai_batch import openai_batch_row, openai_result_line, openai_result_rows
@@ -140,6 +141,8 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         for name, value in (("max_new_tokens", mnt), ("n", n)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UserError(f"{where}: \"{name}\" must be an integer >= 1, got {value!r}")
+        if n is not None and n > MAX_SAMPLES:
+            raise UserError(f"{where}: \"n\" asks for {n:,} outputs of one prompt; at most {MAX_SAMPLES:,}")
         records.append(PromptRecord(id=rid, line=lineno, prompt=prompt, prompt_ids=ids, max_new_tokens=mnt,
                                     messages=messages, stop=_stop_strings(obj.get("stop"), where),
                                     sampling=_sampling_overrides(obj, where), n=n, openai=openai,

@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from xsched.cli import directory_arg
+from xsched.cli import directory_arg, samples_arg
 
 SHAPE_FIELDS: tuple[str, ...] = ("family", "num_layers", "hidden", "ffn", "num_heads", "num_kv_heads", "head_dim",
                                  "vocab_size", "num_experts", "experts_per_token", "shared_expert_ffn")
@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="for prompts without \"max_new_tokens\" (default: the plan workload's longest output)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at end-of-sequence tokens (every request generates its max_new_tokens)")
-    p.add_argument("--n", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--n", type=samples_arg, default=1, metavar="N",
                    help='outputs to sample per prompt (a prompt\'s own "n" overrides it); each is one results '
                         'line with the prompt\'s "id" and its "sample" index 0..N-1, drawn apart (their draws are '
                         "keyed by [id, sample]); use with --temperature, since greedy gives N equal outputs")
@@ -634,7 +634,9 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
         from xrunner.budget import FileBudget, budget_hook, plan_fn_for, with_budget
 
         plan_fn = plan_fn_for(plan, profile, confirm_seeds=(), compress=args.replan_compress, num_requests=requests)
-        budget = budget_hook(FileBudget(args.budget_file), plan_fn,
+        source = FileBudget(args.budget_file)
+        source.check_exists()  # (a job of one block never reads it: a typo went unsaid)
+        budget = budget_hook(source, plan_fn,
                              capacity_bytes={t: capacity[t] for t in ("gpu", "cpu")},
                              machine_bytes={t: machine[t] for t in ("gpu", "cpu")} if machine else None)
     if watcher is None and budget is None:

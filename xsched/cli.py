@@ -99,10 +99,22 @@ PREFIX_SHARE_HELP = ("fraction (0..1] of the prompts that begin with one of the 
 
 
 def prefix_arg(text: str) -> int:
-    """``--prefix-tokens``: a whole number >= 0."""
+    """``--prefix-tokens``: a whole number >= 0 (the workload holds it to its longest prompt)."""
+    from workloads.distributions import MAX_LEN_TOKENS
+
     value = whole_number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {value}")
+    if not 0 <= value <= MAX_LEN_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to {MAX_LEN_TOKENS:,}, got {value}")
+    return value
+
+
+def groups_arg(text: str) -> int:
+    """``--prefix-groups``: distinct prefixes, 1 to ``MAX_PREFIX_GROUPS``."""
+    from workloads.workload import MAX_PREFIX_GROUPS
+
+    value = whole_number(text)
+    if not 1 <= value <= MAX_PREFIX_GROUPS:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_PREFIX_GROUPS:,}, got {value}")
     return value
 
 
@@ -118,10 +130,12 @@ def share_arg(text: str) -> float:
 
 
 def samples_arg(text: str) -> int:
-    """``--samples``: outputs per prompt, a whole number >= 1."""
+    """``--samples`` and ``run --n``: outputs per prompt, 1 to ``MAX_SAMPLES``."""
+    from workloads.workload import MAX_SAMPLES
+
     value = whole_number(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    if not 1 <= value <= MAX_SAMPLES:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_SAMPLES:,}, got {value}")
     return value
 
 

@@ -20,6 +20,8 @@ def describe_os_error(exc: OSError, path: Path | str) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"{path}: not writable ({exc.strerror}); choose another location"
     if exc.errno == errno.ENOENT:
+        if Path(path).is_dir():  # (/proc: it exists, but a file cannot be created in it)
+            return f"{path}: files cannot be created there ({exc.strerror}); choose another location"
         return f"{path}: directory does not exist; create it first"
     return f"{path}: {exc.strerror or exc}"
 

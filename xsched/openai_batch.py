@@ -38,8 +38,10 @@ def openai_batch_row(obj: dict[str, Any], where: str) -> dict[str, Any]:
     keep their names. ``"model"`` and other fields are ignored, except those in
     :data:`OPENAI_NEUTRAL` set to something that would change the output: one-line error.
     """
-    if "custom_id" not in obj or "body" not in obj:
+    if "custom_id" not in obj:
         return obj
+    if "body" not in obj:  # (read as an xsched line, it said "id" must be a string, got None)
+        raise UserError(f"{where}: an OpenAI batch line (it has \"custom_id\") needs a \"body\": the request")
     url, method, body = obj.get("url"), obj.get("method"), obj.get("body")
     if url is not None and url not in OPENAI_URLS:
         raise UserError(f"{where}: \"url\" {str(url)[:60]!r} is not one xsched runs; use {' or '.join(OPENAI_URLS)}")

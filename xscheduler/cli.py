@@ -7,8 +7,8 @@ import math
 import sys
 
 from xprofiler.profile import MAX_AUTO_MARGIN
-from xsched.cli import (PREFIX_GROUPS_HELP, PREFIX_HELP, PREFIX_SHARE_HELP, SAMPLES_HELP, plan_requests, prefix_arg,
-                        requests_arg, samples_arg, seed_arg, share_arg)
+from xsched.cli import (PREFIX_GROUPS_HELP, PREFIX_HELP, PREFIX_SHARE_HELP, SAMPLES_HELP, groups_arg, plan_requests,
+                        prefix_arg, requests_arg, samples_arg, seed_arg, share_arg)
 
 DEFAULT_PROFILE = "t4"
 DEFAULT_MODEL = "opt-30b"
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"@SCALE scales lengths (default {DEFAULT_WORKLOAD})")
     p.add_argument("--samples", type=samples_arg, default=None, metavar="N", help=SAMPLES_HELP)
     p.add_argument("--prefix-tokens", type=prefix_arg, default=None, metavar="N", help=PREFIX_HELP)
-    p.add_argument("--prefix-groups", type=samples_arg, default=None, metavar="G", help=PREFIX_GROUPS_HELP)
+    p.add_argument("--prefix-groups", type=groups_arg, default=None, metavar="G", help=PREFIX_GROUPS_HELP)
     p.add_argument("--prefix-share", type=share_arg, default=None, metavar="FRACTION", help=PREFIX_SHARE_HELP)
     p.add_argument("--latency", type=float, default=None, metavar="SECONDS",
                    help=f"latency bound in seconds; 'inf' for pure throughput (default {DEFAULT_LATENCY_S:g})")

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from xsched.cli import (PREFIX_GROUPS_HELP, PREFIX_HELP, PREFIX_SHARE_HELP, SAMPLES_HELP, plan_requests, prefix_arg,
-                        requests_arg, samples_arg, seed_arg, share_arg)
+from xsched.cli import (PREFIX_GROUPS_HELP, PREFIX_HELP, PREFIX_SHARE_HELP, SAMPLES_HELP, groups_arg, plan_requests,
+                        prefix_arg, requests_arg, samples_arg, seed_arg, share_arg)
 from xsched.fileio import json_error_text, path_exists
 
 DEFAULT_PROFILE = "t4"
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "Workload JSON; append @SCALE to scale all lengths (e.g. T@0.25)")
     p.add_argument("--samples", type=samples_arg, default=None, metavar="N", help=SAMPLES_HELP)
     p.add_argument("--prefix-tokens", type=prefix_arg, default=None, metavar="N", help=PREFIX_HELP)
-    p.add_argument("--prefix-groups", type=samples_arg, default=None, metavar="G", help=PREFIX_GROUPS_HELP)
+    p.add_argument("--prefix-groups", type=groups_arg, default=None, metavar="G", help=PREFIX_GROUPS_HELP)
     p.add_argument("--prefix-share", type=share_arg, default=None, metavar="FRACTION", help=PREFIX_SHARE_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--policy", help="policy as JSON text or a JSON file, e.g. '{\"gbs\": 8, \"nb\": 4, \"wg\": 0.5, "
@@ -58,12 +58,13 @@ def _read_json_arg(text: str, what: str) -> Any:
     from xsched.errors import UserError
 
     path = Path(text)
-    if not text.lstrip().startswith("{") and path_exists(path):
+    inline = text.lstrip().startswith(("{", "["))
+    if not inline and path_exists(path):
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"{path}: cannot read {what} ({exc.__class__.__name__})") from None
-    elif not text.lstrip().startswith("{"):
+    elif not inline:
         raise UserError(f"{what} {text!r} is neither JSON text nor an existing file")
     try:
         data = json.loads(text)
