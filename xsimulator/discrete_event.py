@@ -80,8 +80,11 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
     free_by_interval: dict[int, list[int]] = {0: list(range(min(bls, n)))}  # slots past n stay empty
     pending = [0]
     pos = 0
-    # The prefixes the run's cache keeps by now, for ordering the joiners: the first that fit
-    # (_cache_takes prices what it keeps, the most used where they do not all fit)
+    # The prefixes the run's cache keeps by now, for ordering the joiners: the first that two or
+    # more rows of a GPU batch shared, while they fit (_cache_takes prices what it keeps, the most
+    # used where they do not all fit). Marking every prefix a joiner began with priced templates
+    # seen once as kept, and ordered later blocks as if they were (1.16-1.44x the engine's
+    # positions on 57 templates, 16 x 4).
     cached: dict[int, None] = {}
     # (only a prefix two or more prompts begin with enters it; one alone is a prompt sharing nothing)
     shared = set() if of_l is None else set(np.flatnonzero(np.bincount(prefix_of) > 1).tolist())
@@ -108,12 +111,14 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
             else:
                 group.append(s)
         pos += take
-        if of_l is not None:
-            for i in ids:
-                w = of_l[i]
-                if w in shared and w not in cached and len_l[i] <= room:
+        if of_l is not None:  # (the engine admits a prefix two or more rows of one GPU batch share)
+            together: dict[tuple[int, int], list[int]] = {}
+            for s, i in zip(free, ids):
+                together.setdefault((s // policy.gbs, of_l[i]), []).append(i)
+            for (_, w), rows in together.items():
+                if len(rows) > 1 and w in shared and w not in cached and len_l[rows[0]] <= room:
                     cached[w] = None
-                    room -= len_l[i]
+                    room -= len_l[rows[0]]
     slot, join = np.array(slot_l, np.int64), np.array(join_l, np.int64)
     return Schedule(slot, join, held, int((join + held).max()), max(steps, 0))
 
