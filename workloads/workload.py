@@ -102,12 +102,12 @@ class Workload(Contract):
         longest = self.prompt.max_len
         if isinstance(self.prefix_tokens, bool) or not isinstance(self.prefix_tokens, int) \
                 or not 0 <= self.prefix_tokens <= longest:
-            raise UserError(f"workload {self.name}: prefix_tokens {_shown(self.prefix_tokens)} must be a whole number from 0 "
-                            f"to the longest prompt's {longest:,} tokens (leading tokens the prompts share)")
+            raise UserError(f"workload {self.name}: prefix_tokens {_shown(self.prefix_tokens)} must be a whole number "
+                            f"from 0 to the longest prompt's {longest:,} tokens (leading tokens the prompts share)")
         if isinstance(self.prefix_groups, bool) or not isinstance(self.prefix_groups, int) \
                 or not 1 <= self.prefix_groups <= MAX_PREFIX_GROUPS:
-            raise UserError(f"workload {self.name}: prefix_groups {_shown(self.prefix_groups)} must be a whole number from 1 "
-                            f"to {MAX_PREFIX_GROUPS:,} (distinct prefixes the prompts begin with)")
+            raise UserError(f"workload {self.name}: prefix_groups {_shown(self.prefix_groups)} must be a whole number "
+                            f"from 1 to {MAX_PREFIX_GROUPS:,} (distinct prefixes the prompts begin with)")
         if isinstance(self.prefix_share, bool) or not isinstance(self.prefix_share, (int, float)) \
                 or not 0.0 < self.prefix_share <= 1.0:
             raise UserError(f"workload {self.name}: prefix_share {self.prefix_share!r} must lie in (0, 1] "

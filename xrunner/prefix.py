@@ -21,15 +21,17 @@ length or by prefix, that computes fewer positions (:func:`block_positions`).
 
 A run's later prefills (each refill, each later block) meet the same system prompts again: a
 :class:`PrefixCache` keeps the keys and values of every layer of the prefixes a run computes
-(those two or more rows share, within its capacity in positions, the most used where they do
-not all fit: ``xsched run`` sizes it for the plan's workload's prefixes) and a later batch takes
-them, a row alone too, computing only the rest of each prompt.
+(those two or more rows share, or a row alone shares with one of the last prompts it saw;
+within its capacity in positions, the most used where they do not all fit: ``xsched run`` sizes
+it for the plan's workload's prefixes) and a later batch takes them, a row alone too, computing
+only the rest of each prompt.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -38,9 +40,10 @@ import numpy as np
 import torch
 
 from xprofiler.specs import ModelSpec
-from workloads.workload import neighbour_runs, sorted_neighbours
+from workloads.workload import RUN_SHARE_AT_LEAST, neighbour_runs, sorted_neighbours
 from xrunner.model import Rope, Weights, attention, attn_in, attn_out_mlp
-from xsimulator.costmodel import PREFIX_CACHE_DISPLACE_MARGIN, PREFIX_CACHE_SEEN, SHARE_PREFIX_AT_MOST
+from xsimulator.costmodel import (PREFIX_CACHE_DISPLACE_MARGIN, PREFIX_CACHE_GHOSTS, PREFIX_CACHE_SEEN,
+                                  SHARE_PREFIX_AT_MOST)
 
 # Grouping thresholds ``prefix_order`` tries per block (each costs two groupings of every GPU batch).
 ORDER_CANDIDATES = 12
@@ -115,11 +118,14 @@ class PrefixCache:
     ``keys`` (id -> tokens as bytes) is what planning sees: :func:`plan_block` admits a computed
     prefix that two or more rows share while ``capacity`` positions allow (a longer run of an
     entry's tokens replaces it), and a row takes the most leading tokens any entry shares with its
-    prompt. When a prefix does not fit, the rows that computed it (now and before: ``seen``) are
-    weighed against the rows that took or computed the least used entries (``uses``): where it
-    has ``displace_margin`` times more, those leave when the step is done and it
-    enters when a prefill next computes it, so a job with more templates than room keeps its
-    most common ones, not its first.
+    prompt. It remembers the last ``PREFIX_CACHE_GHOSTS`` prompts planned (``recent``): in a
+    batch whose rows share too little among themselves, a row whose prompt begins as a recent one
+    does computes that start as a group of its own, and it is admitted too (refilled one or two
+    rows at a time, no two rows of a batch may ever share a template). When a prefix does not
+    fit, the rows that computed it (now and before: ``seen``) are weighed against the rows that
+    took or computed the least used entries (``uses``): where it has ``displace_margin`` times
+    more, those leave when the step is done and it enters when a prefill next computes it, so a
+    job with more templates than room keeps its most common ones, not its first.
 
     ``layers[l][id]`` holds an entry's keys and values in layer ``l`` once that layer computed
     them (the engine fills it); a replaced or leaving entry stays there, and in ``used``, until
@@ -137,6 +143,8 @@ class PrefixCache:
         self.leaving: list[int] = []  # entries a more used prefix displaces when the step is done
         self.claims: dict[bytes, int] = {}  # prefix -> the room its displacing frees, for the next step
         self.promised: dict[bytes, int] = {}  # (the claims of the step before: this step's)
+        # the last prompts planned (none where nothing could be kept)
+        self.recent: deque[bytes] = deque(maxlen=PREFIX_CACHE_GHOSTS if capacity > 0 else 0)
         self.ids = itertools.count()
         self.layers: dict[int, dict[int, Held]] = {}
 
@@ -156,6 +164,26 @@ class PrefixCache:
             if n > best[1]:
                 best = (i, n)
         return best
+
+    def ghost_start(self, prompt: bytes, limit: int) -> int:
+        """Leading tokens ``prompt`` shares with a recent prompt, at most ``limit``; 0 below
+        ``RUN_SHARE_AT_LEAST`` of its tokens (a few tokens in common by chance)."""
+        tokens = len(prompt) // _KEY_BYTES
+        best = 0
+        for k in self.recent:
+            if k[:(best + 1) * _KEY_BYTES] != prompt[:(best + 1) * _KEY_BYTES]:
+                continue  # (most differ at once, or share no more than the best so far)
+            lo, hi = best + 1, min(len(k), len(prompt)) // _KEY_BYTES  # shares lo tokens; find the most
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if k[:mid * _KEY_BYTES] == prompt[:mid * _KEY_BYTES] else (lo, mid - 1)
+            best = lo
+        best = min(best, limit)
+        return best if best >= max(1.0, RUN_SHARE_AT_LEAST * tokens) else 0
+
+    def ghosted(self, key: bytes) -> bool:
+        """Whether a recent prompt begins with ``key``'s tokens (so two prompts share them)."""
+        return any(k.startswith(key) for k in self.recent)
 
     def took(self, ident: int, rows: int) -> None:
         """``rows`` of a prefill took entry ``ident``."""
@@ -226,6 +254,7 @@ class PrefixCache:
         out.keys, out.sizes, out.ids = dict(self.keys), dict(self.sizes), itertools.count(10 ** 9)
         out.uses, out.seen, out.leaving = dict(self.uses), dict(self.seen), list(self.leaving)
         out.claims, out.promised = dict(self.claims), dict(self.promised)
+        out.recent = deque(self.recent, maxlen=self.recent.maxlen)
         return out
 
 
@@ -302,15 +331,20 @@ def _share_block(batches: Sequence[Sequence[Sequence[int]]], groupings: Sequence
             sources = [_held_covering(held, key) for key in keys[j]]
             options.append((groupings[j], [planning.covering(k) if s is None else s
                                            for k, s in zip(keys[j], sources)]))
-        if planning.keys:
+        if planning.keys or planning.recent:
             cached = _cached_grouping(b, planning)
-            if cached is not None and cached[0][0] < plain:
+            # (at the plain prefill's positions too where it computes a start a recent prompt shares)
+            if cached is not None and (cached[0][0] < plain or cached[0][0] == plain and _keeps(b, cached, planning)):
                 options.append(cached)
         if not options:
             out.append(None)
+            cache.recent.extend(_key(p) for p in b)
             continue
         grouping, sources = min(options, key=lambda o: _positions(o[0], [g for g, s in enumerate(o[1]) if s is None],
                                                                   len(b)))
+        # A batch whose rows share too little among themselves plans around the cache: a row alone
+        # beginning as a recent prompt did computes that start as a group of its own, kept here.
+        ghosts = groupings[j] is None
         runs, lengths = grouping[1], grouping[2]
         own, lends, stores = [], [], []
         for g, src in enumerate(sources):
@@ -319,7 +353,7 @@ def _share_block(batches: Sequence[Sequence[Sequence[int]]], groupings: Sequence
                 continue
             own.append(g)
             key = _key(b[runs[g][0]][:lengths[g]])
-            ident = cache.admit(key, len(runs[g])) if len(runs[g]) > 1 else None
+            ident = cache.admit(key, len(runs[g])) if len(runs[g]) > 1 or ghosts and cache.ghosted(key) else None
             if ident is not None:
                 stores.append((g, ident))
                 continue
@@ -331,6 +365,7 @@ def _share_block(batches: Sequence[Sequence[Sequence[int]]], groupings: Sequence
                 held[ident] = (key, last)
                 lends.append((g, ident))
                 used += n
+        cache.recent.extend(_key(p) for p in b)  # (after its own admissions: a row does not share with itself)
         releases = tuple(i for i, (_, last) in held.items() if last == j)
         for i in releases:
             used -= len(held.pop(i)[0]) // _KEY_BYTES
@@ -338,34 +373,50 @@ def _share_block(batches: Sequence[Sequence[Sequence[int]]], groupings: Sequence
     return out
 
 
+def _keeps(prompts: Sequence[Sequence[int]], option: tuple[tuple, list[int | None]], cache: PrefixCache) -> bool:
+    """Whether a grouping computes a row's start alone that a recent prompt shares (the cache
+    keeps it where the batch's own grouping does not pass)."""
+    (_, runs, lengths, _), sources = option
+    return any(src is None and len(run) == 1 and cache.ghosted(_key(prompts[run[0]][:n]))
+               for run, n, src in zip(runs, lengths, sources))
+
+
 def _cached_grouping(prompts: Sequence[Sequence[int]], cache: PrefixCache
                      ) -> tuple[tuple[int, list[list[int]], list[int], int], list[int | None]] | None:
     """A batch's grouping around the cache: each row takes the most leading tokens an entry
     shares with its prompt (keeping a token of its own), rows taking as many of one entry forming
-    a group; the others compute their first tokens as groups of one where the suffix is shorter
-    than their prompt. With the sources (cache ids, None for those groups), or None when no row
-    takes anything."""
+    a group; a row taking nothing whose prompt begins as a recent one does
+    (:meth:`PrefixCache.ghost_start`) computes those tokens as a group of its own, for the cache
+    to keep; the others compute their first tokens as groups of one where the suffix is shorter
+    than their prompt. With the sources (cache ids, None for computed groups), or None when no
+    row takes or shares anything."""
     m = len(prompts)
     n = np.array([len(p) for p in prompts])
-    takes = [cache.longest_start(_key(p), len(p) - 1) for p in prompts]
+    keys = [_key(p) for p in prompts]
+    takes = [cache.longest_start(k, len(p) - 1) for k, p in zip(keys, prompts)]
     by_entry: dict[tuple[int, int], list[int]] = {}
     for i, (ident, t) in enumerate(takes):
         if ident is not None:
             by_entry.setdefault((ident, t), []).append(i)
-    if not by_entry:
+    ghosts = {i: c for i, (ident, _) in enumerate(takes)
+              if ident is None and cache.recent and (c := cache.ghost_start(keys[i], len(prompts[i]) - 1))}
+    if not by_entry and not ghosts:
         return None
-    floor = max(int(n[i]) - takes[i][1] for rows in by_entry.values() for i in rows)
-    loners = np.array([i for i, (ident, _) in enumerate(takes) if ident is None], dtype=np.int64)
+    floor = max([int(n[i]) - takes[i][1] for rows in by_entry.values() for i in rows]
+                + [int(n[i]) - c for i, c in ghosts.items()])
+    loners = np.array([i for i, (ident, _) in enumerate(takes) if ident is None and i not in ghosts], dtype=np.int64)
     cands = np.unique(np.concatenate(([floor], n[loners][n[loners] > floor])))
     over = n[loners][None, :] > cands[:, None]
     head = np.where(over, n[loners][None, :] - cands[:, None], 0).max(axis=1, initial=0)
-    costs = over.sum(axis=1) * head + m * cands
+    width = np.maximum(head, max(ghosts.values(), default=0))  # (computed groups pad to the widest)
+    costs = (over.sum(axis=1) + len(ghosts)) * width + m * cands
     k = int(np.argmin(costs))
     S = int(cands[k])
     singles = [int(i) for i in loners if n[i] > S]
-    runs = list(by_entry.values()) + [[i] for i in singles]
-    lengths = [t for _, t in by_entry] + [int(n[i]) - S for i in singles]
-    return (int(costs[k]), runs, lengths, S), [ident for ident, _ in by_entry] + [None] * len(singles)
+    runs = list(by_entry.values()) + [[i] for i in ghosts] + [[i] for i in singles]
+    lengths = [t for _, t in by_entry] + list(ghosts.values()) + [int(n[i]) - S for i in singles]
+    return ((int(costs[k]), runs, lengths, S),
+            [ident for ident, _ in by_entry] + [None] * (len(ghosts) + len(singles)))
 
 
 _KEY_BYTES = 4

@@ -97,9 +97,11 @@ class Shape:
         if not self.prefix_tokens:
             return c
         groups = prefix_groups_in_batch(c, c * nb, self.prefix_groups)
-        own = min(groups, prefix_groups_in_batch(c * nb, c * nb, self.prefix_groups, ordered=False) / nb)
-        own *= uncached_prefix_share(self.max_prompt if self.cache_positions is None else self.cache_positions,
-                                     self.prefix_tokens, round(self.prefix_groups), self.prefix_lengths or None)
+        # (not in place: min() may return ``groups`` itself, and scaling it scaled both; a batch of
+        # one row then read as computing its prefix, though it takes it from the cache)
+        own = min(groups, prefix_groups_in_batch(c * nb, c * nb, self.prefix_groups, ordered=False) / nb) \
+            * uncached_prefix_share(self.max_prompt if self.cache_positions is None else self.cache_positions,
+                                    self.prefix_tokens, round(self.prefix_groups), self.prefix_lengths or None)
         return float(shared_prefix_rows(c, self.prompt_len, self.prefix_tokens, bound=True, groups=groups, own=own))
 
 

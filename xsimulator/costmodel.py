@@ -144,6 +144,9 @@ PREFIX_CACHE_SLACK = 1.25
 PREFIX_CACHE_DISPLACE_MARGIN = 1.5
 # Prefixes the cache remembers computing without keeping them (their rows weigh against its entries').
 PREFIX_CACHE_SEEN = 256
+# Recent prompts the cache remembers (``PrefixCache.recent``): a prompt that begins as one of them
+# does is computed as a group of its own and kept, though no other row of its GPU batch shares it.
+PREFIX_CACHE_GHOSTS = 64
 
 
 def prefix_cache_positions(max_prompt: int, prefix: int, groups: int) -> int:

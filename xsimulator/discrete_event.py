@@ -17,6 +17,7 @@ Semantics: docs/ARCHITECTURE.md "Shared execution semantics".
 from __future__ import annotations
 
 import heapq
+from collections import Counter, deque
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -27,7 +28,8 @@ from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import (PREFIX_CACHE_DISPLACE_MARGIN, PREFIX_CACHE_SEEN, SHARE_PREFIX_AT_MOST, BlockStep,
+from xsimulator.costmodel import (PREFIX_CACHE_DISPLACE_MARGIN, PREFIX_CACHE_GHOSTS, PREFIX_CACHE_SEEN,
+                                  SHARE_PREFIX_AT_MOST, BlockStep,
                                   CostModel, StepTerms, channel_groups, fits_in, run_cache_positions)
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
@@ -88,6 +90,7 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
     cached: dict[int, None] = {}
     # (only a prefix two or more prompts begin with enters it; one alone is a prompt sharing nothing)
     shared = set() if of_l is None else set(np.flatnonzero(np.bincount(prefix_of) > 1).tolist())
+    recent: deque[int] = deque(maxlen=PREFIX_CACHE_GHOSTS)  # the last joiners' prefixes (PrefixCache.recent)
     cache_positions = hold_positions if cache_positions is None else cache_positions
     room = n * int(prefix_len.max(initial=0)) if cache_positions is None else cache_positions  # positions left
     while pos < n:
@@ -111,14 +114,19 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
             else:
                 group.append(s)
         pos += take
-        if of_l is not None:  # (the engine admits a prefix two or more rows of one GPU batch share)
+        if of_l is not None and room > 0 and len(cached) < len(shared):  # (the engine admits a prefix two or
+            # more rows of one GPU batch share; once all are kept or the room is gone, nothing changes)
             together: dict[tuple[int, int], list[int]] = {}
             for s, i in zip(free, ids):
                 together.setdefault((s // policy.gbs, of_l[i]), []).append(i)
-            for (_, w), rows in together.items():
-                if len(rows) > 1 and w in shared and w not in cached and len_l[rows[0]] <= room:
+            before = set(recent)  # (a row alone in its batch is kept where a recent prompt began alike)
+            prefixes_in = Counter(b for b, _ in together)
+            for (b, w), rows in together.items():
+                lone = len(rows) == 1 and prefixes_in[b] == 1 and w in before  # (the batch's one joiner)
+                if (len(rows) > 1 or lone) and w in shared and w not in cached and len_l[rows[0]] <= room:
                     cached[w] = None
                     room -= len_l[rows[0]]
+            recent.extend(of_l[i] for i in ids)
     slot, join = np.array(slot_l, np.int64), np.array(join_l, np.int64)
     return Schedule(slot, join, held, int((join + held).max()), max(steps, 0))
 
@@ -383,7 +391,9 @@ def _price_prefixes(cell: np.ndarray, prompt: np.ndarray, prefix_of: np.ndarray,
     g = _groupings(cell, prompt, prefix_of, prefix_len, group, computed.ravel(), longest.ravel())
     lend = np.where(g.ok[g.entry_cell] & (g.length > 0), g.length, -1)
     own, avail = _own_prefixes(g.entry_cell, g.entry_cell // J, g.entry_cell % J, g.which, lend, g.length, nb * J,
-                               hold_positions, np.where(g.run, g.prompts, 1), nb, cache_positions)
+                               hold_positions, np.where(g.run, g.prompts, 1), nb, cache_positions,
+                               np.where(computed.ravel()[g.entry_cell] == 1, g.wanted, 0))  # (a batch of one
+    # row plans around the cache, computing the prefix a recent prompt began with alone, and keeps it)
     _, prefix, length, own, groups = _cell_prices(g, own, avail, computed.ravel(), longest.ravel())
     shape = (nb, J)
     return prefix.reshape(shape), groups.reshape(shape), own.reshape(shape), length.reshape(shape)
@@ -464,17 +474,20 @@ def _replay_prefixes(batch: list[int], which: list[int], lend: list[int], need: 
 
 def _own_prefixes(cell: np.ndarray, batch: np.ndarray, prefill: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray,
                   need: np.ndarray, cells: int, hold_positions: int | None, members: np.ndarray, nb: int = 1,
-                  cache_positions: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  cache_positions: int | None = None, wanted: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """Per cell, how many of its prefixes it computes, from one entry per (cell, prefix): the
     cell's GPU ``batch``, the ``prefill`` it belongs to, the tokens it computes of the prefix
     (``lend``; -1 where it shares none) and wants of it (``need``; 0: none). A prefix is taken
     where an earlier batch of the same prefill computed at least as many of its tokens
     (:func:`_first_computes`), within ``hold_positions`` (:func:`_within_hold`; None: no limit),
     or where the run's cache keeps it (:func:`_cache_takes`, within ``cache_positions``, default
-    ``hold_positions``; ``members``: the entry's distinct prompts), whose entries the batches do
-    not hold as well. Also per entry, the tokens the cache keeps of its prefix by then."""
+    ``hold_positions``; ``members``: the entry's distinct prompts; ``wanted``: its prefix's
+    tokens, which a lone prompt's entry keeps), whose entries the batches do not hold as well.
+    Also per entry, the tokens the cache keeps of its prefix by then."""
     taken, stored, avail = _cache_takes(prefill * nb + batch, prefix_id, np.where(lend >= 0, need, -1), need,
-                                        members, hold_positions if cache_positions is None else cache_positions, nb)
+                                        members, hold_positions if cache_positions is None else cache_positions, nb,
+                                        need if wanted is None else wanted)
     lend = np.where(stored | taken, -1, lend)  # (the cache's are not held as well; a taken one is not computed)
     computes = _first_computes(batch, prefill * (int(prefix_id.max()) + 1) + prefix_id, lend, need)
     if hold_positions is not None:
@@ -483,13 +496,16 @@ def _own_prefixes(cell: np.ndarray, batch: np.ndarray, prefill: np.ndarray, pref
 
 
 def _cache_takes(time: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray, need: np.ndarray, members: np.ndarray,
-                 capacity: int | None, nb: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 capacity: int | None, nb: int = 1, wanted: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The engine's run-wide prefix cache (``xrunner.prefix.PrefixCache``) on (cell, prefix)
     entries at ``time`` (prefill, then GPU batch, ``nb`` batches a prefill): a prefix enters it
     where two or more prompts of a cell share more of it (``lend`` tokens) than it keeps, within
     ``capacity`` positions (None: no limit; a longer run replaces a shorter one), and a later
     entry takes what it keeps then. Where one does not fit, its prompts so far weigh against the
     least used entries' (:meth:`PrefixCache._displace`: they leave when the prefill is done).
+    A lone prompt whose prefix one of the last ``PREFIX_CACHE_GHOSTS`` prompts began with enters
+    its ``wanted`` tokens (:meth:`PrefixCache.ghost_start`).
     Returns (taken whole: it keeps the ``need`` tokens, the entries that stored one, the tokens
     kept for each entry's prefix before it)."""
     ids = prefix_id.astype(np.int64)
@@ -505,8 +521,21 @@ def _cache_takes(time: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray, need
     claims: dict[int, int] = {}  # prefix -> room its displacing frees for the next prefill
     promised: dict[int, int] = {}
     used, retired, step, tick = 0, 0, -1, 0
-    for e, t, w, n, want, rows in zip(order.tolist(), time[order].tolist(), ids[order].tolist(), lend[order].tolist(),
-                                       need[order].tolist(), members[order].tolist()):
+    last: dict[int, int] = {}  # prefix -> prompts planned by the end of the last batch holding it
+    planned, now, batch = 0, -1, {}
+    wanted = need if wanted is None else wanted
+    for e, t, w, n, want, rows, own in zip(order.tolist(), time[order].tolist(), ids[order].tolist(),
+                                            lend[order].tolist(), need[order].tolist(), members[order].tolist(),
+                                            wanted[order].tolist()):
+        if t != now:  # the batch before is planned: its prompts join the recent ones
+            planned += sum(batch.values())
+            last.update(dict.fromkeys(batch, planned))
+            now, batch = t, {}
+        batch[w] = batch.get(w, 0) + rows
+        # a batch's one row beginning as one of the last PREFIX_CACHE_GHOSTS prompts did (by batch)
+        ghost = rows == 1 and own > 0 and w in last and planned - last[w] < PREFIX_CACHE_GHOSTS
+        if ghost:
+            n = own
         if t // nb != step:  # the prefill before is done: replaced and displaced entries go
             step = t // nb
             for v in leaving:
@@ -520,7 +549,7 @@ def _cache_takes(time: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray, need
             taken[e] = True
             uses[w] += rows
             continue
-        if n < 0 or rows < 2 or n <= have:
+        if n < 0 or rows < 2 and not ghost or n <= have:
             continue
         count = seen.pop(w, 0) + rows
         room = limit - used - sum(m for v, m in promised.items() if v != w)
