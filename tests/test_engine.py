@@ -790,6 +790,9 @@ def test_a_refilled_job_keeps_templates_its_rows_meet_alone_and_the_simulator_pr
     computes under half the positions it did without remembering recent prompts (1.18x what
     it would with every template kept from the start, measured; 4.41x before), and the simulator
     prices within 5% of it (1.018 measured)."""
+    import importlib.util
+    from pathlib import Path
+
     import xrunner.prefix as prefix_module
     from workloads.workload import prefix_fields, run_prefix_lengths
 
@@ -806,19 +809,13 @@ def test_a_refilled_job_keeps_templates_its_rows_meet_alone_and_the_simulator_pr
     sim, tl = simulate_timeline(LLAMA, t4_like(), policy, own, requests=(sizes, outputs), prefix_of=runs,
                                 prefix_len=[run_len[k] for k in runs], cache_positions=10 ** 6)
 
+    spec_ = importlib.util.spec_from_file_location("prefix_pricing", Path(__file__).parents[1] / "benchmarks"
+                                                   / "prefix_pricing.py")
+    bench = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(bench)  # its replay of a simulated assignment through the engine's planning
+
     def replayed() -> int:
-        cache, total, hold = PrefixCache(10 ** 6), 0, int(sizes.max())
-        for j in range(tl.schedule.num_intervals):
-            at = np.flatnonzero(tl.schedule.join == j)
-            batches: dict[int, list] = {}
-            for i in at[np.argsort(tl.schedule.slot[at], kind="stable")]:
-                batches.setdefault(int(tl.schedule.slot[i]) // policy.gbs, []).append(prompts[i])
-            if batches:
-                block = [batches[b] for b in sorted(batches)]
-                total += block_positions(block, hold, cache=cache)
-                plan_block(block, hold, cache=cache)
-                cache.drop_retired()
-        return total
+        return bench.replayed_positions(prompts, tl.schedule, policy.gbs, 10 ** 6)
 
     engine = replayed()
     monkeypatch.setattr(prefix_module, "PREFIX_CACHE_GHOSTS", 0)
