@@ -2172,3 +2172,15 @@ def test_the_cost_model_counts_a_4bit_cache_copies_part_by_part_as_the_engine_ma
                                  .element_size(), cuda=True)) for rest, dt in codec.rests)
             nbytes = gbs * T * spec.kv_bytes_per_token_per_layer * cm.kv_stored_ratio
             assert cm._row_copies(1.0, gbs, len(codec.rests), nbytes) == pytest.approx(made, rel=0.01), (name, T)
+
+
+def test_the_engine_sizes_its_prefix_cache_from_the_policy_unless_told(tmp_path):
+    """A policy that carries the run's prefix cache size (a plan grew it) sizes the engine's; an
+    explicit ``prefix_cache_positions`` wins; neither: one prompt's worth."""
+    src = RandomSource(LLAMA, seed=3)
+    for policy, given, want in ((Policy(gbs=2, nb=1, prefix_cache_positions=150), None, 150),
+                                (Policy(gbs=2, nb=1, prefix_cache_positions=150), 40, 40),
+                                (Policy(gbs=2, nb=1), None, MAX_PROMPT)):
+        with Engine(src, policy, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
+                    prefix_cache_positions=given) as eng:
+            assert eng.cache_positions == want

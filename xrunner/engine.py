@@ -474,9 +474,12 @@ class Engine:
         self._held: dict[int, Held] = {}  # the current layer's prefix results held for later batches
         # The run's later prefills (refills, later blocks) take the prefixes its first ones computed
         # (xrunner.prefix.PrefixCache: keys and values of every layer, on the cpu tier; room for
-        # prefix_cache_positions, default max_prompt: xsimulator.costmodel.prefix_cache_positions
-        # sizes it to a plan's workload); off: each prefill computes its own (an ablation).
+        # prefix_cache_positions, default the policy's, else max_prompt:
+        # xsimulator.costmodel.run_cache_positions sizes it to a plan's); off: each prefill
+        # computes its own (an ablation).
         self.prefix_cache = prefix_cache
+        if prefix_cache_positions is None:
+            prefix_cache_positions = policy.prefix_cache_positions
         if prefix_cache_positions is not None and prefix_cache_positions < 1:
             raise UserError(f"prefix_cache_positions must be >= 1, got {prefix_cache_positions}")
         self.cache_positions = max_prompt if prefix_cache_positions is None else prefix_cache_positions

@@ -98,24 +98,26 @@ PREFIX_SHARE_HELP = ("fraction (0..1] of the prompts that begin with one of the 
                      "(default: the workload's own, as `xsched workload fit --tokenizer` finds it, else 1)")
 
 
+def whole_in(text: str, lo: int, hi: int) -> int:
+    """A whole-number option from ``lo`` to ``hi`` (the upper bounds keep 10^20 from a traceback)."""
+    value = whole_number(text)
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"must be a whole number from {lo} to {hi:,}, got {value}")
+    return value
+
+
 def prefix_arg(text: str) -> int:
     """``--prefix-tokens``: a whole number >= 0 (the workload holds it to its longest prompt)."""
     from workloads.distributions import MAX_LEN_TOKENS
 
-    value = whole_number(text)
-    if not 0 <= value <= MAX_LEN_TOKENS:
-        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to {MAX_LEN_TOKENS:,}, got {value}")
-    return value
+    return whole_in(text, 0, MAX_LEN_TOKENS)
 
 
 def groups_arg(text: str) -> int:
     """``--prefix-groups``: distinct prefixes, 1 to ``MAX_PREFIX_GROUPS``."""
     from workloads.workload import MAX_PREFIX_GROUPS
 
-    value = whole_number(text)
-    if not 1 <= value <= MAX_PREFIX_GROUPS:
-        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_PREFIX_GROUPS:,}, got {value}")
-    return value
+    return whole_in(text, 1, MAX_PREFIX_GROUPS)
 
 
 def share_arg(text: str) -> float:
@@ -133,10 +135,7 @@ def samples_arg(text: str) -> int:
     """``--samples`` and ``run --n``: outputs per prompt, 1 to ``MAX_SAMPLES``."""
     from workloads.workload import MAX_SAMPLES
 
-    value = whole_number(text)
-    if not 1 <= value <= MAX_SAMPLES:
-        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_SAMPLES:,}, got {value}")
-    return value
+    return whole_in(text, 1, MAX_SAMPLES)
 
 
 def requests_arg(text: str) -> int:
