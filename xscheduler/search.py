@@ -949,7 +949,7 @@ def grow_prefix_cache(ev: Evaluator, best: Evaluation, kind: str, bound_s: float
     few-shot prompts) otherwise computes every template the cache cannot keep again at each
     refill and block."""
     w, policy = ev.workload, best.policy
-    if policy is None or not best.fits or not w.prefix_tokens or w.prefix_share <= 0:
+    if policy is None or not best.fits or not w.prefix_tokens:
         return best
     base = workload_cache_positions(w)
     want = math.ceil(PREFIX_CACHE_SLACK * float(w.prefix_table[0].sum()))
