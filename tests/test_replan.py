@@ -99,7 +99,8 @@ def test_a_prompts_samples_count_its_length_once_in_the_drift_tests(setup, monke
 
 def test_results_of_another_model_are_named_in_a_warning(tmp_path):
     """`replan --observed` with the results of another model's run (its outputs have that model's
-    lengths) warns and names both; the plan's own model's lines, and lengths files, pass quietly."""
+    lengths) warns and names both; the plan's own model's lines, and lengths files, pass quietly;
+    lines repeating an earlier (id, sample) get a warning too (stop 61's audit: accepted silently)."""
     import warnings
 
     from xscheduler.replan import read_observed
@@ -115,6 +116,11 @@ def test_results_of_another_model_are_named_in_a_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         read_observed(results, "opt-125m")
+    # A results file appended to twice: each repeated line counts again, and the warning says so.
+    results.write_text("".join(json.dumps({**r, "model": "opt-125m"}) + "\n" for r in rows + rows[:2]))
+    with pytest.warns(UserWarning, match=r"results.jsonl: 2 line\(s\) repeat the id \(and sample\) of an earlier"):
+        prompts, _, _, _ = read_observed(results, "opt-125m")
+    assert prompts.tolist() == [10, 11, 12, 10, 11]
 
 
 def test_replan_after_a_30_percent_output_shift_meets_the_sla_the_old_plan_breaks(setup):

@@ -32,6 +32,7 @@ requests that finish first in a block cannot bias the output lengths short.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import warnings
@@ -337,6 +338,10 @@ def read_observed(path: Path, model: str | None = None) -> tuple[np.ndarray, np.
         warnings.warn(f"{path} holds results of {', '.join(others)}, the plan is for {model}; the re-plan assumes "
                       f"{model} writes outputs as long (replan that model's plan, or run {model} on the prompts "
                       "first)", UserWarning, stacklevel=2)
+    keys = [json.dumps([r["id"], r.get("sample")]) for r in rows if r.get("id") is not None]
+    if len(set(keys)) < len(keys):  # (a results file appended to twice counts those requests twice)
+        warnings.warn(f"{path}: {len(keys) - len(set(keys))} line(s) repeat the id (and sample) of an earlier "
+                      "line; each counts as an observed request", UserWarning, stacklevel=2)
     lengths = read_request_lengths(path, rows=rows)
     if lengths.outputs is None:
         raise UserError(f"{path}: no output lengths; each request needs output_tokens")
