@@ -144,6 +144,23 @@ def test_workload_commands_and_malformed_file(tmp_path):
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "at most" in out.stderr, out.stderr
 
 
+def test_workload_sample_to_standard_output(tmp_path, monkeypatch, capsys):
+    """Audit: `-o -` wrote a file named '-'; it now streams the same lines to standard output,
+    and refuses --json, whose summary would land in the same stream."""
+    from xsched.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["workload", "sample", "C1@0.5", "-n", "20", "--seed", "3", "-o", "-"]) == 0
+    streamed = capsys.readouterr().out
+    assert not (tmp_path / "-").exists()
+    assert main(["workload", "sample", "C1@0.5", "-n", "20", "--seed", "3", "-o", "reqs.jsonl"]) == 0
+    capsys.readouterr()
+    assert streamed == (tmp_path / "reqs.jsonl").read_text() and streamed.count("\n") == 20
+    assert main(["workload", "sample", "C1@0.5", "-n", "20", "-o", "-", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "leave out --json" in captured.err
+
+
 def test_a_workload_past_the_models_context_is_noted(profile_path):
     out = run("simulate", "--profile", profile_path, "--model", "opt-1.3b", "--workload", "fixed:4000:100",
               "--policy", '{"gbs": 1, "nb": 1}', "--requests", "4")

@@ -48,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sample.add_argument("workload", help=SPEC_HELP)
     sample.add_argument("-n", "--requests", type=int, required=True, help="number of requests")
     sample.add_argument("--seed", type=seed_arg, default=0, help="sampling seed (default 0)")
-    sample.add_argument("-o", "--output", metavar="REQUESTS.jsonl", required=True, help="output file")
+    sample.add_argument("-o", "--output", metavar="REQUESTS.jsonl", required=True,
+                        help="output file, or - for standard output")
     sample.add_argument("--json", action="store_true",
                         help="print a JSON summary (file, workload, seed, request count, mean lengths)")
     sample.set_defaults(handler=_sample)
@@ -121,16 +122,26 @@ def _sample(args: argparse.Namespace) -> int:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
     if args.requests > 10**8:  # ~5 GB of JSONL and several times that in memory while building it
         raise UserError(f"--requests {args.requests:,} is too many to write; pass at most 100,000,000")
-    check_writable(args.output, "-o")
-    separate_files([("-o", args.output)], [("the workload", workload_file(args.workload))])
+    to_stdout = args.output == "-"
+    if to_stdout and args.json:
+        raise UserError("-o - writes the requests to standard output, where --json would print its summary too: "
+                        "pass a file to -o, or leave out --json")
+    if not to_stdout:
+        check_writable(args.output, "-o")
+        separate_files([("-o", args.output)], [("the workload", workload_file(args.workload))])
     w = get_workload(args.workload)
     prompt, output = w.sample(args.requests, args.seed)
     lines = [json.dumps({"id": i, "prompt_tokens": int(p), "max_new_tokens": int(o)})
              for i, (p, o) in enumerate(zip(prompt, output))]
-    atomic_write_text(Path(args.output), "\n".join(lines) + "\n")
+    if to_stdout:
+        sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()
+    else:
+        atomic_write_text(Path(args.output), "\n".join(lines) + "\n")
     if args.json:
         print(json.dumps({"output": str(args.output), "workload": w.name, "seed": args.seed,
                           "requests": args.requests, "mean_prompt_tokens": float(prompt.mean()),
                           "mean_output_tokens": float(output.mean())}, indent=2))
-    print(f"wrote {args.requests} requests of {w.name} to {args.output}", file=sys.stderr)
+    print(f"wrote {args.requests} requests of {w.name} to {'standard output' if to_stdout else args.output}",
+          file=sys.stderr)
     return 0
