@@ -2184,3 +2184,40 @@ def test_the_engine_sizes_its_prefix_cache_from_the_policy_unless_told(tmp_path)
         with Engine(src, policy, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
                     prefix_cache_positions=given) as eng:
             assert eng.cache_positions == want
+
+
+def test_a_reconfiguration_takes_the_new_policys_prefix_cache_size(tmp_path):
+    """Stop 61's limit: a mid-run re-plan could grow (or drop) the prefix cache, and the engine kept
+    the size it started with, so the re-plan's prediction priced a cache the run did not have.
+    A new size is taken, counted in the planned peak, and refused with the policy when it does
+    not fit (a budget cut's re-plan back to the default size was refused, the job stopped); a
+    policy naming the running size keeps a size the caller gave."""
+    from xsimulator.costmodel import CostModel
+
+    src = RandomSource(LLAMA, seed=3)
+    base = Policy(gbs=2, nb=1, prefix_cache_positions=150)
+
+    def cpu_peak(eng, positions):
+        r = eng.rounded
+        return CostModel.for_policy(eng.spec, eng.profile, r).peak_bytes(r, MAX_PROMPT, MAX_OUTPUT, positions)["cpu"]
+
+    with Engine(src, base, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
+                default_cache_positions=70) as eng:
+        assert eng.cache_positions == 150
+        eng.reconfigure(replace(base, prefix_cache_positions=400), "grown")
+        assert eng.cache_positions == 400 and eng._cache.capacity == 400
+        assert eng.planned_peak_bytes["cpu"] == pytest.approx(cpu_peak(eng, 400))
+        assert cpu_peak(eng, 400) > cpu_peak(eng, 150)
+        # a budget cut's re-plan that fits only with the default cache (the engine kept 400: refused)
+        small = replace(base, gbs=4, prefix_cache_positions=None)
+        caps = {"gpu": math.inf, "cpu": CostModel.for_policy(eng.spec, eng.profile, small).peak_bytes(
+            small, MAX_PROMPT, MAX_OUTPUT, 70)["cpu"] + 1.0, "disk": math.inf}
+        eng.reconfigure(small, "budget: default size", capacity_bytes=caps)
+        assert eng.cache_positions == 70
+        with pytest.raises(UserError, match="cpu"):
+            eng.reconfigure(replace(base, gbs=4, prefix_cache_positions=4000), "too big", capacity_bytes=caps)
+        assert eng.cache_positions == 70 and eng.policy.prefix_cache_positions is None
+    with Engine(src, base, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
+                prefix_cache_positions=40) as eng:
+        eng.reconfigure(replace(base, gbs=4), "same size named")
+        assert eng.cache_positions == 40

@@ -482,7 +482,7 @@ def test_the_adapt_line_names_every_knob_a_replan_changes(random_plan, monkeypat
     from xscheduler.replan import DriftWatcher
 
     plan = Plan.load(random_plan)
-    new = replace(plan.policy, gbs=1, compress_cache=True)
+    new = replace(plan.policy, gbs=1, compress_cache=True, prefix_cache_positions=900)
     monkeypatch.setattr(DriftWatcher, "__call__", lambda self, info: (new, "drift: test"))
     args = Namespace(adapt="drift", budget_file=None, replan_compress="auto", replan_scope="full")
     hook, _watcher = _adapt_hook(args, plan, {"gpu": 1e12, "cpu": 1e12, "disk": 1e12}, load_profile("t4"), None,
@@ -490,7 +490,7 @@ def test_the_adapt_line_names_every_knob_a_replan_changes(random_plan, monkeypat
     assert hook(BlockInfo(3, 1.5, plan.policy)) == (new, "drift: test")
     err = capsys.readouterr().err
     assert err == ("xsched: adapt at block 3 (1.5 s): drift: test; policy change: GPU batch size: 2 -> 1, "
-                   "4-bit KV cache: False -> True\n"), err
+                   "4-bit KV cache: False -> True, prefix cache (positions): default -> 900\n"), err
 
 
 # ----------------------------------------------------------------------------- CLI errors

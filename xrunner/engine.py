@@ -435,7 +435,8 @@ class Engine:
                  notice: Callable[[str], None] | None = None,
                  stop_check: Callable[[Request, Sequence[int]], bool] | None = None, logprobs: bool = False,
                  share_prefixes: bool = True, order_by_prefix: bool = True, prefixes_across_batches: bool = True,
-                 prefix_cache: bool = True, prefix_cache_positions: int | None = None):
+                 prefix_cache: bool = True, prefix_cache_positions: int | None = None,
+                 default_cache_positions: int | None = None):
         spec = source.spec
         if head_layout not in (None, "rows", "transposed"):
             raise UserError(f"head_layout must be 'rows' or 'transposed', got {head_layout!r}")
@@ -474,15 +475,18 @@ class Engine:
         self._held: dict[int, Held] = {}  # the current layer's prefix results held for later batches
         # The run's later prefills (refills, later blocks) take the prefixes its first ones computed
         # (xrunner.prefix.PrefixCache: keys and values of every layer, on the cpu tier; room for
-        # prefix_cache_positions, default the policy's, else max_prompt:
+        # prefix_cache_positions, default the policy's, else default_cache_positions, else max_prompt:
         # xsimulator.costmodel.run_cache_positions sizes it to a plan's); off: each prefill
-        # computes its own (an ablation).
+        # computes its own (an ablation). default_cache_positions also sizes it for a re-plan's
+        # policy that names no size (reconfigure).
         self.prefix_cache = prefix_cache
-        if prefix_cache_positions is None:
-            prefix_cache_positions = policy.prefix_cache_positions
-        if prefix_cache_positions is not None and prefix_cache_positions < 1:
-            raise UserError(f"prefix_cache_positions must be >= 1, got {prefix_cache_positions}")
-        self.cache_positions = max_prompt if prefix_cache_positions is None else prefix_cache_positions
+        for name, value in (("prefix_cache_positions", prefix_cache_positions),
+                            ("default_cache_positions", default_cache_positions)):
+            if value is not None and value < 1:
+                raise UserError(f"{name} must be >= 1, got {value}")
+        self.default_cache_positions = max_prompt if default_cache_positions is None else default_cache_positions
+        self.cache_positions = self._cache_size_of(policy) if prefix_cache_positions is None \
+            else prefix_cache_positions
         self._cache = PrefixCache(0)
         # Token ids [sequences, length] of calibration text (or a function giving them, called the
         # first time a calibration pass runs, while weights load): 4-bit weights then get GPTQ codes
@@ -535,15 +539,23 @@ class Engine:
             self.close()
             raise
 
-    def _planned_peak(self, rounded: Policy, caps: Mapping[str, float] | None, scratch: int) -> dict[str, float]:
+    def _cache_size_of(self, policy: Policy) -> int:
+        """The prefix cache size ``policy`` names, else the engine's default."""
+        named = policy.prefix_cache_positions
+        return self.default_cache_positions if named is None else named
+
+    def _planned_peak(self, rounded: Policy, caps: Mapping[str, float] | None, scratch: int,
+                      cache_positions: int | None = None) -> dict[str, float]:
         """Planned peak bytes per tier of ``rounded``, refused (``UserError``) if over ``caps``.
 
         ``scratch``: the calibration pass this setup runs (GPTQ for 4-bit weights, KV centers for
         a 4-bit cache; 0: none), added to the gpu tier's resident buffers while the weights load;
         that is checked after the plan itself, so the error can say that no pass would fit.
+        ``cache_positions``: the prefix cache's size (default: the engine's).
         """
+        cache = self.cache_positions if cache_positions is None else cache_positions
         mem = CostModel.for_policy(self.spec, self.profile, rounded).memory(
-            rounded.placement(), rounded.gbs, rounded.nb, self.max_prompt, self.max_output, self.cache_positions)
+            rounded.placement(), rounded.gbs, rounded.nb, self.max_prompt, self.max_output, cache)
         peaks = {tier: m.peak_bytes() for tier, m in mem.items()}
         _refuse_over_capacity(peaks, caps)
         if scratch:
@@ -864,7 +876,8 @@ class Engine:
         source. The KV cache, hidden-state, stage and relay buffers (empty between blocks) are freed
         and re-made for the new gbs/nb/row split. ``capacity_bytes`` (default: the budget in force)
         is checked before anything moves: a policy whose planned peak exceeds it is refused with a
-        ``UserError`` and the engine keeps its old policy.
+        ``UserError`` and the engine keeps its old policy. The prefix cache is emptied, and takes
+        the new policy's size where that differs from the old policy's.
         """
         if self._closed:
             raise RuntimeError("engine is closed")
@@ -890,7 +903,13 @@ class Engine:
                    and self.calibration_ids is not None)
         scratch = (self._calibration_bytes(policy.compress_weight, policy.compress_cache) if reload
                    else self._calibration_bytes(False, True) if observe else 0)
-        planned = self._planned_peak(rounded, caps, scratch)
+        # A policy whose prefix cache size differs from the running one's (a re-plan grew it, or
+        # went back to the default to make room) gets it; the same size keeps the engine's (a size
+        # the caller gave the engine stays).
+        cache = self._cache_size_of(policy)
+        if cache == self._cache_size_of(self.policy):
+            cache = self.cache_positions
+        planned = self._planned_peak(rounded, caps, scratch, cache)
         new_tiers = _layer_tiers(policy, L)
         moves = [] if reload else sorted(((i, a, b) for i, (a, b) in enumerate(zip(self.layer_tier, new_tiers))
                                           if a != b), key=_move_order)
@@ -903,6 +922,7 @@ class Engine:
         peak_before = self.ledger.reset_window()  # the old policy's peak since the run or the last change
         old = self.policy
         self._free_buffers()
+        self.cache_positions = cache
         self._clear_cache()  # (new weights or a new dtype of them would compute other keys and values)
         moved: dict[str, int] = {}
         reloaded = 0

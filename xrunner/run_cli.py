@@ -308,7 +308,7 @@ def _run(args: argparse.Namespace) -> int:
     from xscheduler.plan import Plan
     from xsched.errors import UserError
     from xsched.fileio import atomic_write_all, check_writable, file_or_none, separate_files
-    from xsimulator.costmodel import CostModel, run_cache_positions
+    from xsimulator.costmodel import CostModel, run_cache_positions, workload_cache_positions
 
     plan = Plan.load(args.plan)
     profile, no_profile = _plan_profile(plan, args.profile)
@@ -484,7 +484,8 @@ def _run(args: argparse.Namespace) -> int:
                                                   file=sys.stderr),
                         stop_check=stop_checker(tokenizer, stops_of),
                         logprobs=args.logprobs or bool(logprobs_of),
-                        prefix_cache_positions=cache_positions) as engine:
+                        prefix_cache_positions=cache_positions,
+                        default_cache_positions=workload_cache_positions(plan.workload, max_prompt)) as engine:
                 meter = LoadMeter()
                 stats = engine.run(requests, on_finished=on_finished, on_step=bar.update, between_blocks=hook)
                 others = meter.others_cores()

@@ -182,7 +182,8 @@ def policy_changes(old: Policy, new: Policy) -> list[str]:
                         ("refill every (decode steps)", old.refill_every, new.refill_every),
                         ("4-bit weights", old.compress_weight, new.compress_weight),
                         ("4-bit KV cache", old.compress_cache, new.compress_cache),
-                        ("CPU attention", old.cpu_attention, new.cpu_attention)):
+                        ("CPU attention", old.cpu_attention, new.cpu_attention),
+                        ("prefix cache (positions)", _cache_size(old), _cache_size(new))):
         if a != b:
             out.append(f"{label}: {a} -> {b}")
     for what, prefix in (("weights", "w"), ("KV cache", "c"), ("activations", "h")):
@@ -192,6 +193,10 @@ def policy_changes(old: Policy, new: Policy) -> list[str]:
             fmt = lambda v: "/".join(f"{x:.0%}" for x in v)  # noqa: E731
             out.append(f"{what} gpu/cpu/disk: {fmt(a)} -> {fmt(b)}")
     return out or ["(none)"]
+
+
+def _cache_size(p: Policy) -> int | str:
+    return "default" if p.prefix_cache_positions is None else p.prefix_cache_positions
 
 
 def _tps(r: SimResult) -> str:
