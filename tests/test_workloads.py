@@ -591,3 +591,30 @@ def test_counts_past_what_the_simulators_can_hold_are_refused_in_one_line(tmp_pa
     cells.write_text("prompt_tokens,max_new_tokens\n12,four\n")
     with pytest.raises(UserError, match="max_new_tokens='four' is not a number"):
         Workload.from_file(cells)
+
+
+def test_a_fitted_workload_keeps_the_prompts_own_parts_after_their_prefix(tmp_path):
+    """``own_part``: the tokens after each sharing prompt's prefix, kept where the prefixes
+    differ in length (what pairs them with prompt lengths in the simulator); saved and read
+    back, scaled with the workload, dropped with the prefix table, refused past the longest
+    prompt; a file of old format reads as None."""
+    from workloads.workload import with_samples
+
+    rng = np.random.default_rng(4)
+    heads = [rng.integers(5, 900, n).tolist() for n in (40, 80, 120)]
+    rows = [heads[k] + rng.integers(5, 900, int(q)).tolist()
+            for k, q in zip(rng.integers(0, 3, 90), rng.integers(10, 21, 90))]
+    path = tmp_path / "reqs.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt_ids": r, "max_new_tokens": 4}) + "\n"
+                            for i, r in enumerate(rows)))
+    w = Workload.from_file(path)
+    assert sorted(w.prefix_lengths) == [40, 80, 120] and 10 <= w.own_part.min_len <= w.own_part.max_len <= 20
+    assert w.own_part.mean == pytest.approx(np.mean([len(r) for r in rows]) - w.mean_prefix_tokens, abs=0.5)
+    assert Workload.from_json(w.to_json()) == w and "after the prefix: mean" in w.describe()
+    assert w.scaled(2.0).own_part.max_len == pytest.approx(2 * w.own_part.max_len, abs=1)
+    assert with_samples(w, None, prefix_tokens=50).own_part is None
+    with pytest.raises(UserError, match="own_part reaches"):
+        replace(w, own_part=LengthDistribution.fixed(w.prompt.max_len + 1))
+    old = json.loads(w.to_json())
+    del old["own_part"]
+    assert Workload.from_dict(old).own_part is None

@@ -262,7 +262,8 @@ def fit_workload(prompt_lens: Any, output_lens: Any, reference: Workload) -> Wor
                     correlation=spearman_to_copula(p, o), source=f"empirical, {len(p)} observed requests",
                     samples=reference.samples, prefix_tokens=reference.prefix_tokens,
                     prefix_groups=reference.prefix_groups, prefix_share=reference.prefix_share,
-                    prefix_lengths=reference.prefix_lengths, prefix_weights=reference.prefix_weights)
+                    prefix_lengths=reference.prefix_lengths, prefix_weights=reference.prefix_weights,
+                    own_part=reference.own_part)
 
 
 def _smoothed(x: np.ndarray, max_len: int) -> LengthDistribution:
