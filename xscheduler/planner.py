@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from workloads.workload import Workload
@@ -25,13 +25,17 @@ from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
 from xscheduler.placement import shortfall_bytes
 from xscheduler.plan import SLA, Confirmation, Plan, SearchStats
-from xscheduler.search import (LATENCY_TOLERANCE, Evaluation, Evaluator, Space, Variant, grow_prefix_cache,
+from xscheduler.search import (LATENCY_TOLERANCE, Evaluation, Evaluator, Space, Variant, grow_prefix_caches,
                                lowest_latency, pareto, search, variants, warm_search)
 from xsimulator.costmodel import workload_cache_positions
 from xsimulator.policy import Policy
 
 DEFAULT_REQUESTS = 2000  # matches xsimulator.discrete_event.DEFAULT_REQUESTS
 CONFIRM_SEEDS = (1, 2)
+
+
+def _shape(policy: Policy) -> str:
+    return f"{policy.gbs} x {policy.nb}" + (f", refill every {policy.refill_every}" if policy.refill_every else "")
 
 
 def _one_line(policy) -> str:  # noqa: ANN001
@@ -119,6 +123,7 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
     if num_requests < 1:
         raise UserError(f"the job needs at least 1 request, got {num_requests}")
     user_sla = sla
+    warm = method == "warm"  # (a re-plan mid-job: the cache's shape scan is left out)
     margin_f, margin_source = resolve_margin(profile, margin)
     sla = user_sla.tightened(margin_f)
     t0 = time.perf_counter()
@@ -153,7 +158,7 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
             raise UserError(f"no policy meets {sla.kind} <= {sla.latency_s:g} s{why}; the lowest achievable is "
                             f"{low.latency(sla.kind):,.4g} s (policy {_one_line(low.policy)})")
         searched = best
-        best = grow_prefix_cache(ev, best, sla.kind, sla.latency_s)
+        best = grow_prefix_caches(ev, best, sla.kind, sla.latency_s, scan=not warm)
     finally:
         close()
     predicted = best.result
@@ -167,7 +172,11 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
     if best is not searched:
         notes.append(f"prefix cache grown to {best.policy.prefix_cache_positions:,} positions for the workload's "
                      f"{workload.prefix_groups} prefixes (default {workload_cache_positions(workload):,}): "
-                     f"{best.throughput:,.4g} tokens/s against {searched.throughput:,.4g} with the default")
+                     + (f"{best.throughput:,.4g} tokens/s against {searched.throughput:,.4g} with the default"
+                        if replace(best.policy, prefix_cache_positions=None) == searched.policy else
+                        f"{best.throughput:,.4g} tokens/s at {_shape(best.policy)}, where a grown cache is fastest, "
+                        f"against {searched.throughput:,.4g} at the search's {_shape(searched.policy)} with the "
+                        "default"))
     if not sla.met_by(predicted):
         notes.append(f"the discrete-event simulation (seed {seed}) puts {sla.kind} latency at "
                      f"{predicted.latency_s(sla.kind):,.4g} s, over the bound the {evaluator} search used "
