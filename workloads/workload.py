@@ -190,7 +190,7 @@ class Workload(Contract):
         (centered) where the workload has it: a normal one's tails gave a GPU batch's longest own
         part, which every row pads to, a third past a suite's real one (57 templates of 550-650
         tokens, 30-110 token questions: the simulator priced 1.04-1.10x the engine's positions,
-        0.99-1.01 with the questions' own lengths)."""
+        0.997-1.015 drawing from ``own_part``)."""
         prompts = -(-n // self.samples)
         sharing = round(self.prefix_share * prompts)
         lengths, weights = self.prefix_table
