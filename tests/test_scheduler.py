@@ -814,13 +814,13 @@ def test_a_plan_grows_the_prefix_cache_into_free_memory_for_many_templates():
                        confirm_seeds=()).policy.prefix_cache_positions is None
 
 
-def test_a_plan_grows_the_cache_at_the_batch_shape_where_that_is_fastest():
-    """The search prices every point with the default cache and the planner grew only its
-    answer's: on an evaluation suite (57 templates of 550-650 tokens before 30-110 token
-    questions) it planned 128 x 8 at 181.1 tokens/s where a smaller batch, leaving more room for
-    the cache, reached 191.4 grown. The planner now grows the fastest shapes the search met and
-    every power-of-two shape of their variants; the reference grows every gbs x nb of the plan's
-    variant at its refill interval."""
+def _templated_plan(templates: int, head: tuple[int, int], question: tuple[int, int], prompts: int,
+                    requests: int, seed: int):
+    """A job of ``prompts`` prompts, each one of ``templates`` random templates of ``head`` tokens
+    before a ``question``, fitted as ``workload fit`` fits it and planned on t4 (opt-1.3b, p99 <=
+    3600 s, ``requests``); with the plan, an Evaluator of the same job and the grown price of
+    every gbs x nb (powers of two) of the plan's variant that meets its bound, as ``price`` of
+    the grown policy says: the reference the planner's cache step is held to."""
     import random
 
     from workloads.distributions import LengthDistribution
@@ -829,20 +829,49 @@ def test_a_plan_grows_the_cache_at_the_batch_shape_where_that_is_fastest():
 
     prof = load_profile("t4")
     spec = prof.model_for(get_model_spec("opt-1.3b"))
-    rng = random.Random(5)
-    heads = [[rng.randrange(50000) for _ in range(rng.randint(550, 650))] for _ in range(57)]
-    prompts = [rng.choice(heads) + [rng.randrange(50000) for _ in range(rng.randint(30, 110))] for _ in range(2048)]
-    n = np.array([len(p) for p in prompts])
-    suite = replace(fixed_workload(int(n.mean()), 4), prompt=LengthDistribution.empirical(n), **prefix_fields(prompts))
-    plan = plan_search(spec, prof, suite, SLA("p99", 3600), num_requests=1000, confirm_seeds=())
-    ev = Evaluator(spec, prof, suite, num_requests=1000)
+    rng = random.Random(seed)
+    heads = [[rng.randrange(50000) for _ in range(rng.randint(*head))] for _ in range(templates)]
+    rows = [rng.choice(heads) + [rng.randrange(50000) for _ in range(rng.randint(*question))] for _ in range(prompts)]
+    n = np.array([len(p) for p in rows])
+    job = replace(fixed_workload(int(n.mean()), 4), prompt=LengthDistribution.empirical(n), **prefix_fields(rows))
+    plan = plan_search(spec, prof, job, SLA("p99", 3600), num_requests=requests, confirm_seeds=())
+    ev = Evaluator(spec, prof, job, num_requests=requests)
     p = plan.policy
-    variant = Variant(p.compress_weight, p.compress_cache, p.cpu_attention)
-    best = 0.0
-    for gbs in (8, 16, 32, 64, 128, 256):
-        for nb in (1, 2, 4, 8, 16, 32):
-            point = ev(variant, gbs, nb, p.refill_every)
-            if point.meets("p99", plan.planning_latency_s):
-                best = max(best, grow_prefix_cache(ev, point, "p99", plan.planning_latency_s).throughput)
-    assert plan.predicted.throughput_tokens_per_s >= 0.99 * best > 0, (p.gbs, p.nb, best)
+
+    def grid_best(price) -> float:  # noqa: ANN001
+        variant, best = Variant(p.compress_weight, p.compress_cache, p.cpu_attention), 0.0
+        for gbs in (8, 16, 32, 64, 128, 256):
+            for nb in (1, 2, 4, 8, 16, 32):
+                point = ev(variant, gbs, nb, p.refill_every) if gbs * nb <= requests else None
+                if point is not None and point.meets("p99", plan.planning_latency_s):
+                    best = max(best, price(grow_prefix_cache(ev, point, "p99", plan.planning_latency_s).policy))
+        return best
+
+    return plan, ev, grid_best
+
+
+def test_a_plan_grows_the_cache_at_the_batch_shape_where_that_is_fastest():
+    """The search prices every point with the default cache and the planner grew only its
+    answer's: on an evaluation suite (57 templates of 550-650 tokens before 30-110 token
+    questions) it planned 128 x 8 at 182.0 tokens/s (the mean of three draws) where a smaller
+    batch, leaving more room for the cache, reached 191.9 grown. The planner now grows the
+    fastest shapes the search met and every power-of-two shape of their variants; the reference
+    grows every gbs x nb of the plan's variant at its refill interval."""
+    plan, ev, grid_best = _templated_plan(57, (550, 650), (30, 110), 2048, 1000, seed=5)
+    mean = lambda policy: np.mean([ev.simulate(policy, seed=s).throughput_tokens_per_s for s in range(3)])  # noqa: E731
+    best = grid_best(mean)  # (on the three draws the planner tells near shapes apart on)
+    assert mean(plan.policy) >= 0.99 * best > 0, (plan.policy.gbs, plan.policy.nb, mean(plan.policy), best)
     assert any("where a grown cache is fastest" in note for note in plan.notes), plan.notes
+
+
+def test_grown_shapes_within_a_few_percent_are_told_apart_on_more_draws():
+    """On a small job, which template each prompt gets is one draw, and it decided between grown
+    shapes a few percent apart (on SmolLM2's 256 prompts it chose 8 x 16, 0.2% ahead on that draw,
+    where 16 x 8 was 2-4% ahead on two others and ran 7% faster). Shapes within GROW_TIE of the
+    fastest are now compared on three draws. Reference: every power-of-two shape of the plan's
+    variant, grown, priced on the same three draws; the plan's mean must be within 0.5% of the
+    best mean (choosing on one draw: 334.6 against 340.0 tokens/s here)."""
+    plan, ev, grid_best = _templated_plan(24, (100, 300), (20, 80), 256, 256, seed=3)
+    mean = lambda policy: np.mean([ev.simulate(policy, seed=s).throughput_tokens_per_s for s in range(3)])  # noqa: E731
+    best = grid_best(mean)
+    assert mean(plan.policy) >= 0.995 * best > 0, (plan.policy.gbs, plan.policy.nb, mean(plan.policy), best)
