@@ -818,9 +818,9 @@ def _templated_plan(templates: int, head: tuple[int, int], question: tuple[int, 
                     requests: int, seed: int):
     """A job of ``prompts`` prompts, each one of ``templates`` random templates of ``head`` tokens
     before a ``question``, fitted as ``workload fit`` fits it and planned on t4 (opt-1.3b, p99 <=
-    3600 s, ``requests``); with the plan, an Evaluator of the same job and the grown price of
-    every gbs x nb (powers of two) of the plan's variant that meets its bound, as ``price`` of
-    the grown policy says: the reference the planner's cache step is held to."""
+    3600 s, ``requests``); with the plan, a policy's mean throughput over three draws of the
+    templates, and the best such mean over every gbs x nb (powers of two) of the plan's variant
+    that meets its bound, each grown: the reference the planner's cache step is held to."""
     import random
 
     from workloads.distributions import LengthDistribution
@@ -838,16 +838,16 @@ def _templated_plan(templates: int, head: tuple[int, int], question: tuple[int, 
     ev = Evaluator(spec, prof, job, num_requests=requests)
     p = plan.policy
 
-    def grid_best(price) -> float:  # noqa: ANN001
-        variant, best = Variant(p.compress_weight, p.compress_cache, p.cpu_attention), 0.0
-        for gbs in (8, 16, 32, 64, 128, 256):
-            for nb in (1, 2, 4, 8, 16, 32):
-                point = ev(variant, gbs, nb, p.refill_every) if gbs * nb <= requests else None
-                if point is not None and point.meets("p99", plan.planning_latency_s):
-                    best = max(best, price(grow_prefix_cache(ev, point, "p99", plan.planning_latency_s).policy))
-        return best
+    def mean(policy: Policy) -> float:
+        return float(np.mean([ev.simulate(policy, seed=s).throughput_tokens_per_s for s in range(3)]))
 
-    return plan, ev, grid_best
+    variant, best = Variant(p.compress_weight, p.compress_cache, p.cpu_attention), 0.0
+    for gbs in (8, 16, 32, 64, 128, 256):
+        for nb in (1, 2, 4, 8, 16, 32):
+            point = ev(variant, gbs, nb, p.refill_every) if gbs * nb <= requests else None
+            if point is not None and point.meets("p99", plan.planning_latency_s):
+                best = max(best, mean(grow_prefix_cache(ev, point, "p99", plan.planning_latency_s).policy))
+    return plan, mean, best
 
 
 def test_a_plan_grows_the_cache_at_the_batch_shape_where_that_is_fastest():
@@ -857,9 +857,7 @@ def test_a_plan_grows_the_cache_at_the_batch_shape_where_that_is_fastest():
     batch, leaving more room for the cache, reached 191.9 grown. The planner now grows the
     fastest shapes the search met and every power-of-two shape of their variants; the reference
     grows every gbs x nb of the plan's variant at its refill interval."""
-    plan, ev, grid_best = _templated_plan(57, (550, 650), (30, 110), 2048, 1000, seed=5)
-    mean = lambda policy: np.mean([ev.simulate(policy, seed=s).throughput_tokens_per_s for s in range(3)])  # noqa: E731
-    best = grid_best(mean)  # (on the three draws the planner tells near shapes apart on)
+    plan, mean, best = _templated_plan(57, (550, 650), (30, 110), 2048, 1000, seed=5)
     assert mean(plan.policy) >= 0.99 * best > 0, (plan.policy.gbs, plan.policy.nb, mean(plan.policy), best)
     assert any("where a grown cache is fastest" in note for note in plan.notes), plan.notes
 
@@ -871,7 +869,5 @@ def test_grown_shapes_within_a_few_percent_are_told_apart_on_more_draws():
     fastest are now compared on three draws. Reference: every power-of-two shape of the plan's
     variant, grown, priced on the same three draws; the plan's mean must be within 0.5% of the
     best mean (choosing on one draw: 334.6 against 340.0 tokens/s here)."""
-    plan, ev, grid_best = _templated_plan(24, (100, 300), (20, 80), 256, 256, seed=3)
-    mean = lambda policy: np.mean([ev.simulate(policy, seed=s).throughput_tokens_per_s for s in range(3)])  # noqa: E731
-    best = grid_best(mean)
+    plan, mean, best = _templated_plan(24, (100, 300), (20, 80), 256, 256, seed=3)
     assert mean(plan.policy) >= 0.995 * best > 0, (plan.policy.gbs, plan.policy.nb, mean(plan.policy), best)

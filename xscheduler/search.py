@@ -965,7 +965,7 @@ def grow_prefix_caches(ev: Evaluator, best: Evaluation, kind: str, bound_s: floa
     are compared on ``GROW_SEEDS`` draws."""
     w = ev.workload
     if best.policy is None or not best.fits or not w.prefix_tokens or \
-            math.ceil(PREFIX_CACHE_SLACK * float(w.prefix_table[0].sum())) <= workload_cache_positions(w):
+            _room_for_every_prefix(w) <= workload_cache_positions(w):
         return best  # (the default room holds every prefix)
 
     def grown(e: Evaluation) -> Evaluation:
@@ -1005,6 +1005,11 @@ def grow_prefix_caches(ev: Evaluator, best: Evaluation, kind: str, bound_s: floa
         ev.simulate(e.policy, seed=s).throughput_tokens_per_s for s in seeds))
 
 
+def _room_for_every_prefix(w: Workload) -> int:
+    """Cache positions that hold every prefix ``w`` lists, with the cost model's slack."""
+    return math.ceil(PREFIX_CACHE_SLACK * float(w.prefix_table[0].sum()))
+
+
 def grow_prefix_cache(ev: Evaluator, best: Evaluation, kind: str, bound_s: float) -> Evaluation:
     """``best`` with the run's prefix cache grown past its default room (at most
     ``PREFIX_CACHE_PROMPTS`` prompts' worth) toward room for every prefix of the workload, within
@@ -1016,7 +1021,7 @@ def grow_prefix_cache(ev: Evaluator, best: Evaluation, kind: str, bound_s: float
     if policy is None or not best.fits or not w.prefix_tokens:
         return best
     base = workload_cache_positions(w)
-    want = math.ceil(PREFIX_CACHE_SLACK * float(w.prefix_table[0].sum()))
+    want = _room_for_every_prefix(w)
     if want <= base:
         return best
     cm = CostModel.for_policy(ev.spec, ev.profile, policy)
