@@ -435,6 +435,18 @@ def test_light_stages_import_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_engine_imports_without_scipys_fitting_modules():
+    """An engine process's footprint counts against the RAM a plan may use: scipy.stats and
+    scipy.optimize (about 45 MiB) are for fitting workloads, not for running a plan."""
+    code = (
+        "import sys\n"
+        "import xrunner.engine, xrunner.loaders, xrunner.run_cli\n"
+        "bad = sorted(m for m in ('scipy.stats', 'scipy.optimize') if m in sys.modules)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_cli_models_and_errors():
     out = subprocess.run([sys.executable, "-m", "xsched", "models"], capture_output=True, text=True, check=True)
     assert "opt-175b" in out.stdout and "smollm2-135m" in out.stdout

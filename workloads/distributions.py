@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import Any, ClassVar, Literal
 
 import numpy as np
-from scipy import optimize, special
+from scipy import special
 
 from xsched.contract import Contract
 from xsched.errors import UserError
@@ -136,6 +136,8 @@ class LengthDistribution(Contract):
             # The tiny last term only breaks the tie when the std is unreachable (then the answer
             # is nearly uniform whatever the location): it keeps the location at the mean.
             return [(d.mean - mean) / std, (d.std - std) / std, 1e-4 * (x[0] - mean) / std]
+
+        from scipy import optimize  # (here: it adds about 25 MiB to every process that reads a workload)
 
         widest = 2.0 * max(max_len - min_len, 1)  # wider than this is uniform on the range anyway
         sol = optimize.least_squares(residual, [mean, min(std, widest)],

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import numpy as np
-from scipy import special, stats
+from scipy import special
 
 from workloads.distributions import MAX_LEN_TOKENS, LengthDistribution
 from xsched.contract import Contract
@@ -491,6 +491,8 @@ def spearman_to_copula(a: Any, b: Any) -> float:
     """Gaussian-copula correlation from Spearman's rank correlation: 2 sin(pi rho_s / 6)."""
     if len(a) < 3 or np.ptp(a) == 0 or np.ptp(b) == 0:
         return 0.0
+    from scipy import stats  # (here: it adds about 45 MiB to every process that reads a workload, the engine's too)
+
     rho_s = float(stats.spearmanr(a, b).statistic)
     if not math.isfinite(rho_s):
         return 0.0
