@@ -859,6 +859,36 @@ def test_templates_of_unlike_lengths_and_popularity_are_priced_each_as_it_is():
             assert analytic.padded_prompt_tokens == pytest.approx(engine, rel=0.2), (lengths, policy)
 
 
+def test_prompts_sharing_nothing_are_told_apart_from_templated_ones_by_length():
+    """A quarter of the prompts share nothing (40-200 tokens) beside templates of 300 and 20
+    tokens, or of 20 to 200, before 10-40 token questions. Given the prompts' lengths, the
+    simulator drew which of them share nothing at random, so a 330-token prompt could share
+    nothing and a 150-token one carry the 20-token template with 130 tokens of its own: the mean
+    of three seeds priced 1.09-1.40x the engine's positions. ``workload fit`` now keeps their
+    lengths (``unshared_prompt``) and the draw follows them: 1.01-1.03."""
+    from workloads.workload import prefix_fields
+
+    rng = random.Random(5)
+    for lengths, weights in (((300,) + (20,) * 7, [1 / (k + 1) for k in range(8)]), ((200, 20, 100, 40), [1.0] * 4)):
+        heads = [tuple(rng.randrange(50000) for _ in range(n)) for n in lengths]
+        prompts = [rng.choices(heads, weights)[0] + tuple(rng.randrange(50000) for _ in range(rng.randint(10, 40)))
+                   for _ in range(384)]
+        prompts += [tuple(rng.randrange(50000) for _ in range(rng.randint(40, 200))) for _ in range(128)]
+        rng.shuffle(prompts)
+        n = np.array([len(p) for p in prompts])
+        fields = prefix_fields(prompts)
+        assert fields["prefix_share"] == 0.75 and 40 <= fields["unshared_prompt"].min_len
+        workload = replace(fixed_workload(int(n.mean()), 8), prompt=LengthDistribution.empirical(n), **fields)
+        both = (n, np.full(len(prompts), 8))
+        for policy in (Policy(gbs=16, nb=4), Policy(gbs=8, nb=8)):
+            engine = engine_prefill_positions(prompts, policy, workload_cache_positions(workload, int(n.max())))
+            by_length, at_random = (np.mean([simulate(LLAMA, t4_like(), policy, w, requests=both, seed=s)
+                                             .padded_prompt_tokens for s in range(3)]) / engine
+                                    for w in (workload, replace(workload, unshared_prompt=None)))
+            assert by_length == pytest.approx(1.0, abs=0.05), (lengths, policy, by_length)
+            assert at_random > by_length + 0.05, (lengths, policy, at_random)
+
+
 def test_a_suites_templates_are_paired_with_prompt_lengths_as_its_questions_vary():
     """An evaluation suite: 24 templates of 500-600 tokens, each before a 30-90 token question,
     one block of 32 x 16. Given the prompts' lengths, the simulator pairs long templates with long

@@ -593,6 +593,14 @@ def test_counts_past_what_the_simulators_can_hold_are_refused_in_one_line(tmp_pa
         Workload.from_file(cells)
 
 
+def _fitted(tmp_path, rows: list[list[int]]) -> Workload:
+    """The workload ``workload fit`` finds in a file of these prompts' token ids."""
+    path = tmp_path / "reqs.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt_ids": r, "max_new_tokens": 4}) + "\n"
+                            for i, r in enumerate(rows)))
+    return Workload.from_file(path)
+
+
 def test_a_fitted_workload_keeps_the_prompts_own_parts_after_their_prefix(tmp_path):
     """``own_part``: the tokens after each sharing prompt's prefix, kept where the prefixes
     differ in length (what pairs them with prompt lengths in the simulator); saved and read
@@ -604,10 +612,7 @@ def test_a_fitted_workload_keeps_the_prompts_own_parts_after_their_prefix(tmp_pa
     heads = [rng.integers(5, 900, n).tolist() for n in (40, 80, 120)]
     rows = [heads[k] + rng.integers(5, 900, int(q)).tolist()
             for k, q in zip(rng.integers(0, 3, 90), rng.integers(10, 21, 90))]
-    path = tmp_path / "reqs.jsonl"
-    path.write_text("".join(json.dumps({"id": i, "prompt_ids": r, "max_new_tokens": 4}) + "\n"
-                            for i, r in enumerate(rows)))
-    w = Workload.from_file(path)
+    w = _fitted(tmp_path, rows)
     assert sorted(w.prefix_lengths) == [40, 80, 120] and 10 <= w.own_part.min_len <= w.own_part.max_len <= 20
     assert w.own_part.mean == pytest.approx(np.mean([len(r) for r in rows]) - w.mean_prefix_tokens, abs=0.5)
     assert Workload.from_json(w.to_json()) == w and "after the prefix: mean" in w.describe()
@@ -618,3 +623,34 @@ def test_a_fitted_workload_keeps_the_prompts_own_parts_after_their_prefix(tmp_pa
     old = json.loads(w.to_json())
     del old["own_part"]
     assert Workload.from_dict(old).own_part is None
+    assert w.unshared_prompt is None  # (every prompt shares a template)
+
+
+def test_a_fitted_workload_keeps_the_lengths_of_the_prompts_that_share_nothing(tmp_path):
+    """``unshared_prompt``: the lengths of the prompts that share no prefix, beside ``own_part``
+    (what tells them apart from the sharing ones in the simulator); saved and read back, shown,
+    scaled, dropped with the prefix table, refused past the longest prompt; a file of old format
+    reads as None."""
+    from workloads.workload import with_samples
+
+    rng = np.random.default_rng(5)
+    heads = [rng.integers(5, 900, n).tolist() for n in (40, 120)]
+    rows = [heads[k] + rng.integers(5, 900, int(q)).tolist()
+            for k, q in zip(rng.integers(0, 2, 90), rng.integers(10, 21, 90))]
+    rows += [rng.integers(5, 900, int(n)).tolist() for n in rng.integers(60, 90, 30)]
+    w = _fitted(tmp_path, rows)
+    alone = w.unshared_prompt
+    assert w.prefix_share == pytest.approx(0.75) and 60 <= alone.min_len <= alone.max_len < 90
+    assert alone.mean == pytest.approx(np.mean([len(r) for r in rows[90:]]))
+    assert Workload.from_json(w.to_json()) == w and "prompts sharing nothing: mean" in w.describe()
+    assert w.scaled(2.0).unshared_prompt.max_len == pytest.approx(2 * alone.max_len, abs=1)
+    assert with_samples(w, None, prefix_share=0.5).unshared_prompt is None
+    with pytest.raises(UserError, match="unshared_prompt reaches"):
+        replace(w, unshared_prompt=LengthDistribution.fixed(w.prompt.max_len + 1))
+    old = json.loads(w.to_json())
+    del old["unshared_prompt"]
+    assert Workload.from_dict(old).unshared_prompt is None
+    lens = np.tile([len(r) for r in rows], 30)  # the file's prompts, in the simulator's draw:
+    alone_ids = w.prefix_ids(len(lens), prompt_lens=lens) >= w.prefix_groups
+    assert alone_ids.sum() == 0.25 * len(lens)  # as many as share nothing, of the lengths such prompts have
+    assert 60 <= lens[alone_ids].min() and lens[alone_ids].max() < 90  # (the sharing ones: 50-60 and 130-140)

@@ -95,6 +95,9 @@ class Workload(Contract):
     # The sharing prompts' own parts (their tokens after the prefix), where a file showed them
     # (workload fit); prefix_ids pairs prefixes of unlike lengths with prompt lengths by it.
     own_part: LengthDistribution | None = None
+    # The lengths of the prompts that share nothing, beside own_part: prefix_ids tells them apart
+    # from the sharing ones by length.
+    unshared_prompt: LengthDistribution | None = None
 
     def __post_init__(self) -> None:
         if not -1.0 < self.correlation < 1.0 and self.correlation != 0.0:
@@ -116,9 +119,12 @@ class Workload(Contract):
             raise UserError(f"workload {self.name}: prefix_share {self.prefix_share!r} must lie in (0, 1] "
                             "(the fraction of prompts that begin with a shared prefix)")
         self._check_prefix_table()
-        if self.own_part is not None and self.own_part.max_len > self.prompt.max_len:
-            raise UserError(f"workload {self.name}: own_part reaches {self.own_part.max_len:,} tokens, past the "
-                            f"longest prompt's {self.prompt.max_len:,} (it is the part of a prompt after its prefix)")
+        for field_, what in (("own_part", "the part of a prompt after its prefix"),
+                             ("unshared_prompt", "the prompts that share no prefix")):
+            dist = getattr(self, field_)
+            if dist is not None and dist.max_len > self.prompt.max_len:
+                raise UserError(f"workload {self.name}: {field_} reaches {dist.max_len:,} tokens, past the longest "
+                                f"prompt's {self.prompt.max_len:,} (it is {what})")
 
     def _check_prefix_table(self) -> None:
         lengths, weights = self.prefix_lengths, self.prefix_weights
@@ -190,7 +196,8 @@ class Workload(Contract):
         (centered) where the workload has it: a normal one's tails gave a GPU batch's longest own
         part, which every row pads to, a third past a suite's real one (57 templates of 550-650
         tokens, 30-110 token questions: the simulator priced 1.04-1.10x the engine's positions,
-        0.997-1.015 drawing from ``own_part``)."""
+        0.997-1.015 drawing from ``own_part``). With ``unshared_prompt`` as well, which prompts share
+        nothing follows their lengths (:meth:`_unshared_chance`)."""
         prompts = -(-n // self.samples)
         sharing = round(self.prefix_share * prompts)
         lengths, weights = self.prefix_table
@@ -204,8 +211,20 @@ class Workload(Contract):
         ids = np.concatenate([shared, self.prefix_groups + np.arange(prompts - sharing)])
         rng = np.random.default_rng([seed, self.prefix_groups])
         ids = rng.permutation(ids)
-        if prompt_lens is not None and sharing > 1 and np.ptp(lengths) > 0:
-            first = np.asarray(prompt_lens, np.int64)[::self.samples][:prompts]
+        first = None if prompt_lens is None else np.asarray(prompt_lens, np.int64)[::self.samples][:prompts]
+        if first is not None and self.own_part is not None and self.unshared_prompt is not None \
+                and 0 < sharing < prompts:
+            chance = self._unshared_chance(first)
+            keep = rng.random(prompts) >= chance
+            extra = int(keep.sum()) - sharing  # (then to exactly as many sharing: the least sure change)
+            if extra:
+                pool = np.flatnonzero(keep if extra > 0 else ~keep)
+                odds = np.clip(chance[pool] if extra > 0 else 1.0 - chance[pool], 1e-9, None)
+                keep[rng.choice(pool, size=abs(extra), replace=False, p=odds / odds.sum())] = extra < 0
+            alone = np.flatnonzero(~keep)
+            ids[np.flatnonzero(keep)], ids[alone] = ids[ids < self.prefix_groups], self.prefix_groups + np.arange(
+                prompts - sharing)
+        if first is not None and sharing > 1 and np.ptp(lengths) > 0:
             at = np.flatnonzero(ids < self.prefix_groups)
             if self.own_part is not None:
                 noise = self.own_part.sample(len(at), rng) - self.own_part.mean
@@ -215,6 +234,27 @@ class Workload(Contract):
             label = ids[at][np.argsort(lengths[ids[at]] + noise, kind="stable")]
             ids[at[np.argsort(first[at], kind="stable")]] = label
         return ids[self.prompt_groups(n)]
+
+    def _unshared_chance(self, first: np.ndarray) -> np.ndarray:
+        """For prompts of lengths ``first``, the chance that each is one sharing nothing: the
+        density of ``unshared_prompt`` over it plus the sharing prompts' (each prefix's length
+        plus ``own_part``, by its weight). Drawn at random, the prompts sharing nothing took any
+        length where they were 40-200 tokens beside templated prompts of 30-340, and the
+        simulator priced up to 1.75x the engine's positions (0.89-1.33 drawn so, mean |log| 0.19 ->
+        0.05 over 18 such rows of ``benchmarks/prefix_pricing.py``)."""
+        lengths, weights = self.prefix_table
+        own, own_p = self.own_part.pmf()
+        alone = self.unshared_prompt
+        sharing = np.zeros(len(first))
+        for n, w in zip(lengths, weights):
+            at = first - n - own[0]
+            ok = (at >= 0) & (at < len(own_p))
+            sharing[ok] += w * own_p[at[ok]]
+        inside = (first >= alone.min_len) & (first <= alone.max_len)
+        lone = np.zeros(len(first))
+        lone[inside] = (1.0 - self.prefix_share) * alone.probs_at(first[inside])
+        both = lone + sharing
+        return np.divide(lone, both, out=np.full(len(first), 1.0 - self.prefix_share), where=both > 0)
 
     def prefix_lengths_of(self, ids: Any) -> np.ndarray:
         """Each request's prefix length from its :meth:`prefix_ids` (0 for a prompt of its own)."""
@@ -247,7 +287,8 @@ class Workload(Contract):
             round(sum(n * w for n, w in zip(lengths, self.prefix_weights)) / sum(self.prefix_weights))
         return replace(self, name=f"{self.name}@{factor:g}", prompt=self.prompt.scaled(factor),
                        output=self.output.scaled(factor), prefix_tokens=tokens, prefix_lengths=lengths,
-                       own_part=None if self.own_part is None else self.own_part.scaled(factor))
+                       own_part=None if self.own_part is None else self.own_part.scaled(factor),
+                       unshared_prompt=None if self.unshared_prompt is None else self.unshared_prompt.scaled(factor))
 
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "prompt": self.prompt.summary(), "output": self.output.summary(),
@@ -255,7 +296,8 @@ class Workload(Contract):
                 "prefix_tokens": self.prefix_tokens, "prefix_groups": self.prefix_groups,
                 "prefix_share": self.prefix_share, "prefix_lengths": list(self.prefix_lengths),
                 "prefix_weights": list(self.prefix_weights),
-                "own_part": None if self.own_part is None else self.own_part.summary()}
+                "own_part": None if self.own_part is None else self.own_part.summary(),
+                "unshared_prompt": None if self.unshared_prompt is None else self.unshared_prompt.summary()}
 
     def context_note(self, model: str, max_positions: int) -> str | None:
         """A line when the longest prompt plus output passes the model's positions (the plan is
@@ -285,6 +327,10 @@ class Workload(Contract):
             if self.own_part is not None:
                 s = self.own_part.summary()
                 lines.append(f"  after the prefix: mean {s['mean']:.1f}, std {s['std']:.1f}, max {s['max']} tokens")
+            if self.unshared_prompt is not None:
+                s = self.unshared_prompt.summary()
+                lines.append(f"  prompts sharing nothing: mean {s['mean']:.1f}, std {s['std']:.1f}, max {s['max']} "
+                             "tokens")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ files
@@ -336,13 +382,15 @@ class RequestLengths:
     prefix_lengths: tuple[int, ...] = ()  # each prefix's length and share, where they differ (prefix_fields)
     prefix_weights: tuple[float, ...] = ()
     own_part: LengthDistribution | None = None  # the sharing prompts' tokens after their prefix (prefix_fields)
+    unshared_prompt: LengthDistribution | None = None  # the lengths of the prompts sharing nothing (prefix_fields)
 
     @property
     def prefix(self) -> dict[str, Any]:
         """The prefix fields, as :class:`Workload` takes them."""
         return dict(prefix_tokens=self.prefix_tokens, prefix_groups=self.prefix_groups,
                     prefix_share=self.prefix_share, prefix_lengths=self.prefix_lengths,
-                    prefix_weights=self.prefix_weights, own_part=self.own_part)
+                    prefix_weights=self.prefix_weights, own_part=self.own_part,
+                    unshared_prompt=self.unshared_prompt)
 
     @property
     def samples(self) -> int:
@@ -387,11 +435,11 @@ def prefix_fields(prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
     or more prompts is a prefix, as long as the mean of the leading tokens its prompts share and
     as common as its share of the prompts (``prefix_lengths``, ``prefix_weights``, listed only
     where the lengths or shares differ, with ``own_part``: the sharing prompts' tokens after their
-    prefix); ``prefix_tokens`` is their weighted mean, ``prefix_groups`` their
-    number and ``prefix_share`` their sum. A prompt that shares nothing is not a prefix: counted
-    as one, a job of one system prompt and a few such prompts read as many equally likely
-    prefixes, and the simulator priced 1.2-3.0x the positions the engine computes
-    (benchmarks/prefix_pricing.py)."""
+    prefix, and ``unshared_prompt``: the lengths of those that share nothing); ``prefix_tokens``
+    is their weighted mean, ``prefix_groups`` their number and ``prefix_share`` their sum. A
+    prompt that shares nothing is not a prefix: counted as one, a job of one system prompt and a
+    few such prompts read as many equally likely prefixes, and the simulator priced 1.2-3.0x the
+    positions the engine computes (benchmarks/prefix_pricing.py)."""
     runs, shared = _runs(prompts)
     sizes = np.bincount(runs) if runs else np.zeros(0, np.int64)
     sharing = np.flatnonzero(sizes > 1)
@@ -399,20 +447,23 @@ def prefix_fields(prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
     tokens = round(float(total[sharing].sum() / sizes[sharing].sum())) if sharing.size else 0
     if not tokens:
         return dict(prefix_tokens=0, prefix_groups=1, prefix_share=1.0, prefix_lengths=(), prefix_weights=(),
-                    own_part=None)
+                    own_part=None, unshared_prompt=None)
     lengths = tuple(max(1, round(total[k] / sizes[k])) for k in sharing.tolist())
     weights = tuple(float(sizes[k] / len(prompts)) for k in sharing.tolist())
     share = float(sizes[sharing].sum() / len(prompts))
     table = len(set(lengths)) > 1 or len(set(sizes[sharing].tolist())) > 1
     if table:  # the mean of the rounded lengths, so that the fields agree (Workload checks them)
         tokens = round(sum(n * w for n, w in zip(lengths, weights)) / sum(weights))
-    own = None
+    own = alone = None
     if table:
         length_of = dict(zip(sharing.tolist(), lengths))
         own = LengthDistribution.empirical([max(1, len(p) - length_of[k]) for p, k in zip(prompts, runs)
                                             if k in length_of])
+        lone = [len(p) for p, k in zip(prompts, runs) if k not in length_of]
+        alone = LengthDistribution.empirical(lone) if lone else None
     return dict(prefix_tokens=tokens, prefix_groups=int(sharing.size), prefix_share=share,
-                prefix_lengths=lengths if table else (), prefix_weights=weights if table else (), own_part=own)
+                prefix_lengths=lengths if table else (), prefix_weights=weights if table else (), own_part=own,
+                unshared_prompt=alone)
 
 
 def prefix_runs(prompts: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
@@ -646,7 +697,7 @@ def with_samples(workload: Workload, samples: int | None, prefix_tokens: int | N
     given = dict(samples=samples, prefix_tokens=prefix_tokens, prefix_groups=prefix_groups,
                  prefix_share=prefix_share)
     table = {} if prefix_tokens is None and prefix_groups is None and prefix_share is None else \
-        dict(prefix_lengths=(), prefix_weights=(), own_part=None)
+        dict(prefix_lengths=(), prefix_weights=(), own_part=None, unshared_prompt=None)
     return replace(workload, **{k: v for k, v in given.items() if v is not None}, **table)
 
 

@@ -605,7 +605,7 @@ def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_len
         sharing = [lengths[k] for k in runs if lengths[k]]
         workload = replace(workload, prefix_tokens=round(sum(sharing) / len(sharing)) if sharing else 0,
                            prefix_groups=max(runs, default=0) + 1, prefix_share=1.0, prefix_lengths=(),
-                           prefix_weights=(), own_part=None)
+                           prefix_weights=(), own_part=None, unshared_prompt=None)
         prefix_of = [run_of[tuple(p)] for p in prompts]
         prefix_len = [lengths[k] for k in prefix_of]
     return simulate(plan.model, profile, rounded_policy(plan.policy, plan.model.num_layers), workload,

@@ -263,7 +263,7 @@ def fit_workload(prompt_lens: Any, output_lens: Any, reference: Workload) -> Wor
                     samples=reference.samples, prefix_tokens=reference.prefix_tokens,
                     prefix_groups=reference.prefix_groups, prefix_share=reference.prefix_share,
                     prefix_lengths=reference.prefix_lengths, prefix_weights=reference.prefix_weights,
-                    own_part=reference.own_part)
+                    own_part=reference.own_part, unshared_prompt=reference.unshared_prompt)
 
 
 def _smoothed(x: np.ndarray, max_len: int) -> LengthDistribution:
