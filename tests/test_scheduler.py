@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -815,12 +816,13 @@ def test_a_plan_grows_the_prefix_cache_into_free_memory_for_many_templates():
 
 
 def _templated_plan(templates: int, head: tuple[int, int], question: tuple[int, int], prompts: int,
-                    requests: int, seed: int):
+                    requests: int, seed: int, draws: Sequence[int] = range(3), default_too: bool = False):
     """A job of ``prompts`` prompts, each one of ``templates`` random templates of ``head`` tokens
     before a ``question``, fitted as ``workload fit`` fits it and planned on t4 (opt-1.3b, p99 <=
-    3600 s, ``requests``); with the plan, a policy's mean throughput over three draws of the
+    3600 s, ``requests``); with the plan, a policy's mean throughput over ``draws`` (seeds) of the
     templates, and the best such mean over every gbs x nb (powers of two) of the plan's variant
-    that meets its bound, each grown: the reference the planner's cache step is held to."""
+    that meets its bound, each grown (and as it is, ``default_too``): the reference the planner's
+    cache step is held to."""
     import random
 
     from workloads.distributions import LengthDistribution
@@ -839,14 +841,15 @@ def _templated_plan(templates: int, head: tuple[int, int], question: tuple[int, 
     p = plan.policy
 
     def mean(policy: Policy) -> float:
-        return float(np.mean([ev.simulate(policy, seed=s).throughput_tokens_per_s for s in range(3)]))
+        return float(np.mean([ev.simulate(policy, seed=s).throughput_tokens_per_s for s in draws]))
 
     variant, best = Variant(p.compress_weight, p.compress_cache, p.cpu_attention), 0.0
     for gbs in (8, 16, 32, 64, 128, 256):
         for nb in (1, 2, 4, 8, 16, 32):
             point = ev(variant, gbs, nb, p.refill_every) if gbs * nb <= requests else None
             if point is not None and point.meets("p99", plan.planning_latency_s):
-                best = max(best, mean(grow_prefix_cache(ev, point, "p99", plan.planning_latency_s).policy))
+                best = max(best, mean(grow_prefix_cache(ev, point, "p99", plan.planning_latency_s).policy),
+                           mean(point.policy) if default_too else 0.0)
     return plan, mean, best
 
 
@@ -871,3 +874,18 @@ def test_grown_shapes_within_a_few_percent_are_told_apart_on_more_draws():
     best mean (choosing on one draw: 334.6 against 340.0 tokens/s here)."""
     plan, mean, best = _templated_plan(24, (100, 300), (20, 80), 256, 256, seed=3)
     assert mean(plan.policy) >= 0.995 * best > 0, (plan.policy.gbs, plan.policy.nb, mean(plan.policy), best)
+
+
+def test_a_plan_for_templated_prompts_settles_near_ties_on_more_draws():
+    """Which template each prompt gets is one draw of the job, and on a small job it moved a
+    shape's throughput by up to 16% either way (SmolLM2, 256 prompts behind 8 templates of 20
+    and 300 tokens and a quarter sharing nothing: the search chose 32 x 8 at 17.19 tokens/s over
+    8 x 16 at 15.35 on its draw; over six draws they priced 17.55 and 17.89, and 8 x 16 ran
+    2.4-3.3% faster). Of the points within NEAR_TIE of the plan's, the planner keeps the one
+    fastest on the mean of NEAR_SEEDS draws. Reference: every power-of-two shape of the plan's
+    variant, as it is and grown, on six draws the planner never saw; the plan's mean within 1%
+    of the best (choosing on one draw: 565.3 against 587.3 tokens/s here)."""
+    plan, mean, best = _templated_plan(12, (20, 400), (10, 40), 384, 384, seed=6, draws=range(10, 16),
+                                       default_too=True)
+    assert mean(plan.policy) >= 0.99 * best > 0, (plan.policy.gbs, plan.policy.nb, mean(plan.policy), best)
+    assert any("on the mean of 5 draws" in note for note in plan.notes), plan.notes

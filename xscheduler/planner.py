@@ -25,8 +25,9 @@ from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
 from xscheduler.placement import shortfall_bytes
 from xscheduler.plan import SLA, Confirmation, Plan, SearchStats
-from xscheduler.search import (LATENCY_TOLERANCE, Evaluation, Evaluator, Space, Variant, grow_prefix_caches,
-                               lowest_latency, pareto, search, variants, warm_search)
+from xscheduler.search import (LATENCY_TOLERANCE, NEAR_SEEDS, NEAR_TIE, Evaluation, Evaluator, Space, Variant,
+                               grow_prefix_caches, lowest_latency, pareto, search, settle_near_ties, variants,
+                               warm_search)
 from xsimulator.costmodel import workload_cache_positions
 from xsimulator.policy import Policy
 
@@ -34,8 +35,9 @@ DEFAULT_REQUESTS = 2000  # matches xsimulator.discrete_event.DEFAULT_REQUESTS
 CONFIRM_SEEDS = (1, 2)
 
 
-def _shape(policy: Policy) -> str:
-    return f"{policy.gbs} x {policy.nb}" + (f", refill every {policy.refill_every}" if policy.refill_every else "")
+def _shape(policy: Policy, variant: Variant | None = None) -> str:
+    return f"{policy.gbs} x {policy.nb}" + (f", refill every {policy.refill_every}" if policy.refill_every else "") \
+        + (f" ({variant.describe()})" if variant is not None else "")
 
 
 def _one_line(policy) -> str:  # noqa: ANN001
@@ -158,7 +160,9 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
             raise UserError(f"no policy meets {sla.kind} <= {sla.latency_s:g} s{why}; the lowest achievable is "
                             f"{low.latency(sla.kind):,.4g} s (policy {_one_line(low.policy)})")
         searched = best
-        best = grow_prefix_caches(ev, best, sla.kind, sla.latency_s, scan=not warm)
+        best = grown = grow_prefix_caches(ev, best, sla.kind, sla.latency_s, scan=not warm)
+        if workload.prefix_tokens:
+            best = settle_near_ties(ev, best, sla.kind, sla.latency_s, ev.cache.values())
     finally:
         close()
     predicted = best.result
@@ -169,7 +173,14 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
         r = ev.simulate(best.policy, seed=s, method="discrete-event")
         confirmations.append(Confirmation(s, r.throughput_tokens_per_s, r.latency_s(sla.kind), sla.met_by(r)))
     notes = []
-    if best is not searched:
+    if best is not grown:
+        apart = best.variant != grown.variant
+        notes.append(f"{_shape(best.policy, best.variant if apart else None)} chosen over "
+                     f"{_shape(grown.policy, grown.variant if apart else None)} "
+                     f"({best.throughput:,.4g} against "
+                     f"{grown.throughput:,.4g} tokens/s on seed {seed}): within {NEAR_TIE:.0%} of each other, it is "
+                     f"faster on the mean of {NEAR_SEEDS} draws of which prefix each prompt gets")
+    if grown is not searched and best.policy.prefix_cache_positions is not None:
         notes.append(f"prefix cache grown to {best.policy.prefix_cache_positions:,} positions for the workload's "
                      f"{workload.prefix_groups} prefixes (default {workload_cache_positions(workload):,}): "
                      + (f"{best.throughput:,.4g} tokens/s against {searched.throughput:,.4g} with the default"
