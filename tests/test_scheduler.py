@@ -888,4 +888,4 @@ def test_a_plan_for_templated_prompts_settles_near_ties_on_more_draws():
     plan, mean, best = _templated_plan(12, (20, 400), (10, 40), 384, 384, seed=6, draws=range(10, 16),
                                        default_too=True)
     assert mean(plan.policy) >= 0.99 * best > 0, (plan.policy.gbs, plan.policy.nb, mean(plan.policy), best)
-    assert any("on the mean of 5 draws" in note for note in plan.notes), plan.notes
+    assert any("on the mean of 5 draws of which prefix each prompt gets" in note for note in plan.notes), plan.notes

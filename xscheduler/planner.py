@@ -161,8 +161,9 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
                             f"{low.latency(sla.kind):,.4g} s (policy {_one_line(low.policy)})")
         searched = best
         best = grown = grow_prefix_caches(ev, best, sla.kind, sla.latency_s, scan=not warm)
+        means: dict[Policy, float] = {}
         if workload.prefix_tokens:
-            best = settle_near_ties(ev, best, sla.kind, sla.latency_s, ev.cache.values())
+            best, means = settle_near_ties(ev, best, sla.kind, sla.latency_s, ev.cache.values())
     finally:
         close()
     predicted = best.result
@@ -173,13 +174,13 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
         r = ev.simulate(best.policy, seed=s, method="discrete-event")
         confirmations.append(Confirmation(s, r.throughput_tokens_per_s, r.latency_s(sla.kind), sla.met_by(r)))
     notes = []
-    if best is not grown:
+    if best is not grown and best.policy in means and grown.policy in means:
         apart = best.variant != grown.variant
         notes.append(f"{_shape(best.policy, best.variant if apart else None)} chosen over "
                      f"{_shape(grown.policy, grown.variant if apart else None)} "
-                     f"({best.throughput:,.4g} against "
-                     f"{grown.throughput:,.4g} tokens/s on seed {seed}): within {NEAR_TIE:.0%} of each other, it is "
-                     f"faster on the mean of {NEAR_SEEDS} draws of which prefix each prompt gets")
+                     f"({best.throughput:,.4g} against {grown.throughput:,.4g} tokens/s on seed {seed}, within "
+                     f"{NEAR_TIE:.0%}): on the mean of {NEAR_SEEDS} draws of which prefix each prompt gets, "
+                     f"{means[best.policy]:,.4g} against {means[grown.policy]:,.4g}")
     if grown is not searched and best.policy.prefix_cache_positions is not None:
         notes.append(f"prefix cache grown to {best.policy.prefix_cache_positions:,} positions for the workload's "
                      f"{workload.prefix_groups} prefixes (default {workload_cache_positions(workload):,}): "

@@ -1002,27 +1002,31 @@ def grow_prefix_caches(ev: Evaluator, best: Evaluation, kind: str, bound_s: floa
     # prompt gets: one draw decided between them on a small job (8 x 16 at 17.69 tokens/s over
     # 16 x 8 at 17.66 on SmolLM2's 256 prompts; seeds 1 and 2 priced 18.63 and 18.62 against 18.96
     # and 19.33, and 16 x 8 ran 7% faster).
-    return settle_near_ties(ev, max(found, key=lambda e: e.throughput), kind, bound_s, found, GROW_TIE, GROW_SEEDS)
+    return settle_near_ties(ev, max(found, key=lambda e: e.throughput), kind, bound_s, found, GROW_TIE,
+                            GROW_SEEDS)[0]
 
 
 def settle_near_ties(ev: Evaluator, best: Evaluation, kind: str, bound_s: float, pool: Iterable[Evaluation],
-                     within: float = NEAR_TIE, draws: int = NEAR_SEEDS) -> Evaluation:
+                     within: float = NEAR_TIE, draws: int = NEAR_SEEDS) -> tuple[Evaluation, dict[Policy, float]]:
     """Of ``best`` and the points of ``pool`` that meet the bound within ``within`` of its
     throughput (at most ``GROW_TIE_SHAPES``, fastest first, one per policy in effect), the one
     with the highest mean throughput over ``draws`` draws of the job (the evaluator's seed and
-    the next ones). The simulator prices a point on one draw of the requests; where prompts
-    share prefixes, which template each gets moves a small job's blocks, and shapes 10% apart
-    on one draw came out level or the other way round on the mean of five."""
+    the next ones), with the means compared (by policy; empty where nothing else was near). The
+    simulator prices a point on one draw of the requests; where prompts share prefixes, which
+    template each gets moves a small job's blocks, and shapes 10% apart on one draw came out
+    level or the other way round on the mean of five."""
     job, w = ev.num_requests, ev.workload
     near: dict[Policy, Evaluation] = {}
-    for e in sorted([best, *pool], key=lambda e: -e.throughput if e.policy is not None else 0.0):
+    # (``best`` first: its policy in effect stands for itself, and it is always compared)
+    for e in [best, *sorted(pool, key=lambda e: -e.throughput if e.policy is not None else 0.0)]:
         if e.policy is not None and e.meets(kind, bound_s) and e.throughput >= (1 - within) * best.throughput:
             near.setdefault(in_effect(e.policy, job, w.output.max_len, w.output.min_len), e)
     if len(near) <= 1:
-        return best
+        return best, {}
     seeds = [ev.seed + k for k in range(1, draws)]
-    return max(list(near.values())[:GROW_TIE_SHAPES], key=lambda e: e.throughput + sum(
-        ev.simulate(e.policy, seed=s).throughput_tokens_per_s for s in seeds))
+    means = {e.policy: (e.throughput + sum(ev.simulate(e.policy, seed=s).throughput_tokens_per_s
+                                           for s in seeds)) / draws for e in list(near.values())[:GROW_TIE_SHAPES]}
+    return max((e for e in near.values() if e.policy in means), key=lambda e: means[e.policy]), means
 
 
 def _room_for_every_prefix(w: Workload) -> int:
