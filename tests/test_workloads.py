@@ -593,6 +593,22 @@ def test_counts_past_what_the_simulators_can_hold_are_refused_in_one_line(tmp_pa
         Workload.from_file(cells)
 
 
+def _kept_with_the_workload(w: Workload, field: str, shown: str, **flag: float) -> None:
+    """``w``'s length distribution ``field``: saved and read back, shown by ``describe``, scaled
+    with the workload, dropped with the prefix table (by a prefix ``flag``), refused past the
+    longest prompt; a file of old format reads as None."""
+    from workloads.workload import with_samples
+
+    assert Workload.from_json(w.to_json()) == w and shown in w.describe()
+    assert getattr(w.scaled(2.0), field).max_len == pytest.approx(2 * getattr(w, field).max_len, abs=1)
+    assert getattr(with_samples(w, None, **flag), field) is None
+    with pytest.raises(UserError, match=f"{field} reaches"):
+        replace(w, **{field: LengthDistribution.fixed(w.prompt.max_len + 1)})
+    old = json.loads(w.to_json())
+    del old[field]
+    assert getattr(Workload.from_dict(old), field) is None
+
+
 def _fitted(tmp_path, rows: list[list[int]]) -> Workload:
     """The workload ``workload fit`` finds in a file of these prompts' token ids."""
     path = tmp_path / "reqs.jsonl"
@@ -606,8 +622,6 @@ def test_a_fitted_workload_keeps_the_prompts_own_parts_after_their_prefix(tmp_pa
     differ in length (what pairs them with prompt lengths in the simulator); saved and read
     back, scaled with the workload, dropped with the prefix table, refused past the longest
     prompt; a file of old format reads as None."""
-    from workloads.workload import with_samples
-
     rng = np.random.default_rng(4)
     heads = [rng.integers(5, 900, n).tolist() for n in (40, 80, 120)]
     rows = [heads[k] + rng.integers(5, 900, int(q)).tolist()
@@ -615,14 +629,7 @@ def test_a_fitted_workload_keeps_the_prompts_own_parts_after_their_prefix(tmp_pa
     w = _fitted(tmp_path, rows)
     assert sorted(w.prefix_lengths) == [40, 80, 120] and 10 <= w.own_part.min_len <= w.own_part.max_len <= 20
     assert w.own_part.mean == pytest.approx(np.mean([len(r) for r in rows]) - w.mean_prefix_tokens, abs=0.5)
-    assert Workload.from_json(w.to_json()) == w and "after the prefix: mean" in w.describe()
-    assert w.scaled(2.0).own_part.max_len == pytest.approx(2 * w.own_part.max_len, abs=1)
-    assert with_samples(w, None, prefix_tokens=50).own_part is None
-    with pytest.raises(UserError, match="own_part reaches"):
-        replace(w, own_part=LengthDistribution.fixed(w.prompt.max_len + 1))
-    old = json.loads(w.to_json())
-    del old["own_part"]
-    assert Workload.from_dict(old).own_part is None
+    _kept_with_the_workload(w, "own_part", "after the prefix: mean", prefix_tokens=50)
     assert w.unshared_prompt is None  # (every prompt shares a template)
 
 
@@ -631,8 +638,6 @@ def test_a_fitted_workload_keeps_the_lengths_of_the_prompts_that_share_nothing(t
     (what tells them apart from the sharing ones in the simulator); saved and read back, shown,
     scaled, dropped with the prefix table, refused past the longest prompt; a file of old format
     reads as None."""
-    from workloads.workload import with_samples
-
     rng = np.random.default_rng(5)
     heads = [rng.integers(5, 900, n).tolist() for n in (40, 120)]
     rows = [heads[k] + rng.integers(5, 900, int(q)).tolist()
@@ -642,14 +647,7 @@ def test_a_fitted_workload_keeps_the_lengths_of_the_prompts_that_share_nothing(t
     alone = w.unshared_prompt
     assert w.prefix_share == pytest.approx(0.75) and 60 <= alone.min_len <= alone.max_len < 90
     assert alone.mean == pytest.approx(np.mean([len(r) for r in rows[90:]]))
-    assert Workload.from_json(w.to_json()) == w and "prompts sharing nothing: mean" in w.describe()
-    assert w.scaled(2.0).unshared_prompt.max_len == pytest.approx(2 * alone.max_len, abs=1)
-    assert with_samples(w, None, prefix_share=0.5).unshared_prompt is None
-    with pytest.raises(UserError, match="unshared_prompt reaches"):
-        replace(w, unshared_prompt=LengthDistribution.fixed(w.prompt.max_len + 1))
-    old = json.loads(w.to_json())
-    del old["unshared_prompt"]
-    assert Workload.from_dict(old).unshared_prompt is None
+    _kept_with_the_workload(w, "unshared_prompt", "prompts sharing nothing: mean", prefix_share=0.5)
     lens = np.tile([len(r) for r in rows], 30)  # the file's prompts, in the simulator's draw:
     alone_ids = w.prefix_ids(len(lens), prompt_lens=lens) >= w.prefix_groups
     assert alone_ids.sum() == 0.25 * len(lens)  # as many as share nothing, of the lengths such prompts have
