@@ -390,26 +390,32 @@ def _price_prefixes(cell: np.ndarray, prompt: np.ndarray, prefix_of: np.ndarray,
     engine lays them out, so its priced length is that width plus that suffix."""
     g = _groupings(cell, prompt, prefix_of, prefix_len, group, computed.ravel(), longest.ravel())
     lend = np.where(g.ok[g.entry_cell] & (g.length > 0), g.length, -1)
-    own, avail = _own_prefixes(g.entry_cell, g.entry_cell // J, g.entry_cell % J, g.which, lend, g.length, nb * J,
-                               hold_positions, np.where(g.run, g.prompts, 1), nb, cache_positions,
-                               np.where(~g.ok[g.entry_cell], g.wanted, 0))
+    own, avail, widest = _own_prefixes(g.entry_cell, g.entry_cell // J, g.entry_cell % J, g.which, lend, g.length,
+                                       nb * J, hold_positions, np.where(g.run, g.prompts, 1), nb, cache_positions,
+                                       np.where(~g.ok[g.entry_cell], g.wanted, 0))
     # (a GPU batch whose own grouping does not pass plans around the cache, a row computing alone
     # the prefix a recent prompt began with and keeping it, as the engine's _share_block does:
     # only batches of one row did so here, and 8 templates behind half the prompts in queue order
     # priced 1.148x the engine's positions with each prompt's template given, now 1.024)
-    _, prefix, length, own, groups = _cell_prices(g, own, avail, computed.ravel(), longest.ravel())
+    _, prefix, length, own, groups = _cell_prices(g, own, avail, computed.ravel(), longest.ravel(), widest)
     shape = (nb, J)
     return prefix.reshape(shape), groups.reshape(shape), own.reshape(shape), length.reshape(shape)
 
 
-def _cell_prices(g: _Grouped, own: np.ndarray, avail: np.ndarray, rows: np.ndarray, longest: np.ndarray
+def _cell_prices(g: _Grouped, own: np.ndarray, avail: np.ndarray, rows: np.ndarray, longest: np.ndarray,
+                 widest: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per cell, the engine's choice among its grouping (``own`` groups computed there), each
     row taking the ``avail`` tokens the cache keeps of its entry's prefix (``_cached_grouping``:
     the rest of the longest is the suffix, and the prompts it keeps nothing of compute their
     heads beyond it as groups of one) and the plain prefill: (positions, and the cost model's
-    prefix, length, own and groups for them)."""
+    prefix, length, own and groups for them). The groups a cell computes pad to the ``widest``
+    of them (default: its widest group), not to a wider one an earlier batch or the cache gives
+    it, as the engine's ``_positions`` counts: a 300-token template taken beside 20-token ones
+    and prompts sharing nothing priced the computed ones at 300 (1.134x the engine in queue
+    order with each prompt's template given; 0.992 now)."""
     rows, P = rows.astype(float), longest
+    widest = g.width if widest is None else widest
     takes = np.minimum(avail, g.longest - 1) > 0
     floor = np.zeros(len(P), np.int64)
     np.maximum.at(floor, g.entry_cell[takes], np.maximum(g.longest - avail, 1)[takes])
@@ -420,12 +426,12 @@ def _cell_prices(g: _Grouped, own: np.ndarray, avail: np.ndarray, rows: np.ndarr
     taking = np.bincount(g.entry_cell, weights=takes, minlength=len(P)) > 0
     cost_take = np.where(taking, lone * head_width + rows * floor, np.inf)
     cost_take = np.where(cost_take < rows * P, cost_take, np.inf)
-    cost_own = np.where(g.ok, own * g.width + rows * g.suffix, np.inf)
+    cost_own = np.where(g.ok, own * widest + rows * g.suffix, np.inf)
     use_own = (cost_own <= cost_take) & np.isfinite(cost_own)
     use_take = ~use_own & np.isfinite(cost_take)
     with_heads = use_take & (head_width > 0)
-    prefix = np.where(use_own, g.width, np.where(with_heads, head_width, np.where(use_take, P - floor, 0)))
-    length = np.where(use_own, g.width + g.suffix, np.where(with_heads, head_width + floor, P))
+    prefix = np.where(use_own, widest, np.where(with_heads, head_width, np.where(use_take, P - floor, 0)))
+    length = np.where(use_own, widest + g.suffix, np.where(with_heads, head_width + floor, P))
     computes = np.where(use_own, own, np.where(with_heads, lone, 0.0))
     groups = np.where(use_own, g.groups, np.where(use_take, computes + 1, 1))  # (a taking cell computes fewer than it holds)
     positions = np.where(use_own, cost_own, np.where(use_take, cost_take, rows * P))
@@ -487,7 +493,8 @@ def _own_prefixes(cell: np.ndarray, batch: np.ndarray, prefill: np.ndarray, pref
     or where the run's cache keeps it (:func:`_cache_takes`, within ``cache_positions``, default
     ``hold_positions``; ``members``: the entry's distinct prompts; ``wanted``: its prefix's
     tokens, which a lone prompt's entry keeps), whose entries the batches do not hold as well.
-    Also per entry, the tokens the cache keeps of its prefix by then."""
+    Also per entry, the tokens the cache keeps of its prefix by then, and per cell the widest
+    prefix it computes."""
     taken, stored, avail = _cache_takes(prefill * nb + batch, prefix_id, np.where(lend >= 0, need, -1), need,
                                         members, hold_positions if cache_positions is None else cache_positions, nb,
                                         need if wanted is None else wanted)
@@ -495,7 +502,10 @@ def _own_prefixes(cell: np.ndarray, batch: np.ndarray, prefill: np.ndarray, pref
     computes = _first_computes(batch, prefill * (int(prefix_id.max()) + 1) + prefix_id, lend, need)
     if hold_positions is not None:
         computes = _within_hold(batch, prefill, prefix_id, lend, need, computes, hold_positions)
-    return np.bincount(cell, weights=computes & ~taken & (need > 0), minlength=cells), avail
+    mine = computes & ~taken & (need > 0)
+    widest = np.zeros(cells, np.int64)
+    np.maximum.at(widest, cell[mine], need[mine])
+    return np.bincount(cell, weights=mine, minlength=cells), avail, widest
 
 
 def _cache_takes(time: np.ndarray, prefix_id: np.ndarray, lend: np.ndarray, need: np.ndarray, members: np.ndarray,
