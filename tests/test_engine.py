@@ -852,6 +852,21 @@ def test_templates_of_unlike_lengths_and_popularity_are_priced_each_as_it_is():
             assert analytic.padded_prompt_tokens == pytest.approx(engine, rel=0.2), (lengths, policy)
 
 
+def _told_over_engine(prompts: list[tuple[int, ...]], policy: Policy, cache: int) -> float:
+    """The discrete-event simulator's prefill positions, told each prompt's template (as ``xsched
+    run``'s simulated column is), over the engine's own planning's, with a prefix cache of
+    ``cache`` positions: the pricing of a given assignment, apart from the draw."""
+    from workloads.workload import run_prefix_lengths
+
+    n = np.array([len(p) for p in prompts])
+    runs, run_len = run_prefix_lengths(prompts)
+    told = replace(fixed_workload(int(n.mean()), 8), prompt=LengthDistribution.empirical(n),
+                   prefix_tokens=int(max(run_len)), prefix_groups=max(runs) + 1)
+    sim, _ = simulate_timeline(LLAMA, t4_like(), policy, told, requests=(n, np.full(len(prompts), 8)), prefix_of=runs,
+                               prefix_len=[run_len[k] for k in runs], cache_positions=cache)
+    return sim.padded_prompt_tokens / engine_prefill_positions(prompts, policy, cache)
+
+
 def test_a_batch_whose_rows_share_too_little_keeps_what_recent_prompts_began_with():
     """8 templates of 64-72 tokens behind half of 512 prompts, in queue order (16 x 4): a GPU
     batch holds about one prompt per template, so its own grouping rarely passes, and the engine
@@ -859,23 +874,13 @@ def test_a_batch_whose_rows_share_too_little_keeps_what_recent_prompts_began_wit
     and keeping it for the later batches. The simulator, told each prompt's template, did so
     only for batches of one row and priced 1.148x the engine's positions (blocks 0-5 of 8 over,
     6 and 7 equal, once every template was kept); now 1.024."""
-    from workloads.workload import run_prefix_lengths
-
     rng = random.Random(11)
     heads = [tuple(rng.randrange(50000) for _ in range(rng.randint(64, 72))) for _ in range(8)]
     prompts = [rng.choice(heads) + tuple(rng.randrange(50000) for _ in range(rng.randint(10, 40)))
                for _ in range(256)]
     prompts += [tuple(rng.randrange(50000) for _ in range(rng.randint(74, 112))) for _ in range(256)]
     rng.shuffle(prompts)
-    n = np.array([len(p) for p in prompts])
-    runs, run_len = run_prefix_lengths(prompts)
-    told = replace(fixed_workload(int(n.mean()), 8), prompt=LengthDistribution.empirical(n),
-                   prefix_tokens=int(max(run_len)), prefix_groups=max(runs) + 1)
-    policy, cache = Policy(gbs=16, nb=4, bucket=False), 10 ** 6
-    engine = engine_prefill_positions(prompts, policy, cache)
-    sim, _ = simulate_timeline(LLAMA, t4_like(), policy, told, requests=(n, np.full(len(prompts), 8)), prefix_of=runs,
-                               prefix_len=[run_len[k] for k in runs], cache_positions=cache)
-    assert sim.padded_prompt_tokens == pytest.approx(engine, rel=0.05), sim.padded_prompt_tokens / engine
+    assert _told_over_engine(prompts, Policy(gbs=16, nb=4, bucket=False), 10 ** 6) == pytest.approx(1.0, abs=0.05)
 
 
 def test_the_groups_a_batch_computes_pad_to_the_widest_it_computes():
@@ -885,8 +890,6 @@ def test_the_groups_a_batch_computes_pad_to_the_widest_it_computes():
     simulator, told each prompt's template, padded them to the taken 300 and priced 1.068 and
     1.107 of the engine's positions on these two jobs (1.134 on ``prefix_pricing.py``'s);
     now 0.981 and 0.989."""
-    from workloads.workload import run_prefix_lengths
-
     for seed in (11, 12):
         rng = random.Random(seed)
         heads = [tuple(rng.randrange(50000) for _ in range(n)) for n in (300,) + (20,) * 7]
@@ -894,15 +897,8 @@ def test_the_groups_a_batch_computes_pad_to_the_widest_it_computes():
                    + tuple(rng.randrange(50000) for _ in range(rng.randint(10, 40))) for _ in range(384)]
         prompts += [tuple(rng.randrange(50000) for _ in range(rng.randint(40, 200))) for _ in range(128)]
         rng.shuffle(prompts)
-        n = np.array([len(p) for p in prompts])
-        runs, run_len = run_prefix_lengths(prompts)
-        told = replace(fixed_workload(int(n.mean()), 8), prompt=LengthDistribution.empirical(n),
-                       prefix_tokens=int(max(run_len)), prefix_groups=max(runs) + 1)
-        policy, cache = Policy(gbs=16, nb=4, bucket=False), 550
-        engine = engine_prefill_positions(prompts, policy, cache)
-        sim, _ = simulate_timeline(LLAMA, t4_like(), policy, told, requests=(n, np.full(len(prompts), 8)),
-                                   prefix_of=runs, prefix_len=[run_len[k] for k in runs], cache_positions=cache)
-        assert sim.padded_prompt_tokens == pytest.approx(engine, rel=0.02), (seed, sim.padded_prompt_tokens / engine)
+        ratio = _told_over_engine(prompts, Policy(gbs=16, nb=4, bucket=False), 550)
+        assert ratio == pytest.approx(1.0, abs=0.02), (seed, ratio)
 
 
 def test_prompts_sharing_nothing_are_told_apart_from_templated_ones_by_length():
