@@ -386,8 +386,8 @@ def _price_prefixes(cell: np.ndarray, prompt: np.ndarray, prefix_of: np.ndarray,
     from an earlier GPU batch of the prefill or from the run's cache where they keep them
     (:func:`_own_prefixes`), or each row taking what the cache keeps of its prefix (the engine's
     ``_cached_grouping``), whichever computes the fewest positions; else the plain prefill.
-    A cell's groups are padded to its longest and its rows' own parts to the longest, as the
-    engine lays them out, so its priced length is that width plus that suffix."""
+    The groups a cell computes are padded to the longest of them and its rows' own parts to the
+    longest, as the engine counts them, so its priced length is that width plus that suffix."""
     g = _groupings(cell, prompt, prefix_of, prefix_len, group, computed.ravel(), longest.ravel())
     lend = np.where(g.ok[g.entry_cell] & (g.length > 0), g.length, -1)
     own, avail, widest = _own_prefixes(g.entry_cell, g.entry_cell // J, g.entry_cell % J, g.which, lend, g.length,
