@@ -906,8 +906,8 @@ def test_prompts_sharing_nothing_are_told_apart_from_templated_ones_by_length():
     tokens, or of 20 to 200, before 10-40 token questions. Given the prompts' lengths, the
     simulator drew which of them share nothing at random, so a 330-token prompt could share
     nothing and a 150-token one carry the 20-token template with 130 tokens of its own: the mean
-    of three seeds priced 1.09-1.40x the engine's positions. ``workload fit`` now keeps their
-    lengths (``unshared_prompt``) and the draw follows them: 1.01-1.03."""
+    of three seeds priced 1.09-1.44x the engine's positions. ``workload fit`` now keeps their
+    lengths (``unshared_prompt``) and the draw follows them: 1.01-1.02."""
     from workloads.workload import prefix_fields
 
     rng = random.Random(5)

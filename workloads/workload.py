@@ -240,8 +240,8 @@ class Workload(Contract):
         density of ``unshared_prompt`` over it plus the sharing prompts' (each prefix's length
         plus ``own_part``, by its weight). Drawn at random, the prompts sharing nothing took any
         length where they were 40-200 tokens beside templated prompts of 30-340, and the
-        simulator priced up to 1.75x the engine's positions (0.89-1.33 drawn so, mean |log| 0.19 ->
-        0.05 over 18 such rows of ``benchmarks/prefix_pricing.py``)."""
+        simulator priced up to 1.75x the engine's positions (0.88-1.09 drawn so, mean |log| 0.193 ->
+        0.025 over 18 such rows of ``benchmarks/prefix_pricing.py``, with the pricing fixes beside it)."""
         lengths, weights = self.prefix_table
         own, own_p = self.own_part.pmf()
         alone = self.unshared_prompt
