@@ -225,9 +225,12 @@ def describe(plan) -> str:  # noqa: ANN001
                                     for t in ("gpu", "cpu", "disk")),
     ]
     if plan.confirmations:
+        # (the mean too: where prompts share prefixes a settled plan's seed-0 draw sits below it)
+        draws = [r.throughput_tokens_per_s, *(c.throughput_tokens_per_s for c in plan.confirmations)]
         lines.append("re-simulated on other request samples: " + "; ".join(
             f"seed {c.seed}: {c.throughput_tokens_per_s:,.3f} tokens/s, {sla.kind} {c.latency_s:,.6g} s"
-            + ("" if c.meets_sla else " (over the bound)") for c in plan.confirmations))
+            + ("" if c.meets_sla else " (over the bound)") for c in plan.confirmations)
+            + f"; mean of the {len(draws)} draws {sum(draws) / len(draws):,.3f} tokens/s")
     lines.append(f"search: {s.method}, {s.evaluations} simulator evaluations in a {s.grid_points}-point knob grid, "
                  f"{s.lp_solves} placement LPs, {s.wall_s:,.1f} s (searched with the {plan.searched_with} path)")
     lines += [f"note: {n}" for n in plan.notes]
