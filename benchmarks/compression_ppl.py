@@ -18,6 +18,9 @@ also times one KV write (a 128-token prefill and a decode step) per rule, since 
 chosen on the write path. Goal: increase <= 2%.
 
     OMP_NUM_THREADS=1 python benchmarks/compression_ppl.py [--windows 4 --window 256] [--json]
+    # GPTQ and the K/V centers calibrated on the help topics after the scored windows (in-domain text,
+    # as `xsched run --calibration-text prompts` calibrates on a job's own prompts):
+    python benchmarks/compression_ppl.py --windows 16 --calibration in-domain
     # one run on 16 windows, another range search:
     python benchmarks/compression_ppl.py --windows 16 --clip-steps 20 --only "weights: range search (20 shrinks), rotated, GPTQ"
 """
@@ -35,14 +38,16 @@ import torch
 import torch.nn.functional as F
 
 
-def text_tokens(tok, count: int) -> list[int]:
+def text_tokens(tok, count: int) -> tuple[list[int], list[int]]:
+    """The first ``count`` tokens of ``pydoc_data.topics`` (scored) and the rest (in-domain
+    calibration text that is not scored)."""
     import pydoc_data.topics as topics
 
     text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
     ids = tok(text, add_special_tokens=False)["input_ids"]
     if len(ids) < count:
         raise SystemExit(f"pydoc_data.topics has only {len(ids)} tokens, {count} asked")
-    return list(ids[:count])
+    return list(ids[:count]), list(ids[count:])
 
 
 def quantized_layers(weights, clip_steps: int, rotate: bool, calibration=None):
@@ -128,7 +133,7 @@ def by_kind(args) -> int:
     from xrunner.loaders import default_model_path, load_weights, open_model
 
     src = open_model(default_model_path())
-    ids = text_tokens(src.tokenizer(), args.windows * args.window)
+    ids, _ = text_tokens(src.tokenizer(), args.windows * args.window)
     weights = load_weights(src)
     spec = weights.spec
     codec = KVCodec(spec.head_dim, torch.float32, compress=False)
@@ -184,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="",
                     help="substrings separated by ';': score only the runs whose 'section: rule' contains one "
                          "(e.g. 'weights: range search (10 shrinks), rotated, GPTQ'); fp32 always runs")
+    ap.add_argument("--calibration", choices=("docstrings", "in-domain"), default="docstrings",
+                    help="GPTQ's and the K/V centers' text: the engine's default (standard-library docstrings), or "
+                         "the help topics after the scored windows, as `xsched run --calibration-text prompts` "
+                         "calibrates on a job's own prompts")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.by_kind:
@@ -203,13 +212,14 @@ def main(argv: list[str] | None = None) -> int:
 
     src = open_model(default_model_path())
     tok = src.tokenizer()
-    ids = text_tokens(tok, args.windows * args.window)
+    ids, rest = text_tokens(tok, args.windows * args.window)
     weights = load_weights(src)
     spec = weights.spec
     plain_kv = KVCodec(spec.head_dim, torch.float32, compress=False)
     search = f"range search ({args.clip_steps} shrinks)"
     rules = {"min/max": 0, search: args.clip_steps}
-    calibration = calibration_ids(tok, sequences=args.calibration_sequences)
+    calibration = calibration_ids(tok, sequences=args.calibration_sequences,
+                                  first=[rest] if args.calibration == "in-domain" else ())
     weight_rules = {f"{rule}{', rotated' if rotate else ''}": (steps, rotate, None)
                     for rotate in (False, True) for rule, steps in rules.items()}
     gptq = f"{search}, rotated, GPTQ"
@@ -265,10 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     kv_cost = {rule: {f"{n}_tokens_s": kv_write_s(codec, spec, n) for n in (1, 128)}
                for rule, codec in kv_rules.items() if rule in rows.get("KV cache", {})}
     if args.json:
-        print(json.dumps({"perplexity": rows, "kv_write": kv_cost, "pack_s": pack_s}, indent=2))
+        print(json.dumps({"perplexity": rows, "kv_write": kv_cost, "pack_s": pack_s,
+                          "calibration": args.calibration}, indent=2))
         return 0
     print(f"SmolLM2-135M-Instruct on pydoc_data.topics: {args.windows} windows x {args.window} tokens, "
-          f"fp32 perplexity {base:.3f}")
+          f"fp32 perplexity {base:.3f}; calibration text: "
+          + ("the engine's (standard-library docstrings)" if args.calibration == "docstrings" else
+             f"the {args.calibration_sequences} x 256 tokens after the scored windows (in-domain)"))
     for what, title in (("weights", "4-bit weights only"), ("KV cache", "4-bit KV cache only"),
                         ("both", "4-bit weights + KV cache")):
         if what not in rows:

@@ -1386,6 +1386,67 @@ def test_weight_rounding_calibrates_only_when_4bit_weights_or_cache_are_packed(t
         assert e.value.code == 2 and "--calibration-sequences: must be a whole number >= 1" in capsys.readouterr().err
 
 
+def test_calibration_text_puts_the_jobs_own_text_first(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--calibration-text prompts calibrates on the job's tokenized prompts (every one, the same
+    for a resumed job) and a FILE on its text, both before the docstrings; a file that cannot be
+    read stops the run before any work with a one-line error (exit 2)."""
+    import xrunner.gptq as gptq
+    from xrunner.loaders import open_model
+    from xsimulator.policy import Policy
+
+    firsts = []
+    real = gptq.calibration_ids
+    monkeypatch.setattr(gptq, "calibration_ids", lambda tok, *a, first=(), **k: firsts.append(
+        [list(f) for f in first]) or real(tok, 2, 16, first=first))
+    prompts, rows = tiny_job(tiny_dir, tmp_path, 5)
+    kv4 = tiny_plan(tiny_dir, tmp_path / "kv4.json", Policy(gbs=2, nb=1, compress_cache=True))
+    text = tmp_path / "domain.txt"
+    text.write_text("Invoices and contracts.")
+    tok = open_model(tiny_dir, dtype="float32").tokenizer()
+    for i, extra in enumerate((["--calibration-text", "prompts"], ["--calibration-text", str(text)], [])):
+        out = tmp_path / f"out-{i}.jsonl"
+        assert main(["run", "--plan", str(kv4), "--model", str(tiny_dir), "--prompts", str(prompts), "--out",
+                     str(out), "--adapt", "none", *extra]) == 0
+        assert len(read_rows(out)) == len(rows)
+    job, own, default = firsts
+    assert sorted(map(len, job)) == sorted(r["prompt_tokens"] for r in read_rows(tmp_path / "out-0.jsonl"))
+    assert own == [tok(text.read_text(), add_special_tokens=False)["input_ids"]] and default == []
+    err = capsys.readouterr().err
+    n = len(own[0])  # (2 x 16 tokens calibrate here: the prompts have more, the file fewer)
+    assert sum(map(len, job)) > 32 > n and "calibrating on 32 tokens of the prompts\n" in err
+    assert f"calibrating on {n} tokens of {text} and {32 - n} of the standard-library docstrings\n" in err
+    assert main(["run", "--plan", str(kv4), "--model", str(tiny_dir), "--prompts", str(prompts), "--out",
+                 str(tmp_path / "x.jsonl"), "--calibration-text", str(tmp_path / "missing.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "missing.txt: cannot read it" in err, err
+    assert len(firsts) == 3 and not (tmp_path / "x.jsonl").exists()
+
+
+def test_calibration_ids_take_the_jobs_tokens_in_a_fixed_shuffle_then_the_docstrings():
+    """A job's own tokens fill the calibration sequences first, each prompt whole, in an order that
+    depends on nothing but their count (a resumed job calibrates the same); the docstrings fill
+    what is left, and a job with more tokens than the pass needs gives only its own."""
+    from xrunner.gptq import calibration_ids, calibration_text
+
+    def tok(text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    prompts = [[1000 + 10 * i + j for j in range(i + 1)] for i in range(6)]  # 21 tokens, each its own
+    ids = calibration_ids(tok, sequences=3, length=10, first=prompts)
+    assert ids.shape == (3, 10) and ids.tolist() == calibration_ids(tok, sequences=3, length=10, first=prompts).tolist()
+    flat = ids.flatten().tolist()
+    by_start, k, order = {p[0]: p for p in prompts}, 0, []
+    while k < 21:  # whole prompts, one after another
+        p = by_start[flat[k]]
+        assert flat[k:k + len(p)] == p
+        order.append(prompts.index(p))
+        k += len(p)
+    assert sorted(order) == list(range(6)) and order != list(range(6))
+    assert flat[21:] == tok(calibration_text())["input_ids"][:9]
+    few = calibration_ids(tok, sequences=1, length=8, first=prompts).flatten().tolist()
+    assert few == [t for i in order for t in prompts[i]][:8]
+
+
 def test_the_run_computes_with_the_profiles_thread_count():
     """A profile measured with 1 thread priced the plan for 1 thread; torch's default of 2 beside
     another job ran 15x slower than predicted."""

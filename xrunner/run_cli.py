@@ -93,6 +93,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "threads with the default 64 sequences) and centers a 4-bit KV cache on each layer's mean "
                         "K/V; nearest skips it (each weight rounds to its nearest code, the cache is not centered; "
                         "random-weight models never calibrate)")
+    p.add_argument("--calibration-text", default="docstrings", metavar="docstrings|prompts|FILE",
+                   help="what --weight-rounding gptq calibrates on: the standard-library docstrings (default), the "
+                        "job's own prompts (then the docstrings where they have fewer tokens than the pass needs), or "
+                        "a UTF-8 text file (the same); text like the job's fits its 4-bit weights better (SmolLM2: "
+                        "+3.4-3.7%% perplexity on help text calibrated on other help text, +4.7%% on the docstrings)")
     p.add_argument("--calibration-sequences", type=_positive_int, default=None, metavar="N",
                    help="sequences of 256 calibration tokens for --weight-rounding gptq (default 64; fewer load "
                         "faster and need less memory, and fit the codes less well); a 4-bit KV cache with plain "
@@ -479,7 +484,7 @@ def _run(args: argparse.Namespace) -> int:
             with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
                         capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
                         stop_token_ids=stops, record_trace=bool(args.trace), device=device,
-                        progress=show, calibration_ids=_calibration(args, source, tokenizer),
+                        progress=show, calibration_ids=_calibration(args, source, tokenizer, prompt_ids),
                         notice=lambda work: print(f"xsched: reconfiguring: {work}; the job waits for it",
                                                   file=sys.stderr),
                         stop_check=stop_checker(tokenizer, stops_of),
@@ -673,20 +678,41 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
     return hook, watcher
 
 
-def _calibration(args: argparse.Namespace, source: Any, tokenizer: Any) -> Callable[[], Any] | None:
-    """Calibration ids for the engine, made only if it runs a pass (4-bit weights or KV cache; None: nearest)."""
+def _calibration(args: argparse.Namespace, source: Any, tokenizer: Any,
+                 prompt_ids: Sequence[Sequence[int]]) -> Callable[[], Any] | None:
+    """Calibration ids for the engine, made only if it runs a pass (4-bit weights or KV cache; None:
+    nearest): ``--calibration-text``'s tokens first (the job's ``prompt_ids``, or a file's), the
+    docstrings after them. A file is read here, before the engine loads the weights, so a bad path
+    fails fast."""
     from xrunner.loaders import RandomSource
+    from xsched.errors import UserError
 
     if args.weight_rounding != "gptq" or isinstance(source, RandomSource):
         return None
+    what = args.calibration_text
+    text = None
+    if what not in ("docstrings", "prompts"):
+        try:
+            text = Path(what).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--calibration-text {what}: cannot read it as UTF-8 text "
+                            f"({getattr(e, 'strerror', None) or e}); pass a text file, 'prompts' or 'docstrings'") from e
 
     def ids() -> Any:
         from xrunner.gptq import CALIBRATION_LENGTH, CALIBRATION_SEQUENCES, calibration_ids
 
+        tok = tokenizer if tokenizer is not None else source.tokenizer()
+        first = (prompt_ids if what == "prompts" else
+                 [tok(text, add_special_tokens=False)["input_ids"]] if text is not None else [])
         # Sequences no longer than the model's positions (learned position tables end there).
-        return calibration_ids(tokenizer if tokenizer is not None else source.tokenizer(),
-                               sequences=args.calibration_sequences or CALIBRATION_SEQUENCES,
-                               length=min(CALIBRATION_LENGTH, source.spec.max_positions))
+        out = calibration_ids(tok, sequences=args.calibration_sequences or CALIBRATION_SEQUENCES,
+                              length=min(CALIBRATION_LENGTH, source.spec.max_positions), first=first)
+        if first and not args.quiet:
+            own = min(out.numel(), sum(map(len, first)))
+            print(f"xsched: calibrating on {own:,} tokens of {'the prompts' if text is None else what}"
+                  + (f" and {out.numel() - own:,} of the standard-library docstrings" if own < out.numel() else ""),
+                  file=sys.stderr)
+        return out
 
     return ids
 
