@@ -1469,6 +1469,22 @@ def test_the_run_computes_with_the_profiles_thread_count():
             assert torch.get_num_threads() == 1 and len(caught) == 1
             match_profile_threads(dataclasses.replace(load_preset("t4"), compute_threads=10**5))
             assert torch.get_num_threads() == len(os.sched_getaffinity(0))  # no more than this machine has
+            # Without the profile file (no --profile) the plan's record of the count serves: six
+            # prompts planned on a 1-thread profile generated 3x slower on 2 threads beside another job.
+            from workloads import get_workload
+            from xprofiler.specs import get_model_spec
+            from xscheduler import SLA, plan_search
+
+            one = dataclasses.replace(load_preset("t4"), compute_threads=1)
+            plan = plan_search(get_model_spec("opt-125m"), one, get_workload("fixed:32:8"), SLA("p99", 3600),
+                               num_requests=16, confirm_seeds=())
+            assert plan.profile_threads == 1 and type(plan).from_json(plan.to_json()) == plan
+            torch.set_num_threads(2)
+            match_profile_threads(None, plan)
+            assert torch.get_num_threads() == 1 and f"as profile {plan.profile_name!r} was" in str(caught[-1].message)
+            torch.set_num_threads(2)
+            match_profile_threads(None, dataclasses.replace(plan, profile_threads=0))  # an older plan: left alone
+            assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 

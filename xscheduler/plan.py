@@ -111,8 +111,13 @@ class Plan(Contract):
     margin: float = 0.0
     margin_source: Literal["none", "calibration", "user"] = "none"
     planning_latency_s: float | None = None
+    # torch threads the profile's rates were measured with (0: unknown, plans written before it):
+    # a run computes with them even without the profile file at hand.
+    profile_threads: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.profile_threads, int) or self.profile_threads < 0:
+            raise ValueError(f"profile_threads must be a whole number >= 0 (0: unknown), got {self.profile_threads!r}")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"margin must be a fraction in [0, 1), got {self.margin}")
         want = self.sla.tightened(self.margin).latency_s

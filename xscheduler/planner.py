@@ -199,7 +199,7 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
                 profile_name=profile.name, profile_source=profile.source, profile_fingerprint=profile.fingerprint,
                 search=stats, version=xsched.__version__, notes=tuple(notes), searched_with=evaluator,
                 confirmations=tuple(confirmations), margin=margin_f, margin_source=margin_source,
-                planning_latency_s=sla.latency_s)
+                planning_latency_s=sla.latency_s, profile_threads=profile.compute_threads)
 
 
 @dataclass(frozen=True)
