@@ -1386,6 +1386,29 @@ def test_weight_rounding_calibrates_only_when_4bit_weights_or_cache_are_packed(t
         assert e.value.code == 2 and "--calibration-sequences: must be a whole number >= 1" in capsys.readouterr().err
 
 
+def test_lines_written_by_random_weights_name_them_and_a_resume_with_real_ones_is_refused(tiny_dir, tmp_path,
+                                                                                          capsys):
+    """`random:` weights of the plan's shape write lines that say so, not the plan's model name: a
+    --resume with the real weights on that file would otherwise mix junk outputs with real ones."""
+    from xsimulator.policy import Policy
+
+    plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=2, nb=1))
+    first = write_prompts(tmp_path / "first.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7], "max_new_tokens": 3}])
+    both = write_prompts(tmp_path / "both.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7], "max_new_tokens": 3},
+                                                    {"id": "b", "prompt_ids": [8, 9], "max_new_tokens": 3}])
+    out = tmp_path / "out.jsonl"
+    fake = f"random:{tiny_dir}"
+    assert main(["run", "--plan", str(plan), "--model", fake, "--prompts", str(first), "--out", str(out),
+                 "--quiet"]) == 0
+    assert [r["model"] for r in read_rows(out)] == [fake]
+    capsys.readouterr()
+    before = out.read_bytes()
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(both), "--out", str(out),
+                 "--resume", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"holds results of model {fake}" in err and out.read_bytes() == before, err
+
+
 def test_calibration_text_puts_the_jobs_own_text_first(tiny_dir, tmp_path, monkeypatch, capsys):
     """--calibration-text prompts calibrates on the job's tokenized prompts (every one, the same
     for a resumed job) and a FILE on its text, both before the docstrings; a file that cannot be

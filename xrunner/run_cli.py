@@ -310,7 +310,7 @@ def _run(args: argparse.Namespace) -> int:
     from xprofiler.presets import load_preset, preset_names
     from xrunner.cli import encode_prompt, resolve_device, sampling_from_args, stop_token_ids
     from xrunner.jobfiles import OpenAIOutput, ResultsWriter, read_prompts, tokenize_prompts
-    from xrunner.loaders import open_model
+    from xrunner.loaders import RANDOM_PREFIX, open_model
     from xrunner.result import Adaptation, build_run_result
     from xscheduler.plan import Plan
     from xsched.errors import UserError
@@ -337,9 +337,11 @@ def _run(args: argparse.Namespace) -> int:
                     ("--budget-file", args.budget_file)])
     offload_root = args.offload_dir or tempfile.gettempdir()
     openai = args.out_format == "openai" or (args.out_format == "auto" and all(r.openai for r in records))
+    # What each line says wrote it: random weights of the plan's shape are not the plan's model, and
+    # a resumed file must not mix their outputs with the real model's.
+    label = str(args.model) if str(args.model).startswith(RANDOM_PREFIX) else plan.model.name
     writer = ResultsWriter.open(args.out, resume=args.resume,  # refuses an old --out early, before loading
-                                openai=OpenAIOutput.of(records, args.n, plan.model.name) if openai else None,
-                                model=plan.model.name)
+                                openai=OpenAIOutput.of(records, args.n, label) if openai else None, model=label)
     with writer:
         # One unit per output asked for: (record index, its result key), a prompt's "n" samples each
         units = [(i, key) for i, r in enumerate(records) for key in r.keys(args.n)]
@@ -458,7 +460,7 @@ def _run(args: argparse.Namespace) -> int:
                 rows = []
                 for f in done:
                     text = tokenizer.decode(list(f.output_ids), skip_special_tokens=True) if tokenizer else None
-                    row = result_row(f, text, stops_of.get(f.id, ()), plan.model.name)
+                    row = result_row(f, text, stops_of.get(f.id, ()), label)
                     if "logprobs" in row and not (args.logprobs or f.id in logprobs_of):  # another request asked
                         del row["logprobs"]
                     elif "logprobs" in row and writer.openai is not None and tokenizer is not None:
