@@ -623,6 +623,16 @@ def test_plan_and_simulate_take_the_gguf_file_that_profile_and_calibrate_take(tm
     assert json.loads(capsys.readouterr().out)["model"]["name"] == "tiny"
     assert main(["simulate", "--profile", "t4", "--model", str(path), "--workload", "fixed:8:4", "--requests", "20",
                  "--policy", '{"gbs": 4, "nb": 1}']) == 0
+    # So do `random:` names, as `profile` and `run` take them: random weights have the named shape.
+    capsys.readouterr()
+    for name in ("opt-125m", "random:opt-125m", f"random:{path}"):
+        assert main(["plan", "--profile", "t4", "--model", name, "--workload", "fixed:8:4", "--requests", "20",
+                     "--quiet", "--json"]) == 0
+        planned = json.loads(capsys.readouterr().out)
+        assert planned["model"]["name"] == ("tiny" if str(path) in name else "opt-125m")
+        assert main(["simulate", "--profile", "t4", "--model", name, "--workload", "fixed:8:4", "--requests", "20",
+                     "--policy", '{"gbs": 4, "nb": 1}', "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["throughput_tokens_per_s"] > 0
 
 
 def test_unpermute_inverts_the_llamacpp_layout():

@@ -1566,3 +1566,9 @@ def test_a_plan_for_a_dense_model_is_refused_for_a_mixture_of_experts_of_its_sha
     for other, field in [(moe, "num_experts 0 vs 8"), (replace(moe, shared_expert_ffn=64), "shared_expert_ffn")]:
         with pytest.raises(UserError, match=field):
             check_model_matches(dense if other is moe else moe, other, "m")
+    # The advice for random weights names what `--model random:...` accepts: a registry name, or a
+    # directory for a model read from a file (a GGUF's name is no registry entry).
+    with pytest.raises(UserError, match="or random:smollm2-135m for random ones"):
+        check_model_matches(dense, moe, "m")
+    with pytest.raises(UserError, match=r"or random:DIR \(a directory with its config.json\) for random ones"):
+        check_model_matches(replace(dense, name="SmolLM2-135M-Instruct.Q4_1"), moe, "m")

@@ -908,10 +908,16 @@ def model_names() -> list[str]:
     return list(_registry())
 
 
+RANDOM_PREFIX = "random:"  # `--model random:NAME`: seeded random weights of NAME's shape (xrunner.loaders)
+
+
 def get_model_spec(name: str) -> ModelSpec:
     """The registry entry ``name``, or the spec read from a config.json / model directory path or a
-    .gguf file (as `xsched profile --model` names its fits; it was read as a config.json: "not UTF-8")."""
+    .gguf file (as `xsched profile --model` names its fits; it was read as a config.json: "not UTF-8").
+    ``random:NAME`` is NAME's shape, which is what a plan or simulation of its random weights prices."""
     registry = _registry()
+    if name.startswith(RANDOM_PREFIX):
+        name = name[len(RANDOM_PREFIX):]
     if name in registry:
         return registry[name]
     p = Path(name)

