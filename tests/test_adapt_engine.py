@@ -389,18 +389,26 @@ def test_a_budget_above_the_machine_is_capped_at_what_it_had():
     assert seen == [{"gpu": 400.0, "cpu": 50.0}] and answer[2] == {"gpu": 400.0, "cpu": 50.0}
 
 
-def test_a_missing_budget_file_is_said_at_the_start_once(tmp_path):
-    """A job of one block never reads the budget file, so a typo in its name went unsaid: the run
-    checks it at the start, with the words (and the one warning) a poll would give."""
-    source = FileBudget(tmp_path / "budjet.json")
+def test_a_budget_file_the_run_cannot_use_is_said_at_the_start_once(tmp_path):
+    """A job of one block never reads the budget file, so a typo in its name or its JSON went
+    unsaid: the run checks it at the start, with the words (and the one warning) a poll would
+    give; a good file's budget is still news at the first poll."""
+    for name, text, problem in (("budjet.json", None, "not found"),
+                                ("bad.json", "{bad", "cannot be read as JSON"),
+                                ("odd.json", '{"gpu_bytes": -1}', "gpu_bytes must be a positive, finite number")):
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        source = FileBudget(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            source.check()
+            assert source.poll() is None
+        msgs = [str(w.message) for w in caught if issubclass(w.category, BudgetWarning)]
+        assert len(msgs) == 1 and msgs[0].startswith(f"budget file {path}: {problem}"), msgs
+    (tmp_path / "there.json").write_text('{"cpu_bytes": 1000}')
+    source = FileBudget(tmp_path / "there.json")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        source.check_exists()
-        assert source.poll() is None
-    msgs = [str(w.message) for w in caught if issubclass(w.category, BudgetWarning)]
-    assert msgs == [f"budget file {tmp_path / 'budjet.json'}: not found; keeping the budget as it was"]
-    (tmp_path / "there.json").write_text("{}")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        FileBudget(tmp_path / "there.json").check_exists()
-    assert not caught
+        source.check()
+    assert not caught and source.poll() == {"cpu": 1000.0}

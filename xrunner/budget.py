@@ -89,10 +89,16 @@ class FileBudget:
             warnings.warn(f"budget file {self.path}: {problem}; keeping the budget as it was", BudgetWarning,
                           stacklevel=3)
 
-    def check_exists(self) -> None:
-        """Warn now if the file is missing (the run reads it between blocks only)."""
-        if not self.path.exists():
-            self._warn("not found")  # (the same words as poll's: warned once)
+    def check(self) -> None:
+        """Warn now about a file the run could not use (missing, not JSON, unknown keys, bad values):
+        the run reads it between blocks only, and a job of one block never does. What it reads
+        still counts as news at the first poll (the words are poll's, each warned once)."""
+        seen = self._changes
+        self._changes = _Changes()
+        try:
+            self.poll()
+        finally:
+            self._changes = seen
 
     def poll(self) -> dict[str, float] | None:
         try:

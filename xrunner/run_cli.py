@@ -654,7 +654,7 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
 
         plan_fn = plan_fn_for(plan, profile, confirm_seeds=(), compress=args.replan_compress, num_requests=requests)
         source = FileBudget(args.budget_file)
-        source.check_exists()  # (a job of one block never reads it: a typo went unsaid)
+        source.check()  # (a job of one block never reads it: a typo or bad JSON went unsaid)
         budget = budget_hook(source, plan_fn,
                              capacity_bytes={t: capacity[t] for t in ("gpu", "cpu")},
                              machine_bytes={t: machine[t] for t in ("gpu", "cpu")} if machine else None)
