@@ -64,6 +64,25 @@ def without_timing(rows: list[dict]) -> set[str]:
 
 
 # ----------------------------------------------------------------------------- job files (no engine)
+def test_a_key_spelled_nearly_like_one_xsched_reads_is_warned_about_once(tmp_path):
+    """A typo ("max_new_token") was ignored like any metadata key, and the request silently got the
+    plan's longest output; keys of the job's own ("category") still pass without a word."""
+    import warnings
+
+    from xrunner.jobfiles import read_prompts
+
+    path = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hi", "max_new_token": 3},
+                                                {"id": "b", "prompt": "yo", "category": "x", "temprature": 0.5},
+                                                {"id": "c", "prompt": "hey", "max_new_token": 3}])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = read_prompts(path)
+    assert sorted(str(w.message) for w in caught) == [
+        f'{path}:1: key "max_new_token" is not one xsched reads and is ignored; did you mean "max_new_tokens"?',
+        f'{path}:2: key "temprature" is not one xsched reads and is ignored; did you mean "temperature"?']
+    assert [r.max_new_tokens for r in records] == [None, None, None]
+
+
 def test_prompt_file_errors_name_the_line(tmp_path):
     from xrunner.jobfiles import read_prompts
 

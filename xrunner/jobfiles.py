@@ -21,6 +21,7 @@ import fcntl
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -86,9 +87,12 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
     A line of an OpenAI Batch API input file (``{"custom_id", "body": {...}}``) is read as that
     request (:func:`xsched.openai_batch.openai_batch_row`), so such a file runs as it is.
 
-    Blank lines are skipped; other keys are allowed and ignored. Every problem is a one-line
-    ``UserError`` naming the file and line.
+    Blank lines are skipped; other keys are allowed and ignored (a job's own metadata), but one
+    spelled nearly like a key this reads (``"max_new_token"``) is warned about, once per key. Every
+    problem is a one-line ``UserError`` naming the file and line.
     """
+    import difflib
+
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is dropped
@@ -98,6 +102,7 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         raise UserError(f"{p}: cannot read the prompt file ({exc.__class__.__name__})") from None
     records: list[PromptRecord] = []
     seen: dict[str, int] = {}
+    near: dict[str, tuple[int, str]] = {}  # a key like one of PROMPT_KEYS: (first line, the key it is like)
     for lineno, raw in jsonl_lines(text):
         where = f"{p}:{lineno}"
         try:
@@ -110,6 +115,9 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
             raise UserError(f"{where}: each line must be a JSON object with \"id\" and \"prompt\"")
         request = openai_batch_row(obj, where)
         openai, obj = request is not obj, request
+        for k in obj.keys() - PROMPT_KEYS if not openai else ():
+            if k not in near and (like := difflib.get_close_matches(str(k), PROMPT_KEYS, n=1, cutoff=0.8)):
+                near[k] = (lineno, like[0])
         rid = obj.get("id")
         if isinstance(rid, bool) or not isinstance(rid, (str, int)):
             raise UserError(f"{where}: \"id\" must be a string or an integer, got {rid!r}")
@@ -149,6 +157,9 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
                                     chat_template=template, logprobs=logprobs))
     if not records:
         raise UserError(f"{p}: no prompts in the file (one JSON object per line)")
+    for k, (lineno, like) in near.items():
+        warnings.warn(f"{p}:{lineno}: key \"{k}\" is not one xsched reads and is ignored; did you mean \"{like}\"?",
+                      UserWarning, stacklevel=2)
     return records
 
 
@@ -163,6 +174,8 @@ def _stop_strings(value: Any, where: str) -> tuple[str, ...]:
 
 
 SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "seed": int}
+PROMPT_KEYS = frozenset({"id", "prompt", "prompt_ids", "messages", "max_new_tokens", "n", "stop", "chat_template",
+                         "logprobs", *SAMPLING_KEYS})
 
 
 def _sampling_overrides(obj: dict[str, Any], where: str) -> tuple[tuple[str, float | int], ...]:
