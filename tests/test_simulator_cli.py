@@ -119,6 +119,10 @@ def test_simulate_refuses_a_plan_of_another_schema(profile_path, tmp_path, schem
     assert len(err) == 1 and f"schema '{schema}' is not 'xsched.Plan/1'" in err[0], err
     plan.write_text(json.dumps({"policy": json.loads(POLICY)}))
     assert main([*argv, "--plan", str(plan)]) == 0
+    capsys.readouterr()
+    plan.write_text('{"policy": ')  # a broken file is named in the error, as `run --plan` names it
+    assert main([*argv, "--plan", str(plan)]) == 2
+    assert capsys.readouterr().err.startswith(f"xsched: error: {plan}: plan is not valid JSON")
 
 
 def test_workload_commands_and_malformed_file(tmp_path):

@@ -66,6 +66,8 @@ def _read_json_arg(text: str, what: str) -> Any:
             raise UserError(f"{path}: cannot read {what} ({exc.__class__.__name__})") from None
     elif not inline:
         raise UserError(f"{what} {text!r} is neither JSON text nor an existing file")
+    if not inline:
+        what = f"{path}: {what}"  # (name the file the error is in)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
