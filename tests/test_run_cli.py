@@ -1428,6 +1428,20 @@ def test_lines_written_by_random_weights_name_them_and_a_resume_with_real_ones_i
     assert f"holds results of model {fake}" in err and out.read_bytes() == before, err
 
 
+def test_a_run_refused_for_its_model_says_only_why(tiny_dir, tmp_path, capsys):
+    """A plan refused for the model given is one line on stderr: the note that the job fills fewer
+    GPU batches than the plan's was printed first (review)."""
+    from xsimulator.policy import Policy
+
+    plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=8, nb=2))
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7], "max_new_tokens": 3}])
+    capsys.readouterr()
+    assert main(["run", "--plan", str(plan), "--model", "random:opt-125m", "--prompts", str(prompts), "--out",
+                 str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "differs" in err[0], err
+
+
 def test_calibration_text_puts_the_jobs_own_text_first(tiny_dir, tmp_path, monkeypatch, capsys):
     """--calibration-text prompts calibrates on the job's tokenized prompts (every one, the same
     for a resumed job) and a FILE on its text, both before the docstrings; a file that cannot be

@@ -364,13 +364,10 @@ def _run(args: argparse.Namespace) -> int:
         warn_if_plan_from_other_machine(plan, args.offload_dir)
         # A job smaller than the plan's block runs as the block would (its other slots stay empty)
         # in buffers for its own rows: a plan priced for 2000 requests no longer refuses 40 for memory.
-        fitted = plan.policy.for_job(len(units))
-        if fitted != plan.policy:
-            if not args.quiet:
-                print(f"xsched: the job's {len(units)} requests fill {fitted.nb} GPU batch(es) of {fitted.gbs} of the "
-                      f"plan's {plan.policy.nb} x {plan.policy.gbs}; running {fitted.nb} x {fitted.gbs}",
-                      file=sys.stderr)
-            plan = replace(plan, policy=fitted)
+        plan_policy, fitted = plan.policy, plan.policy.for_job(len(units))
+        fitted_note = (f"xsched: the job's {len(units)} requests fill {fitted.nb} GPU batch(es) of {fitted.gbs} of "
+                       f"the plan's {plan.policy.nb} x {plan.policy.gbs}; running {fitted.nb} x {fitted.gbs}")
+        plan = replace(plan, policy=fitted)
         sampling = sampling_from_args(args)
         own = request_sampling(records, sampling, args.prompts)
         if any(len(r.keys(args.n)) > 1 and own.get(i, sampling).greedy for i, r in enumerate(records)):
@@ -384,6 +381,8 @@ def _run(args: argparse.Namespace) -> int:
                           stacklevel=1)
         source = open_model(args.model, dtype=plan.model.dtype)
         check_model_matches(plan.model, source.spec, args.model)
+        if fitted != plan_policy and not args.quiet:  # (said once the model is known to fit the plan)
+            print(fitted_note, file=sys.stderr)
         texts = any(r.needs_tokenizer for r in records)  # token ids need no tokenizer
         needed = texts or any(r.stop for r in records)
         tokenizer, encode = _tokenizer(source, needed, path=args.tokenizer), None
