@@ -256,3 +256,18 @@ def test_prompts_mixing_prefixes_from_the_command_line_are_priced_in_simulate_an
     assert got["96"].throughput_tokens_per_s > got["4"].throughput_tokens_per_s > got[0].throughput_tokens_per_s
     assert main(["plan", *base, "--prefix-tokens", "96", "--prefix-groups", "4", "--latency", "inf", "--quiet"]) == 0
     assert "(a shared 96-token prefix, one of 4, prefilled once per run)" in capsys.readouterr().out
+
+
+def test_simulating_a_plan_on_another_model_says_so(tmp_path, capsys):
+    """`simulate --plan P --model M` priced the plan's policy on M without a word when the plan was
+    made for another model, though another profile gets a note (review)."""
+    from xsched.cli import main
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--profile", "t4", "--model", "opt-125m", "--workload", "fixed:32:8", "--requests", "50",
+                 "--quiet", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    for model, noted in (("opt-1.3b", True), ("opt-125m", False)):
+        assert main(["simulate", "--plan", str(plan), "--model", model]) == 0
+        err = capsys.readouterr().err
+        assert ("the plan was made for model 'opt-125m'; simulating its policy on 'opt-1.3b'" in err) == noted, err

@@ -141,6 +141,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.model:
         spec = get_model_spec(args.model)
+        planned_for = plan.get("model", {}).get("name") if isinstance(plan.get("model"), dict) else plan.get("model")
+        if isinstance(planned_for, str) and planned_for != spec.name:  # (as for another profile, below)
+            notes.append(f"note: the plan was made for model {planned_for!r}; simulating its policy on {spec.name!r}")
     elif isinstance(plan.get("model"), dict):
         spec = ModelSpec.from_dict(plan["model"], where="plan model")
     elif isinstance(plan.get("model"), str):
