@@ -147,7 +147,8 @@ class RunResult(Contract):
             ("policy at start (the plan's)", self.policy),
             (f"policy at end (after {changed} change(s), listed below)", self.adaptations[-1].new_policy)]
         head = [
-            f"ran {self.num_requests} requests on {self.model} ({self.device}, {self.dtype})"
+            f"ran {self.num_requests} request{'s' * (self.num_requests != 1)} on {self.model} ({self.device}, "
+            f"{self.dtype})"
             + (f"; {self.num_skipped} already done (resumed)" if self.num_skipped else ""),
             *(f"  {label}: " + p.describe().replace("\n", "; ") for label, p in policies),
             "  planned peak" + (" (the highest of the policies run)" if changed else "") + ": "
@@ -160,8 +161,11 @@ class RunResult(Contract):
                  for r in rows]
         head += [f"  adapted at {a.at_s:,.1f} s (stalled {a.stall_s:.2f} s): {a.reason}" for a in self.adaptations]
         if self.simulated is not None:
-            head.append(f"  (simulated: {self.simulated.method} simulation of these {self.simulated.num_requests} "
-                        f"requests at their prompt and output lengths, on profile {self.simulated.profile})")
+            n = self.simulated.num_requests
+            head.append(f"  (simulated: {self.simulated.method} simulation of "
+                        + (f"these {n} requests at their prompt and output lengths" if n != 1 else
+                           "this request at its prompt and output lengths")
+                        + f", on profile {self.simulated.profile})")
         if self.predicted is not None:
             head.append(f"  (plan: {self.predicted.method} simulation of {self.predicted.num_requests} requests "
                         f"of workload {self.predicted.workload} on profile {self.predicted.profile}"

@@ -707,8 +707,9 @@ def _calibration(args: argparse.Namespace, source: Any, tokenizer: Any,
         try:
             text = Path(what).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"--calibration-text {what}: cannot read it as UTF-8 text "
-                            f"({getattr(e, 'strerror', None) or e}); pass a text file, 'prompts' or 'docstrings'") from e
+            why = getattr(e, "strerror", None) or e
+            raise UserError(f"--calibration-text {what}: cannot read it as UTF-8 text ({why}); pass a text file, "
+                            "'prompts' or 'docstrings'") from e
 
     def ids() -> Any:
         from xrunner.gptq import CALIBRATION_LENGTH, CALIBRATION_SEQUENCES, calibration_ids

@@ -216,7 +216,8 @@ def describe(plan) -> str:  # noqa: ANN001
         *("  " + line for line in plan.policy.describe().splitlines()),
         f"predicted ({r.method}, seed {r.seed}): {r.throughput_tokens_per_s:,.3f} generated tokens/s "
         f"(total {r.total_throughput_tokens_per_s:,.3f}), job wall {r.wall_s:,.0f} s",
-        f"latency: {sla.kind} {lat:,.6g} s against a bound of {bound}"
+        f"latency: {sla.kind} {lat:,.6g} s "
+        + ("(no bound)" if math.isinf(sla.latency_s) else f"against a bound of {bound}")
         + ("" if math.isinf(sla.latency_s) else f" ({plan.slack:.1%} of the bound unused)")
         + f"; p50 {r.latency_p50_s:,.4g} s, max {r.latency_max_s:,.4g} s",
         f"planning margin: {plan.margin:.1%} ({margin}); searched against {sla.kind} <= "
