@@ -50,8 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default), on forces weights (and KV cache or CPU attention), off never")
     p.add_argument("--search", choices=("bnb", "exhaustive", "optuna"), default="bnb",
                    help="bnb: branch-and-bound (default); exhaustive: every point of the grid; optuna: TPE with "
-                        "as many evaluations as branch-and-bound uses, a baseline to compare with (its plans reached 0.87-0.93 "
-                        "of the best throughput on average in benchmarks/plan_quality.py, bnb's 1.00)")
+                        "as many evaluations as branch-and-bound uses, a baseline to compare with (its plans "
+                        "reached 0.87-0.93 of the best throughput on average in benchmarks/plan_quality.py, bnb's "
+                        "1.00)")
     p.add_argument("--requests", type=requests_arg, default=DEFAULT_REQUESTS,
                    help=f"requests in the job the plan is priced on (default {DEFAULT_REQUESTS})")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the simulated request sample (default 0)")
