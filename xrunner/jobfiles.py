@@ -116,7 +116,7 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         request = openai_batch_row(obj, where)
         openai, obj = request is not obj, request
         for k in obj.keys() - PROMPT_KEYS if not openai else ():
-            if k not in near and (like := difflib.get_close_matches(str(k), PROMPT_KEYS, n=1, cutoff=0.8)):
+            if k not in near and (like := difflib.get_close_matches(str(k), sorted(PROMPT_KEYS), n=1, cutoff=0.8)):
                 near[k] = (lineno, like[0])
         rid = obj.get("id")
         if isinstance(rid, bool) or not isinstance(rid, (str, int)):
