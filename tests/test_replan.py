@@ -226,6 +226,9 @@ def test_offline_replan_without_drift_keeps_the_plan(setup):
     r = replan(plan, p, o, profile=prof)
     assert not r.drifted and r.new_plan is None and r.old_on_observed is not None
     assert "no significant drift" in r.describe()
+    # the observed description's "max" is the plan's longest, kept on purpose: said, not left to puzzle
+    assert r.observed.prompt.max_len == w.prompt.max_len
+    assert f"the longest stay the plan's {w.prompt.max_len} and {w.output.max_len} tokens" in r.describe()
 
 
 def test_change_point_finds_the_shift():

@@ -128,6 +128,10 @@ class Replan(Contract):
                  stats_table(r), ""]
         lines.append(f"observed workload (fitted to requests {self.fit_from}..{self.num_observed - 1}):")
         lines += ["  " + ln for ln in self.observed.describe().splitlines()[1:]]
+        ref, obs = self.old_plan.workload, self.observed
+        if (obs.prompt.max_len, obs.output.max_len) == (ref.prompt.max_len, ref.output.max_len):
+            lines.append(f"  (the longest stay the plan's {ref.prompt.max_len} and {ref.output.max_len} tokens, "
+                         "whatever was observed: memory is sized by them)")
         if self.num_capped:
             lines.append(f"  {self.num_capped} output(s) reached max_new_tokens; counted at the cap (what the "
                          "engine generates)")
