@@ -1428,9 +1428,10 @@ def test_lines_written_by_random_weights_name_them_and_a_resume_with_real_ones_i
     assert f"holds results of model {fake}" in err and out.read_bytes() == before, err
 
 
-def test_a_run_refused_for_its_model_says_only_why(tiny_dir, tmp_path, capsys):
-    """A plan refused for the model given is one line on stderr: the note that the job fills fewer
-    GPU batches than the plan's was printed first (review)."""
+def test_a_refused_run_says_only_why(tiny_dir, tmp_path, capsys):
+    """A run refused for its model, or for a request past the model's positions, is one line on
+    stderr: the note that the job fills fewer GPU batches than the plan's, and advice to plan for
+    the job's lengths, were printed before the error (review)."""
     from xsimulator.policy import Policy
 
     plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=8, nb=2))
@@ -1440,6 +1441,12 @@ def test_a_run_refused_for_its_model_says_only_why(tiny_dir, tmp_path, capsys):
                  str(tmp_path / "o.jsonl")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "differs" in err[0], err
+    # Nor does a request past the model's positions get advice to plan for its length first.
+    long = write_prompts(tmp_path / "long.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7], "max_new_tokens": 10**6}])
+    assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(long), "--out",
+                 str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "positions; shorten the prompts or max_new_tokens" in err[0], err
 
 
 def test_calibration_text_puts_the_jobs_own_text_first(tiny_dir, tmp_path, monkeypatch, capsys):

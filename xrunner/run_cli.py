@@ -381,8 +381,6 @@ def _run(args: argparse.Namespace) -> int:
                           stacklevel=1)
         source = open_model(args.model, dtype=plan.model.dtype)
         check_model_matches(plan.model, source.spec, args.model)
-        if fitted != plan_policy and not args.quiet:  # (said once the model is known to fit the plan)
-            print(fitted_note, file=sys.stderr)
         texts = any(r.needs_tokenizer for r in records)  # token ids need no tokenizer
         needed = texts or any(r.stop for r in records)
         tokenizer, encode = _tokenizer(source, needed, path=args.tokenizer), None
@@ -423,14 +421,14 @@ def _run(args: argparse.Namespace) -> int:
                           f"plan's prediction and batch shape are for another job ({how})", UserWarning, stacklevel=1)
         # Shapes from the whole file, resumed part included, so a resumed job sizes memory the same way.
         max_prompt, max_output = max(len(p) for p in prompt_ids), max(new_tokens)
+        if max_prompt + max_output > source.spec.max_positions:  # (before advice to plan for those lengths)
+            raise UserError(f"prompt + output of up to {max_prompt + max_output} tokens exceed {source.spec.name}'s "
+                            f"{source.spec.max_positions} positions; shorten the prompts or max_new_tokens")
         if max_prompt > plan.workload.prompt.max_len or max_output > plan.workload.output.max_len:
             warnings.warn(f"the job has prompts up to {max_prompt} and outputs up to {max_output} tokens, the plan's "
                           f"workload at most {plan.workload.prompt.max_len} and {plan.workload.output.max_len}; "
                           f"memory and predictions are for the job's lengths (plan for them with `{fit}` and "
                           "`xsched plan --workload`)", UserWarning, stacklevel=1)
-        if max_prompt + max_output > source.spec.max_positions:
-            raise UserError(f"prompt + output of up to {max_prompt + max_output} tokens exceed {source.spec.name}'s "
-                            f"{source.spec.max_positions} positions; shorten the prompts or max_new_tokens")
         stops = [] if args.ignore_eos else stop_token_ids(source, tokenizer)
 
         device = resolve_device(args.device)
@@ -447,6 +445,8 @@ def _run(args: argparse.Namespace) -> int:
         machine = machine_capacity_bytes(device, offload_root)
         check_machine_room(device, planned_peak, machine)
         capacity = {t: min(float(plan.predicted.capacity_bytes.get(t, float("inf"))), machine[t]) for t in machine}
+        if fitted != plan_policy and not args.quiet:  # (said once the job is known to start: else only its error)
+            print(fitted_note, file=sys.stderr)
 
         requests = (Request(id=key, prompt_ids=tuple(prompt_ids[i]), max_new_tokens=new_tokens[i],
                             sampling=own.get(i)) for i, key in pending)
