@@ -1298,6 +1298,43 @@ def python_sigint():
     signal.signal(signal.SIGINT, previous)
 
 
+def test_a_ctrl_c_during_a_run_is_raised_between_items_not_inside_a_queue(tiny_dir, tmp_path, python_sigint):
+    """Raised wherever it landed, a Ctrl-C once fell inside the I/O pool's submit, between a
+    Condition's lock acquire and its with block: the lock stayed held and the run's cleanup
+    waited on it for ever (a py-spy dump of a hung test run, stop 64). The run records it and
+    raises it at the next item; the engine is then usable (its queues drained) and closes."""
+    import os
+
+    from xrunner.engine import Engine, Request, _SignalGate
+    from xrunner.loaders import open_model
+    from xsimulator.policy import Policy
+
+    with _SignalGate() as gate:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert gate.caught == [signal.SIGINT]  # recorded, not raised
+        with pytest.raises(KeyboardInterrupt):
+            gate.check()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    source = open_model(tiny_dir, dtype="float32")
+    on_disk = Policy(gbs=2, nb=2, wg=0.0, wc=0.0, wd=1.0, cg=0.5, cc=0.0, cd=0.5, refill_every=1)
+    reqs = [Request(id=i, prompt_ids=(5 + i, 6, 7), max_new_tokens=6) for i in range(8)]
+    steps = []
+
+    def on_step(n: int) -> None:
+        steps.append(n)
+        if len(steps) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with Engine(source, on_disk, max_prompt=4, max_output=6, offload_dir=tmp_path) as eng:
+        with pytest.raises(KeyboardInterrupt):
+            eng.run(reqs, on_step=on_step)
+        assert len(steps) == 3  # raised at the next item, before another step ended
+        finished = []
+        eng.run(reqs[:2], on_finished=finished.extend)  # the queues were drained: the engine runs again
+        assert sorted(f.id for f in finished) == [0, 1] and all(len(f.output_ids) == 6 for f in finished)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_second_ctrl_c_during_cleanup_still_removes_the_offload_files(tiny_dir, tmp_path, python_sigint):
     """Ctrl-C pressed twice (or SIGTERM then Ctrl-C) within ~50 ms interrupted the first one's
     cleanup and left the offload files behind (review): the cleanup now finishes, then the

@@ -276,23 +276,39 @@ def _settle(fut: Future, error: BaseException | None) -> None:
         pass
 
 
-@contextmanager
-def _signals_held() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM until the block ends, then deliver them: a second Ctrl-C while the
-    first one's cleanup ran left the offload files behind (review). Only the main thread can
-    change handlers, and only Python's can be put back; otherwise the block runs as is."""
-    held = (signal.SIGINT, signal.SIGTERM)
-    if threading.current_thread() is not threading.main_thread() or None in map(signal.getsignal, held):
-        yield
-        return
-    caught: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        for s in dict.fromkeys(caught):
+class _SignalGate:
+    """Ctrl-C and SIGTERM recorded as they arrive and delivered (their handlers run, raising
+    KeyboardInterrupt or the CLI's Terminated) at :meth:`check`, the engine's safe points, or when
+    the gate closes. Raised wherever they landed, the exception could fall between a Python-level
+    lock's acquire and its ``with`` block (``threading.Condition`` in the I/O pools' ``submit``):
+    the lock stayed held and the cleanup's next ``submit`` waited on it for ever (2 of ~10 runs of
+    a Ctrl-C test, stop 64). Closing the engine holds them too: a second Ctrl-C during the first
+    one's cleanup left the offload files behind (review). Only the main thread can change
+    handlers, and only Python's can be put back; elsewhere the gate does nothing."""
+
+    HELD = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.caught: list[int] = []
+        self.previous: dict[int, Any] | None = None
+
+    def __enter__(self) -> "_SignalGate":
+        if threading.current_thread() is threading.main_thread() and None not in map(signal.getsignal, self.HELD):
+            self.previous = {s: signal.signal(s, lambda signum, frame: self.caught.append(signum)) for s in self.HELD}
+        return self
+
+    def check(self) -> None:
+        """Deliver a signal that arrived (the gate is then open: later ones act at once)."""
+        if self.caught:
+            self.__exit__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)
+            self.previous = None
+        caught, self.caught = list(dict.fromkeys(self.caught)), []
+        for s in caught:
             signal.raise_signal(s)
 
 
@@ -520,6 +536,7 @@ class Engine:
 
         self.ledger = MemoryLedger()
         self._lock = threading.Lock()
+        self._gate = _SignalGate()  # entered by run(); outside it, check() finds nothing
         self.busy_s = {r: 0.0 for r in RESOURCES}
         self.events: list[TraceEvent] = []
         self.markers: list[TraceMarker] = []
@@ -1569,6 +1586,7 @@ class Engine:
         try:
             w: dict[str, torch.Tensor] = {}
             for j, (l, i) in enumerate(items):
+                self._gate.check()  # (a Ctrl-C raises here, between items, not inside a queue's lock)
                 if i == 0:
                     self._current_layer = l
                     w = self._weights(l)
@@ -1674,7 +1692,7 @@ class Engine:
         self._clear_cache()
         boundary = 0
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), _SignalGate() as self._gate:
                 while True:
                     p = self.policy
                     gbs, nb, R = p.gbs, p.nb, p.refill_every
@@ -1913,7 +1931,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        with _signals_held():
+        with _SignalGate():
             for pool in self._pools:
                 pool.shutdown(wait=True, cancel_futures=True)
             self._pools = []
