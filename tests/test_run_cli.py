@@ -1096,6 +1096,12 @@ def test_default_tokenizer_counts_the_chat_template():
     chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     ids = prompt_tokenizer(None)(text)
     assert ids == list(chat["input_ids"]) and len(ids) > len(tok(text)["input_ids"])
+    # A registry name has no tokenizer offline, and random weights none at all: the advice is not
+    # open_model's "random:NAME", which failed next (review).
+    for name in ("opt-125m", "random:opt-125m"):
+        with pytest.raises(UserError, match="pass a local HF directory or .gguf file to count tokens") as e:
+            prompt_tokenizer(name)
+        assert "random:opt-125m for random weights" not in str(e.value)
 
 
 @pytest.mark.slow

@@ -157,9 +157,17 @@ def prompt_tokenizer(model: str | None, chat: bool = True,
     (the default model when None; the chat template unless ``chat`` is False, or the call's second
     argument, a request's own ``"chat_template"``), so that a workload fitted to a file of prompts
     has the lengths, and the shared leading tokens, that the engine will see."""
+    from xprofiler.specs import RANDOM_PREFIX, model_names
     from xrunner.loaders import open_model
+    from xsched.errors import UserError
 
-    tokenizer = open_model(model).tokenizer()  # a random model's refuses with a one-line error
+    if model in model_names():  # (open_model's advice, random:NAME, has no tokenizer either)
+        raise UserError(f"{model} is a registry entry without weights or tokenizer (no model hub offline); pass a "
+                        "local HF directory or .gguf file to count tokens as that model does")
+    if model is not None and model.startswith(RANDOM_PREFIX):
+        raise UserError(f"{model}: random weights have no tokenizer; pass a local HF directory or .gguf file to "
+                        "count tokens as that model does")
+    tokenizer = open_model(model).tokenizer()
     return lambda prompt, own=True: list(encode_prompt(tokenizer, prompt, chat and own, template_kwargs))
 
 
