@@ -1734,9 +1734,10 @@ class Engine:
         except BaseException:
             # The run's rows end with it. Once the I/O queues have done the tasks it queued (nothing
             # writes its buffers afterwards), the engine may be reconfigured or run again.
-            for pool in self._pools:
-                pool.submit(lambda: None).result()
-            self._in_flight = False
+            with _SignalGate():  # (a second Ctrl-C waits for the drain, as in close())
+                for pool in self._pools:
+                    pool.submit(lambda: None).result()
+                self._in_flight = False
             raise
         finally:
             self._clear_cache()
