@@ -281,9 +281,10 @@ class _SignalGate:
     KeyboardInterrupt or the CLI's Terminated) at :meth:`check`, the engine's safe points, or when
     the gate closes. Raised wherever they landed, the exception could fall between a Python-level
     lock's acquire and its ``with`` block (``threading.Condition`` in the I/O pools' ``submit``):
-    the lock stayed held and the cleanup's next ``submit`` waited on it for ever (2 of ~10 runs of
-    a Ctrl-C test, stop 64). Closing the engine holds them too: a second Ctrl-C during the first
-    one's cleanup left the offload files behind (review). Only the main thread can change
+    the lock stayed held and the cleanup's next ``submit`` waited on it for ever (a Ctrl-C test hung
+    in 1 of 8 local runs and in a CI run, stop 64; 0 of 12 with the gate). Setup (loading, the
+    calibration pass) is not gated. Closing the engine holds them too: a second Ctrl-C during the
+    first one's cleanup left the offload files behind (review). Only the main thread can change
     handlers, and only Python's can be put back; elsewhere the gate does nothing."""
 
     HELD = (signal.SIGINT, signal.SIGTERM)
