@@ -1493,9 +1493,9 @@ def test_a_refused_run_says_only_why(tiny_dir, tmp_path, capsys):
 
 
 def test_calibration_text_puts_the_jobs_own_text_first(tiny_dir, tmp_path, monkeypatch, capsys):
-    """--calibration-text prompts calibrates on the job's tokenized prompts (every one, the same
-    for a resumed job) and a FILE on its text, both before the docstrings; a file that cannot be
-    read stops the run before any work with a one-line error (exit 2)."""
+    """--calibration-text prompts calibrates on the job's tokenized prompts (every one) and a FILE
+    on its text, both before the docstrings; a file that cannot be read stops the run before any
+    work with a one-line error (exit 2)."""
     import xrunner.gptq as gptq
     from xrunner.loaders import open_model
     from xsimulator.policy import Policy
