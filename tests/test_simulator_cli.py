@@ -271,3 +271,29 @@ def test_simulating_a_plan_on_another_model_says_so(tmp_path, capsys):
         assert main(["simulate", "--plan", str(plan), "--model", model]) == 0
         err = capsys.readouterr().err
         assert ("the plan was made for model 'opt-125m'; simulating its policy on 'opt-1.3b'" in err) == noted, err
+
+
+def test_a_plan_prices_the_job_its_workload_file_held(tmp_path, capsys):
+    """`workload fit` of an 8-request file, then `plan --workload wl.json`, priced 2000 requests:
+    the plan's block (4 x 512) and latencies were for another job than the one `run` then ran
+    (review). Without --requests the plan now prices the file's requests; presets keep 2000."""
+    from workloads import Workload
+    from xsched.cli import main
+
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text("".join(json.dumps({"id": i, "prompt_tokens": 20 + 7 * i, "max_new_tokens": 8 + i}) + "\n"
+                            for i in range(8)))
+    fitted = tmp_path / "wl.json"
+    assert main(["workload", "fit", str(reqs), "-o", str(fitted)]) == 0
+    wl = Workload.load(fitted)
+    assert wl.file_requests == 8 and Workload.from_file(reqs).file_requests == 8
+    assert Workload.from_json(wl.to_json()) == wl and wl.scaled(0.5).file_requests == 8
+    capsys.readouterr()
+    base = ["plan", "--profile", "t4", "--model", "opt-1.3b", "--latency", "inf", "--json"]
+    for workload, extra, want in ((str(fitted), [], 8), (str(reqs), [], 8), (str(fitted), ["--requests", "50"], 50),
+                                  ("T", [], 2000)):
+        assert main([*base, "--workload", workload, *extra]) == 0
+        out = capsys.readouterr()
+        assert json.loads(out.out)["predicted"]["num_requests"] == want
+        noted = "no --requests given; pricing the 8 requests the workload was read from" in out.err
+        assert noted == (want == 8), out.err

@@ -95,7 +95,7 @@ def _fit(args: argparse.Namespace) -> int:
                       correlation=spearman_to_copula(lengths.prompts, lengths.outputs),
                       source=f"fitted to {len(lengths.prompts)} requests from {path.name}"
                       + (f"; {ESTIMATE_NOTE}" if lengths.estimated else ""), samples=lengths.samples,
-                      **lengths.prefix)
+                      file_requests=len(lengths.prompts), **lengths.prefix)
     if args.output:
         fitted.save(args.output)
     if args.json:

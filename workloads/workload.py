@@ -98,8 +98,14 @@ class Workload(Contract):
     # The lengths of the prompts that share nothing, beside own_part: prefix_ids tells them apart
     # from the sharing ones by length.
     unshared_prompt: LengthDistribution | None = None
+    # How many requests a file gave these lengths (0: a preset, or a workload written by hand):
+    # `xsched plan` prices that job size unless told another.
+    file_requests: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.file_requests, bool) or not isinstance(self.file_requests, int) or self.file_requests < 0:
+            raise UserError(f"workload {self.name}: file_requests {_shown(self.file_requests)} must be a whole number "
+                            ">= 0 (requests the lengths were read from; 0: none)")
         if not -1.0 < self.correlation < 1.0 and self.correlation != 0.0:
             raise UserError(f"workload {self.name}: correlation {self.correlation} must lie strictly inside -1..1")
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or not 1 <= self.samples <= MAX_SAMPLES:
@@ -297,7 +303,8 @@ class Workload(Contract):
                 "prefix_share": self.prefix_share, "prefix_lengths": list(self.prefix_lengths),
                 "prefix_weights": list(self.prefix_weights),
                 "own_part": None if self.own_part is None else self.own_part.summary(),
-                "unshared_prompt": None if self.unshared_prompt is None else self.unshared_prompt.summary()}
+                "unshared_prompt": None if self.unshared_prompt is None else self.unshared_prompt.summary(),
+                "file_requests": self.file_requests}
 
     def context_note(self, model: str, max_positions: int) -> str | None:
         """A line when the longest prompt plus output passes the model's positions (the plan is
@@ -363,7 +370,7 @@ class Workload(Contract):
         if lengths.estimated:
             note += f"; {ESTIMATE_NOTE}"
         return cls(name=p.stem, prompt=prompt_dist, output=output_dist, correlation=corr, source=note,
-                   samples=lengths.samples, **lengths.prefix)
+                   samples=lengths.samples, file_requests=len(lengths.prompts), **lengths.prefix)
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "as many evaluations as branch-and-bound uses, a baseline to compare with (its plans "
                         "reached 0.87-0.93 of the best throughput on average in benchmarks/plan_quality.py, bnb's "
                         "1.00)")
-    p.add_argument("--requests", type=requests_arg, default=DEFAULT_REQUESTS,
-                   help=f"requests in the job the plan is priced on (default {DEFAULT_REQUESTS})")
+    p.add_argument("--requests", type=requests_arg, default=None,
+                   help="requests in the job the plan is priced on (default: as many as the --workload file held, "
+                        f"else {DEFAULT_REQUESTS})")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the simulated request sample (default 0)")
     p.add_argument("--evaluator", choices=("discrete-event", "analytic"), default="discrete-event",
                    help="simulator path the search prices points with (the plan is always confirmed with the "
@@ -150,8 +151,6 @@ def _plan(args: argparse.Namespace) -> int:
     latency = DEFAULT_LATENCY_S if args.latency is None else args.latency
     if not latency > 0 or math.isnan(latency):
         raise UserError(f"--latency must be a positive number of seconds (or inf), got {latency:g}")
-    if args.requests < 1:
-        raise UserError(f"--requests must be >= 1, got {args.requests}")
     if args.frontier is not None and (not Path(args.frontier).name or Path(args.frontier).is_dir()):
         raise UserError(f"--frontier takes a file prefix (PREFIX.csv and PREFIX.png are written), not a directory: "
                         f"{args.frontier!r}")
@@ -165,6 +164,11 @@ def _plan(args: argparse.Namespace) -> int:
     spec = profile.model_for(get_model_spec(args.model or DEFAULT_MODEL))
     workload = with_samples(get_workload(args.workload or DEFAULT_WORKLOAD), args.samples, args.prefix_tokens,
                             args.prefix_groups, args.prefix_share)
+    if args.requests is None:  # the job the workload was read from, as `run` will run it
+        args.requests = workload.file_requests or DEFAULT_REQUESTS
+        if workload.file_requests:
+            assumed.append(f"no --requests given; pricing the {args.requests:,} requests the workload was read from "
+                           "(--requests N for a job of another size)")
     if ESTIMATE_NOTE in workload.source:
         assumed.append(f"workload {workload.source}")
     if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:
