@@ -276,7 +276,8 @@ def test_simulating_a_plan_on_another_model_says_so(tmp_path, capsys):
 def test_a_plan_prices_the_job_its_workload_file_held(tmp_path, capsys):
     """`workload fit` of an 8-request file, then `plan --workload wl.json`, priced 2000 requests:
     the plan's block (4 x 512) and latencies were for another job than the one `run` then ran
-    (review). Without --requests the plan now prices the file's requests; presets keep 2000."""
+    (review). Without --requests the plan (and `simulate`) now price the file's requests; presets
+    keep 2000."""
     from workloads import Workload
     from xsched.cli import main
 
@@ -297,3 +298,7 @@ def test_a_plan_prices_the_job_its_workload_file_held(tmp_path, capsys):
         assert json.loads(out.out)["predicted"]["num_requests"] == want
         noted = "no --requests given; pricing the 8 requests the workload was read from" in out.err
         assert noted == (want == 8), out.err
+        # `simulate` samples the same job size from the workload
+        assert main(["simulate", "--profile", "t4", "--model", "opt-1.3b", "--workload", workload, *extra,
+                     "--policy", '{"gbs": 4, "nb": 1}', "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["num_requests"] == want

@@ -41,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "others default to all on the gpu tier, no compression, no refill)")
     src.add_argument("--plan", help="plan JSON from `xsched plan`: its policy, and its model and workload unless given")
     p.add_argument("--requests", type=requests_arg, default=None,
-                   help=f"requests to sample from the workload (default: a --plan's own, else {DEFAULT_REQUESTS})")
+                   help="requests to sample from the workload (default: a --plan's own, else as many as the --workload "
+                        f"file held, else {DEFAULT_REQUESTS})")
     p.add_argument("--seed", type=seed_arg, default=None,
                    help="seed of the request sample (default: a --plan's own, else 0)")
     p.add_argument("--method", choices=("discrete-event", "analytic"), default="discrete-event",
@@ -126,11 +127,9 @@ def _simulate(args: argparse.Namespace) -> int:
     own = {k: v for k in ("num_requests", "seed")
            if isinstance(v := predicted.get(k), int) and not isinstance(v, bool)
            and (1 if k == "num_requests" else 0) <= v < 2**64}  # else the defaults, as for a policy
-    if args.requests is None:
-        args.requests = plan_requests(own["num_requests"], args.plan) if "num_requests" in own else DEFAULT_REQUESTS
+    if args.requests is None and "num_requests" in own:
+        args.requests = plan_requests(own["num_requests"], args.plan)
     args.seed = own.get("seed", 0) if args.seed is None else args.seed
-    if args.requests < 1:
-        raise UserError(f"--requests must be >= 1, got {args.requests}")
     separate_files([("-o", args.output), ("--trace", args.trace)],
                    [("--plan", file_or_none(args.plan)), ("--policy", file_or_none(args.policy)),
                     ("--profile", file_or_none(args.profile)),
@@ -158,6 +157,8 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         raise UserError("give --workload (S, T, G, C1, C2, fixed:PROMPT:OUTPUT, or a file of requests)")
     workload = with_samples(workload, args.samples, args.prefix_tokens, args.prefix_groups, args.prefix_share)
+    if args.requests is None:  # the job a workload file held, as `plan` prices it
+        args.requests = workload.file_requests or DEFAULT_REQUESTS
     if ESTIMATE_NOTE in workload.source:
         notes.append(f"note: {workload.source}")
     if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:
