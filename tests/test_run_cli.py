@@ -1492,6 +1492,31 @@ def test_a_refused_run_says_only_why(tiny_dir, tmp_path, capsys):
     assert len(err) == 1 and "positions; shorten the prompts or max_new_tokens" in err[0], err
 
 
+def test_the_busy_machine_note_advises_one_thread_only_to_a_run_on_more(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Other processes' load is said after a run; the advice to profile with --threads 1 was given
+    to runs that already computed on 1 thread (review)."""
+    import torch
+
+    import xprofiler.measure as measure
+    from xsimulator.policy import Policy
+
+    monkeypatch.setattr(measure.LoadMeter, "others_cores", lambda self: 1.5)
+    plan = tiny_plan(tiny_dir, tmp_path / "plan.json", Policy(gbs=2, nb=1))
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7], "max_new_tokens": 2}])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            capsys.readouterr()
+            assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out",
+                         str(tmp_path / f"o{threads}.jsonl"), "--adapt", "none"]) == 0
+            err = capsys.readouterr().err
+            assert f"beside its {threads} compute thread(s): the measured times include that" in err, err
+            assert ("profile with --threads 1" in err) == (threads > 1), err
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_calibration_text_puts_the_jobs_own_text_first(tiny_dir, tmp_path, monkeypatch, capsys):
     """--calibration-text prompts calibrates on the job's tokenized prompts (every one) and a FILE
     on its text, both before the docstrings; a file that cannot be read stops the run before any

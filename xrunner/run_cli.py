@@ -517,10 +517,11 @@ def _run(args: argparse.Namespace) -> int:
         for r in stats.reconfigurations))
     notes, outputs = [], []
     if others > BUSY_WARN_CORES:  # (the profiler's threshold for a noisy measurement)
+        threads = torch.get_num_threads()
         notes.append(f"other processes kept {others:.2f} of {os.cpu_count()} cores busy during the run, beside its "
-                     f"{torch.get_num_threads()} compute thread(s): the measured times include that (a walkthrough "
-                     "on 2 busy cores with 2 threads ran 17x slower than planned); on a shared machine profile "
-                     "with --threads 1, which the run then uses")
+                     f"{threads} compute thread(s): the measured times include that"
+                     + ("" if threads == 1 else " (a walkthrough on 2 busy cores with 2 threads ran 17x slower than "
+                        "planned); on a shared machine profile with --threads 1, which the run then uses"))
     if args.trace:
         from xsimulator.trace import chrome_trace_text
 
