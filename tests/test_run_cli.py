@@ -1494,7 +1494,8 @@ def test_a_refused_run_says_only_why(tiny_dir, tmp_path, capsys):
 
 def test_the_busy_machine_note_advises_one_thread_only_to_a_run_on_more(tiny_dir, tmp_path, monkeypatch, capsys):
     """Other processes' load is said after a run; the advice to profile with --threads 1 was given
-    to runs that already computed on 1 thread (review)."""
+    to runs that already computed on 1 thread, and a finished job's resume warned about threads it
+    would not use (review)."""
     import torch
 
     import xprofiler.measure as measure
@@ -1513,6 +1514,16 @@ def test_the_busy_machine_note_advises_one_thread_only_to_a_run_on_more(tiny_dir
             err = capsys.readouterr().err
             assert f"beside its {threads} compute thread(s): the measured times include that" in err, err
             assert ("profile with --threads 1" in err) == (threads > 1), err
+        # A finished job says only that: no word on the threads it would have computed with.
+        from dataclasses import replace
+
+        from xscheduler.plan import Plan
+
+        replace(Plan.load(plan), profile_threads=1).save(plan)
+        assert main(["run", "--plan", str(plan), "--model", str(tiny_dir), "--prompts", str(prompts), "--out",
+                     str(tmp_path / "o2.jsonl"), "--resume"]) == 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "nothing to run" in err[0] and torch.get_num_threads() == 2, err
     finally:
         torch.set_num_threads(before)
 

@@ -326,7 +326,6 @@ def _run(args: argparse.Namespace) -> int:
     profile, no_profile = _plan_profile(plan, args.profile)
     if no_profile is not None and args.profile is not None:
         raise no_profile  # a --profile given but unusable: say so now, not as a warning after the job
-    match_profile_threads(profile, plan)
     records = read_prompts(args.prompts)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -362,6 +361,7 @@ def _run(args: argparse.Namespace) -> int:
                       + (f" ({' and '.join(unwritten)} not written: no run to measure)" if unwritten else ""),
                       file=sys.stderr)
             return 0
+        match_profile_threads(profile, plan)  # (said only for a job that runs)
         warn_if_plan_from_other_machine(plan, args.offload_dir)
         # A job smaller than the plan's block runs as the block would (its other slots stay empty)
         # in buffers for its own rows: a plan priced for 2000 requests no longer refuses 40 for memory.
