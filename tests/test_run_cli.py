@@ -985,7 +985,7 @@ def test_a_run_beside_busy_cores_says_so(tmp_path, capsys, monkeypatch):
         monkeypatch.setattr(measure.LoadMeter, "others_cores", lambda self, b=busy: b)
         assert main([*flags, "--out", str(tmp_path / f"o{busy}.jsonl")]) == 0
         err = capsys.readouterr().err
-        assert ("other processes kept 1.30 of" in err and "--threads 1" in err) == said, err
+        assert ("other processes kept 1.30 of" in err) == said, err  # (its advice: the busy-machine test below)
 
 
 def test_a_job_whose_prompts_share_a_prefix_warns_a_plan_priced_without_it(tmp_path):
