@@ -79,8 +79,12 @@ def calibration_ids(tokenizer: Any, sequences: int = CALIBRATION_SEQUENCES, leng
     ``pydoc_data.topics`` apart from the scored windows took 4-bit weights from +4.7% to +3.4-3.7%
     perplexity on them (docs/BENCHMARKS.md, stop 64)."""
     need = sequences * length
-    order = np.random.default_rng(0).permutation(len(first)) if len(first) else []
-    ids = [t for i in order for t in first[i]][:need]
+    ids: list[int] = []
+    for i in np.random.default_rng(0).permutation(len(first)):
+        if len(ids) >= need:  # (a job of 10^6 prompts copies only what the pass reads)
+            break
+        ids.extend(first[i])
+    del ids[need:]
     if len(ids) < need:
         ids += tokenizer(calibration_text(), add_special_tokens=False)["input_ids"][:need - len(ids)]
     if len(ids) < need:
