@@ -174,6 +174,9 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
         (["profile"], "-o profile.json"),
         (["profile", "--offload-dir", "", "-o", str(tmp_path / "p.json")], "--offload-dir: is empty"),
         (["profile", "show", str(tmp_path / "missing.json")], "neither a profile file nor a preset"),
+        # a unit left off: 1 byte of RAM is no budget, and the profile would plan nothing into it
+        (["profile", "--cpu-mem", "16", "-o", str(tmp_path / "p.json")], "give a unit, e.g. --cpu-mem 16GiB"),
+        (["profile", "--gpu-mem", "0.5MiB", "-o", str(tmp_path / "p.json")], "give at least 1MiB"),
     ]
     (tmp_path / "bad.json").write_text("{not json")
     cases.append((["profile", "show", str(tmp_path / "bad.json")], "not valid JSON"))

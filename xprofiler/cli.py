@@ -94,8 +94,7 @@ def _profile(args: argparse.Namespace) -> int:
     opts = ProfileOptions(
         output=args.output, offload_dir=Path(args.offload_dir) if args.offload_dir else None,
         models=tuple(args.model), quick=args.quick, dtype=args.dtype, name=args.name,
-        gpu_mem_bytes=parse_bytes(args.gpu_mem) if args.gpu_mem else None,
-        cpu_mem_bytes=parse_bytes(args.cpu_mem) if args.cpu_mem else None,
+        gpu_mem_bytes=_tier_budget(args.gpu_mem, "--gpu-mem"), cpu_mem_bytes=_tier_budget(args.cpu_mem, "--cpu-mem"),
         disk_test_bytes=parse_bytes(args.disk_test_bytes) if args.disk_test_bytes else None,
         progress=not args.quiet, settings=settings, threads=args.threads)
     profile, json_path, csv_path = profile_machine(opts)
@@ -105,6 +104,21 @@ def _profile(args: argparse.Namespace) -> int:
         print(summary(profile))
         print(f"wrote {json_path} and {csv_path}")
     return 0
+
+
+def _tier_budget(text: str | None, flag: str) -> int | None:
+    """A tier's budget in bytes; one below 1 MiB is a unit left off (`--cpu-mem 16` meant 16GiB), not a plan."""
+    from xprofiler.measure import parse_bytes
+    from xsched.errors import UserError
+
+    if not text:
+        return None
+    value = parse_bytes(text)
+    if value < 2**20:
+        bare = text.strip().replace(".", "", 1).isdigit()
+        raise UserError(f"{flag} {text} is {value} byte(s), too small for any layer; "
+                        + (f"give a unit, e.g. {flag} {text.strip()}GiB" if bare else "give at least 1MiB"))
+    return value
 
 
 def _show(args: argparse.Namespace) -> int:
