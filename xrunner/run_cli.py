@@ -106,7 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "faster and need less memory, and fit the codes less well); a 4-bit KV cache with plain "
                         "weights records its centers on the first 16 of them")
     add_sampling_args(p)
-    p.add_argument("--json", action="store_true", help="print the RunResult as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the RunResult as JSON (nothing when --resume finds the job finished: no run to measure)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
     p.set_defaults(handler=_run)
 
