@@ -1341,6 +1341,36 @@ def test_a_ctrl_c_during_a_run_is_raised_between_items_not_inside_a_queue(tiny_d
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_ctrl_c_while_the_weights_load_lands_between_layers_and_removes_the_offload_files(
+        tiny_dir, tmp_path, python_sigint):
+    """A layer of random weights fills in a thread pool, whose submit a Ctrl-C could leave with a
+    lock held, as in a run (the test above). Loading records it and raises it before the next
+    layer; the half-built engine then closes and its offload files go."""
+    import os
+
+    from xrunner.engine import Engine
+    from xrunner.loaders import open_model
+    from xsimulator.policy import Policy
+
+    source = open_model(tiny_dir, dtype="float32")
+    real, loaded = source.load_layer, []
+
+    def load_layer(i):
+        if i == 0:
+            os.kill(os.getpid(), signal.SIGINT)  # pressed while layer 0 is read
+        weights = real(i)
+        loaded.append(i)
+        return weights
+
+    source.load_layer = load_layer
+    on_disk = Policy(gbs=2, nb=1, wg=0.0, wc=0.0, wd=1.0, cg=0.0, cc=0.0, cd=1.0)
+    with pytest.raises(KeyboardInterrupt):
+        Engine(source, on_disk, max_prompt=8, max_output=4, offload_dir=tmp_path)
+    assert loaded == [0]  # layer 0 finished reading; layer 1 never started
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_second_ctrl_c_during_cleanup_still_removes_the_offload_files(tiny_dir, tmp_path, python_sigint):
     """Ctrl-C pressed twice (or SIGTERM then Ctrl-C) within ~50 ms interrupted the first one's
     cleanup and left the offload files behind (review): the cleanup now finishes, then the

@@ -282,10 +282,10 @@ class _SignalGate:
     the gate closes. Raised wherever they landed, the exception could fall between a Python-level
     lock's acquire and its ``with`` block (``threading.Condition`` in the I/O pools' ``submit``):
     the lock stayed held and the cleanup's next ``submit`` waited on it for ever (a Ctrl-C test hung
-    in 1 of 8 local runs and in a CI run, stop 64; 0 of 12 with the gate). Setup (loading, the
-    calibration pass) is not gated. Closing the engine holds them too: a second Ctrl-C during the
-    first one's cleanup left the offload files behind (review). Only the main thread can change
-    handlers, and only Python's can be put back; elsewhere the gate does nothing."""
+    in 1 of 8 local runs and in a CI run, stop 64; 0 of 12 with the gate). Loading the weights
+    (with the calibration pass) checks between layers. Closing the engine holds them too: a second
+    Ctrl-C during the first one's cleanup left the offload files behind (review). Only the main
+    thread can change handlers, and only Python's can be put back; elsewhere the gate does nothing."""
 
     HELD = (signal.SIGINT, signal.SIGTERM)
 
@@ -699,9 +699,12 @@ class Engine:
                                 self.layout.quantize_tensor, self.layout.dequantize_tensor) if scratch else None
         nread = 0
         what = "" if calib is None else " (GPTQ)" if self.layout.compress else " (KV centers)"
-        with self.ledger.transient("gpu", "calibration", scratch):
+        # Ctrl-C between layers, not inside one: a layer of random weights fills in a thread pool,
+        # whose submit a signal could leave with a lock held (see _SignalGate).
+        with self.ledger.transient("gpu", "calibration", scratch), _SignalGate() as gate:
             for i in tqdm(range(self.spec.num_layers), desc=f"loading {self.spec.name}{what}", unit="layer",
                           file=sys.stderr, disable=not progress, leave=False):
+                gate.check()
                 nread += self._load_layer(i, calib)
         self._adopt_centers(calib, compress_cache)  # no pass: any centers kept were of other weights
         return nread
