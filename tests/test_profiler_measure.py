@@ -178,6 +178,11 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
         (["profile", "--cpu-mem", "16", "-o", str(tmp_path / "p.json")], "give a unit, e.g. --cpu-mem 16GiB"),
         (["profile", "--gpu-mem", "0.5MiB", "-o", str(tmp_path / "p.json")], "give at least 1MiB"),
     ]
+    # a gpu tier past the cpu tier's default share left a profile with 0 bytes of cpu tier
+    from xprofiler.fingerprint import available_ram_bytes
+
+    cases.append((["profile", "--gpu-mem", str(int(0.85 * available_ram_bytes())), "-o", str(tmp_path / "p.json")],
+                  "leaves no cpu tier"))
     (tmp_path / "bad.json").write_text("{not json")
     cases.append((["profile", "show", str(tmp_path / "bad.json")], "not valid JSON"))
     for args, message in cases:

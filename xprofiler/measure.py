@@ -475,6 +475,9 @@ def _capacities(opts: ProfileOptions, cuda: bool, device: Any, avail: int, notes
             notes.append(f"no GPU: the gpu tier is a declared RAM budget of {gpu / GiB:.2f} GiB "
                          f"(default {CPU_HOST_GPU_FRACTION:g} of the {avail / GiB:.1f} GiB available)")
         cpu = opts.cpu_mem_bytes or max(host - gpu, 0)
+        if cpu < 2**20:  # the default, left nothing: every plan would be refused for the cpu tier
+            raise UserError(f"--gpu-mem {gpu / GiB:.2f} GiB leaves no cpu tier of the default "
+                            f"{HOST_RAM_FRACTION:g} x {avail / GiB:.2f} GiB available; lower --gpu-mem or pass --cpu-mem")
         if gpu + cpu > avail:
             raise UserError(f"gpu tier {gpu / GiB:.2f} GiB + cpu tier {cpu / GiB:.2f} GiB exceed the "
                             f"{avail / GiB:.2f} GiB of RAM available; lower --gpu-mem or --cpu-mem")
