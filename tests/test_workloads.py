@@ -295,6 +295,24 @@ def test_fit_falls_back_to_empirical_for_many_samples_of_an_odd_shape():
         fit_lengths([])
 
 
+def test_a_fit_the_ks_test_rejects_is_not_chosen_and_fits_start_at_the_shortest_length_seen():
+    """BIC chose a skew-normal with KS p = 3e-6 for 200 + exponential lengths (a walkthrough):
+    its p99 fell 15% short. And a family spread from length 1 put mass below every prompt."""
+    rng = np.random.default_rng(3)
+    skewed = 200 + np.round(rng.exponential(30, 300)).astype(int)
+    report = fit_lengths(skewed)
+    chosen = next(c for c in report.candidates if c.distribution == report.best)
+    assert chosen.ks_pvalue >= 0.01 and report.best.min_len >= 200
+    assert report.best.percentile(0.99) == pytest.approx(np.percentile(skewed, 99), rel=0.05)
+    two_peaks = fit_lengths(np.concatenate([np.full(300, 20), np.full(300, 400), np.arange(1, 500)]))
+    assert two_peaks.best.family == "empirical" and "rejected (KS p < 0.01)" in two_peaks.describe()
+    # a normal cut at 200 tokens (every prompt behind a 200-token template) is fitted as one, from 200
+    cut = LengthDistribution.truncnorm(230, 60, 600, min_len=200).sample(2000, seed=5)
+    report = fit_lengths(cut)
+    assert report.best.family == "truncnorm" and report.best.min_len == 200
+    assert report.best.mean == pytest.approx(cut.mean(), rel=0.01)
+
+
 def _stream_alarms(workload, shift, seed, block=64, blocks=12, alpha=0.05):
     """First request count at which the monitor fires on a stream (None if never)."""
     rng = np.random.default_rng(seed)
