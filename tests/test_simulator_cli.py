@@ -174,6 +174,26 @@ def test_a_workload_past_the_models_context_is_noted(profile_path):
     assert out.returncode == 0 and "positions" not in out.stderr, out.stderr
 
 
+def test_plan_refuses_a_workload_every_request_of_which_run_would_refuse_and_warns_of_odd_ones(profile_path, tmp_path):
+    """A walkthrough planned fixed:2049:8 for opt-125m (2048 positions) with a note, priced a
+    250-token shared prefix on prompts of median 128 without a word, and simulated a policy 331
+    GiB over the gpu tier with exit 0 and no warning."""
+    plan = tmp_path / "p.json"
+    out = run("plan", "--profile", profile_path, "--model", "opt-125m", "--workload", "fixed:2049:8", "-o", str(plan))
+    assert out.returncode == 2 and "every request of workload fixed:2049:8 is beyond" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not plan.exists()
+    out = run("plan", "--profile", profile_path, "--model", "opt-125m", "--workload", "T", "--requests", "64",
+              "--prefix-tokens", "250", "--latency", "600", "--quiet")
+    assert out.returncode == 0 and "warning: " in out.stderr and "no longer than the 250-token prefix" in out.stderr
+    out = run("plan", "--profile", profile_path, "--model", "opt-125m", "--workload", "T", "--requests", "64",
+              "--prefix-tokens", "20", "--latency", "600", "--quiet")  # a preset's short tail (8% of T) is no job's
+    assert out.returncode == 0 and "warning" not in out.stderr, out.stderr
+    out = run("simulate", "--profile", profile_path, "--model", "opt-175b", "--workload", "T", "--requests", "8",
+              "--policy", '{"gbs": 8, "nb": 1}')
+    assert out.returncode == 0 and "DOES NOT FIT" in out.stdout, out.stdout
+    assert "warning: the policy does not fit" in out.stderr and "over gpu by" in out.stderr, out.stderr
+
+
 def test_trace_writer_round_trip_and_markers(tmp_path):
     events = [TraceEvent("compute", "layers", 0.0, 0.5, {"block": 0}), TraceEvent("ctog", "ctog", 0.1, 0.2)]
     path = write_chrome_trace(tmp_path / "t.json", events, [TraceMarker("replan", 0.4, {"reason": "drift"})])

@@ -46,8 +46,11 @@ MAX_PREFIX_GROUPS = 2**20
 # Without a tokenizer, prompt text is sized with the common rule of thumb for BPE tokenizers on
 # English text: about 4 UTF-8 bytes per token. The workload's ``source`` says so when it is used.
 BYTES_PER_TOKEN_ESTIMATE = 4
-ESTIMATE_NOTE = (f"prompt lengths estimated at {BYTES_PER_TOKEN_ESTIMATE} bytes/token (no tokenizer; "
-                 "`xsched workload fit FILE --tokenizer [MODEL]` counts them as `xsched run` will)")
+ESTIMATE_NOTE = (f"prompt lengths estimated at {BYTES_PER_TOKEN_ESTIMATE} bytes/token, without a chat template's "
+                 "tokens (no tokenizer; `xsched workload fit FILE --tokenizer [MODEL]` counts them as `xsched run` will)")
+# Alike prefixes no shorter than this fraction of the prompts describe no real job (Workload.prefix_note).
+# Not less: a preset's short tail is not a job's either (8% of T's prompts have 20 tokens or fewer).
+SHORT_PROMPTS_NOTED = 0.1
 
 
 def _shown(value: Any) -> str:
@@ -311,6 +314,24 @@ class Workload(Contract):
         then for requests that `xsched run` refuses), else None."""
         return context_note("the workload's", self.prompt.max_len + self.output.max_len, model, max_positions,
                             " (scale the workload, e.g. NAME@0.5)")
+
+    def caveats(self, model: str, max_positions: int) -> list[str]:
+        """What a plan or simulation of this workload on ``model`` should be warned of."""
+        return [n for n in (self.context_note(model, max_positions), self.prefix_note()) if n is not None]
+
+    def prefix_note(self) -> str | None:
+        """A line when alike prefixes (``--prefix-tokens``) are no shorter than many prompts, else
+        None. Such a prompt would be all prefix, which no job's is; the cost model prices it as
+        sharing all but its last token, so the plan counts more sharing than the job can have (a
+        250-token prefix on T, median prompt 128, priced 9% faster than none)."""
+        if not self.prefix_tokens or self.prefix_lengths:
+            return None
+        short = float(self.prompt.cdf(self.prefix_tokens))
+        if short < SHORT_PROMPTS_NOTED:
+            return None
+        return (f"{short:.0%} of workload {self.name}'s prompts are no longer than the {self.prefix_tokens}-token prefix "
+                f"they share (median prompt {self.prompt.percentile(0.5)} tokens); each is priced as all prefix but "
+                "its last token: give the shared part's length as the prompts count it")
 
     def describe(self) -> str:
         lines = [f"workload {self.name}" + (f" ({self.source})" if self.source else "")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 
 from xprofiler.profile import MAX_AUTO_MARGIN
 from xsched.cli import (PREFIX_GROUPS_HELP, PREFIX_HELP, PREFIX_SHARE_HELP, SAMPLES_HELP, groups_arg, plan_requests,
@@ -171,8 +172,13 @@ def _plan(args: argparse.Namespace) -> int:
                            "(--requests N for a job of another size)")
     if ESTIMATE_NOTE in workload.source:
         assumed.append(f"workload {workload.source}")
-    if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:
-        assumed.append(beyond)
+    shortest = workload.prompt.min_len + workload.output.min_len
+    if shortest > spec.max_positions:
+        raise UserError(f"every request of workload {workload.name} is beyond {spec.name}'s {spec.max_positions} "
+                        f"positions (the shortest prompt + output is {shortest} tokens), and `xsched run` refuses "
+                        "them: scale the workload (NAME@0.5) or plan a model with a longer context")
+    for caveat in workload.caveats(spec.name, spec.max_positions):
+        warnings.warn(caveat, UserWarning, stacklevel=1)
     if (unfitted := profile.unfitted_note(spec)) is not None:
         assumed.append(unfitted)
     try:

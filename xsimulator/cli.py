@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -161,8 +162,8 @@ def _simulate(args: argparse.Namespace) -> int:
         args.requests = workload.file_requests or DEFAULT_REQUESTS
     if ESTIMATE_NOTE in workload.source:
         notes.append(f"note: {workload.source}")
-    if (beyond := workload.context_note(spec.name, spec.max_positions)) is not None:
-        notes.append(f"note: {beyond}")
+    for caveat in workload.caveats(spec.name, spec.max_positions):
+        warnings.warn(caveat, UserWarning, stacklevel=1)
 
     profile = load_profile(_profile_arg(args.profile, plan, args.plan, notes))
     planned_on = plan.get("profile_name")
@@ -193,6 +194,11 @@ def _simulate(args: argparse.Namespace) -> int:
                     "policy": policy.to_dict(), "workload": workload.name, "profile": profile.name,
                     "source": "simulated"}).encode()))
             notes.append(f"wrote {len(events)} trace events to {args.trace}")
+    if not result.fits:  # still priced (what-if), but a script must be able to tell
+        short = ", ".join(f"{t} by {(result.peak_bytes[t] - result.capacity_bytes[t]) / 2**30:,.2f} GiB"
+                          for t in ("gpu", "cpu", "disk") if result.peak_bytes[t] > result.capacity_bytes[t])
+        warnings.warn(f"the policy does not fit {profile.name}'s memory (over {short}); `xsched run` refuses it: "
+                      "`xsched plan` finds one that fits", UserWarning, stacklevel=1)
     if args.output:
         outputs.append((args.output, result.file_bytes()))
     atomic_write_all(outputs)  # all or none: a full disk on the second leaves the first as it was
