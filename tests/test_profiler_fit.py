@@ -208,6 +208,40 @@ def test_flexgen_t4_preset_matches_the_paper():
     assert (rtx.gpu_bytes, rtx.cpu_bytes, rtx.disk_bytes) == (24 * 10**9, 125 * 2**30, 10**12)  # Table 12
 
 
+def test_fits_measured_for_a_file_price_the_registry_model_of_its_shape():
+    """A profile measured with `--model SmolLM2...gguf` holds fits under the file's name; a plan
+    for `--model smollm2-135m`, the same layers, priced them from the flop rates (a walkthrough:
+    131 against 99 tokens/s on T). Fits now follow ModelSpec.cost_key, not the name alone."""
+    from pathlib import Path
+
+    from workloads import get_workload
+    from xsimulator.analytic import simulate_analytic
+    from xsimulator.policy import Policy
+
+    prof = HardwareProfile.load(Path(__file__).parent / "data" / "perturbed_cpu_profile.json")
+    spec = prof.model_for(get_model_spec("smollm2-135m"))
+    gguf = "SmolLM2-135M-Instruct.Q4_1"
+
+    def renamed(fits):
+        return tuple(dataclasses.replace(f, model=gguf) if f.model == spec.name else f for f in fits)
+
+    by_file = dataclasses.replace(prof, layer_fits=renamed(prof.layer_fits), head_fits=renamed(prof.head_fits),
+                                  warm_fits=renamed(prof.warm_fits))
+    keyed = dataclasses.replace(by_file, fit_keys={gguf: dataclasses.replace(spec, name=gguf, norm_eps=1e-6).cost_key()})
+    assert HardwareProfile.from_json(keyed.to_json()) == keyed
+    policy, work = Policy(gbs=8, nb=2, wg=1.0, wc=0.0, wd=0.0, cg=1.0, cc=0.0, cd=0.0), get_workload("T@0.5")
+
+    def throughput(p):
+        return simulate_analytic(spec, p, policy, work, 64).throughput_tokens_per_s
+
+    assert keyed.fit_name(spec) == gguf and keyed.unfitted_note(spec) is None
+    assert throughput(keyed) == throughput(prof)
+    assert by_file.fit_name(spec) == spec.name and by_file.unfitted_note(spec) is not None  # an old profile
+    assert throughput(by_file) != throughput(prof)
+    other = prof.model_for(get_model_spec("opt-125m"))  # another shape keeps its own (missing) fits
+    assert keyed.fit_name(other) == other.name
+
+
 def test_parts_split_attention_and_keep_the_correction():
     fit = fit_layer(SPEC, "decode", DB, DN, decode_truth(DB, DN) * np.where(DB > 4, 1.2, 1.0), model="m",
                     dtype="float32")

@@ -332,7 +332,7 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
         else 0.0,
         cpu_attend_bytes_per_s=r.rate("cpu_attend", unit="bytes"),
         mem_bytes_per_s=r.rate("mem", unit="bytes"), cpu_mem_bytes_per_s=cpu_mem, layer_fits=tuple(fits),
-        head_fits=tuple(heads), warm_fits=tuple(warms),
+        head_fits=tuple(heads), warm_fits=tuple(warms), fit_keys={s.name: s.cost_key() for s in specs},
         **row_costs(r.rows, st.stat),
         compute_dtype=dtype, compute_threads=torch.get_num_threads(), disk_io=disk_method,  # type: ignore[arg-type]
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

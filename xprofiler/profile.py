@@ -436,6 +436,9 @@ class HardwareProfile(Contract):
     # Per model, what a decode layer step saves when the layer's weights are in the CPU's cache
     # (``WarmFit``; measured on CPU compute devices only, none: nothing saved).
     warm_fits: tuple[WarmFit, ...] = ()
+    # ModelSpec.cost_key of each model the fits above were measured for: a spec of another name
+    # and the same key uses them (fit_name). Empty in profiles made before stop 65.
+    fit_keys: dict[str, str] = field(default_factory=dict)
     created: str = ""  # ISO time of the measurement
     wall_s: float = 0.0  # how long the profiling took
 
@@ -483,12 +486,23 @@ class HardwareProfile(Contract):
                 return fit
         return None
 
+    def fit_name(self, spec: "ModelSpec") -> str:
+        """The model name this profile's fits for ``spec`` are under: its own where it has any,
+        else one measured for the same shape (``xsched profile --model FILE.gguf``, then a plan
+        for the registry's name of it had priced from the flop rates)."""
+        names = {f.model for fits in (self.layer_fits, self.head_fits, self.warm_fits) for f in fits}
+        if spec.name in names or not self.fit_keys:
+            return spec.name
+        key = spec.cost_key()
+        return next((n for n, k in sorted(self.fit_keys.items()) if k == key and n in names), spec.name)
+
     def unfitted_note(self, spec: "ModelSpec") -> str | None:
         """What a plan on this measured profile assumes when it has no layer fits for ``spec``
         (None where it has them, or for a preset, which never has any): its layers are then priced
         from the GEMM rates and memory roofs, and calibration factors fitted to another model's
         runs scale those (3x off for SmolLM2 under an opt-125m calibration)."""
-        if self.source != "measured" or all(self.layer_fit(spec.name, phase, spec.dtype) for phase in ("prefill", "decode")):
+        if self.source != "measured" or all(self.layer_fit(self.fit_name(spec), phase, spec.dtype)
+                                            for phase in ("prefill", "decode")):
             return None
         have = sorted({f"{f.model} ({f.dtype})" for f in self.layer_fits}) or ["none"]
         return (f"profile {self.name!r} has no layer fits for {spec.name} ({spec.dtype}; it has: {', '.join(have)}), so "

@@ -9,11 +9,12 @@ they count every parameter exactly instead of FlexGen's approximation.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -25,6 +26,9 @@ Family = Literal["opt", "llama"]
 DType = Literal["float16", "bfloat16", "float32"]
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+# ModelSpec fields that change no step's cost (ModelSpec.cost_key).
+COST_FREE_FIELDS = ("name", "dtype", "norm_eps", "rope_theta", "local_rope_theta", "max_positions", "eos_token_id")
 
 
 # Query chunk of a windowed layer's banded prefill attention: at least this many queries per call,
@@ -405,6 +409,14 @@ class ModelSpec(Contract):
         return 2 * self.vocab_size * self.hidden
 
     # ----------------------------------------------------------------- helpers
+    def cost_key(self) -> str:
+        """A digest of the fields that price this model's steps: a profile's fits for one spec
+        serve another with the same key (a GGUF file and the registry entry of its shape),
+        whatever their names. Values that change no step's work (names, epsilons, rope bases,
+        the position limit, token ids, the dtype, fitted per dtype) are left out."""
+        shape = {k: v for k, v in asdict(self).items() if k not in COST_FREE_FIELDS}
+        return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
     def with_dtype(self, dtype: str) -> "ModelSpec":
         if dtype not in DTYPE_BYTES:
             raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")

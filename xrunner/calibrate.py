@@ -562,7 +562,7 @@ def check_profile_for(profile: HardwareProfile, spec: ModelSpec, model_arg: str,
     if profile.source != "measured":
         raise UserError(f"{profile_arg} is a preset; calibration fits a profile measured on this machine: {hint}")
     for phase in ("prefill", "decode"):
-        if profile.layer_fit(spec.name, phase, profile.compute_dtype or spec.dtype) is None:
+        if profile.layer_fit(profile.fit_name(spec), phase, profile.compute_dtype or spec.dtype) is None:
             have = sorted({f.model for f in profile.layer_fits}) or ["none"]
             raise UserError(f"{profile_arg} has no {phase} layer fit for {spec.name} (it has: {', '.join(have)}); "
                             f"{hint}")

@@ -382,7 +382,7 @@ class Evaluator:
     def monotone_slack(self) -> float:
         """:data:`MEASURED_MONOTONE_SLACK` where the profile has measured layer fits for the
         model, else 1."""
-        measured = self.profile.layer_fit(self.spec.name, "decode", self.spec.dtype) is not None
+        measured = self.profile.layer_fit(self.profile.fit_name(self.spec), "decode", self.spec.dtype) is not None
         return MEASURED_MONOTONE_SLACK if measured else 1.0
 
     def miss_carries(self, v: Variant, small: tuple[int, int], large: tuple[int, int], over: float) -> bool:

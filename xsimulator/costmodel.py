@@ -630,10 +630,15 @@ class CostModel:
         return 1.0 if self.compress_weight else (self.nb - 1) / self.nb
 
     @cached_property
+    def _fit_name(self) -> str:
+        """The name of the profile's fits for this model (another of its shape's; looked up once)."""
+        return self.profile.fit_name(self.spec)
+
+    @cached_property
     def _warm_fit(self) -> Any:
         """The profile's ``WarmFit`` for this model where some batches read warm, else None
         (looked up once: ``batch_terms`` runs for every step the simulator prices)."""
-        return self.profile.warm_fit(self.spec.name, self.spec.dtype) if self.warm_share else None
+        return self.profile.warm_fit(self._fit_name, self.spec.dtype) if self.warm_share else None
 
     def factor(self, term: str) -> float:
         return self.profile.calibration_factor(term)
@@ -694,7 +699,7 @@ class CostModel:
 
     def _compute_parts(self, phase: str, rows: Any, length: Any) -> tuple[Any, Any]:
         """(non-attention seconds, attention seconds) of one layer on the compute device."""
-        fit = self.profile.layer_fit(self.spec.name, phase, self.spec.dtype)
+        fit = self.profile.layer_fit(self._fit_name, phase, self.spec.dtype)
         if fit is not None:
             return fit.parts_s(self.spec, rows, length)
         spec = self.spec
@@ -1056,7 +1061,7 @@ class CostModel:
         tokens = rows * length if phase == "prefill" else rows
         head_flops = rows * spec.lm_head_flops_per_token()
         head_bytes = spec.vocab_size * spec.hidden * self.dtype_bytes
-        head_fit = prof.head_fit(spec.name, spec.dtype)
+        head_fit = prof.head_fit(self._fit_name, spec.dtype)
         if head_fit is not None:
             # Measured on this machine at each power of two of rows, in the layout the runner keeps.
             head_factored, head_own = head_fit.predict_s(rows), 0.0
@@ -1082,7 +1087,7 @@ class CostModel:
                 head_factored, head_own = float(head_factored), float(head_own)
         else:
             head_factored, head_own = _op_seconds(prof, "mm", head_flops, head_bytes), 0.0
-        fit = self.profile.layer_fit(spec.name, phase, spec.dtype)
+        fit = self.profile.layer_fit(self._fit_name, phase, spec.dtype)
         if fit is not None and "tokens" in fit.features:
             embed = fit.coef[fit.features.index("tokens")] * tokens
         else:
