@@ -111,6 +111,8 @@ def test_prompt_file_errors_name_the_line(tmp_path):
         ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions"}\n',  # (said: "id" must be a string)
          ':1: an OpenAI batch line (it has "custom_id") needs a "body"'),
         ('{"id": 1.5, "prompt": "x"}\n', '"id" must be a string or an integer'),
+        # a file `workload fit` read: said "must be a string or an integer, got None", as if given wrong
+        ('{"prompt": "x"}\n', ':1: no "id"; give each request a unique "id"'),
         ('\n\n', "no prompts"),
     ]
     for i, (text, message) in enumerate(cases):

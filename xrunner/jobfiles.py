@@ -119,6 +119,9 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
             if k not in near and (like := difflib.get_close_matches(str(k), sorted(PROMPT_KEYS), n=1, cutoff=0.8)):
                 near[k] = (lineno, like[0])
         rid = obj.get("id")
+        if "id" not in obj:  # `workload fit` and `plan` read such files; a run must tell its requests apart
+            raise UserError(f"{where}: no \"id\"; give each request a unique \"id\" (a string or an integer), "
+                            "by which the results and --resume tell them apart")
         if isinstance(rid, bool) or not isinstance(rid, (str, int)):
             raise UserError(f"{where}: \"id\" must be a string or an integer, got {rid!r}")
         for name, value in (("id", rid), ("prompt", obj.get("prompt"))):
