@@ -65,6 +65,7 @@ def test_tiny_profile_measures_every_field(tmp_path):
     assert 1e8 < prof.mem_bytes_per_s and prof.cpu_mem_bytes_per_s == prof.mem_bytes_per_s
     assert prof.fingerprint.cpu_cores >= 1 and prof.fingerprint.offload_fs
     assert {(f.model, f.phase) for f in prof.layer_fits} == {("tiny-llama", "prefill"), ("tiny-llama", "decode")}
+    assert prof.fit_keys == {"tiny-llama": TINY.cost_key()}  # so a spec of its shape under another name uses them
     for fit in prof.layer_fits:
         assert fit.n_samples == (5 if fit.phase == "prefill" else 4) and fit.samples_csv == csv_path.name
         assert fit.predict_s(TINY, 2, 32) > 0 and fit.max_rel_error >= fit.median_rel_error >= 0
@@ -214,10 +215,14 @@ def test_cli_show_list_and_mismatch_warning(tmp_path):
     assert r.stderr.startswith("xsched: warning:") and "cpu_cores" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     # calibration terms in seconds read as ms, factors as "x" (an overhead once read "x0.00109")
-    cal = dataclasses.replace(load_preset("t4"), calibration={"layer_overhead_s": 0.00109, "gpu_compute": 1.3})
+    # and a term the solver left at its bound of zero reads 0 (was "1.9e-13 ms", "x1.02e-13")
+    cal = dataclasses.replace(load_preset("t4"), calibration={"layer_overhead_s": 0.00109, "gpu_compute": 1.3,
+                                                              "block_layer_overhead_s": 1.9e-16,
+                                                              "copy_interference": 1.02e-13})
     cal.save(tmp_path / "cal.json")
     r = _xsched("profile", "show", str(tmp_path / "cal.json"))
     assert "gpu_compute x1.3" in r.stdout and "layer_overhead_s 1.09 ms" in r.stdout, r.stdout
+    assert "block_layer_overhead_s 0 ms" in r.stdout and "copy_interference x0," in r.stdout, r.stdout
 
 
 def test_ctrl_c_removes_the_test_file(tmp_path):

@@ -90,9 +90,11 @@ def summary(p: HardwareProfile) -> str:
         lines.append(f"  warm weights {f.model} ({f.dtype}), ms a decode layer saves with its weights cached, "
                      f"per rows: {cells}")
     if p.calibration:
-        # factors read "x1.2"; terms in seconds (names ending _s) read "1.09 ms"
-        lines.append("  calibration  " + ", ".join(f"{k} {v * 1e3:.3g} ms" if k.endswith("_s") else f"{k} x{v:.3g}"
-                                                   for k, v in sorted(p.calibration.items())))
+        # factors read "x1.2"; terms in seconds (names ending _s) read "1.09 ms"; what the solver left
+        # at its bound of zero reads 0, not "1.9e-13 ms"
+        lines.append("  calibration  " + ", ".join(
+            (f"{k} {_rounded(v * 1e3, 1e-6)} ms" if k.endswith("_s") else f"{k} x{_rounded(v, 1e-6)}")
+            for k, v in sorted(p.calibration.items())))
     err = p.calibration_error
     if err is not None:
         spread = "unknown" if err.repeat_rel_spread is None else f"{err.repeat_rel_spread:.1%}"
@@ -105,6 +107,10 @@ def summary(p: HardwareProfile) -> str:
         lines.append(textwrap.fill(p.notes, width=110, initial_indent="  notes        ",
                                    subsequent_indent=" " * 15))
     return "\n".join(lines)
+
+
+def _rounded(value: float, zero_below: float) -> str:
+    return "0" if abs(value) < zero_below else f"{value:.3g}"
 
 
 def _term(name: str, coef: float) -> str:
