@@ -204,6 +204,11 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seconds(value: float) -> str:
+    """Four significant figures, never in exponent form (``1.432e+04 s`` stood beside ``5,366 s``)."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
 def describe(plan) -> str:  # noqa: ANN001
     """The plan for a reader: the policy in words, the prediction, the SLA's slack, the search."""
     r, sla, s = plan.predicted, plan.sla, plan.search
@@ -217,7 +222,7 @@ def describe(plan) -> str:  # noqa: ANN001
                    "calibrate again (`xsched calibrate`) or set --margin")
     lines = [
         f"plan for {plan.model.name} ({plan.model.dtype}) on profile {plan.profile_name} ({plan.profile_source}), "
-        f"workload {plan.workload.name}, {r.num_requests} requests"
+        f"workload {plan.workload.name}, {r.num_requests:,} request" + ("s" if r.num_requests != 1 else "")
         + (f" ({plan.workload.samples} per prompt, prefilled once per GPU batch)" if plan.workload.samples > 1
            else "")
         + (f" (a shared {plan.workload.prefix_tokens}-token prefix"
@@ -227,11 +232,11 @@ def describe(plan) -> str:  # noqa: ANN001
         "policy:",
         *("  " + line for line in plan.policy.describe().splitlines()),
         f"predicted ({r.method}, seed {r.seed}): {r.throughput_tokens_per_s:,.3f} generated tokens/s "
-        f"(total {r.total_throughput_tokens_per_s:,.3f}), job wall {r.wall_s:,.0f} s",
+        f"(total {r.total_throughput_tokens_per_s:,.3f}), job wall {_seconds(r.wall_s)} s",
         f"latency: {sla.kind} {lat:,.6g} s "
         + ("(no bound)" if math.isinf(sla.latency_s) else f"against a bound of {bound}")
         + ("" if math.isinf(sla.latency_s) else f" ({plan.slack:.1%} of the bound unused)")
-        + f"; p50 {r.latency_p50_s:,.4g} s, max {r.latency_max_s:,.4g} s",
+        + f"; p50 {_seconds(r.latency_p50_s)} s, max {_seconds(r.latency_max_s)} s",
         f"planning margin: {plan.margin:.1%} ({margin}); searched against {sla.kind} <= "
         + ("unbounded" if math.isinf(sla.latency_s) else f"{plan.planning_latency_s:,.6g} s"),
         "peak memory: " + ", ".join(f"{t} {r.peak_bytes[t] / gib:,.2f} of {r.capacity_bytes[t] / gib:,.2f} GiB"
