@@ -70,6 +70,17 @@ def test_model_spec_json_round_trip(name):
     assert json.loads(spec.to_json())["schema"] == ModelSpec.SCHEMA
 
 
+def test_a_missing_model_file_is_named_as_such_and_a_typo_gets_the_registry(tmp_path):
+    """`--model /tmp/x/nothere.gguf` was an "unknown model" beside the whole registry list."""
+    from xsched.errors import UserError
+
+    for missing in (str(tmp_path / "nothere.gguf"), str(tmp_path / "nodir"), "x/nothere.gguf"):
+        with pytest.raises(UserError, match="no such file or directory"):
+            get_model_spec(missing)
+    with pytest.raises(UserError, match="unknown model 'opt-1.3bb'; known models: opt-125m"):
+        get_model_spec("opt-1.3bb")
+
+
 def test_from_hf_config_llama_and_opt(tmp_path):
     llama = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
              "num_key_value_heads": 3, "num_hidden_layers": 30, "vocab_size": 49152,

@@ -169,6 +169,9 @@ def test_from_file_jsonl_and_csv(tmp_path):
     sampled.write_text('{"prompt_tokens": 10, "max_new_tokens": 4, "n": 0}\n')
     with pytest.raises(UserError, match="request 1"):
         Workload.from_file(sampled)
+    sampled.write_text('{"prompt_tokens": 10, "max_new_tokens": 4, "n": 100000}\n')  # named "samples" before
+    with pytest.raises(UserError, match='request 1: "n" asks for 100,000 outputs of one prompt; at most 4,096'):
+        Workload.from_file(sampled)
 
 
 def test_a_lone_surrogate_in_a_prompt_is_a_one_line_error(tmp_path, capsys):
@@ -199,7 +202,8 @@ def test_a_lone_surrogate_in_a_prompt_is_a_one_line_error(tmp_path, capsys):
     ("fixed:10", "fixed:PROMPT_TOKENS:OUTPUT_TOKENS"),
     ("Q", "unknown workload preset 'Q'"),
     ("T@zero", "not a number"),
-    ("T@-1", "scale must be > 0"),
+    ("T@-1", "scale must be a finite number > 0, e.g. T@0.5"),
+    ("T@inf", "scale must be a finite number > 0"),
     ("missing.jsonl", "no such file"),
     ("S@1e6", "beyond any model's context"),  # not a gigabyte-sized pmf table
 ])

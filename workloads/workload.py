@@ -563,7 +563,10 @@ def neighbour_runs(order: Sequence[int], common: Sequence[int], tau: float) -> t
 
 def request_copies(row: dict[str, Any], where: str) -> int:
     """How many requests a row is: its ``"n"`` (``xsched run`` samples n outputs of it), else 1."""
-    return _optional_length(row, ("n",), where) or 1
+    n = _optional_length(row, ("n",), where) or 1
+    if n > MAX_SAMPLES:  # as `xsched run` says it (the workload's check named "samples", not the file's key)
+        raise UserError(f"{where}: \"n\" asks for {n:,} outputs of one prompt; at most {MAX_SAMPLES:,}")
+    return n
 
 
 def spearman_to_copula(a: Any, b: Any) -> float:
@@ -747,7 +750,7 @@ def get_workload(text: str) -> Workload:
         except ValueError:
             raise UserError(f"workload {text!r}: scale {raw!r} after '@' is not a number") from None
         if not scale > 0 or not math.isfinite(scale):
-            raise UserError(f"workload {text!r}: scale must be > 0")
+            raise UserError(f"workload {text!r}: scale must be a finite number > 0, e.g. {spec}@0.5")
     if spec.lower().startswith("fixed:"):
         parts = spec.split(":")
         if len(parts) != 3:

@@ -937,9 +937,10 @@ def get_model_spec(name: str) -> ModelSpec:
         return ModelSpec.from_gguf(p)
     if path_exists(p):
         return ModelSpec.from_hf_config(p)
-    if p.suffix == ".json" and p.name != "config.json":
-        raise UserError(f"{name}: no such file")
-    raise UserError(f"unknown model {name!r}; known models: {', '.join(registry)} (or a path to a model directory)")
+    if p.suffix in (".json", ".gguf") and p.name != "config.json" or name.startswith(("/", "./", "../", "~")):
+        raise UserError(f"{name}: no such file or directory (a model is a registry name, a directory with its "
+                        "config.json, or a .gguf file)")
+    raise UserError(f"unknown model {name!r}; known models: {', '.join(registry)} (or a model directory or .gguf file)")
 
 
 def read_gguf(path: Path) -> "gguf.GGUFReader":  # type: ignore[name-defined]  # noqa: F821
