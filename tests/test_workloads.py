@@ -275,6 +275,13 @@ def test_bad_distributions_and_files(tmp_path):
     not_workload.write_text('{"schema": "xsched.Policy/1", "gbs": 1}')
     with pytest.raises(UserError, match="schema"):
         get_workload(str(not_workload))
+    # a value the distribution's own check refuses: the error names the file and the field it read
+    bad = tmp_path / "neg.json"
+    data = get_workload("T").to_dict()
+    data["output"]["params"]["std"] = -1
+    bad.write_text(json.dumps(data))
+    with pytest.raises(UserError, match=r"neg\.json\.output: truncnorm: std must be > 0"):
+        get_workload(str(bad))
 
 
 @pytest.mark.parametrize("truth", [LengthDistribution.lognorm(120, 70, 1500),

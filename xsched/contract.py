@@ -151,6 +151,8 @@ def _build_dataclass(cls: type, data: Any, where: str) -> Any:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise UserError(f"{where}: invalid {cls.__name__}: {exc}") from None
+    except UserError as exc:  # a check of the contract's own: say which file and field it read
+        raise UserError(f"{where}: {exc}") from None
 
 
 def check_schema(data: Any, schema: str, where: str) -> None:
