@@ -178,6 +178,7 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
         # a unit left off: 1 byte of RAM is no budget, and the profile would plan nothing into it
         (["profile", "--cpu-mem", "16", "-o", str(tmp_path / "p.json")], "give a unit, e.g. --cpu-mem 16GiB"),
         (["profile", "--gpu-mem", "0.5MiB", "-o", str(tmp_path / "p.json")], "give at least 1MiB"),
+        (["profile", "--disk-test-bytes", "1", "-o", str(tmp_path / "p.json")], "give a unit, e.g. --disk-test-bytes 1GiB"),
     ]
     # a gpu tier past the cpu tier's default share left a profile with 0 bytes of cpu tier
     from xprofiler.fingerprint import available_ram_bytes

@@ -379,7 +379,7 @@ class Workload(Contract):
         lengths = read_request_lengths(p, count_tokens)
         if lengths.outputs is None and output is None:
             raise UserError(f"{p}: requests have no output length; add {' or '.join(OUTPUT_KEYS)} to each, "
-                            "or give an output distribution")
+                            f"or fit the file with `xsched workload fit {p} --max-new-tokens N -o W.json` and use W.json")
         prompt_dist = LengthDistribution.empirical(lengths.prompts)
         corr = 0.0
         if lengths.outputs is not None:

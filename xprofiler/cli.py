@@ -84,7 +84,7 @@ def _models(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from xprofiler.measure import FULL, QUICK, ProfileOptions, parse_bytes, profile_machine
+    from xprofiler.measure import FULL, QUICK, ProfileOptions, profile_machine
     from xprofiler.show import summary
     from xsched.errors import UserError
 
@@ -94,8 +94,8 @@ def _profile(args: argparse.Namespace) -> int:
     opts = ProfileOptions(
         output=args.output, offload_dir=Path(args.offload_dir) if args.offload_dir else None,
         models=tuple(args.model), quick=args.quick, dtype=args.dtype, name=args.name,
-        gpu_mem_bytes=_tier_budget(args.gpu_mem, "--gpu-mem"), cpu_mem_bytes=_tier_budget(args.cpu_mem, "--cpu-mem"),
-        disk_test_bytes=parse_bytes(args.disk_test_bytes) if args.disk_test_bytes else None,
+        gpu_mem_bytes=_at_least_1mib(args.gpu_mem, "--gpu-mem"), cpu_mem_bytes=_at_least_1mib(args.cpu_mem, "--cpu-mem"),
+        disk_test_bytes=_at_least_1mib(args.disk_test_bytes, "--disk-test-bytes"),
         progress=not args.quiet, settings=settings, threads=args.threads)
     profile, json_path, csv_path = profile_machine(opts)
     if args.json:
@@ -106,8 +106,9 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tier_budget(text: str | None, flag: str) -> int | None:
-    """A tier's budget in bytes; one below 1 MiB is a unit left off (`--cpu-mem 16` meant 16GiB), not a plan."""
+def _at_least_1mib(text: str | None, flag: str) -> int | None:
+    """A size in bytes; one below 1 MiB is a unit left off (`--cpu-mem 16` meant 16GiB): no layer
+    fits in it, and no disk read of it can be timed."""
     from xprofiler.measure import parse_bytes
     from xsched.errors import UserError
 
@@ -116,7 +117,7 @@ def _tier_budget(text: str | None, flag: str) -> int | None:
     value = parse_bytes(text)
     if value < 2**20:
         bare = text.strip().replace(".", "", 1).isdigit()
-        raise UserError(f"{flag} {text} is {value} byte(s), too small for any layer; "
+        raise UserError(f"{flag} {text} is {value} byte(s), too small to use; "
                         + (f"give a unit, e.g. {flag} {text.strip()}GiB" if bare else "give at least 1MiB"))
     return value
 

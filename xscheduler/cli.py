@@ -233,7 +233,7 @@ def describe(plan) -> str:  # noqa: ANN001
         *("  " + line for line in plan.policy.describe().splitlines()),
         f"predicted ({r.method}, seed {r.seed}): {r.throughput_tokens_per_s:,.3f} generated tokens/s "
         f"(total {r.total_throughput_tokens_per_s:,.3f}), job wall {_seconds(r.wall_s)} s",
-        f"latency: {sla.kind} {lat:,.6g} s "
+        f"latency (a request's prefill start to its last token): {sla.kind} {lat:,.6g} s "
         + ("(no bound)" if math.isinf(sla.latency_s) else f"against a bound of {bound}")
         + ("" if math.isinf(sla.latency_s) else f" ({plan.slack:.1%} of the bound unused)")
         + f"; p50 {_seconds(r.latency_p50_s)} s, max {_seconds(r.latency_max_s)} s",

@@ -123,8 +123,8 @@ class Replan(Contract):
         r = self.drift
         kind, bound = self.old_plan.sla.kind, self.old_plan.sla.latency_s
         lines = [("drift detected" if self.drifted else "no significant drift")
-                 + f" in {self.num_observed} observed requests (look {r.look}, per-test level {r.level:.3g}, "
-                   f"overall false-alarm budget of the monitor)",
+                 + f" in {self.num_observed} observed requests (look {r.look}, per-test level {r.level:.3g}: "
+                   "the tests and looks share the job's false-alarm budget, --false-alarm-rate)",
                  stats_table(r), ""]
         lines.append(f"observed workload (fitted to requests {self.fit_from}..{self.num_observed - 1}):")
         lines += ["  " + ln for ln in self.observed.describe().splitlines()[1:]]
