@@ -530,6 +530,13 @@ def test_plan_cli_frontier(profile_path, tmp_path):
     out = run("plan", "--profile", profile_path, *SMALL, "--frontier", f"{tmp_path}/", "--quiet")
     assert out.returncode == 2 and "takes a file prefix" in out.stderr  # it wrote hidden .csv/.png files there
     assert not (tmp_path / ".csv").exists()
+    # a bound no policy meets: the error, no plan, and the frontier (what each latency buys; it wrote nothing)
+    plan = tmp_path / "plan.json"
+    out = run("plan", "--profile", profile_path, *SMALL, "--latency", "0.01", "--frontier", str(tmp_path / "miss"),
+              "-o", str(plan), "--quiet")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "no policy meets p99 <= 0.01 s" in out.stderr
+    assert "miss.csv and .png show the throughput each latency reaches" in out.stderr and not plan.exists()
+    assert (tmp_path / "miss.csv").read_text().splitlines()[1:] == rows[1:]
 
 
 def test_exhaustive_and_optuna_through_plan_search(case, grid):

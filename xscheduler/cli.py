@@ -137,7 +137,7 @@ def _plan(args: argparse.Namespace) -> int:
     from xsched.errors import UserError
     from xsched.fileio import atomic_write_all, check_writable, file_or_none, separate_files
     from xscheduler.plan import SLA
-    from xscheduler.planner import plan_search
+    from xscheduler.planner import SLAUnreachable, plan_search
 
     assumed = []
     if args.profile is None:
@@ -186,9 +186,16 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(f"{exc}; give a positive --latency") from None
     progress = not args.quiet and sys.stderr.isatty()
-    plan = plan_search(spec, profile, workload, sla, compress=args.compress, method=args.search,
-                       num_requests=args.requests, seed=args.seed, evaluator=args.evaluator, progress=progress,
-                       margin=args.margin)
+    try:
+        plan = plan_search(spec, profile, workload, sla, compress=args.compress, method=args.search,
+                           num_requests=args.requests, seed=args.seed, evaluator=args.evaluator, progress=progress,
+                           margin=args.margin)
+    except SLAUnreachable as exc:
+        if not args.frontier:
+            raise
+        # the frontier is most use exactly here: what each latency buys
+        atomic_write_all(_frontier_files(args.frontier, spec, profile, workload, sla, args, progress))
+        raise UserError(f"{exc}; {args.frontier}.csv and .png show the throughput each latency reaches") from None
     outputs = [(args.output, plan.file_bytes())] if args.output else []
     if args.frontier:
         outputs += _frontier_files(args.frontier, spec, profile, workload, sla, args, progress)

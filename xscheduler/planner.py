@@ -100,6 +100,10 @@ def resolve_margin(profile: HardwareProfile, margin: float | str = "auto") -> tu
     return m, "user"
 
 
+class SLAUnreachable(UserError):
+    """Policies fit in memory, but none meets the latency bound (the frontier still says what is reachable)."""
+
+
 def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, sla: SLA, *, compress: str = "auto",
                 method: str = "bnb", num_requests: int = DEFAULT_REQUESTS, seed: int = 0,
                 evaluator: str = "discrete-event", eps_t: float = 0.01, eps_l: float = LATENCY_TOLERANCE,
@@ -157,7 +161,7 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
                        else "asked for")
                 why = (f" ({user_sla.latency_s:g} s less the planning margin {margin_f:.1%} {how}; "
                        f"--margin 0 plans against the bound itself)")
-            raise UserError(f"no policy meets {sla.kind} <= {sla.latency_s:g} s{why}; the lowest achievable is "
+            raise SLAUnreachable(f"no policy meets {sla.kind} <= {sla.latency_s:g} s{why}; the lowest achievable is "
                             f"{low.latency(sla.kind):,.4g} s (policy {_one_line(low.policy)})")
         searched = best
         best = grown = grow_prefix_caches(ev, best, sla.kind, sla.latency_s, scan=not warm)
