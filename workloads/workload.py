@@ -599,7 +599,13 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
             raise UserError(f"{path}: CSV needs a header with {' or '.join(PROMPT_KEYS)} "
                             f"and {' or '.join(OUTPUT_KEYS)}")
         counts = ("prompt_tokens", "n") + OUTPUT_KEYS  # numbers in a CSV cell; in JSON they must be numbers
-        return [{k: _cell_number(v) if k in counts else v for k, v in r.items()} for r in reader]
+        rows = []
+        for r in reader:
+            if None in r:  # cells past the header's columns (a comma inside an unquoted prompt): say so
+                raise UserError(f"{path}:{reader.line_num}: {len(reader.fieldnames) + len(r[None])} cells under a "
+                                f"header of {len(reader.fieldnames)}; quote a cell that holds a comma")
+            rows.append({k: _cell_number(v) if k in counts else v for k, v in r.items()})
+        return rows
     rows = []
     for lineno, line in jsonl_lines(text):
         try:
