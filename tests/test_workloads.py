@@ -151,6 +151,10 @@ def test_from_file_jsonl_and_csv(tmp_path):
     bom = tmp_path / "bom.csv"
     bom.write_bytes(b"\xef\xbb\xbfprompt_tokens,output_tokens\r\n10,5\r\n12,7\r\n")
     assert Workload.from_file(bom).prompt.mean == pytest.approx(11)
+    past = tmp_path / "past.jsonl"  # an observed output past its own cap: the cap was silently ignored
+    past.write_text('{"prompt_tokens": 10, "output_tokens": 50, "max_new_tokens": 32}\n')
+    with pytest.raises(UserError, match="request 1: output_tokens 50 is more than its max_new_tokens 32"):
+        Workload.from_file(past)
     comma = tmp_path / "comma.csv"  # an unquoted comma in a prompt: its cells were dropped without a word
     comma.write_text("prompt,output_tokens\nhello there,5\nhi, you,6\n")
     with pytest.raises(UserError, match=r"comma\.csv:3: 3 cells under a header of 2; quote a cell"):

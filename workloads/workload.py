@@ -446,6 +446,10 @@ def read_request_lengths(path: Path, count_tokens: Callable[..., int | Sequence[
         elif known_ids is not None:
             known_ids.append(ids)
         length = _optional_length(row, OUTPUT_KEYS, f"{path}: request {i}")
+        cap = _optional_length(row, ("max_new_tokens",), f"{path}: request {i}")
+        if length is not None and cap is not None and length > cap:  # observed past its own cap: a column mixed up
+            raise UserError(f"{path}: request {i}: output_tokens {length} is more than its max_new_tokens {cap}, "
+                            "which caps it; check the two columns")
         copies = request_copies(row, f"{path}: request {i}")
         prompts += [n_prompt] * copies
         outputs += [default_output if length is None else length] * copies
