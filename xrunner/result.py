@@ -60,7 +60,7 @@ class RunResult(Contract):
     prompt_tokens: int
     padded_prompt_tokens: int
     throughput_tokens_per_s: float  # generated tokens / wall time (the headline number)
-    padded_throughput_tokens_per_s: float  # (padded prompt + generated tokens) / wall time
+    padded_throughput_tokens_per_s: float  # (prefill positions computed + generated tokens) / wall time
     total_throughput_tokens_per_s: float  # (prompt + generated tokens) / wall time
     latency_mean_s: float
     latency_p50_s: float
