@@ -334,7 +334,7 @@ class Workload(Contract):
                 "its last token: give the shared part's length as the prompts count it")
 
     def describe(self) -> str:
-        lines = [f"workload {self.name}" + (f" ({self.source})" if self.source else "")]
+        lines = [f"workload {self.name}" + (f" ({self.source})" if self.source else "") + ", lengths in tokens:"]
         for label, dist in (("prompt", self.prompt), ("output", self.output)):
             s = dist.summary()
             lines.append(f"  {label:<6} {dist.describe()}: mean {s['mean']:.1f}, std {s['std']:.1f}, "

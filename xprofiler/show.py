@@ -46,7 +46,7 @@ def summary(p: HardwareProfile) -> str:
     gpu = f"{fp.gpu_name} ({gib(fp.gpu_mem_bytes)})" if fp.gpu_name else "none"
     lines = [
         f"profile {p.name} ({p.source}{', ' + p.created if p.created else ''})",
-        f"  machine      {fp.cpu_model}, {fp.cpu_cores} cores, {gib(fp.ram_bytes)} RAM; GPU {gpu}; "
+        f"  machine      {fp.cpu_model}, {fp.cpu_cores} CPUs (logical), {gib(fp.ram_bytes)} RAM; GPU {gpu}; "
         f"torch {fp.torch_version}; offload fs {fp.offload_fs}",
         f"  compute      {p.compute_device}" + (f", {p.compute_dtype}" if p.compute_dtype else "")
         + (f", disk I/O via {p.disk_io}" if p.disk_io else "") + (f", took {p.wall_s:.0f} s" if p.wall_s else ""),
