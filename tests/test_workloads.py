@@ -332,6 +332,22 @@ def test_a_fit_the_ks_test_rejects_is_not_chosen_and_fits_start_at_the_shortest_
     assert report.best.mean == pytest.approx(cut.mean(), rel=0.01)
 
 
+def test_sampling_a_workload_says_what_its_lines_cannot_carry(tmp_path, capsys):
+    """A fitted workload of 3 outputs per prompt was sampled to one line per output without a word:
+    a plan for the file then prices a job that prefills each of them."""
+    from xsched.cli import main
+
+    reqs = tmp_path / "n3.jsonl"
+    reqs.write_text('{"prompt_tokens": 10, "output_tokens": 5, "n": 3}\n{"prompt_tokens": 12, "output_tokens": 4, "n": 3}\n')
+    assert main(["workload", "fit", str(reqs), "-o", str(tmp_path / "w.json")]) == 0
+    capsys.readouterr()
+    assert main(["workload", "sample", str(tmp_path / "w.json"), "-n", "4", "-o", str(tmp_path / "s.jsonl")]) == 0
+    err = capsys.readouterr().err
+    assert "wrote 4 requests" in err and "do not carry its 3 outputs per prompt" in err, err
+    assert main(["workload", "sample", "T", "-n", "1", "-o", str(tmp_path / "t.jsonl")]) == 0
+    assert capsys.readouterr().err.strip() == f"wrote 1 request of T to {tmp_path / 't.jsonl'}"
+
+
 def _stream_alarms(workload, shift, seed, block=64, blocks=12, alpha=0.05):
     """First request count at which the monitor fires on a stream (None if never)."""
     rng = np.random.default_rng(seed)

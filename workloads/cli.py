@@ -142,6 +142,10 @@ def _sample(args: argparse.Namespace) -> int:
         print(json.dumps({"output": str(args.output), "workload": w.name, "seed": args.seed,
                           "requests": args.requests, "mean_prompt_tokens": float(prompt.mean()),
                           "mean_output_tokens": float(output.mean())}, indent=2))
-    print(f"wrote {args.requests} requests of {w.name} to {'standard output' if to_stdout else args.output}",
-          file=sys.stderr)
+    print(f"wrote {args.requests:,} request{'s' if args.requests != 1 else ''} of {w.name} to "
+          f"{'standard output' if to_stdout else args.output}", file=sys.stderr)
+    lost = ([f"its {w.samples} outputs per prompt (each line is a prompt of its own)"] if w.samples > 1 else []) \
+        + (["its shared prefixes (a line holds a token count, not tokens)"] if w.prefix_tokens else [])
+    if lost:  # a plan for the file prices another job than one for the workload
+        print(f"note: the lines do not carry {' or '.join(lost)}", file=sys.stderr)
     return 0
