@@ -6,8 +6,8 @@ best family has the lowest BIC (AIC lets the empirical pmf, with one parameter p
 memorise a few hundred samples) among those the KS test does not reject at ``KS_ALPHA``: BIC
 alone once chose a skew-normal with p = 3e-6 whose p99 fell 15% short of the data's. The
 empirical pmf, which the test never rejects, wins when no parametric family fits. Parametric
-families are truncated to the observed range, as the empirical pmf is: a fit spread from length 1
-put mass below a minimum of 200 and priced prompts 5% short on average.
+families are truncated to the observed range, as the empirical pmf is: spread from length 1, a
+fit to lengths of 21-300 put mass below 21 and its mean at 152.5 against the data's 160.5.
 """
 
 from __future__ import annotations
