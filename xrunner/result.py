@@ -138,7 +138,8 @@ class RunResult(Contract):
     def describe(self) -> str:
         gib = 2.0**30
         rows = self.comparison_rows()
-        names = ["measured", *(["simulated"] if self.simulated is not None else []), "plan"]
+        names = ["measured", *(["simulated"] if self.simulated is not None else []),
+                 *(["plan"] if self.predicted is not None or self.simulated is None else [])]
         widths = [max(len(r[0]) for r in rows)] + [max(max(len(r[i]) for r in rows), len(names[i - 1]))
                                                     for i in range(1, len(names) + 1)]
         changed = len(self.adaptations)

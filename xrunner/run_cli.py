@@ -410,7 +410,7 @@ def _run(args: argparse.Namespace) -> int:
         groups_differ = shared > worth and max(groups, planned.prefix_groups) > 2 * min(groups, planned.prefix_groups)
         unlike = job["prefix_lengths"] and max(job["prefix_lengths"]) - min(job["prefix_lengths"]) > worth
         lengths_differ = bool(unlike) and not planned.prefix_lengths
-        if tokens_differ or groups_differ or lengths_differ:
+        if (tokens_differ or groups_differ or lengths_differ) and len(prompt_ids) > 1:  # (one prompt shares nothing)
             def among(tokens: int, g: int, f: float, lengths: Sequence[int] = ()) -> str:
                 return (f"{tokens} tokens they share" + (f", one of {g} prefixes" if g > 1 else "")
                         + (f" of {min(lengths)}-{max(lengths)} tokens" if lengths and min(lengths) < max(lengths)
@@ -439,14 +439,33 @@ def _run(args: argparse.Namespace) -> int:
 
         # The engine refuses a tier that does not fit; without CUDA two tiers share the RAM, so check the sum.
         # (Memory terms do not depend on the machine's speeds, so any profile prices them.)
-        rounded = rounded_policy(plan.policy, source.spec.num_layers)
-        # The run's prefix cache: the plan's, or room for its workload's prefixes (as the plan priced it).
-        cache_positions = run_cache_positions(plan.policy, plan.workload, max_prompt)
-        planned_peak = CostModel.for_policy(source.spec, load_preset(preset_names()[0]), rounded).peak_bytes(
-            rounded, max_prompt, max_output, cache_positions)
+        def priced(policy: Any) -> tuple[Any, int | None, dict[str, float]]:
+            """(rounded policy, the run's prefix cache, planned peak bytes per tier) of ``policy``."""
+            rounded = rounded_policy(policy, source.spec.num_layers)
+            # The run's prefix cache: the plan's, or room for its workload's prefixes (as the plan priced it).
+            cache = run_cache_positions(policy, plan.workload, max_prompt)
+            return rounded, cache, CostModel.for_policy(source.spec, sizing, rounded).peak_bytes(
+                rounded, max_prompt, max_output, cache)
+
+        # (as the engine sizes its buffers: stage slots differ by compute device, not by a machine's speeds)
+        sizing = replace(load_preset(preset_names()[0]), compute_device="cuda" if device.startswith("cuda") else "cpu")
+
+        rounded, cache_positions, planned_peak = priced(plan.policy)
+        # A plan's prediction is for the policy it was made with: not one edited into the file since.
+        stale = "the plan's policy is not the one its prediction priced (edited by hand?)" \
+            if plan.predicted.policy != plan_policy else None
+        budget_caps = None
+        if args.budget_file:  # a budget already below the plan: re-plan now, not after a block run over it
+            policy, budget_caps = _budget_at_start(args, covering(plan, max_prompt, max_output), planned_peak,
+                                                   profile, no_profile, len(units))
+            if policy is not None:
+                plan = replace(plan, policy=policy.for_job(len(units)))
+                rounded, cache_positions, planned_peak = priced(plan.policy)
+                stale = "it was re-planned for the budget file before starting"
         machine = machine_capacity_bytes(device, offload_root)
         check_machine_room(device, planned_peak, machine)
-        capacity = {t: min(float(plan.predicted.capacity_bytes.get(t, float("inf"))), machine[t]) for t in machine}
+        capacity = {t: min(float(plan.predicted.capacity_bytes.get(t, float("inf"))), machine[t],
+                           (budget_caps or {}).get(t, float("inf"))) for t in machine}
         if fitted != plan_policy and not args.quiet:  # (said once the job is known to start: else only its error)
             print(fitted_note, file=sys.stderr)
 
@@ -490,19 +509,24 @@ def _run(args: argparse.Namespace) -> int:
             order_of = {key: k for k, (_, key) in enumerate(pending)}
             hook, watcher = _adapt_hook(args, covering(plan, max_prompt, max_output), capacity, profile, no_profile,
                                         horizon=len(pending), machine=machine)
-            with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
-                        capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
-                        stop_token_ids=stops, record_trace=bool(args.trace), device=device,
-                        progress=show, calibration_ids=_calibration(args, source, tokenizer, prompt_ids),
-                        notice=lambda work: print(f"xsched: reconfiguring: {work}; the job waits for it",
-                                                  file=sys.stderr),
-                        stop_check=stop_checker(tokenizer, stops_of),
-                        logprobs=args.logprobs or bool(logprobs_of),
-                        prefix_cache_positions=cache_positions,
-                        default_cache_positions=workload_cache_positions(plan.workload, max_prompt)) as engine:
-                meter = LoadMeter()
-                stats = engine.run(requests, on_finished=on_finished, on_step=bar.update, between_blocks=hook)
-                others = meter.others_cores()
+            try:
+                with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
+                            capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
+                            stop_token_ids=stops, record_trace=bool(args.trace), device=device,
+                            progress=show, calibration_ids=_calibration(args, source, tokenizer, prompt_ids),
+                            notice=lambda work: print(f"xsched: reconfiguring: {work}; the job waits for it",
+                                                      file=sys.stderr),
+                            stop_check=stop_checker(tokenizer, stops_of),
+                            logprobs=args.logprobs or bool(logprobs_of),
+                            prefix_cache_positions=cache_positions,
+                            default_cache_positions=workload_cache_positions(plan.workload, max_prompt)) as engine:
+                    meter = LoadMeter()
+                    stats = engine.run(requests, on_finished=on_finished, on_step=bar.update, between_blocks=hook)
+                    others = meter.others_cores()
+            except KeyboardInterrupt:  # (and SIGTERM's Terminated) after the engine's cleanup: what is kept, what next
+                print(f"xsched: {len(writer.done)} of {len(units)} requests are in {args.out}; the same command with "
+                      "--resume runs the rest", file=sys.stderr)
+                raise
 
     ran = [(i, key) for i, key in pending if key in output_len]  # in the order the engine took them
     simulated = None if stats.reconfigurations or profile is None else simulate_job(
@@ -511,12 +535,15 @@ def _run(args: argparse.Namespace) -> int:
     result = build_run_result(model=source.spec.name, policy=plan.policy, device=device, dtype=source.spec.dtype,
                               stats=stats, latencies_s=latencies, num_stopped_on_eos=eos[0],
                               num_skipped=len(units) - len(pending), capacity_bytes=capacity,
-                              max_prompt=max_prompt, max_output=max_output, predicted=plan.predicted,
+                              max_prompt=max_prompt, max_output=max_output,
+                              predicted=None if stale else plan.predicted,
                               simulated=simulated)
     result = replace(result, adaptations=tuple(
         Adaptation(at_s=r.at_s, stall_s=r.stall_s, reason=r.reason, old_policy=r.old_policy, new_policy=r.new_policy)
         for r in stats.reconfigurations))
     notes, outputs = [], []
+    if stale:
+        notes.append(f"no plan column: {stale}; the simulated column prices the policy run")
     if others > BUSY_WARN_CORES:  # (the profiler's threshold for a noisy measurement)
         threads = torch.get_num_threads()
         notes.append(f"other processes kept {others:.2f} of {os.cpu_count()} cores busy during the run, beside its "
@@ -631,6 +658,37 @@ def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_len
     return simulate(plan.model, profile, rounded_policy(plan.policy, plan.model.num_layers), workload,
                     requests=(np.asarray(prompt_lens, np.int64), np.asarray(output_lens, np.int64)),
                     prefix_of=prefix_of, cache_positions=cache, prefix_len=prefix_len)
+
+
+def _budget_at_start(args: argparse.Namespace, plan: Any, planned_peak: dict[str, float], profile: Any,
+                     no_profile: Any, requests: int) -> tuple[Any, dict[str, float] | None]:
+    """(a policy for the budget file's budget, or None to keep the plan's; the budget, or None for no
+    usable file) before the engine loads: a budget below the plan's planned peak had the first block
+    run over it, and a job of one block the whole job (a walkthrough: a 1000-byte gpu budget, rc 0)."""
+    from xrunner.budget import FileBudget, plan_fn_for
+    from xsched.errors import UserError
+    from xscheduler.replan import policy_changes
+
+    caps = FileBudget(args.budget_file).poll()  # (problems with the file are warned by the hook's check)
+    if not caps:
+        return None, None
+    over = {t: planned_peak[t] - b for t, b in caps.items() if planned_peak.get(t, 0.0) > b}
+    if not over:
+        return None, caps
+    if profile is None:
+        raise no_profile
+    said = ", ".join(f"{t} {caps[t] / 2**20:,.1f} MiB" for t in over)
+    try:
+        policy = plan_fn_for(plan, profile, confirm_seeds=(), compress=args.replan_compress,
+                             num_requests=max(1, requests))(caps)
+    except UserError as exc:
+        tier, short = max(over.items(), key=lambda kv: kv[1])
+        raise UserError(f"the budget file gives {said}, and no policy fits it ({exc}); the plan needs {short:,.0f} "
+                        f"bytes more on the {tier} tier: raise the budget") from None
+    if not args.quiet:
+        print(f"xsched: the budget file gives {said}, below the plan's needs; re-planned before starting: "
+              f"{', '.join(policy_changes(plan.policy, policy))}", file=sys.stderr)
+    return policy, caps
 
 
 def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float], profile: Any, no_profile: Any,
