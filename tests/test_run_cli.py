@@ -158,7 +158,8 @@ def test_an_openai_batch_file_reads_as_the_requests_it_holds(tmp_path):
          "max_new_tokens": 5, "n": 2, "stop": ["x"], "temperature": 0.5, "top_p": 0.9, "seed": 3, "top_k": 4},
         {"id": "b", "prompt": "w3 w4", "max_new_tokens": 2, "chat_template": False, "top_k": 0},
         {"id": "c", "prompt_ids": [3, 4, 5]}])
-    assert [replace(r, openai=False) for r in read_prompts(openai)] == read_prompts(native)
+    with pytest.warns(UserWarning, match="xsched takes max_completion_tokens"):  # line "a" gives 5 and 9
+        assert [replace(r, openai=False) for r in read_prompts(openai)] == read_prompts(native)
     assert all(r.openai for r in read_prompts(openai))  # their results go out in OpenAI's format by default
     bad = [({"frequency_penalty": 0.5}, 'body "frequency_penalty" = 0.5 is not supported by xsched run; drop it'),
            ({"logprobs": True, "top_logprobs": 2}, '"top_logprobs" = 2'),
@@ -172,7 +173,15 @@ def test_an_openai_batch_file_reads_as_the_requests_it_holds(tmp_path):
             read_prompts(p)
     for line, message in (({**openai_line("z", {"prompt": "x"}), "url": "/v1/embeddings"}, "/v1/embeddings"),
                           ({**openai_line("z", {"prompt": "x"}), "method": "GET"}, '"method" must be "POST"'),
-                          ({"custom_id": "z", "body": "x"}, '"body" must be a JSON object')):
+                          ({"custom_id": "z", "body": "x"}, '"body" must be a JSON object'),
+                          # a body that is not the url's kind came back as the other kind of reply (a walkthrough)
+                          (openai_line("z", {"prompt": "x"}), 'for /v1/chat/completions takes "messages", and only '
+                                                              'it; this one has "prompt"'),
+                          (openai_line("z", {"messages": chat}, url="/v1/completions"),
+                           'for /v1/completions takes "prompt", and only it; this one has "messages"'),
+                          # no custom_id: said 'no "id"', a key no batch line has
+                          ({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
+                           'it has "body" and "url" or "method"\\) needs a "custom_id"')):
         with pytest.raises(UserError, match=message):
             read_prompts(write_prompts(tmp_path / "bad.jsonl", [line]))
 
@@ -600,6 +609,41 @@ def test_a_plans_prefix_cache_size_is_the_runs(tmp_path, capsys):
     assert grown.padded_prompt_tokens < default.padded_prompt_tokens
     assert grown.planned_peak_bytes["cpu"] > default.planned_peak_bytes["cpu"]
     assert grown.simulated.padded_prompt_tokens < default.simulated.padded_prompt_tokens
+
+
+def test_a_budget_file_below_the_plan_at_the_start_is_planned_for_before_the_first_block(tmp_path, capsys):
+    """The budget file was read between blocks only: a 1000-byte gpu budget ran a one-block job
+    whole (exit 0) and a longer job's first block over it (a walkthrough). Now a budget below the
+    plan's needs is planned for before the engine loads, or refused then; and the end-of-run table
+    drops the plan's column, whose prediction is for another policy."""
+    from xprofiler.profile import HardwareProfile
+    from xscheduler.plan import Plan
+    from xsimulator.policy import Policy
+
+    # a profile of a host without a GPU, as the engine here runs: re-plans size its buffers so
+    cpu = HardwareProfile.load(Path(__file__).parent / "data" / "perturbed_cpu_profile.json")
+    cpu = replace(cpu, gpu_bytes=2 * 2**30, cpu_bytes=8 * 2**30)
+    cpu.save(tmp_path / "cpu.json")
+    plan = make_plan(tmp_path / "plan.json", random_spec(), Policy(gbs=2, nb=2), 8, 6, profile=cpu)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": i, "prompt_ids": [5 + i, 6, 7]} for i in range(4)])
+    base = ["run", "--plan", str(plan), "--model", RANDOM_MODEL, "--prompts", str(prompts),
+            "--profile", str(tmp_path / "cpu.json"), "--adapt", "none", "--budget-file"]
+    budget = tmp_path / "budget.json"
+    budget.write_text('{"gpu_bytes": 1000}')
+    assert main(base + [str(budget), "--out", str(tmp_path / "none.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "the budget file gives gpu 0.0 MiB, and no policy fits it" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "none.jsonl").exists()
+    planned_gpu = Plan.load(plan).predicted.peak_bytes["gpu"]
+    budget.write_text(json.dumps({"gpu_bytes": int(0.75 * planned_gpu)}))
+    out = tmp_path / "o.jsonl"
+    assert main(base + [str(budget), "--out", str(out), "--result", str(tmp_path / "r.json")]) == 0
+    err = capsys.readouterr().err
+    assert "below the plan's needs; re-planned before starting" in err, err
+    assert "no plan column: it was re-planned for the budget file before starting" in err, err
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["peak_bytes"]["gpu"] <= 0.75 * planned_gpu and result["predicted"] is None
+    assert sorted(r["id"] for r in read_rows(out)) == [0, 1, 2, 3] and not result["adaptations"]
 
 
 def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
@@ -1266,6 +1310,7 @@ def test_sigkill_then_resume_and_ctrl_c(tiny_dir, tmp_path, capsys):
         p_stop.send_signal(sig)
         _, err = p_stop.communicate(timeout=60)
         assert p_stop.returncode == status and 3 <= at_stop < n and "Traceback" not in err and word in err, err
+        assert f"requests are in {stopped}; the same command with --resume runs the rest" in err, err
         assert list(offload.iterdir()) == []  # offload files removed after Ctrl-C or kill
         assert len(read_rows(stopped)) >= at_stop  # results written before the signal kept
 

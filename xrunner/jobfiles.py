@@ -172,7 +172,7 @@ def _stop_strings(value: Any, where: str) -> tuple[str, ...]:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(x, str) and x for x in items):
-        raise UserError(f"{where}: \"stop\" must be a non-empty string or a list of them, got {str(value)[:80]}")
+        raise UserError(f"{where}: \"stop\" must be a non-empty string or a list of them, got {repr(value)[:80]}")
     return tuple(check_text(x, f"{where}: \"stop\"") for x in items)
 
 

@@ -11,6 +11,7 @@ choice keeps xsched's own fields (token ids, latency, ...) under ``"xsched"``. N
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any, Sequence
 
 from xsched.errors import UserError
@@ -39,6 +40,9 @@ def openai_batch_row(obj: dict[str, Any], where: str) -> dict[str, Any]:
     :data:`OPENAI_NEUTRAL` set to something that would change the output: one-line error.
     """
     if "custom_id" not in obj:
+        if "body" in obj and ("url" in obj or "method" in obj):  # (said: no "id", which such a line never has)
+            raise UserError(f"{where}: an OpenAI batch line (it has \"body\" and \"url\" or \"method\") needs a "
+                            "\"custom_id\": a unique id for the request")
         return obj
     if "body" not in obj:  # (read as an xsched line, it said "id" must be a string, got None)
         raise UserError(f"{where}: an OpenAI batch line (it has \"custom_id\") needs a \"body\": the request")
@@ -72,7 +76,16 @@ def openai_batch_row(obj: dict[str, Any], where: str) -> dict[str, Any]:
     if body.get("messages") is not None:
         row["messages"] = [_text_parts(m, where) for m in body["messages"]] \
             if isinstance(body["messages"], list) else body["messages"]
+    chat, text = body.get("messages") is not None, body.get("prompt") is not None
+    if url is not None and (chat, text) != ((True, False) if url == "/v1/chat/completions" else (False, True)):
+        want = "\"messages\"" if url == "/v1/chat/completions" else "\"prompt\""
+        raise UserError(f"{where}: a body for {url} takes {want}, and only it; this one has "
+                        + (" and ".join(k for k, has in (("\"messages\"", chat), ("\"prompt\"", text)) if has)
+                           or "neither"))
     limits = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
+    if len(set(map(repr, limits))) > 1:  # (one message for the file: the same text is warned once)
+        warnings.warn("OpenAI batch lines give \"max_completion_tokens\" and a different \"max_tokens\"; xsched takes "
+                      "max_completion_tokens, OpenAI's newer field", UserWarning, stacklevel=2)
     if limits:
         row["max_new_tokens"] = limits[0]
     for key in ("n", "stop", "temperature", "top_p", "top_k", "seed"):
