@@ -220,6 +220,13 @@ def test_bad_workload_specs(text, match):
         get_workload(text)
 
 
+def test_a_summarys_min_and_max_are_lengths_it_can_draw():
+    """`replan` printed an observed pmf of 6-token outputs, kept in 6..8 for the cap, as "p99 6, max 8"."""
+    assert LengthDistribution.empirical([6, 6, 6], 8).summary()["max"] == 6
+    assert LengthDistribution.empirical([3, 6], 8).summary()["min"] == 3
+    assert LengthDistribution.truncnorm(100, 50, 300).summary()["max"] == 300
+
+
 def test_scaling_keeps_the_mean_inside_the_range():
     """Rounding min_len after scaling could pass the scaled mean (3 x 0.5 -> 2 > 1.6)."""
     d = LengthDistribution.truncnorm(3.2, 1.0, 10, min_len=3).scaled(0.5)

@@ -324,9 +324,12 @@ class LengthDistribution(Contract):
         return replace(mix, max_len=sc(self.max_len))
 
     def summary(self) -> dict[str, float]:
-        """Realised statistics of the integer distribution (after rounding and truncation)."""
+        """Realised statistics of the integer distribution (after rounding and truncation); min and max
+        are the extremes it can draw (an empirical pmf of 6s in 6..8 read "p99 6, max 8")."""
+        support, probs = self._table
+        drawn = support[probs > 0]
         return {"mean": self.mean, "std": self.std, "p50": self.percentile(0.5), "p90": self.percentile(0.9),
-                "p99": self.percentile(0.99), "min": self.min_len, "max": self.max_len}
+                "p99": self.percentile(0.99), "min": int(drawn[0]), "max": int(drawn[-1])}
 
     def describe(self) -> str:
         if self.family == "fixed":
