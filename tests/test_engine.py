@@ -1695,7 +1695,7 @@ def test_capacity_refusal_names_tier_and_shortfall(tmp_path):
     policy = Policy(gbs=2, nb=1, wg=0.0, wc=1.0)
     with Engine(src, policy, max_prompt=8, max_output=4) as eng:
         need = eng.planned_peak_bytes["cpu"]
-    with pytest.raises(UserError, match=r"cpu tier .*short by 1000 bytes"):
+    with pytest.raises(UserError, match=r"cpu tier .*short by 1,000 bytes"):
         Engine(src, policy, max_prompt=8, max_output=4, capacity_bytes={"gpu": 1e12, "cpu": need - 1000})
 
 

@@ -323,9 +323,9 @@ def _refuse_over_capacity(planned: Mapping[str, float], caps: Mapping[str, float
     for tier in TIERS:
         if caps is not None and tier in caps and planned[tier] > caps[tier]:
             short = planned[tier] - caps[tier]
-            raise UserError(f"the plan needs {planned[tier]:.0f} bytes on the {tier} tier but "
-                            f"{caps[tier]:.0f} are available (short by {short:.0f} bytes); pick a plan that fits "
-                            "this machine or raise the tier's capacity")
+            raise UserError(f"the plan needs {planned[tier]:,.0f} bytes ({planned[tier] / 2**30:,.2f} GiB) on the {tier} "
+                            f"tier but {caps[tier]:,.0f} are available (short by {short:,.0f} bytes); pick a plan "
+                            "that fits this machine or raise the tier's capacity")
 
 
 def _layer_tiers(policy: Policy, num_layers: int) -> list[str]:
