@@ -690,3 +690,16 @@ def test_a_plan_whose_own_job_is_past_the_simulators_limit_asks_for_requests(set
         assert len(err) == 1 and f"a job of 1,000,000,000 requests, outside the 1 to {MAX_REQUESTS:,}" in err[0] \
             and "pass --requests N" in err[0], err
     assert main(["simulate", "--plan", str(big), "--requests", "50"]) == 0
+
+
+def test_an_observed_workload_says_its_prefixes_are_the_plans():
+    """`replan` printed "prompts begin with 19 tokens they share" as observed, where the run had
+    warned of 46: observed lengths carry no prompts, so the prefix is the plan's, and it says so."""
+    from workloads import get_workload
+    from xscheduler.replan import fit_workload
+
+    planned = replace(get_workload("T"), prefix_tokens=19)
+    observed = fit_workload([40, 50, 60], [5, 6, 7], planned)
+    assert observed.prefix_tokens == 19 and "shared prefixes as planned" in observed.describe()
+    assert "as planned" not in fit_workload([40, 50, 60], [5, 6, 7], get_workload("T")).describe()
+

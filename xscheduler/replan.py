@@ -263,7 +263,10 @@ def fit_workload(prompt_lens: Any, output_lens: Any, reference: Workload) -> Wor
     prompt = LengthDistribution.empirical(p, max(reference.prompt.max_len, int(p.max())))
     output = LengthDistribution.empirical(o, max(reference.output.max_len, int(o.max())))
     return Workload(name=f"observed({reference.name})", prompt=prompt, output=output,
-                    correlation=spearman_to_copula(p, o), source=f"empirical, {len(p)} observed requests",
+                    correlation=spearman_to_copula(p, o),
+                    source=f"empirical, {len(p)} observed requests"
+                    + ("; outputs per prompt and shared prefixes as planned (lengths hold neither)"
+                       if reference.samples > 1 or reference.prefix_tokens else ""),
                     samples=reference.samples, prefix_tokens=reference.prefix_tokens,
                     prefix_groups=reference.prefix_groups, prefix_share=reference.prefix_share,
                     prefix_lengths=reference.prefix_lengths, prefix_weights=reference.prefix_weights,
