@@ -186,6 +186,20 @@ def test_an_openai_batch_file_reads_as_the_requests_it_holds(tmp_path):
             read_prompts(write_prompts(tmp_path / "bad.jsonl", [line]))
 
 
+def test_openai_output_ids_follow_the_request_and_its_tokens():
+    """Every job's output for custom_id "a" was batch_req_b297ad24... (a walkthrough): merged
+    batch outputs collided. The same tokens still give the same ids, so a resume writes the same line."""
+    from xsched.openai_batch import openai_result_line
+
+    def line(ids):
+        row = {"id": "a", "text": "x", "output_ids": ids, "output_tokens": len(ids), "prompt_tokens": 3}
+        return openai_result_line("a", [row], model="m", chat=True, created=0)
+
+    assert line([5, 6]) == line([5, 6])
+    assert line([5, 6])["id"] != line([5, 7])["id"]
+    assert line([5, 6])["response"]["body"]["id"] != line([5, 7])["response"]["body"]["id"]
+
+
 def test_an_openai_batch_file_runs_and_fits_as_its_native_twin(tiny_dir, tmp_path, capsys):
     """`xsched run` on an OpenAI batch file writes OpenAI batch output lines, one per request with
     its samples as choices, whose rows are the native twin's results; `workload fit` reads the

@@ -111,9 +111,11 @@ def _text_parts(message: Any, where: str) -> Any:
 def openai_result_line(custom_id: Any, rows: Sequence[dict[str, Any]], *, model: str, chat: bool,
                        created: int) -> dict[str, Any]:
     """The output line of one request: its results ``rows`` (one per sample, in sample order) as
-    the choices of a chat or text completion. Ids derive from ``custom_id``, so a resumed job
-    writes the lines an uninterrupted one does (``created`` aside)."""
-    digest = hashlib.sha256(repr(custom_id).encode()).hexdigest()
+    the choices of a chat or text completion. Ids derive from ``custom_id`` and the tokens
+    generated, so a resumed job writes the lines an uninterrupted one does (``created`` aside),
+    and two jobs' outputs for one ``custom_id`` do not share ids unless their tokens agree (from
+    ``custom_id`` alone, every job's "a" was batch_req_b297ad24...)."""
+    digest = hashlib.sha256(repr((custom_id, [list(r.get("output_ids", ())) for r in rows])).encode()).hexdigest()
     choices, completion = [], 0
     for k, row in enumerate(rows):
         stopped = row.get("stopped_on_eos") or row.get("stop_string") is not None
