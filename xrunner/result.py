@@ -168,7 +168,7 @@ class RunResult(Contract):
                            "this request at its prompt and output lengths")
                         + f", on profile {self.simulated.profile})")
         if self.predicted is not None:
-            head.append(f"  (plan: {self.predicted.method} simulation of {self.predicted.num_requests} requests "
+            head.append(f"  (plan: {self.predicted.method} simulation of {self.predicted.num_requests:,} requests "
                         f"of workload {self.predicted.workload} on profile {self.predicted.profile}"
                         + (", for the policy at start" if changed else "") + ")")
         if changed and self.simulated is None:

@@ -63,7 +63,7 @@ class SimResult(Contract):
     def describe(self) -> str:
         gib = 2.0**30
         lines = [
-            f"{self.method} simulation of {self.num_requests} requests ({self.workload}) on {self.model}, "
+            f"{self.method} simulation of {self.num_requests:,} request{'s' * (self.num_requests != 1)} ({self.workload}) on {self.model}, "
             f"profile {self.profile}",
             "  policy: " + self.policy.describe().replace("\n", "; "),
             f"  throughput {self.throughput_tokens_per_s:,.2f} generated tokens/s "
