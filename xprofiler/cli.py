@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "(de)quantization rates and per-layer times of the given models, and write a profile "
                     "JSON (plus the raw samples as CSV beside it). `xsched profile show FILE|PRESET` and "
                     "`xsched profile list` inspect profiles.")
-    prof.add_argument("-o", "--output", type=Path, help="profile JSON to write (samples go to NAME.samples.csv)")
+    prof.add_argument("-o", "--output", type=Path, help="profile JSON to write (its raw samples go beside it, FILE.json -> FILE.samples.csv)")
     prof.add_argument("--model", action="append", default=[], metavar="NAME",
                       help="model whose decoder layer to sweep (registry name, HF directory or .gguf); "
                            "repeat for several; none = no per-layer fits")
