@@ -160,7 +160,8 @@ class RunResult(Contract):
         ]
         head += ["  " + "  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(r, widths)))
                  for r in rows]
-        head += [f"  adapted at {a.at_s:,.1f} s (stalled {a.stall_s:.2f} s): {a.reason}" for a in self.adaptations]
+        # (at_s: when the move began, after the re-plan; the stderr line's time is when the block ended)
+        head += [f"  reconfigured at {a.at_s:,.1f} s (stalled {a.stall_s:.2f} s): {a.reason}" for a in self.adaptations]
         if self.simulated is not None:
             n = self.simulated.num_requests
             head.append(f"  (simulated: {self.simulated.method} simulation of "
