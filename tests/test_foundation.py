@@ -461,6 +461,8 @@ def test_the_engine_imports_without_scipys_fitting_modules():
 def test_cli_models_and_errors():
     out = subprocess.run([sys.executable, "-m", "xsched", "models"], capture_output=True, text=True, check=True)
     assert "opt-175b" in out.stdout and "smollm2-135m" in out.stdout
+    rows = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines()[1:]}
+    assert (rows["opt-30b"], rows["llama-2-7b"], rows["gemma-2-2b"]) == ("opt", "llama", "llama-like")  # (was "llama")
     bad = subprocess.run([sys.executable, "-m", "xsched", "nonsense"], capture_output=True, text=True)
     assert bad.returncode == 2
 

@@ -72,11 +72,13 @@ def _models(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([s.to_dict() for s in specs], indent=2))
         return 0
-    print(f"{'model':<14} {'family':<6} {'params':>8} {'layers':>6} {'hidden':>6} {'heads':>7} "
+    # (family: the decoder layout the engine runs, OPT's or Llama's; most registry models are the latter's kin)
+    print(f"{'model':<14} {'family':<10} {'params':>8} {'layers':>6} {'hidden':>6} {'heads':>7} "
           f"{'fp16 weights':>13} {'KV/token':>10}")
     for s in specs:
         kv = s.kv_bytes_per_token_per_layer * s.num_layers
-        print(f"{s.name:<14} {s.family:<6} {s.num_params / 1e9:>7.2f}B {s.num_layers:>6} {s.hidden:>6} "
+        family = s.family if s.name.startswith(s.family) else f"{s.family}-like"
+        print(f"{s.name:<14} {family:<10} {s.num_params / 1e9:>7.2f}B {s.num_layers:>6} {s.hidden:>6} "
               f"{s.num_heads:>3}/{s.num_kv_heads:<3} {s.weight_bytes / 2**30:>9.1f} GiB {kv / 2**10:>6.0f} KiB")
     return 0
 
