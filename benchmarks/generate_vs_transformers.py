@@ -63,7 +63,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from xrunner.generate import generate
+    from xrunner.reference import generate
 
     spec, ours, hf = build(args)
     g = torch.Generator().manual_seed(1)

@@ -15,7 +15,7 @@ On a CPU host the engine reads each record straight into its stage slot (no rela
 per step the bound is ``max(flops / gemm_rate, layers x layer_bytes / disk_bw)`` with the layers'
 projection and attention FLOPs and the LM head of every row at the GEMM rate (``bound_seconds``). Norms,
 activations, sampling and Python are left out, so the bound is optimistic and the ratio
-honest. The same block through the in-memory loop (``xrunner.generate``, weights in RAM) is
+honest. The same block through the in-memory loop (``xrunner.reference``, weights in RAM) is
 timed too: it shows how much of the gap is compute the engine cannot avoid. Goal: measured /
 bound >= 0.8.
 
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The same block through the in-memory loop (weights in RAM, nothing offloaded), GPU batch by
     # GPU batch: the compute the engine cannot avoid, attention, norms and LM head included.
-    from xrunner.generate import generate
+    from xrunner.reference import generate
     from xrunner.loaders import load_weights
 
     # Runs alternate and each side keeps its best (fastest) repeat: the machine may be shared.

@@ -1,6 +1,6 @@
 """Reconfiguring the engine mid-job (issue 8, engine side) against the in-memory reference loop.
 
-A policy change between blocks must leave greedy outputs identical to ``xrunner.generate``,
+A policy change between blocks must leave greedy outputs identical to ``xrunner.reference``,
 move only the weight layers whose tier changed, re-read from the source only when the weight
 compression changes, lose or duplicate no request (refill on), and after a budget cut keep the
 measured peak per tier under the new budget.

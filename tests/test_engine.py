@@ -1,4 +1,4 @@
-"""The offloading engine against the in-memory reference loop (`xrunner.generate`).
+"""The offloading engine against the in-memory reference loop (`xrunner.reference`).
 
 Every placement, schedule switch and variable-length feature must leave greedy outputs
 unchanged; compression must equal a reference that applies the same quantization; measured peak
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import xrunner.generate as generate_module
+import xrunner.reference as generate_module
 from xprofiler.specs import ModelSpec
 from quant_reference import reference_roundtrip
 from sim_profiles import t4_like
@@ -24,7 +24,7 @@ from workloads.distributions import LengthDistribution
 from workloads.workload import fixed_workload
 from xrunner.compression import DEFAULT_CLIP_STEPS, KV_CLIP_STEPS
 from xrunner.engine import Engine, EngineStats, Request
-from xrunner.generate import generate
+from xrunner.reference import generate
 from xrunner.loaders import ModelSource, RandomSource, load_weights
 from xrunner.model import attention, attn_in, attn_out_mlp, embed, layer_ropes
 from xrunner.prefix import (PrefixCache, _key, block_positions, plan_block, plan_prefixes, prefill_layer,
@@ -1690,6 +1690,25 @@ def test_calibration_text_too_short_for_the_tokenizer_is_a_user_error():
 
 
 # --------------------------------------------------------------------------- refusals and cleanup
+def test_a_tokenizers_list_runs_and_a_token_past_the_vocabulary_is_one_line():
+    """A list of ids (what tokenizers return) failed with "unhashable type: 'list'", and an id past
+    the vocabulary with an IndexError deep in torch (an API walkthrough)."""
+    src = RandomSource(LLAMA, seed=3)
+    with Engine(src, Policy(gbs=2, nb=1), max_prompt=4, max_output=2) as eng:
+        got = []
+        eng.run([Request(id=0, prompt_ids=[5, 6], max_new_tokens=2)], on_finished=got.extend)
+        again = []
+        eng.run([Request(id=0, prompt_ids=(5, 6), max_new_tokens=2)], on_finished=again.extend)
+        assert got[0].output_ids == again[0].output_ids and len(got[0].output_ids) == 2
+        with pytest.raises(UserError, match=f"token id {LLAMA.vocab_size} is outside .* vocabulary"):
+            eng.run([Request(id=1, prompt_ids=(5, LLAMA.vocab_size), max_new_tokens=2)])
+    weights = load_weights(src)
+    with pytest.raises(UserError, match="token ids must lie in"):
+        generate(weights, [[5, -1]], 2)
+    with pytest.raises(UserError, match="no prompts given"):
+        generate(weights, [], 2)
+
+
 def test_capacity_refusal_names_tier_and_shortfall(tmp_path):
     src = RandomSource(LLAMA, seed=3)
     policy = Policy(gbs=2, nb=1, wg=0.0, wc=1.0)

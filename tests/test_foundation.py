@@ -418,6 +418,12 @@ def test_policy_validates_fractions():
     computed = Policy(gbs=8, nb=1, wg=wg, wc=wc, wd=1 - wg - wc)
     assert computed.wd == 0.0 and computed.layer_counts(10) == (8, 2, 0)
     assert Policy.from_json(computed.to_json()) == computed
+    # the types its JSON reading enforces (gbs=2.5 failed deep in a simulation; "yes" wrote JSON it could not read)
+    for bad, message in ((dict(gbs=2.5), "gbs must be a whole number"), (dict(gbs=True), "gbs must be a whole number"),
+                         (dict(compress_weight="yes"), "compress_weight must be true or false"),
+                         (dict(wg="1"), "wg must be a number")):
+        with pytest.raises(ValueError, match=message):
+            Policy(**{"gbs": 8, "nb": 1, **bad})
     bad = p.to_dict()
     bad["wc"] = 0.9
     with pytest.raises(UserError, match="sum to"):
@@ -442,6 +448,25 @@ def test_light_stages_import_without_torch():
         "        importlib.import_module(m.name)\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not bad, bad[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_public_name_of_each_package_is_what_it_exports():
+    """`from xrunner import generate` gave the module xrunner/generate.py, not the function: a
+    submodule of an export's name hides the export once imported. Each package's names resolve to
+    the object in the module the package names, whatever was imported first."""
+    code = (
+        "import importlib\n"
+        "import xrunner.engine, xrunner.cli\n"  # (imports submodules first, as a running CLI has)
+        "for name in ('workloads', 'xprofiler', 'xsimulator', 'xscheduler', 'xrunner'):\n"
+        "    pkg = importlib.import_module(name)\n"
+        "    assert set(pkg.__all__) <= set(dir(pkg)), name\n"  # (the lazy names were missing from dir())
+        "    for export in pkg.__all__:\n"
+        "        got = getattr(pkg, export)\n"
+        "        assert not isinstance(got, type(pkg)), (name, export)\n"
+        "from xrunner import generate\n"
+        "assert callable(generate) and generate.__module__ == 'xrunner.reference'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from xrunner.generate import generate
+from xrunner.reference import generate
 from xrunner.loaders import load_weights, open_model
 from xsched.cli import main
 

@@ -11,7 +11,7 @@ import torch
 from test_model_core import PROMPTS, hf_greedy, one_torch_thread  # noqa: F401  (autouse fixture)
 
 from xprofiler.specs import ModelSpec, get_model_spec, spec_from_hf_dict
-from xrunner.generate import generate
+from xrunner.reference import generate
 from xrunner.loaders import (GGUFSource, HFDirectorySource, RandomSource, default_model_path, load_weights,
                              open_model, unpermute_rope_rows)
 from xsched.errors import UserError

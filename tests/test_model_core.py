@@ -19,7 +19,7 @@ import torch
 from scipy import stats
 
 from xprofiler.specs import ModelSpec, spec_from_hf_dict
-from xrunner.generate import generate, left_pad
+from xrunner.reference import generate, left_pad
 from xrunner.loaders import RandomSource, load_weights
 from xrunner.model import (attention, embed, final_logits, layer_forward, layer_ropes, position_ids_from_mask,
                            rope_tables)

@@ -757,7 +757,7 @@ def test_outputs_may_not_replace_the_profile_or_the_budget_file(random_plan, tmp
 def reference_outputs(model: str, dtype: str, prompts: list[list[int]], new_tokens: list[int],
                       stops: list[int]) -> list[list[int]]:
     """Greedy outputs of the in-memory loop, one request at a time (the independent reference)."""
-    from xrunner.generate import generate
+    from xrunner.reference import generate
     from xrunner.loaders import load_weights, open_model
 
     weights = load_weights(open_model(model, dtype=dtype))
@@ -969,7 +969,7 @@ def test_a_request_samples_with_its_own_parameters(tiny_dir, tmp_path, capsys):
     """A prompt file's "temperature" / "top_k" / "top_p" / "seed" override the command line's for that
     request only: each output equals the reference loop with that request's parameters; an invalid
     one is refused with its line."""
-    from xrunner.generate import generate
+    from xrunner.reference import generate
     from xrunner.loaders import load_weights, open_model
     from xrunner.sampling import SamplingParams
     from xsimulator.policy import Policy
@@ -1002,7 +1002,7 @@ def test_a_job_smaller_than_the_plans_block_runs_in_buffers_for_its_own_rows(tmp
     2000 requests refused 40 for memory): the run says so and runs one batch of 5, the rows the
     full block would have run, in buffers for 5 rows; the outputs equal the reference loop's and
     the planned peak is the smaller policy's. 12 requests fill 2 batches of 8."""
-    from xrunner.generate import generate
+    from xrunner.reference import generate
     from xprofiler.presets import load_profile
     from xrunner.loaders import load_weights, open_model
     from xrunner.result import RunResult
@@ -1057,7 +1057,7 @@ def test_a_job_whose_prompts_share_a_prefix_warns_a_plan_priced_without_it(tmp_p
     import warnings
 
     from workloads.workload import fixed_workload
-    from xrunner.generate import generate
+    from xrunner.reference import generate
     from xrunner.loaders import load_weights, open_model
     from xscheduler.plan import Plan
     from xsimulator.policy import Policy
@@ -1104,7 +1104,7 @@ def test_n_samples_per_prompt_each_get_a_line_and_their_own_draws_and_resume(ran
     """--n 2 (and a prompt's own "n": 3, or 1): one results line per sample, with the prompt's id
     and its "sample" index, each equal to the reference loop keyed by [id, sample]; the samples
     of a prompt differ. A job cut to its first lines and resumed writes the same set of lines."""
-    from xrunner.generate import generate
+    from xrunner.reference import generate
     from xrunner.loaders import load_weights, open_model
     from xrunner.sampling import SamplingParams
 
@@ -1464,7 +1464,7 @@ def test_default_model_on_real_prompts_matches_generate(tmp_path, capsys):
     """SmolLM2-135M-Instruct (the default), chat template, greedy: the same text as the reference loop,
     for prompt text and for a chat with its own system prompt."""
     from xrunner.cli import encode_prompt
-    from xrunner.generate import generate
+    from xrunner.reference import generate
     from xrunner.loaders import load_weights, open_model
     from xsimulator.policy import Policy
 

@@ -32,3 +32,7 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'workloads' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:  # the lazy names too, for completion and help()
+    return sorted(set(globals()) | set(__all__))

@@ -17,7 +17,7 @@ _EXPORTS: dict[str, str] = {
     "rope_tables": "xrunner.model", "position_ids_from_mask": "xrunner.model", "torch_dtype": "xrunner.model",
     # sampling and the in-memory generation loop
     "SamplingParams": "xrunner.sampling", "sample": "xrunner.sampling",
-    "GenerationResult": "xrunner.generate", "generate": "xrunner.generate", "left_pad": "xrunner.generate",
+    "GenerationResult": "xrunner.reference", "generate": "xrunner.reference", "left_pad": "xrunner.reference",
     # weight sources
     "ModelSource": "xrunner.loaders", "HFDirectorySource": "xrunner.loaders", "GGUFSource": "xrunner.loaders",
     "RandomSource": "xrunner.loaders", "open_model": "xrunner.loaders", "load_weights": "xrunner.loaders",

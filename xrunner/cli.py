@@ -174,7 +174,7 @@ def prompt_tokenizer(model: str | None, chat: bool = True,
 def _generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from xrunner.generate import generate
+    from xrunner.reference import generate
     from xrunner.loaders import hf_tokenizer, load_weights, open_model
     from xsched.errors import UserError
 

@@ -1780,6 +1780,12 @@ class Engine:
     def _check(self, r: Request) -> Request:
         if not r.prompt_ids:
             raise UserError(f"request {r.id}: empty prompt")
+        if not isinstance(r.prompt_ids, tuple):  # a tokenizer's list: a tuple keys the prefix caches (hashable)
+            r = replace(r, prompt_ids=tuple(int(t) for t in r.prompt_ids))
+        if not all(0 <= t < self.spec.vocab_size for t in r.prompt_ids):  # (was an IndexError deep in torch)
+            bad = next(t for t in r.prompt_ids if not 0 <= t < self.spec.vocab_size)
+            raise UserError(f"request {r.id}: token id {bad} is outside {self.spec.name}'s vocabulary "
+                            f"0..{self.spec.vocab_size - 1}")
         if len(r.prompt_ids) > self.max_prompt:
             raise UserError(f"request {r.id}: prompt of {len(r.prompt_ids)} tokens is longer than the plan's max "
                             f"prompt {self.max_prompt}; re-plan for longer prompts or shorten it")

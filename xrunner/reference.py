@@ -35,7 +35,9 @@ class GenerationResult:
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,
              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids ``[b, P]`` left padded to the longest prompt, and the mask ``[b, P]``."""
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if not prompts:
+        raise UserError("no prompts given")
+    if any(len(p) == 0 for p in prompts):
         raise UserError("every prompt needs at least one token")
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -67,6 +69,9 @@ def generate(model: ModelWeights, prompts: Sequence[Sequence[int]], max_new_toke
     device = model.head["embed_tokens.weight"].device
     dtype = model.head["embed_tokens.weight"].dtype
     ids, mask = left_pad(prompts, device=device)
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < spec.vocab_size:  # (an IndexError in torch)
+        raise UserError(f"a prompt's token ids must lie in {spec.name}'s vocabulary 0..{spec.vocab_size - 1}; got "
+                        f"{int(ids.min())}..{int(ids.max())}")
     b, width = ids.shape
     capacity = width + max_new_tokens
     if capacity > spec.max_positions:
