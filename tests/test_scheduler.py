@@ -900,3 +900,18 @@ def test_a_plan_for_templated_prompts_settles_near_ties_on_more_draws():
                                        default_too=True)
     assert mean(plan.policy) >= 0.99 * best > 0, (plan.policy.gbs, plan.policy.nb, mean(plan.policy), best)
     assert any("on the mean of 5 draws of which prefix each prompt gets" in note for note in plan.notes), plan.notes
+
+
+def test_plan_search_plans_in_the_profiles_dtype_and_refuses_what_is_no_sla():
+    """A library caller's float32 spec on the float16 t4 preset planned 32 x 1 at 639 tokens/s
+    (its float16 form: 64 x 1 at 1,369); a bare 3600.0 as the SLA failed with AttributeError and
+    SLA("p95", 10) was taken (an API walkthrough)."""
+    prof, wl = load_profile("t4"), get_workload("T@0.25")
+    raw = replace(get_model_spec("opt-1.3b"), dtype="float32")
+    got = plan_search(raw, prof, wl, SLA("p99", 3600.0), num_requests=64, confirm_seeds=())
+    want = plan_search(prof.model_for(raw), prof, wl, SLA("p99", 3600.0), num_requests=64, confirm_seeds=())
+    assert got.model.dtype == "float16" and got.policy == want.policy
+    with pytest.raises(UserError, match="sla must be an SLA"):
+        plan_search(raw, prof, wl, 3600.0, num_requests=64)
+    with pytest.raises(ValueError, match="p99 or p99-length"):
+        SLA("p95", 10.0)

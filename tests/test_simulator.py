@@ -1143,3 +1143,16 @@ def test_the_vectorised_prefix_taking_agrees_with_the_engines_replay():
         assert all(a or not b for a, b in zip(limited, vec))
         taken += int((~vec).sum())
     assert taken > 100
+
+
+def test_the_analytic_path_refuses_no_requests_as_the_sampling_one_does():
+    """`simulate_analytic(..., num_requests=0)` divided by zero (an API walkthrough)."""
+    from xprofiler.presets import load_preset
+    from xprofiler.specs import get_model_spec
+    from xsched.errors import UserError
+    from xsimulator.analytic import simulate_analytic
+    from xsimulator.policy import Policy
+
+    prof = load_preset("t4")
+    with pytest.raises(UserError, match="number of requests must be >= 1, got 0"):
+        simulate_analytic(prof.model_for(get_model_spec("opt-1.3b")), prof, Policy(gbs=8, nb=1), get_workload("T"), 0)

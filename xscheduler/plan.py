@@ -37,6 +37,8 @@ class SLA(Contract):
     latency_s: float
 
     def __post_init__(self) -> None:
+        if self.kind not in ("p99", "p99-length"):  # (SLA("p95", 10) was taken, and failed mid-search)
+            raise ValueError(f"SLA kind must be p99 or p99-length, got {self.kind!r}")
         if not self.latency_s > 0 or math.isnan(self.latency_s):
             raise ValueError(f"latency bound must be > 0 seconds, got {self.latency_s:g}")
 

@@ -43,6 +43,7 @@ from scipy import signal, special, stats
 from workloads.workload import Workload
 from xprofiler.profile import HardwareProfile
 from xprofiler.specs import ModelSpec
+from xsched.errors import UserError
 from xsimulator.costmodel import (BlockStep, CostModel, StepTerms, prefix_groups_in_batch, run_cache_positions,
                                   uncached_prefix_share)
 from xsimulator.policy import Policy
@@ -606,6 +607,8 @@ def simulate_analytic(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
     Where refilling cannot change the run (:meth:`Policy.refill_in_effect`) it is priced as a
     block without refill, as the discrete-event path runs it.
     """
+    if isinstance(num_requests, bool) or int(num_requests) != num_requests or num_requests < 1:
+        raise UserError(f"number of requests must be >= 1, got {num_requests}")  # (was a ZeroDivisionError)
     cm = CostModel.for_policy(spec, profile, policy)
     model = _Analytic(cm, policy, workload, int(num_requests))
     refills = policy.refill_in_effect(int(num_requests), workload.output.max_len, workload.output.min_len) > 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+import numpy as np
+
 from xsched.contract import Contract
 
 PLACEMENT_VARS: tuple[str, ...] = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
@@ -42,7 +44,11 @@ MAX_NB = 2**12
 
 @dataclass(frozen=True)
 class Policy(Contract):
-    """GPU batch size, batches per block, placement, compression, delegation and refill."""
+    """GPU batch size, batches per block, placement, compression, delegation and refill.
+
+    Placement fractions (0..1, each trio summing to 1): ``wg``/``wc``/``wd`` of the weights,
+    ``cg``/``cc``/``cd`` of the KV cache and ``hg``/``hc``/``hd`` of the activations on the gpu,
+    cpu and disk tiers (FlexGen's policy variables)."""
 
     SCHEMA: ClassVar[str] = "xsched.Policy/1"
 
@@ -69,6 +75,21 @@ class Policy(Contract):
     prefix_cache_positions: int | None = None
 
     def __post_init__(self) -> None:
+        # The types JSON reading enforces, enforced here too: gbs=2.5 failed deep in a simulation,
+        # gbs=True ran as 1, and compress_weight="yes" wrote JSON that could not be read back.
+        for name in ("gbs", "nb", "refill_every") + (("prefix_cache_positions",) if self.prefix_cache_positions
+                                                      is not None else ()):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{name} must be a whole number, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        for name in ("compress_weight", "compress_cache", "cpu_attention", "bucket", "overlap"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        for var in PLACEMENT_VARS:
+            if isinstance(getattr(self, var), bool) or not isinstance(getattr(self, var), (int, float, np.number)):
+                raise ValueError(f"{var} must be a number (a fraction 0..1), got {getattr(self, var)!r}")
         if self.gbs < 1 or self.nb < 1:
             raise ValueError(f"gbs and nb must be >= 1, got gbs={self.gbs} nb={self.nb}")
         if self.gbs > MAX_GBS or self.nb > MAX_NB:  # the simulators' arrays grow with both
