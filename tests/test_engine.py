@@ -1690,7 +1690,7 @@ def test_calibration_text_too_short_for_the_tokenizer_is_a_user_error():
 
 
 # --------------------------------------------------------------------------- refusals and cleanup
-def test_a_tokenizers_list_runs_and_a_token_past_the_vocabulary_is_one_line():
+def test_requests_take_a_tokenizers_list_and_refuse_bad_or_repeated_ids_in_one_line():
     """A list of ids (what tokenizers return) failed with "unhashable type: 'list'", and an id past
     the vocabulary with an IndexError deep in torch (an API walkthrough)."""
     src = RandomSource(LLAMA, seed=3)
@@ -1702,6 +1702,8 @@ def test_a_tokenizers_list_runs_and_a_token_past_the_vocabulary_is_one_line():
         assert got[0].output_ids == again[0].output_ids and len(got[0].output_ids) == 2
         with pytest.raises(UserError, match=f"token id {LLAMA.vocab_size} is outside .* vocabulary"):
             eng.run([Request(id=1, prompt_ids=(5, LLAMA.vocab_size), max_new_tokens=2)])
+        with pytest.raises(UserError, match="request id 3 is given twice in one run"):  # (they shared a stream)
+            eng.run([Request(id=3, prompt_ids=(5,), max_new_tokens=1), Request(id=3, prompt_ids=(6,), max_new_tokens=1)])
     weights = load_weights(src)
     with pytest.raises(UserError, match="token ids must lie in"):
         generate(weights, [[5, -1]], 2)

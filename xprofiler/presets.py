@@ -29,6 +29,7 @@ def preset_names() -> list[str]:
 
 
 def load_preset(name: str) -> HardwareProfile:
+    """The shipped profile preset ``name`` (``preset_names()``: machines from the papers, not measured)."""
     path = _preset_dir() / f"{name}.json"
     if not path.is_file():
         raise UserError(f"unknown profile preset {name!r}; presets: {', '.join(preset_names()) or 'none'}")

@@ -917,6 +917,7 @@ def _registry() -> dict[str, ModelSpec]:
 
 
 def model_names() -> list[str]:
+    """The registry's model names, in its order (``get_model_spec`` takes each)."""
     return list(_registry())
 
 

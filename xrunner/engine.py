@@ -1693,6 +1693,7 @@ class Engine:
         peak = self.ledger.reset_window()
         first_change = len(self.reconfigurations)
         self.stats = EngineStats(0.0, 0, 0, 0, 0, 0, {}, dict(self.planned_peak_bytes), {}, [], [])
+        self._ids: set[Any] = set()  # a run's request ids: two alike share a sampling stream and a result
         self._clear_cache()
         boundary = 0
         try:
@@ -1778,6 +1779,9 @@ class Engine:
         return self.max_prompt if self.share_prefixes and self.prefixes_across_batches else 0
 
     def _check(self, r: Request) -> Request:
+        if r.id in self._ids:
+            raise UserError(f"request id {r.id!r} is given twice in one run; ids must be unique")
+        self._ids.add(r.id)
         if not r.prompt_ids:
             raise UserError(f"request {r.id}: empty prompt")
         if not isinstance(r.prompt_ids, tuple):  # a tokenizer's list: a tuple keys the prefix caches (hashable)
