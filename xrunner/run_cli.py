@@ -460,6 +460,7 @@ def _run(args: argparse.Namespace) -> int:
                                                    profile, no_profile, len(units))
             if policy is not None:
                 plan = replace(plan, policy=policy.for_job(len(units)))
+                fitted = plan_policy = plan.policy  # (the note on fitting the old plan to the job no longer applies)
                 rounded, cache_positions, planned_peak = priced(plan.policy)
                 stale = "it was re-planned for the budget file before starting"
         machine = machine_capacity_bytes(device, offload_root)
@@ -665,11 +666,13 @@ def _budget_at_start(args: argparse.Namespace, plan: Any, planned_peak: dict[str
     """(a policy for the budget file's budget, or None to keep the plan's; the budget, or None for no
     usable file) before the engine loads: a budget below the plan's planned peak had the first block
     run over it, and a job of one block the whole job (a walkthrough: a 1000-byte gpu budget, rc 0)."""
-    from xrunner.budget import FileBudget, plan_fn_for
+    from xrunner.budget import BudgetWarning, FileBudget, plan_fn_for
     from xsched.errors import UserError
     from xscheduler.replan import policy_changes
 
-    caps = FileBudget(args.budget_file).poll()  # (problems with the file are warned by the hook's check)
+    with warnings.catch_warnings():  # (the hook's check says what is wrong with the file, once)
+        warnings.simplefilter("ignore", BudgetWarning)
+        caps = FileBudget(args.budget_file).poll()
     if not caps:
         return None, None
     over = {t: planned_peak[t] - b for t, b in caps.items() if planned_peak.get(t, 0.0) > b}
