@@ -660,6 +660,25 @@ def test_a_budget_file_below_the_plan_at_the_start_is_planned_for_before_the_fir
     assert sorted(r["id"] for r in read_rows(out)) == [0, 1, 2, 3] and not result["adaptations"]
 
 
+def test_a_plan_whose_policy_was_edited_by_hand_gets_no_plan_column(random_plan, tmp_path, capsys):
+    """The end-of-run table printed the plan's prediction (for the policy it was made with) beside
+    a hand-edited policy's measurements (a walkthrough: plan wall 0.90 s and no disk beside a
+    measured 2.82 s and 0.21 GiB on disk). The simulated column prices the policy that ran."""
+    data = json.loads(Path(random_plan).read_text())
+    data["policy"]["nb"] = 1  # the prediction still prices nb = 2
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": i, "prompt_ids": [5 + i, 6]} for i in range(2)])
+    for plan, column in ((random_plan, True), (edited, False)):
+        out = tmp_path / f"o-{column}.jsonl"
+        assert main(["run", "--plan", str(plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--out",
+                     str(out), "--adapt", "none", "--result", str(tmp_path / f"r-{column}.json")]) == 0
+        captured = capsys.readouterr()
+        assert ("(plan: " in captured.out) == column, captured.out
+        assert ("no plan column: the plan's policy is not the one its prediction priced" in captured.err) != column
+        assert (json.loads((tmp_path / f"r-{column}.json").read_text())["predicted"] is None) != column
+
+
 def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
     ok = write_prompts(tmp_path / "ok.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7]}])
     bad_json = tmp_path / "bad.jsonl"
