@@ -1156,3 +1156,20 @@ def test_the_analytic_path_refuses_no_requests_as_the_sampling_one_does():
     prof = load_preset("t4")
     with pytest.raises(UserError, match="number of requests must be >= 1, got 0"):
         simulate_analytic(prof.model_for(get_model_spec("opt-1.3b")), prof, Policy(gbs=8, nb=1), get_workload("T"), 0)
+
+
+def test_requests_longer_than_the_workload_are_priced_at_their_own_memory():
+    """`simulate(..., requests=...)` sized memory for the workload's longest lengths: 8 prompts of
+    100,000 tokens "fit" at the memory of 100-token ones (an API walkthrough). The engine sizes for
+    the job's; so does the simulation now."""
+    from xprofiler.presets import load_preset
+    from xprofiler.specs import get_model_spec
+
+    prof = load_preset("t4")
+    spec, policy, w = prof.model_for(get_model_spec("opt-1.3b")), Policy(gbs=8, nb=1), get_workload("T")
+    short = simulate(spec, prof, policy, w, requests=([100] * 8, [5] * 8))
+    long = simulate(spec, prof, policy, w, requests=([1000] * 8, [5] * 8))
+    assert short.peak_bytes == simulate(spec, prof, policy, w, requests=([200] * 8, [5] * 8)).peak_bytes  # T: to 256
+    assert long.peak_bytes["gpu"] > short.peak_bytes["gpu"]
+    wide = simulate(spec, prof, policy, get_workload("fixed:1000:320"), requests=([1000] * 8, [5] * 8))
+    assert long.peak_bytes == wide.peak_bytes  # as if the workload itself reached 1000 tokens

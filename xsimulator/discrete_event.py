@@ -710,18 +710,21 @@ def summarize(cm: CostModel, policy: Policy, workload: Workload, *, method: str,
               num_requests: int, seed: int | None, wall_s: float, generated: float, prompt_tokens: float,
               padded_prompt: float, latencies: np.ndarray, latency_weights: np.ndarray | None,
               p99_length_s: float, prefill: BlockStep, decode: BlockStep, prefill_steps: int,
-              decode_steps: int, cache_positions: int | None = None) -> SimResult:
+              decode_steps: int, cache_positions: int | None = None,
+              longest: tuple[int, int] | None = None) -> SimResult:
     """Turn priced steps and request latencies into a SimResult (shared by both paths);
-    ``cache_positions``: the run's prefix cache (default: sized for the workload)."""
+    ``cache_positions``: the run's prefix cache (default: sized for the workload); ``longest``:
+    the (prompt, output) lengths memory is sized for (default: the workload's longest)."""
     L = cm.spec.num_layers
     busy: dict[str, float] = {}
     for name in StepTerms().as_dict():
         busy[name] = float(L * (np.sum(getattr(prefill.terms, name)) + np.sum(getattr(decode.terms, name))))
     busy["head"] = float(np.sum(prefill.head_s) + np.sum(decode.head_s))
     compute_busy = busy["gpu_compute"] + busy["cpu_compute"] + busy["dequant"] + busy["quant"] + busy["head"]
+    longest = longest or (workload.prompt.max_len, workload.output.max_len)
     if cache_positions is None:
-        cache_positions = run_cache_positions(policy, workload)
-    peaks = cm.peak_bytes(policy, workload.prompt.max_len, workload.output.max_len, cache_positions)
+        cache_positions = run_cache_positions(policy, workload, longest[0])
+    peaks = cm.peak_bytes(policy, *longest, cache_positions)
     caps = {t: float(profile.capacity_bytes(t)) for t in peaks}
     mean_lat = float(np.average(latencies, weights=latency_weights))
     return SimResult(
@@ -803,7 +806,9 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
         prompt_tokens=float(prompt.sum()), padded_prompt=float(np.sum(tl.prefill_positions)),
         latencies=tl.latency_s, latency_weights=None, p99_length_s=p99_length_latency(tl, output, p99_len),
         prefill=tl.prefill, decode=tl.decode, prefill_steps=int(np.count_nonzero(tl.prefill_rows.sum(axis=0))),
-        decode_steps=int(np.count_nonzero(tl.decode_rows.sum(axis=0))), cache_positions=cache_positions)
+        decode_steps=int(np.count_nonzero(tl.decode_rows.sum(axis=0))), cache_positions=cache_positions,
+        # (as the engine sizes for the job's: requests past the workload's lengths were priced at its memory)
+        longest=(max_prompt, max(workload.output.max_len, int(output.max()))))
     return result, tl
 
 
