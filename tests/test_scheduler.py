@@ -915,3 +915,20 @@ def test_plan_search_plans_in_the_profiles_dtype_and_refuses_what_is_no_sla():
         plan_search(raw, prof, wl, 3600.0, num_requests=64)
     with pytest.raises(ValueError, match="p99 or p99-length"):
         SLA("p95", 10.0)
+
+
+def test_plan_search_records_what_the_workload_leaves_unpriced_and_refuses_what_run_refuses():
+    """`xsched plan` warned of a workload past the model's positions and of a shared prefix longer
+    than most prompts, and refused one whose every request is past them, but a library caller's
+    ``plan_search`` planned both without a word in the Plan (an API walkthrough)."""
+    from workloads.workload import with_samples
+
+    prof, spec = load_profile("t4"), get_model_spec("opt-125m")
+    with pytest.raises(UserError, match="every request of workload fixed:2049:8 is beyond"):
+        plan_search(spec, prof, get_workload("fixed:2049:8"), SLA("p99", 3600.0), num_requests=8, confirm_seeds=())
+    wl = with_samples(get_workload("T@0.25"), None, prefix_tokens=40)
+    plan = plan_search(spec, prof, wl, SLA("p99", 3600.0), num_requests=32, confirm_seeds=())
+    assert any("no longer than the 40-token prefix" in n for n in plan.notes), plan.notes
+    assert Plan.from_dict(json.loads(plan.to_json())).notes == plan.notes
+    plain = plan_search(spec, prof, get_workload("T@0.25"), SLA("p99", 3600.0), num_requests=32, confirm_seeds=())
+    assert not any("prefix" in n for n in plain.notes), plain.notes

@@ -185,6 +185,7 @@ def test_plan_refuses_a_workload_every_request_of_which_run_would_refuse_and_war
     out = run("plan", "--profile", profile_path, "--model", "opt-125m", "--workload", "T", "--requests", "64",
               "--prefix-tokens", "250", "--latency", "600", "--quiet")
     assert out.returncode == 0 and "warning: " in out.stderr and "no longer than the 250-token prefix" in out.stderr
+    assert out.stderr.count("no longer than the 250-token prefix") == 1, out.stderr  # warned, not noted again
     out = run("plan", "--profile", profile_path, "--model", "opt-125m", "--workload", "T", "--requests", "64",
               "--prefix-tokens", "20", "--latency", "600", "--quiet")  # a preset's short tail (8% of T) is no job's
     assert out.returncode == 0 and "warning" not in out.stderr, out.stderr

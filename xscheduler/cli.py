@@ -172,13 +172,10 @@ def _plan(args: argparse.Namespace) -> int:
                            "(--requests N for a job of another size)")
     if ESTIMATE_NOTE in workload.source:
         assumed.append(f"workload {workload.source}")
-    shortest = workload.prompt.min_len + workload.output.min_len
-    if shortest > spec.max_positions:
-        raise UserError(f"every request of workload {workload.name} is beyond {spec.name}'s {spec.max_positions} "
-                        f"positions (the shortest prompt + output is {shortest} tokens), and `xsched run` refuses "
-                        "them: scale the workload (NAME@0.5) or plan a model with a longer context")
-    for caveat in workload.caveats(spec.name, spec.max_positions):
-        warnings.warn(caveat, UserWarning, stacklevel=1)
+    caveats = workload.caveats(spec.name, spec.max_positions)
+    if workload.prompt.min_len + workload.output.min_len <= spec.max_positions:  # (else plan_search refuses it)
+        for caveat in caveats:  # now, not after a search that can take minutes (the plan's notes repeat them)
+            warnings.warn(caveat, UserWarning, stacklevel=1)
     if (unfitted := profile.unfitted_note(spec)) is not None:
         assumed.append(unfitted)
     try:
@@ -258,7 +255,8 @@ def describe(plan) -> str:  # noqa: ANN001
             + f"; mean of the {len(draws)} draws {sum(draws) / len(draws):,.3f} tokens/s")
     lines.append(f"search: {s.method}, {s.evaluations} simulator evaluations in a {s.grid_points}-point knob grid, "
                  f"{s.lp_solves} placement LPs, {s.wall_s:,.1f} s (searched with the {plan.searched_with} path)")
-    lines += [f"note: {n}" for n in plan.notes]
+    warned = plan.workload.caveats(plan.model.name, plan.model.max_positions)  # (warned of before the search)
+    lines += [f"note: {n}" for n in plan.notes if n not in warned]
     return "\n".join(lines)
 
 

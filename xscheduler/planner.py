@@ -133,6 +133,11 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
     if not isinstance(sla, SLA):
         raise UserError(f"sla must be an SLA (e.g. SLA(\"p99\", 3600.0)), got {sla!r}")
     spec = profile.model_for(spec)
+    shortest = workload.prompt.min_len + workload.output.min_len
+    if shortest > spec.max_positions:
+        raise UserError(f"every request of workload {workload.name} is beyond {spec.name}'s {spec.max_positions} "
+                        f"positions (the shortest prompt + output is {shortest} tokens), and `xsched run` refuses "
+                        "them: scale the workload (NAME@0.5) or plan a model with a longer context")
     user_sla = sla
     warm = method == "warm"  # (a re-plan mid-job: the cache's shape scan is left out)
     margin_f, margin_source = resolve_margin(profile, margin)
@@ -182,7 +187,8 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
     for s in confirm_seeds:
         r = ev.simulate(best.policy, seed=s, method="discrete-event")
         confirmations.append(Confirmation(s, r.throughput_tokens_per_s, r.latency_s(sla.kind), sla.met_by(r)))
-    notes = []
+    # what the workload itself leaves unpriced, recorded where a library caller and the plan file see it
+    notes = workload.caveats(spec.name, spec.max_positions)
     if best is not grown and best.policy in means and grown.policy in means:
         apart = best.variant != grown.variant
         notes.append(f"{_shape(best.policy, best.variant if apart else None)} chosen over "
