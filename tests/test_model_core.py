@@ -19,10 +19,10 @@ import torch
 from scipy import stats
 
 from xprofiler.specs import ModelSpec, spec_from_hf_dict
-from xrunner.reference import generate, left_pad
 from xrunner.loaders import RandomSource, load_weights
-from xrunner.model import (attention, embed, final_logits, layer_forward, layer_ropes, position_ids_from_mask,
-                           rope_tables)
+from xrunner.model import (attention, embed, final_logits, layer_forward, layer_ropes, left_pad,
+                           position_ids_from_mask, rope_tables)
+from xrunner.reference import generate
 from xrunner.sampling import SamplingParams, filter_logits, sample
 from xsched.errors import UserError
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -323,3 +324,16 @@ def test_a_plan_prices_the_job_its_workload_file_held(tmp_path, capsys):
         assert main(["simulate", "--profile", "t4", "--model", "opt-1.3b", "--workload", workload, *extra,
                      "--policy", '{"gbs": 4, "nb": 1}', "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["num_requests"] == want
+
+
+def test_the_clis_copies_of_the_default_job_size_match_the_simulators():
+    """`simulate` and `plan` keep their own copy of the default request count (importing the
+    simulator would slow every command's start); both must price the job the library prices."""
+    import xscheduler.cli
+    import xsimulator.cli
+    from xscheduler.planner import plan_search
+    from xsimulator.discrete_event import DEFAULT_REQUESTS, simulate
+
+    assert xsimulator.cli.DEFAULT_REQUESTS == xscheduler.cli.DEFAULT_REQUESTS == DEFAULT_REQUESTS
+    assert inspect.signature(simulate).parameters["num_requests"].default == DEFAULT_REQUESTS
+    assert inspect.signature(plan_search).parameters["num_requests"].default == DEFAULT_REQUESTS

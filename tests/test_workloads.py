@@ -32,7 +32,7 @@ def test_presets_reproduce_exegpt_table3(name):
     assert w.output.mean == pytest.approx(om, rel=0.005)
     assert w.output.std == pytest.approx(osd, rel=0.005)
     # The table's 99th-percentile column was not used to build the preset: an independent check.
-    assert abs(w.output.percentile(0.99) - o99) <= 1
+    assert abs(w.output.quantile(0.99) - o99) <= 1
     assert w.prompt.mean == pytest.approx(im, rel=0.01)
     uniform_std = math.sqrt(((imax - 1 + 1) ** 2 - 1) / 12)
     if isd < uniform_std:  # reachable by a truncated normal on 1..max
@@ -76,7 +76,7 @@ def test_skewnorm_and_lognorm_parameters_match_scipy_moments():
     assert wide.std == pytest.approx(30, rel=0.02)
     left = LengthDistribution.skewnorm(200, 30, -0.8, 1000)
     right = LengthDistribution.skewnorm(200, 30, 0.8, 1000)
-    assert left.percentile(0.99) < right.percentile(0.99)
+    assert left.quantile(0.99) < right.quantile(0.99)
 
 
 def test_sampling_is_seeded_and_follows_the_pmf():
@@ -86,9 +86,9 @@ def test_sampling_is_seeded_and_follows_the_pmf():
     assert not np.array_equal(a, d.sample(200_000, seed=8))
     assert a.min() >= d.min_len and a.max() <= d.max_len
     assert a.mean() == pytest.approx(d.mean, rel=0.01)
-    assert np.quantile(a, 0.99) == pytest.approx(d.percentile(0.99), abs=3)
+    assert np.quantile(a, 0.99) == pytest.approx(d.quantile(0.99), abs=3)
     # percentile is the inverse CDF: smallest length with cdf >= q
-    q = d.percentile(0.9)
+    q = d.quantile(0.9)
     assert d.cdf(q) >= 0.9 > d.cdf(q - 1)
 
 
@@ -329,7 +329,7 @@ def test_a_fit_the_ks_test_rejects_is_not_chosen_and_fits_start_at_the_shortest_
     report = fit_lengths(skewed)
     chosen = next(c for c in report.candidates if c.distribution == report.best)
     assert chosen.ks_pvalue >= 0.01 and report.best.min_len >= 200
-    assert report.best.percentile(0.99) == pytest.approx(np.percentile(skewed, 99), rel=0.05)
+    assert report.best.quantile(0.99) == pytest.approx(np.percentile(skewed, 99), rel=0.05)
     two_peaks = fit_lengths(np.concatenate([np.full(300, 20), np.full(300, 400), np.arange(1, 500)]))
     assert two_peaks.best.family == "empirical" and "rejected (KS p < 0.01)" in two_peaks.describe()
     # a normal cut at 200 tokens (every prompt behind a 200-token template) is fitted as one, from 200

@@ -6,8 +6,9 @@ The public names load on first use, so ``xsched --help`` does not pay for scipy.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from xsched.lazy import lazy_exports
 
 _EXPORTS = {
     "LengthDistribution": "workloads.distributions",
@@ -27,12 +28,4 @@ if TYPE_CHECKING:
     from workloads.fit import FitReport, fit_lengths
     from workloads.workload import Workload, get_workload, preset_names
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'workloads' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:  # the lazy names too, for completion and help()
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

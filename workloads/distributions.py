@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 from scipy import special
@@ -22,7 +22,7 @@ from xsched.contract import Contract
 from xsched.errors import UserError
 
 Family = Literal["truncnorm", "skewnorm", "lognorm", "fixed", "empirical", "mixture"]
-FAMILIES: tuple[str, ...] = ("truncnorm", "skewnorm", "lognorm", "fixed", "empirical", "mixture")
+FAMILIES: tuple[str, ...] = get_args(Family)
 PARAMETRIC: tuple[str, ...] = ("truncnorm", "skewnorm", "lognorm")
 _PARAM_NAMES: dict[str, tuple[str, ...]] = {
     "truncnorm": ("mean", "std"),
@@ -278,10 +278,10 @@ class LengthDistribution(Contract):
         out = self.min_len + np.minimum(idx, self.max_len - self.min_len)
         return out.astype(np.int64) if np.ndim(out) else int(out)
 
-    def percentile(self, q: float) -> int:
-        """The ``q``-quantile (q in 0..1, not percent), e.g. ``percentile(0.99)``."""
+    def quantile(self, q: float) -> int:
+        """The ``q``-quantile (q in 0..1, not percent), e.g. ``quantile(0.99)`` for the p99."""
         if not 0.0 <= q <= 1.0:
-            raise UserError(f"percentile {q} is outside 0..1 (a fraction, not a percent)")
+            raise UserError(f"quantile {q} is outside 0..1 (a fraction, not a percent)")
         return int(self.ppf(q))
 
     def sample(self, n: int, seed: int | np.random.Generator = 0) -> np.ndarray:
@@ -328,8 +328,8 @@ class LengthDistribution(Contract):
         are the extremes it can draw (an empirical pmf of 6s in 6..8 read "p99 6, max 8")."""
         support, probs = self._table
         drawn = support[probs > 0]
-        return {"mean": self.mean, "std": self.std, "p50": self.percentile(0.5), "p90": self.percentile(0.9),
-                "p99": self.percentile(0.99), "min": int(drawn[0]), "max": int(drawn[-1])}
+        return {"mean": self.mean, "std": self.std, "p50": self.quantile(0.5), "p90": self.quantile(0.9),
+                "p99": self.quantile(0.99), "min": int(drawn[0]), "max": int(drawn[-1])}
 
     def describe(self) -> str:
         if self.family == "fixed":

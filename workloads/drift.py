@@ -171,6 +171,7 @@ class DriftMonitor:
 DEFAULT_HORIZON = 10_000  # requests a job is assumed to hold when the caller does not say
 DEFAULT_MIN_SHIFT = 0.15  # relative change of every length the CUSUM is tuned to catch fastest
 DETECTION_DELAY = 500  # requests within which a CUSUM against an estimated reference should find a shift
+SIEGMUND_OVERSHOOT = 1.166  # added to a CUSUM threshold in Siegmund's run-length approximation (the sum overshoots it)
 
 
 def siegmund_arl(h: Any, k: Any) -> Any:
@@ -178,9 +179,9 @@ def siegmund_arl(h: Any, k: Any) -> Any:
     ``k`` and threshold ``h`` (Siegmund 1985, with the 1.166 overshoot correction). A ``k`` at or
     below 0 is a stream drifting up at least as fast as the allowance: the run length then grows
     only linearly in ``h``. Scalars or numpy arrays."""
-    b = 2.0 * np.asarray(k, float) * (np.asarray(h, float) + 1.166)
+    b = 2.0 * np.asarray(k, float) * (np.asarray(h, float) + SIEGMUND_OVERSHOOT)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        arl = np.where(np.abs(b) < 1e-6, (np.asarray(h, float) + 1.166) ** 2,
+        arl = np.where(np.abs(b) < 1e-6, (np.asarray(h, float) + SIEGMUND_OVERSHOOT) ** 2,
                        (np.expm1(np.minimum(b, 700.0)) - b) / (2.0 * np.asarray(k, float) ** 2))
     arl = np.where(b > 700, np.inf, np.maximum(arl, 1e-300))
     return float(arl) if arl.ndim == 0 else arl
@@ -249,13 +250,13 @@ def cusum_design(tuned: float, horizon: int, alpha: float, reference_sd: float =
         return cusum_threshold(k, horizon, alpha, reference_sd)
 
     def smallest(k: float) -> float:
-        return k + (threshold(k) + 1.166) / delay
+        return k + (threshold(k) + SIEGMUND_OVERSHOOT) / delay
 
     cap = min(cap, tuned + 6 * reference_sd)  # past 6 sd the error hardly matters: the classic design
     lo = min(tuned, cap)  # a cap below the tuned allowance: the sums could never reach a threshold
     k = _least(smallest, lo, cap)
     if smallest(k) <= 2 * tuned:
-        k = _least(lambda k: (threshold(k) + 1.166) / (2 * tuned - k), lo, min(cap, 2 * tuned - 1e-6))
+        k = _least(lambda k: (threshold(k) + SIEGMUND_OVERSHOOT) / (2 * tuned - k), lo, min(cap, 2 * tuned - 1e-6))
     return k, threshold(k)
 
 

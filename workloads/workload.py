@@ -330,7 +330,7 @@ class Workload(Contract):
         if short < SHORT_PROMPTS_NOTED:
             return None
         return (f"{short:.0%} of workload {self.name}'s prompts are no longer than the {self.prefix_tokens}-token prefix "
-                f"they share (median prompt {self.prompt.percentile(0.5)} tokens); each is priced as all prefix but "
+                f"they share (median prompt {self.prompt.quantile(0.5)} tokens); each is priced as all prefix but "
                 "its last token: give the shared part's length as the prompts count it")
 
     def describe(self) -> str:

@@ -6,8 +6,7 @@ the runner's commands without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from xsched.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     # model core: the one copy of the math
@@ -17,7 +16,7 @@ _EXPORTS: dict[str, str] = {
     "rope_tables": "xrunner.model", "position_ids_from_mask": "xrunner.model", "torch_dtype": "xrunner.model",
     # sampling and the in-memory generation loop
     "SamplingParams": "xrunner.sampling", "sample": "xrunner.sampling",
-    "GenerationResult": "xrunner.reference", "generate": "xrunner.reference", "left_pad": "xrunner.reference",
+    "GenerationResult": "xrunner.reference", "generate": "xrunner.reference", "left_pad": "xrunner.model",
     # weight sources
     "ModelSource": "xrunner.loaders", "HFDirectorySource": "xrunner.loaders", "GGUFSource": "xrunner.loaders",
     "RandomSource": "xrunner.loaders", "open_model": "xrunner.loaders", "load_weights": "xrunner.loaders",
@@ -33,12 +32,4 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'xrunner' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -43,7 +43,7 @@ from xrunner.gptq import CENTER_SEQUENCES, GPTQCalibration, scratch_bytes as cal
 from xrunner.loaders import ModelSource
 from xrunner.model import (attend_rows_on_cpu, attention, attn_in, attn_out_mlp, cpu_attention_chunk_rows,
                            cpu_head_layout, embed, final_logits, head_layout_of, is_range, lm_head_name,
-                           layer_ropes, torch_dtype)
+                           layer_ropes, left_pad, position_ids_from_mask, torch_dtype)
 from xrunner.prefix import Held, PrefixCache, PrefixPlan, plan_block, prefill_layer, prefix_order
 from xrunner.sampling import SamplingParams, sample
 from xrunner.stored_forms import KVCodec, WeightLayout
@@ -52,14 +52,16 @@ from xsched.errors import UserError
 from xsimulator.costmodel import (COPY_RUN_BYTES, CPU_ATTENTION_CHUNK_BYTES, CUDA_RUN_ROW_BYTES, SPAN_MAX_RATIO,
                                   CostModel, cpu_attention_scratch_bytes, head_layout_bytes, pack_scratch_bytes)
 from xsimulator.policy import Policy
-from xsimulator.trace import TraceEvent, TraceMarker
+from xsimulator.trace import TRACKS, TraceEvent, TraceMarker
 
-RESOURCES: tuple[str, ...] = ("compute", "cpu_compute", "ctog", "gtoc", "dtoc", "ctod")
+RESOURCES: tuple[str, ...] = TRACKS  # the simulator's trace tracks, so the two timelines line up
 
 
 # --------------------------------------------------------------------------- public records
 @dataclass(frozen=True)
 class Request:
+    """One prompt to generate for, as the engine takes it: already tokenized, with its own budget."""
+
     id: Any  # str or int (xsched run: a prompt's id, or (id, sample) for one of its "n" outputs); keys its draws
     prompt_ids: tuple[int, ...]  # already tokenized (chat template applied by the caller)
     max_new_tokens: int
@@ -68,6 +70,8 @@ class Request:
 
 @dataclass(frozen=True)
 class Finished:
+    """A request's result, handed back as soon as its sequence stops (EOS or its budget)."""
+
     id: Any  # its Request's
     prompt_tokens: int
     output_ids: tuple[int, ...]  # generated tokens (includes the EOS token if it stopped on one)
@@ -85,6 +89,9 @@ class Finished:
 
 @dataclass
 class EngineStats:
+    """What a job measured, set beside the plan's prediction: wall time, tokens, peaks per tier, busy
+    time per resource and the timeline (:meth:`Engine.run` returns it)."""
+
     wall_s: float
     generated_tokens: int
     prompt_tokens: int
@@ -1815,18 +1822,15 @@ class Engine:
                 batch.mask.zero_()
             end = max(batch.end, P)
             c0 = end - P
-            ids = torch.zeros((len(new), P), dtype=torch.long)
-            mask = torch.zeros((len(new), P), dtype=torch.bool)
+            ids, mask = left_pad([r.prompt_ids for _s, r in new])
             for i, (slot, r) in enumerate(new):
                 n = len(r.prompt_ids)
-                ids[i, P - n:] = torch.tensor(r.prompt_ids, dtype=torch.long)
-                mask[i, P - n:] = True
                 batch.rows[slot] = _Row(r, [], start, n_ctx=n, first_col=c0 + P - n,
                                         logprobs=[] if self.logprobs else None)
                 batch.mask[slot] = False
                 batch.mask[slot, c0:end] = mask[i]
             batch.end = end
-            pos = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+            pos = position_ids_from_mask(mask)
             dev_mask = None if bool(mask.all()) else mask.to(self.device)
             prompts = [r.prompt_ids for _s, r in new]
             share = _repeats(prompts)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from xprofiler.specs import ModelSpec, prefill_band
 from xrunner.compression import rotate_inputs
+from xsched.errors import UserError
 from xsimulator.costmodel import cpu_attention_chunk
 
 Weights = dict[str, torch.Tensor]
@@ -84,6 +85,22 @@ def layer_ropes(spec: ModelSpec, length: int, device: torch.device | str = "cpu"
             tables[key] = rope_tables(s, length, device, dtype)
         out.append(tables[key])
     return out
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[b, P]`` left padded to the longest prompt, and the mask ``[b, P]``."""
+    if not prompts:
+        raise UserError("no prompts given")
+    if any(len(p) == 0 for p in prompts):
+        raise UserError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[row, width - len(p):] = True
+    return ids.to(device), mask.to(device)
 
 
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from xrunner.model import ModelWeights, embed, final_logits, layer_forward, layer_ropes, position_ids_from_mask
+from xrunner.model import (ModelWeights, embed, final_logits, layer_forward, layer_ropes, left_pad,
+                           position_ids_from_mask)
 from xrunner.sampling import SamplingParams, sample
 from xsched.errors import UserError
 
@@ -30,22 +31,6 @@ class GenerationResult:
     @property
     def new_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
-
-
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,
-             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids ``[b, P]`` left padded to the longest prompt, and the mask ``[b, P]``."""
-    if not prompts:
-        raise UserError("no prompts given")
-    if any(len(p) == 0 for p in prompts):
-        raise UserError("every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[row, width - len(p):] = True
-    return ids.to(device), mask.to(device)
 
 
 @torch.inference_mode()

@@ -17,12 +17,12 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from xprofiler.profile import TIERS
 from xsched.contract import Contract
 from xsimulator.discrete_event import quantile
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 
-TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 # The simulator's busy terms grouped onto the runner's measured resources (the trace tracks):
 # dequantisation, quantisation and the LM head run on the compute path.
 SIM_TERMS_OF_TRACK: dict[str, tuple[str, ...]] = {

@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from xprofiler.diskio import DirectFile, aligned_empty, round_up
+from xprofiler.profile import TIERS
 from xsched.errors import UserError
 from xsched.fileio import describe_os_error
 
-TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 
 
 class MemoryLedger:

@@ -7,8 +7,9 @@ use, so ``xsched --help`` stays fast.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from xsched.lazy import lazy_exports
 
 _EXPORTS = {
     "Confirmation": "xscheduler.plan",
@@ -34,12 +35,4 @@ if TYPE_CHECKING:
     from xscheduler.planner import FrontierPoint, frontier, plan_search
     from xscheduler.search import Evaluator, branch_and_bound, variants
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'xscheduler' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:  # the lazy names too, for completion and help()
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

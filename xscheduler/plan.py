@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 from workloads.workload import Workload
 from xprofiler.profile import Fingerprint
@@ -19,9 +19,8 @@ from xsched.errors import UserError
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 
-SLA_KINDS: tuple[str, ...] = ("p99", "p99-length")
-MARGIN_SOURCES: tuple[str, ...] = ("none", "calibration", "user")
-SEARCH_METHODS: tuple[str, ...] = ("bnb", "exhaustive", "optuna", "warm", "warm+bnb")
+SLAKind = Literal["p99", "p99-length"]
+SLA_KINDS: tuple[str, ...] = get_args(SLAKind)
 
 
 @dataclass(frozen=True)
@@ -33,11 +32,11 @@ class SLA(Contract):
 
     SCHEMA: ClassVar[str] = "xsched.SLA/1"
 
-    kind: Literal["p99", "p99-length"]
+    kind: SLAKind
     latency_s: float
 
     def __post_init__(self) -> None:
-        if self.kind not in ("p99", "p99-length"):  # (SLA("p95", 10) was taken, and failed mid-search)
+        if self.kind not in SLA_KINDS:  # (SLA("p95", 10) was taken, and failed mid-search)
             raise ValueError(f"SLA kind must be p99 or p99-length, got {self.kind!r}")
         if not self.latency_s > 0 or math.isnan(self.latency_s):
             raise ValueError(f"latency bound must be > 0 seconds, got {self.latency_s:g}")

@@ -29,9 +29,9 @@ from xscheduler.search import (LATENCY_TOLERANCE, NEAR_SEEDS, NEAR_TIE, Evaluati
                                grow_prefix_caches, lowest_latency, pareto, search, settle_near_ties, variants,
                                warm_search)
 from xsimulator.costmodel import workload_cache_positions
+from xsimulator.discrete_event import DEFAULT_REQUESTS
 from xsimulator.policy import Policy
 
-DEFAULT_REQUESTS = 2000  # matches xsimulator.discrete_event.DEFAULT_REQUESTS
 CONFIRM_SEEDS = (1, 2)
 
 

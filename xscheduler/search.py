@@ -371,7 +371,7 @@ class Evaluator:
 
     def _ideal_latency_s(self, placed: Placement, gbs: int, nb: int) -> float:
         """The LP's ideal block decoding a request of the workload's 99th-percentile output length."""
-        return placed.token_s * gbs * nb * self.workload.output.percentile(0.99)
+        return placed.token_s * gbs * nb * self.workload.output.quantile(0.99)
 
     def ideal_latency_s(self, v: Variant, gbs: int, nb: int) -> float | None:
         """:meth:`_ideal_latency_s` at these knobs, or None when nothing fits (an LP, cached)."""

@@ -7,8 +7,9 @@ The public names load on first use, so ``xsched --help`` stays fast.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from xsched.lazy import lazy_exports
 
 _EXPORTS = {
     "simulate_analytic": "xsimulator.analytic",
@@ -38,12 +39,4 @@ if TYPE_CHECKING:
     from xsimulator.discrete_event import simulate, simulate_timeline, trace_events
     from xsimulator.trace import TraceEvent, TraceMarker, read_chrome_trace, write_chrome_trace
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'xsimulator' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:  # the lazy names too, for completion and help()
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -270,7 +270,7 @@ class _Analytic:
         step = self.cm.combine(bt, head, self.placement, w, (block > 0).astype(float), tokens=np.sum(w * a, axis=-1))
         return step, block
 
-    def row_step_slope(self, rows: np.ndarray, a: np.ndarray, ctx: np.ndarray, p: np.ndarray) -> float:
+    def row_step_slope(self, a: np.ndarray, ctx: np.ndarray) -> float:
         """Seconds one more active row adds to a decode step, at the busiest step's shape."""
         if a.size == 0:  # every output is one token: no decode step
             return 0.0
@@ -296,7 +296,7 @@ class _Analytic:
         pre_steps, dec_steps, lat_vals, lat_w, p99len = [], [], [], [], []
         wall, steps = 0.0, 0.0
         padded = 0.0
-        n99 = self.workload.output.percentile(0.99)
+        n99 = self.workload.output.quantile(0.99)
         blocks = sum(c for _, c in kinds)  # the first computes every prefix it meets; later ones the uncached
         fresh = (1.0 + (blocks - 1) * self.uncached) / blocks
         for m, count in kinds:
@@ -337,7 +337,7 @@ class _Analytic:
             dec_steps.append(_scaled(dec, count * active))
             # Decode time up to a request's last step varies with the other rows' lengths:
             # slope (seconds per active row-step) x sd of their summed row-steps.
-            slope = self.row_step_slope(rows, a, ctx, p)
+            slope = self.row_step_slope(a, ctx)
             sd = slope * np.sqrt(max(m - 1, 0) * self.var_min[self.out_support - 1])
             vals = pre_scenarios[:, None] + decoded[self.out_support - 1][None, :]
             v, w_ = _with_spread(vals, np.broadcast_to(count * m * self.out_pmf / QUADRATURE, vals.shape),
@@ -490,7 +490,7 @@ class _Analytic:
         ref = lo_stat if K < J else min(K // 2, joins_end - 1)  # a steady-state interval
         sd = np.sqrt(held * self.interval_variance(ref, nodes, rows, weight, m_inf, pk, a, ctx))
         lat, weights = _with_spread(lat, weights, np.broadcast_to(sd, lat.shape))
-        g99 = self.workload.output.percentile(0.99) - 1
+        g99 = self.workload.output.quantile(0.99) - 1
         last99 = joins + max(g99 - 1, 0) // R
         u99 = g99 - (last99 - joins) * R if g99 > 0 else np.zeros_like(joins)
         w99 = group_w  # p99-length requests join in proportion to joiners
@@ -524,7 +524,7 @@ class _Analytic:
         pre2 = self.cm.block_step("prefill", two, mean_len, self.placement, weight[k], 1.0).seconds
         q = min(max(m_inf, 1e-9), 1.0)
         var_pre = float(np.var(scen)) + float(pre2[1] - pre2[0]) ** 2 * bls * q * (1.0 - q)
-        slope = self.row_step_slope(np.full(nb, float(pol.gbs)), a[k], ctx[k], p[k])
+        slope = self.row_step_slope(a[k], ctx[k])
         p_bar = float(np.mean(p[k]))
         var_dec = (slope * R) ** 2 * bls * p_bar * (1.0 - p_bar)
         return var_pre + var_dec

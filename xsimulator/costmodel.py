@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from xprofiler.diskio import round_up
-from xprofiler.profile import BandwidthCurve, HardwareProfile
+from xprofiler.profile import CHANNELS, TIERS, BandwidthCurve, HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
 from xsimulator.policy import Policy, split_counts
@@ -89,7 +89,6 @@ CUDA_RUN_ROW_BYTES = 128 << 10
 # The float32 K/V chunk through which CPU attention converts a half-precision cache or gathers
 # rows that are no range (``xrunner.model.attend_rows_on_cpu``).
 CPU_ATTENTION_CHUNK_BYTES = 8 << 20
-TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 # Stored KV parts per layer and row (the engine's KVCodec): K and V; 4-bit: codes, mins, scales of each.
 KV_PARTS = 2
 KV_PARTS_COMPRESSED = 6
@@ -325,7 +324,6 @@ class StepTerms:
 
 
 COMPUTE_TERMS: tuple[str, ...] = ("gpu_compute", "cpu_compute", "dequant", "quant")
-CHANNELS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod")
 
 
 def channel_groups(compute_device: str, overlap: bool) -> tuple[tuple[str, ...], ...]:
@@ -1248,4 +1246,5 @@ class CostModel:
 
 
 def fits_in(peaks: Mapping[str, float], profile: HardwareProfile) -> dict[str, bool]:
+    """Whether each tier's peak bytes stay within the profile's capacity for it."""
     return {tier: peaks[tier] <= profile.capacity_bytes(tier) for tier in TIERS}

@@ -738,7 +738,7 @@ def summarize(cm: CostModel, policy: Policy, workload: Workload, *, method: str,
         latency_p90_s=quantile(latencies, 0.9, latency_weights),
         latency_p99_s=quantile(latencies, 0.99, latency_weights),
         latency_max_s=float(np.max(latencies[latency_weights > 0] if latency_weights is not None else latencies)),
-        p99_output_len=workload.output.percentile(0.99), latency_p99_length_s=p99_length_s,
+        p99_output_len=workload.output.quantile(0.99), latency_p99_length_s=p99_length_s,
         peak_bytes=peaks, capacity_bytes=caps, fits=all(fits_in(peaks, profile).values()), busy_s=busy,
         stall_s=max(wall_s - compute_busy, 0.0), prefill_s=float(np.sum(prefill.seconds)),
         decode_s=float(np.sum(decode.seconds)), num_prefill_steps=prefill_steps, num_decode_steps=decode_steps)
@@ -799,7 +799,7 @@ def simulate_timeline(spec: ModelSpec, profile: HardwareProfile, policy: Policy,
     cache = run_cache_positions(policy, workload, max_prompt) if cache_positions is None else cache_positions
     tl = build_timeline(cm, policy, prompt, output, workload.prompt_groups(len(prompt)) if workload.samples > 1
                         else None, prefix, prefix_of, hold_positions=max_prompt, cache_positions=cache)
-    p99_len = workload.output.percentile(0.99)
+    p99_len = workload.output.quantile(0.99)
     result = summarize(
         cm, policy, workload, method="discrete-event", profile=profile, num_requests=len(prompt),
         seed=seed if requests is None else None, wall_s=tl.wall_s, generated=float(output.sum()),
