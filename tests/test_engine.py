@@ -81,10 +81,14 @@ def run_engine(source, policy, requests, tmp_path, **kw):
         stats = eng.run(requests, on_finished=lambda fs: (finished.extend(fs),
                                                             got.update({f.id: list(f.output_ids) for f in fs})))
         offload = eng.offload_path
+        homes = {t: sum(n for (tier, name), n in eng.ledger.by_name.items() if tier == t and name.endswith("_home"))
+                 for t in ("gpu", "cpu", "disk")}
     assert offload is None or not offload.exists(), "offload files must be removed on close"
     assert len(finished) == len(requests) == len(got)
     for tier in ("gpu", "cpu", "disk"):
         assert stats.peak_bytes[tier] <= stats.planned_peak_bytes[tier] + 1e-6, tier
+        # and from below: the weights', cache's and activations' homes were live all along
+        assert stats.peak_bytes[tier] >= homes[tier], (tier, stats.peak_bytes[tier], homes[tier])
     assert stats.generated_tokens == sum(len(v) for v in got.values())
     assert all(f.end_s > f.start_s >= 0 for f in finished)
     return got, stats
@@ -1702,6 +1706,8 @@ def test_requests_take_a_tokenizers_list_and_refuse_bad_or_repeated_ids_in_one_l
         assert got[0].output_ids == again[0].output_ids and len(got[0].output_ids) == 2
         with pytest.raises(UserError, match=f"token id {LLAMA.vocab_size} is outside .* vocabulary"):
             eng.run([Request(id=1, prompt_ids=(5, LLAMA.vocab_size), max_new_tokens=2)])
+        with pytest.raises(UserError, match="token id -1 is outside .* vocabulary"):  # (torch reads -1 as the last row)
+            eng.run([Request(id=2, prompt_ids=(5, -1), max_new_tokens=2)])
         with pytest.raises(UserError, match="request id 3 is given twice in one run"):  # (they shared a stream)
             eng.run([Request(id=3, prompt_ids=(5,), max_new_tokens=1), Request(id=3, prompt_ids=(6,), max_new_tokens=1)])
     weights = load_weights(src)
@@ -2074,6 +2080,23 @@ def test_cpu_host_moves_weight_records_without_a_cpu_relay(tmp_path, llama):
     assert got == want == again
 
 
+def test_the_ledgers_peak_window_starts_at_the_live_bytes():
+    """After a reconfiguration the engine compares the peak since the change with the new plan;
+    a window that restarted at 0 would hide the bytes still live from before (the homes)."""
+    from xrunner.tiers import MemoryLedger
+
+    led = MemoryLedger()
+    led.add("disk", "kv_home", 100)
+    led.add("cpu", "relay", 30)
+    led.sub("cpu", "relay", 30)
+    assert led.reset_window() == {"gpu": 0, "cpu": 30, "disk": 100}
+    assert led.window_peak == {"gpu": 0, "cpu": 0, "disk": 100}
+    with led.transient("cpu", "cpu_attention", 7):
+        assert led.live["cpu"] == 7 and led.by_name["cpu", "cpu_attention"] == 7
+    assert led.window_peak["cpu"] == 7 and led.live["cpu"] == 0 and led.peak["cpu"] == 30
+    assert led.freed_total == {"gpu": 0, "cpu": 37, "disk": 0}
+
+
 def test_a_record_goes_to_and_from_disk_in_place_only_through_its_whole_buffer(tmp_path):
     """An O_DIRECT record whose size is not a multiple of 4 KiB is read into its buffer's padded
     allocation in place (what a reconfiguration's disk moves rely on), but a view of part of a
@@ -2191,11 +2214,36 @@ def test_cpu_attention_over_a_long_context_stays_within_its_plan(tmp_path, monke
     ``run_engine`` checks measured <= planned on every tier."""
     monkeypatch.setattr(sys.modules[__name__], "MAX_PROMPT", 120)
     monkeypatch.setattr(sys.modules[__name__], "MAX_OUTPUT", 100)
+    import xrunner.engine as engine_module
+    from xrunner.model import cpu_attention_chunk_rows
+    from xrunner.tiers import MemoryLedger
+
     spec = replace(base, dtype=dtype)
     reqs = [replace(r, max_new_tokens=100) for r in make_requests(4, seed=2, vocab=spec.vocab_size, min_prompt=100)]
+    # Measured <= planned holds too for an engine that books less than it allocates; so each call
+    # must book at least what the kernel surely allocates: its output and, unless it attends in
+    # place, its float32 chunk of K and V rows (``attend_rows_on_cpu``'s ``bufs``).
+    booked, floors = [], []
+    real_transient, real_attend = MemoryLedger.transient, engine_module.attend_rows_on_cpu
+
+    def transient(self, tier, name, nbytes):
+        if name == "cpu_attention":
+            booked.append((tier, nbytes))
+        return real_transient(self, tier, name, nbytes)
+
+    def attend(spec_, q, ctx, idx, mask, chunk_bytes, **kw):
+        m = cpu_attention_chunk_rows(q, ctx, idx, chunk_bytes)  # 0: in place
+        floors.append(len(idx) * q.shape[1] * q.shape[3] * q.element_size() + sum(m * x[0].numel() * 4 for x in ctx))
+        return real_attend(spec_, q, ctx, idx, mask, chunk_bytes, **kw)
+
+    monkeypatch.setattr(MemoryLedger, "transient", transient)
+    monkeypatch.setattr(engine_module, "attend_rows_on_cpu", attend)
     _, stats = run_engine(RandomSource(spec, seed=3), Policy(gbs=4, nb=1, cg=0.0, cpu_attention=True, **where), reqs,
                           tmp_path)
     assert stats.busy_s["cpu_compute"] > 0
+    assert len(booked) == len(floors) > 0 and {t for t, _ in booked} == {"cpu"}
+    short = [(n, f) for (_t, n), f in zip(booked, floors) if n < f]
+    assert not short, short[:3]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -486,6 +487,21 @@ def test_a_request_draws_the_same_token_in_any_row_or_batch():
     assert torch.equal(sample(logits[perm], params, [k[i] for i in perm.tolist()]), whole[perm])
     assert torch.equal(torch.cat([sample(logits[i:i + 5], params, k[i:i + 5]) for i in range(0, 64, 5)]), whole)
     assert not torch.equal(sample(logits, SamplingParams(temperature=1.0, top_p=0.95, seed=10), k), whole)
+
+
+def test_each_token_of_a_request_gets_its_own_uniform_draw():
+    """A request's successive tokens must not reuse one draw (a sampled text would then pick the
+    same quantile of every step's distribution): the draws over one request's 2,000 token indices
+    are distinct and pass a chi-square test of uniformity on 20 bins, as do those over 2,000 ids
+    at one index; another seed gives other draws."""
+    from xrunner.sampling import uniforms
+
+    for keys_ in ([("a", i) for i in range(2000)], [(f"r{i}", 0) for i in range(2000)]):
+        u = np.array(uniforms(7, keys_))
+        assert len(set(u.tolist())) == len(u) and ((0 <= u) & (u < 1)).all()
+        counts = np.histogram(u, bins=20, range=(0.0, 1.0))[0]
+        assert stats.chisquare(counts).pvalue > 1e-3, counts
+        assert not np.array_equal(u, uniforms(8, keys_))
 
 
 def test_ids_that_differ_only_in_json_type_draw_apart_and_broken_logits_are_an_error():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,11 +66,9 @@ def test_direct_file_errors_are_one_line_user_errors(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
-    try:
-        if os.access(ro, os.W_OK):  # root ignores permissions
-            pytest.skip("running as root: permissions are not enforced")
+    try:  # root ignores permissions, but sysfs refuses new files even to root
         with pytest.raises(UserError, match="not writable"):
-            DirectFile(ro / "f.bin", "w")
+            DirectFile((Path("/sys") if os.access(ro, os.W_OK) else ro) / "f.bin", "w")
     finally:
         ro.chmod(0o700)
 
@@ -98,6 +97,11 @@ def test_mismatch_warning_names_the_difference(tmp_path):
         load_profile(path)  # same machine: no warning
     assert machine_differences(base) == []  # presets never warn
     # the offload filesystem is compared only when the caller says which directory it uses
+    # every field that changes a measurement is named: the device, its memory and torch too
+    for key, value in (("gpu_name", "Imaginary GPU"), ("torch_version", "0.0.1"), ("cpu_cores", here.cpu_cores + 8),
+                       ("gpu_mem_bytes", here.gpu_mem_bytes + 16 * 2**30)):
+        changed = dataclasses.replace(same, fingerprint=dataclasses.replace(here, **{key: value}))
+        assert [d.split(":")[0] for d in machine_differences(changed)] == [key], key
     moved = dataclasses.replace(same, fingerprint=dataclasses.replace(here, offload_fs="nfs4"))
     assert machine_differences(moved) == []
     assert any("offload_fs" in d for d in machine_differences(moved, offload_dir=tmp_path))

@@ -329,6 +329,10 @@ def test_results_writer_refuses_old_file_and_drops_a_torn_line_on_resume(tmp_pat
     out.write_bytes(good + b"garbage\n" + good)
     with pytest.raises(UserError, match=r":3: not a results line|:2: not a results line"):
         ResultsWriter.open(out, resume=True)
+    out.write_bytes(good + good)  # (two jobs' lines concatenated): resuming would keep duplicates
+    with pytest.raises(UserError, match=r":3: id 'a' appears twice; pass another --out"):
+        ResultsWriter.open(out, resume=True)
+    assert out.read_bytes() == good + good  # refused, and kept as it was
 
 
 def test_resume_refuses_results_of_another_model_in_either_format(tmp_path):
@@ -462,6 +466,7 @@ def test_run_result_percentiles_match_the_simulator_and_round_trip():
     arr = np.array(lat)
     assert r.latency_p99_s == quantile(arr, 0.99) == np.sort(arr)[99]  # inverted CDF: ceil(0.99 * 101) - 1
     assert r.latency_p50_s == np.sort(arr)[50] and r.latency_max_s == max(lat)
+    assert r.latency_p90_s == np.sort(arr)[90] and r.latency_mean_s == pytest.approx(arr.mean(), rel=1e-12)
     assert (r.throughput_tokens_per_s, r.total_throughput_tokens_per_s, r.padded_throughput_tokens_per_s) == (50, 80, 90)
     assert r.fits and RunResult.from_json(r.to_json()) == r
     assert "measured" in r.describe() and "plan" in r.describe() and "simulated" not in r.describe()
@@ -473,6 +478,13 @@ def test_run_result_percentiles_match_the_simulator_and_round_trip():
                          max_prompt=8, max_output=9, predicted=None)
     assert g.device_reserved_peak_bytes == 3 * 2**30 and RunResult.from_json(g.to_json()) == g
     assert "gpu reserved GiB" in g.describe() and "3.000" in g.describe()
+    # A measured peak above the plan on any tier (here cpu, 6 against 5 planned) breaks the memory
+    # contract, and the summary says so.
+    stats.peak_bytes, stats.device_reserved_peak_bytes = {"gpu": 10, "cpu": 6, "disk": 0}, None
+    over = build_run_result(model="m", policy=Policy(gbs=4, nb=2), device="cpu", dtype="float32", stats=stats,
+                            latencies_s=lat, num_stopped_on_eos=3, num_skipped=2, capacity_bytes={"gpu": 1e9},
+                            max_prompt=8, max_output=9, predicted=None)
+    assert not over.fits and "MEASURED PEAK ABOVE PLAN" in over.describe() and "ABOVE PLAN" not in r.describe()
 
 
 def test_the_summary_of_a_run_whose_policy_changed_names_the_policy_at_start_and_at_end():
@@ -826,6 +838,7 @@ def test_run_matches_the_reference_loop_and_writes_a_trace(tiny_dir, tmp_path, c
     assert result.num_requests == 9 and result.generated_tokens == sum(len(w) for w in ref)
     assert result.latency_max_s == max(g["latency_s"] for g in got.values())
     assert result.predicted is not None and result.fits  # measured peak within the planned peak
+    assert all(result.peak_bytes[t] <= result.planned_peak_bytes[t] for t in ("gpu", "cpu", "disk"))
     # The plan's preset profile is at hand, so the run also simulates exactly these requests.
     sim = result.simulated
     assert sim is not None and sim.num_requests == 9 and sim.seed is None

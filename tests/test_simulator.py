@@ -845,6 +845,12 @@ def test_a_policy_that_does_not_fit_is_flagged():
     small = simulate(get_model_spec("opt-1.3b"), t4_like(), Policy(gbs=8, nb=1), get_workload("fixed:64:4"),
                      num_requests=8)
     assert small.fits
+    # each tier is checked, not only the gpu's: OPT-30B's weights on a 16 GiB cpu tier, or on a 16 GiB disk
+    for tier, policy in (("cpu", Policy(gbs=8, nb=1, wg=0.0, wc=1.0)), ("disk", Policy(gbs=8, nb=1, wg=0.0, wd=1.0))):
+        res = simulate(OPT30, replace(t4_like(), **{f"{tier}_bytes": 16 * 2**30}), policy, get_workload("fixed:64:4"),
+                       num_requests=8)
+        over = [t for t in ("gpu", "cpu", "disk") if res.peak_bytes[t] > res.capacity_bytes[t]]
+        assert over == [tier] and not res.fits, (tier, over)
 
 
 def test_workload_with_mixture_and_correlation_simulates():

@@ -299,6 +299,21 @@ def test_bad_distributions_and_files(tmp_path):
         get_workload(str(bad))
 
 
+def test_ks_distance_is_the_largest_gap_between_the_two_cdfs_on_the_integers():
+    """The fit's family choice and the drift tests rest on this distance: checked against a
+    brute-force count over each integer length (side="left" in the ECDF read one step late)."""
+    from workloads.fit import ks_distance
+
+    assert ks_distance(LengthDistribution.fixed(10), np.full(100, 10)) == 0.0
+    assert ks_distance(LengthDistribution.fixed(10), np.full(100, 11)) == 1.0
+    dist = LengthDistribution.truncnorm(40, 12, max_len=90)
+    for seed in range(3):
+        x = np.random.default_rng(seed).integers(5, 80, size=37)
+        want = max(abs(np.count_nonzero(x <= k) / x.size - float(dist.cdf(np.array([k]))[0]))
+                   for k in range(1, 91))
+        assert ks_distance(dist, x) == pytest.approx(want, abs=1e-12)
+
+
 @pytest.mark.parametrize("truth", [LengthDistribution.lognorm(120, 70, 1500),
                                    LengthDistribution.truncnorm(200, 60, 500)])
 def test_fit_picks_the_generating_family(truth):
@@ -428,9 +443,11 @@ def _cusum_alarm(workload, factor, seed, n=2000, change=1000, alpha=0.01, step=3
 def test_cusum_threshold_holds_the_false_alarm_rate_over_the_job_by_simulation():
     """Null streams drawn from the planned distribution itself: at a generous level (so that a
     threshold set too low shows), the alarms stay within the level; they are not vanishingly rare
-    either (a threshold set far too high would cost detection delay)."""
+    either (a threshold set far too high would cost detection delay). 600 streams, so that a
+    monitor giving each of its four CUSUMs the whole level (0.28 of streams alarm) fails: at 150
+    it passed (42 alarms against a limit of 43; a mutation audit)."""
     w = get_workload("T")
-    alpha, streams = 0.2, 150
+    alpha, streams = 0.2, 600
     alarms = sum(_cusum_alarm(w, 1.0, 100 + s, n=1000, change=500, alpha=alpha) is not None for s in range(streams))
     assert alarms <= stats.binom.ppf(0.995, streams, alpha), alarms
     assert alarms >= 1, alarms
