@@ -17,7 +17,7 @@ from sim_profiles import t4_like
 
 from workloads import get_workload
 from xprofiler.presets import load_profile
-from xprofiler.profile import BandwidthCurve, CalibrationError, HeadFit
+from xprofiler.profile import TIERS, BandwidthCurve, CalibrationError, HeadFit
 from xprofiler.specs import get_model_spec
 from xsched.errors import UserError
 from xscheduler import SLA, Evaluator, Plan, branch_and_bound, place, plan_search, variants
@@ -25,7 +25,7 @@ from xscheduler.cli import describe
 from xscheduler.search import (LP_BOUND_SLACK, LP_LATENCY_SLACK, REFILL_LATENCY_SLACK, REFILL_LEVELS, Evaluation,
                                Variant, _jump, lowest_latency, polish, refills_more_often, search)
 from xscheduler.placement import Shape, token_seconds
-from xsimulator.costmodel import TIERS, CostModel
+from xsimulator.costmodel import CostModel
 from xsimulator.policy import Policy
 from xsimulator.discrete_event import simulate
 

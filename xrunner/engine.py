@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from xprofiler.diskio import round_up
-from xprofiler.profile import HardwareProfile
+from xprofiler.profile import TIERS, HardwareProfile
 from xprofiler.specs import ModelSpec
 from xrunner.gptq import CENTER_SEQUENCES, GPTQCalibration, scratch_bytes as calibration_scratch_bytes
 from xrunner.loaders import ModelSource
@@ -47,7 +47,7 @@ from xrunner.model import (attend_rows_on_cpu, attention, attn_in, attn_out_mlp,
 from xrunner.prefix import Held, PrefixCache, PrefixPlan, plan_block, prefill_layer, prefix_order
 from xrunner.sampling import SamplingParams, sample
 from xrunner.stored_forms import KVCodec, WeightLayout
-from xrunner.tiers import TIERS, DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
+from xrunner.tiers import DiskSlice, MemoryLedger, Ref, TierStore, nbytes_of
 from xsched.errors import UserError
 from xsimulator.costmodel import (COPY_RUN_BYTES, CPU_ATTENTION_CHUNK_BYTES, CUDA_RUN_ROW_BYTES, SPAN_MAX_RATIO,
                                   CostModel, cpu_attention_scratch_bytes, head_layout_bytes, pack_scratch_bytes)

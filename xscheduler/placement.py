@@ -35,10 +35,10 @@ from typing import Any, Mapping
 import pulp
 
 from workloads.workload import Workload
-from xprofiler.profile import HardwareProfile
+from xprofiler.profile import TIERS, HardwareProfile
 from xprofiler.specs import ModelSpec
 from xsched.errors import UserError
-from xsimulator.costmodel import (TIERS, CostModel, MemoryTerms, prefix_groups_in_batch, workload_cache_positions,
+from xsimulator.costmodel import (CostModel, MemoryTerms, prefix_groups_in_batch, workload_cache_positions,
                                   shared_prefix_rows, uncached_prefix_share)
 from xsimulator.policy import PLACEMENT_VARS, Policy, split_counts
 
