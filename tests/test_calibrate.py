@@ -289,6 +289,18 @@ def test_cli_unwritable_output(capsys, here_profile, tmp_path):
     assert "does not exist; create it or pass another -o" in err
 
 
+def test_cli_output_onto_its_own_inputs(capsys, here_profile):
+    """`calibrate -o` onto its --profile replaced the measurement, and onto the profile's samples
+    file replaced the raw samples with JSON (a fault audit); both are refused, and left as they were."""
+    before = here_profile.read_bytes()
+    samples = here_profile.with_name(here_profile.stem + ".samples.csv")
+    samples.write_text("pass,what\n")
+    for out, flag in ((here_profile, "--profile"), (samples, "--profile's samples")):
+        err = _err(capsys, ["calibrate", "--profile", str(here_profile), "--model", "opt-125m", "-o", str(out)])
+        assert f"-o and {flag} are the same file" in err, err
+    assert here_profile.read_bytes() == before and samples.read_text() == "pass,what\n"
+
+
 def test_cli_help_and_registration_without_torch():
     import subprocess
     import sys

@@ -381,10 +381,23 @@ def test_config_values_of_the_wrong_kind_give_user_errors(tmp_path):
                              "num_attention_heads=0 must be >= 1"),
                             ({"rope_scaling": "linear"}, "rope_scaling='linear' must be a JSON object"),
                             ({"rope_parameters": [1]}, "rope_parameters=.1. must be a JSON object"),
-                            ({"rms_norm_eps": [1e-6]}, "describes no valid model")]:
+                            ({"rms_norm_eps": [1e-6]}, "describes no valid model"),
+                            # NaN or -1 eps, a 0 / -5 / NaN rotary base: every result line held token 0 (NaN
+                            # logits) with exit 0 (a fault audit)
+                            ({"rms_norm_eps": float("nan")}, "norm_eps must be a small positive number"),
+                            ({"rms_norm_eps": -1}, "norm_eps must be a small positive number"),
+                            ({"rope_theta": 0}, "rope_theta must be above 1 on a rotary model"),
+                            ({"rope_theta": -5}, "rope_theta must be above 1"),
+                            ({"rope_theta": float("nan")}, "rope_theta must be above 1")]:
         (tmp_path / "config.json").write_text(json.dumps({**llama, **change}))
         with pytest.raises(UserError, match=message):
             ModelSpec.from_hf_config(tmp_path)
+    # a UTF-8 byte-order mark (Windows editors) is no error: refused "decode using utf-8-sig" before
+    (tmp_path / "config.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(llama).encode())
+    assert ModelSpec.from_hf_config(tmp_path).num_layers == 2
+    plan_like = tmp_path / "spec.json"
+    plan_like.write_bytes(b"\xef\xbb\xbf" + get_model_spec("opt-125m").to_json().encode())
+    assert ModelSpec.load(plan_like) == get_model_spec("opt-125m")
 
 
 def test_contract_rejects_malformed_json():
@@ -421,7 +434,9 @@ def test_policy_validates_fractions():
     # the types its JSON reading enforces (gbs=2.5 failed deep in a simulation; "yes" wrote JSON it could not read)
     for bad, message in ((dict(gbs=2.5), "gbs must be a whole number"), (dict(gbs=True), "gbs must be a whole number"),
                          (dict(compress_weight="yes"), "compress_weight must be true or false"),
-                         (dict(wg="1"), "wg must be a number")):
+                         (dict(wg="1"), "wg must be a number"),
+                         # 1e308 positions overflowed the pricing with a traceback (a fault audit)
+                         (dict(prefix_cache_positions=10**308), "prefix_cache_positions must be from 1 to 1,000,000,000")):
         with pytest.raises(ValueError, match=message):
             Policy(**{"gbs": 8, "nb": 1, **bad})
     bad = p.to_dict()
@@ -662,6 +677,16 @@ def test_stdout_on_a_full_disk_is_a_one_line_error(unbuffered):
     assert done.returncode == 2, done.stderr
     assert done.stderr == "xsched: error: standard output: no space left on the device; free some space or write " \
                           "elsewhere\n", done.stderr
+
+
+def test_a_closed_standard_output_still_writes_the_output_file(tmp_path):
+    """`xsched plan -o plan.json >&-` (a cron job that closes stdout) failed with an
+    AttributeError traceback and wrote no plan (a fault audit)."""
+    out = tmp_path / "plan.json"
+    done = subprocess.run(f"{sys.executable} -m xsched.cli plan --profile t4 --model opt-125m --workload fixed:16:4 "
+                          f"--requests 8 -o {out} >&-", shell=True, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert json.loads(out.read_text())["policy"]["gbs"] >= 1
 
 
 def test_an_integer_too_large_for_a_float_field_is_a_user_error():

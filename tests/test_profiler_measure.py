@@ -187,6 +187,19 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
                   "leaves no cpu tier"))
     (tmp_path / "bad.json").write_text("{not json")
     cases.append((["profile", "show", str(tmp_path / "bad.json")], "not valid JSON"))
+    # -o onto a file of the model it measures replaced that model's config.json with the profile
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    cases.append((["profile", "--quick", "--model", str(model), "-o", str(model / "config.json")],
+                  "-o and --model are the same file"))
+    # a calibration term of 1e20 broke the placement LP with a traceback (a fault audit)
+    from xprofiler.presets import load_preset
+
+    huge = json.loads(load_preset("t4").to_json())
+    huge["calibration"] = {"ctog": 1e20}
+    (tmp_path / "huge.json").write_text(json.dumps(huge))
+    cases.append((["profile", "show", str(tmp_path / "huge.json")], "calibration term ctog=1e+20 must be a number from 0"))
     for args, message in cases:
         r = _xsched(*args)
         assert r.returncode == 2, (args, r.stderr)

@@ -113,6 +113,8 @@ def test_prompt_file_errors_name_the_line(tmp_path):
         ('{"id": 1.5, "prompt": "x"}\n', '"id" must be a string or an integer'),
         # a file `workload fit` read: said "must be a string or an integer, got None", as if given wrong
         ('{"prompt": "x"}\n', ':1: no "id"; give each request a unique "id"'),
+        # an integer past Python's 4300 digits raised ValueError with a traceback (a fault audit)
+        ('{"id": ' + "1" * 5001 + ', "prompt": "x"}\n', ":1: not valid JSON (Exceeds the limit"),
         ('\n\n', "no prompts"),
     ]
     for i, (text, message) in enumerate(cases):
@@ -328,6 +330,9 @@ def test_results_writer_refuses_old_file_and_drops_a_torn_line_on_resume(tmp_pat
         w.write([{"id": "a"}])
     out.write_bytes(good + b"garbage\n" + good)
     with pytest.raises(UserError, match=r":3: not a results line|:2: not a results line"):
+        ResultsWriter.open(out, resume=True)
+    out.write_bytes(good + b'{"id": "r5", "output_tokens": ' + b"1" * 5001 + b"}\n" + good)  # (a traceback before)
+    with pytest.raises(UserError, match=r":3: not a results line"):
         ResultsWriter.open(out, resume=True)
     out.write_bytes(good + good)  # (two jobs' lines concatenated): resuming would keep duplicates
     with pytest.raises(UserError, match=r":3: id 'a' appears twice; pass another --out"):

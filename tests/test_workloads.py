@@ -214,6 +214,7 @@ def test_a_lone_surrogate_in_a_prompt_is_a_one_line_error(tmp_path, capsys):
     ("T@inf", "scale must be a finite number > 0"),
     ("missing.jsonl", "no such file"),
     ("S@1e6", "beyond any model's context"),  # not a gigabyte-sized pmf table
+    ("T@1e300", r"max_len=2.56e\+302 tokens is beyond"),  # (not a 300-digit number in a 530-character line)
 ])
 def test_bad_workload_specs(text, match):
     with pytest.raises(UserError, match=match):

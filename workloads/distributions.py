@@ -69,7 +69,8 @@ class LengthDistribution(Contract):
         if self.max_len < self.min_len:
             raise UserError(f"{self.family}: max_len={self.max_len} is below min_len={self.min_len}")
         if self.max_len > MAX_LEN_TOKENS:
-            raise UserError(f"{self.family}: max_len={self.max_len:,} tokens is beyond any model's context "
+            shown = f"{self.max_len:,}" if self.max_len < 10**15 else f"{float(self.max_len):.3g}"  # (not 300 digits)
+            raise UserError(f"{self.family}: max_len={shown} tokens is beyond any model's context "
                             f"(at most {MAX_LEN_TOKENS:,}); check the lengths or the @SCALE factor")
         missing = [p for p in _PARAM_NAMES[self.family] if p not in self.params]
         extra = [p for p in self.params if p not in _PARAM_NAMES[self.family]]

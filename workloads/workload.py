@@ -596,7 +596,7 @@ def context_note(whose: str, longest: int, model: str, max_positions: int, advic
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """The request objects of a JSONL file or the rows of a CSV file, as dicts (one-line errors)."""
-    text = read_text(path, encoding="utf-8-sig")  # a byte-order mark (spreadsheet exports) is dropped
+    text = read_text(path)  # (a byte-order mark, which spreadsheet exports write, is dropped)
     if path.suffix.lower() == ".csv":
         reader = csv.DictReader(io.StringIO(text, newline=""))
         if not reader.fieldnames or not set(reader.fieldnames) & set(PROMPT_KEYS):

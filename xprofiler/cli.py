@@ -86,12 +86,15 @@ def _models(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from xprofiler.measure import FULL, QUICK, ProfileOptions, profile_machine
+    from xprofiler.measure import FULL, QUICK, ProfileOptions, profile_machine, samples_csv_path
     from xprofiler.show import summary
     from xsched.errors import UserError
+    from xsched.fileio import files_of, separate_files
 
     if args.output is None:
         raise UserError("say where to write the profile: xsched profile -o profile.json")
+    separate_files([("-o", args.output), ("-o (its samples file)", samples_csv_path(Path(args.output)))],
+                   [f for m in args.model for f in files_of("--model", m)])
     settings = dataclasses.replace(QUICK if args.quick else FULL, stat=args.stat)
     opts = ProfileOptions(
         output=args.output, offload_dir=Path(args.offload_dir) if args.offload_dir else None,

@@ -322,6 +322,9 @@ def _bracket(axis: tuple[int, ...], value: Any) -> tuple[Any, Any]:
     return i, w
 
 
+# The largest factor or seconds a profile's latency and calibration terms may hold: a fit gives
+# factors near 1 and seconds far below 1; 1e20 broke the placement LP and 1e308 the search.
+MAX_TERM = 1e6
 MARGIN_QUANTILE = 0.9  # of the calibration's wall-time errors; see CalibrationError
 MAX_AUTO_MARGIN = 0.5  # a derived margin above this says the calibration is unusable, not "plan at half"
 
@@ -456,11 +459,14 @@ class HardwareProfile(Contract):
             if not 0 <= v < math.inf or (key.endswith("_per_s") and 0 < v < 1):
                 raise ValueError(f"{key} must be finite and >= 0" + (" (0, or a rate of at least 1 per second)"
                                                                     if key.endswith("_per_s") else ""))
+            if key.startswith("disk_") and v > MAX_TERM:
+                raise ValueError(f"{key}={v:.4g} s is past any disk's latency (at most {MAX_TERM:g} s)")
         if not isinstance(self.compute_threads, int) or self.compute_threads < 0:
             raise ValueError(f"compute_threads must be a whole number >= 0 (0: unknown), got {self.compute_threads!r}")
         for term, value in self.calibration.items():
-            if not 0 <= value < math.inf:
-                raise ValueError(f"calibration term {term}={value} must be a finite number >= 0")
+            if not 0 <= value <= MAX_TERM:  # (1e20 overflowed the placement LP)
+                raise ValueError(f"calibration term {term}={value:.4g} must be a number from 0 to {MAX_TERM:g} "
+                                 "(a factor, or seconds)")
 
     def model_for(self, spec: "ModelSpec") -> "ModelSpec":
         """``spec`` in the dtype this machine computes in (float32 on a CPU host).

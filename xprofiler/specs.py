@@ -143,6 +143,10 @@ class ModelSpec(Contract):
         if self.window_layers and (self.sliding_window is None or len(self.window_layers) != self.num_layers):
             raise ValueError(f"window_layers needs a sliding_window and one flag per layer ({self.num_layers}), "
                              f"got {len(self.window_layers)}")
+        if not 0 < self.norm_eps < 1:  # NaN or -1 normed every hidden state to NaN: every token came out 0
+            raise ValueError(f"norm_eps must be a small positive number, got {self.norm_eps}")
+        if self.position == "rotary" and not 1 < self.rope_theta < math.inf:  # (0, -5, NaN: NaN rotations too)
+            raise ValueError(f"rope_theta must be above 1 on a rotary model, got {self.rope_theta}")
         if self.local_rope_theta is not None and not (self.sliding_window is not None and self.position == "rotary"
                                                       and 1 < self.local_rope_theta < math.inf):
             raise ValueError(f"local_rope_theta must be above 1, on a rotary model with a sliding_window, got "

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from xrunner import run_cli
 from xsched.cli import directory_arg, json_object_arg, seed_arg
@@ -225,8 +226,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     from xprofiler.presets import load_profile
     from xrunner.calibrate import calibrate, refresh, report
     from xrunner.run_cli import check_offload_dir
+    from xprofiler.measure import samples_csv_path
     from xsched.errors import UserError
-    from xsched.fileio import check_writable
+    from xsched.fileio import check_writable, file_or_none, files_of, separate_files
 
     if args.repeats is None:
         args.repeats = 2 if args.refresh else 3
@@ -238,6 +240,10 @@ def _calibrate(args: argparse.Namespace) -> int:
                         "(the engine keeps up to 2 fetched layers in its stage slots and never fetches them again)")
     if args.output is not None:
         check_writable(args.output, "-o")
+        measured = file_or_none(args.profile)  # (a preset name is no file)
+        samples = measured and samples_csv_path(Path(measured))
+        separate_files([("-o", args.output)], [*files_of("--profile", measured), *files_of("--model", args.model),
+                                               *files_of("--profile's samples", samples)])
     if args.offload_dir is not None:
         check_offload_dir(args.offload_dir)
     profile = load_profile(args.profile, check_machine=False)

@@ -28,7 +28,8 @@ from typing import Any, Callable, Iterable
 
 from workloads.workload import MAX_SAMPLES
 from xsched.errors import UserError
-from xsched.fileio import Messages, chat_messages, check_text, check_writable, describe_os_error, jsonl_lines
+from xsched.fileio import (Messages, chat_messages, check_text, check_writable, describe_os_error, json_error_text,
+                           jsonl_lines)
 from xsched.openai_batch import openai_batch_row, openai_result_line, openai_result_rows
 
 RequestId = str | int
@@ -111,6 +112,8 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
             raise UserError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
         except RecursionError:
             raise UserError(f"{where}: nested too deeply; each line must be a JSON object") from None
+        except ValueError as exc:  # an integer literal past Python's 4300 digits
+            raise UserError(f"{where}: not valid JSON ({json_error_text(exc)})") from None
         if not isinstance(obj, dict):
             raise UserError(f"{where}: each line must be a JSON object with \"id\" and \"prompt\"")
         request = openai_batch_row(obj, where)
@@ -436,8 +439,8 @@ def _read_done(p: Path, openai: bool = False) -> tuple[dict[str, dict[str, Any]]
         if not last:
             try:
                 row = json.loads(chunk.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-                row = None
+            except (UnicodeDecodeError, ValueError, RecursionError):  # (a JSONDecodeError is a ValueError,
+                row = None  # as is an integer literal past Python's 4300 digits)
         if row is None or not isinstance(row, dict) or "id" not in row:
             if last and (not chunk.strip() or chunk.lstrip().startswith(b"{")):
                 break  # a torn tail: truncate to the lines before it

@@ -193,6 +193,9 @@ def _discard_stdout() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning  # warnings reach the user as one line, like errors
+    for name in ("stdout", "stderr"):  # closed (`>&-`): Python leaves None, and a flush failed with a traceback
+        if getattr(sys, name) is None:  # (opened now, /dev/null takes the free descriptor before any output file)
+            setattr(sys, name, open(os.devnull, "w"))
     parser = build_parser()
     args = parser.parse_args(argv)
     main_thread = threading.current_thread() is threading.main_thread()

@@ -90,8 +90,9 @@ def atomic_write_all(files: Sequence[tuple[Path | str, bytes]]) -> None:
                 pass
 
 
-def read_text(path: Path | str, encoding: str = "utf-8") -> str:
-    """A text file's contents, or a one-line UserError for any reason it cannot be read."""
+def read_text(path: Path | str, encoding: str = "utf-8-sig") -> str:
+    """A text file's contents, or a one-line UserError for any reason it cannot be read. A UTF-8
+    byte-order mark (editors on Windows write one) is dropped: json refused it in Python's words."""
     try:
         return Path(path).read_text(encoding=encoding)
     except FileNotFoundError:
@@ -154,6 +155,19 @@ def chat_messages(value: Any, where: str) -> Messages:
 def file_or_none(arg: str | None) -> str | None:
     """``arg`` where it names a regular file, else None (a preset name, JSON text, a directory)."""
     return arg if arg and path_exists(arg) and Path(arg).expanduser().is_file() else None
+
+
+def files_of(flag: str, arg: str | None) -> list[tuple[str, Path]]:
+    """An argument that may name a file or a directory (a model), as inputs for
+    :func:`separate_files`: the file, or each file directly in the directory (`profile -o
+    DIR/config.json` replaced the config of the model it measured). Anything else gives none."""
+    if not arg or not path_exists(arg):
+        return []
+    path = Path(arg).expanduser()
+    try:
+        return [(flag, p) for p in path.iterdir() if p.is_file()] if path.is_dir() else [(flag, path)]
+    except OSError:  # an unreadable directory: the command's own read says so
+        return []
 
 
 def separate_files(outputs: Sequence[tuple[str, Path | str | None]],

@@ -63,7 +63,7 @@ def _read_json_arg(text: str, what: str) -> Any:
     inline = text.lstrip().startswith(("{", "["))
     if not inline and path_exists(path):
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is dropped)
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"{path}: cannot read {what} ({exc.__class__.__name__})") from None
     elif not inline:

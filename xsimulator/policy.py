@@ -40,6 +40,7 @@ def split_counts(fractions: tuple[float, float, float], n: int) -> tuple[int, in
 # (nb = 10^8 exhausted 24 GiB of RAM).
 MAX_GBS = 2**20
 MAX_NB = 2**12
+MAX_CACHE_POSITIONS = 10**9  # a prefix cache past this holds more K/V than any machine (1e308 overflowed pricing)
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,9 @@ class Policy(Contract):
             raise ValueError(f"gbs and nb must be at most {MAX_GBS} and {MAX_NB}, got gbs={self.gbs} nb={self.nb}")
         if self.refill_every < 0:
             raise ValueError(f"refill_every must be >= 0, got {self.refill_every}")
-        if self.prefix_cache_positions is not None and self.prefix_cache_positions < 1:
-            raise ValueError(f"prefix_cache_positions must be >= 1 (or absent), got {self.prefix_cache_positions}")
+        if self.prefix_cache_positions is not None and not 1 <= self.prefix_cache_positions <= MAX_CACHE_POSITIONS:
+            raise ValueError(f"prefix_cache_positions must be from 1 to {MAX_CACHE_POSITIONS:,} (or absent), got "
+                             f"{self.prefix_cache_positions:.4g}")
         for var in PLACEMENT_VARS:
             v = getattr(self, var)
             if not -_SUM_TOLERANCE <= v <= 1.0 + _SUM_TOLERANCE:
