@@ -117,6 +117,12 @@ def test_grid_fills_missing_nodes_from_the_nearest_measured_one():
                     dtype="float32")
     assert len(fit.grid_ratio) == 5 and all(len(r) == 5 for r in fit.grid_ratio)
     assert fit.predict_s(SPEC, 64, 2048) == pytest.approx(decode_truth(64.0, 2048.0) * 1.1, rel=0.02)
+    # "nearest" in log batch and log length: the skipped node takes (64, 1024)'s correction, not
+    # (32, 2048)'s, which is nearer in raw numbers; here the machine runs 64 rows 1.3x slower
+    # (nearest in raw numbers predicted 0.77 of the truth)
+    slow = decode_truth(DB[keep], DN[keep]) * np.where(DB[keep] >= 64, 1.3, 1.0)
+    fit = fit_layer(SPEC, "decode", DB[keep], DN[keep], slow, model="m", dtype="float32")
+    assert fit.predict_s(SPEC, 64, 2048) == pytest.approx(decode_truth(64.0, 2048.0) * 1.3, rel=0.03)
 
 
 def test_fit_rejects_bad_samples():
@@ -265,6 +271,10 @@ def test_head_fit_interpolates_in_log_rows_and_round_trips():
     assert fit.predict_s(16) == pytest.approx(0.024 + 8 * 0.004 / 4)
     assert fit.predict_s(0.5) == pytest.approx(0.0025) and fit.predict_s(0) == 0.0
     assert isinstance(fit.predict_s(3), float)
+    # a last measured point below the one before (noise) extends flat, never falls: a falling slope
+    # priced 16 rows at 0.014 s and 1000 rows at -0.48 s
+    noisy = dataclasses.replace(fit, seconds=(0.005, 0.01, 0.02, 0.018))
+    assert noisy.predict_s(16) == pytest.approx(0.018) and noisy.predict_s(1000) == pytest.approx(0.018)
     for bad in (dict(rows=(2, 1)), dict(rows=(0, 1, 2, 3)), dict(seconds=(0.0, 1, 1, 1)), dict(layouts=("rows",)),
                 dict(layouts=("rows", "rows", "rows", "columns"))):
         with pytest.raises(ValueError):
@@ -323,6 +333,8 @@ def test_fit_warm_takes_cold_minus_warm_per_row_count_and_never_below_zero():
     lambda d: d.update(mem_bytes_per_s="nan"),  # was a silent 1 x 1 plan
     lambda d: d.update(calibration={"ctog": -1.0}),  # was negative transfer times
     lambda d: d.update(calibration={"layer_overhead_s": "nan"}),
+    lambda d: d.update(calibration={"ctog": 1e20}),  # was a PuLP traceback (a fault audit)
+    lambda d: d.update(disk_sync_s=1e20),
 ])
 def test_a_profile_with_a_nan_or_negative_number_is_refused(tmp_path, edit):
     from xprofiler.presets import load_profile

@@ -199,7 +199,7 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
     huge = json.loads(load_preset("t4").to_json())
     huge["calibration"] = {"ctog": 1e20}
     (tmp_path / "huge.json").write_text(json.dumps(huge))
-    cases.append((["profile", "show", str(tmp_path / "huge.json")], "calibration term ctog=1e+20 must be a number from 0"))
+    cases.append((["profile", "show", str(tmp_path / "huge.json")], "calibration term ctog=1e+20 must be a finite number from 0"))
     for args, message in cases:
         r = _xsched(*args)
         assert r.returncode == 2, (args, r.stderr)

@@ -460,12 +460,12 @@ class HardwareProfile(Contract):
                 raise ValueError(f"{key} must be finite and >= 0" + (" (0, or a rate of at least 1 per second)"
                                                                     if key.endswith("_per_s") else ""))
             if key.startswith("disk_") and v > MAX_TERM:
-                raise ValueError(f"{key}={v:.4g} s is past any disk's latency (at most {MAX_TERM:g} s)")
+                raise ValueError(f"{key}={v:.4g} s is past any disk's latency (a finite number of at most {MAX_TERM:g} s)")
         if not isinstance(self.compute_threads, int) or self.compute_threads < 0:
             raise ValueError(f"compute_threads must be a whole number >= 0 (0: unknown), got {self.compute_threads!r}")
         for term, value in self.calibration.items():
             if not 0 <= value <= MAX_TERM:  # (1e20 overflowed the placement LP)
-                raise ValueError(f"calibration term {term}={value:.4g} must be a number from 0 to {MAX_TERM:g} "
+                raise ValueError(f"calibration term {term}={value:.4g} must be a finite number from 0 to {MAX_TERM:g} "
                                  "(a factor, or seconds)")
 
     def model_for(self, spec: "ModelSpec") -> "ModelSpec":
