@@ -422,6 +422,9 @@ def test_a_full_prefix_cache_keeps_the_most_used_prefixes_not_the_first():
     assert ident is not None and cache.uses[ident] == 6 and cache.used == 6
     cache.took(ident, 1)
     assert cache.admit(_key([1, 1, 1]), rows=2) is None and cache.leaving == []  # a's 2 + 2 < b's 7 x 1.5
+    # a left the cache, but its 2 rows before are remembered beside the 2 just counted: with 7 more,
+    # 11 outweigh b's 7 x 1.5 (a mutation that forgot a displaced entry's count saw 9 and kept b)
+    assert cache.admit(_key([1, 1, 1]), rows=7) is None and cache.leaving == [b]
     first_come = PrefixCache(3, displace_margin=float("inf"))
     kept = first_come.admit(_key([1, 1, 1]), rows=2)
     for _ in range(5):
@@ -1880,13 +1883,19 @@ def test_long_refill_job_compacts_kv_columns_on_every_tier(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_overlap_flag_decides_whether_io_runs_during_compute(llama, tmp_path, overlap):
+@pytest.mark.parametrize("what", ["everything offloaded", "weights alone"])
+def test_overlap_flag_decides_whether_io_runs_during_compute(llama, tmp_path, overlap, what):
+    """With the KV cache and activations on the gpu tier, every disk read is a weight layer's: the
+    next layer's prefetch must run while this one computes (with everything offloaded, the rows'
+    loads overlapped compute alone and hid a mutation that removed the weights' prefetch)."""
     src, reqs, want = llama
-    policy = Policy(gbs=3, nb=2, wg=0.0, wc=0.34, wd=0.66, cg=0.0, cd=1.0, hg=0.0, hd=1.0, overlap=overlap)
+    rows = dict(cg=0.0, cd=1.0, hg=0.0, hd=1.0) if what == "everything offloaded" else {}
+    policy = Policy(gbs=3, nb=2, wg=0.0, wc=0.34, wd=0.66, overlap=overlap, **rows)
     got, stats = run_engine(src, policy, reqs, tmp_path, record_trace=True)
     assert got == want
     compute = [(e.start_s, e.start_s + e.dur_s) for e in stats.events if e.track == "compute"]
     io = [(e.start_s, e.start_s + e.dur_s) for e in stats.events if e.track in ("dtoc", "ctod")]
+    assert io
     overlapped_s = sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in compute for b0, b1 in io)
     if overlap:
         assert overlapped_s > 0
@@ -2389,3 +2398,64 @@ def test_a_reconfiguration_takes_the_new_policys_prefix_cache_size(tmp_path):
                 prefix_cache_positions=40) as eng:
         eng.reconfigure(replace(base, gbs=4), "same size named")
         assert eng.cache_positions == 40
+
+
+def test_a_failed_weight_fetch_is_fetched_again_by_the_next_run(llama, tmp_path, monkeypatch):
+    """A fetch that failed left its stage slot claiming the layer: the next run() on the engine
+    computed with the slot's old bytes and returned wrong tokens without an error (a concurrency
+    review). The first run raises; the second fetches again and equals the reference."""
+    src, reqs, want = llama
+    real, calls = Engine._fetch, []
+
+    def fetch(self, layer, slot):
+        calls.append(layer)
+        if len(calls) == 2:
+            raise OSError("injected read error")
+        return real(self, layer, slot)
+
+    monkeypatch.setattr(Engine, "_fetch", fetch)
+    with Engine(src, Policy(gbs=3, nb=2, wg=0.0, wd=1.0), max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT,
+                offload_dir=tmp_path) as eng:
+        with pytest.raises(OSError, match="injected"):
+            eng.run(reqs)
+        got = {}
+        eng.run(reqs, on_finished=lambda fs: got.update({f.id: list(f.output_ids) for f in fs}))
+    assert got == want
+
+
+def test_run_and_close_from_a_callback_are_refused(llama, tmp_path):
+    """A run() from on_finished, while the outer run had rows in flight, overwrote their caches
+    (wrong tokens) or replaced its stats; a close() from it left the run going on freed buffers
+    (an IndexError or a bad file descriptor). Both are refused; the engine runs on after."""
+    src, reqs, want = llama
+    with Engine(src, Policy(gbs=3, nb=2, cg=0.34, cc=0.66, refill_every=2), max_prompt=MAX_PROMPT,
+                max_output=MAX_OUTPUT, offload_dir=tmp_path) as eng:
+        for inner in (lambda fs: eng.run(reqs[:1]), lambda fs: eng.close()):
+            with pytest.raises(RuntimeError, match="already running|close\\(\\) inside run"):
+                eng.run(reqs, on_finished=inner)
+        got = {}
+        eng.run(reqs, on_finished=lambda fs: got.update({f.id: list(f.output_ids) for f in fs}))
+    assert got == want
+
+
+def test_a_change_of_policy_that_stops_half_way_leaves_the_engine_refusing(llama, tmp_path, monkeypatch):
+    """A reload interrupted at layer 1 replaced the layout first, so a retry found nothing to
+    reload and ran with half-read weights (other tokens than a fresh 4-bit engine); a run()
+    straight after failed on a bare AssertionError. The engine now says why it cannot go on."""
+    src, reqs, _ = llama
+    real = Engine._load_layer
+
+    def load_layer(self, i, calib):
+        if i == 1:
+            raise KeyboardInterrupt
+        return real(self, i, calib)
+
+    with Engine(src, Policy(gbs=3, nb=2), max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path) as eng:
+        monkeypatch.setattr(Engine, "_load_layer", load_layer)
+        with pytest.raises(KeyboardInterrupt):
+            eng.reconfigure(Policy(gbs=3, nb=2, compress_weight=True))
+        monkeypatch.setattr(Engine, "_load_layer", real)
+        for again in (lambda: eng.run(reqs), lambda: eng.reconfigure(Policy(gbs=3, nb=2, compress_weight=True))):
+            with pytest.raises(RuntimeError, match="stopped half-way .*KeyboardInterrupt.*build a new one"):
+                again()
+    assert list(tmp_path.iterdir()) == []  # closed: the offload files went

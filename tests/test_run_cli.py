@@ -1439,6 +1439,43 @@ def test_a_ctrl_c_during_a_run_is_raised_between_items_not_inside_a_queue(tiny_d
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_ctrl_c_during_a_change_of_policy_inside_a_run_lands_between_layers(tiny_dir, tmp_path, python_sigint):
+    """A re-plan between blocks that reads the weights again (here to 4-bit) ran under two
+    signal gates: the reload's handed a Ctrl-C to the run's, which raised it only after every
+    layer had been read again and the next step begun: minutes, for a real model (a review)."""
+    import os
+    from dataclasses import replace
+
+    from xrunner.engine import Engine, Request
+    from xrunner.loaders import open_model
+    from xsimulator.policy import Policy
+
+    source = open_model(tiny_dir, dtype="float32")
+    real, loaded = source.load_layer, []
+
+    def load_layer(i):
+        if armed and i == 0:
+            os.kill(os.getpid(), signal.SIGINT)  # pressed while the change reads layer 0
+        loaded.append(i)
+        return real(i)
+
+    armed = False
+    with Engine(source, Policy(gbs=2, nb=1), max_prompt=4, max_output=4, offload_dir=tmp_path) as eng:
+        source.load_layer = load_layer
+
+        def hook(info):
+            nonlocal armed
+            armed = True
+            loaded.clear()
+            return replace(info.policy, compress_weight=True), "to 4-bit"
+
+        with pytest.raises(KeyboardInterrupt):
+            eng.run([Request(id=i, prompt_ids=(5 + i, 6), max_new_tokens=3) for i in range(4)], between_blocks=hook)
+        assert loaded[:1] == [0] and 1 not in loaded  # raised before layer 1 was read
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_ctrl_c_while_the_weights_load_lands_between_layers_and_removes_the_offload_files(
         tiny_dir, tmp_path, python_sigint):
     """A layer of random weights fills in a thread pool, whose submit a Ctrl-C could leave with a

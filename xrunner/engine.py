@@ -28,7 +28,7 @@ import itertools
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -558,6 +558,8 @@ class Engine:
         self._pools: list[ThreadPoolExecutor] = []
         self._closed = False
         self._in_flight = False  # rows are in the batches (reconfigure is refused then)
+        self._running = False  # inside run(): a callback's run() or close() is refused
+        self._broken: str | None = None  # why the engine can no longer run (a change that stopped half-way)
         try:
             self._allocate(progress)
         except BaseException:
@@ -707,8 +709,10 @@ class Engine:
         nread = 0
         what = "" if calib is None else " (GPTQ)" if self.layout.compress else " (KV centers)"
         # Ctrl-C between layers, not inside one: a layer of random weights fills in a thread pool,
-        # whose submit a signal could leave with a lock held (see _SignalGate).
-        with self.ledger.transient("gpu", "calibration", scratch), _SignalGate() as gate:
+        # whose submit a signal could leave with a lock held (see _SignalGate). Inside run() (a
+        # change of policy) its gate holds the signals: a gate of its own would hand them to the
+        # run's, which delivered them only after every layer was read.
+        with self.ledger.transient("gpu", "calibration", scratch), self._between_layers() as gate:
             for i in tqdm(range(self.spec.num_layers), desc=f"loading {self.spec.name}{what}", unit="layer",
                           file=sys.stderr, disable=not progress, leave=False):
                 gate.check()
@@ -716,12 +720,18 @@ class Engine:
         self._adopt_centers(calib, compress_cache)  # no pass: any centers kept were of other weights
         return nread
 
+    def _between_layers(self) -> Any:
+        """The signal gate a pass over the layers checks between them: the run's while one runs."""
+        return nullcontext(self._gate) if self._running else _SignalGate()
+
     def _observe_centers(self) -> None:
         """K/V centers for a 4-bit cache switched on by a reconfiguration that keeps the weights:
         an observe-only calibration pass over the source's layers (the stored weights stay put)."""
         calib = GPTQCalibration(self.spec, self.head, self._calibration(False))
-        with self.ledger.transient("gpu", "calibration", self._calibration_bytes(False, True)):
+        with self.ledger.transient("gpu", "calibration", self._calibration_bytes(False, True)), \
+                self._between_layers() as gate:
             for i in range(self.spec.num_layers):
+                gate.check()
                 w = self.source.load_layer(i)
                 with self.ledger.transient("cpu", "layer_load", nbytes_of(*w.values())):
                     calib.observe_layer(i, w)
@@ -909,6 +919,8 @@ class Engine:
         """
         if self._closed:
             raise RuntimeError("engine is closed")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
         if self._in_flight:
             raise RuntimeError("reconfigure between blocks only: rows are in flight (return the policy from "
                                "between_blocks instead, the engine drains them first)")
@@ -944,62 +956,66 @@ class Engine:
         if self.notice is not None and (reload or observe or moves):
             self.notice(self._slow_work(policy, reload, observe, len(moves)))
 
-        for fut in self._wfutures.values():  # a prefetch of the next step's first layer may be pending
-            fut.result()
+        self._settle_fetches()  # a prefetch of the next step's first layer may be pending
         freed_before = dict(self.ledger.freed_total)
         peak_before = self.ledger.reset_window()  # the old policy's peak since the run or the last change
         old = self.policy
-        self._free_buffers()
-        self.cache_positions = cache
-        self._clear_cache()  # (new weights or a new dtype of them would compute other keys and values)
-        moved: dict[str, int] = {}
-        reloaded = 0
-        if reload:  # the stored form changes: read from the source
-            for relay in self.w_relays:
-                self.store.release("cpu", "weight_relay", relay)
-            for i, tier in enumerate(self.layer_tier):
-                self._free_home(self.w_home[i], tier)
-            self.layout = WeightLayout(spec.layer_tensor_shapes(), self.dtype, policy.compress_weight,
-                                       rotate_inputs=self.calibration_ids is not None)
-            self.layer_tier = new_tiers
-            self.w_relays = [self._new_relay() for _ in range(self._relay_count(new_tiers))]
-            self.w_home = [self._new_home(tier) for tier in new_tiers]
-            reloaded = self._load_weights(policy.compress_cache)
-        else:
-            want = self._relay_count(new_tiers)
-            keep = self._relay_count(new_tiers, moves_via_disk=any("disk" in (a, b) for _i, a, b in moves))
-            while len(self.w_relays) > keep:
-                self.store.release("cpu", "weight_relay", self.w_relays.pop())
-            if len(self.w_relays) < keep:
-                self.w_relays.append(self._new_relay())
-            for i, a, b in moves:
-                home = self._new_home(b)
-                dst, src = Ref(b, home), Ref(a, self.w_home[i])
-                if self.store.needs_relay(dst, src):  # a CUDA device's record: through a cpu relay
-                    with self._record_buffer() as (_tier, buf):
-                        self.store.copy(dst, src, relay=buf)
-                else:  # host memory (a CPU host's gpu tier too) reads and writes its aligned home in place
-                    self.store.copy(dst, src)
-                self._free_home(self.w_home[i], a)
-                self.w_home[i] = home
-                self.layer_tier[i] = b
-                moved[f"{a}->{b}"] = moved.get(f"{a}->{b}", 0) + self.layout.nbytes
-            while len(self.w_relays) > want:
-                self.store.release("cpu", "weight_relay", self.w_relays.pop())
-            while len(self.w_relays) < want:
-                self.w_relays.append(self._new_relay())
-        if observe:
-            self._observe_centers()
-        # The head's faster layout depends on the rows it multiplies: time it again at a new gbs
-        # while the buffers are freed, if its second copy fits the new plan (else keep the old one);
-        # a layout the caller gave stays.
-        retimed = (policy.gbs != old.gbs and self._head_layout_given is None
-                   and self._choose_head_layout(policy.gbs, planned["gpu"]))
-        self.policy, self.rounded, self.planned_peak_bytes, self.capacity_bytes = policy, rounded, planned, caps
-        self._alloc_buffers()
-        self._set_overlap(policy.overlap)
-        self._reset_fetch_state()
-        self._sync()
+        try:  # past this point the old buffers are gone: a change that stops half-way cannot run
+            self._free_buffers()
+            self.cache_positions = cache
+            self._clear_cache()  # (new weights or a new dtype of them would compute other keys and values)
+            moved: dict[str, int] = {}
+            reloaded = 0
+            if reload:  # the stored form changes: read from the source
+                for relay in self.w_relays:
+                    self.store.release("cpu", "weight_relay", relay)
+                for i, tier in enumerate(self.layer_tier):
+                    self._free_home(self.w_home[i], tier)
+                self.layout = WeightLayout(spec.layer_tensor_shapes(), self.dtype, policy.compress_weight,
+                                           rotate_inputs=self.calibration_ids is not None)
+                self.layer_tier = new_tiers
+                self.w_relays = [self._new_relay() for _ in range(self._relay_count(new_tiers))]
+                self.w_home = [self._new_home(tier) for tier in new_tiers]
+                reloaded = self._load_weights(policy.compress_cache)
+            else:
+                want = self._relay_count(new_tiers)
+                keep = self._relay_count(new_tiers, moves_via_disk=any("disk" in (a, b) for _i, a, b in moves))
+                while len(self.w_relays) > keep:
+                    self.store.release("cpu", "weight_relay", self.w_relays.pop())
+                if len(self.w_relays) < keep:
+                    self.w_relays.append(self._new_relay())
+                for i, a, b in moves:
+                    home = self._new_home(b)
+                    dst, src = Ref(b, home), Ref(a, self.w_home[i])
+                    if self.store.needs_relay(dst, src):  # a CUDA device's record: through a cpu relay
+                        with self._record_buffer() as (_tier, buf):
+                            self.store.copy(dst, src, relay=buf)
+                    else:  # host memory (a CPU host's gpu tier too) reads and writes its aligned home in place
+                        self.store.copy(dst, src)
+                    self._free_home(self.w_home[i], a)
+                    self.w_home[i] = home
+                    self.layer_tier[i] = b
+                    moved[f"{a}->{b}"] = moved.get(f"{a}->{b}", 0) + self.layout.nbytes
+                while len(self.w_relays) > want:
+                    self.store.release("cpu", "weight_relay", self.w_relays.pop())
+                while len(self.w_relays) < want:
+                    self.w_relays.append(self._new_relay())
+            if observe:
+                self._observe_centers()
+            # The head's faster layout depends on the rows it multiplies: time it again at a new gbs
+            # while the buffers are freed, if its second copy fits the new plan (else keep the old one);
+            # a layout the caller gave stays.
+            retimed = (policy.gbs != old.gbs and self._head_layout_given is None
+                       and self._choose_head_layout(policy.gbs, planned["gpu"]))
+            self.policy, self.rounded, self.planned_peak_bytes, self.capacity_bytes = policy, rounded, planned, caps
+            self._alloc_buffers()
+            self._set_overlap(policy.overlap)
+            self._reset_fetch_state()
+            self._sync()
+        except BaseException as exc:
+            self._broken = (f"this engine's change of policy stopped half-way ({exc.__class__.__name__}: {exc}); "
+                            "close it and build a new one")
+            raise
         transition = self.ledger.reset_window()  # from here on: the peak under the new policy
         rec = Reconfiguration(at_s=at_s, stall_s=time.perf_counter() - t_start, old_policy=old, new_policy=policy,
                               reason=reason, moved_bytes=moved, reloaded_bytes=reloaded,
@@ -1128,6 +1144,23 @@ class Engine:
         self._wfutures[layer] = self._submit(0, lambda: self._fetch(layer, slot))
         return True
 
+    def _forget_fetch(self, layer: int) -> None:
+        """The slot meant for ``layer`` does not hold it (its fetch failed): free it for any layer."""
+        if layer in self.w_slot_layer:
+            self.w_slot_layer[self.w_slot_layer.index(layer)] = None
+        self._to_stage.pop(layer, None)
+
+    def _settle_fetches(self) -> None:
+        """Wait for the weight fetches still queued (a run's last step prefetches the next step's
+        first layer, which outlived the run) and forget the slot of any that failed, so that a later
+        step fetches that layer again: its error belonged to no step, and its slot held other bytes."""
+        for layer, fut in list(self._wfutures.items()):
+            del self._wfutures[layer]
+            try:
+                fut.result()
+            except Exception:
+                self._forget_fetch(layer)
+
     def _prefetch(self, layer: int) -> None:
         """Start fetching ``layer`` while the current one computes (overlap only)."""
         if self.overlap and self.layer_tier[layer] != "gpu" and layer not in self.w_slot_layer:
@@ -1144,7 +1177,11 @@ class Engine:
                 self._current_layer = layer
             fut = self._wfutures.pop(layer, None)
             if fut is not None:
-                fut.result()
+                try:
+                    fut.result()
+                except BaseException:
+                    self._forget_fetch(layer)  # (the slot claimed the layer: a later run computed with stale bytes)
+                    raise
             slot = self.w_slot_layer.index(layer)
             flat, key = self.w_stage[slot][:self.layout.nbytes], ("stage", slot)
             src = self._to_stage.pop(layer, None)
@@ -1685,6 +1722,12 @@ class Engine:
         """
         if self._closed:
             raise RuntimeError("engine is closed")
+        if self._running:
+            raise RuntimeError("run() is already running on this engine: a callback may not start another run "
+                               "(its rows would overwrite the running one's caches)")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        self._settle_fetches()
         queue = _Queue(requests)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -1703,6 +1746,7 @@ class Engine:
         self._ids: set[Any] = set()  # a run's request ids: two alike share a sampling stream and a result
         self._clear_cache()
         boundary = 0
+        self._running = True
         try:
             with torch.inference_mode(), _SignalGate() as self._gate:
                 while True:
@@ -1750,8 +1794,10 @@ class Engine:
                 for pool in self._pools:
                     pool.submit(lambda: None).result()
                 self._in_flight = False
+                self._reset_fetch_state()  # (a failed fetch's slot held other bytes than its claim)
             raise
         finally:
+            self._running = False
             self._clear_cache()
         s = self.stats
         s.wall_s = self._clock()
@@ -1951,6 +1997,8 @@ class Engine:
         """Stop the I/O threads, free the tiers and delete the offload files (idempotent)."""
         if self._closed:
             return
+        if self._running:
+            raise RuntimeError("close() inside run() (from a callback): return from it, and close after the run")
         self._closed = True
         with _SignalGate():
             for pool in self._pools:
