@@ -88,6 +88,21 @@ def test_outputs_after_several_changes_equal_reference(job, tmp_path, refill):
     assert all(r.reloaded_bytes == 0 and r.stall_s > 0 for r in stats.reconfigurations)
     for tier in TIERS:  # under the last policy, measured peak <= its plan
         assert stats.peak_bytes_since_change[tier] <= stats.reconfigurations[-1].planned_peak_bytes[tier]
+        # and over the run, the run's peak <= the largest plan of the policies it ran (a run whose
+        # planned peak kept only the first policy's reported cpu 0.83 MB planned against 1.62 measured)
+        assert stats.peak_bytes[tier] <= stats.planned_peak_bytes[tier], tier
+
+
+def test_a_change_moves_layers_off_a_tier_before_it_moves_layers_onto_it(job, tmp_path):
+    """gpu -> cpu and cpu -> disk in one change: the layer leaving the cpu tier goes first, so the
+    cpu tier never holds more than its two layers plus the one being moved (one mutation moved the
+    gpu layer first: three layers and a copy, still under the plan's loose bound)."""
+    src, _, _ = job
+    with Engine(src, Policy(gbs=1, nb=1, wg=0.34, wc=0.66), max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT,
+                offload_dir=tmp_path, profile=PROFILE) as eng:
+        rec = eng.reconfigure(Policy(gbs=1, nb=1, wg=0.0, wc=0.67, wd=0.33))
+        assert rec.moved_bytes == {"cpu->disk": eng.layout.nbytes, "gpu->cpu": eng.layout.nbytes}
+        assert rec.transition_peak_bytes["cpu"] < 3 * eng.layout.nbytes, (rec.transition_peak_bytes, eng.layout.nbytes)
 
 
 def test_refill_change_at_every_boundary_loses_and_duplicates_nothing(job, tmp_path):

@@ -213,6 +213,11 @@ def test_speed_ratio_recovers_a_uniform_slowdown_and_rescaling_predicts_it():
     # Unchanged machine: ratio 1 and the profile comes back as it was.
     same, _ = speed_ratio(spec, cal, synthetic(spec, cal, runs))
     assert same == pytest.approx(1.0, rel=1e-6)
+    # One step that a neighbour's burst made 10x slower moves the median, not the answer (a mean
+    # of the ratios read 3.25)
+    burst = list(ms)
+    burst[0] = replace(ms[0], metrics={**ms[0].metrics, "decode_wall": 10 * ms[0].metrics["decode_wall"]})
+    assert speed_ratio(spec, cal, burst)[0] == pytest.approx(1.3, rel=1e-3)
 
 
 def test_real_speed_check_sees_a_profile_that_is_twice_too_fast(tmp_path):

@@ -235,6 +235,20 @@ def test_change_point_finds_the_shift():
     rng = np.random.default_rng(0)
     x = np.concatenate((rng.normal(100, 20, 700), rng.normal(130, 20, 300)))
     assert abs(change_point(x, 100.0, 20.0, 30) - 700) <= 20
+    # at least min_len lengths after it, however short the shifted tail (a mutation that dropped the
+    # guard returned 100 here: a refit on 5 lengths)
+    assert change_point(np.r_[np.full(100, 100.0), np.full(5, 400.0)], 100.0, 20.0, 30) <= 75
+
+
+def test_the_watcher_holds_a_request_back_until_every_earlier_one_has_finished(setup):
+    """Requests finish out of order (short ones first); the drift test must see them in queue
+    order, or it would see only the fast ones at first (every test fed them in order)."""
+    prof, _, plan, _ = setup
+    w = DriftWatcher(plan, prof)
+    w.observe(50, 7, order=1)
+    assert w.settled == 0  # request 0 has not finished
+    w.observe(40, 5, order=0)
+    assert w.settled == 2 and w._p == [40, 50] and w._o == [5, 7]
 
 
 def run_cli(*args):

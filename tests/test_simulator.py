@@ -108,6 +108,16 @@ def test_hand_worked_refill_timeline():
     assert res.wall_s == pytest.approx(pre.sum() + dec.sum())
 
 
+def test_the_p99_length_latency_is_that_of_a_typical_request_of_that_length():
+    """ExeGPT's SLA (b): the latency of a request whose output is the workload's p99 length,
+    averaged over the requests that long, here both (one slot: the second waits for the first).
+    A mutation that counted only longer requests returned the slowest request's latency instead."""
+    res, tl = simulate_timeline(OPT30, t4_like(), Policy(gbs=1, nb=1), get_workload("fixed:8:3"),
+                                requests=([3, 9], [3, 3]))
+    assert res.p99_output_len == 3 and tl.latency_s[1] > 1.2 * tl.latency_s[0]
+    assert res.latency_p99_length_s == pytest.approx(tl.latency_s.mean(), rel=1e-9)
+
+
 # --------------------------------------------------------------------------- invariants
 @pytest.mark.parametrize("refill", [0, 3])
 def test_every_request_completes_and_tokens_add_up(refill):
@@ -759,9 +769,11 @@ AGREEMENT_CASES = _benchmark_cases()  # I/O-bound offloading three ways and comp
 # over seeds 1-5 x five presets x these four cases x refill 0/1/8 (300 jobs): throughput within
 # 4.4%, mean latency 5.2%, p50 8.8%, p99 8.3%, p99-length 10.1% (worst: small blocks on the
 # prefill-heavy preset S, where block-to-block variation is largest).
+# Each bound sits just above its measured worst (one 0.12 for every quantile let a mutation that
+# dropped the analytic path's latency spread through: p99 11.4% off on seed 1, against 4.7%).
 THROUGHPUT_TOL = 0.05
 MEAN_TOL = 0.07
-QUANTILE_TOL = 0.12
+QUANTILE_TOL = {"latency_p50_s": 0.10, "latency_p99_s": 0.09, "latency_p99_length_s": 0.12}
 
 
 @pytest.mark.parametrize("preset", ["S", "T", "G", "C1", "C2"])
@@ -776,7 +788,7 @@ def test_analytic_agrees_with_discrete_event_on_presets(preset, refill):
         assert ana.throughput_tokens_per_s == pytest.approx(des.throughput_tokens_per_s, rel=THROUGHPUT_TOL), name
         assert ana.latency_mean_s == pytest.approx(des.latency_mean_s, rel=MEAN_TOL), name
         for q in ("latency_p50_s", "latency_p99_s", "latency_p99_length_s"):
-            assert getattr(ana, q) == pytest.approx(getattr(des, q), rel=QUANTILE_TOL), (name, q)
+            assert getattr(ana, q) == pytest.approx(getattr(des, q), rel=QUANTILE_TOL[q]), (name, q)
         assert ana.peak_bytes == des.peak_bytes
         assert ana.padded_prompt_tokens == pytest.approx(des.padded_prompt_tokens, rel=0.15), name
 

@@ -326,6 +326,9 @@ def test_fit_picks_the_generating_family(truth):
     best = report.candidates[0]
     assert best.ks_pvalue > 0.01
     assert all(c.bic >= best.bic for c in report.candidates)
+    # 100 lengths: the empirical pmf (a parameter per distinct length) fits them closest but says
+    # least about the next ones; BIC's log(n) per parameter keeps the family (AIC took the pmf)
+    assert fit_lengths(truth.sample(100, seed=11)).best.family == truth.family
 
 
 def test_fit_falls_back_to_empirical_for_many_samples_of_an_odd_shape():
