@@ -84,8 +84,10 @@ def observed_centers(weights, calibration):
 
 
 @torch.inference_mode()
-def window_nll(spec, head, layers, ids: list[int], codec) -> tuple[float, int]:
-    """Summed negative log-likelihood of ids[1:] (prefill half, then teacher-forced decode)."""
+def window_nll(spec, head, layers, ids: list[int], codec) -> tuple[float, int, float, int]:
+    """Summed negative log-likelihood of ids[1:] (prefill half, then teacher-forced decode), and
+    of the decoded half's tokens alone: a prefill attends to its own exact K/V, as the engine's
+    does, so only the decoded tokens read the stored cache."""
     from xrunner.model import attention, attn_in, attn_out_mlp, embed, final_logits, rope_tables
 
     n = len(ids)
@@ -112,16 +114,18 @@ def window_nll(spec, head, layers, ids: list[int], codec) -> tuple[float, int]:
         logits.append(final_logits(spec, head, h)[0])
     all_logits = torch.cat(logits).float()
     target = x[0, 1:]
-    return float(F.cross_entropy(all_logits, target, reduction="sum")), len(target)
+    each = F.cross_entropy(all_logits, target, reduction="none")
+    decoded = each[half:]  # the tokens predicted by decode steps (the first is the prefill's last position's)
+    return float(each.sum()), len(target), float(decoded.sum()), len(decoded)
 
 
-def score(spec, head, layers, ids: list[int], windows: int, window: int, codec) -> float:
-    """Perplexity over ``windows`` consecutive windows of ``ids``."""
-    nll, count = 0.0, 0
+def score(spec, head, layers, ids: list[int], windows: int, window: int, codec) -> tuple[float, float]:
+    """Perplexity over ``windows`` consecutive windows of ``ids``, and over their decoded halves."""
+    nll, count, nll_d, count_d = 0.0, 0, 0.0, 0
     for wi in range(windows):
-        a, c = window_nll(spec, head, layers, ids[wi * window:(wi + 1) * window], codec)
-        nll, count = nll + a, count + c
-    return math.exp(nll / count)
+        a, c, ad, cd = window_nll(spec, head, layers, ids[wi * window:(wi + 1) * window], codec)
+        nll, count, nll_d, count_d = nll + a, count + c, nll_d + ad, count_d + cd
+    return math.exp(nll / count), math.exp(nll_d / count_d)
 
 
 def by_kind(args) -> int:
@@ -137,7 +141,7 @@ def by_kind(args) -> int:
     weights = load_weights(src)
     spec = weights.spec
     codec = KVCodec(spec.head_dim, torch.float32, compress=False)
-    base = score(spec, weights.head, weights.layers, ids, args.windows, args.window, codec)
+    base = score(spec, weights.head, weights.layers, ids, args.windows, args.window, codec)[0]
     kinds = [n for n, s in spec.layer_tensor_shapes().items() if len(s) == 2] + ["embed_tokens.weight"]
     shapes = {k: tuple(v.shape) for k, v in {**weights.layers[0], **weights.head}.items()}
     rows: dict[str, dict[str, float]] = {}
@@ -151,7 +155,7 @@ def by_kind(args) -> int:
             head = {k: rq(k, v) for k, v in weights.head.items()}
             layers = [{k: rq(k, v) for k, v in w.items()} for w in weights.layers]
             rows.setdefault(kind, {})[rule] = score(spec, head, layers, ids, args.windows, args.window,
-                                                    codec) / base - 1.0
+                                                    codec)[0] / base - 1.0
     if args.json:
         print(json.dumps({"fp32_perplexity": base, "increase": rows}, indent=2))
         return 0
@@ -265,13 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     for (what, rule), make in tqdm(selected.items(), desc="perplexity", file=sys.stderr):
         lay, codec = make()
         t0 = time.perf_counter()
-        perplexity = score(spec, weights.head, lay, ids, args.windows, args.window, codec)
+        perplexity, decoded = score(spec, weights.head, lay, ids, args.windows, args.window, codec)
         rows.setdefault(what, {})[rule] = {"perplexity": perplexity, "tokens": args.windows * (args.window - 1),
-                                           "wall_s": time.perf_counter() - t0}
+                                           "decoded_perplexity": decoded, "wall_s": time.perf_counter() - t0}
     base = rows["none"]["fp32"]["perplexity"]
+    base_decoded = rows["none"]["fp32"]["decoded_perplexity"]
     for r in rows.values():
         for cell in r.values():
             cell["increase"] = cell["perplexity"] / base - 1.0
+            cell["decoded_increase"] = cell["decoded_perplexity"] / base_decoded - 1.0
     kv_cost = {rule: {f"{n}_tokens_s": kv_write_s(codec, spec, n) for n in (1, 128)}
                for rule, codec in kv_rules.items() if rule in rows.get("KV cache", {})}
     if args.json:
@@ -279,16 +285,17 @@ def main(argv: list[str] | None = None) -> int:
                           "calibration": args.calibration}, indent=2))
         return 0
     print(f"SmolLM2-135M-Instruct on pydoc_data.topics: {args.windows} windows x {args.window} tokens, "
-          f"fp32 perplexity {base:.3f}; calibration text: "
+          f"fp32 perplexity {base:.3f} (decoded halves {base_decoded:.3f}); calibration text: "
           + ("the engine's (standard-library docstrings)" if args.calibration == "docstrings" else
              f"the {args.calibration_sequences} x 256 tokens after the scored windows (in-domain)"))
     for what, title in (("weights", "4-bit weights only"), ("KV cache", "4-bit KV cache only"),
                         ("both", "4-bit weights + KV cache")):
         if what not in rows:
             continue
-        print(f"{title}: perplexity (increase over fp32)")
+        print(f"{title}: perplexity (increase over fp32); decoded halves alone")
         for rule, cell in rows[what].items():
-            print(f"  {rule:56}{cell['perplexity']:>9.3f} ({cell['increase']:+.3f})")
+            print(f"  {rule:56}{cell['perplexity']:>9.3f} ({cell['increase']:+.3f}){cell['decoded_perplexity']:>9.3f} "
+                  f"({cell['decoded_increase']:+.3f})")
     if kv_cost:
         print("KV write (one layer, k and v), median seconds:")
     for rule, c in kv_cost.items():

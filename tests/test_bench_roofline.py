@@ -45,3 +45,18 @@ def test_the_lm_head_overlaps_the_reads_of_a_disk_bound_step():
     # Compute-bound throughout (fast disk): every FLOP, head included, is on the critical path.
     fast = _bench().bound_seconds(spec, 8, 32, 16, gemm, 1e-6)
     assert fast == pytest.approx(12 * layer["prefill"] + head + 15 * (12 * layer["decode"] + head))
+
+
+def test_the_bounds_disk_rate_is_the_engines_own_where_it_read_faster_than_the_probe():
+    """The probe before a run read 1.97 GB/s where the engine's reads went at 2.31: a bound on the
+    probe's rate is one the engine can beat. The engine's rate is its reads' bytes over their
+    seconds, from the run's trace (other tracks do not count)."""
+    from types import SimpleNamespace
+
+    from xsimulator.trace import TraceEvent
+
+    events = [TraceEvent("dtoc", "dtoc", 0.0, 0.02, {"bytes": 46_000_000}),
+              TraceEvent("dtoc", "dtoc", 0.05, 0.02, {"bytes": 46_000_000}),
+              TraceEvent("compute", "layer", 0.0, 0.5, {"layer": 0})]
+    assert _bench().achieved_read_bytes_per_s(SimpleNamespace(events=events)) == pytest.approx(2.3e9)
+    assert _bench().achieved_read_bytes_per_s(SimpleNamespace(events=events[2:])) is None
