@@ -427,3 +427,12 @@ def test_a_budget_file_the_run_cannot_use_is_said_at_the_start_once(tmp_path):
         warnings.simplefilter("always")
         source.check()
     assert not caught and source.poll() == {"cpu": 1000.0}
+
+
+def test_a_budget_of_zero_bytes_is_warned_of_and_ignored(tmp_path):
+    """0 bytes is no budget a run can keep (only negative ones were tested; a mutation that took 0
+    passed): warned of, and the budget in force stays."""
+    p = tmp_path / "b.json"
+    p.write_text('{"gpu_bytes": 0}')
+    with pytest.warns(BudgetWarning, match="gpu_bytes must be a positive, finite number of bytes, got 0"):
+        assert FileBudget(p).poll() is None

@@ -756,3 +756,33 @@ def test_an_os_error_reads_as_what_to_do_about_the_path(tmp_path):
     assert describe_os_error(missing, tmp_path / "nope") == f"{tmp_path / 'nope'}: directory does not exist; create it first"
     assert describe_os_error(missing, tmp_path).startswith(f"{tmp_path}: files cannot be created there")
     assert "no space left" in describe_os_error(OSError(errno.ENOSPC, "full"), tmp_path)
+
+
+def test_every_output_is_fsynced_before_its_rename_and_keeps_the_mode_it_had(tmp_path, monkeypatch):
+    """A crash right after `-o` must leave the old file or the whole new one: each file's bytes
+    reach the disk (fsync, seen here with all its bytes) before the renames. A replaced file keeps
+    its permissions (a 0600 plan stayed private). Neither was checked (a mutation audit)."""
+    import xsched.fileio as fileio
+
+    sizes, real = [], os.fsync
+    monkeypatch.setattr(fileio.os, "fsync", lambda fd: (sizes.append(os.fstat(fd).st_size), real(fd)))
+    fileio.atomic_write_all([(tmp_path / "a", b"x"), (tmp_path / "b", b"yy")])
+    assert sizes[:2] == [1, 2]
+    monkeypatch.undo()
+    p = tmp_path / "plan.json"
+    p.write_text("old")
+    p.chmod(0o600)
+    umask = os.umask(0o022)
+    try:
+        fileio.atomic_write_all([(p, b"new")])
+    finally:
+        os.umask(umask)
+    assert p.read_text() == "new" and p.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_contract_refuses_unknown_fields_and_a_bool_for_a_number():
+    """A misspelt key (gbz) silently meant the default, and true read as 1 (a mutation audit)."""
+    with pytest.raises(UserError, match=r"--policy: unknown field\(s\) gbz for Policy"):
+        Policy.from_dict({"gbs": 1, "nb": 1, "gbz": 2}, where="--policy")
+    with pytest.raises(UserError, match=r"--policy.gbs: expected int, got True"):
+        Policy.from_dict({"gbs": True, "nb": 1}, where="--policy")

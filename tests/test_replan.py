@@ -717,3 +717,19 @@ def test_an_observed_workload_says_its_prefixes_are_the_plans():
     assert observed.prefix_tokens == 19 and "shared prefixes as planned" in observed.describe()
     assert "as planned" not in fit_workload([40, 50, 60], [5, 6, 7], get_workload("T")).describe()
 
+
+
+def test_replan_without_drift_writes_no_plan(tmp_path, capsys):
+    """With nothing drifted, `replan -o` leaves the path alone and says so (a mutation that wrote
+    the old plan there passed: the no-drift run had no -o)."""
+    from xsched.cli import main
+
+    plan, new = tmp_path / "plan.json", tmp_path / "new.json"
+    assert main(["plan", "--profile", "t4", "--model", "opt-125m", "--workload", "fixed:32:8", "--requests", "50",
+                 "--latency", "inf", "--quiet", "-o", str(plan)]) == 0
+    obs = tmp_path / "obs.csv"
+    obs.write_text("prompt_tokens,output_tokens\n" + "32,8\n" * 100)
+    capsys.readouterr()
+    assert main(["replan", "--plan", str(plan), "--observed", str(obs), "-o", str(new)]) == 0
+    err = capsys.readouterr().err
+    assert f"no new plan; {new} not written" in err and not new.exists(), err

@@ -474,7 +474,8 @@ def test_run_result_percentiles_match_the_simulator_and_round_trip():
     assert r.latency_p90_s == np.sort(arr)[90] and r.latency_mean_s == pytest.approx(arr.mean(), rel=1e-12)
     assert (r.throughput_tokens_per_s, r.total_throughput_tokens_per_s, r.padded_throughput_tokens_per_s) == (50, 80, 90)
     assert r.fits and RunResult.from_json(r.to_json()) == r
-    assert "measured" in r.describe() and "plan" in r.describe() and "simulated" not in r.describe()
+    assert r.describe().splitlines()[4].split() == ["measured", "plan"]  # (a plan column, no simulated one)
+    assert "simulated" not in r.describe()
     assert r.device_reserved_peak_bytes is None and "reserved" not in r.describe()
     # A CUDA run also carries the caching allocator's peak, which the tier ledger does not see.
     stats.device_reserved_peak_bytes = 3 * 2**30
@@ -1856,3 +1857,100 @@ def test_a_plan_for_a_dense_model_is_refused_for_a_mixture_of_experts_of_its_sha
         check_model_matches(dense, moe, "m")
     with pytest.raises(UserError, match=r"or random:DIR \(a directory with its config.json\) for random ones"):
         check_model_matches(replace(dense, name="SmolLM2-135M-Instruct.Q4_1"), moe, "m")
+
+
+def test_openai_output_says_why_a_request_stopped_and_counts_every_token():
+    """A stop string ends a completion with finish_reason "stop" (only EOS and the budget were
+    checked), and usage totals prompt and completion tokens (a mutation audit)."""
+    from xsched.openai_batch import openai_result_line
+
+    row = {"id": "a", "text": "x", "output_ids": [5, 6], "output_tokens": 2, "prompt_tokens": 3,
+           "stopped_on_eos": False, "stop_string": "y"}
+    body = openai_result_line("a", [row], model="m", chat=True, created=0)["response"]["body"]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    body = openai_result_line("a", [{**row, "stop_string": None}], model="m", chat=True, created=0)["response"]["body"]
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_results_reach_the_disk_block_by_block_and_count_as_done(tmp_path, monkeypatch):
+    """A crash loses at most the block in flight: every block's lines are fsynced as written (seen
+    here with their bytes), and a written id counts as done in the same job (a mutation audit)."""
+    import xrunner.jobfiles as jobfiles
+
+    sizes, real = [], os.fsync
+    monkeypatch.setattr(jobfiles.os, "fsync", lambda fd: (sizes.append(os.fstat(fd).st_size), real(fd)))
+    out = tmp_path / "r.jsonl"
+    with jobfiles.ResultsWriter.open(out, resume=False) as w:
+        w.write([{"id": "a"}])
+        first = out.stat().st_size
+        w.write([{"id": "b"}, {"id": 2}])
+        assert w.is_done("a") and w.is_done(2) and not w.is_done("2") and len(w.done) == 3
+    assert sizes == [first, out.stat().st_size]
+
+
+def test_the_summary_table_puts_each_number_in_its_column():
+    """Measured, simulated and plan columns swapped, or the planned peak printed as the measured
+    one, passed every test: none read the table's cells (a mutation audit)."""
+    from types import SimpleNamespace
+
+    from workloads.workload import fixed_workload
+    from xprofiler.presets import load_profile
+    from xrunner.result import build_run_result
+    from xsimulator.discrete_event import simulate
+    from xsimulator.policy import Policy
+
+    pol, gib = Policy(gbs=4, nb=1), 2**30
+    stats = SimpleNamespace(wall_s=10.0, generated_tokens=500, prompt_tokens=300, padded_prompt_tokens=400,
+                            num_prefill_steps=3, num_decode_steps=40, peak_bytes={"gpu": gib, "cpu": 0, "disk": 0},
+                            planned_peak_bytes={"gpu": 2.0 * gib, "cpu": 0.0, "disk": 0.0}, busy_s={"compute": 8.0},
+                            device_reserved_peak_bytes=None)
+    r = build_run_result(model="m", policy=pol, device="cpu", dtype="float32", stats=stats, latencies_s=[1.0] * 3,
+                         num_stopped_on_eos=0, num_skipped=0, capacity_bytes={"gpu": 4 * gib}, max_prompt=8,
+                         max_output=6, predicted=simulate_small(pol),  # 4 requests
+                         simulated=simulate(random_spec(), load_profile("t4"), pol, fixed_workload(8, 6),
+                                            num_requests=3))
+    rows = {row[0]: row for row in r.comparison_rows()}
+    assert rows["requests"] == ("requests", "3", "3", "4")
+    assert rows["peak gpu GiB"][:2] == ("peak gpu GiB", "1.000")
+    assert r.describe().splitlines()[4].split() == ["measured", "simulated", "plan"]
+
+
+def test_a_prompt_file_mixing_openai_and_native_lines_writes_native_results(tmp_path):
+    """--out-format auto answers in OpenAI's format only when every line is an OpenAI line."""
+    from xsimulator.policy import Policy
+
+    plan = make_plan(tmp_path / "plan.json", random_spec(), Policy(gbs=2, nb=1), 8, 6)
+    prompts = write_prompts(tmp_path / "p.jsonl", [
+        {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": [5, 6, 7], "max_tokens": 2}},
+        {"id": "b", "prompt_ids": [8, 9], "max_new_tokens": 2}])
+    out = tmp_path / "o.jsonl"
+    assert main(["run", "--plan", str(plan), "--model", RANDOM_MODEL, "--prompts", str(prompts), "--out", str(out),
+                 "--quiet", "--adapt", "none"]) == 0
+    rows = read_rows(out)
+    assert sorted(r["id"] for r in rows) == ["a", "b"] and not any("custom_id" in r for r in rows)
+
+
+def test_a_budget_file_above_the_plan_at_the_start_caps_the_run_at_it(tmp_path):
+    """A budget below the profile's tier but above the plan's peak is the run's capacity from the
+    start (only budgets below the plan were tested; a mutation that kept the profile's 2 GiB
+    passed), and the plan's prediction stays."""
+    from xprofiler.profile import HardwareProfile
+    from xsimulator.policy import Policy
+
+    cpu = HardwareProfile.load(Path(__file__).parent / "data" / "perturbed_cpu_profile.json")
+    cpu = replace(cpu, gpu_bytes=2 * 2**30, cpu_bytes=8 * 2**30)
+    cpu.save(tmp_path / "cpu.json")
+    plan = make_plan(tmp_path / "plan.json", random_spec(), Policy(gbs=2, nb=2), 8, 6, profile=cpu)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": i, "prompt_ids": [5 + i, 6, 7]} for i in range(4)])
+    base = ["run", "--plan", str(plan), "--model", RANDOM_MODEL, "--prompts", str(prompts),
+            "--profile", str(tmp_path / "cpu.json"), "--adapt", "none", "--quiet"]
+    assert main(base + ["--out", str(tmp_path / "a.jsonl"), "--result", str(tmp_path / "a.json")]) == 0
+    first = json.loads((tmp_path / "a.json").read_text())
+    budget_bytes = int(1.2 * first["planned_peak_bytes"]["gpu"])
+    assert budget_bytes < first["capacity_bytes"]["gpu"]
+    (tmp_path / "budget.json").write_text(json.dumps({"gpu_bytes": budget_bytes}))
+    assert main(base + ["--budget-file", str(tmp_path / "budget.json"), "--out", str(tmp_path / "b.jsonl"),
+                        "--result", str(tmp_path / "b.json")]) == 0
+    second = json.loads((tmp_path / "b.json").read_text())
+    assert second["capacity_bytes"]["gpu"] == budget_bytes and second["predicted"] is not None
