@@ -13,8 +13,10 @@ speed check of ``xsched calibrate --refresh`` (the calibration's all-gpu runs, a
 runs before and after each plan's repeats, and the calibrated compute terms are scaled by the
 geometric mean of the two. This VM's speed drifts (speed checks from 1.09 to 1.69 x the
 calibrated step times within one 10-minute run of this benchmark), so a profile
-calibrated once describes the machine of that moment; the re-anchored column is what a user who
-refreshes before planning gets. The calibration set (``xsched calibrate``: a cut model, a few
+calibrated once describes the machine of that moment. The re-anchored column also uses the check
+taken after the plan's runs, which no planner has: it is what re-anchoring at best gives (a user
+who refreshes before planning has the first check alone); the calibrated column uses nothing
+measured after the calibration. The calibration set (``xsched calibrate``: a cut model, a few
 decode steps, other batch shapes) is disjoint from the plans evaluated here, and the speed check
 fits one number on its own runs, not on the plans: nothing is fitted on the test set.
 
