@@ -76,7 +76,7 @@ def achieved_read_bytes_per_s(stats) -> float | None:
     """The engine's own disk reads in a run: bytes over the seconds its reads took (trace events).
 
     The bound must not assume a slower disk than the run itself saw: the probe before a run read
-    1.97 GB/s where the engine's reads went at 2.31 (after stop 65), which made a bound the engine
+    1.97 GB/s where the engine's reads went at 2.31 (after stop 42), which made a bound the engine
     could beat (the ratio read 0.975 where the engine's own rate gives about 0.86)."""
     reads = [e for e in stats.events if e.track == "dtoc"]
     seconds, nbytes = sum(e.dur_s for e in reads), sum(e.args.get("bytes", 0) for e in reads)

@@ -643,23 +643,30 @@ def test_a_plans_prefix_cache_size_is_the_runs(tmp_path, capsys):
     assert grown.simulated.padded_prompt_tokens < default.simulated.padded_prompt_tokens
 
 
-def test_a_budget_file_below_the_plan_at_the_start_is_planned_for_before_the_first_block(tmp_path, capsys):
-    """The budget file was read between blocks only: a 1000-byte gpu budget ran a one-block job
-    whole (exit 0) and a longer job's first block over it (a walkthrough). Now a budget below the
-    plan's needs is planned for before the engine loads, or refused then; and the end-of-run table
-    drops the plan's column, whose prediction is for another policy."""
+def _job_planned_on_a_cpu_profile(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A 4-prompt job planned on a profile of a host without a GPU, as the engine here runs (re-plans
+    size its buffers so): the plan, and `xsched run`'s arguments up to the output flags."""
     from xprofiler.profile import HardwareProfile
-    from xscheduler.plan import Plan
     from xsimulator.policy import Policy
 
-    # a profile of a host without a GPU, as the engine here runs: re-plans size its buffers so
     cpu = HardwareProfile.load(Path(__file__).parent / "data" / "perturbed_cpu_profile.json")
     cpu = replace(cpu, gpu_bytes=2 * 2**30, cpu_bytes=8 * 2**30)
     cpu.save(tmp_path / "cpu.json")
     plan = make_plan(tmp_path / "plan.json", random_spec(), Policy(gbs=2, nb=2), 8, 6, profile=cpu)
     prompts = write_prompts(tmp_path / "p.jsonl", [{"id": i, "prompt_ids": [5 + i, 6, 7]} for i in range(4)])
-    base = ["run", "--plan", str(plan), "--model", RANDOM_MODEL, "--prompts", str(prompts),
-            "--profile", str(tmp_path / "cpu.json"), "--adapt", "none", "--budget-file"]
+    return plan, ["run", "--plan", str(plan), "--model", RANDOM_MODEL, "--prompts", str(prompts),
+                  "--profile", str(tmp_path / "cpu.json"), "--adapt", "none"]
+
+
+def test_a_budget_file_below_the_plan_at_the_start_is_planned_for_before_the_first_block(tmp_path, capsys):
+    """The budget file was read between blocks only: a 1000-byte gpu budget ran a one-block job
+    whole (exit 0) and a longer job's first block over it (a walkthrough). Now a budget below the
+    plan's needs is planned for before the engine loads, or refused then; and the end-of-run table
+    drops the plan's column, whose prediction is for another policy."""
+    from xscheduler.plan import Plan
+
+    plan, base = _job_planned_on_a_cpu_profile(tmp_path)
+    base = base + ["--budget-file"]
     budget = tmp_path / "budget.json"
     budget.write_text('{"gpu_bytes": 1000}')
     assert main(base + [str(budget), "--out", str(tmp_path / "none.jsonl")]) == 2
@@ -1935,16 +1942,8 @@ def test_a_budget_file_above_the_plan_at_the_start_caps_the_run_at_it(tmp_path):
     """A budget below the profile's tier but above the plan's peak is the run's capacity from the
     start (only budgets below the plan were tested; a mutation that kept the profile's 2 GiB
     passed), and the plan's prediction stays."""
-    from xprofiler.profile import HardwareProfile
-    from xsimulator.policy import Policy
-
-    cpu = HardwareProfile.load(Path(__file__).parent / "data" / "perturbed_cpu_profile.json")
-    cpu = replace(cpu, gpu_bytes=2 * 2**30, cpu_bytes=8 * 2**30)
-    cpu.save(tmp_path / "cpu.json")
-    plan = make_plan(tmp_path / "plan.json", random_spec(), Policy(gbs=2, nb=2), 8, 6, profile=cpu)
-    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": i, "prompt_ids": [5 + i, 6, 7]} for i in range(4)])
-    base = ["run", "--plan", str(plan), "--model", RANDOM_MODEL, "--prompts", str(prompts),
-            "--profile", str(tmp_path / "cpu.json"), "--adapt", "none", "--quiet"]
+    _plan, base = _job_planned_on_a_cpu_profile(tmp_path)
+    base = base + ["--quiet"]
     assert main(base + ["--out", str(tmp_path / "a.jsonl"), "--result", str(tmp_path / "a.json")]) == 0
     first = json.loads((tmp_path / "a.json").read_text())
     budget_bytes = int(1.2 * first["planned_peak_bytes"]["gpu"])
