@@ -782,3 +782,13 @@ def test_every_eos_id_of_config_and_generation_config_stops_a_sequence(tmp_path,
     (tmp_path / "config.json").write_text(json.dumps({**base, "eos_token_id": ["</s>"]}))
     with pytest.raises(UserError, match="eos_token_id must be a token id or a list of them"):
         ModelSpec.from_hf_config(tmp_path)
+
+
+def test_the_tokenizers_eos_id_stops_a_sequence_too():
+    """A tokenizer's own eos id joins the model's (the only end-to-end test had the two equal)."""
+    from types import SimpleNamespace
+
+    from xrunner.cli import stop_token_ids
+
+    source = SimpleNamespace(spec=SimpleNamespace(eos_token_ids=(2,)))
+    assert stop_token_ids(source, SimpleNamespace(eos_token_id=7)) == [2, 7]

@@ -439,3 +439,59 @@ def test_the_fused_kv_probe_counts_context_bytes_in_the_compute_dtype(dtype):
     assert point.meta["dtype"] == dtype
     assert point.meta["bytes"] == 2 * KV_PROBE_ROWS * 2 * KV_PROBE_CONTEXT * KV_PROBE_HEAD_DIM * size
     assert point.fn().shape == (KV_PROBE_ROWS, 2, KV_PROBE_HEAD_DIM)
+
+
+# ------------------------------------------------------- measurement details (a fourth mutation audit)
+def test_a_bandwidth_curves_large_transfer_rate_is_its_largest_sizes():
+    """Past the measured sizes the rate is the largest size's, even when a middle size measured
+    faster (a cache effect must not be extrapolated to gigabyte transfers)."""
+    from xprofiler.samples import bandwidth_curve, sample_meta
+
+    rows = [{**sample_meta("ctog", size_bytes=n, count=1), "time_s": t}
+            for n, t in ((1024, 1e-6), (2**20, 1e-4), (2**24, 4e-3))]
+    curve = bandwidth_curve(rows, "ctog")
+    assert curve.large_bytes_per_s == pytest.approx(2**24 / 4e-3) and curve.large_bytes_per_s < max(curve.bytes_per_s)
+
+
+def test_row_costs_with_a_negative_flush_cost_count_every_row_as_the_largest_stores_share():
+    """Stores whose fitted line would give a negative fdatasync cost (noise) price no sync and each
+    row at the largest store's share (no test called row_costs)."""
+    from xprofiler.measure import row_costs
+    from xprofiler.samples import sample_meta
+
+    rows = [{**sample_meta("row_store", size_bytes=4096, batch=1, count=1), "time_s": 0.001},
+            {**sample_meta("row_store", size_bytes=4096, batch=8, count=1), "time_s": 0.016},
+            {**sample_meta("row_dtoc", size_bytes=4096, count=1), "time_s": 0.0005}]
+    got = row_costs(rows)
+    assert got["disk_sync_s"] == 0.0 and got["disk_row_write_s"] == pytest.approx(0.016 / 8)
+
+
+def test_offload_dir_needs_the_margin_beside_the_disk_test_file(tmp_path, monkeypatch):
+    """Free space for the test file but not the margin beside it is refused (the test used 2^60
+    bytes, where the margin decides nothing)."""
+    from collections import namedtuple
+
+    from xprofiler import measure
+    from xsched.errors import UserError
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(measure.shutil, "disk_usage", lambda p: usage(10**12, 0, 2**30 + 2**20))
+    with pytest.raises(UserError, match="MiB free but the disk test needs"):
+        measure.check_offload_dir(tmp_path, 2**30)
+
+
+def test_disk_bench_wraps_within_its_test_file(tmp_path):
+    """Timed writes wrap around inside the test file, never growing it past the bytes the
+    offload-dir check reserved."""
+    from xprofiler.bench import DiskBench
+
+    n = 4096
+    bench = DiskBench(tmp_path / "t.bin", 6 * n, [n], direct=False)
+    try:
+        bench.fill()
+        write = next(p for p in bench.points() if p.meta["bench"] == "ctod")
+        for _ in range(20):
+            write.run()
+    finally:
+        bench.close()
+    assert os.path.getsize(tmp_path / "t.bin") <= 6 * n

@@ -956,3 +956,30 @@ def test_plan_search_records_what_the_workload_leaves_unpriced_and_refuses_what_
     assert Plan.from_dict(json.loads(plan.to_json())).notes == plan.notes
     plain = plan_search(spec, prof, get_workload("T@0.25"), SLA("p99", 3600.0), num_requests=32, confirm_seeds=())
     assert not any("prefix" in n for n in plain.notes), plain.notes
+
+
+# --------------------------------------------------------------- placement details (a fourth mutation audit)
+def test_rounding_back_into_memory_takes_the_cheapest_moves():
+    """After rounding overflows a tier, units move cheapest first: a handful of moves on
+    a100-80gb / opt-30b / T at 32 x 4 (a mutation that took the costliest made 33)."""
+    prof = load_profile("a100-80gb", check_machine=False)
+    placed = place(prof.model_for(get_model_spec("opt-30b")), prof, get_workload("T"), 32, 4)
+    assert placed.moved_units <= 4, placed.moved_units
+
+
+def test_a_shortfall_is_blamed_on_the_slowest_tier_that_could_take_it():
+    """opt-175b on a machine with 5 GB of cpu and 5 GB of disk lacks disk (where its weights
+    could go), not gpu bytes: the refusal tells the user what to add (the test read only "short by")."""
+    from xscheduler.placement import shortfall_bytes
+
+    small = t4_like(cpu_bytes=5 * GB, disk_bytes=5 * GB)
+    short = shortfall_bytes(small.model_for(get_model_spec("opt-175b")), small, get_workload("T@0.25"))
+    assert "gpu" not in short and short.get("disk", 0) > 100 * GB, short
+
+
+def test_weights_that_fit_the_gpu_stay_there_when_that_is_faster():
+    """The whole-layer search tries every weight on the gpu tier first: on a100-80gb / opt-30b / G
+    at 32 x 1 with CPU attention that beats the relaxation's split by about 3%."""
+    prof = load_profile("a100-80gb", check_machine=False)
+    placed = place(prof.model_for(get_model_spec("opt-30b")), prof, get_workload("G"), 32, 1, cpu_attention=True)
+    assert placed.policy.wg == 1.0, placed.policy

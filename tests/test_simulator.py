@@ -1191,3 +1191,17 @@ def test_requests_longer_than_the_workload_are_priced_at_their_own_memory():
     assert long.peak_bytes["gpu"] > short.peak_bytes["gpu"]
     wide = simulate(spec, prof, policy, get_workload("fixed:1000:320"), requests=([1000] * 8, [5] * 8))
     assert long.peak_bytes == wide.peak_bytes  # as if the workload itself reached 1000 tokens
+
+
+def test_cpu_attention_stages_only_the_prompts_kv_on_the_gpu():
+    """With CPU attention the gpu tier stages a batch's prompt K/V on its way out (max_prompt
+    positions), not its whole context: over-counting it refused placements that fit (a mutation
+    audit: the engine tests check only that real peaks stay under the plan)."""
+    from xprofiler.presets import load_profile
+
+    prof = load_profile("t4", check_machine=False)
+    spec = prof.model_for(get_model_spec("opt-6.7b"))
+    for cpu_attention, positions in ((True, 100), (False, 150)):
+        pol = Policy(gbs=8, nb=2, cg=0.0, cc=1.0, cpu_attention=cpu_attention)
+        mem = CostModel.for_policy(spec, prof, pol).memory(pol.placement(), 8, 2, 100, 50)
+        assert mem["gpu"].resident["kv_stage"] == pytest.approx(2 * 8 * positions * spec.kv_bytes_per_token_per_layer)

@@ -733,3 +733,22 @@ def test_a_fitted_workload_keeps_the_lengths_of_the_prompts_that_share_nothing(t
     alone_ids = w.prefix_ids(len(lens), prompt_lens=lens) >= w.prefix_groups
     assert alone_ids.sum() == 0.25 * len(lens)  # as many as share nothing, of the lengths such prompts have
     assert 60 <= lens[alone_ids].min() and lens[alone_ids].max() < 90  # (the sharing ones: 50-60 and 130-140)
+
+
+def test_a_workload_files_scale_suffix_scales_it(tmp_path):
+    """``reqs.jsonl@0.5`` halves the file's lengths, as ``T@0.5`` does a preset's (file@X appeared
+    only in a test that never looked at the lengths)."""
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text("".join(json.dumps({"prompt_tokens": 100 + 10 * (i % 7), "output_tokens": 40 + 4 * (i % 5)}) + "\n"
+                            for i in range(60)))
+    full, half = get_workload(str(reqs)), get_workload(f"{reqs}@0.5")
+    assert half.prompt.max_len == pytest.approx(full.prompt.max_len / 2, abs=1)
+    assert half.output.mean == pytest.approx(full.output.mean / 2, rel=0.05)
+
+
+def test_unequally_common_prefixes_count_as_fewer_groups():
+    """(sum w)^2 / sum w^2: three templates used 50/25/25% count as 2.67 equally common ones, not 3
+    (every test used equally common prefixes, where the two agree)."""
+    w = replace(get_workload("G"), prefix_tokens=20, prefix_groups=3, prefix_share=1.0, prefix_lengths=(20, 20, 20),
+                prefix_weights=(0.5, 0.25, 0.25))
+    assert w.effective_prefix_groups == pytest.approx(1 / (0.25 + 2 * 0.0625))
