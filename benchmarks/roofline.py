@@ -86,8 +86,9 @@ def achieved_read_bytes_per_s(stats) -> float | None:
 def bound_seconds(spec, rows: int, prompt: int, new: int, gemm: dict[str, float], layer_io_s: float) -> float:
     """The roofline time of the engine's schedule: one prefill step and ``new - 1`` decode steps of
     the block, each ``max(compute, I/O)``. Compute: every layer's projection and attention FLOPs
-    at the phase's GEMM rate, plus the LM head of the last position of every row (also a GEMM, at
-    the decode rate: a few rows); I/O: every layer's weights once (``layer_io_s`` each).
+    at the phase's GEMM rate, plus the LM head of the last position of every row (one GEMM over
+    the block's rows, as the engine runs it, at ``gemm["head"]``); I/O: every layer's weights
+    once (``layer_io_s`` each).
 
     The LM head is in the step's compute, not added after it: the engine reads the next step's
     first layers into the stage slots while it runs, so on a disk-bound plan its time hides under
@@ -99,15 +100,20 @@ def bound_seconds(spec, rows: int, prompt: int, new: int, gemm: dict[str, float]
         return tokens * (spec.linear_flops_per_token() + spec.attention_flops_per_token(context)) / gemm[phase]
 
     def step_s(phase: str) -> float:
-        head = rows * spec.lm_head_flops_per_token() / gemm["decode"]
+        head = rows * spec.lm_head_flops_per_token() / gemm["head"]
         return max(spec.num_layers * layer_compute_s(phase) + head, spec.num_layers * layer_io_s)
 
     return step_s("prefill") + (new - 1) * step_s("decode")
 
 
-def measure_gemm_flops(tokens: int, d_in: int, d_out: int, dtype: torch.dtype, device: torch.device) -> float:
+def measure_gemm_flops(tokens: int, d_in: int, d_out: int, dtype: torch.dtype, device: torch.device,
+                       transposed: bool = False) -> float:
+    """FLOP/s of ``F.linear`` of ``tokens`` rows through a ``d_out x d_in`` matrix, best of 10;
+    ``transposed``: the matrix stored column-major (a layout the engine may keep its LM head in)."""
     x = torch.randn(tokens, d_in, device=device).to(dtype)
     w = (torch.randn(d_out, d_in, device=device) * 0.02).to(dtype)
+    if transposed:
+        w = w.t().contiguous().t()
     torch.nn.functional.linear(x, w)
     reps = 20 if device.type == "cuda" else 1  # one GPU GEMM is too short to time alone
     best = float("inf")
@@ -197,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ctog_bw = measure_ctog_bytes_per_s(layer_bytes, device) if cuda else None  # None: not on the path
     gemm = {phase: measure_gemm_flops(tokens, spec.hidden, spec.ffn, dtype, device)
             for phase, tokens in (("prefill", args.gbs * args.prompt), ("decode", args.gbs))}
+    # The LM head: one product over the block's rows, in the faster of the two layouts.
+    gemm["head"] = max(measure_gemm_flops(rows, spec.hidden, spec.vocab_size, dtype, device, transposed=t)
+                       for t in (False, True))
     generated = rows * args.new
 
     # The same block through the in-memory loop (weights in RAM, nothing offloaded), GPU batch by
@@ -242,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(device), "dtype": dtype_name, "weights_tier": args.weights, "cuda_sync": args.cuda_sync,
         "model_bytes": layer_bytes * spec.num_layers, "disk_io": method,
         "disk_read_bytes_per_s": disk_bw, "engine_disk_read_bytes_per_s": achieved_bw, "ctog_bytes_per_s": ctog_bw,
-        "gemm_flops_prefill": gemm["prefill"], "gemm_flops_decode": gemm["decode"],
+        "gemm_flops_prefill": gemm["prefill"], "gemm_flops_decode": gemm["decode"], "gemm_flops_head": gemm["head"],
         "bound_s": bound_s, "in_memory_s": in_memory_s, "wall_s": stats.wall_s,
         "generated_tokens": stats.generated_tokens,
         "measured_tokens_per_s": measured_tps, "bound_tokens_per_s": bound_tps, "ratio": ratio,
@@ -260,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         [f"{achieved_bw / 1e9:.2f} GB/s (the engine's own reads; the bound takes the faster)"] if achieved_bw else []) + (
         [f"pinned host->device {ctog_bw / 1e9:.2f} GB/s"] if ctog_bw else [])
     print(f"measured rates: {', '.join(rates)}, "
-          f"GEMM {gemm['prefill'] / 1e9:.1f} GFLOP/s (prefill) / {gemm['decode'] / 1e9:.1f} GFLOP/s (decode)")
+          f"GEMM {gemm['prefill'] / 1e9:.1f} GFLOP/s (prefill) / {gemm['decode'] / 1e9:.1f} (decode) / "
+          f"{gemm['head'] / 1e9:.1f} (LM head, {rows} rows)")
     print(f"{'':24}{'wall s':>10}{'tokens/s':>12}")
     print(f"{'bound (same plan)':24}{bound_s:>10.2f}{bound_tps:>12.2f}")
     print(f"{'in-memory loop (RAM)':24}{in_memory_s:>10.2f}{generated / in_memory_s:>12.2f}")

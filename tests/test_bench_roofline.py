@@ -32,7 +32,7 @@ def test_the_lm_head_overlaps_the_reads_of_a_disk_bound_step():
     """The default shape at the VM's rates (61.4 / 13.0 GFLOP/s, 28.3 ms per layer read): a decode step
     reads for 12 x 28.3 = 340 ms and computes 12 x 15.6 + 63 = 251 ms, so it takes 340 ms; adding
     the head after the reads (the old bound, 7.38 s) put the bound above the engine's 6.85 s."""
-    spec, gemm, io = _spec(), {"prefill": 61.4e9, "decode": 13.0e9}, 0.0283
+    spec, gemm, io = _spec(), {"prefill": 61.4e9, "decode": 13.0e9, "head": 13.0e9}, 0.0283
     bound = _bench().bound_seconds(spec, 8, 32, 16, gemm, io)
     head = 8 * 2 * 50272 * 1024 / 13.0e9
     layer = {ph: t * (spec.linear_flops_per_token() + spec.attention_flops_per_token(c)) / gemm[ph]
@@ -45,6 +45,9 @@ def test_the_lm_head_overlaps_the_reads_of_a_disk_bound_step():
     # Compute-bound throughout (fast disk): every FLOP, head included, is on the critical path.
     fast = _bench().bound_seconds(spec, 8, 32, 16, gemm, 1e-6)
     assert fast == pytest.approx(12 * layer["prefill"] + head + 15 * (12 * layer["decode"] + head))
+    # The head is one product over the block's 8 rows, at its own rate (the engine runs it so).
+    quick = _bench().bound_seconds(spec, 8, 32, 16, {**gemm, "head": 26.0e9}, 1e-6)
+    assert fast - quick == pytest.approx(16 * head / 2)
 
 
 def test_the_bounds_disk_rate_is_the_engines_own_where_it_read_faster_than_the_probe():

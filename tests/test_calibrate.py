@@ -232,8 +232,9 @@ def test_real_speed_check_sees_a_profile_that_is_twice_too_fast(tmp_path):
     assert 0.8 < base < 1.25  # the fit describes the runs it was fitted to
 
 
-def test_a_calibration_times_the_lm_head_layouts_once_per_batch_size(tmp_path, monkeypatch):
-    """Every run builds a fresh engine; only the first of each GPU batch size times the head."""
+def test_a_calibration_times_the_lm_head_layouts_once_per_block_size(tmp_path, monkeypatch):
+    """Every run builds a fresh engine; only the first of each block size (``gbs * nb``: the head
+    multiplies every row of the block at once) times the head."""
     import xrunner.model as model
 
     timed = []
@@ -243,7 +244,9 @@ def test_a_calibration_times_the_lm_head_layouts_once_per_batch_size(tmp_path, m
     runs = anchor_designs(TINY, gen_len=2, depth=2)
     ms = measure_design(TINY, runs, profile=profile, repeats=2, offload_dir=tmp_path)
     assert len(ms) == len(runs)
-    assert len(timed) == len({r.policy.gbs for r in runs}) < 2 * len(runs) + 1  # engines built: 2 per run + 1
+    sizes = {r.policy.gbs * r.policy.nb for r in runs}
+    assert len(timed) == len(sizes) < 2 * len(runs) + 1  # engines built: 2 per run + 1
+    assert {rows[0] for rows in timed} == sizes  # (each timing drains from the block's full row count)
 
 
 def test_cli_refresh_needs_a_calibrated_profile(capsys, here_profile):

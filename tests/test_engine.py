@@ -1903,6 +1903,57 @@ def test_overlap_flag_decides_whether_io_runs_during_compute(llama, tmp_path, ov
         assert overlapped_s == 0
 
 
+def test_the_lm_head_runs_once_a_step_while_the_next_steps_first_two_layers_are_fetched(llama, tmp_path,
+                                                                                         monkeypatch):
+    """A layer's stage slot is free once every GPU batch has computed it, so the fetch of the layer
+    after next is queued then: at a step's end the weights queue reads the next step's layers 0
+    and 1 while the LM head runs (it used to read layer 0 alone, then idle). The head is one
+    product over every row of the block, not one per GPU batch."""
+    src, reqs, want = llama
+    order: list[tuple[str, int]] = []
+    start_fetch, head = Engine._start_fetch, Engine._head
+    monkeypatch.setattr(Engine, "_start_fetch", lambda self, layer: (order.append(("fetch", layer)),
+                                                                     start_fetch(self, layer))[1])
+    monkeypatch.setattr(Engine, "_head", lambda self, hidden: (order.append(("head", hidden.shape[0])),
+                                                               head(self, hidden))[1])
+    got, stats = run_engine(src, Policy(gbs=3, nb=2, wg=0.0, wd=1.0), reqs, tmp_path)  # every layer on disk
+    assert got == want
+    heads = [k for k, (kind, _) in enumerate(order) if kind == "head"]
+    assert len(heads) == stats.num_prefill_steps + stats.num_decode_steps
+    assert order[heads[0]] == ("head", 6)  # the first block's prefill: two GPU batches of 3 rows
+    for k in heads:
+        assert order[k - 2:k] == [("fetch", 0), ("fetch", 1)], order[k - 4:k + 1]
+
+
+def test_the_blocks_last_hidden_states_and_logits_are_planned_as_the_engine_holds_them(llama, tmp_path, monkeypatch):
+    """The head's input (``hidden_last``, every row of the block) is a resident buffer and its
+    logits are one transient for the block's rows: the cost model plans each at the bytes the
+    engine books (a per-GPU-batch logits term would plan half of what a block of two holds)."""
+    from xrunner.tiers import MemoryLedger
+    from xsimulator.costmodel import CostModel
+
+    src, reqs, want = llama
+    top: dict[tuple[str, str], int] = {}
+    add = MemoryLedger.add
+
+    def spy(self, tier, name, nbytes):
+        add(self, tier, name, nbytes)
+        top[tier, name] = max(top.get((tier, name), 0), self.by_name[tier, name])
+
+    monkeypatch.setattr(MemoryLedger, "add", spy)
+    policy = Policy(gbs=3, nb=2)
+    got, stats = run_engine(src, policy, reqs, tmp_path)
+    assert got == want
+    with Engine(src, policy, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path) as eng:
+        profile = eng.profile
+    gpu = CostModel.for_policy(LLAMA, profile, policy).memory(policy.placement(), 3, 2, MAX_PROMPT, MAX_OUTPUT)["gpu"]
+    row_bytes = LLAMA.hidden * 4
+    assert top["gpu", "hidden_last"] == gpu.resident["hidden_last"] == 6 * row_bytes
+    assert top["gpu", "logits"] == 6 * (LLAMA.vocab_size * 4 + row_bytes)
+    held = MAX_PROMPT * (LLAMA.hidden + 2 * LLAMA.kv_dim) * 4  # (room for prefixes later batches take)
+    assert gpu.transient["logits"] == top["gpu", "logits"] + held
+
+
 def test_interrupt_inside_a_step_stops_the_io_queues_and_removes_files(llama, tmp_path, monkeypatch):
     """Ctrl-C while loads wait on stores: close() must not hang and must delete the offload files."""
     import threading
@@ -2286,10 +2337,11 @@ def test_a_half_precision_4bit_cache_on_a_cpu_is_attended_over_its_codes(tmp_pat
         assert fused == plain
 
 
-def test_a_new_gbs_times_the_lm_head_layout_again_when_its_copy_fits_the_new_plan(tmp_path, monkeypatch):
+def test_a_new_block_size_times_the_lm_head_layout_again_when_its_copy_fits_the_new_plan(tmp_path, monkeypatch):
     """The LM head's faster layout depends on the rows multiplied (on the project's VM SmolLM2's
-    head is faster transposed for 1-3 rows and row-major for more), so a reconfiguration to another
-    gbs times the layouts again while its buffers are freed: with the weights off the gpu tier the
+    head is faster transposed for 1-3 rows and row-major for more), and the head multiplies every
+    row of the block at once, so a reconfiguration to another block size (``gbs * nb``) times the
+    layouts again while its buffers are freed (another split of the same rows does not): with the weights off the gpu tier the
     copy fits the new plan and the head switches, outputs unchanged and the change's peak within
     the plan; with every weight on the gpu tier it does not fit, and the layout is kept."""
     import xrunner.model as model_core
@@ -2301,18 +2353,18 @@ def test_a_new_gbs_times_the_lm_head_layout_again_when_its_copy_fits_the_new_pla
     timed_rows = []
 
     def fake_seconds(layouts, rows, repeats=3):  # over the drain's row counts: row-major slow at 1 row
-        timed_rows.append(rows[0])  # the batch's full row count
+        timed_rows.append(rows[0])  # the block's full row count
         return {"transposed": 1.0 * len(rows), "rows": sum(2.0 if r <= 1 else 0.5 for r in rows)}
 
     monkeypatch.setattr(model_core, "head_layout_seconds", fake_seconds)
     for wg, fits in ((0.0, True), (1.0, False)):
         timed_rows.clear()
-        small = Policy(gbs=2, nb=2, wg=wg, wc=1.0 - wg)
+        small = Policy(gbs=2, nb=1, wg=wg, wc=1.0 - wg)
         got: dict[str, list[int]] = {}
         with Engine(src, small, max_prompt=MAX_PROMPT, max_output=MAX_OUTPUT, offload_dir=tmp_path,
                     device="cpu") as eng:
             assert timed_rows == [2] and model_core.head_layout_of(eng.head["lm_head.weight"]) == "transposed"
-            same = eng.reconfigure(replace(small, nb=3), reason="same gbs")
+            same = eng.reconfigure(replace(small, gbs=1, nb=2), reason="the same rows in two batches")
             assert not same.head_retimed and timed_rows == [2]
             rec = eng.reconfigure(replace(small, gbs=4), reason="more rows")
             assert rec.head_retimed == fits and timed_rows == ([2, 4] if fits else [2])

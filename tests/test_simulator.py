@@ -949,6 +949,24 @@ def test_a_measured_head_fit_prices_the_lm_head_instead_of_the_roofs():
     assert elsewhere.head_seconds("decode", rows, 40) == pytest.approx(roofs.head_seconds("decode", rows, 40))
 
 
+def test_the_lm_head_is_one_product_over_the_blocks_rows_each_step():
+    """The runner multiplies the LM head once per step over every GPU batch's rows (the matrix is
+    read once, not once per batch), so a step's head is priced at the block's rows and each batch
+    is charged its rows' share. With a measured product of 20 ms at 4 and at 8 rows, doubling it
+    costs a block of two batches of 4 rows 20 ms more per step, not 40, in both simulators."""
+    from xprofiler.profile import HeadFit
+
+    spec = get_model_spec("opt-125m")
+    fit = HeadFit(model=spec.name, dtype=spec.dtype, rows=(1, 4, 8), seconds=(0.01, 0.02, 0.02))
+    fast, slow = (CostModel(spec, cpu_host(head_fits=(f,))) for f in (fit, replace(fit, seconds=(0.02, 0.04, 0.04))))
+    extra = slow.head_seconds("decode", np.array([6, 2]), 40, 8) - fast.head_seconds("decode", np.array([6, 2]), 40, 8)
+    assert extra == pytest.approx([0.015, 0.005])
+    w, pol, steps = get_workload("fixed:32:4"), Policy(gbs=4, nb=2), 4  # one prefill and three decode steps
+    for sim in (simulate, simulate_analytic):
+        one, two = (sim(spec, cm.profile, pol, w, num_requests=8) for cm in (fast, slow))
+        assert two.busy_s["head"] - one.busy_s["head"] == pytest.approx(steps * 0.02)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # PuLP 3.3 deprecates its bundled CBC
 def test_the_head_relayout_on_a_cpu_host_is_planned_alone_not_on_top_of_the_rest():
     """A CPU runner's first step holds the LM head twice, with one product's input and logits (its

@@ -231,9 +231,9 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
     bytes. ``max_prompt``/``max_output`` size the KV cache (default: the longest of the job),
     as a plan's workload would. ``warmup`` first runs one untimed short block on the same engine:
     a calibration run is a few steps long, so the engine's first-step costs (allocator, thread
-    pools, caches) would weigh far more in it than in a real job. ``head_layouts`` (GPU batch
-    size -> CPU LM head layout) is shared by the runs of one calibration: the first engine of a
-    batch size times the two layouts, the others reuse its choice (timing them was a fifth of a
+    pools, caches) would weigh far more in it than in a real job. ``head_layouts`` (block size
+    ``gbs * nb`` -> CPU LM head layout) is shared by the runs of one calibration: the first engine of a
+    block size times the two layouts, the others reuse its choice (timing them was a fifth of a
     calibration's wall time on the 2-core VM).
     """
     from xrunner.engine import Engine, Request
@@ -264,8 +264,8 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
     layouts = {} if head_layouts is None else head_layouts
     cache = workload_cache_positions(wl, mp)  # as the simulator sizes it
     with Engine(source, policy, max_prompt=mp, max_output=mo, offload_dir=offload_dir, record_trace=True,
-                profile=profile, head_layout=layouts.get(policy.gbs), prefix_cache_positions=cache) as eng:
-        layouts.setdefault(policy.gbs, eng.head_layout)
+                profile=profile, head_layout=layouts.get(policy.gbs * policy.nb), prefix_cache_positions=cache) as eng:
+        layouts.setdefault(policy.gbs * policy.nb, eng.head_layout)
         seen = [0]
 
         def on_step(_n: int) -> None:

@@ -184,8 +184,9 @@ def token_seconds(cm: CostModel, placement: Mapping[str, Any], gbs: int, nb: int
     else:
         pre, dec = phase_time
     n = shape.decode_steps
-    head = nb * (float(cm.head_seconds("prefill", shape.computed("prefill", gbs, nb), shape.prompt_len))
-                 + n * float(cm.head_seconds("decode", gbs, shape.decode_context)))
+    computed = shape.computed("prefill", gbs, nb)
+    head = nb * (float(cm.head_seconds("prefill", computed, shape.prompt_len, nb * computed))
+                 + n * float(cm.head_seconds("decode", gbs, shape.decode_context, nb * gbs)))
     block_s = cm.spec.num_layers * (pre + n * dec) + head
     return block_s * (1.0 / (gbs * nb * n))
 
@@ -202,7 +203,8 @@ def emptying_token_seconds(cm: CostModel, placement: Mapping[str, Any], gbs: int
     L = cm.spec.num_layers
     prefill, decode = (min((L * float(_layer_step_s(cm, placement, phase, r, length, nb,
                                                     computed=shape.computed(phase, r, nb)))
-                            + nb * float(cm.head_seconds(phase, shape.computed(phase, r, nb), length))) / (r * nb)
+                            + nb * float(cm.head_seconds(phase, shape.computed(phase, r, nb), length,
+                                                         nb * shape.computed(phase, r, nb)))) / (r * nb)
                            for r in (2 ** k for k in range(gbs.bit_length())))
                        for phase, length in _phases(shape))
     return prefill / shape.decode_steps + decode

@@ -249,8 +249,12 @@ class _Analytic:
                             prefix_groups=groups[..., None], prefix_own=own[..., None])
         shape = nodes.shape
         terms = StepTerms(*(np.mean(np.broadcast_to(v, shape), axis=-1) for v in bt.as_dict().values()))
-        head = np.mean(np.broadcast_to(cm.head_seconds("prefill", c, nodes), shape), axis=-1)
         block = 1.0 - np.prod(1.0 - weight, axis=-1)
+        # The LM head is one product over the block's rows: priced at their expected count in a
+        # step that runs (the weights are each batch's chance to run, so the charges add up to
+        # P(block runs) products).
+        block_rows = (np.sum(weight * computed, axis=-1) / np.maximum(block, 1e-300))[..., None, None]
+        head = np.mean(np.broadcast_to(cm.head_seconds("prefill", c, nodes, block_rows), shape), axis=-1)
         tokens = (np.sum(weight * self.positions(rows, nodes, by_prefix, joining, weight, fresh).mean(axis=-1), axis=-1)
                   / np.maximum(block, 1e-300))
         return cm.combine(terms, head, self.placement, weight, np.minimum(block, 1.0), tokens=tokens)
@@ -266,7 +270,7 @@ class _Analytic:
         a = np.where(q > 0, rows * p / np.maximum(q, 1e-300), 0.0)
         w = np.where(block[..., None] > 0, q / np.maximum(block[..., None], 1e-300), 0.0)
         bt = self.cm.batch_terms("decode", a, context, self.placement)
-        head = self.cm.head_seconds("decode", a, context)
+        head = self.cm.head_seconds("decode", a, context, np.sum(w * a, axis=-1, keepdims=True))
         step = self.cm.combine(bt, head, self.placement, w, (block > 0).astype(float), tokens=np.sum(w * a, axis=-1))
         return step, block
 

@@ -272,13 +272,20 @@ def pack_scratch_bytes(spec: ModelSpec) -> int:
     return max(quantize_scratch_bytes(*s) for s in spec.layer_tensor_shapes().values() if len(s) == 2)
 
 
-def head_layout_bytes(spec: ModelSpec, compute_device: str, gbs: int) -> float:
+def _fraction(part: Any, whole: Any) -> Any:
+    """``part / whole`` (floats or arrays), 0 where ``whole`` is 0."""
+    part, whole = np.asarray(part, dtype=float), np.asarray(whole, dtype=float)
+    out = np.where(whole > 0, part / np.where(whole > 0, whole, 1.0), 0.0)
+    return float(out) if out.ndim == 0 else out
+
+
+def head_layout_bytes(spec: ModelSpec, compute_device: str, rows: int) -> float:
     """What a CPU runner holds while it times the LM head's two layouts to keep the faster
     (``xrunner.model.cpu_head_layout``): the matrix's second copy and one product's input and
-    logits for ``gbs`` rows; none on CUDA."""
+    logits for ``rows`` rows (a block's: the head runs once per step); none on CUDA."""
     if compute_device != "cpu":
         return 0.0
-    return float((spec.vocab_size * spec.hidden + gbs * (spec.hidden + spec.vocab_size)) * spec.dtype_bytes)
+    return float((spec.vocab_size * spec.hidden + rows * (spec.hidden + spec.vocab_size)) * spec.dtype_bytes)
 
 
 def layer_load_bytes(spec: ModelSpec, compress_weight: bool, cuda: bool, stored_bytes: float) -> float:
@@ -1015,10 +1022,12 @@ class CostModel:
         positions = self.step_tokens(phase, self.layer_rows(phase, c, length, prefix, prefix_groups, prefix_own),
                                      length)
         tokens = np.sum(_times(batch_weight, positions), axis=batch_axis)
+        block_rows = np.sum(_times(batch_weight, np.broadcast_to(c, np.shape(positions))), axis=batch_axis,
+                            keepdims=True)
         return self.combine(self.batch_terms(phase, rows, length, placement, computed, prefix, prefix_groups,
                                              prefix_own),
-                            self.head_seconds(phase, c, length), placement, batch_weight, block_weight, batch_axis,
-                            tokens)
+                            self.head_seconds(phase, c, length, block_rows), placement, batch_weight, block_weight,
+                            batch_axis, tokens)
 
     def combine(self, batch_terms: StepTerms, head_s: Any, placement: Mapping[str, Any], batch_weight: Any,
                 block_weight: Any, batch_axis: int = -1, tokens: Any = None) -> "BlockStep":
@@ -1047,23 +1056,42 @@ class CostModel:
             total = total + share * self.layer_seconds(batches + weights.scaled(block_weight))
         return total
 
-    def head_seconds(self, phase: str, rows: Any, length: Any) -> Any:
+    def head_seconds(self, phase: str, rows: Any, length: Any, block_rows: Any = None) -> Any:
         """Embedding, final norm and LM head for one GPU batch, plus the per-step overhead.
 
         The head weights (embeddings, final norm, LM head) always live on the gpu tier. Logits
-        are computed for the last position only, also in prefill. The embedding gather is
-        priced with the layer fit's per-token cost when there is one (a gather is one of the
-        element-wise passes that coefficient covers), else with the memory roof if known.
+        are computed for the last position only, also in prefill. The runner multiplies the LM
+        head once per step over the last positions of the block's ``block_rows`` rows (default:
+        this batch's alone); a batch is charged its ``rows``' share of that one product, so the
+        charges of a step's batches add up to it. The embedding gather is priced with the layer
+        fit's per-token cost when there is one (a gather is one of the element-wise passes that
+        coefficient covers), else with the memory roof if known.
         """
-        spec, prof = self.spec, self.profile
+        spec = self.spec
         tokens = rows * length if phase == "prefill" else rows
+        if block_rows is None:
+            head_factored, head_own = self._lm_head_parts(rows)
+        else:
+            share = _fraction(rows, block_rows)
+            head_factored, head_own = (share * part for part in self._lm_head_parts(block_rows))
+        fit = self.profile.layer_fit(self._fit_name, phase, spec.dtype)
+        if fit is not None and "tokens" in fit.features:
+            embed = fit.coef[fit.features.index("tokens")] * tokens
+        else:
+            embed = _op_seconds(self.profile, "mm", 0.0 * tokens, tokens * spec.act_bytes_per_token)
+        return (head_factored + embed) * self.factor("head") + head_own + self.overhead_s("step_overhead_s")
+
+    def _lm_head_parts(self, rows: Any) -> tuple[Any, Any]:
+        """Seconds of the LM head product over ``rows`` rows: (the part the ``head`` factor
+        scales, the part priced with the layers' own factor)."""
+        spec, prof = self.spec, self.profile
         head_flops = rows * spec.lm_head_flops_per_token()
         head_bytes = spec.vocab_size * spec.hidden * self.dtype_bytes
         head_fit = prof.head_fit(self._fit_name, spec.dtype)
         if head_fit is not None:
             # Measured on this machine at each power of two of rows, in the layout the runner keeps.
-            head_factored, head_own = head_fit.predict_s(rows), 0.0
-        elif prof.compute_device == "cpu" and prof.mem_bytes_per_s > 0:
+            return head_fit.predict_s(rows), 0.0
+        if prof.compute_device == "cpu" and prof.mem_bytes_per_s > 0:
             # Without a measured fit (a profile taken without the model): on a CPU the few-row
             # LM head GEMM is neither purely compute- nor memory-bound: for opt-125m (1 thread)
             # 2/4/8/16/32 rows took 30/36/44/55/86 ms, which the *sum* of the two roofs tracks
@@ -1079,18 +1107,11 @@ class CostModel:
             # (the analytic path) the two are interpolated.
             gemv = _op_seconds(prof, "mm", head_flops, head_bytes) * self.factor("gpu_compute")
             one_row = np.clip(2.0 - np.asarray(rows, dtype=float), 0.0, 1.0)
-            head_factored = (1.0 - one_row) * gemm
-            head_own = one_row * gemv
+            head_factored, head_own = (1.0 - one_row) * gemm, one_row * gemv
             if np.ndim(one_row) == 0:
-                head_factored, head_own = float(head_factored), float(head_own)
-        else:
-            head_factored, head_own = _op_seconds(prof, "mm", head_flops, head_bytes), 0.0
-        fit = self.profile.layer_fit(self._fit_name, phase, spec.dtype)
-        if fit is not None and "tokens" in fit.features:
-            embed = fit.coef[fit.features.index("tokens")] * tokens
-        else:
-            embed = _op_seconds(self.profile, "mm", 0.0 * tokens, tokens * spec.act_bytes_per_token)
-        return (head_factored + embed) * self.factor("head") + head_own + self.overhead_s("step_overhead_s")
+                return float(head_factored), float(head_own)
+            return head_factored, head_own
+        return _op_seconds(prof, "mm", head_flops, head_bytes), 0.0
 
     # ----------------------------------------------------------------- memory
     def memory(self, placement: Mapping[str, Any], gbs: int, nb: int, max_prompt: int,
@@ -1116,8 +1137,11 @@ class CostModel:
           ``kv_centers``     each layer's mean K and V on calibration text, which a 4-bit cache
                              is stored around (compress_cache; real models)
           ``act_stage``      offloaded hidden states of the batch computing and the batch loading
+          ``hidden_last``    the last position's hidden state of every row of the block, which
+                             the LM head multiplies at once after the last layer
           transients (one at a time, for one GPU batch): ``qkv`` projections, ``attention``
-          (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32);
+          (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32,
+          every row of the block: the head runs once per step);
           each but decode's attention beside ``prefix_held``, one layer's results of prefixes
           that later GPU batches of the block take instead of computing them
           (``xrunner.prefix.plan_block``; at most max_prompt positions; on CUDA also a layer's
@@ -1171,6 +1195,7 @@ class CostModel:
                                 if self.compress_cache and not self.fused_kv else 0),
             "kv_centers": float(L * spec.kv_bytes_per_token_per_layer if self.compress_cache else 0),
             "act_stage": (p["hc"] + p["hd"]) * (2 * gbs * act_row),
+            "hidden_last": float(bls * h * dt),
         }
         # Scores: SDPA's two copies in the compute dtype; a softcap or sinks (model.explicit_attention)
         # hold the scores, their capped or masked copies and the float32 softmax with its cast.
@@ -1199,11 +1224,11 @@ class CostModel:
             # (a mixture of experts: one expert's rows at a time, at most every token, and the
             # router's float32 logits and softmax)
             "mlp": float(gbs * s * ((2 * h + ffn_width) * dt + 2 * spec.num_experts * 4)) + held,
-            "logits": float(gbs * (spec.vocab_size * 4 + h * dt)) + held,
+            "logits": float(bls * (spec.vocab_size * 4 + h * dt)) + held,  # (the block's rows at once)
         }
         # The runner's first allocation: the head, and on a CPU host its LM head re-laid out.
         gpu_alone = {"head_weights": float(spec.head_weight_bytes),
-                     "head_layout": head_layout_bytes(spec, self.profile.compute_device, gbs)}
+                     "head_layout": head_layout_bytes(spec, self.profile.compute_device, bls)}
         cpu_res = {
             "weights_home": p["wc"] * (L * w_layer),
             "kv_home": p["cc"] * (bls * L * kv_row),

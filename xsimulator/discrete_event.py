@@ -665,12 +665,12 @@ def price_steps(cm: CostModel, phase: str, rows: np.ndarray, length: np.ndarray,
     l_tab = np.arange(top_len + 1)[None, :]
     live = (r_tab > 0).astype(float)  # an idle batch costs nothing
     terms = cm.batch_terms(phase, r_tab, l_tab, placement).scaled(live)
-    head = cm.head_seconds(phase, r_tab, l_tab) * live
     shape = (top_rows + 1, top_len + 1)
     index = rows * (top_len + 1) + length
     gather = {k: (np.ravel(np.broadcast_to(v, shape))[index] if not np.isscalar(v) else v)
               for k, v in terms.as_dict().items()}
-    head_cells = np.ravel(np.broadcast_to(head, shape))[index]
+    # (the LM head is one product over the step's rows, so it is priced per step, not per pair)
+    head_cells = cm.head_seconds(phase, rows, length, np.sum(rows, axis=0, keepdims=True)) * on
     return cm.combine(StepTerms(**gather), head_cells, placement, 1.0, any_on, batch_axis=0,
                       tokens=np.sum(cm.step_tokens(phase, rows, length), axis=0))
 
