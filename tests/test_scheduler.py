@@ -49,6 +49,27 @@ def _grid(step: int) -> np.ndarray:
     return np.array([(i / step, j / step, (step - i - j) / step) for i in range(step + 1) for j in range(step + 1 - i)])
 
 
+def test_the_planner_prices_one_lm_head_per_step_over_every_prompt_of_the_block(case, monkeypatch):
+    """The runner multiplies the LM head once per step over the last position of every row of the
+    block; in a prefill that is every prompt (samples of one prompt share it), however much of the
+    prompts a shared prefix saves the layers: 8 x 4 prompts of 400 tokens behind a 300-token
+    system prompt are 32 rows at the head, not the prefix-reduced rows the layers compute."""
+    from dataclasses import replace
+
+    spec, prof, w = case
+    cm, asked = CostModel(spec, prof), []
+    head = CostModel.head_seconds
+    monkeypatch.setattr(CostModel, "head_seconds", lambda self, phase, rows, length, block_rows=None:
+                        asked.append((phase, rows, block_rows)) or head(self, phase, rows, length, block_rows))
+    shape = replace(Shape.of(w), prompt_len=400, prefix_tokens=300)
+    assert shape.computed("prefill", 8, 4) < 8  # the layers' rows are reduced
+    token_seconds(cm, Policy(gbs=8, nb=4).placement(), 8, 4, shape)
+    assert asked == [("prefill", 8, 32), ("decode", 8, 32)]
+    asked.clear()
+    token_seconds(cm, Policy(gbs=8, nb=4).placement(), 8, 4, replace(shape, samples=4))
+    assert asked[0] == ("prefill", 2.0, 8.0)  # four samples of each prompt: two prompts a batch
+
+
 def test_lp_matches_brute_force_over_a_fine_placement_grid(case):
     spec, prof, w = case
     gbs, nb = 16, 4

@@ -9,8 +9,8 @@ previous batch's. ``policy.overlap=False`` runs the very same tasks inline (abla
 
 Buffers (names and sizes of ``CostModel.memory``), all allocated up front except transients:
 gpu ``weights_home head_weights kv_home act_home weight_stage weight_dequant kv_stage kv_dequant
-act_stage hidden_last`` + transients ``qkv attention attention_decode mlp logits`` (in a prefill beside
-``prefix_held``, the prefixes later GPU batches take); cpu ``weights_home
+act_stage hidden_last`` + transients ``qkv attention attention_decode mlp logits`` (the first
+three in a prefill beside ``prefix_held``, the prefixes later GPU batches take); cpu ``weights_home
 kv_home act_home weight_relay kv_relay act_relay`` + transient ``cpu_attention``, and
 ``prefix_cache``, filled as prefills compute prefixes that later ones take; disk
 ``weights_home kv_home act_home``. Placement: weights by whole layers
@@ -959,7 +959,7 @@ class Engine:
         if self.notice is not None and (reload or observe or moves):
             self.notice(self._slow_work(policy, reload, observe, len(moves)))
 
-        self._settle_fetches()  # a prefetch of the next step's first layer may be pending
+        self._settle_fetches()  # prefetches of the next step's first two layers may be pending
         freed_before = dict(self.ledger.freed_total)
         peak_before = self.ledger.reset_window()  # the old policy's peak since the run or the last change
         old = self.policy
@@ -1155,8 +1155,9 @@ class Engine:
 
     def _settle_fetches(self) -> None:
         """Wait for the weight fetches still queued (a run's last step prefetches the next step's
-        first layer, which outlived the run) and forget the slot of any that failed, so that a later
-        step fetches that layer again: its error belonged to no step, and its slot held other bytes."""
+        first two layers, which outlive the run: a change of policy waits for their reads) and
+        forget the slot of any that failed, so that a later step fetches that layer again: its
+        error belonged to no step, and its slot held other bytes."""
         for layer, fut in list(self._wfutures.items()):
             del self._wfutures[layer]
             try:

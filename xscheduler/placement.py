@@ -84,6 +84,13 @@ class Shape:
                    workload.output.max_len, workload.samples, workload.mean_prefix_tokens,
                    workload.effective_prefix_groups, workload_cache_positions(workload), workload.prefix_lengths)
 
+    def head_rows(self, phase: str, rows: int) -> float:
+        """Rows of a GPU batch of ``rows`` whose last position the LM head multiplies in ``phase``:
+        in prefill one per prompt (its samples share the prefill), whatever prefixes they share."""
+        if phase != "prefill" or self.samples <= 1:
+            return rows
+        return max(rows / self.samples, 1.0)
+
     def computed(self, phase: str, rows: int, nb: int = 1) -> float:
         """Rows' worth of positions a GPU batch of ``rows`` (of ``nb`` joining together) computes
         in ``phase``: in prefill, one per prompt when its samples fill the batch in whole runs, and
@@ -93,7 +100,7 @@ class Shape:
         computed: ``xrunner.prefix.plan_block``) that the run's prefix cache does not keep."""
         if phase != "prefill":
             return rows
-        c = max(rows / self.samples, 1.0) if self.samples > 1 else rows
+        c = self.head_rows(phase, rows)
         if not self.prefix_tokens:
             return c
         groups = prefix_groups_in_batch(c, c * nb, self.prefix_groups)
@@ -184,8 +191,8 @@ def token_seconds(cm: CostModel, placement: Mapping[str, Any], gbs: int, nb: int
     else:
         pre, dec = phase_time
     n = shape.decode_steps
-    computed = shape.computed("prefill", gbs, nb)
-    head = nb * (float(cm.head_seconds("prefill", computed, shape.prompt_len, nb * computed))
+    prompts = shape.head_rows("prefill", gbs)  # (the head's rows: a shared prefix saves it nothing)
+    head = nb * (float(cm.head_seconds("prefill", prompts, shape.prompt_len, nb * prompts))
                  + n * float(cm.head_seconds("decode", gbs, shape.decode_context, nb * gbs)))
     block_s = cm.spec.num_layers * (pre + n * dec) + head
     return block_s * (1.0 / (gbs * nb * n))
@@ -203,8 +210,8 @@ def emptying_token_seconds(cm: CostModel, placement: Mapping[str, Any], gbs: int
     L = cm.spec.num_layers
     prefill, decode = (min((L * float(_layer_step_s(cm, placement, phase, r, length, nb,
                                                     computed=shape.computed(phase, r, nb)))
-                            + nb * float(cm.head_seconds(phase, shape.computed(phase, r, nb), length,
-                                                         nb * shape.computed(phase, r, nb)))) / (r * nb)
+                            + nb * float(cm.head_seconds(phase, shape.head_rows(phase, r), length,
+                                                         nb * shape.head_rows(phase, r)))) / (r * nb)
                            for r in (2 ** k for k in range(gbs.bit_length())))
                        for phase, length in _phases(shape))
     return prefill / shape.decode_steps + decode

@@ -1142,7 +1142,7 @@ class CostModel:
           transients (one at a time, for one GPU batch): ``qkv`` projections, ``attention``
           (expanded K/V, scores and probabilities), ``mlp`` intermediates, ``logits`` (fp32,
           every row of the block: the head runs once per step);
-          each but decode's attention beside ``prefix_held``, one layer's results of prefixes
+          ``qkv``, ``attention`` and ``mlp`` beside ``prefix_held``, one layer's results of prefixes
           that later GPU batches of the block take instead of computing them
           (``xrunner.prefix.plan_block``; at most max_prompt positions; on CUDA also a layer's
           copy of the cpu tier's ``prefix_cache``, cache_positions)
@@ -1224,7 +1224,8 @@ class CostModel:
             # (a mixture of experts: one expert's rows at a time, at most every token, and the
             # router's float32 logits and softmax)
             "mlp": float(gbs * s * ((2 * h + ffn_width) * dt + 2 * spec.num_experts * 4)) + held,
-            "logits": float(bls * (spec.vocab_size * 4 + h * dt)) + held,  # (the block's rows at once)
+            # (the block's rows at once, after the last layer: no prefix is held by then)
+            "logits": float(bls * (spec.vocab_size * 4 + h * dt)),
         }
         # The runner's first allocation: the head, and on a CPU host its LM head re-laid out.
         gpu_alone = {"head_weights": float(spec.head_weight_bytes),
