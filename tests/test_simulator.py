@@ -965,6 +965,10 @@ def test_the_lm_head_is_one_product_over_the_blocks_rows_each_step():
     for sim in (simulate, simulate_analytic):
         one, two = (sim(spec, cm.profile, pol, w, num_requests=8) for cm in (fast, slow))
         assert two.busy_s["head"] - one.busy_s["head"] == pytest.approx(steps * 0.02)
+    # 40 blocks of 32 steps: the discrete-event simulator prices the decode steps from its table of
+    # batch shapes (``price_steps``), the head per step from the step's rows.
+    one, two = (simulate(spec, cm.profile, pol, get_workload("fixed:32:32"), num_requests=320) for cm in (fast, slow))
+    assert two.busy_s["head"] - one.busy_s["head"] == pytest.approx(40 * 32 * 0.02)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # PuLP 3.3 deprecates its bundled CBC

@@ -1063,34 +1063,35 @@ class CostModel:
         are computed for the last position only, also in prefill. The runner multiplies the LM
         head once per step over the last positions of the block's ``block_rows`` rows (default:
         this batch's alone); a batch is charged its ``rows``' share of that one product, so the
-        charges of a step's batches add up to it. The embedding gather is priced with the layer
-        fit's per-token cost when there is one (a gather is one of the element-wise passes that
-        coefficient covers), else with the memory roof if known.
+        charges of a step's batches add up to it.
         """
+        product = self.lm_head_seconds(rows) if block_rows is None else \
+            _fraction(rows, block_rows) * self.lm_head_seconds(block_rows)
+        return product + self.embed_seconds(phase, rows, length)
+
+    def embed_seconds(self, phase: str, rows: Any, length: Any) -> Any:
+        """The embedding gather of one GPU batch, plus the per-step overhead (each batch's own).
+
+        Priced with the layer fit's per-token cost when there is one (a gather is one of the
+        element-wise passes that coefficient covers), else with the memory roof if known."""
         spec = self.spec
         tokens = rows * length if phase == "prefill" else rows
-        if block_rows is None:
-            head_factored, head_own = self._lm_head_parts(rows)
-        else:
-            share = _fraction(rows, block_rows)
-            head_factored, head_own = (share * part for part in self._lm_head_parts(block_rows))
         fit = self.profile.layer_fit(self._fit_name, phase, spec.dtype)
         if fit is not None and "tokens" in fit.features:
             embed = fit.coef[fit.features.index("tokens")] * tokens
         else:
             embed = _op_seconds(self.profile, "mm", 0.0 * tokens, tokens * spec.act_bytes_per_token)
-        return (head_factored + embed) * self.factor("head") + head_own + self.overhead_s("step_overhead_s")
+        return embed * self.factor("head") + self.overhead_s("step_overhead_s")
 
-    def _lm_head_parts(self, rows: Any) -> tuple[Any, Any]:
-        """Seconds of the LM head product over ``rows`` rows: (the part the ``head`` factor
-        scales, the part priced with the layers' own factor)."""
+    def lm_head_seconds(self, rows: Any) -> Any:
+        """One LM head product over ``rows`` rows (floats or arrays)."""
         spec, prof = self.spec, self.profile
         head_flops = rows * spec.lm_head_flops_per_token()
         head_bytes = spec.vocab_size * spec.hidden * self.dtype_bytes
         head_fit = prof.head_fit(self._fit_name, spec.dtype)
         if head_fit is not None:
             # Measured on this machine at each power of two of rows, in the layout the runner keeps.
-            return head_fit.predict_s(rows), 0.0
+            return head_fit.predict_s(rows) * self.factor("head")
         if prof.compute_device == "cpu" and prof.mem_bytes_per_s > 0:
             # Without a measured fit (a profile taken without the model): on a CPU the few-row
             # LM head GEMM is neither purely compute- nor memory-bound: for opt-125m (1 thread)
@@ -1107,11 +1108,9 @@ class CostModel:
             # (the analytic path) the two are interpolated.
             gemv = _op_seconds(prof, "mm", head_flops, head_bytes) * self.factor("gpu_compute")
             one_row = np.clip(2.0 - np.asarray(rows, dtype=float), 0.0, 1.0)
-            head_factored, head_own = (1.0 - one_row) * gemm, one_row * gemv
-            if np.ndim(one_row) == 0:
-                return float(head_factored), float(head_own)
-            return head_factored, head_own
-        return _op_seconds(prof, "mm", head_flops, head_bytes), 0.0
+            out = (1.0 - one_row) * gemm * self.factor("head") + one_row * gemv
+            return float(out) if np.ndim(out) == 0 else out
+        return _op_seconds(prof, "mm", head_flops, head_bytes) * self.factor("head")
 
     # ----------------------------------------------------------------- memory
     def memory(self, placement: Mapping[str, Any], gbs: int, nb: int, max_prompt: int,

@@ -669,8 +669,11 @@ def price_steps(cm: CostModel, phase: str, rows: np.ndarray, length: np.ndarray,
     index = rows * (top_len + 1) + length
     gather = {k: (np.ravel(np.broadcast_to(v, shape))[index] if not np.isscalar(v) else v)
               for k, v in terms.as_dict().items()}
-    # (the LM head is one product over the step's rows, so it is priced per step, not per pair)
-    head_cells = cm.head_seconds(phase, rows, length, np.sum(rows, axis=0, keepdims=True)) * on
+    # The embedding is each batch's, from the table; the LM head is one product over the step's
+    # rows, priced per step and shared out by rows (CostModel.head_seconds with block_rows).
+    embed = np.ravel(np.broadcast_to(cm.embed_seconds(phase, r_tab, l_tab) * live, shape))[index]
+    step_rows = np.sum(rows, axis=0, keepdims=True)
+    head_cells = embed + rows / np.maximum(step_rows, 1) * cm.lm_head_seconds(step_rows)
     return cm.combine(StepTerms(**gather), head_cells, placement, 1.0, any_on, batch_axis=0,
                       tokens=np.sum(cm.step_tokens(phase, rows, length), axis=0))
 
