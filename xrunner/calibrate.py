@@ -264,8 +264,8 @@ def run_engine(source: Any, policy: Policy, prompt_lens: Sequence[int], output_l
     layouts = {} if head_layouts is None else head_layouts
     cache = workload_cache_positions(wl, mp)  # as the simulator sizes it
     with Engine(source, policy, max_prompt=mp, max_output=mo, offload_dir=offload_dir, record_trace=True,
-                profile=profile, head_layout=layouts.get(policy.gbs * policy.nb), prefix_cache_positions=cache) as eng:
-        layouts.setdefault(policy.gbs * policy.nb, eng.head_layout)
+                profile=profile, head_layout=layouts.get(policy.block_size), prefix_cache_positions=cache) as eng:
+        layouts.setdefault(policy.block_size, eng.head_layout)
         seen = [0]
 
         def on_step(_n: int) -> None:

@@ -621,7 +621,7 @@ class Engine:
 
         # Head weights (always on the gpu tier), then every layer into its home tier.
         self.head = {k: st.adopt("gpu", "head_weights", v.to(self.device)) for k, v in self.source.load_head().items()}
-        self._choose_head_layout(p.gbs * p.nb, layout=self._head_layout_given)
+        self._choose_head_layout(p.block_size, layout=self._head_layout_given)
         self.w_relays = [self._new_relay() for _ in range(self._relay_count(self.layer_tier))]
         self.w_home: list[torch.Tensor | DiskSlice] = [self._new_home(t) for t in self.layer_tier]
         self._bufs: list[tuple[str, str, Any]] = []
@@ -1008,8 +1008,8 @@ class Engine:
             # The head's faster layout depends on the rows it multiplies: time it again at a new block
             # size while the buffers are freed, if its second copy fits the new plan (else keep the
             # old one); a layout the caller gave stays.
-            retimed = (policy.gbs * policy.nb != old.gbs * old.nb and self._head_layout_given is None
-                       and self._choose_head_layout(policy.gbs * policy.nb, planned["gpu"]))
+            retimed = (policy.block_size != old.block_size and self._head_layout_given is None
+                       and self._choose_head_layout(policy.block_size, planned["gpu"]))
             self.policy, self.rounded, self.planned_peak_bytes, self.capacity_bytes = policy, rounded, planned, caps
             self._alloc_buffers()
             self._set_overlap(policy.overlap)
