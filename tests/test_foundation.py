@@ -642,6 +642,17 @@ def test_unreadable_or_absurd_inputs_are_one_line_errors(tmp_path):
                  ("workload", "show", str(ids))):
         code, err = run_cli(*argv)
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+    # a directory where a file goes: said so, in the same words for every file a command reads
+    # (it was "cannot read plan (IsADirectoryError)", "cannot read (Is a directory)", ...)
+    for argv, what in ((("simulate", "--plan", str(tmp_path)), "plan file"),
+                       (("workload", "show", str(tmp_path)), "file"), (("workload", "fit", str(tmp_path)), "file")):
+        code, err = run_cli(*argv)
+        assert code == 2 and err.count("\n") == 1 and f"a directory, not a {what}; pass the {what}'s path" in err, \
+            (argv, err)
+    from xrunner.jobfiles import read_prompts
+
+    with pytest.raises(UserError, match="a directory, not a prompt file; pass the prompt file's path"):
+        read_prompts(tmp_path)
     with pytest.raises(UserError, match="below 2\\*\\*31"):
         ModelSpec.from_dict({**get_model_spec("opt-125m").to_dict(), "vocab_size": 10**20})
 

@@ -179,6 +179,8 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
         (["profile", "--cpu-mem", "16", "-o", str(tmp_path / "p.json")], "give a unit, e.g. --cpu-mem 16GiB"),
         (["profile", "--gpu-mem", "0.5MiB", "-o", str(tmp_path / "p.json")], "give at least 1MiB"),
         (["profile", "--disk-test-bytes", "1", "-o", str(tmp_path / "p.json")], "give a unit, e.g. --disk-test-bytes 1GiB"),
+        # the flag is named (it said only "'-5': a size must be at least 1 byte")
+        (["profile", "--gpu-mem", "-5", "-o", str(tmp_path / "p.json")], "--gpu-mem '-5': a size must be at least 1"),
     ]
     # a gpu tier past the cpu tier's default share left a profile with 0 bytes of cpu tier
     from xprofiler.fingerprint import available_ram_bytes

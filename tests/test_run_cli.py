@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -705,6 +706,8 @@ def test_a_plan_whose_policy_was_edited_by_hand_gets_no_plan_column(random_plan,
 
 
 def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
+    import torch
+
     ok = write_prompts(tmp_path / "ok.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7]}])
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"id": "a", "prompt_ids": [5]}\n{"id": "b", "prompt_ids": [5\n')
@@ -712,13 +715,21 @@ def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
     text = write_prompts(tmp_path / "text.jsonl", [{"id": "a", "prompt": "hello"}])
     old = tmp_path / "old.jsonl"
     old.write_text('{"id": "z", "text": null}\n')
+    hot = write_prompts(tmp_path / "hot.jsonl", [{"id": "a", "prompt_ids": [5], "temperature": -1}])
+    far = write_prompts(tmp_path / "far.jsonl", [{"id": "a", "prompt_ids": [5, 10**6]}])
+    # a plan measured with another thread count, whose warning (and thread change) came before these errors
+    other = json.loads(Path(random_plan).read_text())
+    other["profile_threads"] = 1 if torch.get_num_threads() > 1 else 2
+    other["profile_name"], other["profile_source"] = "measured-elsewhere", "measured"  # (no preset's threads)
+    threads_plan = tmp_path / "threads.json"
+    threads_plan.write_text(json.dumps(other))
     base = ["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--quiet"]
     cases = [
         (["--prompts", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o1")], "no such prompt file"),
         (["--prompts", str(bad_json), "--out", str(tmp_path / "o2")], "bad.jsonl:2: not valid JSON"),
         (["--prompts", str(dup), "--out", str(tmp_path / "o3")], "duplicate id 'a'"),
         (["--prompts", str(ok), "--out", str(old)], "pass --resume to continue that job or another --out path"),
-        (["--prompts", str(ok), "--out", str(old), "--resume"], "whose ids (and samples) are not in"),
+        (["--prompts", str(ok), "--out", str(old), "--resume"], "whose ids are not in"),
         (["--prompts", str(text), "--out", str(tmp_path / "o4")], "give \"prompt_ids\""),
         (["--prompts", str(ok), "--out", str(tmp_path / "o5"), "--offload-dir", str(tmp_path / "none")],
          "offload dir"),
@@ -734,12 +745,35 @@ def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
         (["--prompts", str(text), "--out", str(tmp_path / "o9"), "--tokenizer", str(tmp_path / "none")],
          "--tokenizer " + str(tmp_path / "none") + ": not a directory"),
         (["--prompts", str(text), "--out", str(tmp_path / "o9"), "--tokenizer", str(tmp_path)],
-         "no usable tokenizer files"),
+         "holds none of tokenizer.json, tokenizer_config.json"),
+        # bad options are the only line: no warning of the plan's thread count before them (a review)
+        (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--temperature", "-1", "--plan", str(threads_plan)],
+         "--temperature must be a finite number >= 0"),
+        (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--top-p", "2", "--plan", str(threads_plan)],
+         "--top-p is a fraction in (0, 1]"),
+        (["--prompts", str(hot), "--out", str(tmp_path / "o9"), "--plan", str(threads_plan)],
+         "hot.jsonl:1: temperature must be"),
+        (["--prompts", str(far), "--out", str(tmp_path / "o9"), "--plan", str(threads_plan)],
+         "far.jsonl:1:"),  # ids past the vocabulary
+        (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--plan", str(threads_plan), "--model",
+          str(tmp_path / "none.gguf")], "none.gguf"),
+        # a budget file that is there but cannot be used stops the job before it starts
+        (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--budget-file", str(tmp_path)],
+         "cannot be read as JSON"),
+        (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--budget-file", str(dup)],
+         "cannot be read as JSON"),
     ]
-    for extra, message in cases:
-        assert main(base + extra) == 2, extra
-        err = capsys.readouterr().err
-        assert err.startswith("xsched: error: ") and err.count("\n") == 1 and message in err, err
+    threads = torch.get_num_threads()
+    try:
+        for extra, message in cases:
+            with warnings.catch_warnings(record=True) as caught:  # (the CLI prints them as lines of their own)
+                warnings.simplefilter("always")
+                assert main(base + extra) == 2, extra
+            err = capsys.readouterr().err
+            assert err.startswith("xsched: error: ") and err.count("\n") == 1 and message in err, err
+            assert not caught, (extra, [str(w.message) for w in caught])
+    finally:
+        torch.set_num_threads(threads)
     # an empty --offload-dir was checked as the current directory, then the job used the system
     # temporary directory
     with pytest.raises(SystemExit) as exc:
@@ -1189,6 +1223,36 @@ def test_n_samples_per_prompt_each_get_a_line_and_their_own_draws_and_resume(ran
     with pytest.warns(UserWarning) as warned:  # --n 2, greedy: warned first, before the unknown model stops it
         assert main(["run", *flags[:-4], "--out", str(tmp_path / "greedy.jsonl"), "--model", "gpt-9"]) == 2
     assert any("under greedy decoding get n equal outputs" in str(w.message) for w in warned)
+
+
+def test_resume_refuses_results_of_a_request_line_that_changed_since(random_plan, tmp_path, capsys):
+    """A resumed job whose prompt file changed a line's prompt (or its options) under the same id
+    printed "nothing to run" and kept the old answer (a review): each results line carries its
+    request line's digest, and --resume refuses rows whose line changed, the file untouched. Rows
+    written without a digest are taken as they are; results of another --n say so."""
+    rows = [{"id": "a", "prompt_ids": [5, 6, 7]}, {"id": "b", "prompt_ids": [8, 9], "max_new_tokens": 3}]
+    flags = ["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--quiet", "--adapt", "none"]
+    out = tmp_path / "out.jsonl"
+    assert main(flags + ["--prompts", str(write_prompts(tmp_path / "p.jsonl", rows)), "--out", str(out)]) == 0
+    written = out.read_text()
+    for changed in ({"id": "b", "prompt_ids": [8, 10], "max_new_tokens": 3},
+                    {"id": "b", "prompt_ids": [8, 9], "max_new_tokens": 4},
+                    {"id": "b", "prompt_ids": [8, 9], "max_new_tokens": 3, "temperature": 0.5}):
+        edited = write_prompts(tmp_path / "q.jsonl", [rows[0], changed])
+        capsys.readouterr()
+        assert main(flags + ["--prompts", str(edited), "--out", str(out), "--resume"]) == 2, changed
+        err = capsys.readouterr().err
+        assert "the result of id 'b' was made from another request than line 2 of" in err and err.count("\n") == 1
+        assert out.read_text() == written
+    same = write_prompts(tmp_path / "same.jsonl", [rows[1], rows[0]])  # moved lines: the same requests
+    assert main(flags + ["--prompts", str(same), "--out", str(out), "--resume"]) == 0
+    assert out.read_text() == written
+    bare = [{k: v for k, v in r.items() if k != "request_digest"} for r in read_rows(out)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in bare))
+    assert main(flags + ["--prompts", str(edited), "--out", str(out), "--resume"]) == 0  # no digest: taken
+    assert main(flags + ["--prompts", str(same), "--out", str(out), "--resume", "--n", "2"]) == 2
+    assert "result(s) of samples this job does not ask for (its prompts were run with another --n" in \
+        capsys.readouterr().err
 
 
 def test_default_tokenizer_counts_the_chat_template():

@@ -556,6 +556,7 @@ def test_plan_cli_errors_are_one_line(profile_path, tmp_path):
     out = run("plan", "--profile", str(small), "--model", "opt-175b", "--workload", "T@0.25")
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "does not fit" in out.stderr and "tier is short by" in out.stderr and "Traceback" not in out.stderr
+    assert "plan a smaller model, or profile a machine with more room on that tier" in out.stderr  # what to do
     # a margin rounds a subnormal bound to 0 s: the SLA's check was a ValueError traceback
     out = run("plan", "--profile", profile_path, *SMALL, "--latency", "5e-324", "--margin", "0.5")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "less the margin 0.5 leaves no time" in out.stderr

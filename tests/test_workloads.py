@@ -258,6 +258,11 @@ def test_bad_distributions_and_files(tmp_path):
     zero.write_text('{"prompt_tokens": 10000000000000000000, "output_tokens": 3}\n')  # past int64
     with pytest.raises(UserError, match="beyond any model's context"):
         Workload.from_file(zero)
+    # a line `xsched run` refuses (which of the two would it run?) was fitted by its prompt alone
+    both = tmp_path / "both.jsonl"
+    both.write_text('{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "output_tokens": 3}\n')
+    with pytest.raises(UserError, match="request 1: give exactly one of \"prompt\" \\(text\\), \"messages\""):
+        Workload.from_file(both)
     zero.write_text('{"prompt_tokens": 1' + '0' * 400 + ', "output_tokens": 3}\n')  # past float: OverflowError
     with pytest.raises(UserError, match="beyond any model's context"):
         Workload.from_file(zero)

@@ -119,9 +119,9 @@ def _sample(args: argparse.Namespace) -> int:
     from xsched.fileio import atomic_write_text, check_writable, separate_files
 
     if args.requests < 1:
-        raise UserError(f"--requests must be >= 1, got {args.requests}")
+        raise UserError(f"-n/--requests must be >= 1, got {args.requests}")
     if args.requests > 10**8:  # ~5 GB of JSONL and several times that in memory while building it
-        raise UserError(f"--requests {args.requests:,} is too many to write; pass at most 100,000,000")
+        raise UserError(f"-n/--requests {args.requests:,} is too many to write; pass at most 100,000,000")
     to_stdout = args.output == "-"
     if to_stdout and args.json:
         raise UserError("-o - writes the requests to standard output, where --json would print its summary too: "

@@ -678,6 +678,9 @@ def _prompt_length(row: dict[str, Any], count_tokens: Callable[..., int | Sequen
 
     if row.get("prompt_tokens") not in (None, ""):
         return _positive_int(row["prompt_tokens"], where, "prompt_tokens"), False, None
+    if sum(row.get(k) not in (None, "", []) for k in ("prompt", "messages", "prompt_ids")) > 1:  # as `run` refuses
+        raise UserError(f"{where}: give exactly one of \"prompt\" (text), \"messages\" (a chat) or \"prompt_ids\" "
+                        "(token ids)")
     ids = row.get("prompt_ids")
     if isinstance(ids, list) and ids and row.get("prompt") in (None, ""):  # `xsched run`'s pre-tokenized form
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):  # as xsched run refuses them

@@ -119,7 +119,10 @@ def _at_least_1mib(text: str | None, flag: str) -> int | None:
 
     if not text:
         return None
-    value = parse_bytes(text)
+    try:
+        value = parse_bytes(text)
+    except UserError as exc:
+        raise UserError(f"{flag} {exc}") from None
     if value < 2**20:
         bare = text.strip().replace(".", "", 1).isdigit()
         raise UserError(f"{flag} {text} is {value} byte(s), too small to use; "

@@ -75,15 +75,20 @@ class FileBudget:
 
     A missing key keeps that tier's budget. A missing, unreadable or malformed file (also one
     caught half-written) gives one ``BudgetWarning`` per distinct problem and leaves the budget
-    unchanged: a typo in a file someone edits mid-job must never stop the job.
+    unchanged: a typo in a file someone edits mid-job must never stop the job. Before a job
+    starts, ``poll(refuse=True)`` makes such a file (one that is there but cannot be used) a
+    ``UserError`` instead: nothing is lost yet, and the job would run without the budget it was given.
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._changes = _Changes()
         self._warned: set[str] = set()
+        self._refuse = False
 
-    def _warn(self, problem: str) -> None:
+    def _warn(self, problem: str, usable: bool = False) -> None:
+        if self._refuse and not usable:
+            raise UserError(f"budget file {self.path}: {problem}; fix it or pass another --budget-file")
         if problem not in self._warned:
             self._warned.add(problem)
             warnings.warn(f"budget file {self.path}: {problem}; keeping the budget as it was", BudgetWarning,
@@ -100,11 +105,20 @@ class FileBudget:
         finally:
             self._changes = seen
 
-    def poll(self) -> dict[str, float] | None:
+    def poll(self, refuse: bool = False) -> dict[str, float] | None:
+        """The budget if it changed since the last poll; ``refuse``: a file that is there but cannot
+        be used raises ``UserError`` (a missing one may still be written mid-job: it warns)."""
+        self._refuse = refuse
+        try:
+            return self._read()
+        finally:
+            self._refuse = False
+
+    def _read(self) -> dict[str, float] | None:
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
-            self._warn("not found")
+            self._warn("not found", usable=True)
             return None
         except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, bad UTF-8, an int past 4300 digits
             self._warn(f"cannot be read as JSON ({str(exc).splitlines()[0]})")
@@ -114,7 +128,7 @@ class FileBudget:
             return None
         unknown = sorted(set(data) - set(FILE_KEYS))
         if unknown:
-            self._warn(f"unknown key(s) {', '.join(unknown)} (only gpu_bytes and cpu_bytes) ignored")
+            self._warn(f"unknown key(s) {', '.join(unknown)} (only gpu_bytes and cpu_bytes) ignored", usable=True)
         try:
             budget = {FILE_KEYS[k]: _valid(k, v) for k, v in data.items() if k in FILE_KEYS}
         except ValueError as exc:

@@ -93,8 +93,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_from_args(args: argparse.Namespace):  # noqa: ANN201 (SamplingParams; torch is imported lazily)
     from xrunner.sampling import SamplingParams
+    from xsched.errors import UserError
 
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except UserError as exc:  # its words name the setting ("top-p is ..."): here that is the flag
+        raise UserError(f"--{exc}") from None
 
 
 def stop_token_ids(source, tokenizer) -> list[int]:  # noqa: ANN001

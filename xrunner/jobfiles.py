@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
+import hashlib
 import json
 import os
 import time
@@ -29,7 +31,7 @@ from typing import Any, Callable, Iterable
 from workloads.workload import MAX_SAMPLES
 from xsched.errors import UserError
 from xsched.fileio import (Messages, chat_messages, check_text, check_writable, describe_os_error, json_error_text,
-                           jsonl_lines)
+                           jsonl_lines, read_text)
 from xsched.openai_batch import openai_batch_row, openai_result_line, openai_result_rows
 
 RequestId = str | int
@@ -65,6 +67,15 @@ class PromptRecord:
     def needs_tokenizer(self) -> bool:
         return self.prompt_ids is None
 
+    @functools.cached_property
+    def digest(self) -> str:
+        """A short hash of what this line asks for (its prompt, messages or ids and its own options;
+        not its line number or ``"n"``, which the result keys already tell apart). Each results line
+        carries it, so ``--resume`` refuses results made from a line that has changed since."""
+        asked = (self.prompt, self.prompt_ids, self.messages, self.max_new_tokens, self.stop, self.sampling,
+                 self.chat_template, self.logprobs)
+        return hashlib.sha256(json.dumps(asked, default=list).encode()).hexdigest()[:16]
+
 
 def _id_key(value: ResultKey) -> str:
     """Ids compare by their JSON text, so 7 and "7" stay distinct and match what was written (a
@@ -95,12 +106,7 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
     import difflib
 
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is dropped
-    except FileNotFoundError:
-        raise UserError(f"{p}: no such prompt file") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError, OSError) as exc:
-        raise UserError(f"{p}: cannot read the prompt file ({exc.__class__.__name__})") from None
+    text = read_text(p, what="prompt file")
     records: list[PromptRecord] = []
     seen: dict[str, int] = {}
     near: dict[str, tuple[int, str]] = {}  # a key like one of PROMPT_KEYS: (first line, the key it is like)
@@ -295,6 +301,27 @@ class ResultsWriter:
 
     def is_done(self, key: ResultKey) -> bool:
         return _id_key(key) in self.done
+
+    def check_job(self, records: Iterable[PromptRecord], default_n: int, prompts: str | Path) -> None:
+        """Refuse rows this job does not ask for (resumed with another prompt file, ``--n`` or
+        ``"n"``) and rows made from a line of the prompt file that has changed since: each row
+        carries its line's :attr:`PromptRecord.digest` (rows written before it existed carry none)."""
+        asked = {_id_key(key): r for r in records for key in r.keys(default_n)}
+        foreign = [row for key, row in self.done.items() if key not in asked]
+        if foreign:
+            ids = {_id_key(r.id) for r in asked.values()}
+            if all(_id_key(row["id"]) in ids for row in foreign):
+                raise UserError(f"{self.path} has {len(foreign)} result(s) of samples this job does not ask for (its "
+                                "prompts were run with another --n or \"n\"); resume with that job's --n or pass "
+                                "another --out")
+            raise UserError(f"{self.path} has {len(foreign)} result(s) whose ids are not in {prompts}; resume with "
+                            "that job's prompt file or pass another --out")
+        for key, row in self.done.items():
+            r = asked[key]
+            if row.get("request_digest", r.digest) != r.digest:
+                raise UserError(f"{self.path}: the result of id {row['id']!r} was made from another request than "
+                                f"line {r.line} of {prompts} (its prompt or options changed since); pass another "
+                                f"--out, or delete that id's line from {self.path} to run it again")
 
     def write(self, rows: Iterable[dict[str, Any]]) -> None:
         """Append rows (each with an ``id``), then fsync: they survive a crash. A failed append

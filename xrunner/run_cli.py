@@ -48,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "of only prompt_ids does not load the tokenizer and writes \"text\": null)")
     p.add_argument("--out", required=True, metavar="RESULTS.jsonl", help="results, one JSON line per request")
     p.add_argument("--resume", action="store_true",
-                   help="continue a job: skip the ids already in --out (a torn last line from a crash is dropped)")
+                   help="continue a job: skip the ids already in --out (a torn last line from a crash is dropped; results "
+                        "of a request line that has changed since are refused)")
     p.add_argument("--trace", metavar="MEASURED.json",
                    help="write the measured timeline as a Chrome trace (same format as `xsched simulate --trace`)")
     p.add_argument("--result", metavar="RUN.json", help="also write the RunResult JSON to this file")
@@ -330,6 +331,12 @@ def _run(args: argparse.Namespace) -> int:
     records = read_prompts(args.prompts)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    # Options are checked before anything is loaded: a bad one is the only line the run prints.
+    sampling = sampling_from_args(args)
+    own = request_sampling(records, sampling, args.prompts)
+    device = resolve_device(args.device)
+    if args.budget_file:
+        _budget_file_caps(args.budget_file)
     if args.offload_dir is not None:
         check_offload_dir(args.offload_dir)
     for path, flag in ((args.trace, "--trace"), (args.result, "--result")):
@@ -351,10 +358,7 @@ def _run(args: argparse.Namespace) -> int:
         # One unit per output asked for: (record index, its result key), a prompt's "n" samples each
         units = [(i, key) for i, r in enumerate(records) for key in r.keys(args.n)]
         pending = [(i, key) for i, key in units if not writer.is_done(key)]
-        unknown = len(writer.done) - (len(units) - len(pending))
-        if unknown:
-            raise UserError(f"{args.out} has {unknown} result(s) whose ids (and samples) are not in {args.prompts}; "
-                            "resume with the prompt file and --n of that job or pass another --out")
+        writer.check_job(records, args.n, args.prompts)
         if not pending:  # a finished job: say so without loading the model (a 70B one takes minutes)
             unwritten = [flag for flag, path in (("--trace", args.trace), ("--result", args.result)) if path]
             if not args.quiet:
@@ -362,16 +366,12 @@ def _run(args: argparse.Namespace) -> int:
                       + (f" ({' and '.join(unwritten)} not written: no run to measure)" if unwritten else ""),
                       file=sys.stderr)
             return 0
-        match_profile_threads(profile, plan)  # (said only for a job that runs)
-        warn_if_plan_from_other_machine(plan, args.offload_dir)
         # A job smaller than the plan's block runs as the block would (its other slots stay empty)
         # in buffers for its own rows: a plan priced for 2000 requests no longer refuses 40 for memory.
         plan_policy, fitted = plan.policy, plan.policy.for_job(len(units))
         fitted_note = (f"xsched: the job's {len(units)} requests fill {fitted.nb} GPU batch(es) of {fitted.gbs} of "
                        f"the plan's {plan.policy.nb} x {plan.policy.gbs}; running {fitted.nb} x {fitted.gbs}")
         plan = replace(plan, policy=fitted)
-        sampling = sampling_from_args(args)
-        own = request_sampling(records, sampling, args.prompts)
         if any(len(r.keys(args.n)) > 1 and own.get(i, sampling).greedy for i, r in enumerate(records)):
             warnings.warn("prompts with n > 1 under greedy decoding get n equal outputs; pass --temperature (or "
                           "their own \"temperature\") to sample them apart", UserWarning, stacklevel=1)
@@ -381,11 +381,12 @@ def _run(args: argparse.Namespace) -> int:
                           f"{plan.workload.samples}; each prompt's outputs share its prefill, so the plan's prediction "
                           f"and batch shape are for another job (plan with `--samples {samples}`)", UserWarning,
                           stacklevel=1)
-        source = open_model(args.model, dtype=plan.model.dtype)
-        check_model_matches(plan.model, source.spec, args.model)
         texts = any(r.needs_tokenizer for r in records)  # token ids need no tokenizer
         needed = texts or any(r.stop for r in records)
-        tokenizer, encode = _tokenizer(source, needed, path=args.tokenizer), None
+        given = _tokenizer(None, needed, path=args.tokenizer) if args.tokenizer else None  # (a bad path: before loading)
+        source = open_model(args.model, dtype=plan.model.dtype)
+        check_model_matches(plan.model, source.spec, args.model)
+        tokenizer, encode = given if args.tokenizer else _tokenizer(source, needed), None
         if tokenizer is None and (first := next((r for r in records if r.stop), None)) is not None:
             raise UserError(f"{args.prompts}:{first.line}: \"stop\" strings need the model's tokenizer, and "
                             f"{source.spec.name} (random weights) has none; drop \"stop\" or pass --tokenizer DIR")
@@ -393,6 +394,9 @@ def _run(args: argparse.Namespace) -> int:
             encode = lambda prompt, chat: encode_prompt(tokenizer, prompt,  # noqa: E731
                                                         chat and not args.no_chat_template, args.chat_template_kwargs)
         prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
+        calibration = _calibration(args, source, tokenizer, prompt_ids)  # (a bad --calibration-text: said now)
+        match_profile_threads(profile, plan)  # (said only for a job that runs, once its inputs are known good)
+        warn_if_plan_from_other_machine(plan, args.offload_dir)
         default_new = args.max_new_tokens or plan.workload.output.max_len
         new_tokens = [r.max_new_tokens or default_new for r in records]
         fit = " ".join(["xsched workload fit", args.prompts, *(["--tokenizer"] if texts else []),
@@ -432,8 +436,6 @@ def _run(args: argparse.Namespace) -> int:
                           f"memory and predictions are for the job's lengths (plan for them with `{fit}` and "
                           "`xsched plan --workload`)", UserWarning, stacklevel=1)
         stops = [] if args.ignore_eos else stop_token_ids(source, tokenizer)
-
-        device = resolve_device(args.device)
 
         from xrunner.engine import Engine, Request, rounded_policy
 
@@ -486,6 +488,7 @@ def _run(args: argparse.Namespace) -> int:
                 for f in done:
                     text = tokenizer.decode(list(f.output_ids), skip_special_tokens=True) if tokenizer else None
                     row = result_row(f, text, stops_of.get(f.id, ()), label)
+                    row["request_digest"] = digest_of[f.id]
                     if "logprobs" in row and not (args.logprobs or f.id in logprobs_of):  # another request asked
                         del row["logprobs"]
                     elif "logprobs" in row and writer.openai is not None and tokenizer is not None:
@@ -506,6 +509,7 @@ def _run(args: argparse.Namespace) -> int:
 
             new_tokens_of = {key: new_tokens[i] for i, key in pending}
             stops_of = {key: records[i].stop for i, key in pending if records[i].stop}
+            digest_of = {key: records[i].digest for i, key in pending}
             logprobs_of = {key for i, key in pending if records[i].logprobs}  # requests that asked for their own
             order_of = {key: k for k, (_, key) in enumerate(pending)}
             hook, watcher = _adapt_hook(args, covering(plan, max_prompt, max_output), capacity, profile, no_profile,
@@ -514,7 +518,7 @@ def _run(args: argparse.Namespace) -> int:
                 with Engine(source, plan.policy, max_prompt=max_prompt, max_output=max_output,
                             capacity_bytes=capacity, offload_dir=offload_root, sampling=sampling,
                             stop_token_ids=stops, record_trace=bool(args.trace), device=device,
-                            progress=show, calibration_ids=_calibration(args, source, tokenizer, prompt_ids),
+                            progress=show, calibration_ids=calibration,
                             notice=lambda work: print(f"xsched: reconfiguring: {work}; the job waits for it",
                                                       file=sys.stderr),
                             stop_check=stop_checker(tokenizer, stops_of),
@@ -661,18 +665,27 @@ def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_len
                     prefix_of=prefix_of, cache_positions=cache, prefix_len=prefix_len)
 
 
+def _budget_file_caps(path: str) -> dict[str, float] | None:
+    """The budget file's budget before the job starts: a file that is there but cannot be used is a
+    one-line error now (nothing is lost yet); a missing one is warned of by the between-blocks hook
+    once (it may be written mid-job)."""
+    from xrunner.budget import BudgetWarning, FileBudget
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BudgetWarning)
+        return FileBudget(path).poll(refuse=True)
+
+
 def _budget_at_start(args: argparse.Namespace, plan: Any, planned_peak: dict[str, float], profile: Any,
                      no_profile: Any, requests: int) -> tuple[Any, dict[str, float] | None]:
     """(a policy for the budget file's budget, or None to keep the plan's; the budget, or None for no
     usable file) before the engine loads: a budget below the plan's planned peak had the first block
     run over it, and a job of one block the whole job (a walkthrough: a 1000-byte gpu budget, rc 0)."""
-    from xrunner.budget import BudgetWarning, FileBudget, plan_fn_for
+    from xrunner.budget import plan_fn_for
     from xsched.errors import UserError
     from xscheduler.replan import policy_changes
 
-    with warnings.catch_warnings():  # (the hook's check says what is wrong with the file, once)
-        warnings.simplefilter("ignore", BudgetWarning)
-        caps = FileBudget(args.budget_file).poll()
+    caps = _budget_file_caps(args.budget_file)
     if not caps:
         return None, None
     over = {t: planned_peak[t] - b for t, b in caps.items() if planned_peak.get(t, 0.0) > b}

@@ -90,16 +90,19 @@ def atomic_write_all(files: Sequence[tuple[Path | str, bytes]]) -> None:
                 pass
 
 
-def read_text(path: Path | str, encoding: str = "utf-8-sig") -> str:
-    """A text file's contents, or a one-line UserError for any reason it cannot be read. A UTF-8
-    byte-order mark (editors on Windows write one) is dropped: json refused it in Python's words."""
+def read_text(path: Path | str, encoding: str = "utf-8-sig", what: str = "file") -> str:
+    """A text file's contents, or a one-line UserError for any reason it cannot be read (``what``:
+    the kind of file the command wanted, for its words). A UTF-8 byte-order mark (editors on
+    Windows write one) is dropped: json refused it in Python's words."""
     try:
         return Path(path).read_text(encoding=encoding)
     except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
+        raise UserError(f"{path}: no such {what}") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: a directory, not a {what}; pass the {what}'s path") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not UTF-8 text") from None
-    except OSError as exc:  # a directory, no permission, a name too long, a symlink loop, ...
+    except OSError as exc:  # no permission, a name too long, a symlink loop, ...
         raise UserError(f"{path}: cannot read ({exc.strerror or exc.__class__.__name__})") from None
 
 

@@ -58,8 +58,11 @@ def _raise_does_not_fit(ev: Evaluator, compress: str) -> None:
                             compress_cache=frugal.compress_cache, cpu_attention=frugal.cpu_attention)
     what = "; ".join(f"the {tier} tier is short by {b:,.0f} bytes ({b / 2**30:,.2f} GiB; it has "
                      f"{ev.profile.capacity_bytes(tier):,} bytes)" for tier, b in short.items())
-    hint = "" if frugal.compress_weight else (" (allow 4-bit compression: --compress auto or on; in xsched run, "
-                                              "--replan-compress)")
+    if not frugal.compress_weight:
+        hint = " (allow 4-bit compression: --compress auto or on; in xsched run, --replan-compress)"
+    else:  # nothing more the planner can squeeze: the model or the machine has to change
+        disk = " (the disk tier is the free space under the profile's --offload-dir)" if "disk" in short else ""
+        hint = f"; plan a smaller model, or profile a machine with more room on that tier{disk}"
     raise UserError(f"{ev.spec.name} ({ev.spec.dtype}) does not fit profile {ev.profile.name} even one sequence "
                     f"at a time with {frugal.describe()}: {what or 'no placement satisfies every tier'}{hint}")
 

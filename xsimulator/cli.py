@@ -12,7 +12,7 @@ from typing import Any
 
 from xsched.cli import (PREFIX_GROUPS_HELP, PREFIX_HELP, PREFIX_SHARE_HELP, SAMPLES_HELP, groups_arg, plan_requests,
                         prefix_arg, requests_arg, samples_arg, seed_arg, share_arg)
-from xsched.fileio import json_error_text, path_exists
+from xsched.fileio import json_error_text, path_exists, read_text
 
 DEFAULT_PROFILE = "t4"
 DEFAULT_REQUESTS = 2000  # xsimulator.discrete_event.DEFAULT_REQUESTS; not imported here to keep start-up light
@@ -62,10 +62,7 @@ def _read_json_arg(text: str, what: str) -> Any:
     path = Path(text)
     inline = text.lstrip().startswith(("{", "["))
     if not inline and path_exists(path):
-        try:
-            text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is dropped)
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"{path}: cannot read {what} ({exc.__class__.__name__})") from None
+        text = read_text(path, what=f"{what} file")
     elif not inline:
         raise UserError(f"{what} {text!r} is neither JSON text nor an existing file")
     if not inline:
