@@ -1228,8 +1228,9 @@ def test_n_samples_per_prompt_each_get_a_line_and_their_own_draws_and_resume(ran
 def test_resume_refuses_results_of_a_request_line_that_changed_since(random_plan, tmp_path, capsys):
     """A resumed job whose prompt file changed a line's prompt (or its options) under the same id
     printed "nothing to run" and kept the old answer (a review): each results line carries its
-    request line's digest, and --resume refuses rows whose line changed, the file untouched. Rows
-    written without a digest are taken as they are; results of another --n say so."""
+    request's digest, and --resume refuses rows whose line, or whose sampling or length flags,
+    changed, the file untouched (a seed under greedy decoding changes nothing). Rows written
+    without a digest are taken as they are; results of another --n say so."""
     rows = [{"id": "a", "prompt_ids": [5, 6, 7]}, {"id": "b", "prompt_ids": [8, 9], "max_new_tokens": 3}]
     flags = ["run", "--plan", str(random_plan), "--model", RANDOM_MODEL, "--quiet", "--adapt", "none"]
     out = tmp_path / "out.jsonl"
@@ -1245,7 +1246,10 @@ def test_resume_refuses_results_of_a_request_line_that_changed_since(random_plan
         assert "the result of id 'b' was made from another request than line 2 of" in err and err.count("\n") == 1
         assert out.read_text() == written
     same = write_prompts(tmp_path / "same.jsonl", [rows[1], rows[0]])  # moved lines: the same requests
-    assert main(flags + ["--prompts", str(same), "--out", str(out), "--resume"]) == 0
+    for changed in (["--temperature", "0.7"], ["--max-new-tokens", "2"], ["--ignore-eos"]):  # other outputs
+        assert main(flags + ["--prompts", str(same), "--out", str(out), "--resume", *changed]) == 2, changed
+        assert "changed since); resume as that job ran" in capsys.readouterr().err
+    assert main(flags + ["--prompts", str(same), "--out", str(out), "--resume", "--seed", "3"]) == 0  # greedy
     assert out.read_text() == written
     bare = [{k: v for k, v in r.items() if k != "request_digest"} for r in read_rows(out)]
     out.write_text("".join(json.dumps(r) + "\n" for r in bare))

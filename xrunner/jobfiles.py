@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -26,7 +25,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from workloads.workload import MAX_SAMPLES
 from xsched.errors import UserError
@@ -67,13 +66,13 @@ class PromptRecord:
     def needs_tokenizer(self) -> bool:
         return self.prompt_ids is None
 
-    @functools.cached_property
-    def digest(self) -> str:
+    def digest(self, options: Any = ()) -> str:
         """A short hash of what this line asks for (its prompt, messages or ids and its own options;
-        not its line number or ``"n"``, which the result keys already tell apart). Each results line
-        carries it, so ``--resume`` refuses results made from a line that has changed since."""
+        not its line number or ``"n"``, which the result keys already tell apart) under the run's
+        ``options`` that change an output (JSON-able). Each results line carries it, so ``--resume``
+        refuses results made from a line, or under options, that have changed since."""
         asked = (self.prompt, self.prompt_ids, self.messages, self.max_new_tokens, self.stop, self.sampling,
-                 self.chat_template, self.logprobs)
+                 self.chat_template, self.logprobs, options)
         return hashlib.sha256(json.dumps(asked, default=list).encode()).hexdigest()[:16]
 
 
@@ -302,14 +301,16 @@ class ResultsWriter:
     def is_done(self, key: ResultKey) -> bool:
         return _id_key(key) in self.done
 
-    def check_job(self, records: Iterable[PromptRecord], default_n: int, prompts: str | Path) -> None:
+    def check_job(self, records: Sequence[PromptRecord], digests: Sequence[str], default_n: int,
+                  prompts: str | Path) -> None:
         """Refuse rows this job does not ask for (resumed with another prompt file, ``--n`` or
-        ``"n"``) and rows made from a line of the prompt file that has changed since: each row
-        carries its line's :attr:`PromptRecord.digest` (rows written before it existed carry none)."""
-        asked = {_id_key(key): r for r in records for key in r.keys(default_n)}
+        ``"n"``) and rows made from another request than this job's under their id: each row carries
+        its request's :meth:`PromptRecord.digest` (``digests``, one per record; rows written before
+        it existed carry none and are taken as they are)."""
+        asked = {_id_key(key): (r, d) for r, d in zip(records, digests, strict=True) for key in r.keys(default_n)}
         foreign = [row for key, row in self.done.items() if key not in asked]
         if foreign:
-            ids = {_id_key(r.id) for r in asked.values()}
+            ids = {_id_key(r.id) for r in records}
             if all(_id_key(row["id"]) in ids for row in foreign):
                 raise UserError(f"{self.path} has {len(foreign)} result(s) of samples this job does not ask for (its "
                                 "prompts were run with another --n or \"n\"); resume with that job's --n or pass "
@@ -317,11 +318,12 @@ class ResultsWriter:
             raise UserError(f"{self.path} has {len(foreign)} result(s) whose ids are not in {prompts}; resume with "
                             "that job's prompt file or pass another --out")
         for key, row in self.done.items():
-            r = asked[key]
-            if row.get("request_digest", r.digest) != r.digest:
+            r, digest = asked[key]
+            if row.get("request_digest", digest) != digest:
                 raise UserError(f"{self.path}: the result of id {row['id']!r} was made from another request than "
-                                f"line {r.line} of {prompts} (its prompt or options changed since); pass another "
-                                f"--out, or delete that id's line from {self.path} to run it again")
+                                f"line {r.line} of {prompts} asks for (its prompt or options, or the sampling or "
+                                "output-length flags, changed since); resume as that job ran, pass another --out, or "
+                                f"delete that id's line from {self.path} to run it again")
 
     def write(self, rows: Iterable[dict[str, Any]]) -> None:
         """Append rows (each with an ``id``), then fsync: they survive a crash. A failed append

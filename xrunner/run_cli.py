@@ -269,6 +269,15 @@ def result_row(f: Any, text: str | None, stop: Sequence[str] = (), model: str | 
     return row
 
 
+def output_options(record: Any, sampling: Any, default_new: int, args: argparse.Namespace) -> tuple:
+    """What of the run, besides its line, decides a request's output: its output length, sampling
+    (none of it under greedy decoding, where the seed changes nothing) and how its prompt becomes
+    tokens. Part of the request's digest, so a resume under other flags is refused, not mixed in."""
+    drawn = ("greedy",) if sampling.greedy else (sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+    return (record.max_new_tokens or default_new, drawn, args.no_chat_template, args.chat_template_kwargs,
+            args.ignore_eos)
+
+
 def request_sampling(records: Sequence[Any], default: Any, where: str) -> dict[int, Any]:
     """Record index -> its ``SamplingParams``: the command line's with the request's own
     "temperature", "top_k", "top_p", "seed" over them (a one-line error naming the line)."""
@@ -358,7 +367,9 @@ def _run(args: argparse.Namespace) -> int:
         # One unit per output asked for: (record index, its result key), a prompt's "n" samples each
         units = [(i, key) for i, r in enumerate(records) for key in r.keys(args.n)]
         pending = [(i, key) for i, key in units if not writer.is_done(key)]
-        writer.check_job(records, args.n, args.prompts)
+        default_new = args.max_new_tokens or plan.workload.output.max_len
+        digests = [r.digest(output_options(r, own.get(i, sampling), default_new, args)) for i, r in enumerate(records)]
+        writer.check_job(records, digests, args.n, args.prompts)
         if not pending:  # a finished job: say so without loading the model (a 70B one takes minutes)
             unwritten = [flag for flag, path in (("--trace", args.trace), ("--result", args.result)) if path]
             if not args.quiet:
@@ -397,7 +408,6 @@ def _run(args: argparse.Namespace) -> int:
         calibration = _calibration(args, source, tokenizer, prompt_ids)  # (a bad --calibration-text: said now)
         match_profile_threads(profile, plan)  # (said only for a job that runs, once its inputs are known good)
         warn_if_plan_from_other_machine(plan, args.offload_dir)
-        default_new = args.max_new_tokens or plan.workload.output.max_len
         new_tokens = [r.max_new_tokens or default_new for r in records]
         fit = " ".join(["xsched workload fit", args.prompts, *(["--tokenizer"] if texts else []),
                         *([args.model] if args.model and texts else []),
@@ -509,7 +519,7 @@ def _run(args: argparse.Namespace) -> int:
 
             new_tokens_of = {key: new_tokens[i] for i, key in pending}
             stops_of = {key: records[i].stop for i, key in pending if records[i].stop}
-            digest_of = {key: records[i].digest for i, key in pending}
+            digest_of = {key: digests[i] for i, key in pending}
             logprobs_of = {key for i, key in pending if records[i].logprobs}  # requests that asked for their own
             order_of = {key: k for k, (_, key) in enumerate(pending)}
             hook, watcher = _adapt_hook(args, covering(plan, max_prompt, max_output), capacity, profile, no_profile,
