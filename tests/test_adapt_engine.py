@@ -409,6 +409,7 @@ def test_a_budget_file_the_run_cannot_use_is_said_at_the_start_once(tmp_path):
     unsaid: the run checks it at the start, with the words (and the one warning) a poll would
     give; a good file's budget is still news at the first poll."""
     for name, text, problem in (("budjet.json", None, "not found"),
+                                ("empty.json", " \n", "empty"),  # (made first, written next: no JSON error)
                                 ("bad.json", "{bad", "cannot be read as JSON"),
                                 ("odd.json", '{"gpu_bytes": -1}', "gpu_bytes must be a positive, finite number")):
         path = tmp_path / name

@@ -717,6 +717,7 @@ def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
     old.write_text('{"id": "z", "text": null}\n')
     hot = write_prompts(tmp_path / "hot.jsonl", [{"id": "a", "prompt_ids": [5], "temperature": -1}])
     far = write_prompts(tmp_path / "far.jsonl", [{"id": "a", "prompt_ids": [5, 10**6]}])
+    two = write_prompts(tmp_path / "two.jsonl", [{"id": "a", "prompt_ids": [5, 9, 3], "n": 2}])
     # a plan measured with another thread count, whose warning (and thread change) came before these errors
     other = json.loads(Path(random_plan).read_text())
     other["profile_threads"] = 1 if torch.get_num_threads() > 1 else 2
@@ -757,6 +758,10 @@ def test_bad_inputs_exit_2_with_one_line(random_plan, tmp_path, capsys):
          "far.jsonl:1:"),  # ids past the vocabulary
         (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--plan", str(threads_plan), "--model",
           str(tmp_path / "none.gguf")], "none.gguf"),
+        (["--prompts", str(two), "--out", str(tmp_path / "o9"), "--plan", str(threads_plan), "--model",
+          str(tmp_path / "none.gguf")], "none.gguf"),  # (n > 1, greedy, another n than the plan's: warned after)
+        (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--plan", str(threads_plan), "--budget-file",
+          str(tmp_path / "later.json")], "--profile"),  # re-plans need the plan's profile
         # a budget file that is there but cannot be used stops the job before it starts
         (["--prompts", str(ok), "--out", str(tmp_path / "o9"), "--budget-file", str(tmp_path)],
          "cannot be read as JSON"),
@@ -1220,9 +1225,13 @@ def test_n_samples_per_prompt_each_get_a_line_and_their_own_draws_and_resume(ran
         return {json.dumps({k: v for k, v in r.items() if k != "latency_s"}, sort_keys=True) for r in rows_}
 
     assert strip(read_rows(cut)) == strip(got) and len(read_rows(cut)) == len(got)
-    with pytest.warns(UserWarning) as warned:  # --n 2, greedy: warned first, before the unknown model stops it
-        assert main(["run", *flags[:-4], "--out", str(tmp_path / "greedy.jsonl"), "--model", "gpt-9"]) == 2
+    with pytest.warns(UserWarning) as warned:  # --n 2, greedy
+        assert main(["run", *flags[:-4], "--out", str(tmp_path / "greedy.jsonl")]) == 0
     assert any("under greedy decoding get n equal outputs" in str(w.message) for w in warned)
+    with warnings.catch_warnings(record=True) as caught:  # an error stops it: then the error is all it says
+        warnings.simplefilter("always")
+        assert main(["run", *flags[:-4], "--out", str(tmp_path / "greedy2.jsonl"), "--model", "gpt-9"]) == 2
+    assert not caught, [str(w.message) for w in caught]
 
 
 def test_resume_refuses_results_of_a_request_line_that_changed_since(random_plan, tmp_path, capsys):
@@ -1246,11 +1255,27 @@ def test_resume_refuses_results_of_a_request_line_that_changed_since(random_plan
         assert "the result of id 'b' was made from another request than line 2 of" in err and err.count("\n") == 1
         assert out.read_text() == written
     same = write_prompts(tmp_path / "same.jsonl", [rows[1], rows[0]])  # moved lines: the same requests
-    for changed in (["--temperature", "0.7"], ["--max-new-tokens", "2"], ["--ignore-eos"]):  # other outputs
+    for changed, said in ((["--temperature", "0.7"], "none of the 2 results in"),  # every line: the flags
+                          (["--ignore-eos"], "none of the 2 results in"),
+                          (["--max-new-tokens", "2"], "the result of id 'a' was made")):  # b has its own length
         assert main(flags + ["--prompts", str(same), "--out", str(out), "--resume", *changed]) == 2, changed
-        assert "changed since); resume as that job ran" in capsys.readouterr().err
-    assert main(flags + ["--prompts", str(same), "--out", str(out), "--resume", "--seed", "3"]) == 0  # greedy
+        assert said in capsys.readouterr().err
+    # the same outputs asked another way are no change: a seed under greedy decoding, the template of
+    # lines that are token ids, a line's own length equal to the default it had (the plan's, 6)
+    for args_, lines in ((["--seed", "3"], [rows[1], rows[0]]), (["--no-chat-template"], [rows[1], rows[0]]),
+                         ([], [rows[1], {**rows[0], "max_new_tokens": 6}])):
+        again = write_prompts(tmp_path / "again.jsonl", lines)
+        assert main(flags + ["--prompts", str(again), "--out", str(out), "--resume", *args_]) == 0, args_
     assert out.read_text() == written
+    # an OpenAI batch's results carry the digest too (in each choice's "xsched")
+    batch = write_prompts(tmp_path / "batch.jsonl", [openai_line("a", {"prompt": [5, 6, 7], "max_tokens": 3},
+                                                                 url="/v1/completions")])
+    first = tmp_path / "openai.jsonl"
+    assert main(flags + ["--prompts", str(batch), "--out", str(first)]) == 0
+    assert '"request_digest"' in first.read_text()
+    batch.write_text(json.dumps(openai_line("a", {"prompt": [5, 6, 8], "max_tokens": 3}, url="/v1/completions")) + "\n")
+    assert main(flags + ["--prompts", str(batch), "--out", str(first), "--resume"]) == 2
+    assert "the result of id 'a' was made from another request than line 1" in capsys.readouterr().err
     bare = [{k: v for k, v in r.items() if k != "request_digest"} for r in read_rows(out)]
     out.write_text("".join(json.dumps(r) + "\n" for r in bare))
     assert main(flags + ["--prompts", str(edited), "--out", str(out), "--resume"]) == 0  # no digest: taken

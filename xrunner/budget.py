@@ -116,11 +116,19 @@ class FileBudget:
 
     def _read(self) -> dict[str, float] | None:
         try:
-            data = json.loads(self.path.read_text())
+            text = self.path.read_text()
         except FileNotFoundError:
             self._warn("not found", usable=True)
             return None
-        except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, bad UTF-8, an int past 4300 digits
+        except (OSError, ValueError) as exc:  # a directory, no permission; not UTF-8
+            self._warn(f"cannot be read as JSON ({str(exc).splitlines()[0]})")
+            return None
+        if not text.strip():  # created first, written next (or caught in between): not yet a budget
+            self._warn("empty", usable=True)
+            return None
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # ValueError: bad JSON or an int past 4300 digits
             self._warn(f"cannot be read as JSON ({str(exc).splitlines()[0]})")
             return None
         if not isinstance(data, dict):

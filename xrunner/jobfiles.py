@@ -67,12 +67,12 @@ class PromptRecord:
         return self.prompt_ids is None
 
     def digest(self, options: Any = ()) -> str:
-        """A short hash of what this line asks for (its prompt, messages or ids and its own options;
-        not its line number or ``"n"``, which the result keys already tell apart) under the run's
-        ``options`` that change an output (JSON-able). Each results line carries it, so ``--resume``
-        refuses results made from a line, or under options, that have changed since."""
-        asked = (self.prompt, self.prompt_ids, self.messages, self.max_new_tokens, self.stop, self.sampling,
-                 self.chat_template, self.logprobs, options)
+        """A short hash of the output this line asks for: its prompt, messages or ids and stop
+        strings, and ``options`` (JSON-able), the settings in effect that change its tokens (the
+        caller's: length, sampling, chat template; not its line number or ``"n"``, which the result
+        keys tell apart, nor "logprobs", which adds to a result without changing it). Each results
+        line carries it, so ``--resume`` refuses results made from another request under its id."""
+        asked = (self.prompt, self.prompt_ids, self.messages, self.stop, options)
         return hashlib.sha256(json.dumps(asked, default=list).encode()).hexdigest()[:16]
 
 
@@ -317,13 +317,18 @@ class ResultsWriter:
                                 "another --out")
             raise UserError(f"{self.path} has {len(foreign)} result(s) whose ids are not in {prompts}; resume with "
                             "that job's prompt file or pass another --out")
-        for key, row in self.done.items():
-            r, digest = asked[key]
-            if row.get("request_digest", digest) != digest:
-                raise UserError(f"{self.path}: the result of id {row['id']!r} was made from another request than "
-                                f"line {r.line} of {prompts} asks for (its prompt or options, or the sampling or "
-                                "output-length flags, changed since); resume as that job ran, pass another --out, or "
-                                f"delete that id's line from {self.path} to run it again")
+        other = [(row, asked[key][0]) for key, row in self.done.items()
+                 if row.get("request_digest", asked[key][1]) != asked[key][1]]
+        if other and len(other) == len(self.done) > 1:  # every one: the flags, most likely, not the lines
+            raise UserError(f"none of the {len(other)} results in {self.path} were made as this job asks (other "
+                            "sampling, output-length, chat-template or --ignore-eos flags, or other request lines); "
+                            "resume with the flags of that job or pass another --out")
+        if other:
+            row, r = other[0]
+            more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+            raise UserError(f"{self.path}: the result of id {row['id']!r}{more} was made from another request than "
+                            f"line {r.line} of {prompts} asks for (its prompt or options changed since); pass another "
+                            f"--out, or delete those lines from {self.path} to run them again")
 
     def write(self, rows: Iterable[dict[str, Any]]) -> None:
         """Append rows (each with an ``id``), then fsync: they survive a crash. A failed append

@@ -344,7 +344,7 @@ def hf_tokenizer(path: str | Path, flag: str = "") -> Any:
                         "saved to (tokenizer.save_pretrained)")
     try:
         return AutoTokenizer.from_pretrained(d, local_files_only=True)
-    except (OSError, ValueError, TypeError) as exc:  # (transformers' reasons run over several lines)
+    except (OSError, ValueError, TypeError, KeyError) as exc:  # (transformers' reasons run over several lines)
         raise UserError(f"{where}: no usable tokenizer there ({' '.join(str(exc).split())})") from None
 
 

@@ -49,7 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="RESULTS.jsonl", help="results, one JSON line per request")
     p.add_argument("--resume", action="store_true",
                    help="continue a job: skip the ids already in --out (a torn last line from a crash is dropped; results "
-                        "of a request line that has changed since are refused)")
+                        "made from another request line, or under other sampling, output-length, chat-template or "
+                        "--ignore-eos flags, are refused)")
     p.add_argument("--trace", metavar="MEASURED.json",
                    help="write the measured timeline as a Chrome trace (same format as `xsched simulate --trace`)")
     p.add_argument("--result", metavar="RUN.json", help="also write the RunResult JSON to this file")
@@ -270,12 +271,16 @@ def result_row(f: Any, text: str | None, stop: Sequence[str] = (), model: str | 
 
 
 def output_options(record: Any, sampling: Any, default_new: int, args: argparse.Namespace) -> tuple:
-    """What of the run, besides its line, decides a request's output: its output length, sampling
-    (none of it under greedy decoding, where the seed changes nothing) and how its prompt becomes
-    tokens. Part of the request's digest, so a resume under other flags is refused, not mixed in."""
+    """What decides a request's output tokens besides its prompt and stop strings, as in effect:
+    its output length, its sampling (none of it under greedy decoding, where the seed changes
+    nothing), how text becomes tokens (not for token ids) and ``--ignore-eos``. Part of the
+    request's digest, so a resume under other flags is refused, not mixed in; a setting written
+    another way to the same effect (a line's "max_new_tokens" equal to the default) is no change."""
     drawn = ("greedy",) if sampling.greedy else (sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
-    return (record.max_new_tokens or default_new, drawn, args.no_chat_template, args.chat_template_kwargs,
-            args.ignore_eos)
+    template = None if not record.needs_tokenizer else (
+        record.chat_template and not args.no_chat_template,
+        json.dumps(args.chat_template_kwargs or None, sort_keys=True))
+    return (record.max_new_tokens or default_new, drawn, template, args.ignore_eos)
 
 
 def request_sampling(records: Sequence[Any], default: Any, where: str) -> dict[int, Any]:
@@ -343,9 +348,8 @@ def _run(args: argparse.Namespace) -> int:
     # Options are checked before anything is loaded: a bad one is the only line the run prints.
     sampling = sampling_from_args(args)
     own = request_sampling(records, sampling, args.prompts)
-    device = resolve_device(args.device)
-    if args.budget_file:
-        _budget_file_caps(args.budget_file)
+    if args.budget_file and no_profile is not None:
+        raise no_profile  # re-plans for the budget need the plan's profile: said now, not after loading
     if args.offload_dir is not None:
         check_offload_dir(args.offload_dir)
     for path, flag in ((args.trace, "--trace"), (args.result, "--result")):
@@ -356,6 +360,8 @@ def _run(args: argparse.Namespace) -> int:
     separate_files([("--out", args.out), ("--trace", args.trace), ("--result", args.result)],
                    [("--plan", args.plan), ("--prompts", args.prompts), ("--profile", file_or_none(args.profile)),
                     ("--budget-file", args.budget_file)])
+    if args.budget_file:
+        _budget_file_caps(args.budget_file, refuse=True)
     offload_root = args.offload_dir or tempfile.gettempdir()
     openai = args.out_format == "openai" or (args.out_format == "auto" and all(r.openai for r in records))
     # What each line says wrote it: random weights of the plan's shape are not the plan's model, and
@@ -377,21 +383,13 @@ def _run(args: argparse.Namespace) -> int:
                       + (f" ({' and '.join(unwritten)} not written: no run to measure)" if unwritten else ""),
                       file=sys.stderr)
             return 0
+        device = resolve_device(args.device)  # (a finished job needs none)
         # A job smaller than the plan's block runs as the block would (its other slots stay empty)
         # in buffers for its own rows: a plan priced for 2000 requests no longer refuses 40 for memory.
         plan_policy, fitted = plan.policy, plan.policy.for_job(len(units))
         fitted_note = (f"xsched: the job's {len(units)} requests fill {fitted.nb} GPU batch(es) of {fitted.gbs} of "
                        f"the plan's {plan.policy.nb} x {plan.policy.gbs}; running {fitted.nb} x {fitted.gbs}")
         plan = replace(plan, policy=fitted)
-        if any(len(r.keys(args.n)) > 1 and own.get(i, sampling).greedy for i, r in enumerate(records)):
-            warnings.warn("prompts with n > 1 under greedy decoding get n equal outputs; pass --temperature (or "
-                          "their own \"temperature\") to sample them apart", UserWarning, stacklevel=1)
-        samples = max(1, round(len(units) / len(records)))  # as `workload fit` counts them: the mean n
-        if samples != plan.workload.samples:
-            warnings.warn(f"the job asks for {samples} output(s) per prompt, the plan's workload for "
-                          f"{plan.workload.samples}; each prompt's outputs share its prefill, so the plan's prediction "
-                          f"and batch shape are for another job (plan with `--samples {samples}`)", UserWarning,
-                          stacklevel=1)
         texts = any(r.needs_tokenizer for r in records)  # token ids need no tokenizer
         needed = texts or any(r.stop for r in records)
         given = _tokenizer(None, needed, path=args.tokenizer) if args.tokenizer else None  # (a bad path: before loading)
@@ -406,8 +404,18 @@ def _run(args: argparse.Namespace) -> int:
                                                         chat and not args.no_chat_template, args.chat_template_kwargs)
         prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
         calibration = _calibration(args, source, tokenizer, prompt_ids)  # (a bad --calibration-text: said now)
-        match_profile_threads(profile, plan)  # (said only for a job that runs, once its inputs are known good)
+        # What is said of the job and the machine, once its inputs are known good (else the error is the only line)
+        match_profile_threads(profile, plan)
         warn_if_plan_from_other_machine(plan, args.offload_dir)
+        if any(len(r.keys(args.n)) > 1 and own.get(i, sampling).greedy for i, r in enumerate(records)):
+            warnings.warn("prompts with n > 1 under greedy decoding get n equal outputs; pass --temperature (or "
+                          "their own \"temperature\") to sample them apart", UserWarning, stacklevel=1)
+        samples = max(1, round(len(units) / len(records)))  # as `workload fit` counts them: the mean n
+        if samples != plan.workload.samples:
+            warnings.warn(f"the job asks for {samples} output(s) per prompt, the plan's workload for "
+                          f"{plan.workload.samples}; each prompt's outputs share its prefill, so the plan's prediction "
+                          f"and batch shape are for another job (plan with `--samples {samples}`)", UserWarning,
+                          stacklevel=1)
         new_tokens = [r.max_new_tokens or default_new for r in records]
         fit = " ".join(["xsched workload fit", args.prompts, *(["--tokenizer"] if texts else []),
                         *([args.model] if args.model and texts else []),
@@ -675,15 +683,15 @@ def simulate_job(plan: Any, profile: Any, prompt_lens: Sequence[int], output_len
                     prefix_of=prefix_of, cache_positions=cache, prefix_len=prefix_len)
 
 
-def _budget_file_caps(path: str) -> dict[str, float] | None:
-    """The budget file's budget before the job starts: a file that is there but cannot be used is a
-    one-line error now (nothing is lost yet); a missing one is warned of by the between-blocks hook
-    once (it may be written mid-job)."""
+def _budget_file_caps(path: str, refuse: bool = False) -> dict[str, float] | None:
+    """The budget file's budget, its problems left to the between-blocks hook to warn of once;
+    ``refuse`` (before anything is loaded): a file that is there but cannot be used is a one-line
+    error (nothing is lost yet); a missing or empty one may still be written mid-job."""
     from xrunner.budget import BudgetWarning, FileBudget
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BudgetWarning)
-        return FileBudget(path).poll(refuse=True)
+        return FileBudget(path).poll(refuse=refuse)
 
 
 def _budget_at_start(args: argparse.Namespace, plan: Any, planned_peak: dict[str, float], profile: Any,
@@ -695,7 +703,7 @@ def _budget_at_start(args: argparse.Namespace, plan: Any, planned_peak: dict[str
     from xsched.errors import UserError
     from xscheduler.replan import policy_changes
 
-    caps = _budget_file_caps(args.budget_file)
+    caps = _budget_file_caps(args.budget_file)  # (one gone bad since the start: warned of by the hook, as mid-job)
     if not caps:
         return None, None
     over = {t: planned_peak[t] - b for t, b in caps.items() if planned_peak.get(t, 0.0) > b}
