@@ -11,7 +11,7 @@ import pytest
 
 from xprofiler import HardwareProfile, LayerFit
 from xprofiler.fit import fit_layer, independent_columns, feature_matrix
-from xprofiler.presets import load_preset, preset_names
+from xprofiler.presets import load_preset, load_profile, preset_names
 from xprofiler.profile import LAYER_FEATURES, BandwidthCurve, layer_features
 from xprofiler.specs import get_model_spec
 from xsched.errors import UserError
@@ -204,6 +204,7 @@ def test_presets_load_validate_and_cite_sources(name):
     assert 1e9 < p.dtoc.large_bytes_per_s < p.ctog.large_bytes_per_s < p.mem_bytes_per_s
     assert p.cpu_mm_flops < p.mm_flops and p.mem_bytes_per_s > 0 and p.cpu_mem_bytes_per_s > 0
     assert "datasheet" in p.notes and "x0." in p.notes  # sources and derating factors are stated
+    assert load_profile(name.upper()) == p  # as workload presets fold case (`profile show T4` was refused)
 
 
 def test_flexgen_t4_preset_matches_the_paper():

@@ -678,7 +678,7 @@ def test_an_old_plan_that_no_longer_fits_does_not_meet_the_sla(setup):
     fits_row = next(ln for ln in table.splitlines() if ln.strip().startswith("fits in memory"))
     meets_row = next(ln for ln in table.splitlines() if ln.strip().startswith("meets p99"))
     # columns: the old plan on its workload, on the observed one (and a new plan's, if any)
-    assert fits_row.split()[3:5] == ["yes", "NO"] and meets_row.split()[5:7] == ["yes", "NO"]
+    assert fits_row.split()[3:5] == ["yes", "NO"] and meets_row.split()[5:9] == ["yes", "NO", "(no", "fit)"]
     assert any("does not fit in memory on the observed lengths (gpu" in n for n in r.notes)
     assert "does not fit in memory" in r.reason()
 

@@ -118,6 +118,28 @@ def test_the_p99_length_latency_is_that_of_a_typical_request_of_that_length():
     assert res.latency_p99_length_s == pytest.approx(tl.latency_s.mean(), rel=1e-9)
 
 
+def test_a_job_too_small_to_hold_a_p99_length_request_extends_its_longest_one():
+    """With no request as long as the p99 length (8 requests of G), the p99-length latency was
+    the longest request's, a request of 339 tokens named as one of 417 (an audit): it now runs the
+    longest on at the mean seconds per decode step it took, and so exceeds every request's latency."""
+    short, tl = simulate_timeline(OPT30, t4_like(), Policy(gbs=1, nb=1), get_workload("fixed:8:9"),
+                                  requests=([8, 8], [3, 5]))
+    longest = tl.latency_s[1]
+    per_step = (longest - tl.prefill.seconds[tl.schedule.join[1]]) / 4
+    assert short.p99_output_len == 9 and short.latency_max_s == pytest.approx(longest)
+    assert short.latency_p99_length_s == pytest.approx(longest + 4 * per_step, rel=1e-9)
+
+
+def test_no_request_outlasts_its_job_on_either_path():
+    """The analytic path's latency spread, fitted to large jobs, gave the one request of a
+    1-request job a p99 of twice the job's wall time (an audit)."""
+    for requests in (1, 3):
+        for sim in (simulate, simulate_analytic):
+            res = sim(OPT30, t4_like(), Policy(gbs=8, nb=2), get_workload("G"), requests)
+            assert res.latency_p50_s <= res.latency_p99_s <= res.latency_max_s <= res.wall_s * (1 + 1e-12), \
+                (sim.__name__, requests, res.latency_max_s, res.wall_s)
+
+
 # --------------------------------------------------------------------------- invariants
 @pytest.mark.parametrize("refill", [0, 3])
 def test_every_request_completes_and_tokens_add_up(refill):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -54,6 +55,12 @@ def test_preset_names_fixed_and_scale():
     tiny = get_workload("S@0.01")  # lengths shrink to a single possible value, not an error
     assert tiny.output.max_len >= 1 and tiny.sample(5, seed=0)[1].min() >= 1
     assert get_workload("c1").name == "C1"
+    # silently truncated or refused in numpy's or Python's words (an audit)
+    for bad, words in ((lambda: LengthDistribution.fixed(2.5), "a length is a whole number of tokens, got 2.5"),
+                       (lambda: full.scaled(float("nan")), "scale factor must be a finite number > 0, got nan"),
+                       (lambda: full.scaled(math.inf), "scale factor must be a finite number > 0, got inf")):
+        with pytest.raises(UserError, match=re.escape(words)):
+            bad()
 
 
 def test_truncnorm_pmf_matches_scipy_truncnorm():

@@ -159,6 +159,8 @@ class LengthDistribution(Contract):
     @classmethod
     def fixed(cls, value: int) -> "LengthDistribution":
         """Every request has exactly ``value`` tokens (FlexGen's benchmarks)."""
+        if not (isinstance(value, (int, np.integer)) or (isinstance(value, float) and value.is_integer())):
+            raise UserError(f"fixed: a length is a whole number of tokens, got {value!r}")  # (2.5 became 2)
         if int(value) < 1:
             raise UserError(f"fixed: lengths must be >= 1 token, got {value}")
         return cls("fixed", int(value), int(value), {"value": float(int(value))})
@@ -303,8 +305,8 @@ class LengthDistribution(Contract):
     # ------------------------------------------------------------------ helpers
     def scaled(self, factor: float) -> "LengthDistribution":
         """Every length multiplied by ``factor`` (rounded, at least 1): small-machine variants."""
-        if not factor > 0:
-            raise UserError(f"scale factor must be > 0, got {factor}")
+        if not 0 < factor < math.inf:
+            raise UserError(f"scale factor must be a finite number > 0, got {factor}")
 
         def sc(x: float) -> int:
             return max(1, int(round(x * factor)))

@@ -291,6 +291,8 @@ class Workload(Contract):
         return self.prompt.max_len + self.output.max_len
 
     def scaled(self, factor: float) -> "Workload":
+        if not 0 < factor < math.inf:  # (NaN reached round() first: a ValueError)
+            raise UserError(f"scale factor must be a finite number > 0, got {factor}")
         lengths = tuple(max(1, round(n * factor)) for n in self.prefix_lengths)
         tokens = round(self.prefix_tokens * factor) if not lengths else \
             round(sum(n * w for n, w in zip(lengths, self.prefix_weights)) / sum(self.prefix_weights))

@@ -10,11 +10,11 @@ from xprofiler.diskio import ALIGN_BYTES, DirectFile, aligned_empty, probe_metho
 from xprofiler.fingerprint import detect_fingerprint, machine_differences
 from xprofiler.measure import ProfileOptions, measure_profile, profile_machine
 from xprofiler.presets import ProfileMismatchWarning, load_preset, load_profile, preset_names
-from xprofiler.profile import (LAYER_FEATURES, BandwidthCurve, Fingerprint, HardwareProfile, HeadFit, LayerFit,
-                               WarmFit, layer_features)
+from xprofiler.profile import (LAYER_FEATURES, BandwidthCurve, CalibrationError, Fingerprint, HardwareProfile,
+                               HeadFit, LayerFit, WarmFit, layer_features)
 from xprofiler.specs import ModelSpec, get_model_spec, model_names
 
-__all__ = ["ALIGN_BYTES", "BandwidthCurve", "DirectFile", "Fingerprint", "HardwareProfile", "HeadFit",
+__all__ = ["ALIGN_BYTES", "BandwidthCurve", "CalibrationError", "DirectFile", "Fingerprint", "HardwareProfile", "HeadFit",
            "LAYER_FEATURES", "LayerFit", "ModelSpec", "ProfileMismatchWarning", "ProfileOptions", "aligned_empty",
            "detect_fingerprint", "get_model_spec", "layer_features", "load_preset", "load_profile",
            "machine_differences", "measure_profile", "model_names", "preset_names", "probe_method",

@@ -63,4 +63,7 @@ def load_profile(name_or_path: str | Path, check_machine: bool = True) -> Hardwa
         if check_machine:
             warn_if_other_machine(profile, str(path))
         return profile
+    folded = {name.lower(): name for name in preset_names()}.get(text.lower())  # `T4` for t4, as workloads fold `t`
+    if folded is not None:
+        return load_preset(folded)
     raise UserError(f"{text}: neither a profile file nor a preset; presets: {', '.join(preset_names()) or 'none'}")

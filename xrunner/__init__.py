@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
     "dequantize": "xrunner.compression", "quantized_nbytes": "xrunner.compression",
     # the offloading engine and its tiered store
     "Engine": "xrunner.engine", "Request": "xrunner.engine", "Finished": "xrunner.engine",
-    "EngineStats": "xrunner.engine", "rounded_policy": "xrunner.engine",
+    "EngineStats": "xrunner.engine", "rounded_policy": "xrunner.engine", "RunResult": "xrunner.result",
     "TierStore": "xrunner.tiers", "MemoryLedger": "xrunner.tiers", "DiskSlice": "xrunner.tiers", "Ref": "xrunner.tiers",
 }
 

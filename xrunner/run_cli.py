@@ -52,7 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "made from another request line, or under other sampling, output-length, chat-template or "
                         "--ignore-eos flags, are refused)")
     p.add_argument("--trace", metavar="MEASURED.json",
-                   help="write the measured timeline as a Chrome trace (same format as `xsched simulate --trace`)")
+                   help="write the measured timeline as a Chrome trace: the file format of `xsched simulate --trace`, "
+                        "with the engine's events per layer and GPU batch where the simulator's are per step "
+                        "(docs/ARCHITECTURE.md, Trace format)")
     p.add_argument("--result", metavar="RUN.json", help="also write the RunResult JSON to this file")
     p.add_argument("--offload-dir", type=directory_arg, metavar="DIR", default=None,
                    help="directory for the disk tier's files (default: the system temporary directory); "

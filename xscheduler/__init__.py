@@ -26,6 +26,7 @@ _EXPORTS = {
     "FrontierPoint": "xscheduler.planner",
     "frontier": "xscheduler.planner",
     "plan_search": "xscheduler.planner",
+    "Replan": "xscheduler.replan",  # (its function, replan, shares the submodule's name: import it from there)
 }
 __all__ = sorted(_EXPORTS)
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from xscheduler.placement import Placement, place, round_placement, shortfall_bytes
     from xscheduler.plan import SLA, Confirmation, Plan, SearchStats
     from xscheduler.planner import FrontierPoint, frontier, plan_search
+    from xscheduler.replan import Replan
     from xscheduler.search import Evaluator, branch_and_bound, variants
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -49,7 +49,7 @@ from workloads.workload import Workload, read_request_lengths, read_rows, reques
 from xprofiler.profile import HardwareProfile
 from xsched.contract import Contract
 from xsched.errors import UserError
-from xscheduler.plan import Plan
+from xscheduler.plan import SLA, Plan
 from xsimulator.policy import Policy
 from xsimulator.result import SimResult
 
@@ -76,6 +76,14 @@ CUSUM_SHARE = 0.75
 # half its threshold, no test firing), the watcher refits the reference on all of them.
 REFIT_GROWTH = 4
 WINDOW_TESTS = ("ks",)  # the windowed tests beside the CUSUMs: shape changes (the CUSUMs test the mean)
+
+
+def _met(p: SimResult, sla: SLA) -> str:
+    """A comparison cell: whether ``p`` meets ``sla``; one that does not fit cannot run, whatever
+    its latency, and says that is why (the cell read "NO" beside a latency well under the bound)."""
+    if not sla.met_by(p):
+        return "NO"
+    return "yes" if p.fits else "NO (no fit)"
 
 
 @dataclass(frozen=True)
@@ -148,11 +156,11 @@ class Replan(Contract):
                 ("p50 latency s", lambda p: f"{p.latency_p50_s:,.5g}"),
                 ("fits in memory", lambda p: "yes" if p.fits else "NO"),
                 # a plan that does not fit cannot run, whatever its latency would be
-                (f"meets {kind} <= {bound:g} s", lambda p: "yes" if p.fits and self.old_plan.sla.met_by(p) else "NO")]
+                (f"meets {kind} <= {bound:g} s", lambda p: _met(p, self.old_plan.sla))]
         if self.old_plan.margin > 0:
             planning = self.old_plan.planning_sla
             rows.append((f"within {planning.latency_s:g} s ({self.old_plan.margin:.0%} margin)",
-                         lambda p: "yes" if p.fits and planning.met_by(p) else "NO"))
+                         lambda p: _met(p, planning)))
         for label, fmt in rows:
             lines.append(f"  {label:<22}" + "".join(f"  {(fmt(p) if p is not None else '-'):>{w}}" for _, p in cols))
         lines.append("")
