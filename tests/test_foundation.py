@@ -503,6 +503,12 @@ def test_cli_models_and_errors():
     assert "opt-175b" in out.stdout and "smollm2-135m" in out.stdout
     rows = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines()[1:]}
     assert (rows["opt-30b"], rows["llama-2-7b"], rows["gemma-2-2b"]) == ("opt", "llama", "llama-like")  # (was "llama")
+    # --json carries the table's derived columns too (it printed the raw specs only)
+    specs = {d["name"]: d for d in json.loads(subprocess.run([sys.executable, "-m", "xsched", "models", "--json"],
+                                                              capture_output=True, text=True, check=True).stdout)}
+    opt = get_model_spec("opt-30b")
+    assert (specs["opt-30b"]["num_params"], specs["opt-30b"]["weight_bytes"]) == (opt.num_params, opt.weight_bytes)
+    assert specs["opt-30b"]["kv_bytes_per_token"] == opt.kv_bytes_per_token_per_layer * opt.num_layers
     bad = subprocess.run([sys.executable, "-m", "xsched", "nonsense"], capture_output=True, text=True)
     assert bad.returncode == 2
 

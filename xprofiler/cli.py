@@ -70,7 +70,10 @@ def _models(args: argparse.Namespace) -> int:
 
     specs = [get_model_spec(n) for n in model_names()]
     if args.json:
-        print(json.dumps([s.to_dict() for s in specs], indent=2))
+        # each spec, with the table's derived columns (in its dtype) beside it
+        print(json.dumps([{**s.to_dict(), "num_params": s.num_params, "weight_bytes": s.weight_bytes,
+                           "kv_bytes_per_token": s.kv_bytes_per_token_per_layer * s.num_layers} for s in specs],
+                         indent=2))
         return 0
     # (family: the decoder layout the engine runs, OPT's or Llama's; most registry models are the latter's kin)
     print(f"{'model':<14} {'family':<10} {'params':>8} {'layers':>6} {'hidden':>6} {'heads':>7} "
