@@ -291,12 +291,11 @@ class Workload(Contract):
         return self.prompt.max_len + self.output.max_len
 
     def scaled(self, factor: float) -> "Workload":
-        if not 0 < factor < math.inf:  # (NaN reached round() first: a ValueError)
-            raise UserError(f"scale factor must be a finite number > 0, got {factor}")
+        prompt = self.prompt.scaled(factor)  # first: it refuses a factor that is no scale (NaN reached round())
         lengths = tuple(max(1, round(n * factor)) for n in self.prefix_lengths)
         tokens = round(self.prefix_tokens * factor) if not lengths else \
             round(sum(n * w for n, w in zip(lengths, self.prefix_weights)) / sum(self.prefix_weights))
-        return replace(self, name=f"{self.name}@{factor:g}", prompt=self.prompt.scaled(factor),
+        return replace(self, name=f"{self.name}@{factor:g}", prompt=prompt,
                        output=self.output.scaled(factor), prefix_tokens=tokens, prefix_lengths=lengths,
                        own_part=None if self.own_part is None else self.own_part.scaled(factor),
                        unshared_prompt=None if self.unshared_prompt is None else self.unshared_prompt.scaled(factor))

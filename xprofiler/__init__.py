@@ -14,8 +14,8 @@ from xprofiler.profile import (LAYER_FEATURES, BandwidthCurve, CalibrationError,
                                HeadFit, LayerFit, WarmFit, layer_features)
 from xprofiler.specs import ModelSpec, get_model_spec, model_names
 
-__all__ = ["ALIGN_BYTES", "BandwidthCurve", "CalibrationError", "DirectFile", "Fingerprint", "HardwareProfile", "HeadFit",
-           "LAYER_FEATURES", "LayerFit", "ModelSpec", "ProfileMismatchWarning", "ProfileOptions", "aligned_empty",
+__all__ = ["ALIGN_BYTES", "BandwidthCurve", "CalibrationError", "DirectFile", "Fingerprint", "HardwareProfile",
+           "HeadFit", "LAYER_FEATURES", "LayerFit", "ModelSpec", "ProfileMismatchWarning", "ProfileOptions", "aligned_empty",
            "detect_fingerprint", "get_model_spec", "layer_features", "load_preset", "load_profile",
            "machine_differences", "measure_profile", "model_names", "preset_names", "probe_method",
            "profile_machine", "round_up", "WarmFit"]

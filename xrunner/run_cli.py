@@ -272,7 +272,7 @@ def result_row(f: Any, text: str | None, stop: Sequence[str] = (), model: str | 
     return row
 
 
-def output_options(record: Any, sampling: Any, default_new: int, args: argparse.Namespace) -> tuple:
+def output_options(record: Any, sampling: Any, new_tokens: int, args: argparse.Namespace) -> tuple:
     """What decides a request's output tokens besides its prompt and stop strings, as in effect:
     its output length, its sampling (none of it under greedy decoding, where the seed changes
     nothing), how text becomes tokens (not for token ids) and ``--ignore-eos``. Part of the
@@ -282,7 +282,7 @@ def output_options(record: Any, sampling: Any, default_new: int, args: argparse.
     template = None if not record.needs_tokenizer else (
         record.chat_template and not args.no_chat_template,
         json.dumps(args.chat_template_kwargs or None, sort_keys=True))
-    return (record.max_new_tokens or default_new, drawn, template, args.ignore_eos)
+    return (new_tokens, drawn, template, args.ignore_eos)
 
 
 def request_sampling(records: Sequence[Any], default: Any, where: str) -> dict[int, Any]:
@@ -376,7 +376,8 @@ def _run(args: argparse.Namespace) -> int:
         units = [(i, key) for i, r in enumerate(records) for key in r.keys(args.n)]
         pending = [(i, key) for i, key in units if not writer.is_done(key)]
         default_new = args.max_new_tokens or plan.workload.output.max_len
-        digests = [r.digest(output_options(r, own.get(i, sampling), default_new, args)) for i, r in enumerate(records)]
+        new_tokens = [r.max_new_tokens or default_new for r in records]
+        digests = [r.digest(output_options(r, own.get(i, sampling), new_tokens[i], args)) for i, r in enumerate(records)]
         writer.check_job(records, digests, args.n, args.prompts)
         if not pending:  # a finished job: say so without loading the model (a 70B one takes minutes)
             unwritten = [flag for flag, path in (("--trace", args.trace), ("--result", args.result)) if path]
@@ -418,7 +419,6 @@ def _run(args: argparse.Namespace) -> int:
                           f"{plan.workload.samples}; each prompt's outputs share its prefill, so the plan's prediction "
                           f"and batch shape are for another job (plan with `--samples {samples}`)", UserWarning,
                           stacklevel=1)
-        new_tokens = [r.max_new_tokens or default_new for r in records]
         fit = " ".join(["xsched workload fit", args.prompts, *(["--tokenizer"] if texts else []),
                         *([args.model] if args.model and texts else []),
                         *(["--no-chat-template"] if args.no_chat_template else []),
