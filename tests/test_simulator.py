@@ -910,14 +910,42 @@ def test_range_max_matches_brute_force():
     from xsimulator.discrete_event import range_max
 
     rng = np.random.default_rng(0)
-    for n in (1, 2, 7, 64, 1000):
+    for n, scale in ((1, 1), (2, 1), (7, 1), (64, 1), (1000, 1), (1000, 2**40)):  # int32, and int64 past it
         lo = rng.integers(0, n, 60)
         hi = np.minimum(lo + rng.integers(0, n, 60), n - 1)
-        value = rng.integers(-50, 100, 60)  # negative keys occur (prompt - join * steps)
-        expected = np.full(n, np.iinfo(np.int64).min)
+        value = rng.integers(-50, 100, 60) * scale  # negative keys occur (prompt - join * steps)
+        got = range_max(n, lo, hi, value)
+        assert got.dtype == (np.int32 if scale == 1 else np.int64)
+        expected = np.full(n, np.iinfo(got.dtype).min, np.int64)  # (the result type's min where none)
         for a, b, v in zip(lo, hi, value):
             expected[a:b + 1] = np.maximum(expected[a:b + 1], v)
-        assert np.array_equal(range_max(n, lo, hi, value), expected)
+        assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("busy", [1.0, 0.3])
+def test_step_pricing_from_tables_equals_pricing_each_cell(busy):
+    """``price_steps`` prices a grid of GPU batches x steps from a table of distinct batch shapes
+    (the LM head per step from a table of row counts), and a mostly idle grid only at its busy
+    steps (the prefills of a job refilled every step): the same seconds and terms, step by step,
+    as the cost model pricing every cell (``CostModel.block_step``)."""
+    from xsimulator.discrete_event import price_steps
+
+    rng = np.random.default_rng(7)
+    nb, steps = 3, 20_000
+    rows = rng.integers(0, 5, (nb, steps)) * (rng.random(steps) < busy)  # (0 rows: an idle batch)
+    length = np.where(rows > 0, rng.integers(1, 200, (nb, steps)), 0)
+    for spec, pol in ((get_model_spec("opt-1.3b"), Policy(gbs=4, nb=nb)),
+                      (OPT30, Policy(gbs=4, nb=nb, wg=0.2, wc=0.8, cg=0.0, cc=1.0, hg=0.0, hc=1.0,
+                                     cpu_attention=True))):
+        cm = CostModel.for_policy(spec, t4_like(), pol)
+        for phase in ("prefill", "decode"):
+            on = rows > 0
+            want = cm.block_step(phase, rows, length, pol.placement(), on, on.any(axis=0), batch_axis=0)
+            got = price_steps(cm, phase, rows, length, pol.placement())
+            assert np.allclose(got.seconds, want.seconds, rtol=1e-12, atol=0)
+            assert np.allclose(got.head_s, want.head_s, rtol=1e-12, atol=0)
+            for k, v in want.terms.as_dict().items():
+                assert np.allclose(np.broadcast_to(getattr(got.terms, k), (steps,)), v, rtol=1e-12, atol=0), k
 
 
 @pytest.mark.parametrize("refill", [0, 1, 3])

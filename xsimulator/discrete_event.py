@@ -93,12 +93,14 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
     recent: deque[int] = deque(maxlen=PREFIX_CACHE_GHOSTS)  # the last joiners' prefixes (PrefixCache.recent)
     cache_positions = hold_positions if cache_positions is None else cache_positions
     room = n * int(prefix_len.max(initial=0)) if cache_positions is None else cache_positions  # positions left
+    bucket, pop, push = policy.bucket, heapq.heappop, heapq.heappush  # (the loop runs once per freed interval)
     while pos < n:
-        j = heapq.heappop(pending)
-        free = sorted(free_by_interval.pop(j))
+        j = pop(pending)
+        free = free_by_interval.pop(j)
+        free.sort()
         take = min(len(free), n - pos)
         ids = range(pos, pos + take)
-        if policy.bucket and take > 1:
+        if bucket and take > 1:
             ids = sorted(ids, key=prompt_l.__getitem__)
             if of_l is not None and 1 < len({s // policy.gbs for s in free[:take]}) < take:
                 ids = _prefix_first(ids, free, prompt_l, of_l, len_l, policy.gbs,  # (else one batch, or one row each)
@@ -110,7 +112,7 @@ def assign_slots(prompt: np.ndarray, output: np.ndarray, policy: Policy, prefix_
             group = free_by_interval.get(f)
             if group is None:
                 free_by_interval[f] = [s]
-                heapq.heappush(pending, f)
+                push(pending, f)
             else:
                 group.append(s)
         pos += take
@@ -351,7 +353,8 @@ def build_timeline(cm: CostModel, policy: Policy, prompt: np.ndarray, output: np
     diff = np.bincount(start, minlength=nb * (G + 1)) - np.bincount(stop, minlength=nb * (G + 1))
     decode_rows = np.cumsum(diff.reshape(nb, G + 1), axis=1)[:, :G]
     key = range_max(nb * (G + 1), start, stop - 1, (prompt - first)[decoding]).reshape(nb, G + 1)[:, :G]
-    decode_len = np.where(decode_rows > 0, key + np.arange(1, G + 1), 0)
+    key += np.arange(1, G + 1, dtype=key.dtype)  # (the type's min where no row is active: stays below 0)
+    decode_len = np.maximum(key, 0, dtype=np.int64)  # (int64: the cost model's products of lengths need it)
     decode_rows = decode_rows.reshape(nb, J, S)
     decode_len = decode_len.reshape(nb, J, S)
 
@@ -622,12 +625,18 @@ def range_max(n: int, lo: np.ndarray, hi: np.ndarray, value: np.ndarray) -> np.n
 
     A segment tree built with numpy: each range is split into O(log n) canonical nodes (all
     ranges at once, one tree level per pass), then node maxima are pushed down to the leaves.
-    O((len(lo) + n) log n) without a Python loop per range.
+    O((len(lo) + n) log n) without a Python loop per range. In int32 where everything fits (the
+    result's type then; min of that type where no range covers): the tree is most of the
+    simulator's memory traffic.
     """
     size = 1 << max(int(n - 1).bit_length(), 0)
-    tree = np.full(2 * size, np.iinfo(np.int64).min, np.int64)
-    left, right = np.asarray(lo, np.int64) + size, np.asarray(hi, np.int64) + 1 + size
     value = np.asarray(value, np.int64)
+    small = 2 * size < 2**31 and (not len(value) or (value.min() > np.iinfo(np.int32).min
+                                                       and value.max() <= np.iinfo(np.int32).max))
+    kind = np.int32 if small else np.int64
+    tree = np.full(2 * size, np.iinfo(kind).min, kind)
+    left, right = np.asarray(lo, kind) + size, np.asarray(hi, kind) + 1 + size
+    value = value.astype(kind, copy=False)
     while True:
         live = left < right
         if not live.any():
@@ -642,9 +651,8 @@ def range_max(n: int, lo: np.ndarray, hi: np.ndarray, value: np.ndarray) -> np.n
     level = 1
     while level < size:  # parents at [level, 2 level) push to children at [2 level, 4 level)
         parents = tree[level:2 * level]
-        children = tree[2 * level:4 * level].reshape(level, 2)
-        np.maximum(children, parents[:, None], out=children)
-        tree[2 * level:4 * level] = children.ravel()
+        for child in (tree[2 * level:4 * level:2], tree[2 * level + 1:4 * level:2]):  # (left, right: long
+            np.maximum(child, parents, out=child)  # strided loops, 2-3x faster than broadcasting over pairs)
         level *= 2
     return tree[size:size + n]
 
@@ -658,6 +666,12 @@ def price_steps(cm: CostModel, phase: str, rows: np.ndarray, length: np.ndarray,
     """
     on = rows > 0
     any_on = np.logical_or.reduce(on, axis=0)
+    busy = np.flatnonzero(any_on)
+    if 2 * len(busy) < any_on.size:  # mostly idle steps (prefills of a job refilled often): price the busy ones
+        nb = rows.shape[0]
+        step = price_steps(cm, phase, rows.reshape(nb, -1)[:, busy], length.reshape(nb, -1)[:, busy], placement)
+        return BlockStep(StepTerms(**{k: _scatter(v, busy, any_on.shape) for k, v in step.terms.as_dict().items()}),
+                         _scatter(step.head_s, busy, any_on.shape), _scatter(step.seconds, busy, any_on.shape))
     top_rows, top_len = int(rows.max(initial=0)), int(length.max(initial=0))
     if (top_rows + 1) * (top_len + 1) * 4 > rows.size:
         return cm.block_step(phase, rows, length, placement, on, any_on, batch_axis=0)
@@ -670,12 +684,24 @@ def price_steps(cm: CostModel, phase: str, rows: np.ndarray, length: np.ndarray,
     gather = {k: (np.ravel(np.broadcast_to(v, shape))[index] if not np.isscalar(v) else v)
               for k, v in terms.as_dict().items()}
     # The embedding is each batch's, from the table; the LM head is one product over the step's
-    # rows, priced per step and shared out by rows (CostModel.head_seconds with block_rows).
+    # rows (CostModel.head_seconds with block_rows shares it out by rows; the shares add up to it),
+    # priced per step from a table over the step's possible row counts.
     embed = np.ravel(np.broadcast_to(cm.embed_seconds(phase, r_tab, l_tab) * live, shape))[index]
     step_rows = np.sum(rows, axis=0, keepdims=True)
-    head_cells = embed + rows / np.maximum(step_rows, 1) * cm.lm_head_seconds(step_rows)
-    return cm.combine(StepTerms(**gather), head_cells, placement, 1.0, any_on, batch_axis=0,
+    counts = np.arange(int(step_rows.max(initial=0)) + 1)
+    head_tab = np.where(counts > 0, cm.lm_head_seconds(counts), 0.0)
+    head_steps = np.sum(embed, axis=0, keepdims=True) + head_tab[step_rows]
+    return cm.combine(StepTerms(**gather), head_steps, placement, 1.0, any_on, batch_axis=0,
                       tokens=np.sum(cm.step_tokens(phase, rows, length), axis=0))
+
+
+def _scatter(values: Any, at: np.ndarray, shape: tuple[int, ...]) -> Any:
+    """``values`` of the flat positions ``at`` of a grid of ``shape``, 0 elsewhere (0 stays a number)."""
+    if np.isscalar(values) and values == 0:
+        return values
+    out = np.zeros(int(np.prod(shape)))
+    out[at] = values
+    return out.reshape(shape)
 
 
 def p99_length_latency(timeline: Timeline, output: np.ndarray, length: int) -> float:
