@@ -733,6 +733,7 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
     drift watcher (None when off; its false-alarm rate holds over the ``horizon`` requests of the
     job). ``profile``: the plan's, or None with ``no_profile`` the error saying why. Each event is
     one line on stderr."""
+    from xrunner.budget import with_budget
     from xscheduler.replan import DriftWatcher, policy_changes
 
     # Re-plans price the whole job's size: with a block near it, latency grows with the job.
@@ -743,10 +744,12 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
     if profile is None and args.adapt == "drift":
         warnings.warn(f"drift re-planning is off: {no_profile}", UserWarning, stacklevel=1)
     if args.adapt == "drift" and profile is not None:
-        watcher = DriftWatcher(plan, profile, horizon=max(horizon, 1), compress=args.replan_compress,
+        # (within what the engine enforces: a budget file's caps applied at the start, a machine smaller than the
+        # profile's; re-planned on the profile's own capacities, a drift re-plan was refused as over them)
+        watcher = DriftWatcher(plan, with_budget(profile, capacity), horizon=max(horizon, 1), compress=args.replan_compress,
                                scope=args.replan_scope, num_requests=requests)
     if args.budget_file:
-        from xrunner.budget import FileBudget, budget_hook, plan_fn_for, with_budget
+        from xrunner.budget import FileBudget, budget_hook, plan_fn_for
 
         plan_fn = plan_fn_for(plan, profile, confirm_seeds=(), compress=args.replan_compress, num_requests=requests)
         source = FileBudget(args.budget_file)
