@@ -432,8 +432,9 @@ def test_attention_over_the_codes_of_a_half_precision_cache_computes_in_float32(
 def test_attention_over_the_codes_is_the_same_compiled_fresh_or_loaded_from_numba_cache(tmp_path):
     """numba's freshly compiled parallel code and the code it caches differ; with the softmax's sum
     reassociated they rounded differently, and one token of the bfloat16 offload benchmark changed
-    with the cache's state (stop 47). Two processes on one empty cache directory, the first
-    compiling, the second loading, give the same bits."""
+    with the cache's state (stop 47); on stop 69's host the dot products still did (4.8e-6). Two
+    processes on one empty cache directory give the same bits: the first has a child process
+    compile the kernel into the cache and loads it from there, as the second does."""
     import os
     import subprocess
     import sys
@@ -452,7 +453,7 @@ def test_attention_over_the_codes_is_the_same_compiled_fresh_or_loaded_from_numb
                              env=env, timeout=300)
         assert out.returncode == 0, out.stderr
         runs.append(out.stdout.split()[-1])
-    assert runs == ["compiled", "loaded"]
+    assert runs == ["loaded", "loaded"]
     assert torch.equal(torch.load(tmp_path / "fresh.pt"), torch.load(tmp_path / "cached.pt"))
 
 

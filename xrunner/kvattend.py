@@ -297,12 +297,33 @@ _ATTEND_SIGNATURE = types.void(_F32_C, _F32_C, _CODES_A, _F32_A, _F32_A, _CODES_
 
 
 def _pinned_attend_kernel():
-    """``_attend_kernel`` compiled (or loaded from its cache) for ``_ATTEND_SIGNATURE`` alone, on
-    first use rather than at import; contiguous arrays then convert to it instead of compiling."""
+    """``_attend_kernel`` for ``_ATTEND_SIGNATURE`` alone, on first use rather than at import;
+    contiguous arrays then convert to it instead of compiling.
+
+    Loaded from numba's cache, never compiled in this process where the cache works: the code
+    numba compiles and the code it loads are not the same machine code (numba issue 10617), and
+    on stop 69's host their reassociated dot products rounded differently (4.8e-6), so a process
+    with a cold cache and one with a warm cache generated different tokens. A cold cache is filled
+    by a child process first. (Summing in one fixed order instead made the kernel 1.2-2x slower.)"""
     if not _attend_kernel.signatures:
-        _attend_kernel.compile(_ATTEND_SIGNATURE)
+        if _in_cache(_attend_kernel, _ATTEND_SIGNATURE) is False:
+            import subprocess
+            import sys
+
+            subprocess.run([sys.executable, "-c", "from xrunner.kvattend import _ATTEND_SIGNATURE, _attend_kernel; "
+                            "_attend_kernel.compile(_ATTEND_SIGNATURE)"], capture_output=True, timeout=900)
+        _attend_kernel.compile(_ATTEND_SIGNATURE)  # (where the child could not fill the cache: compiled here)
         _attend_kernel.disable_compile()
     return _attend_kernel
+
+
+def _in_cache(kernel, sig) -> bool | None:  # noqa: ANN001
+    """Whether numba's on-disk cache holds ``kernel`` for ``sig`` for this machine; None where numba's
+    internals it reads have moved (then nothing is done about it)."""
+    try:
+        return kernel._cache._index_key(sig, kernel.targetctx.codegen()) in kernel._cache._cache_file._load_index()
+    except Exception:  # noqa: BLE001 - private API of numba 0.59-0.68
+        return None
 
 
 def attend_quantized(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor, own_k: torch.Tensor,
