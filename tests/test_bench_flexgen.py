@@ -2,29 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from bench_scripts import load_benchmark
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    path = REPO / "benchmarks" / "flexgen_tables.py"
-    spec = importlib.util.spec_from_file_location("flexgen_tables_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_flexgens_policy_tuples_read_as_policies():
     """FlexGen's (gbs x nb, wg, wc, cg, cc, hg, hc) in percent: the rest of each trio on disk; its
     uncompressed system attends on the CPU where the cache is off the GPU, its compressed one on
     the GPU (a 4-bit cache is read there)."""
-    bench = _bench()
+    bench = load_benchmark("flexgen_tables")
     p = bench.flexgen_policy("FlexGen", (32, 8, 0, 50, 0, 0, 0, 100))  # OPT-175B, Table 15
     assert (p.gbs, p.nb, p.wg, p.wc, p.wd, p.cg, p.cc, p.cd, p.hg, p.hc, p.hd) == (32, 8, 0, .5, .5, 0, 0, 1, 0, 1, 0)
     assert p.cpu_attention and not (p.compress_weight or p.compress_cache)

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
+from bench_scripts import load_benchmark
 
 
 def _bench():
-    path = REPO / "benchmarks" / "offload_vs_accelerate.py"
-    spec = importlib.util.spec_from_file_location("offload_vs_accelerate", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks its module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("offload_vs_accelerate")
 
 
 def _acc(batch, tps=None, status="ok", timed_out=False):

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from bench_scripts import load_benchmark
 
 
 def _bench():
-    path = REPO / "benchmarks" / "roofline.py"
-    spec = importlib.util.spec_from_file_location("roofline_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("roofline")
 
 
 def _spec():

@@ -18,6 +18,7 @@ import torch
 
 import xrunner.reference as generate_module
 from xprofiler.specs import ModelSpec
+from bench_scripts import load_benchmark
 from quant_reference import reference_roundtrip
 from sim_profiles import t4_like
 from workloads.distributions import LengthDistribution
@@ -790,9 +791,6 @@ def test_a_refilled_job_keeps_templates_its_rows_meet_alone_and_the_simulator_pr
     computes under half the positions it did without remembering recent prompts (1.18x what
     it would with every template kept from the start, measured; 4.41x before), and the simulator
     prices within 5% of it (1.018 measured)."""
-    import importlib.util
-    from pathlib import Path
-
     import xrunner.prefix as prefix_module
     from workloads.workload import prefix_fields, run_prefix_lengths
 
@@ -809,10 +807,7 @@ def test_a_refilled_job_keeps_templates_its_rows_meet_alone_and_the_simulator_pr
     sim, tl = simulate_timeline(LLAMA, t4_like(), policy, own, requests=(sizes, outputs), prefix_of=runs,
                                 prefix_len=[run_len[k] for k in runs], cache_positions=10 ** 6)
 
-    spec_ = importlib.util.spec_from_file_location("prefix_pricing", Path(__file__).parents[1] / "benchmarks"
-                                                   / "prefix_pricing.py")
-    bench = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(bench)  # its replay of a simulated assignment through the engine's planning
+    bench = load_benchmark("prefix_pricing")  # its replay of a simulated assignment through the engine's planning
 
     def replayed() -> int:
         return bench.replayed_positions(prompts, tl.schedule, policy.gbs, 10 ** 6)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pulp
 import pytest
+from bench_scripts import load_benchmark
 from sim_profiles import GB, cpu_host, t4_like
 
 from workloads import LengthDistribution, Workload, get_workload
@@ -779,11 +778,7 @@ def test_cost_model_is_affine_and_solvable_as_an_lp():
 # --------------------------------------------------------------------------- analytic path
 def _benchmark_cases() -> dict:
     """The (model, policy) cases of benchmarks/sim_speed.py: the agreement tested is the one benchmarked."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sim_speed.py"
-    spec = importlib.util.spec_from_file_location("sim_speed_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.CASES
+    return load_benchmark("sim_speed").CASES
 
 
 AGREEMENT_CASES = _benchmark_cases()  # I/O-bound offloading three ways and compute-bound small blocks

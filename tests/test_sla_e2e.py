@@ -14,21 +14,18 @@ speed moving by 6.5% across one run.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("sla_e2e", REPO / "benchmarks" / "sla_e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("sla_e2e")
 
 
 @pytest.mark.slow
