@@ -311,7 +311,7 @@ def _pinned_attend_kernel():
             import sys
 
             subprocess.run([sys.executable, "-c", "from xrunner.kvattend import _ATTEND_SIGNATURE, _attend_kernel; "
-                            "_attend_kernel.compile(_ATTEND_SIGNATURE)"], capture_output=True, timeout=900)
+                            "_attend_kernel.compile(_ATTEND_SIGNATURE)"], capture_output=True, timeout=300)
         _attend_kernel.compile(_ATTEND_SIGNATURE)  # (where the child could not fill the cache: compiled here)
         _attend_kernel.disable_compile()
     return _attend_kernel
