@@ -310,8 +310,11 @@ def _pinned_attend_kernel():
             import subprocess
             import sys
 
-            subprocess.run([sys.executable, "-c", "from xrunner.kvattend import _ATTEND_SIGNATURE, _attend_kernel; "
-                            "_attend_kernel.compile(_ATTEND_SIGNATURE)"], capture_output=True, timeout=300)
+            try:
+                subprocess.run([sys.executable, "-c", "from xrunner.kvattend import _ATTEND_SIGNATURE, _attend_kernel; "
+                                "_attend_kernel.compile(_ATTEND_SIGNATURE)"], capture_output=True, timeout=300)
+            except (OSError, subprocess.TimeoutExpired):
+                pass  # (compiled here then)
         _attend_kernel.compile(_ATTEND_SIGNATURE)  # (where the child could not fill the cache: compiled here)
         _attend_kernel.disable_compile()
     return _attend_kernel
