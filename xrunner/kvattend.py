@@ -223,7 +223,8 @@ def _attend_kernel(q_e, q_o, pk, mk, sk, pv, mv, sv, s_own, mask, scale, cap, si
     """One (row, kv head) per parallel iteration: scores (``cap * tanh(score / cap)`` when ``cap``
     is above 0, Gemma 2's softcap), softmax with the own score and the head's sink logit (-inf:
     none), output.
-    Compiled on first call (about 4 s), then cached beside this file."""
+    Compiled once into numba's cache beside this file (about 4 s, by a child process: see
+    :func:`_pinned_attend_kernel`), and loaded from there."""
     B, H, G, half = q_e.shape
     Hkv, T = pk.shape[1], pk.shape[2]
     rep = H // Hkv
