@@ -26,7 +26,7 @@ from xsched.errors import UserError
 from xscheduler.placement import shortfall_bytes
 from xscheduler.plan import SLA, Confirmation, Plan, SearchStats
 from xscheduler.search import (LATENCY_TOLERANCE, NEAR_SEEDS, NEAR_TIE, Evaluation, Evaluator, Space, Variant,
-                               grow_prefix_caches, lowest_latency, pareto, search, settle_near_ties, variants,
+                               fill_between, grow_prefix_caches, lowest_latency, pareto, search, settle_near_ties, variants,
                                warm_search)
 from xsimulator.costmodel import workload_cache_positions
 from xsimulator.discrete_event import DEFAULT_REQUESTS
@@ -176,7 +176,7 @@ def plan_search(spec: ModelSpec, profile: HardwareProfile, workload: Workload, s
                        f"--margin 0 plans against the bound itself)")
             raise SLAUnreachable(f"no policy meets {sla.kind} <= {sla.latency_s:g} s{why}; the lowest achievable is "
                             f"{low.latency(sla.kind):,.4g} s (policy {_one_line(low.policy)})")
-        searched = best
+        best = searched = fill_between(ev, best, sla.kind, sla.latency_s)
         best = grown = grow_prefix_caches(ev, best, sla.kind, sla.latency_s, scan=not warm)
         means: dict[Policy, float] = {}
         if workload.prefix_tokens:
