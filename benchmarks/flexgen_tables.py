@@ -153,14 +153,14 @@ def fit(base: HardwareProfile, rows: list[tuple]) -> None:
     top = np.log([MOST[g] for g in FITTED])
     got = least_squares(lambda x: errors(x, train), np.zeros(len(FITTED)), bounds=(np.full(len(FITTED), -math.log(16)),
                         top), diff_step=0.05)
-    print(f"\nFit of {len(FITTED)} rate factors (groups of the preset's rates) on {len(train)} rows of Tables 15, 16 and 21 "
-          f"({time.perf_counter() - t0:.0f} s; uncompressed OPT-175B of Tables 15-18 left out: page cache):")
+    print(f"\nFit of {len(FITTED)} rate factors (groups of the preset's rates) on {len(train)} rows of Tables 15, 16 "
+          f"and 21 ({time.perf_counter() - t0:.0f} s; uncompressed OPT-175B of Tables 15-18 left out: page cache):")
     for name, x in zip(FITTED, got.x):
         print(f"  {name:<13} x {math.exp(x):.3f}  ({', '.join(FITTED[name])})")
     for label, subset in (("fitted on", train), ("held out (Tables 17, 18)", test)):
         before, after = np.abs(errors(np.zeros(len(FITTED)), subset)), np.abs(errors(got.x, subset))
-        print(f"  {label:<26} {len(subset):>2} rows: median |log ratio| {np.median(before):.3f} -> {np.median(after):.3f}"
-              f" (x{math.exp(np.median(before)):.2f} -> x{math.exp(np.median(after)):.2f}), max "
+        print(f"  {label:<26} {len(subset):>2} rows: median |log ratio| {np.median(before):.3f} -> "
+              f"{np.median(after):.3f} (x{math.exp(np.median(before)):.2f} -> x{math.exp(np.median(after)):.2f}), max "
               f"{before.max():.3f} -> {after.max():.3f}")
 
 
@@ -183,7 +183,8 @@ def main() -> int:
     rows = [r for r in PUBLISHED if args.only is None or args.only in r[3]]
 
     print(f"Part 1: FlexGen's published policies priced by the simulator on the {profile.name} preset")
-    head = f"{'table':<5} {'len':>8} {'model':<9} {'system':<12} {'policy':<36} {'measured':>9} {'predicted':>10} {'ratio':>6} fits"
+    head = (f"{'table':<5} {'len':>8} {'model':<9} {'system':<12} {'policy':<36} {'measured':>9} {'predicted':>10} "
+            f"{'ratio':>6} fits")
     print(head)
     print("-" * len(head))
     part1 = []
@@ -206,8 +207,8 @@ def main() -> int:
     part2 = []
     if not args.no_plan:
         print(f"\nPart 2: xsched's plan for each Table 15-18 setting (no latency bound, {args.requests} requests)")
-        head2 = (f"{'table':<5} {'len':>8} {'model':<9} {'system':<12} {'FlexGen measured':>16} {'its policy predicted':>20} "
-                 f"{'xsched plan':<40} {'predicted':>10} {'plan s':>7}")
+        head2 = (f"{'table':<5} {'len':>8} {'model':<9} {'system':<12} {'FlexGen measured':>16} "
+                 f"{'its policy predicted':>20} {'xsched plan':<40} {'predicted':>10} {'plan s':>7}")
         print(head2)
         print("-" * len(head2))
         for table, prompt, output, model, system, measured, knobs in rows:
@@ -218,8 +219,8 @@ def main() -> int:
             theirs = simulate(profile.model_for(spec), profile, flexgen_policy(system, knobs), w,
                               num_requests=args.requests)
             t0 = time.perf_counter()
-            plan = plan_search(spec, profile, w, SLA("p99", math.inf), compress="on" if system.endswith("(c)") else "off",
-                               num_requests=args.requests, margin=0.0)
+            plan = plan_search(spec, profile, w, SLA("p99", math.inf), num_requests=args.requests, margin=0.0,
+                               compress="on" if system.endswith("(c)") else "off")
             took = time.perf_counter() - t0
             ours = plan.predicted.throughput_tokens_per_s
             part2.append(dict(table=table, prompt=prompt, output=output, model=model, system=system, measured=measured,

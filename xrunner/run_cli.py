@@ -746,8 +746,8 @@ def _adapt_hook(args: argparse.Namespace, plan: Any, capacity: dict[str, float],
     if args.adapt == "drift" and profile is not None:
         # (within what the engine enforces: a budget file's caps applied at the start, a machine smaller than the
         # profile's; re-planned on the profile's own capacities, a drift re-plan was refused as over them)
-        watcher = DriftWatcher(plan, with_budget(profile, capacity), horizon=max(horizon, 1), compress=args.replan_compress,
-                               scope=args.replan_scope, num_requests=requests)
+        watcher = DriftWatcher(plan, with_budget(profile, capacity), horizon=max(horizon, 1),
+                               compress=args.replan_compress, scope=args.replan_scope, num_requests=requests)
     if args.budget_file:
         from xrunner.budget import FileBudget, budget_hook, plan_fn_for
 

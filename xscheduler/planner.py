@@ -26,8 +26,8 @@ from xsched.errors import UserError
 from xscheduler.placement import shortfall_bytes
 from xscheduler.plan import SLA, Confirmation, Plan, SearchStats
 from xscheduler.search import (LATENCY_TOLERANCE, NEAR_SEEDS, NEAR_TIE, Evaluation, Evaluator, Space, Variant,
-                               fill_between, grow_prefix_caches, lowest_latency, pareto, search, settle_near_ties, variants,
-                               warm_search)
+                               fill_between, grow_prefix_caches, lowest_latency, pareto, search, settle_near_ties,
+                               variants, warm_search)
 from xsimulator.costmodel import workload_cache_positions
 from xsimulator.discrete_event import DEFAULT_REQUESTS
 from xsimulator.policy import Policy
