@@ -30,12 +30,14 @@ import sys
 import time
 from dataclasses import replace
 
+import numpy as np
+
 from workloads import get_workload
 from xprofiler.presets import load_profile
 from xprofiler.profile import BandwidthCurve, HardwareProfile
 from xprofiler.specs import get_model_spec
 from xscheduler import SLA, plan_search
-from xsimulator import Policy, simulate
+from xsimulator import Policy, SimResult, simulate
 
 # (table, prompt, output, model, system, measured tokens/s, (gbs, nb, wg, wc, cg, cc, hg, hc) in percent)
 # Tables 15-18 ("FlexGen" and "FlexGen (c)" rows) and Table 21 (page cache managed; 48 x 3 is
@@ -121,12 +123,13 @@ def scaled_profile(base: HardwareProfile, factors: dict[str, float]) -> Hardware
     return replace(base, **changes)
 
 
-def predicted(profile: HardwareProfile, row: tuple) -> float:
-    """The simulator's throughput for one published row: one block of the policy's rows."""
+def priced(profile: HardwareProfile, row: tuple) -> SimResult:
+    """The simulator's prediction for one published row: one block of the policy's rows, as FlexGen
+    measured it."""
     _, prompt, output, model, system, _, knobs = row
     pol = flexgen_policy(system, knobs)
     return simulate(profile.model_for(get_model_spec(model)), profile, pol, get_workload(f"fixed:{prompt}:{output}"),
-                    num_requests=pol.block_size).throughput_tokens_per_s
+                    num_requests=pol.block_size)
 
 
 def page_cache_helped(row: tuple) -> bool:
@@ -138,7 +141,6 @@ def page_cache_helped(row: tuple) -> bool:
 def fit(base: HardwareProfile, rows: list[tuple]) -> None:
     """Fit FITTED's factors to the rows outside HOLDOUT_TABLES (least squares on log ratios), then
     print the log-error on the held-out tables before and after."""
-    import numpy as np
     from scipy.optimize import least_squares
 
     usable = [r for r in rows if not page_cache_helped(r)]
@@ -147,7 +149,7 @@ def fit(base: HardwareProfile, rows: list[tuple]) -> None:
 
     def errors(x: np.ndarray, subset: list[tuple]) -> np.ndarray:
         prof = scaled_profile(base, dict(zip(FITTED, np.exp(x))))
-        return np.array([math.log(predicted(prof, r) / r[5]) for r in subset])
+        return np.array([math.log(priced(prof, r).throughput_tokens_per_s / r[5]) for r in subset])
 
     t0 = time.perf_counter()
     top = np.log([MOST[g] for g in FITTED])
@@ -188,10 +190,10 @@ def main() -> int:
     print(head)
     print("-" * len(head))
     part1 = []
-    for table, prompt, output, model, system, measured, knobs in rows:
-        spec = profile.model_for(get_model_spec(model))
+    for row in rows:
+        table, prompt, output, model, system, measured, knobs = row
         pol = flexgen_policy(system, knobs)
-        r = simulate(spec, profile, pol, get_workload(f"fixed:{prompt}:{output}"), num_requests=pol.block_size)
+        r = priced(profile, row)
         ratio = r.throughput_tokens_per_s / measured
         part1.append(dict(table=table, prompt=prompt, output=output, model=model, system=system, measured=measured,
                           policy=knobs_text(pol), predicted=r.throughput_tokens_per_s, ratio=ratio, fits=r.fits))
