@@ -922,17 +922,21 @@ def test_step_pricing_from_tables_equals_pricing_each_cell(busy):
     """``price_steps`` prices a grid of GPU batches x steps from a table of distinct batch shapes
     (the LM head per step from a table of row counts), and a mostly idle grid only at its busy
     steps (the prefills of a job refilled every step): the same seconds and terms, step by step,
-    as the cost model pricing every cell (``CostModel.block_step``)."""
+    as the cost model pricing every cell (``CostModel.block_step``). On a CPU profile with a
+    memory roof the head's price at 0 rows is not 0 (a weight read): a step where every batch
+    is idle must still cost nothing."""
     from xsimulator.discrete_event import price_steps
 
     rng = np.random.default_rng(7)
     nb, steps = 3, 20_000
     rows = rng.integers(0, 5, (nb, steps)) * (rng.random(steps) < busy)  # (0 rows: an idle batch)
     length = np.where(rows > 0, rng.integers(1, 200, (nb, steps)), 0)
-    for spec, pol in ((get_model_spec("opt-1.3b"), Policy(gbs=4, nb=nb)),
-                      (OPT30, Policy(gbs=4, nb=nb, wg=0.2, wc=0.8, cg=0.0, cc=1.0, hg=0.0, hc=1.0,
-                                     cpu_attention=True))):
-        cm = CostModel.for_policy(spec, t4_like(), pol)
+    for spec, prof, pol in ((get_model_spec("opt-1.3b"), t4_like(), Policy(gbs=4, nb=nb)),
+                            (OPT30, t4_like(), Policy(gbs=4, nb=nb, wg=0.2, wc=0.8, cg=0.0, cc=1.0, hg=0.0, hc=1.0,
+                                                      cpu_attention=True)),
+                            (get_model_spec("opt-1.3b").with_dtype("float32"), cpu_host(mem_bytes_per_s=11 * GB),
+                             Policy(gbs=4, nb=nb))):
+        cm = CostModel.for_policy(spec, prof, pol)
         for phase in ("prefill", "decode"):
             on = rows > 0
             want = cm.block_step(phase, rows, length, pol.placement(), on, on.any(axis=0), batch_axis=0)
