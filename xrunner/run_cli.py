@@ -325,45 +325,18 @@ def _run(args: argparse.Namespace) -> int:
     import tempfile
     from dataclasses import replace
 
-    import torch
     from tqdm import tqdm
 
-    from workloads.workload import prefix_fields
     from xprofiler.measure import BUSY_WARN_CORES, LoadMeter
     from xprofiler.presets import load_preset, preset_names
-    from xrunner.cli import encode_prompt, resolve_device, sampling_from_args, stop_token_ids
-    from xrunner.jobfiles import OpenAIOutput, ResultsWriter, read_prompts, tokenize_prompts
-    from xrunner.loaders import RANDOM_PREFIX, open_model
+    from xrunner.cli import resolve_device, stop_token_ids
+    from xrunner.jobfiles import OpenAIOutput, ResultsWriter
+    from xrunner.loaders import RANDOM_PREFIX
     from xrunner.result import Adaptation, build_run_result
-    from xscheduler.plan import Plan
     from xsched.errors import UserError
-    from xsched.fileio import atomic_write_all, check_writable, file_or_none, separate_files
     from xsimulator.costmodel import CostModel, run_cache_positions, workload_cache_positions
 
-    plan = Plan.load(args.plan)
-    profile, no_profile = _plan_profile(plan, args.profile)
-    if no_profile is not None and args.profile is not None:
-        raise no_profile  # a --profile given but unusable: say so now, not as a warning after the job
-    records = read_prompts(args.prompts)
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    # Options are checked before anything is loaded: a bad one is the only line the run prints.
-    sampling = sampling_from_args(args)
-    own = request_sampling(records, sampling, args.prompts)
-    if args.budget_file and no_profile is not None:
-        raise no_profile  # re-plans for the budget need the plan's profile: said now, not after loading
-    if args.offload_dir is not None:
-        check_offload_dir(args.offload_dir)
-    for path, flag in ((args.trace, "--trace"), (args.result, "--result")):
-        if path is not None:  # before the job, not after it: a bad path would lose the trace and the summary
-            check_writable(path, flag)
-    # before the job, not after it: --out on --prompts resumed as all done, --result on --profile
-    # replaced a measured profile with the summary
-    separate_files([("--out", args.out), ("--trace", args.trace), ("--result", args.result)],
-                   [("--plan", args.plan), ("--prompts", args.prompts), ("--profile", file_or_none(args.profile)),
-                    ("--budget-file", args.budget_file)])
-    if args.budget_file:
-        _budget_file_caps(args.budget_file, refuse=True)
+    plan, profile, no_profile, records, sampling, own = _check_inputs(args)
     offload_root = args.offload_dir or tempfile.gettempdir()
     openai = args.out_format == "openai" or (args.out_format == "auto" and all(r.openai for r in records))
     # What each line says wrote it: random weights of the plan's shape are not the plan's model, and
@@ -393,58 +366,13 @@ def _run(args: argparse.Namespace) -> int:
         fitted_note = (f"xsched: the job's {len(units)} requests fill {fitted.nb} GPU batch(es) of {fitted.gbs} of "
                        f"the plan's {plan.policy.nb} x {plan.policy.gbs}; running {fitted.nb} x {fitted.gbs}")
         plan = replace(plan, policy=fitted)
-        texts = any(r.needs_tokenizer for r in records)  # token ids need no tokenizer
-        needed = texts or any(r.stop for r in records)
-        given = _tokenizer(None, needed, path=args.tokenizer) if args.tokenizer else None  # (a bad path: before loading)
-        source = open_model(args.model, dtype=plan.model.dtype)
-        check_model_matches(plan.model, source.spec, args.model)
-        tokenizer, encode = given if args.tokenizer else _tokenizer(source, needed), None
-        if tokenizer is None and (first := next((r for r in records if r.stop), None)) is not None:
-            raise UserError(f"{args.prompts}:{first.line}: \"stop\" strings need the model's tokenizer, and "
-                            f"{source.spec.name} (random weights) has none; drop \"stop\" or pass --tokenizer DIR")
-        if tokenizer is not None:
-            encode = lambda prompt, chat: encode_prompt(tokenizer, prompt,  # noqa: E731
-                                                        chat and not args.no_chat_template, args.chat_template_kwargs)
-        prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
+        source, tokenizer, prompt_ids, texts = _open_model_and_prompts(args, plan.model, records)
         calibration = _calibration(args, source, tokenizer, prompt_ids)  # (a bad --calibration-text: said now)
         # What is said of the job and the machine, once its inputs are known good (else the error is the only line)
         match_profile_threads(profile, plan)
         warn_if_plan_from_other_machine(plan, args.offload_dir)
-        if any(len(r.keys(args.n)) > 1 and own.get(i, sampling).greedy for i, r in enumerate(records)):
-            warnings.warn("prompts with n > 1 under greedy decoding get n equal outputs; pass --temperature (or "
-                          "their own \"temperature\") to sample them apart", UserWarning, stacklevel=1)
-        samples = max(1, round(len(units) / len(records)))  # as `workload fit` counts them: the mean n
-        if samples != plan.workload.samples:
-            warnings.warn(f"the job asks for {samples} output(s) per prompt, the plan's workload for "
-                          f"{plan.workload.samples}; each prompt's outputs share its prefill, so the plan's prediction "
-                          f"and batch shape are for another job (plan with `--samples {samples}`)", UserWarning,
-                          stacklevel=1)
-        fit = " ".join(["xsched workload fit", args.prompts, *(["--tokenizer"] if texts else []),
-                        *([args.model] if args.model and texts else []),
-                        *(["--no-chat-template"] if args.no_chat_template else []),
-                        *([f"--chat-template-kwargs '{json.dumps(args.chat_template_kwargs)}'"]
-                          if args.chat_template_kwargs else []),
-                        *([f"--max-new-tokens {default_new}"] if any(not r.max_new_tokens for r in records) else [])])
-        job = prefix_fields(prompt_ids)
-        shared, groups, share = job["prefix_tokens"], job["prefix_groups"], job["prefix_share"]
-        planned = plan.workload
-        worth = max(16, 0.1 * sum(map(len, prompt_ids)) / len(prompt_ids))  # shared tokens that change a price
-        tokens_differ = abs(shared - planned.prefix_tokens) > worth or \
-            abs(round(shared * share) - planned.mean_prefix_tokens) > worth
-        groups_differ = shared > worth and max(groups, planned.prefix_groups) > 2 * min(groups, planned.prefix_groups)
-        unlike = job["prefix_lengths"] and max(job["prefix_lengths"]) - min(job["prefix_lengths"]) > worth
-        lengths_differ = bool(unlike) and not planned.prefix_lengths
-        if (tokens_differ or groups_differ or lengths_differ) and len(prompt_ids) > 1:  # (one prompt shares nothing)
-            def among(tokens: int, g: int, f: float, lengths: Sequence[int] = ()) -> str:
-                return (f"{tokens} tokens they share" + (f", one of {g} prefixes" if g > 1 else "")
-                        + (f" of {min(lengths)}-{max(lengths)} tokens" if lengths and min(lengths) < max(lengths)
-                           else "") + (f", {f:.0%} of them" if f < 1 else ""))
-            how = (f"fit the job with `{fit}` and plan with `xsched plan --workload`" if unlike else
-                   f"plan with `--prefix-tokens {shared} --prefix-groups {groups} --prefix-share {share:.3g}`")
-            theirs = among(planned.prefix_tokens, planned.prefix_groups, planned.prefix_share, planned.prefix_lengths)
-            warnings.warn(f"the job's prompts begin with {among(shared, groups, share, job['prefix_lengths'])}, the "
-                          f"plan's workload's prompts with {theirs}; the engine computes each once per run, so the "
-                          f"plan's prediction and batch shape are for another job ({how})", UserWarning, stacklevel=1)
+        fit = _fit_command(args, records, texts, default_new)
+        _warn_job_unlike_plan(args, records, len(units), own, sampling, plan.workload, prompt_ids, fit)
         # Shapes from the whole file, resumed part included, so a resumed job sizes memory the same way.
         max_prompt, max_output = max(len(p) for p in prompt_ids), max(new_tokens)
         if max_prompt + max_output > source.spec.max_positions:  # (before advice to plan for those lengths)
@@ -566,33 +494,160 @@ def _run(args: argparse.Namespace) -> int:
     result = replace(result, adaptations=tuple(
         Adaptation(at_s=r.at_s, stall_s=r.stall_s, reason=r.reason, old_policy=r.old_policy, new_policy=r.new_policy)
         for r in stats.reconfigurations))
-    notes, outputs = [], []
-    if stale:
-        notes.append(f"no plan column: {stale}; the simulated column prices the policy run")
+    notes = [f"no plan column: {stale}; the simulated column prices the policy run"] if stale else []
     if others > BUSY_WARN_CORES:  # (the profiler's threshold for a noisy measurement)
-        threads = torch.get_num_threads()
-        notes.append(f"other processes kept {others:.2f} of {os.cpu_count()} cores busy during the run, beside its "
-                     f"{threads} compute thread(s): the measured times include that"
-                     + ("" if threads == 1 else " (a walkthrough on 2 busy cores with 2 threads ran 17x slower than "
-                        "planned); on a shared machine profile with --threads 1, which the run then uses"))
-    if args.trace:
-        from xsimulator.trace import chrome_trace_text
-
-        outputs.append((args.trace, chrome_trace_text(
-            stats.events, stats.markers, process=f"xsched run {source.spec.name}",
-            metadata={"policy": plan.policy.to_dict(), "model": source.spec.name, "source": "measured"}).encode()))
-        notes.append(f"wrote {len(stats.events)} trace events to {args.trace}")
-    if args.result:
-        outputs.append((args.result, result.file_bytes()))
-    atomic_write_all(outputs)  # all or none
-    if args.json:
-        print(result.to_json())
-    elif not args.quiet:
-        print(result.describe())
+        notes.append(_busy_note(others))
+    notes += _write_outputs(args, result, stats, source.spec.name)
     if not args.quiet:
         for note in notes + [f"{len(writer.done)} of {len(units)} requests are in {args.out}"]:
             print(note, file=sys.stderr)
     return 0
+
+
+def _check_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[Any], Any, dict[int, Any]]:
+    """Read the plan and the prompt file and check every option and output path before anything is
+    loaded, so that a bad one is the only line the run prints: (plan, its profile or None, the
+    error saying how to give it, records, the job's sampling, each record's own sampling)."""
+    from xrunner.cli import sampling_from_args
+    from xrunner.jobfiles import read_prompts
+    from xscheduler.plan import Plan
+    from xsched.errors import UserError
+    from xsched.fileio import check_writable, file_or_none, separate_files
+
+    plan = Plan.load(args.plan)
+    profile, no_profile = _plan_profile(plan, args.profile)
+    if no_profile is not None and args.profile is not None:
+        raise no_profile  # a --profile given but unusable: say so now, not as a warning after the job
+    records = read_prompts(args.prompts)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = sampling_from_args(args)
+    own = request_sampling(records, sampling, args.prompts)
+    if args.budget_file and no_profile is not None:
+        raise no_profile  # re-plans for the budget need the plan's profile: said now, not after loading
+    if args.offload_dir is not None:
+        check_offload_dir(args.offload_dir)
+    for path, flag in ((args.trace, "--trace"), (args.result, "--result")):
+        if path is not None:  # before the job, not after it: a bad path would lose the trace and the summary
+            check_writable(path, flag)
+    # before the job, not after it: --out on --prompts resumed as all done, --result on --profile
+    # replaced a measured profile with the summary
+    separate_files([("--out", args.out), ("--trace", args.trace), ("--result", args.result)],
+                   [("--plan", args.plan), ("--prompts", args.prompts), ("--profile", file_or_none(args.profile)),
+                    ("--budget-file", args.budget_file)])
+    if args.budget_file:
+        _budget_file_caps(args.budget_file, refuse=True)
+    return plan, profile, no_profile, records, sampling, own
+
+
+def _open_model_and_prompts(args: argparse.Namespace, planned_model: Any, records: Sequence[Any]
+                            ) -> tuple[Any, Any, list[Any], bool]:
+    """Open ``--model`` (checked against the plan's) and its tokenizer, and turn the prompts into
+    token ids: (model source, tokenizer or None, prompt ids, whether any prompt is text)."""
+    from xrunner.cli import encode_prompt
+    from xrunner.jobfiles import tokenize_prompts
+    from xrunner.loaders import open_model
+    from xsched.errors import UserError
+
+    texts = any(r.needs_tokenizer for r in records)  # token ids need no tokenizer
+    needed = texts or any(r.stop for r in records)
+    given = _tokenizer(None, needed, path=args.tokenizer) if args.tokenizer else None  # (a bad path: before loading)
+    source = open_model(args.model, dtype=planned_model.dtype)
+    check_model_matches(planned_model, source.spec, args.model)
+    tokenizer, encode = given if args.tokenizer else _tokenizer(source, needed), None
+    if tokenizer is None and (first := next((r for r in records if r.stop), None)) is not None:
+        raise UserError(f"{args.prompts}:{first.line}: \"stop\" strings need the model's tokenizer, and "
+                        f"{source.spec.name} (random weights) has none; drop \"stop\" or pass --tokenizer DIR")
+    if tokenizer is not None:
+        encode = lambda prompt, chat: encode_prompt(tokenizer, prompt,  # noqa: E731
+                                                    chat and not args.no_chat_template, args.chat_template_kwargs)
+    prompt_ids = tokenize_prompts(records, encode, source.spec.vocab_size, args.prompts)
+    return source, tokenizer, prompt_ids, texts
+
+
+def _fit_command(args: argparse.Namespace, records: Sequence[Any], texts: bool, default_new: int) -> str:
+    """The ``xsched workload fit`` command that describes this job's prompts as the model counts
+    them (the advice of the warnings that the plan was made for another job)."""
+    return " ".join(["xsched workload fit", args.prompts, *(["--tokenizer"] if texts else []),
+                     *([args.model] if args.model and texts else []),
+                     *(["--no-chat-template"] if args.no_chat_template else []),
+                     *([f"--chat-template-kwargs '{json.dumps(args.chat_template_kwargs)}'"]
+                       if args.chat_template_kwargs else []),
+                     *([f"--max-new-tokens {default_new}"] if any(not r.max_new_tokens for r in records) else [])])
+
+
+def _warn_job_unlike_plan(args: argparse.Namespace, records: Sequence[Any], outputs: int, own: dict[int, Any],
+                          sampling: Any, planned: Any, prompt_ids: Sequence[Sequence[int]], fit: str) -> None:
+    """Warn where the job is not the one the plan priced (outputs per prompt, shared prefixes) or
+    asks for equal outputs: the run goes on, but its batch shape and prediction are for another job."""
+    from workloads.workload import prefix_fields
+
+    if any(len(r.keys(args.n)) > 1 and own.get(i, sampling).greedy for i, r in enumerate(records)):
+        warnings.warn("prompts with n > 1 under greedy decoding get n equal outputs; pass --temperature (or "
+                      "their own \"temperature\") to sample them apart", UserWarning, stacklevel=1)
+    samples = max(1, round(outputs / len(records)))  # as `workload fit` counts them: the mean n
+    if samples != planned.samples:
+        warnings.warn(f"the job asks for {samples} output(s) per prompt, the plan's workload for "
+                      f"{planned.samples}; each prompt's outputs share its prefill, so the plan's prediction "
+                      f"and batch shape are for another job (plan with `--samples {samples}`)", UserWarning,
+                      stacklevel=1)
+    if len(prompt_ids) < 2:  # one prompt shares nothing
+        return
+    job = prefix_fields(prompt_ids)
+    shared, groups, share = job["prefix_tokens"], job["prefix_groups"], job["prefix_share"]
+    worth = max(16, 0.1 * sum(map(len, prompt_ids)) / len(prompt_ids))  # shared tokens that change a price
+    tokens_differ = abs(shared - planned.prefix_tokens) > worth or \
+        abs(round(shared * share) - planned.mean_prefix_tokens) > worth
+    groups_differ = shared > worth and max(groups, planned.prefix_groups) > 2 * min(groups, planned.prefix_groups)
+    unlike = job["prefix_lengths"] and max(job["prefix_lengths"]) - min(job["prefix_lengths"]) > worth
+    lengths_differ = bool(unlike) and not planned.prefix_lengths
+    if not (tokens_differ or groups_differ or lengths_differ):
+        return
+
+    def among(tokens: int, g: int, f: float, lengths: Sequence[int] = ()) -> str:
+        return (f"{tokens} tokens they share" + (f", one of {g} prefixes" if g > 1 else "")
+                + (f" of {min(lengths)}-{max(lengths)} tokens" if lengths and min(lengths) < max(lengths)
+                   else "") + (f", {f:.0%} of them" if f < 1 else ""))
+    how = (f"fit the job with `{fit}` and plan with `xsched plan --workload`" if unlike else
+           f"plan with `--prefix-tokens {shared} --prefix-groups {groups} --prefix-share {share:.3g}`")
+    theirs = among(planned.prefix_tokens, planned.prefix_groups, planned.prefix_share, planned.prefix_lengths)
+    warnings.warn(f"the job's prompts begin with {among(shared, groups, share, job['prefix_lengths'])}, the "
+                  f"plan's workload's prompts with {theirs}; the engine computes each once per run, so the "
+                  f"plan's prediction and batch shape are for another job ({how})", UserWarning, stacklevel=1)
+
+
+def _busy_note(others_cores: float) -> str:
+    """What the summary says when other processes shared the cores during the run."""
+    import torch
+
+    threads = torch.get_num_threads()
+    return (f"other processes kept {others_cores:.2f} of {os.cpu_count()} cores busy during the run, beside its "
+            f"{threads} compute thread(s): the measured times include that"
+            + ("" if threads == 1 else " (a walkthrough on 2 busy cores with 2 threads ran 17x slower than "
+               "planned); on a shared machine profile with --threads 1, which the run then uses"))
+
+
+def _write_outputs(args: argparse.Namespace, result: Any, stats: Any, model_name: str) -> list[str]:
+    """Write ``--trace`` and ``--result`` together (all or none: a full disk leaves neither half
+    written) and print the summary; the notes to print after it."""
+    from xsched.fileio import atomic_write_all
+
+    notes, outputs = [], []
+    if args.trace:
+        from xsimulator.trace import chrome_trace_text
+
+        outputs.append((args.trace, chrome_trace_text(
+            stats.events, stats.markers, process=f"xsched run {model_name}",
+            metadata={"policy": result.policy.to_dict(), "model": model_name, "source": "measured"}).encode()))
+        notes.append(f"wrote {len(stats.events)} trace events to {args.trace}")
+    if args.result:
+        outputs.append((args.result, result.file_bytes()))
+    atomic_write_all(outputs)
+    if args.json:
+        print(result.to_json())
+    elif not args.quiet:
+        print(result.describe())
+    return notes
 
 
 def covering(plan: Any, max_prompt: int, max_output: int) -> Any:
