@@ -291,6 +291,14 @@ def test_replan_cli_errors_are_one_line(setup, tmp_path):
     few.write_text("prompt_tokens,output_tokens\n3,4\n5,6\n")
     noout = tmp_path / "noout.csv"
     noout.write_text("prompt_tokens\n3\n5\n")
+    # a plan whose prediction was edited or corrupted: printed and compared against as if predicted
+    corrupt = []
+    for name, field, value in (("nan", "throughput_tokens_per_s", float("nan")), ("neg", "latency_p99_s", -3.0),
+                               ("order", "latency_p50_s", 1e9), ("tiers", "peak_bytes", {"gpu": 1.0})):
+        data = json.loads(plan_path.read_text())
+        data["predicted"][field] = value
+        corrupt.append(tmp_path / f"plan_{name}.json")
+        corrupt[-1].write_text(json.dumps(data))
     for args in (["--plan", str(tmp_path / "missing.json"), "--observed", str(few)],
                  ["--plan", str(plan_path), "--observed", str(bad)],
                  ["--plan", str(plan_path), "--observed", str(few)],
@@ -299,12 +307,14 @@ def test_replan_cli_errors_are_one_line(setup, tmp_path):
                  ["--plan", str(plan_path), "--observed", str(few), "--false-alarm-rate", "1.3"],
                  ["--plan", str(plan_path), "--observed", str(few), "--false-alarm-rate", "1e-300"],
                  # checked before the search (the report was lost after it)
-                 ["--plan", str(plan_path), "--observed", str(few), "-o", str(tmp_path / "nope" / "p.json")]):
+                 ["--plan", str(plan_path), "--observed", str(few), "-o", str(tmp_path / "nope" / "p.json")],
+                 *(["--plan", str(c), "--observed", str(few)] for c in corrupt)):
         r = run_cli("replan", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
         assert "--false-alarm-rate" not in args or "got 1.3" in r.stderr or "got 1e-300" in r.stderr, r.stderr
         assert "-o" not in args or "does not exist" in r.stderr, r.stderr
+        assert str(args[1]) not in map(str, corrupt) or "predicted" in r.stderr, r.stderr
 
 
 def test_a_plan_made_from_a_file_of_requests_is_compared_as_a_sample(setup):

@@ -274,11 +274,14 @@ def test_lp_bounds_widen_when_a_simulation_beats_them(case):
     ev = Evaluator(spec, prof, w, num_requests=REQUESTS)
     real = ev.simulate
 
+    latencies = ("latency_mean_s", "latency_p50_s", "latency_p90_s", "latency_p99_s", "latency_max_s",
+                 "latency_p99_length_s")
+
     def faster(policy, *a, **k):  # a simulator 1.6x faster than the LP thinks possible at gbs 2
         r = real(policy, *a, **k)
         f = 1.6 if policy.gbs == 2 else 1.0
-        return replace(r, throughput_tokens_per_s=r.throughput_tokens_per_s * f, latency_p99_s=r.latency_p99_s / f,
-                       latency_p99_length_s=r.latency_p99_length_s / f)
+        return replace(r, throughput_tokens_per_s=r.throughput_tokens_per_s * f,
+                       **{k: getattr(r, k) / f for k in latencies})
 
     ev.simulate = faster
     v = variants("off", prof.compute_device)[0]
@@ -316,7 +319,11 @@ def test_a_wide_miss_rules_out_more_frequent_refills_and_narrows_when_contradict
 
     def refill_cuts_latency(policy, *a, **k):  # every 4 steps: 0.4x the latency of every 64
         r = real(policy, *a, **k)
-        return replace(r, latency_p99_s=0.4 * lat, latency_p99_length_s=0.4 * lat) if policy.refill_every == 4 else r
+        if policy.refill_every != 4:
+            return r
+        f = 0.4 * lat / r.latency_p99_s  # (every percentile with it: a SimResult keeps them in order)
+        return replace(r, latency_p99_length_s=0.4 * lat, **{k: getattr(r, k) * f for k in (
+            "latency_mean_s", "latency_p50_s", "latency_p90_s", "latency_p99_s", "latency_max_s")})
 
     ev.simulate = refill_cuts_latency
     ev(v, 2, 2, 4)

@@ -8,9 +8,12 @@ tier and where the time went.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import numbers
+from dataclasses import dataclass, fields
 from typing import ClassVar, Literal
 
+from xprofiler.profile import TIERS
 from xsched.contract import Contract
 from xsimulator.policy import Policy
 
@@ -51,6 +54,27 @@ class SimResult(Contract):
     decode_s: float
     num_prefill_steps: int
     num_decode_steps: int
+
+    def __post_init__(self) -> None:
+        # A plan file carries its prediction: a hand-edited or corrupted one (a NaN throughput, a
+        # negative latency) would otherwise be printed and compared against as if predicted.
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("float", "int") and (isinstance(v, bool) or not isinstance(v, numbers.Real)
+                                                 or not math.isfinite(v) or v < 0):
+                raise ValueError(f"{f.name} must be a finite number >= 0, got {v!r}")
+            if f.type == "dict[str, float]":
+                for k, x in v.items():
+                    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x < 0:
+                        raise ValueError(f"{f.name}[{k!r}] must be a finite number >= 0, got {x!r}")
+        for name in ("peak_bytes", "capacity_bytes"):
+            if set(getattr(self, name)) != set(TIERS):
+                raise ValueError(f"{name} must give bytes for the tiers {', '.join(TIERS)}, got "
+                                 f"{', '.join(map(str, getattr(self, name))) or 'none'}")
+        order = (self.latency_p50_s, self.latency_p90_s, self.latency_p99_s, self.latency_max_s)
+        if any(a > b * (1 + 1e-9) for a, b in zip(order, order[1:])) or self.latency_mean_s > order[-1] * (1 + 1e-9):
+            raise ValueError("latencies must satisfy p50 <= p90 <= p99 <= max and mean <= max, got "
+                             + ", ".join(f"{x:.6g}" for x in (self.latency_mean_s, *order)))
 
     def latency_s(self, sla: str) -> float:
         """The latency an SLA kind constrains: ``p99`` or ``p99-length``."""
