@@ -20,7 +20,10 @@ fitting policy, fp32 or 4-bit KV cache, that the simulator predicts fastest.
 It also prints the compute ceiling: the FLOPs of one request (prefill, then each decode step
 over its growing context, LM head once per token) at the best fp32 GEMM rate measured with its threads.
 No fp32 engine can beat that tokens/s with this many threads, so ceiling / Accelerate bounds the
-speed-up any engine can show here, whatever it does about I/O.
+speed-up any engine can show here, whatever it does about I/O. A second line prices the same FLOPs
+at the rate of products of the xsched block's GPU batch: where the cores run 1024-row products
+faster than a batch that fits the budget (bfloat16 on AMX, stop 70: 1.9-2.1 TFLOP/s against
+1.1-1.2 at 128 rows), that is the bound that speaks to the run.
 
 Both sides use every core by default (``--threads``; stop 27's final code on 2 cores, 1 -> 2
 threads: Accelerate 8.60 -> 10.72 tokens/s, xsched 71.43 -> 133.15).
@@ -361,7 +364,8 @@ def job_flops_per_request(spec, prompt_len: int, new_tokens: int) -> int:
 
 def child_gemm(args: argparse.Namespace) -> None:
     """Best GEMM rate of these cores on the model's two MLP projections (hidden -> 4 hidden and
-    back) with 1024-row chunks: the most a dense engine can get out of them. The profiler's own
+    back) with 1024-row chunks (``--batch``: chunks of that many rows, a GPU batch's products): the
+    most a dense engine can get out of them. The profiler's own
     probe and sampler, 7 passes each, the fastest pass of either: an upper bound must not come out
     low because the machine had a slow moment (stop 45: a median of 7 passes on one projection read
     97.8 GFLOP/s in float32, below the 104.6 the engine ran the whole job at, and 110-132 just after)."""
@@ -373,10 +377,11 @@ def child_gemm(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
     dtype, h = getattr(torch, args.dtype), args.hidden
-    points = [gemm_point("mm", cpu, dtype, 1024, h, 4 * h), gemm_point("mm", cpu, dtype, 1024, 4 * h, h)]
-    rows = run_points(points, Timer(cpu), passes=7, warmup=2)
+    rows = args.batch or 1024
+    points = [gemm_point("mm", cpu, dtype, rows, h, 4 * h), gemm_point("mm", cpu, dtype, rows, 4 * h, h)]
+    timed = run_points(points, Timer(cpu), passes=7, warmup=2)
     flops = {p.meta["shape"]: p.meta["flops"] for p in points}
-    best = max(flops[r["shape"]] * r["count"] / r["time_s"] for r in rows)
+    best = max(flops[r["shape"]] * r["count"] / r["time_s"] for r in timed)
     print(json.dumps({"gemm_flops_per_s": best}))
 
 
@@ -581,20 +586,32 @@ def main() -> None:
     ours = [r for r in rows if r["side"] == "xsched run" and r["tokens_per_s"]]
     best_acc, not_bracketed = best_accelerate(rows, args.new_tokens, args.timeout_s)
     speedup = ours[0]["tokens_per_s"] / best_acc["tokens_per_s"] if ours and best_acc else None
-    gemm = subprocess.run(me + ["--child", "gemm", "--hidden", str(args.hidden), "--threads", str(args.threads),
-                                "--dtype", args.dtype],
-                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO)),
-                          capture_output=True, text=True)
-    gemm_rate = (last_json(gemm.stdout) or {}).get("gemm_flops_per_s") if gemm.returncode == 0 else None
+
+    def gemm_flops_per_s(rows: int | None = None) -> float | None:
+        gemm = subprocess.run(me + ["--child", "gemm", "--hidden", str(args.hidden), "--threads", str(args.threads),
+                                    "--dtype", args.dtype] + (["--batch", str(rows)] if rows else []),
+                              cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO)),
+                              capture_output=True, text=True)
+        return (last_json(gemm.stdout) or {}).get("gemm_flops_per_s") if gemm.returncode == 0 else None
+
     flops = job_flops_per_request(spec, args.prompt_len, args.new_tokens)
+    gemm_rate = gemm_flops_per_s()
     ceiling = args.new_tokens * gemm_rate / flops if gemm_rate else None
+    # The same at the xsched block's GPU batch: on a CPU whose products run faster at 1024 rows
+    # (bfloat16 on AMX: 1.9-2.1 TFLOP/s against 1.1-1.2 at 128 rows), the ceiling above bounds
+    # no block that fits the budget.
+    gbs = ours[0]["policy"]["gbs"] if ours else None
+    gbs_rate = gemm_flops_per_s(gbs) if gbs else None
+    gbs_ceiling = args.new_tokens * gbs_rate / flops if gbs_rate else None
     summary = {"model": spec.name, "params": spec.num_params, "weight_bytes": spec.weight_bytes,
                "budget": enforced, "threads": args.threads, "malloc_fix": args.malloc_fix, "prompt_len": args.prompt_len,
                "new_tokens": args.new_tokens, "rows": rows,
                "best_accelerate_batch": best_acc["batch"] if best_acc else None,
                "accelerate_batches_tried": [r["batch"] for r in rows if r["side"] == "accelerate"],
                "best_accelerate_not_bracketed": not_bracketed, "speedup": speedup,
-               "flops_per_request": flops, "gemm_flops_per_s": gemm_rate, "compute_ceiling_tokens_per_s": ceiling}
+               "flops_per_request": flops, "gemm_flops_per_s": gemm_rate, "compute_ceiling_tokens_per_s": ceiling,
+               "gemm_rows_xsched": gbs, "gemm_flops_per_s_xsched_rows": gbs_rate,
+               "compute_ceiling_xsched_rows_tokens_per_s": gbs_ceiling}
     if args.json:
         print(json.dumps(summary, indent=2))
         return
@@ -623,6 +640,12 @@ def main() -> None:
             line += f"; xsched run reaches {ours[0]['tokens_per_s'] / ceiling:.2f} of it"
         if best_acc:
             line += f"; the most any engine can beat Accelerate by here is {ceiling / best_acc['tokens_per_s']:.1f}x"
+        print(line)
+    if gbs_ceiling is not None:
+        line = (f"at xsched's GPU batch of {gbs} rows: {gbs_rate / 1e9:.1f} GFLOP/s = {gbs_ceiling:.1f} tokens/s; "
+                f"xsched run reaches {ours[0]['tokens_per_s'] / gbs_ceiling:.2f} of it")
+        if best_acc:
+            line += f", {gbs_ceiling / best_acc['tokens_per_s']:.1f}x Accelerate"
         print(line)
 
 

@@ -265,6 +265,10 @@ def test_refill_intervals_past_the_longest_output_share_the_simulation_without_r
     assert len(calls) == 2
 
 
+# A SimResult's latency statistics, which it keeps in order (a fake result scales them all)
+PERCENTILES = ("latency_mean_s", "latency_p50_s", "latency_p90_s", "latency_p99_s", "latency_max_s")
+
+
 def test_lp_bounds_widen_when_a_simulation_beats_them(case):
     """The LP's throughput bound and latency floor carry slacks measured on the presets' grids; a
     measured profile can put the simulator beyond them (a noisy SmolLM2 profile: 1.43x the LP's
@@ -274,14 +278,11 @@ def test_lp_bounds_widen_when_a_simulation_beats_them(case):
     ev = Evaluator(spec, prof, w, num_requests=REQUESTS)
     real = ev.simulate
 
-    latencies = ("latency_mean_s", "latency_p50_s", "latency_p90_s", "latency_p99_s", "latency_max_s",
-                 "latency_p99_length_s")
-
     def faster(policy, *a, **k):  # a simulator 1.6x faster than the LP thinks possible at gbs 2
         r = real(policy, *a, **k)
         f = 1.6 if policy.gbs == 2 else 1.0
         return replace(r, throughput_tokens_per_s=r.throughput_tokens_per_s * f,
-                       **{k: getattr(r, k) / f for k in latencies})
+                       **{k: getattr(r, k) / f for k in (*PERCENTILES, "latency_p99_length_s")})
 
     ev.simulate = faster
     v = variants("off", prof.compute_device)[0]
@@ -322,8 +323,7 @@ def test_a_wide_miss_rules_out_more_frequent_refills_and_narrows_when_contradict
         if policy.refill_every != 4:
             return r
         f = 0.4 * lat / r.latency_p99_s  # (every percentile with it: a SimResult keeps them in order)
-        return replace(r, latency_p99_length_s=0.4 * lat, **{k: getattr(r, k) * f for k in (
-            "latency_mean_s", "latency_p50_s", "latency_p90_s", "latency_p99_s", "latency_max_s")})
+        return replace(r, latency_p99_length_s=0.4 * lat, **{k: getattr(r, k) * f for k in PERCENTILES})
 
     ev.simulate = refill_cuts_latency
     ev(v, 2, 2, 4)

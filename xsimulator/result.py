@@ -58,15 +58,16 @@ class SimResult(Contract):
     def __post_init__(self) -> None:
         # A plan file carries its prediction: a hand-edited or corrupted one (a NaN throughput, a
         # negative latency) would otherwise be printed and compared against as if predicted.
+        def ok(x: object) -> bool:
+            return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.type in ("float", "int") and (isinstance(v, bool) or not isinstance(v, numbers.Real)
-                                                 or not math.isfinite(v) or v < 0):
+            if f.type in ("float", "int") and not ok(v):
                 raise ValueError(f"{f.name} must be a finite number >= 0, got {v!r}")
-            if f.type == "dict[str, float]":
-                for k, x in v.items():
-                    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x < 0:
-                        raise ValueError(f"{f.name}[{k!r}] must be a finite number >= 0, got {x!r}")
+            for k, x in (v.items() if f.type == "dict[str, float]" else ()):
+                if not ok(x):
+                    raise ValueError(f"{f.name}[{k!r}] must be a finite number >= 0, got {x!r}")
         for name in ("peak_bytes", "capacity_bytes"):
             if set(getattr(self, name)) != set(TIERS):
                 raise ValueError(f"{name} must give bytes for the tiers {', '.join(TIERS)}, got "
