@@ -597,11 +597,9 @@ def main() -> None:
     flops = job_flops_per_request(spec, args.prompt_len, args.new_tokens)
     gemm_rate = gemm_flops_per_s()
     ceiling = args.new_tokens * gemm_rate / flops if gemm_rate else None
-    # The same at the xsched block's GPU batch: on a CPU whose products run faster at 1024 rows
-    # (bfloat16 on AMX: 1.9-2.1 TFLOP/s against 1.1-1.2 at 128 rows), the ceiling above bounds
-    # no block that fits the budget.
+    # The same at the xsched block's GPU batch (see the module docstring; the probe above when that is 1024 rows)
     gbs = ours[0]["policy"]["gbs"] if ours else None
-    gbs_rate = gemm_flops_per_s(gbs) if gbs else None
+    gbs_rate = (gemm_rate if gbs == 1024 else gemm_flops_per_s(gbs)) if gbs else None
     gbs_ceiling = args.new_tokens * gbs_rate / flops if gbs_rate else None
     summary = {"model": spec.name, "params": spec.num_params, "weight_bytes": spec.weight_bytes,
                "budget": enforced, "threads": args.threads, "malloc_fix": args.malloc_fix, "prompt_len": args.prompt_len,
