@@ -126,6 +126,39 @@ def test_error_mid_run_removes_the_test_file(tmp_path, monkeypatch):
     assert not (tmp_path / "p.json").exists()  # nothing half-written
 
 
+def test_ctrl_c_just_after_the_test_file_is_created_removes_it(tmp_path, monkeypatch):
+    """The signal lands at the worst instant: the file exists and its descriptor is being closed
+    (test_ctrl_c_removes_the_test_file found this window by chance, in one CI run of many)."""
+    real_close = os.close
+
+    def interrupted_close(fd):
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        real_close(fd)
+        if Path(name).name.startswith("xsched-profile-"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "close", interrupted_close)
+    with pytest.raises(KeyboardInterrupt):
+        profile_machine(_opts(tmp_path))
+    monkeypatch.undo()
+    assert list((tmp_path / "offload").iterdir()) == []
+
+
+def test_a_scratch_file_of_another_process_is_left_alone(tmp_path, monkeypatch):
+    from xsched import fileio
+
+    monkeypatch.setattr(fileio.secrets, "token_hex", lambda n: "same")
+    (tmp_path / "x-same").write_text("theirs")
+    with pytest.raises(FileExistsError):
+        with fileio.scratch_file(tmp_path, "x-"):
+            pass
+    assert (tmp_path / "x-same").read_text() == "theirs"
+    monkeypatch.undo()
+    with fileio.scratch_file(tmp_path, "x-", ".bin") as path:
+        assert path.exists() and path.stat().st_size == 0 and path.suffix == ".bin"
+    assert not path.exists()
+
+
 def test_offload_dir_problems_are_one_line_user_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         measure_profile(_opts(tmp_path, offload_dir=tmp_path / "missing"))

@@ -25,7 +25,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from xsched.errors import UserError
-from xsched.fileio import describe_os_error
+from xsched.fileio import describe_os_error, scratch_file
 
 ALIGN_BYTES = 4096
 Method = Literal["o_direct", "fadvise"]
@@ -186,19 +186,12 @@ class DirectFile:
 
 def probe_method(directory: str | Path) -> Method:
     """Which page-cache bypass works in ``directory`` (writes and removes a 4 KiB probe file)."""
-    import tempfile
-
     try:
-        fd, name = tempfile.mkstemp(prefix=".xsched-probe-", dir=directory)
-    except OSError as exc:
-        raise UserError(describe_os_error(exc, directory)) from None
-    os.close(fd)
-    try:
-        with DirectFile(name, "rw") as f:
+        with scratch_file(directory, ".xsched-probe-") as name, DirectFile(name, "rw") as f:
             buf = aligned_empty(ALIGN_BYTES)
             buf.fill(7)
             f.write_at(buf, 0)
             f.read_into(buf, 0)
             return f.method
-    finally:
-        os.unlink(name)
+    except OSError as exc:
+        raise UserError(describe_os_error(exc, directory)) from None

@@ -28,7 +28,7 @@ from xprofiler.profile import BandwidthCurve, HardwareProfile, HeadFit, LayerFit
 from xprofiler.specs import get_model_spec
 from xprofiler.sweeps import CUDA_FULL_GRIDS, CUDA_QUICK_GRIDS, FULL_GRIDS, PHASES, QUICK_GRIDS, Grid
 from xsched.errors import UserError
-from xsched.fileio import atomic_write_all, check_writable
+from xsched.fileio import atomic_write_all, check_writable, scratch_file
 
 MiB = 2**20
 GiB = 2**30
@@ -293,17 +293,12 @@ def _measure(opts: ProfileOptions, st: Settings, offload: Path, disk_test: int, 
     disk_bytes = int(DISK_FREE_FRACTION * shutil.disk_usage(offload).free)
     t_start, meter, load_start = time.monotonic(), LoadMeter(), os.getloadavg()[0]
 
-    fd, tmp_name = tempfile.mkstemp(prefix="xsched-profile-", suffix=".bin", dir=offload)
-    os.close(fd)
     try:
-        disk_method = _run_benchmarks(r, opts, device, dtype, specs, gpu_bytes, Path(tmp_name), disk_test)
-        fits, heads, warms = _run_sweeps(r, opts, device, dtype, specs, gpu_bytes)
+        with scratch_file(offload, "xsched-profile-", ".bin") as test_file:
+            disk_method = _run_benchmarks(r, opts, device, dtype, specs, gpu_bytes, test_file, disk_test)
+            fits, heads, warms = _run_sweeps(r, opts, device, dtype, specs, gpu_bytes)
     finally:
         r.bar.close()
-        try:
-            os.unlink(tmp_name)
-        except OSError:
-            pass
 
     if cuda:
         cpu_mm, cpu_bmm, cpu_mem = r.rate("cpu_mm"), r.rate("cpu_bmm"), r.rate("cpu_mem", unit="bytes")

@@ -6,7 +6,7 @@ import errno
 import os
 import secrets
 import stat
-import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -24,6 +24,28 @@ def describe_os_error(exc: OSError, path: Path | str) -> str:
             return f"{path}: files cannot be created there ({exc.strerror}); choose another location"
         return f"{path}: directory does not exist; create it first"
     return f"{path}: {exc.strerror or exc}"
+
+
+@contextmanager
+def scratch_file(directory: Path | str, prefix: str, suffix: str = "") -> Iterator[Path]:
+    """A new empty file in ``directory``, removed on leaving the block. Its name is drawn before
+    the file is created, and the removal covers the creation: a Ctrl-C at any instant leaves
+    nothing behind (``tempfile.mkstemp`` creates the file before its caller knows the name)."""
+    path = Path(directory) / f"{prefix}{secrets.token_hex(8)}{suffix}"
+    ours = True
+    try:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:  # another process's file of the same random name is not ours to remove
+            ours = False
+            raise
+        yield path
+    finally:
+        if ours:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 def check_writable(path: Path | str, flag: str) -> None:
@@ -48,12 +70,11 @@ def check_writable(path: Path | str, flag: str) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"{path}: directory {parent} is not writable; pass another {flag}")
     try:  # permission bits do not tell for root, a read-only mount or a pseudo-filesystem (/proc)
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=".xsched-check-")
+        with scratch_file(parent, ".xsched-check-"):
+            pass
     except OSError as exc:
         raise UserError(f"{path}: cannot create a file in {parent} ({exc.strerror or exc}); "
                         f"pass another {flag}") from None
-    os.close(fd)
-    os.unlink(probe)
 
 
 def atomic_write_all(files: Sequence[tuple[Path | str, bytes]]) -> None:
@@ -71,8 +92,8 @@ def atomic_write_all(files: Sequence[tuple[Path | str, bytes]]) -> None:
             tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
             # The mode open() would give, or the replaced file's (both less the umask); mkstemp's is 0o600.
             mode = target.stat().st_mode & 0o777 if target.exists() else 0o666
+            staged.append(tmp)  # before it exists: a Ctrl-C just after the open still removes it
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-            staged.append(tmp)
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()
