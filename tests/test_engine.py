@@ -11,6 +11,7 @@ import math
 import random
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -2189,6 +2190,28 @@ def test_a_record_goes_to_and_from_disk_in_place_only_through_its_whole_buffer(t
         assert torch.equal(view, rec) and bool((big[n:] == 7).all())
     finally:
         st.close()
+
+
+def test_a_ctrl_c_as_the_offload_directory_is_created_still_removes_it(tmp_path, monkeypatch):
+    """The signal lands just after the directory exists, before anything is written to it."""
+    from xrunner.tiers import MemoryLedger, TierStore
+
+    real_mkdir = Path.mkdir
+
+    def interrupted_mkdir(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        if self.name.startswith("xsched-offload-"):
+            raise KeyboardInterrupt
+
+    st = TierStore(torch.device("cpu"), tmp_path, MemoryLedger())
+    monkeypatch.setattr(Path, "mkdir", interrupted_mkdir)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            st.disk_region("rows", "kv_home", (16,), torch.float32)
+    finally:
+        monkeypatch.undo()
+        st.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

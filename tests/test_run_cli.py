@@ -1919,7 +1919,6 @@ def test_an_output_path_that_takes_no_files_is_refused_before_the_job(tmp_path, 
     """`run --result /proc/r.json` ran the whole job, then failed to write the summary (as root,
     os.access passes /proc): `check_writable` now creates a file to find out, before the job."""
     import errno
-    import tempfile
 
     from xsched.fileio import check_writable
 
@@ -1929,10 +1928,14 @@ def test_an_output_path_that_takes_no_files_is_refused_before_the_job(tmp_path, 
         with pytest.raises(UserError, match=r"/proc/r.json: cannot create a file in /proc .*pass another --result"):
             check_writable("/proc/r.json", "--result")
 
-    def read_only(*a, **k):
-        raise OSError(errno.EROFS, "Read-only file system")
+    real_open = os.open
 
-    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    def read_only(path, *a, **k):
+        if ".xsched-check-" in str(path):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", read_only)
     with pytest.raises(UserError, match=r"cannot create a file in .* \(Read-only file system\); pass another --trace"):
         check_writable(tmp_path / "t.json", "--trace")
 

@@ -13,9 +13,9 @@ import importlib
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import sys
-import tempfile
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -512,7 +512,12 @@ def _keep(path: Path, write: Any) -> None:
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}"  # named first: removed after any Ctrl-C
+        try:
+            tmp.mkdir()
+        except FileExistsError:  # another process's directory of the same random name
+            tmp = None
+            return
         write(tmp)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)

@@ -21,8 +21,8 @@ relay buffer the caller owns (it is an accounted buffer, not a hidden allocation
 
 from __future__ import annotations
 
+import secrets
 import shutil
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -215,8 +215,12 @@ class TierStore:
             if self.dir is None:
                 try:
                     self._offload_root.mkdir(parents=True, exist_ok=True)
-                    self.dir = Path(tempfile.mkdtemp(prefix="xsched-offload-", dir=self._offload_root))
+                    # named before it exists, so close() removes it after a Ctrl-C at any instant
+                    self.dir = self._offload_root / f"xsched-offload-{secrets.token_hex(8)}"
+                    self.dir.mkdir(mode=0o700)
                 except OSError as exc:
+                    if isinstance(exc, FileExistsError):  # another run's directory: not ours to remove
+                        self.dir = None
                     raise UserError(describe_os_error(exc, self._offload_root)) from None
             self.files[kind] = DirectFile(self.dir / f"{kind}.bin", "rw", direct=None if kind == "weights" else False)
             self._ends[kind] = 0
