@@ -464,7 +464,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=256, help="most requests for xsched (one block; keeps the run short)")
     ap.add_argument("--kv-compression", choices=("auto", "on", "off"), default="auto",
                     help="4-bit KV cache in the budget search: auto tries both")
-    ap.add_argument("--policy", default=None, help="policy JSON for xsched instead of the budget search")
+    ap.add_argument("--policy", default=None,
+                    help="policy for xsched instead of the budget search: a JSON file, or the JSON itself")
     ap.add_argument("--profile", default=None,
                     help="measured profile of this machine with this model (xsched profile --model <workdir>/"
                          "opt-0.5b-random): the policy is then the one it predicts fastest among those that fit. "
@@ -543,7 +544,8 @@ def main() -> None:
         overhead = int(overhead * 1.15) + 256 * MiB  # allocator slack, torch workspaces, the results writer
         max_prompt, max_output = args.prompt_len, args.new_tokens
         if args.policy:
-            policy = Policy.from_json(args.policy)
+            text = args.policy if args.policy.lstrip().startswith("{") else Path(args.policy).read_text()
+            policy = Policy.from_json(text)
             peak = None
         else:
             options = {"auto": (False, True), "on": (True,), "off": (False,)}[args.kv_compression]

@@ -328,6 +328,22 @@ def test_fit_warm_takes_cold_minus_warm_per_row_count_and_never_below_zero():
     assert fit_warm(spec, rows, "float16") is None
 
 
+def test_fit_warm_never_saves_more_at_more_rows():
+    """More rows only hide more of the weights' reads: a noisy saving at one row count between
+    two of none is pooled with its neighbours (pool-adjacent-violators, worked by hand here)."""
+    from xprofiler.samples import sample_meta
+    from xprofiler.sweeps import fit_warm
+
+    spec = get_model_spec("opt-125m")
+    saved = {32: 0.001, 64: 0.0, 128: 0.003, 256: 0.0}  # stop 70's profile, in ms: 1.06, 0, 2.73, 0
+    rows = [{**sample_meta("warm", model=spec.name, phase="decode", dtype="float32", batch=b, length=32,
+                           shape=f"{tag}:{b}x32", count=1), "time_s": t}
+            for b, s in saved.items() for tag, t in (("cold", 0.01 + s), ("warm", 0.01))]
+    fit = fit_warm(spec, rows, "float32")
+    assert fit.rows == (32, 64, 128, 256)
+    assert fit.saved_s == pytest.approx((0.004 / 3, 0.004 / 3, 0.004 / 3, 0.0))
+
+
 @pytest.mark.parametrize("edit", [
     lambda d: d["ctog"].update(large_bytes_per_s="nan"),  # was a PuLP traceback in `xsched plan`
     lambda d: d.update(disk_row_read_s="nan"),
