@@ -320,7 +320,7 @@ def fit_warm(spec: ModelSpec, rows: Sequence[Row], dtype: str, stat: str = "medi
     regression. A step saves the time its weights' reads from memory are not hidden behind its
     products, which more rows can only shrink; single differences are noisy, and on stop 70's
     AMX host one of 2.7 ms at 128 rows, between 0 at 64 and at 256, priced 128 x 2 GPU batches
-    ahead of one of 256 rows, which ran 25% faster (stop 71)."""
+    ahead of one of 256 rows, which ran 24-29% faster (stop 71)."""
     mine = [r for r in rows if r["bench"] == "warm" and r["model"] == spec.name and r["dtype"] == dtype]
     times = summarize_by(mine, "shape", lambda r: r["time_s"] / r["count"], stat)
     pairs = {int(r["batch"]): tuple(times.get(f"{t}:{r['batch']}x{r['length']}") for t in ("cold", "warm"))
