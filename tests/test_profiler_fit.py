@@ -335,7 +335,7 @@ def test_fit_warm_never_saves_more_at_more_rows():
     from xprofiler.sweeps import fit_warm
 
     spec = get_model_spec("opt-125m")
-    saved = {32: 0.001, 64: 0.0, 128: 0.003, 256: 0.0}  # stop 70's profile, in ms: 1.06, 0, 2.73, 0
+    saved = {32: 0.001, 64: 0.0, 128: 0.003, 256: 0.0}  # (stop 70's profile had 1.06, 0, 2.73 and 0 ms)
     rows = [{**sample_meta("warm", model=spec.name, phase="decode", dtype="float32", batch=b, length=32,
                            shape=f"{tag}:{b}x32", count=1), "time_s": t}
             for b, s in saved.items() for tag, t in (("cold", 0.01 + s), ("warm", 0.01))]
