@@ -330,7 +330,10 @@ def test_tiny_real_calibration_fits_better_and_round_trips(tmp_path):
     assert len(ms) == len(runs)
     for m in ms:
         assert set(m.metrics) == set(METRICS)
-        assert m.metrics["prefill_wall"] + m.metrics["decode_wall"] == pytest.approx(m.wall_s, rel=0.05)
+        # The steps cover the run but for the work between them: 5%, or 5 ms on these 30 ms runs
+        # (a CI run on a loaded VM measured 26.0 ms of steps in 29.2 ms).
+        steps_s = m.metrics["prefill_wall"] + m.metrics["decode_wall"]
+        assert steps_s <= m.wall_s and steps_s == pytest.approx(m.wall_s, rel=0.05, abs=0.005)
     fit = fit_calibration(TINY, profile, ms)
     out = tmp_path / "cal.json"
     fit.profile.save(out)
